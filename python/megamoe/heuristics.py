@@ -1,0 +1,62 @@
+"""Host heuristics: the pool's BLOCK_M (DESIGN §3).
+
+Tests and EP code query :func:`get_block_m` instead of copying its thresholds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ._checks import check_int
+from .registry import registry
+
+
+@dataclass(frozen=True)
+class BlockMConfig:
+    """Tuning knobs of :func:`get_block_m`.
+
+    Each expert's pool segment is padded to BLOCK_M, wasting BLOCK_M/2 rows per expert
+    on average. A larger BLOCK_M runs the grouped GEMMs faster per row, so we take the
+    largest choice with at least ``min_blocks_per_expert`` blocks of expected rows per
+    expert, so padding stays under ``1 / (2 * min_blocks_per_expert)`` of the rows:
+    at 4, BLOCK_M 128 needs >= 512 rows per expert (<= 12.5% padding).
+    """
+
+    min_blocks_per_expert: int = 4
+
+
+def get_block_m(
+    num_tokens: int,
+    top_k: int,
+    num_experts: int,
+    ep_size: int = 1,
+    config: BlockMConfig = BlockMConfig(),
+) -> int:
+    """BLOCK_M for the expert pool.
+
+    Args:
+        num_tokens: tokens on this rank ``T`` (in EP, the MAX over ranks, so that every
+            rank agrees).
+        top_k: routes per token ``K``.
+        num_experts: experts in total ``E`` (all ranks).
+        ep_size: expert-parallel degree ``P``; ``E`` must be a multiple of it.
+
+    Returns:
+        One of the registry's ``block_m_choices``. The expected rows per local expert
+        are ``T * P * K / E`` (every rank sends ``T * K`` routes spread over ``E``
+        experts); the choice is monotone non-decreasing in ``num_tokens``.
+    """
+    check_int("num_tokens", num_tokens, minimum=0)
+    check_int("top_k", top_k, minimum=1)
+    check_int("num_experts", num_experts, minimum=1)
+    check_int("ep_size", ep_size, minimum=1)
+    if num_experts % ep_size != 0:
+        raise ValueError(
+            f"num_experts: expected a multiple of ep_size={ep_size}, got {num_experts}"
+        )
+    if top_k > num_experts:
+        raise ValueError(f"top_k: expected <= num_experts={num_experts}, got {top_k}")
+    choices = registry().block_m_choices
+    rows_per_expert = num_tokens * ep_size * top_k / num_experts
+    fitting = [b for b in choices if rows_per_expert >= config.min_blocks_per_expert * b]
+    return fitting[-1] if fitting else choices[0]

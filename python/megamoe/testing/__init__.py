@@ -1,0 +1,33 @@
+"""Testing helpers: accuracy metrics and gates, seeded inputs, the unfused baseline.
+
+``megamoe.testing.baseline.moe`` is the DESIGN §7 baseline (torch ops + autograd);
+``megamoe.testing.inputs`` makes seeded routing and layers; ``megamoe.testing.metrics``
+holds the DESIGN §6 oracle gates.
+"""
+
+from __future__ import annotations
+
+from . import baseline, inputs, metrics
+from .inputs import ROUTING_KINDS, LayerInputs, make_layer, make_routing
+from .metrics import (
+    ORACLE_MAX_REL_L2,
+    ORACLE_MIN_COSINE,
+    Metrics,
+    assert_close_to_oracle,
+    compare,
+)
+
+__all__ = [
+    "ORACLE_MAX_REL_L2",
+    "ORACLE_MIN_COSINE",
+    "ROUTING_KINDS",
+    "LayerInputs",
+    "Metrics",
+    "assert_close_to_oracle",
+    "baseline",
+    "compare",
+    "inputs",
+    "make_layer",
+    "make_routing",
+    "metrics",
+]

@@ -1,0 +1,99 @@
+"""Accuracy metrics and the oracle gates of DESIGN §6.
+
+Every metric is computed in float64 on the flattened tensors, so a BF16 result can
+be compared with a float64 oracle without the comparison itself adding error.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+#: DESIGN §6 gates against the float64 oracle (output, grad-x, router grad, every
+#: adapter/base grad).
+ORACLE_MIN_COSINE = 0.99999
+ORACLE_MAX_REL_L2 = 1e-2
+
+
+@dataclass(frozen=True)
+class Metrics:
+    """How close ``actual`` is to ``expected``.
+
+    - ``cosine``: cosine similarity of the flattened tensors (1.0 when both are
+      exactly zero, 0.0 when only one is).
+    - ``rel_l2``: ``||actual - expected|| / ||expected||`` (0.0 when both are zero,
+      ``inf`` when only ``expected`` is).
+    - ``max_abs``: ``max |actual - expected|`` (0.0 for empty tensors).
+    """
+
+    cosine: float
+    rel_l2: float
+    max_abs: float
+
+    def __str__(self) -> str:
+        return f"cosine={self.cosine:.8f} rel_l2={self.rel_l2:.3e} max_abs={self.max_abs:.3e}"
+
+
+def compare(actual: torch.Tensor, expected: torch.Tensor) -> Metrics:
+    """Compare two tensors of the same shape (any dtypes and devices).
+
+    Args:
+        actual: the result under test, any floating dtype.
+        expected: the oracle, same shape as ``actual``.
+
+    Returns:
+        :class:`Metrics`, computed in float64 on the flattened tensors (on
+        ``expected``'s device).
+    """
+    for name, value in (("actual", actual), ("expected", expected)):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
+    if actual.shape != expected.shape:
+        raise ValueError(
+            f"actual: expected the shape of expected {list(expected.shape)}, "
+            f"got {list(actual.shape)}"
+        )
+    # detach: metrics are never part of a graph; float64 so the metric adds no error.
+    a = actual.detach().to(device=expected.device, dtype=torch.float64).reshape(-1)
+    e = expected.detach().to(torch.float64).reshape(-1)
+    diff = a - e
+    max_abs = diff.abs().max().item() if diff.numel() else 0.0
+    norm_a = torch.linalg.vector_norm(a).item()
+    norm_e = torch.linalg.vector_norm(e).item()
+    norm_d = torch.linalg.vector_norm(diff).item()
+    if norm_a == 0.0 and norm_e == 0.0:
+        return Metrics(cosine=1.0, rel_l2=0.0, max_abs=max_abs)
+    if norm_a == 0.0 or norm_e == 0.0:
+        rel = math.inf if norm_e == 0.0 else norm_d / norm_e
+        return Metrics(cosine=0.0, rel_l2=rel, max_abs=max_abs)
+    cosine = (torch.dot(a, e).item() / norm_a) / norm_e
+    return Metrics(cosine=cosine, rel_l2=norm_d / norm_e, max_abs=max_abs)
+
+
+def assert_close_to_oracle(
+    name: str,
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    *,
+    min_cosine: float = ORACLE_MIN_COSINE,
+    max_rel_l2: float = ORACLE_MAX_REL_L2,
+) -> Metrics:
+    """Assert the DESIGN §6 gates: ``cosine >= min_cosine`` and ``rel_l2 <= max_rel_l2``.
+
+    Raises:
+        AssertionError: one line naming ``name`` and giving the three metrics. NaN or
+            Inf in ``actual`` always fails.
+
+    Returns:
+        The :class:`Metrics`, so callers can log them.
+    """
+    m = compare(actual, expected)
+    # Written as "not (ok)" so a NaN metric fails instead of slipping through.
+    if not (m.cosine >= min_cosine and m.rel_l2 <= max_rel_l2):
+        raise AssertionError(
+            f"{name}: not close to the oracle: {m} "
+            f"(gates: cosine >= {min_cosine}, rel_l2 <= {max_rel_l2})"
+        )
+    return m

@@ -1,0 +1,154 @@
+"""Base expert weights in the layout the kernels read (DESIGN §1, §3).
+
+``prepare_base_weights`` is done once for a frozen base and reused every step. In
+ordinary mode (trainable base) it is differentiable: the prepared tensors keep the
+autograd link to the caller's ``w13``/``w2``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ._checks import check_choice, check_tensor
+from .mxfp4 import MXFP4_BLOCK, dequantize_mxfp4, quantize_mxfp4
+from .registry import registry
+
+BASE_FORMATS = ("bf16", "mxfp4")
+
+
+def gate_up_interleave_index(intermediate: int, interleave: int, device=None) -> torch.Tensor:
+    """Row permutation ``perm`` with ``w13_kernel = w13[:, perm]`` (nn.Linear rows -> kernel rows).
+
+    Kernel rows come in blocks of ``interleave`` gate rows followed by the matching
+    ``interleave`` up rows.
+    """
+    blocks = intermediate // interleave
+    gate = torch.arange(intermediate, device=device).view(blocks, 1, interleave)
+    up = gate + intermediate
+    return torch.cat([gate, up], dim=1).reshape(-1)
+
+
+@dataclass(frozen=True, eq=False)
+class BaseWeights:
+    """Prepared base weights (see :func:`prepare_base_weights`).
+
+    ``format == "bf16"``: ``w13`` is ``[E_l, 2I, H]`` bfloat16 with gate/up rows
+    interleaved; ``w2`` is ``[E_l, H, I]`` bfloat16.
+    ``format == "mxfp4"``: ``w13``/``w2`` are the packed E2M1 bytes (``[E_l, 2I, H/2]``,
+    ``[E_l, H, I/2]`` uint8, same row order) and ``w13_scales``/``w2_scales`` their
+    UE8M0 scales (``[E_l, 2I, H/32]``, ``[E_l, H, I/32]`` uint8).
+    """
+
+    format: str
+    w13: torch.Tensor
+    w2: torch.Tensor
+    w13_scales: torch.Tensor | None
+    w2_scales: torch.Tensor | None
+    num_experts: int
+    hidden: int
+    intermediate: int
+    gate_up_interleave: int
+
+    @property
+    def device(self) -> torch.device:
+        return self.w13.device
+
+    def nbytes(self) -> int:
+        """Bytes held by the prepared tensors (values and scales)."""
+        tensors = [self.w13, self.w2, self.w13_scales, self.w2_scales]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    def w13_linear(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """``[E_l, 2I, H]`` in nn.Linear row order (gate rows then up rows), dequantized.
+
+        Differentiable for the bf16 format (ordinary mode reference/baseline use it).
+        """
+        w13 = self._values(self.w13, self.w13_scales, dtype)
+        perm = gate_up_interleave_index(self.intermediate, self.gate_up_interleave, w13.device)
+        inverse = torch.empty_like(perm)
+        inverse[perm] = torch.arange(perm.numel(), device=perm.device)
+        return w13.index_select(1, inverse)
+
+    def w2_linear(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """``[E_l, H, I]``, dequantized."""
+        return self._values(self.w2, self.w2_scales, dtype)
+
+    def _values(self, values, scales, dtype):
+        if self.format == "mxfp4":
+            return dequantize_mxfp4(values, scales, axis=-1, dtype=dtype)
+        return values.to(dtype)
+
+
+def prepare_base_weights(w13: torch.Tensor, w2: torch.Tensor, format: str = "bf16") -> BaseWeights:
+    """Convert nn.Linear-layout expert weights to the kernels' layout.
+
+    Args:
+        w13: ``[E_l, 2I, H]`` bfloat16 (fp32 accepted and rounded), rows ``0..I-1``
+            gate, ``I..2I-1`` up.
+        w2: ``[E_l, H, I]``, same dtype as ``w13``.
+        format: ``"bf16"`` or ``"mxfp4"`` (OCP MX E2M1 with a UE8M0 scale per 32
+            elements along ``H`` for ``w13`` and along ``I`` for ``w2``).
+
+    Returns:
+        A reusable :class:`BaseWeights`. MXFP4 takes about 0.27x the bytes of BF16.
+    """
+    check_choice("format", format, BASE_FORMATS)
+    reg = registry()
+    w13 = check_tensor("w13", w13, ndim=3, dtypes=(torch.bfloat16, torch.float32))
+    experts, two_i, hidden = w13.shape
+    if two_i % 2 != 0:
+        raise ValueError(f"w13: expected an even second dimension 2*I, got {two_i}")
+    intermediate = two_i // 2
+    check_tensor(
+        "w2", w2, shape=(experts, hidden, intermediate), dtypes=(w13.dtype,), device=w13.device
+    )
+    if experts < 1:
+        raise ValueError(f"w13: expected at least one expert, got shape {list(w13.shape)}")
+    if hidden % reg.hidden_multiple != 0:
+        raise ValueError(
+            f"w13: hidden size H={hidden} is not a multiple of {reg.hidden_multiple} "
+            "(the kernels' K tile); pad the model or use supported dims"
+        )
+    if intermediate % reg.intermediate_multiple != 0:
+        raise ValueError(
+            f"w13: intermediate size I={intermediate} is not a multiple of "
+            f"{reg.intermediate_multiple} (the kernels' gate/up tile)"
+        )
+    perm = gate_up_interleave_index(intermediate, reg.gate_up_interleave, w13.device)
+    w13_kernel = w13.to(torch.bfloat16).index_select(1, perm)
+    w2_kernel = w2.to(torch.bfloat16)
+    if format == "bf16":
+        if not w13_kernel.requires_grad:
+            w13_kernel = w13_kernel.contiguous()
+            w2_kernel = w2_kernel.contiguous()
+        return BaseWeights(
+            "bf16",
+            w13_kernel,
+            w2_kernel,
+            None,
+            None,
+            experts,
+            hidden,
+            intermediate,
+            reg.gate_up_interleave,
+        )
+    for name, value in (("w13", w13), ("w2", w2)):
+        if not torch.isfinite(value).all():
+            raise ValueError(f"{name}: MXFP4 quantization needs finite weights, found NaN or Inf")
+    assert hidden % MXFP4_BLOCK == 0 and intermediate % MXFP4_BLOCK == 0
+    with torch.no_grad():
+        w13_packed, w13_scales = quantize_mxfp4(w13_kernel.detach(), axis=-1)
+        w2_packed, w2_scales = quantize_mxfp4(w2_kernel.detach(), axis=-1)
+    return BaseWeights(
+        "mxfp4",
+        w13_packed,
+        w2_packed,
+        w13_scales,
+        w2_scales,
+        experts,
+        hidden,
+        intermediate,
+        reg.gate_up_interleave,
+    )

@@ -1,0 +1,85 @@
+"""get_block_m: choices from the registry, monotone, agreed transitions."""
+
+import pytest
+
+import megamoe as mm
+from megamoe.registry import registry
+
+
+def transitions(top_k, num_experts, ep_size=1, max_tokens=70_000):
+    """Token counts where the heuristic's choice changes (first token count of the new one)."""
+    found = []
+    previous = mm.get_block_m(1, top_k, num_experts, ep_size)
+    for tokens in range(2, max_tokens):
+        current = mm.get_block_m(tokens, top_k, num_experts, ep_size)
+        if current != previous:
+            found.append((tokens, previous, current))
+            previous = current
+    return found
+
+
+@pytest.mark.parametrize(
+    "top_k,num_experts,ep_size", [(1, 8, 1), (2, 64, 1), (6, 256, 1), (6, 256, 4), (6, 64, 2)]
+)
+def test_block_m_is_a_registry_choice_and_monotone(top_k, num_experts, ep_size):
+    choices = registry().block_m_choices
+    last = 0
+    for tokens in [0, 1, 15, 16, 17, 90, 91, 1029, 2048, 8192, 65536, 262144]:
+        block_m = mm.get_block_m(tokens, top_k, num_experts, ep_size)
+        assert block_m in choices
+        assert block_m >= last
+        last = block_m
+
+
+def test_small_batches_take_the_smallest_block():
+    assert mm.get_block_m(1, 6, 256) == registry().block_m_choices[0]
+
+
+def test_production_ep4_rank_takes_the_largest_block():
+    # ep4rank: 65,536 tokens per rank, 256 experts over 4 ranks: 6,144 rows per expert.
+    assert mm.get_block_m(65536, 6, 256, ep_size=4) == registry().block_m_choices[-1]
+
+
+def test_transition_follows_the_padding_rule():
+    # One transition for two choices: at rows per expert == min_blocks * 128.
+    config = mm.BlockMConfig()
+    found = transitions(top_k=2, num_experts=8)
+    assert len(found) == len(registry().block_m_choices) - 1
+    tokens, before, after = found[-1]
+    assert (before, after) == (64, 128)
+    assert tokens * 2 / 8 >= config.min_blocks_per_expert * 128
+    assert (tokens - 1) * 2 / 8 < config.min_blocks_per_expert * 128
+
+
+def test_ep_rows_scale_with_ep_size():
+    # Same per-rank tokens, more ranks sending: more rows per local expert.
+    single = transitions(top_k=6, num_experts=256, ep_size=1)
+    ep4 = transitions(top_k=6, num_experts=256, ep_size=4)
+    assert ep4[0][0] < single[0][0]
+
+
+def test_custom_config_moves_the_threshold():
+    loose = mm.BlockMConfig(min_blocks_per_expert=1)
+    assert mm.get_block_m(128 * 8 // 2, 2, 8, config=loose) == 128
+    assert mm.get_block_m(128 * 8 // 2, 2, 8) == 64
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(num_tokens=-1, top_k=1, num_experts=8), "num_tokens"),
+        (dict(num_tokens=1, top_k=0, num_experts=8), "top_k"),
+        (dict(num_tokens=1, top_k=9, num_experts=8), "top_k"),
+        (dict(num_tokens=1, top_k=1, num_experts=0), "num_experts"),
+        (dict(num_tokens=1, top_k=1, num_experts=10, ep_size=4), "num_experts"),
+        (dict(num_tokens=1, top_k=1, num_experts=8, ep_size=0), "ep_size"),
+    ],
+)
+def test_bad_arguments_name_the_argument(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        mm.get_block_m(**kwargs)
+
+
+def test_non_int_is_a_type_error():
+    with pytest.raises(TypeError, match="num_tokens"):
+        mm.get_block_m(1.5, 1, 8)

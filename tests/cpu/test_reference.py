@@ -1,0 +1,636 @@
+"""The float64 oracle (megamoe.reference) against an independent per-route loop.
+
+The loop below is written from DESIGN §1 route by route (Python over t and k), and
+float64 autograd through it is the ground truth for every closed-form gradient.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megamoe import reference
+from megamoe.side_lora import SideLoRA
+from megamoe.weights import prepare_base_weights
+
+F64 = torch.float64
+H, INTER, R = 64, 64, 16
+GRAD_KEYS = ("x", "topk_weights", "a1", "b1", "a3", "b3", "a2", "b2", "w13", "w2")
+SIDE_KEYS = ("a1", "b1", "a3", "b3", "a2", "b2")
+
+
+def make_problem(
+    *,
+    tokens=13,
+    experts=4,
+    top_k=2,
+    intermediate=INTER,
+    seed=0,
+    expert_begin=0,
+    total_experts=None,
+    masked=0.2,
+    scale=0.5,
+    dtype=F64,
+):
+    """Random float64 problem; ids drawn from [0, total_experts), some masked (-1)."""
+    gen = torch.Generator().manual_seed(seed)
+    total = total_experts if total_experts is not None else experts
+    x = torch.randn(tokens, H, generator=gen, dtype=dtype)
+    ids = torch.zeros(tokens, top_k, dtype=torch.int64)  # distinct experts per token
+    for t in range(tokens):
+        ids[t] = torch.randperm(total, generator=gen)[:top_k]
+    ids[torch.rand(tokens, top_k, generator=gen) < masked] = -1
+    weights = torch.rand(tokens, top_k, generator=gen, dtype=dtype) + 0.1
+    w13 = torch.randn(experts, 2 * intermediate, H, generator=gen, dtype=dtype) / H**0.5
+    w2 = torch.randn(experts, H, intermediate, generator=gen, dtype=dtype) / intermediate**0.5
+    side = SideLoRA(
+        torch.randn(H, R, generator=gen, dtype=dtype) / H**0.5,
+        torch.randn(experts, R, intermediate, generator=gen, dtype=dtype) / R**0.5,
+        torch.randn(H, R, generator=gen, dtype=dtype) / H**0.5,
+        torch.randn(experts, R, intermediate, generator=gen, dtype=dtype) / R**0.5,
+        torch.randn(experts, intermediate, R, generator=gen, dtype=dtype) / intermediate**0.5,
+        torch.randn(R, H, generator=gen, dtype=dtype) / R**0.5,
+        scale=scale,
+    )
+    dout = torch.randn(tokens, H, generator=gen, dtype=dtype)
+    return dict(
+        x=x,
+        ids=ids,
+        weights=weights,
+        w13=w13,
+        w2=w2,
+        side=side,
+        dout=dout,
+        expert_begin=expert_begin,
+    )
+
+
+def naive_moe(x, ids, weights, w13, w2, side_tensors, scale, activation, clamp, expert_begin=0):
+    """DESIGN §1 route by route: loops over tokens and routes, plain differentiable ops."""
+    tokens, hidden = x.shape
+    experts, two_i, _ = w13.shape
+    inter = two_i // 2
+    rows = []
+    for t in range(tokens):
+        acc = torch.zeros(hidden, dtype=x.dtype)
+        if side_tensors is not None:
+            a1, b1, a3, b3, a2, b2 = side_tensors
+            q1, q3 = x[t] @ a1, x[t] @ a3
+            p_acc = torch.zeros(a1.shape[1], dtype=x.dtype)
+        for k in range(ids.shape[1]):
+            gid = int(ids[t, k])
+            e = gid - expert_begin
+            if gid < 0 or not 0 <= e < experts:
+                continue
+            g = w13[e, :inter] @ x[t]
+            u = w13[e, inter:] @ x[t]
+            if side_tensors is not None:
+                g = g + scale * (q1 @ b1[e])
+                u = u + scale * (q3 @ b3[e])
+            if clamp is not None:
+                g = torch.clamp(g, max=clamp)
+                u = torch.clamp(u, -clamp, clamp)
+            act = F.silu(g) if activation == "swiglu" else F.gelu(g, approximate="tanh")
+            h = act * u
+            acc = acc + weights[t, k] * (w2[e] @ h)
+            if side_tensors is not None:
+                p_acc = p_acc + weights[t, k] * (h @ a2[e])
+        if side_tensors is not None:
+            acc = acc + scale * (p_acc @ b2)
+        rows.append(acc)
+    return torch.stack(rows)
+
+
+def naive_grads(prob, *, use_side, activation, clamp):
+    """Float64 autograd through :func:`naive_moe`; returns (out, grads by name)."""
+    leaves = {
+        "x": prob["x"].clone().requires_grad_(),
+        "topk_weights": prob["weights"].clone().requires_grad_(),
+        "w13": prob["w13"].clone().requires_grad_(),
+        "w2": prob["w2"].clone().requires_grad_(),
+    }
+    side_tensors = None
+    if use_side:
+        for name, t in zip(SIDE_KEYS, prob["side"].tensors(), strict=True):
+            leaves[name] = t.clone().requires_grad_()
+        side_tensors = tuple(leaves[n] for n in SIDE_KEYS)
+    out = naive_moe(
+        leaves["x"],
+        prob["ids"],
+        leaves["topk_weights"],
+        leaves["w13"],
+        leaves["w2"],
+        side_tensors,
+        prob["side"].scale,
+        activation,
+        clamp,
+        prob["expert_begin"],
+    )
+    (out * prob["dout"]).sum().backward()
+    return out.detach(), {k: v.grad for k, v in leaves.items()}
+
+
+def run_reference(
+    prob,
+    *,
+    use_side=True,
+    activation="swiglu",
+    clamp=None,
+    round_bf16=False,
+    base_grads=True,
+    compute_dtype=F64,
+):
+    out, ctx = reference.forward(
+        prob["x"],
+        prob["ids"],
+        prob["weights"],
+        prob["w13"],
+        prob["w2"],
+        prob["side"] if use_side else None,
+        activation=activation,
+        activation_clamp=clamp,
+        expert_begin=prob["expert_begin"],
+        compute_dtype=compute_dtype,
+        round_bf16=round_bf16,
+    )
+    grads = reference.backward(prob["dout"], ctx, base_grads=base_grads)
+    return out, grads
+
+
+def rel_err(a, b):
+    denom = b.norm()
+    if denom == 0:
+        return a.norm().item()
+    return ((a - b).norm() / denom).item()
+
+
+def assert_grads_close(grads, expected, keys, tol=1e-10):
+    for key in keys:
+        assert grads[key] is not None, key
+        assert grads[key].shape == expected[key].shape, key
+        err = rel_err(grads[key], expected[key])
+        assert err <= tol, f"{key}: relative error {err:.3e}"
+
+
+ACT_CLAMP_SIDE = [
+    pytest.param(act, clamp, side, id=f"{act}-clamp{clamp}-side{int(side)}")
+    for act in ("swiglu", "geglu")
+    for clamp in (None, 0.6)
+    for side in (True, False)
+]
+
+
+@pytest.mark.parametrize("activation,clamp,use_side", ACT_CLAMP_SIDE)
+def test_forward_matches_naive_loop(activation, clamp, use_side):
+    prob = make_problem(tokens=17, top_k=3, seed=1)
+    out, _ = run_reference(
+        prob, use_side=use_side, activation=activation, clamp=clamp, base_grads=False
+    )
+    side_t = prob["side"].tensors() if use_side else None
+    want = naive_moe(
+        prob["x"],
+        prob["ids"],
+        prob["weights"],
+        prob["w13"],
+        prob["w2"],
+        side_t,
+        prob["side"].scale,
+        activation,
+        clamp,
+    )
+    assert out.dtype == F64 and out.shape == want.shape
+    assert rel_err(out, want) <= 1e-13
+    if clamp is not None:
+        # The clamp must be active somewhere, or this case tests nothing new.
+        unclamped, _ = run_reference(
+            prob, use_side=use_side, activation=activation, base_grads=False
+        )
+        assert rel_err(out, unclamped) > 1e-3
+
+
+@pytest.mark.parametrize("activation,clamp,use_side", ACT_CLAMP_SIDE)
+def test_closed_form_backward_matches_autograd(activation, clamp, use_side):
+    prob = make_problem(tokens=15, top_k=2, seed=2)
+    out, grads = run_reference(prob, use_side=use_side, activation=activation, clamp=clamp)
+    want_out, want = naive_grads(prob, use_side=use_side, activation=activation, clamp=clamp)
+    assert rel_err(out, want_out) <= 1e-13
+    keys = GRAD_KEYS if use_side else ("x", "topk_weights", "w13", "w2")
+    assert_grads_close(grads, want, keys)
+    if not use_side:
+        assert all(grads[k] is None for k in SIDE_KEYS)
+
+
+def test_backward_matches_autograd_through_reference_forward():
+    """Second oracle: autograd through the reference's own vectorized forward."""
+    prob = make_problem(tokens=21, top_k=3, seed=3)
+    leaves = [prob["x"], prob["weights"], prob["w13"], prob["w2"], *prob["side"].tensors()]
+    leaves = [t.clone().requires_grad_() for t in leaves]
+    side = SideLoRA(*leaves[4:], scale=prob["side"].scale)
+    out, ctx = reference.forward(
+        leaves[0],
+        prob["ids"],
+        leaves[1],
+        leaves[2],
+        leaves[3],
+        side,
+        activation="geglu",
+        activation_clamp=0.8,
+    )
+    closed = reference.backward(prob["dout"], ctx, base_grads=True)
+    (out * prob["dout"]).sum().backward()
+    names = ("x", "topk_weights", "w13", "w2", *SIDE_KEYS)
+    assert_grads_close(closed, {n: t.grad for n, t in zip(names, leaves, strict=True)}, names)
+
+
+def test_base_grads_off_returns_none():
+    prob = make_problem(seed=4)
+    _, grads = run_reference(prob, base_grads=False)
+    assert grads["w13"] is None and grads["w2"] is None
+    assert set(grads) == set(GRAD_KEYS)
+
+
+def test_top_k_one():
+    prob = make_problem(tokens=11, top_k=1, seed=5, masked=0.0)
+    out, grads = run_reference(prob, activation="geglu")
+    want_out, want = naive_grads(prob, use_side=True, activation="geglu", clamp=None)
+    assert rel_err(out, want_out) <= 1e-13
+    assert_grads_close(grads, want, GRAD_KEYS)
+
+
+def test_masked_routes_give_exact_zero_router_grad_and_ignore_junk_weights():
+    prob = make_problem(tokens=19, top_k=3, seed=6, masked=0.3)
+    mask = prob["ids"] < 0
+    assert mask.any() and (~mask).any()
+    out, grads = run_reference(prob)
+    assert torch.all(grads["topk_weights"][mask] == 0)
+    assert torch.all(grads["topk_weights"][~mask] != 0)
+    # A NaN/inf weight on a masked route must not reach the output or any gradient.
+    junk = dict(prob, weights=prob["weights"].masked_fill(mask, float("nan")))
+    junk["weights"][mask.nonzero()[0, 0], mask.nonzero()[0, 1]] = float("inf")
+    out_j, grads_j = run_reference(junk)
+    assert torch.equal(out, out_j)
+    for key in GRAD_KEYS:
+        assert torch.equal(grads[key], grads_j[key]), key
+
+
+def test_all_routes_masked():
+    prob = make_problem(tokens=7, top_k=2, seed=7, masked=1.0)
+    out, grads = run_reference(prob)
+    assert torch.all(out == 0)
+    for key in GRAD_KEYS:
+        assert torch.all(grads[key] == 0), key
+
+
+def test_remote_ids_with_expert_begin():
+    # This rank holds global experts 4..7 of 12; ids 0..3 and 8..11 are remote.
+    prob = make_problem(
+        tokens=23, top_k=3, seed=8, expert_begin=4, total_experts=12, intermediate=128
+    )
+    ids = prob["ids"]
+    remote = (ids >= 0) & ((ids < 4) | (ids >= 8))
+    local = (ids >= 4) & (ids < 8)
+    assert remote.any() and local.any()
+    out, grads = run_reference(prob, clamp=0.7)
+    want_out, want = naive_grads(prob, use_side=True, activation="swiglu", clamp=0.7)
+    assert rel_err(out, want_out) <= 1e-13
+    assert_grads_close(grads, want, GRAD_KEYS)
+    assert torch.all(grads["topk_weights"][remote] == 0)
+    assert torch.all(grads["topk_weights"][local] != 0)
+    # Tokens with only remote/masked routes get exactly zero output and dx.
+    idle = ~local.any(dim=1)
+    assert idle.any()
+    assert torch.all(out[idle] == 0) and torch.all(grads["x"][idle] == 0)
+
+
+@pytest.mark.parametrize("empty", [0, 1, 3], ids=["first", "middle", "last"])
+def test_empty_expert_grads_are_exactly_zero(empty):
+    prob = make_problem(tokens=25, top_k=2, seed=9)
+    ids = prob["ids"]
+    # Send the empty expert's routes to a neighbour (distinct per token is not required).
+    ids[ids == empty] = (empty + 1) % 4
+    _, grads = run_reference(prob)
+    for key in ("b1", "b3", "a2", "w13", "w2"):
+        assert torch.all(grads[key][empty] == 0), key
+        others = [e for e in range(4) if e != empty]
+        assert torch.all(grads[key][others].abs().sum(dim=tuple(range(1, grads[key].dim()))) > 0)
+    _, want = naive_grads(prob, use_side=True, activation="swiglu", clamp=None)
+    assert_grads_close(grads, want, GRAD_KEYS)
+
+
+@pytest.mark.parametrize("round_bf16", [False, True])
+def test_zero_scale_equals_no_side_exactly(round_bf16):
+    prob = make_problem(tokens=17, top_k=3, seed=10, scale=0.0)
+    out_side, grads_side = run_reference(prob, round_bf16=round_bf16, clamp=0.6)
+    out_none, grads_none = run_reference(prob, use_side=False, round_bf16=round_bf16, clamp=0.6)
+    assert torch.equal(out_side, out_none)
+    for key in ("x", "topk_weights", "w13", "w2"):
+        assert torch.equal(grads_side[key], grads_none[key]), key
+    for key in SIDE_KEYS:
+        assert torch.all(grads_side[key] == 0), key
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "geglu"])
+def test_clamp_boundaries(activation):
+    """g and u exactly at +-c pass the gradient; beyond the clamp they get none."""
+    c = 0.75
+    experts, inter = 1, 64
+    prob = make_problem(tokens=3, top_k=1, experts=experts, seed=11, masked=0.0)
+    # x_t = one-hot on column 0, so g = w13[0, :I, 0] and u = w13[0, I:, 0] exactly.
+    x = torch.zeros(3, H, dtype=F64)
+    x[:, 0] = 1.0
+    ids = torch.zeros(3, 1, dtype=torch.int64)
+    gate = torch.tensor([c, -c, 2 * c, 1.001 * c, 0.999 * c, 0.3, -3 * c, c], dtype=F64)
+    up = torch.tensor([c, -c, 2 * c, -2 * c, 0.999 * c, -1.001 * c, 0.3, -c], dtype=F64)
+    w13 = torch.zeros(experts, 2 * inter, H, dtype=F64)
+    w13[0, :8, 0] = gate
+    w13[0, inter : inter + 8, 0] = up
+    w13[0, 8:inter, 0] = 0.1
+    w13[0, inter + 8 :, 0] = 0.2
+    prob.update(x=x, ids=ids, weights=torch.ones(3, 1, dtype=F64), w13=w13, w2=prob["w2"][:experts])
+    _, grads = run_reference(prob, use_side=False, activation=activation, clamp=c)
+    _, want = naive_grads(prob, use_side=False, activation=activation, clamp=c)
+    assert_grads_close(grads, want, ("x", "topk_weights", "w13", "w2"))
+    dgate = grads["w13"][0, :8, 0]
+    dup = grads["w13"][0, inter : inter + 8, 0]
+    gate_passes = gate <= c
+    up_passes = gate.new_tensor([abs(v) <= c for v in up.tolist()]).bool()
+    assert torch.all(dgate[~gate_passes] == 0) and torch.all(dgate[gate_passes] != 0)
+    assert torch.all(dup[~up_passes] == 0) and torch.all(dup[up_passes] != 0)
+
+
+def _representable(t):
+    return torch.equal(t, t.to(torch.bfloat16).to(t.dtype))
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "geglu"])
+def test_round_bf16_close_and_representable(activation):
+    prob = make_problem(tokens=33, top_k=3, seed=12)
+    out, grads = run_reference(prob, activation=activation)
+    out_r, grads_r = run_reference(prob, activation=activation, round_bf16=True)
+    assert out_r.dtype == F64
+    assert not torch.equal(out_r, out)
+    assert _representable(out_r)
+    assert rel_err(out_r, out) < 1e-2
+    for key in GRAD_KEYS:
+        assert grads_r[key].dtype == F64
+        assert _representable(grads_r[key]), key
+        assert rel_err(grads_r[key], grads[key]) < 1e-2, key
+
+
+def test_round_bf16_with_clamp_is_representable():
+    # With a clamp, rounding g/u can move a value across +-c and flip its gradient mask,
+    # so grads near the boundary legitimately differ by more than the rounding noise:
+    # only the output (continuous in g/u) is compared here.
+    prob = make_problem(tokens=33, top_k=3, seed=12)
+    out, _ = run_reference(prob, clamp=0.9)
+    out_r, grads_r = run_reference(prob, clamp=0.9, round_bf16=True)
+    assert _representable(out_r)
+    assert rel_err(out_r, out) < 1e-2
+    for key in GRAD_KEYS:
+        assert _representable(grads_r[key]), key
+
+
+def test_float32_compute_close_to_float64():
+    prob = make_problem(tokens=13, top_k=2, seed=13)
+    out, grads = run_reference(prob)
+    out32, grads32 = run_reference(prob, compute_dtype=torch.float32)
+    assert out32.dtype == torch.float32
+    assert rel_err(out32.double(), out) < 1e-5
+    for key in GRAD_KEYS:
+        assert grads32[key].dtype == torch.float32
+        assert rel_err(grads32[key].double(), grads[key]) < 1e-5, key
+
+
+def test_deterministic_and_int32_ids():
+    prob = make_problem(tokens=17, top_k=3, seed=14)
+    out_a, grads_a = run_reference(prob, round_bf16=True)
+    out_b, grads_b = run_reference(dict(prob, ids=prob["ids"].int()), round_bf16=True)
+    assert torch.equal(out_a, out_b)
+    for key in GRAD_KEYS:
+        assert torch.equal(grads_a[key], grads_b[key]), key
+
+
+def test_zero_tokens():
+    prob = make_problem(tokens=0, top_k=2, seed=15)
+    out, grads = run_reference(prob)
+    assert out.shape == (0, H)
+    assert grads["x"].shape == (0, H) and grads["topk_weights"].shape == (0, 2)
+    for key in ("w13", "w2", *SIDE_KEYS):
+        assert torch.all(grads[key] == 0), key
+
+
+# ---- the mm.moe-shaped wrapper ------------------------------------------------------
+
+
+def wrapper_problem(seed, *, trainable_base=False, x_dtype=F64, side_dtype=F64):
+    prob = make_problem(tokens=9, top_k=2, seed=seed, masked=0.2, total_experts=6)
+    w13 = prob["w13"].float().requires_grad_(trainable_base)
+    w2 = prob["w2"].float().requires_grad_(trainable_base)
+    base = prepare_base_weights(w13, w2, format="bf16")
+    leaves = {
+        "x": prob["x"].to(x_dtype).requires_grad_(),
+        "topk_weights": prob["weights"].float().requires_grad_(),
+    }
+    for name, t in zip(SIDE_KEYS, prob["side"].tensors(), strict=True):
+        leaves[name] = t.to(side_dtype).requires_grad_()
+    side = SideLoRA(*(leaves[n] for n in SIDE_KEYS), scale=prob["side"].scale)
+    return prob, base, (w13, w2), leaves, side
+
+
+@pytest.mark.parametrize("trainable_base", [False, True], ids=["frozen", "ordinary"])
+def test_moe_wrapper_grads_match_naive_autograd(trainable_base):
+    prob, base, (w13, w2), leaves, side = wrapper_problem(16, trainable_base=trainable_base)
+    out = reference.moe(
+        leaves["x"],
+        prob["ids"],
+        leaves["topk_weights"],
+        base,
+        side,
+        activation="geglu",
+        activation_clamp=0.7,
+    )
+    assert out.dtype == F64
+    (out * prob["dout"]).sum().backward()
+    got = {k: v.grad for k, v in leaves.items()}
+    if trainable_base:
+        got["w13"], got["w2"] = w13.grad, w2.grad
+
+    # The same math through the naive loop, autograd all the way to the same leaves.
+    ref_leaves = {k: v.detach().clone().double().requires_grad_() for k, v in leaves.items()}
+    w13_n = w13.detach().clone().requires_grad_(trainable_base)
+    w2_n = w2.detach().clone().requires_grad_(trainable_base)
+    base_n = prepare_base_weights(w13_n, w2_n, format="bf16")
+    want_out = naive_moe(
+        ref_leaves["x"],
+        prob["ids"],
+        ref_leaves["topk_weights"],
+        base_n.w13_linear(F64),
+        base_n.w2_linear(F64),
+        tuple(ref_leaves[n] for n in SIDE_KEYS),
+        side.scale,
+        "geglu",
+        0.7,
+    )
+    (want_out * prob["dout"]).sum().backward()
+    assert rel_err(out, want_out) <= 1e-13
+    want = {k: v.grad for k, v in ref_leaves.items()}
+    if trainable_base:
+        want["w13"], want["w2"] = w13_n.grad, w2_n.grad
+    for key, grad in got.items():
+        assert grad is not None, key
+        expected_dtype = torch.float32 if key in ("topk_weights", "w13", "w2") else F64
+        assert grad.dtype == expected_dtype, key
+        tol = 1e-6 if expected_dtype == torch.float32 else 1e-10
+        assert rel_err(grad.double(), want[key].double()) <= tol, key
+    if not trainable_base:
+        assert w13.grad is None
+
+
+def test_moe_wrapper_gradcheck():
+    prob, base, _, leaves, side = wrapper_problem(17)
+    names = ("x", *SIDE_KEYS)
+    inputs = tuple(leaves[n] for n in names)
+
+    def fn(*tensors):
+        side_t = SideLoRA(*tensors[1:], scale=side.scale)
+        return reference.moe(tensors[0], prob["ids"], prob["weights"], base, side_t)
+
+    assert torch.autograd.gradcheck(fn, inputs, fast_mode=True)
+
+    weights = prob["weights"].clone().requires_grad_()
+
+    def fn_w(w):
+        return reference.moe(prob["x"], prob["ids"], w, base, side)
+
+    assert torch.autograd.gradcheck(fn_w, (weights,))
+
+
+def test_moe_wrapper_mixed_dtypes_and_no_side():
+    prob, base, _, leaves, _ = wrapper_problem(18, x_dtype=torch.bfloat16)
+    out = reference.moe(leaves["x"], prob["ids"], leaves["topk_weights"], base)
+    out.sum().backward()
+    assert leaves["x"].grad.dtype == torch.bfloat16
+    assert leaves["topk_weights"].grad.dtype == torch.float32
+    want = naive_moe(
+        prob["x"].bfloat16().double(),
+        prob["ids"],
+        prob["weights"].float().double(),
+        base.w13_linear(F64),
+        base.w2_linear(F64),
+        None,
+        0.0,
+        "swiglu",
+        None,
+    )
+    assert rel_err(out, want) <= 1e-13
+    # Same result through the functional core.
+    core, _ = reference.forward(
+        leaves["x"].detach(),
+        prob["ids"],
+        leaves["topk_weights"].detach(),
+        base.w13_linear(F64),
+        base.w2_linear(F64),
+    )
+    assert torch.equal(out.detach(), core)
+
+
+def _bad_call(case):
+    prob, base, _, _, side = wrapper_problem(19)
+    args = dict(
+        x=prob["x"],
+        topk_ids=prob["ids"],
+        topk_weights=prob["weights"].float(),
+        base=base,
+        side=side,
+    )
+    kwargs = {}
+    if case == "x_dtype":
+        args["x"] = prob["x"].half()
+    elif case == "x_shape":
+        args["x"] = prob["x"][:, :32]
+    elif case == "ids_dtype":
+        args["topk_ids"] = prob["ids"].float()
+    elif case == "ids_range":
+        args["topk_ids"] = prob["ids"].clone()
+        args["topk_ids"][0, 0] = -2
+    elif case == "ids_shape":
+        args["topk_ids"] = prob["ids"][:-1]
+    elif case == "weights_dtype":
+        args["topk_weights"] = prob["weights"].bfloat16()
+    elif case == "weights_shape":
+        args["topk_weights"] = prob["weights"][:, :1].float()
+    elif case == "activation":
+        kwargs["activation"] = "relu"
+    elif case == "clamp_negative":
+        kwargs["activation_clamp"] = -1.0
+    elif case == "clamp_inf":
+        kwargs["activation_clamp"] = float("inf")
+    elif case == "group":
+        kwargs["group"] = object()
+    elif case == "base":
+        args["base"] = prob["w13"]
+    elif case == "side":
+        a1, b1, a3, b3, a2, b2 = side.tensors()  # adapters for H=32, not 64
+        args["side"] = SideLoRA(a1[:32], b1, a3[:32], b3, a2, b2[:, :32], scale=side.scale)
+    elif case == "compute_dtype":
+        kwargs["compute_dtype"] = torch.bfloat16
+    return args, kwargs
+
+
+BAD_CASES = {
+    "x_dtype": (TypeError, "x:"),
+    "x_shape": (ValueError, "x:"),
+    "ids_dtype": (TypeError, "topk_ids:"),
+    "ids_range": (ValueError, "topk_ids:"),
+    "ids_shape": (ValueError, "topk_ids:"),
+    "weights_dtype": (TypeError, "topk_weights:"),
+    "weights_shape": (ValueError, "topk_weights:"),
+    "activation": (ValueError, "activation:"),
+    "clamp_negative": (ValueError, "activation_clamp:"),
+    "clamp_inf": (ValueError, "activation_clamp:"),
+    "group": (ValueError, "group:"),
+    "base": (TypeError, "base:"),
+    "side": (ValueError, "side:"),
+    "compute_dtype": (TypeError, "compute_dtype:"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CASES))
+def test_moe_wrapper_validation_names_the_argument(case):
+    args, kwargs = _bad_call(case)
+    error, name = BAD_CASES[case]
+    with pytest.raises(error, match=name):
+        reference.moe(**args, **kwargs)
+
+
+def test_remote_ids_beyond_local_experts_are_ignored_by_wrapper():
+    prob, base, _, _, side = wrapper_problem(20)
+    ids = prob["ids"]
+    assert (ids >= 4).any()  # total_experts=6 > E_l=4: some routes are remote
+    out = reference.moe(prob["x"], ids, prob["weights"].float(), base, side)
+    local_only = torch.where(ids >= 4, torch.full_like(ids, -1), ids)
+    out_local = reference.moe(prob["x"], local_only, prob["weights"].float(), base, side)
+    assert torch.equal(out, out_local)
+
+
+def test_moe_wrapper_mxfp4_base_uses_dequantized_weights():
+    prob = make_problem(tokens=9, top_k=2, seed=21, intermediate=128)
+    base = prepare_base_weights(prob["w13"].float(), prob["w2"].float(), format="mxfp4")
+    x = prob["x"].clone().requires_grad_()
+    out = reference.moe(
+        x,
+        prob["ids"],
+        prob["weights"].float(),
+        base,
+        prob["side"],
+        activation="swiglu",
+        activation_clamp=0.6,
+    )
+    (out * prob["dout"]).sum().backward()
+    w13, w2 = base.w13_linear(torch.float32), base.w2_linear(torch.float32)  # exact decode
+    want, ctx = reference.forward(
+        prob["x"], prob["ids"], prob["weights"].float(), w13, w2, prob["side"], activation_clamp=0.6
+    )
+    assert torch.equal(out.detach(), want)
+    assert torch.equal(x.grad, reference.backward(prob["dout"], ctx)["x"])
