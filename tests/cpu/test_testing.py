@@ -443,3 +443,24 @@ def test_baseline_rejects_bad_input():
         baseline.moe(lay.x, lay.topk_ids.float(), lay.topk_weights, lay.base)
     with pytest.raises(ValueError, match=r"base\.w13"):
         baseline.moe(lay.x[:, :32], lay.topk_ids, lay.topk_weights, lay.base)
+
+
+def test_baseline_gradcheck_float64():
+    lay = make_layer(
+        H,
+        INTER,
+        3,
+        2,
+        R,
+        num_tokens=3,
+        seed=4,
+        dtype=torch.float64,
+        routing="masked",
+        masked_fraction=0.34,
+        requires_grad=True,
+    )
+
+    def fn(x, weights):
+        return baseline.moe(x, lay.topk_ids, weights, lay.base, lay.side)
+
+    assert torch.autograd.gradcheck(fn, (lay.x, lay.topk_weights.double()))

@@ -36,8 +36,13 @@ UNAVAILABLE = {
 
 def _git_commit() -> str | None:
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, cwd=Path(__file__).parent, timeout=5)
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).parent,
+            timeout=5,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout.strip() or None
@@ -51,50 +56,86 @@ def _backend_fn(backend: str, device: torch.device):
         return baseline.moe, torch.bfloat16 if device.type == "cuda" else torch.float32, {}
     if backend == "reference":
         if device.type == "cuda":
-            return megamoe.reference.moe, torch.float32, {
-                "compute_dtype": torch.float32, "round_bf16": True}
+            return (
+                megamoe.reference.moe,
+                torch.float32,
+                {"compute_dtype": torch.float32, "round_bf16": True},
+            )
         return megamoe.reference.moe, torch.float64, {"compute_dtype": torch.float64}
     raise ValueError(f"backend: {backend!r} has no implementation")
 
 
-def run_backend(backend: str, shape: Shape, args, device: torch.device,
-                progress: Progress) -> list[dict]:
+def run_backend(
+    backend: str, shape: Shape, args, device: torch.device, progress: Progress
+) -> list[dict]:
     """Time one backend; one result row per pass."""
     from megamoe.testing.inputs import make_layer
 
     if backend in UNAVAILABLE:
-        return [{"backend": backend, "pass": p, "status": UNAVAILABLE[backend]}
-                for p in args.passes]
+        return [
+            {"backend": backend, "pass": p, "status": UNAVAILABLE[backend]} for p in args.passes
+        ]
     fn, dtype, extra = _backend_fn(backend, device)
     ordinary = args.mode == "ordinary"
     progress.update(f"{backend}: building inputs for {shape.name}")
     layer = make_layer(
-        shape.hidden, shape.intermediate, shape.num_local_experts, shape.top_k,
-        None if ordinary else shape.side_rank, num_tokens=shape.num_tokens, seed=args.seed,
-        device=device, dtype=dtype, format=args.dtype, requires_grad=True,
+        shape.hidden,
+        shape.intermediate,
+        shape.num_local_experts,
+        shape.top_k,
+        None if ordinary else shape.side_rank,
+        num_tokens=shape.num_tokens,
+        seed=args.seed,
+        device=device,
+        dtype=dtype,
+        format=args.dtype,
+        requires_grad=True,
         trainable_base=ordinary,
     )
     leaves = list(layer.grad_leaves().values())
-    dout = torch.randn(shape.num_tokens, shape.hidden, device=device,
-                       generator=torch.Generator(device).manual_seed(args.seed + 1)).to(dtype)
+    dout = torch.randn(
+        shape.num_tokens,
+        shape.hidden,
+        device=device,
+        generator=torch.Generator(device).manual_seed(args.seed + 1),
+    ).to(dtype)
     routes = int((layer.topk_ids >= 0).sum())
     rank = 0 if ordinary else shape.side_rank
     flops = {
-        "forward": forward_flops(shape.num_tokens, routes, shape.hidden, shape.intermediate,
-                                 rank),
+        "forward": forward_flops(shape.num_tokens, routes, shape.hidden, shape.intermediate, rank),
     }
     flops["fwd+bwd"] = flops["forward"] + backward_flops(
-        shape.num_tokens, routes, shape.hidden, shape.intermediate, rank, base_grads=ordinary)
+        shape.num_tokens, routes, shape.hidden, shape.intermediate, rank, base_grads=ordinary
+    )
 
-    def drop_grads() -> None:
+    # The baseline takes nn.Linear-layout BF16 weights as a trainer holds them; an
+    # MXFP4 base goes in as BaseWeights (dequantized every call, as a trainer would).
+    use_pair = backend == "baseline" and args.dtype == "bf16"
+
+    def setup() -> None:
         for leaf in leaves:
             leaf.grad = None
+        if ordinary and not use_pair:
+            layer.reprepare_base()  # the prepared base is part of the last step's graph
+
+    def call() -> torch.Tensor:
+        base = (layer.w13, layer.w2) if use_pair else layer.base
+        return fn(
+            layer.x,
+            layer.topk_ids,
+            layer.topk_weights,
+            base,
+            layer.side,
+            activation=layer.activation,
+            activation_clamp=layer.activation_clamp,
+            **extra,
+        )
 
     def forward() -> None:
-        layer.call(fn, **extra)
+        call()
 
     def forward_backward() -> None:
-        layer.call(fn, **extra).backward(dout)
+        call().backward(dout)
 
     rows = []
     for pass_name in args.passes:
@@ -102,21 +143,29 @@ def run_backend(backend: str, shape: Shape, args, device: torch.device,
         if device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats(device)
-        timing = time_fn(body, device=device, warmup=args.warmup, iters=args.iters,
-                         setup=drop_grads, label=f"{backend} {pass_name}", progress=progress)
+        timing = time_fn(
+            body,
+            device=device,
+            warmup=args.warmup,
+            iters=args.iters,
+            setup=setup,
+            label=f"{backend} {pass_name}",
+            progress=progress,
+        )
         row = {
-            "backend": backend, "pass": pass_name, "status": "ok",
-            "median_ms": timing.median_ms, "min_ms": timing.min_ms,
-            "samples_ms": list(timing.samples_ms), "flops": flops[pass_name],
+            "backend": backend,
+            "pass": pass_name,
+            "status": "ok",
+            "median_ms": timing.median_ms,
+            "min_ms": timing.min_ms,
+            "samples_ms": list(timing.samples_ms),
+            "flops": flops[pass_name],
             "tflops": flops[pass_name] / (timing.median_ms * 1e-3) / 1e12,
         }
         if device.type == "cuda":
             row["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         rows.append(row)
-    drop_grads()
-    del layer, leaves, dout
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    setup()
     return rows
 
 
@@ -125,8 +174,10 @@ def format_table(rows: list[dict]) -> str:
     for row in rows:
         if row["status"] == "ok" and row["backend"] == "baseline":
             by_pass[row["pass"]] = row["median_ms"]
-    lines = [f"{'backend':<10} {'pass':<8} {'median ms':>10} {'TFLOP/s':>8} {'peak GiB':>9} "
-             f"{'vs baseline':>11}"]
+    lines = [
+        f"{'backend':<10} {'pass':<8} {'median ms':>10} {'TFLOP/s':>8} {'peak GiB':>9} "
+        f"{'vs baseline':>11}"
+    ]
     for row in rows:
         if row["status"] != "ok":
             lines.append(f"{row['backend']:<10} {row['pass']:<8} {row['status']}")
@@ -134,23 +185,36 @@ def format_table(rows: list[dict]) -> str:
         base = by_pass.get(row["pass"])
         speedup = f"{base / row['median_ms']:.2f}x" if base else "-"
         peak = f"{row['peak_gib']:.1f}" if "peak_gib" in row else "-"
-        lines.append(f"{row['backend']:<10} {row['pass']:<8} {row['median_ms']:>10.2f} "
-                     f"{row['tflops']:>8.3g} {peak:>9} {speedup:>11}")
+        lines.append(
+            f"{row['backend']:<10} {row['pass']:<8} {row['median_ms']:>10.2f} "
+            f"{row['tflops']:>8.3g} {peak:>9} {speedup:>11}"
+        )
     return "\n".join(lines)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     gpu = torch.cuda.is_available()
-    parser = argparse.ArgumentParser(prog="python -m megamoe.bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m megamoe.bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--shape", choices=sorted(SHAPES), default="ep4rank" if gpu else "small")
     parser.add_argument("--mode", choices=("side-lora", "ordinary"), default="side-lora")
-    parser.add_argument("--dtype", choices=("bf16", "mxfp4"), default="bf16",
-                        help="base weight format")
-    parser.add_argument("--backend", default="fused,baseline" if gpu else "baseline,reference",
-                        help=f"comma-separated subset of {','.join(BACKENDS)}")
-    parser.add_argument("--pass", dest="passes", default=",".join(PASSES),
-                        help=f"comma-separated subset of {','.join(PASSES)}")
+    parser.add_argument(
+        "--dtype", choices=("bf16", "mxfp4"), default="bf16", help="base weight format"
+    )
+    parser.add_argument(
+        "--backend",
+        default="fused,baseline" if gpu else "baseline,reference",
+        help=f"comma-separated subset of {','.join(BACKENDS)}",
+    )
+    parser.add_argument(
+        "--pass",
+        dest="passes",
+        default=",".join(PASSES),
+        help=f"comma-separated subset of {','.join(PASSES)}",
+    )
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
@@ -185,20 +249,30 @@ def main(argv: list[str] | None = None) -> int:
         rows.extend(run_backend(backend, shape, args, device, progress))
     progress.done()
     report = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda"
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(device)
+        if device.type == "cuda"
         else platform.processor() or platform.machine(),
-        "torch": torch.__version__, "megamoe": megamoe.__version__, "commit": _git_commit(),
-        "command": " ".join(["python -m megamoe.bench", *(argv if argv is not None
-                                                          else sys.argv[1:])]),
-        "shape": vars(shape) | {"num_routes": shape.num_routes}, "mode": args.mode,
-        "dtype": args.dtype, "warmup": args.warmup, "iters": args.iters, "results": rows,
+        "torch": torch.__version__,
+        "megamoe": megamoe.__version__,
+        "commit": _git_commit(),
+        "command": " ".join(
+            ["python -m megamoe.bench", *(argv if argv is not None else sys.argv[1:])]
+        ),
+        "shape": vars(shape) | {"num_routes": shape.num_routes},
+        "mode": args.mode,
+        "dtype": args.dtype,
+        "warmup": args.warmup,
+        "iters": args.iters,
+        "results": rows,
     }
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=1))
-    print(f"{shape.name}: T={shape.num_tokens} H={shape.hidden} I={shape.intermediate} "
-          f"E_l={shape.num_local_experts} K={shape.top_k} r={shape.side_rank} mode={args.mode} "
-          f"dtype={args.dtype} device={report['device']}")
+    print(
+        f"{shape.name}: T={shape.num_tokens} H={shape.hidden} I={shape.intermediate} "
+        f"E_l={shape.num_local_experts} K={shape.top_k} r={shape.side_rank} mode={args.mode} "
+        f"dtype={args.dtype} device={report['device']}"
+    )
     print(format_table(rows))
     return 0

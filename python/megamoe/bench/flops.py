@@ -7,8 +7,9 @@ are what "effective TFLOP/s" divides by, for every backend alike.
 from __future__ import annotations
 
 
-def forward_flops(num_tokens: int, num_routes: int, hidden: int, intermediate: int,
-                  side_rank: int) -> int:
+def forward_flops(
+    num_tokens: int, num_routes: int, hidden: int, intermediate: int, side_rank: int
+) -> int:
     """GEMM1 (gate+up), GEMM2, and with adapters the shared shrink, the expert-local
     expand (extra K of GEMM1), the a2 shrink (extra N of GEMM2) and the b2 expand."""
     t, n, h, i, r = num_tokens, num_routes, hidden, intermediate, side_rank
@@ -17,8 +18,14 @@ def forward_flops(num_tokens: int, num_routes: int, hidden: int, intermediate: i
     return base + (side if r else 0)
 
 
-def backward_flops(num_tokens: int, num_routes: int, hidden: int, intermediate: int,
-                   side_rank: int, base_grads: bool) -> int:
+def backward_flops(
+    num_tokens: int,
+    num_routes: int,
+    hidden: int,
+    intermediate: int,
+    side_rank: int,
+    base_grads: bool,
+) -> int:
     """dgrad2 and dgrad1 always; with adapters their side terms plus every adapter
     grad; with ``base_grads`` (ordinary mode) dw13 and dw2."""
     t, n, h, i, r = num_tokens, num_routes, hidden, intermediate, side_rank

@@ -28,7 +28,9 @@ SHAPES = {
     "small": Shape("small", 256, 256, 128, 8, 2, 16, "CPU-sized smoke shape"),
     # One EP4 rank of the production layer (DeepSeek-V4-Flash class): 65,536 tokens,
     # 64 of 256 experts, top-6, r = 128.
-    "ep4rank": Shape("ep4rank", 65536, 4096, 2048, 64, 6, 128, "one EP4 rank of the production layer"),
+    "ep4rank": Shape(
+        "ep4rank", 65536, 4096, 2048, 64, 6, 128, "one EP4 rank of the production layer"
+    ),
     # The whole production layer on one GPU: the same tokens per GPU, all 256 experts.
     "ep1": Shape("ep1", 65536, 4096, 2048, 256, 6, 128, "production layer, all experts local"),
 }

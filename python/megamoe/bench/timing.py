@@ -82,7 +82,8 @@ def time_fn(
             begin = time.perf_counter()
             fn()
             samples.append((time.perf_counter() - begin) * 1e3)
-        progress.update(f"{label}: {step + 1}/{iters}, median so far "
-                        f"{statistics.median(samples):.2f} ms")
+        progress.update(
+            f"{label}: {step + 1}/{iters}, median so far {statistics.median(samples):.2f} ms"
+        )
     progress.done()
     return Timing(tuple(samples))

@@ -3,8 +3,12 @@ way a trainer would write it without megamoe, with ``torch._grouped_mm`` for eve
 per-expert product, plain torch ops, and torch autograd for the backward.
 
 It is the yardstick of the performance targets and a second, independent
-implementation for tests. It is not tuned: it does what a reasonable trainer does
-(sort routes by expert, gather, grouped GEMMs, scatter back, weighted combine).
+implementation for tests. It does what a careful trainer does: stable-sort routes by
+expert, gather token rows, grouped GEMMs, router weight applied to ``h`` before the
+down projection, gather back to route order and sum over k. Row movement uses two
+tiny autograd Functions whose forward and backward are both gathers (no atomic
+index_add in the backward), so the baseline is a fair, not a strawman, competitor.
+No host synchronisation on the CUDA path.
 
 Masked and non-local routes are not removed (that needs a host sync to learn how
 many remain); they are sorted into the last local expert's group, computed like any
@@ -70,6 +74,52 @@ def grouped_mm(
         pieces.append(a[start:end] @ b[e])
         start = end
     return torch.cat(pieces)
+
+
+# Row movement. Each direction is a gather (vectorized, deterministic) forward and
+# backward; plain index_select would back-propagate through an atomic index_add
+# (~7 ms per [T*K, 4096] BF16 tensor on an H200, and order-dependent).
+def _gather_rows(src: torch.Tensor, token_of_row: torch.Tensor) -> torch.Tensor:
+    """``[T, C]`` -> ``[M, C]``: row ``i`` is token ``token_of_row[i]``'s row."""
+    return src.index_select(0, token_of_row)
+
+
+def _combine_rows(rows: torch.Tensor, inverse: torch.Tensor, top_k: int) -> torch.Tensor:
+    """``[M, C]`` -> ``[T, C]``: sum of each token's ``top_k`` routes, k = 0..K-1.
+
+    ``inverse[t*K + k]`` is the sorted row of route ``(t, k)``; the sum over k runs in
+    fp32 (torch's reduction accumulator) in a fixed order.
+    """
+    return rows.index_select(0, inverse).view(-1, top_k, rows.shape[1]).sum(dim=1)
+
+
+class _GatherRows(torch.autograd.Function):
+    """Gather token rows into expert-sorted route rows; the adjoint is the combine."""
+
+    @staticmethod
+    def forward(ctx, src, token_of_row, inverse, top_k):
+        ctx.save_for_backward(inverse)
+        ctx.top_k = top_k
+        return _gather_rows(src, token_of_row)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        return _combine_rows(grad.contiguous(), inverse, ctx.top_k), None, None, None
+
+
+class _CombineRows(torch.autograd.Function):
+    """Sum expert-sorted route rows back to tokens; the adjoint is the gather."""
+
+    @staticmethod
+    def forward(ctx, rows, token_of_row, inverse, top_k):
+        ctx.save_for_backward(token_of_row)
+        return _combine_rows(rows, inverse, top_k)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (token_of_row,) = ctx.saved_tensors
+        return _gather_rows(grad.contiguous(), token_of_row), None, None, None
 
 
 def _activation(
@@ -158,38 +208,46 @@ def moe(
     local = topk_ids.reshape(-1).long() - expert_begin
     valid = (topk_ids.reshape(-1) >= 0) & (local >= 0) & (local < experts)
     key = torch.where(valid, local, experts - 1)  # dropped routes ride in the last group
-    order = torch.argsort(key, stable=True)  # sorted row -> flat route t*K + k
-    offsets = torch.cumsum(torch.bincount(key, minlength=experts), 0).to(torch.int32)
-    token_of_row = order // top_k
+    sorted_key, order = torch.sort(key, stable=True)  # order: sorted row -> route t*K + k
+    # Group ends by binary search on the sorted keys (torch.bincount would sync the
+    # host on CUDA to size its output).
+    group_ids = torch.arange(experts, device=key.device)
+    offsets = torch.searchsorted(sorted_key, group_ids, right=True).to(torch.int32)
     rows = order.numel()
     inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(rows, device=order.device)
-    # Zero weight for dropped routes: their rows then add exact zeros everywhere.
-    weights = torch.where(valid, topk_weights.reshape(-1), 0.0).to(dtype).view(tokens, 1, top_k)
+    inverse[order] = torch.arange(rows, device=order.device)  # flat route -> sorted row
+    token_of_row = order // top_k
+
+    def to_sorted(per_token: torch.Tensor) -> torch.Tensor:
+        return _GatherRows.apply(per_token, token_of_row, inverse, top_k)
+
+    def to_tokens(sorted_rows: torch.Tensor) -> torch.Tensor:
+        return _CombineRows.apply(sorted_rows, token_of_row, inverse, top_k)
 
     def gmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return grouped_mm(a, b, offsets, use_grouped_mm=use_grouped_mm)
 
+    # Zero weight for dropped routes: their rows then add exact zeros everywhere.
+    weights = torch.where(valid, topk_weights.reshape(-1), 0.0)
+    row_weights = weights.index_select(0, order).to(dtype).unsqueeze(1)  # [M, 1]
+
     # GEMM1 (gate and up in one product) on the gathered rows.
-    x_rows = x.index_select(0, token_of_row)
-    gu = gmm(x_rows, w13.transpose(1, 2))  # [M, 2I]
+    gu = gmm(to_sorted(x), w13.transpose(1, 2))  # [M, 2I]
     g, u = gu[:, :inter], gu[:, inter:]
     if side is not None:
         a1, b1, a3, b3, a2, b2 = (t.to(dtype) for t in side.tensors())
         rank = side.rank
         # Shared shrink once per token (not per route), already scaled by s.
-        q = torch.mm(x, torch.cat([a1, a3], dim=1)) * side.scale  # [T, 2r]
-        q_rows = q.index_select(0, token_of_row)
+        q_rows = to_sorted(torch.mm(x, torch.cat([a1, a3], dim=1)) * side.scale)  # [M, 2r]
         g = g + gmm(q_rows[:, :rank], b1)
         u = u + gmm(q_rows[:, rank:], b3)
-    h = _activation(g, u, activation, activation_clamp)  # [M, I]
+    # The router weight is applied to h (GEMM2 is linear in it): half the elements
+    # of weighting y, and it weights the side shrink p = h a2 at the same time.
+    h = _activation(g, u, activation, activation_clamp) * row_weights  # [M, I]
 
-    # GEMM2, back to route order, weighted combine over k (fp32 accumulation in bmm).
-    y = gmm(h, w2.transpose(1, 2)).index_select(0, inverse).view(tokens, top_k, hidden)
-    out = torch.bmm(weights, y).squeeze(1)  # [T, H]
+    out = to_tokens(gmm(h, w2.transpose(1, 2)))  # [T, H] = sum_k w y
     if side is not None:
-        p = gmm(h, a2).index_select(0, inverse).view(tokens, top_k, rank)
-        p_comb = torch.bmm(weights, p).squeeze(1)  # [T, r]
+        p_comb = to_tokens(gmm(h, a2))  # [T, r] = sum_k w p
         # Shared expand once per token: out += s * (sum_k w p) b2.
         out = torch.addmm(out, p_comb, b2, alpha=side.scale)
     return out
