@@ -49,8 +49,9 @@ def _install_megamoe(session: nox.Session) -> None:
 
 
 def _has_gpu(session: nox.Session) -> bool:
-    code = "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"
-    return session.run("python", "-c", code, success_codes=[0, 1], silent=True) is True
+    code = "import torch; print(int(torch.cuda.is_available()))"
+    output = session.run("python", "-c", code, silent=True)
+    return isinstance(output, str) and output.strip().endswith("1")
 
 
 def _pytest(session: nox.Session, *args: str) -> None:
