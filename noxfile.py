@@ -27,7 +27,7 @@ BUILD_DEPS = [
     "ninja",
 ]
 TEST_DEPS = ["pytest>=8", "pytest-xdist>=3", "numpy"]
-LINT_DEPS = ["ruff==0.14.10", "clang-format==21.1.8"]
+LINT_DEPS = ["ruff==0.17.6", "clang-format==23.1.5"]
 
 
 def _in_venv(session: nox.Session) -> bool:

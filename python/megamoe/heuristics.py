@@ -30,7 +30,7 @@ def get_block_m(
     top_k: int,
     num_experts: int,
     ep_size: int = 1,
-    config: BlockMConfig = BlockMConfig(),
+    config: BlockMConfig | None = None,
 ) -> int:
     """BLOCK_M for the expert pool.
 
@@ -40,6 +40,7 @@ def get_block_m(
         top_k: routes per token ``K``.
         num_experts: experts in total ``E`` (all ranks).
         ep_size: expert-parallel degree ``P``; ``E`` must be a multiple of it.
+        config: thresholds (default :class:`BlockMConfig`).
 
     Returns:
         One of the registry's ``block_m_choices``. The expected rows per local expert
@@ -56,6 +57,7 @@ def get_block_m(
         )
     if top_k > num_experts:
         raise ValueError(f"top_k: expected <= num_experts={num_experts}, got {top_k}")
+    config = config or BlockMConfig()
     choices = registry().block_m_choices
     rows_per_expert = num_tokens * ep_size * top_k / num_experts
     fitting = [b for b in choices if rows_per_expert >= config.min_blocks_per_expert * b]
