@@ -105,12 +105,21 @@ def cpu(session: nox.Session) -> None:
 @nox.session
 def compile_variants(session: nox.Session) -> None:
     """Compile every registry variant for sm_90a; resource table; fail on spills."""
-    _install(session, "nvidia-cutlass==4.2.0.0")
+    # cuobjdump 13.2+ from PyPI reads 13.0 cubins; the prepared GPU machine has its own.
+    _install(
+        session,
+        "nvidia-cutlass==4.2.0.0",
+        "cuda-pathfinder",
+        "nvidia-cuda-cuobjdump",
+        "nvidia-cuda-nvdisasm",
+    )
+    strict = ["--require-sass"] if _in_venv(session) else []
     session.run(
         "python",
         "tools/compile_variants.py",
         "--out",
         str(ROOT / "build" / "variants"),
+        *strict,
         *session.posargs,
     )
 

@@ -78,8 +78,11 @@ def parse_ptxas(log: str) -> dict[str, dict[str, int]]:
 
 
 def sass_by_kernel(cuobjdump: str, cubin: Path) -> dict[str, str]:
+    # cuobjdump runs nvdisasm for SASS: look beside it first (the PyPI wheels install
+    # both into one bin/ folder), then on PATH.
+    env = dict(os.environ, PATH=f"{Path(cuobjdump).parent}{os.pathsep}{os.environ['PATH']}")
     text = subprocess.run(
-        [cuobjdump, "--dump-sass", str(cubin)], capture_output=True, text=True, check=True
+        [cuobjdump, "--dump-sass", str(cubin)], capture_output=True, text=True, check=True, env=env
     ).stdout
     sections: dict[str, list[str]] = {}
     current = None
@@ -172,7 +175,7 @@ def main() -> int:
     print(header)
     print("-" * len(header))
     for r in rows:
-        kernel = r["kernel"].split("(")[0][-44:]
+        kernel = r["kernel"].split("(")[0].removeprefix("void ")[-44:]
         local = "n/a" if r["local_memory_instructions"] is None else r["local_memory_instructions"]
         hgmma = "n/a" if r["hgmma_instructions"] is None else r["hgmma_instructions"]
         print(
