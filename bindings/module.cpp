@@ -8,6 +8,8 @@
 #include <vector>
 
 #include "cuda_check.h"
+#include "grouped_gemm.h"
+#include "pool_ops.h"
 #include "route_plan.h"
 #include "variant_table.h"
 
@@ -64,4 +66,7 @@ NB_MODULE(_C, m) {
         nb::arg("expert_counts"), nb::arg("expert_pool_offsets"), nb::arg("route_to_pool_row"),
         nb::arg("pool_row_to_route"), nb::arg("stream"),
         "Stable counting sort of routes by local expert (three launches on `stream`).");
+
+  megamoe::register_pool_ops(m);
+  megamoe::register_grouped_gemm(m);
 }

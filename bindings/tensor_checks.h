@@ -32,13 +32,18 @@ inline std::string dtype_name(nb::dlpack::dtype dt) {
   return std::string(kind) + std::to_string(dt.bits);
 }
 
-// A dense row-major CUDA tensor of the given dtype and shape (-1 = any size) on `device_id`.
-template <typename T>
-void check_tensor(const char* name, const Tensor& t, const std::vector<int64_t>& shape,
-                  int device_id) {
-  if (t.dtype() != nb::dtype<T>()) {
-    throw nb::type_error((std::string(name) + ": expected dtype " + dtype_name(nb::dtype<T>()) +
-                          ", got " + dtype_name(t.dtype()))
+// DLPack's BF16 (torch.bfloat16 arrives with this code).
+inline nb::dlpack::dtype bfloat16_dtype() {
+  return nb::dlpack::dtype{static_cast<uint8_t>(nb::dlpack::dtype_code::Bfloat), 16, 1};
+}
+
+// A dense row-major CUDA tensor of dtype `dtype` and shape `shape` (-1 = any size)
+// on `device_id`.
+inline void check_tensor(const char* name, const Tensor& t, nb::dlpack::dtype dtype,
+                         const std::vector<int64_t>& shape, int device_id) {
+  if (t.dtype() != dtype) {
+    throw nb::type_error((std::string(name) + ": expected dtype " + dtype_name(dtype) + ", got " +
+                          dtype_name(t.dtype()))
                              .c_str());
   }
   bool shape_ok = t.ndim() == shape.size();
@@ -62,6 +67,12 @@ void check_tensor(const char* name, const Tensor& t, const std::vector<int64_t>&
                            ", got cuda:" + std::to_string(t.device_id()))
                               .c_str());
   }
+}
+
+template <typename T>
+void check_tensor(const char* name, const Tensor& t, const std::vector<int64_t>& shape,
+                  int device_id) {
+  check_tensor(name, t, nb::dtype<T>(), shape, device_id);
 }
 
 }  // namespace megamoe

@@ -21,6 +21,22 @@ FAMILIES = {
         "table_type": "RoutePlanKernels",
         "make": "megamoe::kernels::route_plan_kernels<{index_type}>()",
     },
+    "pool_gather": {
+        "header": "pool_gather.cuh",
+        "table_type": "PoolGatherKernels",
+        "make": "megamoe::kernels::pool_gather_kernels()",
+    },
+    "pool_combine": {
+        "header": "pool_combine.cuh",
+        "table_type": "PoolCombineKernels",
+        "make": "megamoe::kernels::pool_combine_kernels()",
+    },
+    "grouped_gemm": {
+        "header": "grouped_gemm.cuh",
+        "table_type": "GroupedGemmKernels",
+        "make": "megamoe::kernels::grouped_gemm_kernels<{block_m}, {block_n}, "
+        "megamoe::Epilogue::{epilogue}>()",
+    },
 }
 
 BANNER = "// Generated from python/megamoe/variants.toml by tools/gen_variants.py. Do not edit.\n"
@@ -101,8 +117,9 @@ def generate(registry_path: Path, out_dir: Path) -> list[Path]:
         lines.append(f"  const {family['table_type']}* kernels;\n}};\n\n")
         lines.append(f"inline const {struct} k{struct}s[] = {{\n")
         for entry in entries:
-            fields = ", ".join(_cpp_literal(entry[k]) for k in params)
-            lines.append(f'    {{"{entry["name"]}", {fields}, &{entry["name"]}}},\n')
+            # Families without template parameters have no fields between name and table.
+            fields = "".join(_cpp_literal(entry[k]) + ", " for k in params)
+            lines.append(f'    {{"{entry["name"]}", {fields}&{entry["name"]}}},\n')
         lines.append("};\n\n")
     names = ", ".join(f'"{v["name"]}"' for v in variants)
     lines.append(f"inline constexpr const char* kVariantNames[] = {{{names}}};\n\n")

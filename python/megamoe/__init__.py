@@ -1,15 +1,16 @@
 """megamoe: fused Mixture-of-Experts training kernels for NVIDIA Hopper.
 
-Public API (DESIGN §5). The fused ``moe`` op lands with the grouped-GEMM engine;
-today's package has the weight/adapter containers, the MXFP4 quantizer, the host
-heuristics and the workspace, the route plan (CUDA kernel + reference), the float64
-oracle (``megamoe.reference``) and the testing helpers (``megamoe.testing``).
+Public API (DESIGN §5): ``moe`` (fused forward, EP1, BF16 base; backward, MXFP4 and
+EP are later issues), the weight/adapter containers, the MXFP4 quantizer, the host
+heuristics and the workspace, the route plan, the float64 oracle
+(``megamoe.reference``) and the testing helpers (``megamoe.testing``).
 """
 
 from . import reference
 from .env import resolve_num_sms
 from .heuristics import BlockMConfig, get_block_m
 from .mxfp4 import dequantize_mxfp4, quantize_mxfp4
+from .ops import moe
 from .routing import RoutePlan, plan_routes, plan_routes_reference, pool_capacity
 from .side_lora import SideLoRA
 from .weights import BaseWeights, prepare_base_weights
@@ -27,6 +28,7 @@ __all__ = [
     "dequantize_mxfp4",
     "get_block_m",
     "get_workspace_size",
+    "moe",
     "plan_routes",
     "plan_routes_reference",
     "pool_capacity",

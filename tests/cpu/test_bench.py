@@ -55,7 +55,7 @@ def test_cli_runs_small_shape_on_cpu(tmp_path, capsys, mode):
     assert cli.main(argv) == 0
     report = json.loads(out.read_text())
     rows = {(r["backend"], r["pass"]): r for r in report["results"]}
-    assert rows[("fused", "forward")]["status"].startswith("not built yet")
+    assert rows[("fused", "forward")]["status"] != "ok"  # no Hopper GPU here
     for backend in ("baseline", "reference"):
         for pass_name in ("forward", "fwd+bwd"):
             row = rows[(backend, pass_name)]

@@ -1,0 +1,199 @@
+// Host launcher of the grouped GEMM engine: checks every operand, builds the TMA
+// descriptors, selects the registry variant and launches persistently on the
+// caller's stream.
+#include "grouped_gemm.h"
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_runtime.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+
+#include <cmath>
+#include <optional>
+#include <string>
+
+#include "cuda_check.h"
+#include "tensor_checks.h"
+#include "variant_table.h"
+
+namespace megamoe {
+
+namespace {
+
+std::string str(int64_t v) { return std::to_string(v); }
+
+PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult status{};
+    cuda_check(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000,
+                                                cudaEnableDefault, &status),
+               "cudaGetDriverEntryPointByVersion(cuTensorMapEncodeTiled)");
+    if (status != cudaDriverEntryPointSuccess || ptr == nullptr)
+      throw std::runtime_error("megamoe: the driver has no cuTensorMapEncodeTiled");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr);
+  }();
+  return fn;
+}
+
+// A 2-D row-major BF16 view [rows, cols] with `row_stride` elements between rows,
+// loaded in [box_rows, 64] boxes with the 128-byte swizzle wgmma reads. Reads past
+// `rows`/`cols` are zero-filled by the TMA unit.
+CUtensorMap tma_2d(const char* name, const void* base, int64_t rows, int64_t cols,
+                   int64_t row_stride, int box_rows) {
+  if (reinterpret_cast<uintptr_t>(base) % 16 != 0)
+    throw nb::value_error((std::string(name) + ": TMA needs a 16-byte aligned address").c_str());
+  if ((row_stride * 2) % 16 != 0)
+    throw nb::value_error((std::string(name) +
+                           ": TMA needs a row stride that is a multiple of 16 bytes, got " +
+                           str(row_stride * 2))
+                              .c_str());
+  CUtensorMap map{};
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(row_stride * 2)};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(kGemmBlockK),
+                             static_cast<cuuint32_t>(box_rows)};
+  const cuuint32_t element_strides[2] = {1, 1};
+  const CUresult result = encode_tiled()(
+      &map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides, box,
+      element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (result != CUDA_SUCCESS)
+    throw std::runtime_error(std::string("megamoe: cuTensorMapEncodeTiled failed for ") + name +
+                             " (CUresult " + str(result) + ")");
+  return map;
+}
+
+const GroupedGemmKernels& select_variant(int block_m, Epilogue epilogue) {
+  for (const auto& variant : variants::kGroupedGemmVariants) {
+    const Epilogue e = std::string(variant.epilogue) == "GatedActivation"
+                           ? Epilogue::GatedActivation
+                           : Epilogue::Store;
+    if (variant.block_m == block_m && e == epilogue) return *variant.kernels;
+  }
+  throw nb::value_error(("block_m: no grouped GEMM variant for BLOCK_M " + str(block_m)).c_str());
+}
+
+void grouped_gemm(const Tensor& a, int64_t k_base, const Tensor& b,
+                  const Tensor& expert_pool_offsets, const Tensor& out, int block_m, bool gated,
+                  int activation, double activation_clamp, std::optional<Tensor> b_extra,
+                  std::optional<Tensor> side_b_gate, std::optional<Tensor> side_b_up,
+                  double side_scale, int num_sms, uintptr_t stream) {
+  const int device = a.device_id();
+  check_tensor("a", a, bfloat16_dtype(), {-1, -1}, device);
+  const int64_t rows = a.shape(0), lda = a.shape(1);
+  check_tensor("b", b, bfloat16_dtype(), {-1, -1, k_base}, device);
+  const int64_t experts = b.shape(0), n_base = b.shape(1);
+  check_tensor<int32_t>("expert_pool_offsets", expert_pool_offsets, {experts + 1}, device);
+  if (k_base < 8 || k_base % 8 != 0 || k_base > lda)
+    throw nb::value_error(("k_base: expected a multiple of 8 in [8, " + str(lda) +
+                           "] (a's columns), got " + str(k_base))
+                              .c_str());
+  if (rows % block_m != 0)
+    throw nb::value_error(
+        ("a: pool rows " + str(rows) + " are not a multiple of BLOCK_M " + str(block_m)).c_str());
+  const GroupedGemmKernels& kernels =
+      select_variant(block_m, gated ? Epilogue::GatedActivation : Epilogue::Store);
+
+  GroupedGemmParams params{};
+  int64_t side_k = 0, n_extra = 0;
+  if (gated) {
+    if (n_base % kernels.block_n != 0)
+      throw nb::value_error(
+          ("b: gated GEMM needs 2I a multiple of " + str(kernels.block_n) + ", got " + str(n_base))
+              .c_str());
+    if (b_extra) throw nb::value_error("b_extra: not supported with the gated epilogue");
+    if (activation != 0 && activation != 1)
+      throw nb::value_error(
+          ("activation: expected 0 (swiglu) or 1 (geglu), got " + str(activation)).c_str());
+    if (std::isnan(activation_clamp) || activation_clamp <= 0)
+      throw nb::value_error("activation_clamp: expected a positive value (inf = no clamp)");
+    check_tensor("out", out, bfloat16_dtype(), {rows, -1}, device);
+    if (static_cast<int64_t>(out.shape(1)) != n_base / 2)
+      throw nb::value_error(
+          ("out: expected " + str(n_base / 2) + " columns (I), got " + str(out.shape(1))).c_str());
+    if (side_b_gate.has_value() != side_b_up.has_value())
+      throw nb::value_error("side_b_gate/side_b_up: give both or neither");
+    if (side_b_gate) {
+      check_tensor("side_b_gate", *side_b_gate, bfloat16_dtype(), {experts, n_base / 2, -1},
+                   device);
+      side_k = side_b_gate->shape(2);
+      check_tensor("side_b_up", *side_b_up, bfloat16_dtype(), {experts, n_base / 2, side_k},
+                   device);
+      if (side_k % 8 != 0 || k_base + 2 * side_k > lda)
+        throw nb::value_error(("side_b_gate: rank " + str(side_k) +
+                               " must be a multiple of 8 with k_base + 2*rank <= a's columns " +
+                               str(lda))
+                                  .c_str());
+      if (!std::isfinite(side_scale)) throw nb::value_error("side_scale: expected a finite value");
+      params.a_side_gate = tma_2d("a (q1 columns)", static_cast<const uint16_t*>(a.data()) + k_base,
+                                  rows, side_k, lda, block_m);
+      params.a_side_up =
+          tma_2d("a (q3 columns)", static_cast<const uint16_t*>(a.data()) + k_base + side_k, rows,
+                 side_k, lda, block_m);
+      params.b_side_gate = tma_2d("side_b_gate", side_b_gate->data(), experts * (n_base / 2),
+                                  side_k, side_k, kernels.block_n / 2);
+      params.b_side_up = tma_2d("side_b_up", side_b_up->data(), experts * (n_base / 2), side_k,
+                                side_k, kernels.block_n / 2);
+    }
+  } else {
+    if (side_b_gate || side_b_up)
+      throw nb::value_error("side_b_gate: the K side segment needs the gated epilogue");
+    if (b_extra) {
+      check_tensor("b_extra", *b_extra, bfloat16_dtype(), {experts, -1, k_base}, device);
+      n_extra = b_extra->shape(1);
+      params.b_extra =
+          tma_2d("b_extra", b_extra->data(), experts * n_extra, k_base, k_base, kernels.block_n);
+    }
+    if ((n_base + n_extra) % 2 != 0 || n_base % 2 != 0)
+      throw nb::value_error("b: output columns must be even (BF16 pairs are stored together)");
+    check_tensor("out", out, bfloat16_dtype(), {rows, n_base + n_extra}, device);
+  }
+
+  params.a = tma_2d("a", a.data(), rows, k_base, lda, block_m);
+  params.b = tma_2d("b", b.data(), experts * n_base, k_base, k_base, kernels.block_n);
+  params.expert_pool_offsets = static_cast<const int32_t*>(expert_pool_offsets.data());
+  params.out = out.data();
+  params.out_stride = out.shape(1);
+  params.num_experts = static_cast<int32_t>(experts);
+  params.k_base = static_cast<int32_t>(k_base);
+  params.n_base = static_cast<int32_t>(n_base);
+  params.n_extra = static_cast<int32_t>(n_extra);
+  params.side_k = static_cast<int32_t>(side_k);
+  params.side_scale = static_cast<float>(side_scale);
+  params.activation = activation;
+  params.activation_clamp = static_cast<float>(activation_clamp);
+
+  int current_device = -1;
+  cuda_check(cudaGetDevice(&current_device), "cudaGetDevice");
+  if (current_device != device)
+    throw nb::value_error(
+        ("a: on cuda:" + str(device) + " but the current device is cuda:" + str(current_device))
+            .c_str());
+  if (num_sms < 1) throw nb::value_error("num_sms: expected >= 1");
+
+  // Not a stream operation: cheap, and allowed during CUDA-graph capture.
+  cuda_check(cudaFuncSetAttribute(reinterpret_cast<const void*>(kernels.kernel),
+                                  cudaFuncAttributeMaxDynamicSharedMemorySize, kernels.smem_bytes),
+             "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(num_sms));
+  config.blockDim = dim3(static_cast<unsigned>(kernels.num_threads));
+  config.dynamicSmemBytes = static_cast<size_t>(kernels.smem_bytes);
+  config.stream = reinterpret_cast<cudaStream_t>(stream);
+  cuda_check(cudaLaunchKernelEx(&config, kernels.kernel, params), "grouped_gemm launch");
+}
+
+}  // namespace
+
+void register_grouped_gemm(nb::module_& m) {
+  m.def("grouped_gemm", &grouped_gemm, nb::arg("a"), nb::arg("k_base"), nb::arg("b"),
+        nb::arg("expert_pool_offsets"), nb::arg("out"), nb::arg("block_m"), nb::arg("gated"),
+        nb::arg("activation"), nb::arg("activation_clamp"), nb::arg("b_extra").none(),
+        nb::arg("side_b_gate").none(), nb::arg("side_b_up").none(), nb::arg("side_scale"),
+        nb::arg("num_sms"), nb::arg("stream"),
+        "Grouped GEMM over the expert pool (see kernels/grouped_gemm_params.h).");
+}
+
+}  // namespace megamoe

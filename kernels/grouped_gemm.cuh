@@ -1,0 +1,327 @@
+// The grouped GEMM engine (DESIGN §3): persistent, warp-specialized, TMA + wgmma.
+//
+// One CTA per SM walks output tiles (m_block, n_block) in a static round-robin.
+// Warpgroup 0 is the producer: one thread issues TMA loads of A and B K-blocks into a
+// ring of shared-memory stages. Warpgroups 1..BLOCK_M/64 are consumers: each owns
+// 64 rows of the tile and issues wgmma on the stages, then runs the epilogue from
+// registers. Pipeline contract per stage: `full` completes when the TMA bytes land
+// (producer arms it with the byte count); `empty` completes when every consumer warp
+// has finished the wgmma that read the stage. Both roles walk the same tile and
+// K-step sequence, so stage index and phase stay in lock step without messages.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cutlass/arch/barrier.h>
+
+#include <cute/arch/copy_sm90_tma.hpp>
+#include <cute/arch/mma_sm90_desc.hpp>
+#include <cute/arch/mma_sm90_gmma.hpp>
+#include <utility>
+
+#include "grouped_gemm_params.h"
+
+namespace megamoe::kernels {
+
+namespace gemm {
+
+using FullBarrier = cutlass::arch::ClusterTransactionBarrier;
+using EmptyBarrier = cutlass::arch::ClusterBarrier;
+
+constexpr int kWarpgroupThreads = 128;
+constexpr int kSwizzleBytes = 128;          // TMA + wgmma 128-byte swizzle
+constexpr int kRowBytes = kGemmBlockK * 2;  // one K-block row of BF16
+// TMA's L2 cache-policy operand must be a valid policy word (0 is not one).
+constexpr uint64_t kCacheHint = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_NORMAL);
+static_assert(kRowBytes == kSwizzleBytes, "a K-block row must be one swizzle span");
+
+template <int BlockM, int BlockN>
+struct Tile {
+  static constexpr int kConsumers = BlockM / 64;  // wgmma M is 64 per warpgroup
+  static constexpr int kThreads = (kConsumers + 1) * kWarpgroupThreads;
+  static constexpr int kABytes = BlockM * kRowBytes;
+  static constexpr int kBBytes = BlockN * kRowBytes;
+  static constexpr int kStageBytes = kABytes + kBBytes;
+  // As many stages as fit next to the barriers (227 KB of shared memory per CTA).
+  static constexpr int kStages = (220 * 1024) / kStageBytes > 8 ? 8 : (220 * 1024) / kStageBytes;
+  static constexpr int kSmemBytes = kStages * kStageBytes + 2 * kStages * 8 + 1024;
+};
+
+// wgmma shared-memory descriptor of a K-major, 128-byte-swizzled tile whose rows are
+// 128 bytes: 8-row swizzle atoms are 1024 bytes apart (stride byte offset).
+__device__ __forceinline__ uint64_t smem_descriptor(const void* smem) {
+  cute::GmmaDescriptor desc;
+  desc.bitfield.start_address_ = static_cast<uint16_t>(cute::cast_smem_ptr_to_uint(smem) >> 4);
+  desc.bitfield.leading_byte_offset_ = 1;  // unused for swizzled K-major layouts
+  desc.bitfield.stride_byte_offset_ = 1024 >> 4;
+  desc.bitfield.base_offset_ = 0;
+  desc.bitfield.layout_type_ = 1;  // SWIZZLE_128B
+  return desc.desc_;
+}
+
+// Advance a descriptor along K by 16 elements (32 bytes) inside the swizzle span: the
+// hardware applies the swizzle to the computed address, so a plain offset is right.
+__device__ __forceinline__ uint64_t advance_k16(uint64_t desc, int k16) {
+  return desc + static_cast<uint64_t>((k16 * 32) >> 4);
+}
+
+template <int N>
+struct Wgmma;
+
+template <>
+struct Wgmma<128> {
+  using Op = cute::SM90::GMMA::MMA_64x128x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,
+                                                            cute::SM90::GMMA::Major::K>;
+  template <size_t... I>
+  __device__ __forceinline__ static void run(uint64_t a, uint64_t b, float* d, bool accumulate,
+                                             std::index_sequence<I...>) {
+    Op::fma(a, b, d[I]...,
+            accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
+  }
+  __device__ __forceinline__ static void mma(uint64_t a, uint64_t b, float* d, bool accumulate) {
+    run(a, b, d, accumulate, std::make_index_sequence<64>{});
+  }
+};
+
+template <>
+struct Wgmma<64> {
+  using Op = cute::SM90::GMMA::MMA_64x64x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,
+                                                           cute::SM90::GMMA::Major::K>;
+  template <size_t... I>
+  __device__ __forceinline__ static void run(uint64_t a, uint64_t b, float* d, bool accumulate,
+                                             std::index_sequence<I...>) {
+    Op::fma(a, b, d[I]...,
+            accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
+  }
+  __device__ __forceinline__ static void mma(uint64_t a, uint64_t b, float* d, bool accumulate) {
+    run(a, b, d, accumulate, std::make_index_sequence<32>{});
+  }
+};
+
+// The expert owning pool row `row`: the last e with offsets[e] <= row (binary search;
+// empty experts have zero-length segments and are skipped by the `<=`).
+__device__ __forceinline__ int expert_of_row(const int32_t* offsets, int num_experts, int row) {
+  int lo = 0, hi = num_experts - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (__ldg(offsets + mid) <= row)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  return lo;
+}
+
+// The K-steps of one tile: side steps (gate then up), then base steps.
+struct TileSchedule {
+  int side_steps_per_half;  // ceil(side_k / 64) for each of gate and up (0: no side)
+  int base_steps;           // ceil(k_base / 64)
+  __device__ __forceinline__ int total() const { return 2 * side_steps_per_half + base_steps; }
+};
+
+// Stage ring position shared by producer and consumers.
+struct RingState {
+  int stage = 0;
+  uint32_t phase = 0;
+  template <int Stages>
+  __device__ __forceinline__ void advance() {
+    if (++stage == Stages) {
+      stage = 0;
+      phase ^= 1u;
+    }
+  }
+};
+
+__device__ __forceinline__ float activate(float gate, int activation) {
+  if (activation == static_cast<int>(Activation::GeGLU)) {
+    const float inner = 0.7978845608028654f * (gate + 0.044715f * gate * gate * gate);
+    return 0.5f * gate * (1.0f + tanhf(inner));
+  }
+  return gate / (1.0f + expf(-gate));
+}
+
+__device__ __forceinline__ float round_bf16(float v) {
+  return __bfloat162float(__float2bfloat16_rn(v));
+}
+
+}  // namespace gemm
+
+template <int BlockM, int BlockN, Epilogue kEpilogue>
+__global__ void __launch_bounds__(gemm::Tile<BlockM, BlockN>::kThreads, 1)
+    grouped_gemm_kernel(const __grid_constant__ GroupedGemmParams p) {
+  using namespace gemm;
+  using T = Tile<BlockM, BlockN>;
+  static_assert(BlockN == 128, "the epilogues assume 128-column tiles (64 gate + 64 up)");
+  constexpr bool kGated = kEpilogue == Epilogue::GatedActivation;
+
+  extern __shared__ __align__(1024) uint8_t smem[];
+  // 1024-byte alignment: the 128-byte swizzle pattern repeats every 8 rows of 128 bytes.
+  uint8_t* stages =
+      reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem) + 1023) & ~uintptr_t{1023});
+  uint64_t* full = reinterpret_cast<uint64_t*>(stages + T::kStages * T::kStageBytes);
+  uint64_t* empty = full + T::kStages;
+  auto stage_a = [&](int s) { return stages + s * T::kStageBytes; };
+  auto stage_b = [&](int s) { return stages + s * T::kStageBytes + T::kABytes; };
+
+  const int warpgroup = threadIdx.x / kWarpgroupThreads;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < T::kStages; ++s) {
+      FullBarrier::init(&full[s], 1);
+      EmptyBarrier::init(&empty[s], T::kConsumers * 4);  // one arrival per consumer warp
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+
+  const int rows_used = __ldg(p.expert_pool_offsets + p.num_experts);
+  const int m_blocks = rows_used / BlockM;
+  const int n_base_blocks = (p.n_base + BlockN - 1) / BlockN;
+  const int n_blocks = n_base_blocks + (p.n_extra + BlockN - 1) / BlockN;
+  const int num_tiles = m_blocks * n_blocks;
+  TileSchedule schedule{kGated ? (p.side_k + kGemmBlockK - 1) / kGemmBlockK : 0,
+                        (p.k_base + kGemmBlockK - 1) / kGemmBlockK};
+
+  if (warpgroup == 0) {
+    // ---- producer: one thread streams K-blocks of every tile into the ring ----
+    if (threadIdx.x != 0) return;
+    RingState ring;
+    for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+      const int m_block = tile / n_blocks;
+      const int n_block = tile % n_blocks;
+      const int row0 = m_block * BlockM;
+      const int expert = expert_of_row(p.expert_pool_offsets, p.num_experts, row0);
+      const bool extra = n_block >= n_base_blocks;
+      for (int step = 0; step < schedule.total(); ++step) {
+        EmptyBarrier::wait(&empty[ring.stage], ring.phase ^ 1u);
+        uint64_t* bar = &full[ring.stage];
+        const int side_steps = 2 * schedule.side_steps_per_half;
+        if (step < side_steps) {
+          const bool up = step >= schedule.side_steps_per_half;
+          const int k0 = (step % schedule.side_steps_per_half) * kGemmBlockK;
+          const int b_row = expert * (p.n_base / 2) + n_block * (BlockN / 2);
+          FullBarrier::arrive_and_expect_tx(bar, T::kABytes + T::kBBytes / 2);
+          cute::SM90_TMA_LOAD_2D::copy(up ? &p.a_side_up : &p.a_side_gate, bar, kCacheHint,
+                                       stage_a(ring.stage), k0, row0);
+          cute::SM90_TMA_LOAD_2D::copy(up ? &p.b_side_up : &p.b_side_gate, bar, kCacheHint,
+                                       stage_b(ring.stage), k0, b_row);
+        } else {
+          const int k0 = (step - side_steps) * kGemmBlockK;
+          const int b_row = extra ? expert * p.n_extra + (n_block - n_base_blocks) * BlockN
+                                  : expert * p.n_base + n_block * BlockN;
+          FullBarrier::arrive_and_expect_tx(bar, T::kABytes + T::kBBytes);
+          cute::SM90_TMA_LOAD_2D::copy(&p.a, bar, kCacheHint, stage_a(ring.stage), k0, row0);
+          cute::SM90_TMA_LOAD_2D::copy(extra ? &p.b_extra : &p.b, bar, kCacheHint,
+                                       stage_b(ring.stage), k0, b_row);
+        }
+        ring.template advance<T::kStages>();
+      }
+    }
+    return;
+  }
+
+  // ---- consumers: wgmma over the ring, then the epilogue from registers ----
+  const int consumer = warpgroup - 1;
+  const int warp = (threadIdx.x / 32) % 4;
+  const int lane = threadIdx.x % 32;
+  float acc[64];
+  RingState ring;
+  for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+    const int m_block = tile / n_blocks;
+    const int n_block = tile % n_blocks;
+    for (int step = 0; step < schedule.total(); ++step) {
+      FullBarrier::wait(&full[ring.stage], ring.phase);
+      const uint64_t desc_a = smem_descriptor(stage_a(ring.stage) + consumer * 64 * kRowBytes);
+      const uint64_t desc_b = smem_descriptor(stage_b(ring.stage));
+      const int side_steps = 2 * schedule.side_steps_per_half;
+      cute::warpgroup_arrive();
+      if (step < side_steps) {
+        // Side K segment: 64 gate (or up) columns from a 64-row B tile.
+        const bool up = step >= schedule.side_steps_per_half;
+        const bool first = (step % schedule.side_steps_per_half) == 0;
+        // Constant register offsets only (a dynamic one would move acc to local memory).
+#pragma unroll
+        for (int k16 = 0; k16 < kGemmBlockK / 16; ++k16) {
+          const uint64_t a = advance_k16(desc_a, k16), b = advance_k16(desc_b, k16);
+          if (up)
+            Wgmma<64>::mma(a, b, acc + 32, !(first && k16 == 0));
+          else
+            Wgmma<64>::mma(a, b, acc, !(first && k16 == 0));
+        }
+      } else {
+        const bool first = step == 0;  // no side segment: the base starts the sum
+#pragma unroll
+        for (int k16 = 0; k16 < kGemmBlockK / 16; ++k16)
+          Wgmma<128>::mma(advance_k16(desc_a, k16), advance_k16(desc_b, k16), acc,
+                          !(first && k16 == 0));
+      }
+      cute::warpgroup_commit_batch();
+      cute::warpgroup_wait<0>();
+      if (lane == 0) EmptyBarrier::arrive(&empty[ring.stage]);
+      ring.template advance<T::kStages>();
+      if (step + 1 == side_steps) {
+        // The side sum is complete: scale it before the base K loop accumulates on top,
+        // so s multiplies exactly the adapter term (FP32, no extra rounding).
+#pragma unroll
+        for (int i = 0; i < 64; ++i) acc[i] *= p.side_scale;
+      }
+    }
+
+    // Accumulator layout of m64nNk16 (per warpgroup): register 4*j + {0,1} holds row
+    // warp*16 + lane/4, columns 8*j + 2*(lane%4) + {0,1}; 4*j + {2,3} the row 8 below.
+    const int row_in_tile = consumer * 64 + warp * 16 + lane / 4;
+    const int64_t row0 = static_cast<int64_t>(m_block) * BlockM + row_in_tile;
+    __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out);
+    if constexpr (kGated) {
+      // Columns 0..63 are gate, 64..127 the matching up (prepare_base_weights' interleave):
+      // register groups j and j + 8 pair up in the same thread.
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          float h[2];
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            float gate = gemm::round_bf16(acc[4 * j + 2 * half + c]);
+            float up = gemm::round_bf16(acc[4 * (j + 8) + 2 * half + c]);
+            gate = fminf(gate, p.activation_clamp);
+            up = fminf(fmaxf(up, -p.activation_clamp), p.activation_clamp);
+            h[c] = gemm::activate(gate, p.activation) * up;
+          }
+          const int64_t col = static_cast<int64_t>(n_block) * (BlockN / 2) + 8 * j + 2 * (lane % 4);
+          const int64_t row = row0 + 8 * half;
+          *reinterpret_cast<__nv_bfloat162*>(out + row * p.out_stride + col) =
+              __floats2bfloat162_rn(h[0], h[1]);
+        }
+      }
+    } else {
+      const bool extra = n_block >= n_base_blocks;
+      const int seg_cols = extra ? p.n_extra : p.n_base;
+      const int seg_col0 = (extra ? n_block - n_base_blocks : n_block) * BlockN;
+      const int64_t out_col0 = (extra ? p.n_base : 0) + seg_col0;
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        const int col = 8 * j + 2 * (lane % 4);
+        if (seg_col0 + col >= seg_cols) continue;  // segment N tail (columns come in pairs)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int64_t row = row0 + 8 * half;
+          *reinterpret_cast<__nv_bfloat162*>(out + row * p.out_stride + out_col0 + col) =
+              __floats2bfloat162_rn(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+        }
+      }
+    }
+  }
+}
+
+template <int BlockM, int BlockN, Epilogue kEpilogue>
+GroupedGemmKernels grouped_gemm_kernels() {
+  using T = gemm::Tile<BlockM, BlockN>;
+  return GroupedGemmKernels{&grouped_gemm_kernel<BlockM, BlockN, kEpilogue>,
+                            BlockM,
+                            BlockN,
+                            T::kThreads,
+                            T::kSmemBytes,
+                            kEpilogue};
+}
+
+}  // namespace megamoe::kernels

@@ -1,0 +1,64 @@
+// Grouped GEMM engine: the parameter block and kernel table shared by device and
+// host code. Plain C++ plus the driver's CUtensorMap type (header only, no link).
+#pragma once
+
+#include <cuda.h>
+
+#include <cstdint>
+
+namespace megamoe {
+
+// Epilogues are template parameters: they change the register use of the kernel.
+enum class Epilogue { Store, GatedActivation };
+
+// Activations are runtime parameters (DESIGN §2: keep the variant count small).
+enum class Activation : int32_t { SwiGLU = 0, GeGLU = 1 };
+
+// K of one pipeline stage: one 128-byte swizzle row of BF16, the TMA box width.
+constexpr int kGemmBlockK = 64;
+
+// C[m, n] = sum_k A[m, k] * B_e[n, k] over the pool, e = the expert owning row m.
+//
+// A is the pool (rows sorted by expert, each segment padded to BLOCK_M), so every M
+// tile belongs to one expert. B is K-major per expert (nn.Linear layout), flattened to
+// [E * rows_per_expert, K] so one 2-D tensor map serves every expert.
+//
+// Segments (all optional but the base):
+//  - K side segments (GatedActivation only): two extra reductions over `side_k`
+//    columns, gate half from (a_side_gate, b_side_gate), up half from (a_side_up,
+//    b_side_up); their sum is scaled by `side_scale` before the base K loop adds on.
+//  - N extra segment (Store only): `n_extra` more output columns from b_extra.
+struct GroupedGemmParams {
+  CUtensorMap a;            // [pool rows, k_base] BF16, box [BLOCK_M, 64]
+  CUtensorMap b;            // [E * n_base, k_base] BF16, box [BLOCK_N, 64]
+  CUtensorMap a_side_gate;  // [pool rows, side_k] BF16 (q1 columns), box [BLOCK_M, 64]
+  CUtensorMap a_side_up;    // [pool rows, side_k] BF16 (q3 columns), box [BLOCK_M, 64]
+  CUtensorMap b_side_gate;  // [E * I, side_k] BF16 (b1 transposed), box [BLOCK_N / 2, 64]
+  CUtensorMap b_side_up;    // [E * I, side_k] BF16 (b3 transposed), box [BLOCK_N / 2, 64]
+  CUtensorMap b_extra;      // [E * n_extra, k_base] BF16 (a2 transposed), box [BLOCK_N, 64]
+
+  const int32_t* expert_pool_offsets;  // [E + 1] segment starts; [E] = pool rows in use
+  void* out;                           // BF16 [pool rows, out_stride]
+  int64_t out_stride;                  // elements between output rows
+  int32_t num_experts;
+  int32_t k_base;          // reduction length of the base segment
+  int32_t n_base;          // output columns of the base segment (B rows per expert)
+  int32_t n_extra;         // extra output columns (0: none)
+  int32_t side_k;          // K of each side segment (0: none)
+  float side_scale;        // scale of the side segments' sum
+  int32_t activation;      // Activation, GatedActivation only
+  float activation_clamp;  // +inf: no clamp
+};
+
+using GroupedGemmKernel = void (*)(GroupedGemmParams);
+
+struct GroupedGemmKernels {
+  GroupedGemmKernel kernel;
+  int block_m;
+  int block_n;
+  int num_threads;
+  int smem_bytes;
+  Epilogue epilogue;
+};
+
+}  // namespace megamoe

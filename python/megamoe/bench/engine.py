@@ -1,0 +1,90 @@
+"""``python -m megamoe.bench.engine``: the engine as a plain grouped GEMM vs
+``torch._grouped_mm`` at the ep4rank GEMM1 and GEMM2 shapes, in one run.
+
+Both compute the same products over the same routed rows (balanced routing: the
+pool has no padding at BLOCK_M 128, so FLOPs are equal). CUDA-event medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+import megamoe as mm
+from megamoe.grouped_gemm import gated_grouped_gemm, grouped_gemm
+from megamoe.testing.inputs import make_routing
+
+from .timing import time_fn
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--tokens", type=int, default=65536)
+    parser.add_argument("--experts", type=int, default=64)
+    parser.add_argument("--top-k", type=int, default=6)
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--intermediate", type=int, default=2048)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    device = torch.device("cuda")
+    ids, _ = make_routing(args.tokens, args.experts, args.top_k, kind="balanced", seed=0)
+    block_m = mm.get_block_m(args.tokens, args.top_k, args.experts)
+    plan = mm.plan_routes(ids.to(device), args.experts, block_m)
+    rows = int(plan.expert_pool_offsets[-1])
+    routes = args.tokens * args.top_k
+    counts = plan.expert_counts.to(torch.int64)
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    gen = torch.Generator(device=device).manual_seed(0)
+    h, i, e = args.hidden, args.intermediate, args.experts
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, device=device, generator=gen) * scale).bfloat16()
+
+    results = []
+    shapes = {"gemm1": (h, 2 * i), "gemm2": (i, h)}
+    for name, (k, n) in shapes.items():
+        a = randn(plan.pool_capacity, k)
+        b = randn(e, n, k, scale=k**-0.5)
+        a_dense = a[:routes] if rows == routes else None
+        flops = 2.0 * routes * k * n
+        cases = {"engine": lambda a=a, b=b: grouped_gemm(a, b, plan)}
+        if name == "gemm1":
+            cases["engine+act"] = lambda a=a, b=b, k=k: gated_grouped_gemm(a, b, plan, k=k)
+        if a_dense is not None:
+            cases["torch._grouped_mm"] = lambda a=a_dense, b=b: torch._grouped_mm(
+                a, b.transpose(1, 2), offs=offs
+            )
+        for case, fn in cases.items():
+            timing = time_fn(fn, device=device, warmup=args.warmup, iters=args.iters)
+            results.append(
+                {
+                    "gemm": name,
+                    "case": case,
+                    "median_ms": timing.median_ms,
+                    "tflops": flops / timing.median_ms / 1e9,
+                }
+            )
+        del a, b
+    base = {r["gemm"]: r["median_ms"] for r in results if r["case"] == "torch._grouped_mm"}
+    print(f"T={args.tokens} E={e} K={args.top_k} H={h} I={i} BLOCK_M={block_m} rows={rows}")
+    print(f"{'gemm':<6} {'case':<18} {'median ms':>10} {'TFLOP/s':>8} {'vs torch':>9}")
+    for r in results:
+        ratio = f"{base[r['gemm']] / r['median_ms']:.2f}x" if r["gemm"] in base else "-"
+        print(
+            f"{r['gemm']:<6} {r['case']:<18} {r['median_ms']:>10.3f} {r['tflops']:>8.1f} {ratio:>9}"
+        )
+    if args.json:
+        args.json.write_text(
+            json.dumps({"args": vars(args) | {"json": None}, "results": results}, indent=1)
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

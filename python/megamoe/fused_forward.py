@@ -1,0 +1,158 @@
+"""The fused MoE forward on the GPU (EP1, BF16 base), DESIGN §3 pipeline:
+
+route plan -> q13 = x [a1|a3] once per token -> gather [x | q13] into the pool ->
+GEMM1 + side K segment + gated activation -> GEMM2 + a2 N segment -> per-token
+side sum -> b2 expand once per token -> combine (k summed in order, FP32).
+
+No host synchronisation except the optional id check. A zero adapter scale takes the
+no-adapter path, so its output is bitwise the no-adapter output.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import pool
+from ._checks import check_choice, check_tensor
+from .grouped_gemm import ACTIVATIONS, gated_grouped_gemm, grouped_gemm
+from .heuristics import get_block_m
+from .routing import plan_routes
+from .side_lora import SideLoRA
+from .weights import BaseWeights
+
+
+def check_forward_inputs(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    base: BaseWeights,
+    side: SideLoRA | None,
+    activation: str,
+    activation_clamp: float | None,
+) -> None:
+    """Every argument check of the fused forward, before any launch."""
+    if not isinstance(base, BaseWeights):
+        raise TypeError(f"base: expected megamoe.BaseWeights, got {type(base).__name__}")
+    if base.format != "bf16":
+        raise ValueError(
+            f"base: format {base.format!r} has no fused kernels yet (MXFP4 decode lands "
+            "with issue 5); use format='bf16'"
+        )
+    device = base.device
+    if device.type != "cuda":
+        raise ValueError(f"base: expected CUDA weights for the fused path, got {device}")
+    check_tensor(
+        "x",
+        x,
+        shape=(None, base.hidden),
+        dtypes=(torch.bfloat16,),
+        device=device,
+        contiguous=True,
+        alignment=16,
+    )
+    num_tokens = x.shape[0]
+    if num_tokens < 1:
+        raise ValueError("x: expected at least one token")
+    check_tensor(
+        "topk_ids",
+        topk_ids,
+        shape=(num_tokens, None),
+        dtypes=(torch.int32, torch.int64),
+        device=device,
+        contiguous=True,
+    )
+    check_tensor(
+        "topk_weights",
+        topk_weights,
+        shape=tuple(topk_ids.shape),
+        dtypes=(torch.float32,),
+        device=device,
+        contiguous=True,
+    )
+    check_choice("activation", activation, tuple(ACTIVATIONS))
+    if activation_clamp is not None and not (
+        isinstance(activation_clamp, (int, float)) and 0 < float(activation_clamp) < float("inf")
+    ):
+        raise ValueError(
+            f"activation_clamp: expected a positive finite float or None, got {activation_clamp!r}"
+        )
+    if side is not None:
+        if not isinstance(side, SideLoRA):
+            raise TypeError(f"side: expected megamoe.SideLoRA or None, got {type(side).__name__}")
+        if side.dtype != torch.bfloat16 or side.device != device:
+            raise TypeError(
+                f"side: expected bfloat16 tensors on {device}, got {side.dtype} on {side.device}"
+            )
+        dims = (side.hidden, side.intermediate, side.num_experts)
+        if dims != (base.hidden, base.intermediate, base.num_experts):
+            raise ValueError(
+                f"side: (H, I, E_l) = {dims} does not match base "
+                f"{(base.hidden, base.intermediate, base.num_experts)}"
+            )
+
+
+def moe_forward(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    base: BaseWeights,
+    side: SideLoRA | None = None,
+    *,
+    activation: str = "swiglu",
+    activation_clamp: float | None = None,
+    check_ids: bool = True,
+) -> torch.Tensor:
+    """``out [T, H]`` BF16 of DESIGN §1 on the fused kernels (see module docstring).
+
+    ``check_ids`` rejects expert ids outside ``[-1, E_l)`` with a ``ValueError``; it
+    reads two values back to the host, so pass ``False`` under CUDA-graph capture
+    (out-of-range ids then count as masked).
+    """
+    check_forward_inputs(x, topk_ids, topk_weights, base, side, activation, activation_clamp)
+    num_tokens, top_k = topk_ids.shape
+    experts = base.num_experts
+    if check_ids and topk_ids.numel():
+        low, high = int(topk_ids.min()), int(topk_ids.max())
+        if low < -1 or high >= experts:
+            raise ValueError(
+                f"topk_ids: expected expert ids in [-1, {experts}), got values in [{low}, {high}]"
+            )
+    block_m = get_block_m(num_tokens, top_k, experts)
+    plan = plan_routes(topk_ids, experts, block_m, check_ids=False)
+
+    # A zero scale contributes exact zeros: take the no-adapter path (bitwise equal).
+    use_side = side is not None and side.scale != 0.0
+    q13 = None
+    side_gemm1 = {}
+    b_extra = None
+    if use_side:
+        q13 = torch.cat([x @ side.a1, x @ side.a3], dim=1)  # [T, 2r], once per token
+        side_gemm1 = dict(
+            side_b_gate=side.b1.transpose(1, 2).contiguous(),  # [E, I, r]
+            side_b_up=side.b3.transpose(1, 2).contiguous(),
+            side_scale=side.scale,
+        )
+        b_extra = side.a2.transpose(1, 2).contiguous()  # [E, r, I]
+    pool_input = pool.gather_pool(x, q13, plan)
+    hidden_pool = gated_grouped_gemm(
+        pool_input,
+        base.w13,
+        plan,
+        k=base.hidden,
+        activation=activation,
+        activation_clamp=activation_clamp,
+        **side_gemm1,
+    )
+    pool_output = grouped_gemm(hidden_pool, base.w2, plan, b_extra=b_extra)
+    side_expand = None
+    if use_side:
+        p_sum = pool.side_sum(pool_output, plan, topk_weights, base.hidden)  # [T, r]
+        side_expand = p_sum @ side.b2  # [T, H], once per token
+    return pool.combine(
+        pool_output,
+        plan,
+        topk_weights,
+        side_expand,
+        scale=side.scale if use_side else 0.0,
+        hidden=base.hidden,
+    )

@@ -1,0 +1,212 @@
+"""The grouped GEMM engine over the expert pool (kernels/grouped_gemm.cuh).
+
+Two entry points, both on torch's current stream with no host synchronisation:
+
+- :func:`grouped_gemm` (Store epilogue): ``out[rows of e] = a[rows of e, :k] @ b[e]^T``
+  plus optional extra output columns from ``b_extra`` (the N segment GEMM2 uses for
+  the ``a2`` shrink).
+- :func:`gated_grouped_gemm` (GatedActivation epilogue): GEMM1 with the gate/up
+  interleave of :func:`~megamoe.weights.prepare_base_weights`, the optional side K
+  segment (``s * (q1 b1 | q3 b3)``), and ``h = act(g) * u`` written as BF16.
+
+The torch references (:func:`grouped_gemm_reference`, :func:`gated_grouped_gemm_reference`)
+compute the same math per expert in float64 for tests.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import _native
+from ._checks import check_choice, check_tensor
+from .env import num_sms as resolve_device_sms
+from .routing import RoutePlan
+
+ACTIVATIONS = {"swiglu": 0, "geglu": 1}
+
+
+def _device_sms(device: torch.device) -> int:
+    return resolve_device_sms(device.index if device.index is not None else None)
+
+
+def grouped_gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    plan: RoutePlan,
+    *,
+    k: int | None = None,
+    b_extra: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Pool GEMM with the Store epilogue.
+
+    Args:
+        a: ``[pool rows, >= k]`` BF16 pool (rows grouped as ``plan`` says).
+        b: ``[E, N, k]`` BF16 expert weights, K-major (nn.Linear layout).
+        plan: the route plan (only ``expert_pool_offsets`` and ``block_m`` are read).
+        k: reduction length (defaults to ``b.shape[2]``); columns of ``a`` past it are
+            ignored.
+        b_extra: optional ``[E, N_x, k]`` BF16: ``N_x`` more output columns.
+        out: optional ``[pool rows, N + N_x]`` BF16 output.
+
+    Returns:
+        ``out`` ``[pool rows, N + N_x]`` BF16. Rows at or past the rows in use are not
+        written.
+    """
+    check_tensor("a", a, ndim=2, dtypes=(torch.bfloat16,), contiguous=True)
+    check_tensor("b", b, ndim=3, dtypes=(torch.bfloat16,), device=a.device, contiguous=True)
+    k = b.shape[2] if k is None else k
+    n_total = b.shape[1] + (0 if b_extra is None else b_extra.shape[1])
+    if out is None:
+        out = torch.empty(a.shape[0], n_total, dtype=torch.bfloat16, device=a.device)
+    dl = _native.dlpack
+    with torch.cuda.device(a.device):
+        _native.native().grouped_gemm(
+            dl(a),
+            k,
+            dl(b),
+            dl(plan.expert_pool_offsets),
+            dl(out),
+            plan.block_m,
+            False,
+            0,
+            math.inf,
+            None if b_extra is None else dl(b_extra),
+            None,
+            None,
+            0.0,
+            _device_sms(a.device),
+            _native.current_stream(a.device),
+        )
+    return out
+
+
+def gated_grouped_gemm(
+    a: torch.Tensor,
+    w13: torch.Tensor,
+    plan: RoutePlan,
+    *,
+    k: int,
+    activation: str = "swiglu",
+    activation_clamp: float | None = None,
+    side_b_gate: torch.Tensor | None = None,
+    side_b_up: torch.Tensor | None = None,
+    side_scale: float = 0.0,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """GEMM1 + gated activation over the pool.
+
+    Args:
+        a: ``[pool rows, k + 2r]`` BF16: ``[x | q1 | q3]`` per row (``r = 0``: ``[x]``).
+        w13: ``[E, 2I, k]`` BF16 in the kernel's gate/up interleave.
+        plan: the route plan.
+        k: hidden size ``H`` (the base reduction).
+        activation: ``"swiglu"`` or ``"geglu"``; ``activation_clamp``: ``c`` or None.
+        side_b_gate, side_b_up: ``[E, I, r]`` BF16 (``b1``, ``b3`` transposed), or None.
+        side_scale: the adapter scale ``s``.
+        out: optional ``[pool rows, I]`` BF16.
+
+    Returns:
+        ``h`` ``[pool rows, I]`` BF16.
+    """
+    check_choice("activation", activation, tuple(ACTIVATIONS))
+    check_tensor("a", a, ndim=2, dtypes=(torch.bfloat16,), contiguous=True)
+    check_tensor("w13", w13, ndim=3, dtypes=(torch.bfloat16,), device=a.device, contiguous=True)
+    if out is None:
+        out = torch.empty(a.shape[0], w13.shape[1] // 2, dtype=torch.bfloat16, device=a.device)
+    clamp = math.inf if activation_clamp is None else float(activation_clamp)
+    dl = _native.dlpack
+    with torch.cuda.device(a.device):
+        _native.native().grouped_gemm(
+            dl(a),
+            k,
+            dl(w13),
+            dl(plan.expert_pool_offsets),
+            dl(out),
+            plan.block_m,
+            True,
+            ACTIVATIONS[activation],
+            clamp,
+            None,
+            None if side_b_gate is None else dl(side_b_gate),
+            None if side_b_up is None else dl(side_b_up),
+            float(side_scale),
+            _device_sms(a.device),
+            _native.current_stream(a.device),
+        )
+    return out
+
+
+def _expert_rows(plan: RoutePlan) -> list[tuple[int, int, int]]:
+    offsets = plan.expert_pool_offsets.tolist()
+    return [(e, offsets[e], offsets[e + 1]) for e in range(len(offsets) - 1)]
+
+
+def grouped_gemm_reference(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    plan: RoutePlan,
+    *,
+    k: int | None = None,
+    b_extra: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Float64 ``[rows in use, N + N_x]`` of :func:`grouped_gemm` (not rounded)."""
+    k = b.shape[2] if k is None else k
+    rows = int(plan.expert_pool_offsets[-1])
+    cols = b.shape[1] + (0 if b_extra is None else b_extra.shape[1])
+    out = torch.zeros(rows, cols, dtype=torch.float64, device=a.device)
+    for e, start, end in _expert_rows(plan):
+        if end == start:
+            continue
+        x = a[start:end, :k].double()
+        weights = b[e] if b_extra is None else torch.cat([b[e], b_extra[e]], 0)
+        out[start:end] = x @ weights.double().T
+    return out
+
+
+def gated_grouped_gemm_reference(
+    a: torch.Tensor,
+    w13: torch.Tensor,
+    plan: RoutePlan,
+    *,
+    k: int,
+    activation: str = "swiglu",
+    activation_clamp: float | None = None,
+    side_b_gate: torch.Tensor | None = None,
+    side_b_up: torch.Tensor | None = None,
+    side_scale: float = 0.0,
+    interleave: int = 64,
+) -> torch.Tensor:
+    """Float64 ``h`` ``[rows in use, I]`` of :func:`gated_grouped_gemm` with the kernel's
+    rounding points (``g``, ``u`` rounded to BF16 before the clamp; ``h`` not rounded)."""
+    rows = int(plan.expert_pool_offsets[-1])
+    intermediate = w13.shape[1] // 2
+    blocks = intermediate // interleave
+    h = torch.zeros(rows, intermediate, dtype=torch.float64, device=a.device)
+    rank = 0 if side_b_gate is None else side_b_gate.shape[2]
+    for e, start, end in _expert_rows(plan):
+        if end == start:
+            continue
+        w = w13[e].double().view(blocks, 2, interleave, k)
+        gate_w, up_w = w[:, 0].reshape(intermediate, k), w[:, 1].reshape(intermediate, k)
+        x = a[start:end, :k].double()
+        g, u = x @ gate_w.T, x @ up_w.T
+        if rank:
+            q1 = a[start:end, k : k + rank].double()
+            q3 = a[start:end, k + rank : k + 2 * rank].double()
+            g = g + side_scale * (q1 @ side_b_gate[e].double().T)
+            u = u + side_scale * (q3 @ side_b_up[e].double().T)
+        g = g.to(torch.bfloat16).double()
+        u = u.to(torch.bfloat16).double()
+        if activation_clamp is not None:
+            g = g.clamp(max=activation_clamp)
+            u = u.clamp(-activation_clamp, activation_clamp)
+        act = (
+            torch.nn.functional.silu(g)
+            if activation == "swiglu"
+            else (torch.nn.functional.gelu(g, approximate="tanh"))
+        )
+        h[start:end] = act * u
+    return h
