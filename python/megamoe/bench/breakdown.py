@@ -1,0 +1,59 @@
+"""``python -m megamoe.bench.breakdown``: per-kernel GPU time of one fused forward.
+
+Runs the fused forward at a bench shape under torch.profiler (after warm-up) and
+prints each kernel's total CUDA time over ``--iters`` calls, divided by ``--iters``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import megamoe as mm
+from megamoe.testing.inputs import make_layer
+
+from .shapes import SHAPES
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="ep4rank")
+    parser.add_argument("--iters", type=int, default=5)
+    args = parser.parse_args(argv)
+    s = SHAPES[args.shape]
+    layer = make_layer(
+        s.hidden,
+        s.intermediate,
+        s.num_local_experts,
+        s.top_k,
+        s.side_rank,
+        num_tokens=s.num_tokens,
+        device="cuda",
+    )
+    with torch.no_grad():
+        for _ in range(3):
+            layer.call(mm.moe)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.iters):
+                layer.call(mm.moe)
+            torch.cuda.synchronize()
+    rows = []
+    for event in prof.key_averages():
+        device_us = event.device_time_total
+        if device_us > 0:
+            rows.append((device_us / args.iters / 1e3, event.count // args.iters, event.key))
+    rows.sort(reverse=True)
+    total = sum(r[0] for r in rows)
+    print(f"{args.shape}: per forward call, {total:.2f} ms of kernel time")
+    print(f"{'ms':>8} {'share':>6} {'calls':>5}  kernel")
+    for ms, calls, name in rows:
+        print(f"{ms:8.3f} {ms / total:6.1%} {calls:5d}  {name[:90]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
