@@ -65,21 +65,25 @@ CUtensorMap tma_2d(const char* name, const void* base, int64_t rows, int64_t col
   return map;
 }
 
-const GroupedGemmKernels& select_variant(int block_m, Epilogue epilogue) {
+const GroupedGemmKernels& select_variant(int block_m, int block_n, Epilogue epilogue) {
   for (const auto& variant : variants::kGroupedGemmVariants) {
     const Epilogue e = std::string(variant.epilogue) == "GatedActivation"
                            ? Epilogue::GatedActivation
                            : Epilogue::Store;
-    if (variant.block_m == block_m && e == epilogue) return *variant.kernels;
+    if (variant.block_m == block_m && variant.block_n == block_n && e == epilogue)
+      return *variant.kernels;
   }
-  throw nb::value_error(("block_m: no grouped GEMM variant for BLOCK_M " + str(block_m)).c_str());
+  throw nb::value_error(("block_m/block_n: no grouped GEMM variant for BLOCK_M " + str(block_m) +
+                         ", BLOCK_N " + str(block_n))
+                            .c_str());
 }
 
 void grouped_gemm(const Tensor& a, int64_t k_base, const Tensor& b,
-                  const Tensor& expert_pool_offsets, const Tensor& out, int block_m, bool gated,
-                  int activation, double activation_clamp, std::optional<Tensor> b_extra,
-                  std::optional<Tensor> side_b_gate, std::optional<Tensor> side_b_up,
-                  double side_scale, int num_sms, uintptr_t stream) {
+                  const Tensor& expert_pool_offsets, const Tensor& out, int block_m, int block_n,
+                  bool gated, int activation, double activation_clamp,
+                  std::optional<Tensor> b_extra, std::optional<Tensor> side_b_gate,
+                  std::optional<Tensor> side_b_up, double side_scale, int num_sms,
+                  uintptr_t stream) {
   const int device = a.device_id();
   check_tensor("a", a, bfloat16_dtype(), {-1, -1}, device);
   const int64_t rows = a.shape(0), lda = a.shape(1);
@@ -94,7 +98,7 @@ void grouped_gemm(const Tensor& a, int64_t k_base, const Tensor& b,
     throw nb::value_error(
         ("a: pool rows " + str(rows) + " are not a multiple of BLOCK_M " + str(block_m)).c_str());
   const GroupedGemmKernels& kernels =
-      select_variant(block_m, gated ? Epilogue::GatedActivation : Epilogue::Store);
+      select_variant(block_m, block_n, gated ? Epilogue::GatedActivation : Epilogue::Store);
 
   GroupedGemmParams params{};
   int64_t side_k = 0, n_extra = 0;
@@ -189,10 +193,10 @@ void grouped_gemm(const Tensor& a, int64_t k_base, const Tensor& b,
 
 void register_grouped_gemm(nb::module_& m) {
   m.def("grouped_gemm", &grouped_gemm, nb::arg("a"), nb::arg("k_base"), nb::arg("b"),
-        nb::arg("expert_pool_offsets"), nb::arg("out"), nb::arg("block_m"), nb::arg("gated"),
-        nb::arg("activation"), nb::arg("activation_clamp"), nb::arg("b_extra").none(),
-        nb::arg("side_b_gate").none(), nb::arg("side_b_up").none(), nb::arg("side_scale"),
-        nb::arg("num_sms"), nb::arg("stream"),
+        nb::arg("expert_pool_offsets"), nb::arg("out"), nb::arg("block_m"), nb::arg("block_n"),
+        nb::arg("gated"), nb::arg("activation"), nb::arg("activation_clamp"),
+        nb::arg("b_extra").none(), nb::arg("side_b_gate").none(), nb::arg("side_b_up").none(),
+        nb::arg("side_scale"), nb::arg("num_sms"), nb::arg("stream"),
         "Grouped GEMM over the expert pool (see kernels/grouped_gemm_params.h).");
 }
 

@@ -13,6 +13,7 @@
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
 
 #include <cute/arch/copy_sm90_tma.hpp>
 #include <cute/arch/mma_sm90_desc.hpp>
@@ -84,6 +85,21 @@ struct Wgmma<128> {
 };
 
 template <>
+struct Wgmma<256> {
+  using Op = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,
+                                                            cute::SM90::GMMA::Major::K>;
+  template <size_t... I>
+  __device__ __forceinline__ static void run(uint64_t a, uint64_t b, float* d, bool accumulate,
+                                             std::index_sequence<I...>) {
+    Op::fma(a, b, d[I]...,
+            accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
+  }
+  __device__ __forceinline__ static void mma(uint64_t a, uint64_t b, float* d, bool accumulate) {
+    run(a, b, d, accumulate, std::make_index_sequence<128>{});
+  }
+};
+
+template <>
 struct Wgmma<64> {
   using Op = cute::SM90::GMMA::MMA_64x64x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,
                                                            cute::SM90::GMMA::Major::K>;
@@ -151,7 +167,11 @@ __global__ void __launch_bounds__(gemm::Tile<BlockM, BlockN>::kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ GroupedGemmParams p) {
   using namespace gemm;
   using T = Tile<BlockM, BlockN>;
-  static_assert(BlockN == 128, "the epilogues assume 128-column tiles (64 gate + 64 up)");
+  static_assert(BlockN == 128 || BlockN == 256, "tiles hold whole 64-column gate/up pairs");
+  // Accumulator registers per consumer thread (m64 x BlockN FP32 over 128 threads), and
+  // the 64-column gate/up interleave blocks one tile spans.
+  constexpr int kAccRegs = BlockN / 2;
+  constexpr int kGatePairs = BlockN / 128;
   constexpr bool kGated = kEpilogue == Epilogue::GatedActivation;
 
   extern __shared__ __align__(1024) uint8_t smem[];
@@ -164,6 +184,10 @@ __global__ void __launch_bounds__(gemm::Tile<BlockM, BlockN>::kThreads, 1)
   auto stage_b = [&](int s) { return stages + s * T::kStageBytes + T::kABytes; };
 
   const int warpgroup = threadIdx.x / kWarpgroupThreads;
+  // 256-column tiles need 128 accumulator registers per consumer thread: move registers
+  // from the producer (one issuing thread) to the consumers, as Hopper allows per
+  // warpgroup. 40 + 2 x 232 registers x 128 threads fit the 64K register file.
+  constexpr bool kReallocate = BlockN == 256 && T::kConsumers == 2;
   if (threadIdx.x == 0) {
     for (int s = 0; s < T::kStages; ++s) {
       FullBarrier::init(&full[s], 1);
@@ -183,6 +207,7 @@ __global__ void __launch_bounds__(gemm::Tile<BlockM, BlockN>::kThreads, 1)
 
   if (warpgroup == 0) {
     // ---- producer: one thread streams K-blocks of every tile into the ring ----
+    if constexpr (kReallocate) cutlass::arch::warpgroup_reg_dealloc<40>();
     if (threadIdx.x != 0) return;
     RingState ring;
     for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
@@ -220,10 +245,11 @@ __global__ void __launch_bounds__(gemm::Tile<BlockM, BlockN>::kThreads, 1)
   }
 
   // ---- consumers: wgmma over the ring, then the epilogue from registers ----
+  if constexpr (kReallocate) cutlass::arch::warpgroup_reg_alloc<232>();
   const int consumer = warpgroup - 1;
   const int warp = (threadIdx.x / 32) % 4;
   const int lane = threadIdx.x % 32;
-  float acc[64];
+  float acc[kAccRegs];
   RingState ring;
   for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
     const int m_block = tile / n_blocks;
@@ -235,24 +261,30 @@ __global__ void __launch_bounds__(gemm::Tile<BlockM, BlockN>::kThreads, 1)
       const int side_steps = 2 * schedule.side_steps_per_half;
       cute::warpgroup_arrive();
       if (step < side_steps) {
-        // Side K segment: 64 gate (or up) columns from a 64-row B tile.
+        // Side K segment: each 64-row block of the B tile feeds the gate (or up)
+        // columns of one interleave pair: accumulator registers 64*pair (+32 for up).
         const bool up = step >= schedule.side_steps_per_half;
         const bool first = (step % schedule.side_steps_per_half) == 0;
         // Constant register offsets only (a dynamic one would move acc to local memory).
 #pragma unroll
-        for (int k16 = 0; k16 < kGemmBlockK / 16; ++k16) {
-          const uint64_t a = advance_k16(desc_a, k16), b = advance_k16(desc_b, k16);
-          if (up)
-            Wgmma<64>::mma(a, b, acc + 32, !(first && k16 == 0));
-          else
-            Wgmma<64>::mma(a, b, acc, !(first && k16 == 0));
+        for (int pair = 0; pair < kGatePairs; ++pair) {
+          // 64 rows of 128 bytes further into the B tile (descriptor units are 16 bytes).
+          const uint64_t desc_b_pair = desc_b + static_cast<uint64_t>(pair * 64 * kRowBytes / 16);
+#pragma unroll
+          for (int k16 = 0; k16 < kGemmBlockK / 16; ++k16) {
+            const uint64_t a = advance_k16(desc_a, k16), b = advance_k16(desc_b_pair, k16);
+            if (up)
+              Wgmma<64>::mma(a, b, acc + 64 * pair + 32, !(first && k16 == 0));
+            else
+              Wgmma<64>::mma(a, b, acc + 64 * pair, !(first && k16 == 0));
+          }
         }
       } else {
         const bool first = step == 0;  // no side segment: the base starts the sum
 #pragma unroll
         for (int k16 = 0; k16 < kGemmBlockK / 16; ++k16)
-          Wgmma<128>::mma(advance_k16(desc_a, k16), advance_k16(desc_b, k16), acc,
-                          !(first && k16 == 0));
+          Wgmma<BlockN>::mma(advance_k16(desc_a, k16), advance_k16(desc_b, k16), acc,
+                             !(first && k16 == 0));
       }
       cute::warpgroup_commit_batch();
       cute::warpgroup_wait<0>();
@@ -262,7 +294,7 @@ __global__ void __launch_bounds__(gemm::Tile<BlockM, BlockN>::kThreads, 1)
         // The side sum is complete: scale it before the base K loop accumulates on top,
         // so s multiplies exactly the adapter term (FP32, no extra rounding).
 #pragma unroll
-        for (int i = 0; i < 64; ++i) acc[i] *= p.side_scale;
+        for (int i = 0; i < kAccRegs; ++i) acc[i] *= p.side_scale;
       }
     }
 
@@ -272,25 +304,30 @@ __global__ void __launch_bounds__(gemm::Tile<BlockM, BlockN>::kThreads, 1)
     const int64_t row0 = static_cast<int64_t>(m_block) * BlockM + row_in_tile;
     __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out);
     if constexpr (kGated) {
-      // Columns 0..63 are gate, 64..127 the matching up (prepare_base_weights' interleave):
-      // register groups j and j + 8 pair up in the same thread.
+      // Each 128 columns of the tile are 64 gate then the matching 64 up columns
+      // (prepare_base_weights' interleave): register groups 16*pair + j and 16*pair + j + 8
+      // pair up in the same thread.
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
+      for (int pair = 0; pair < kGatePairs; ++pair) {
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          float h[2];
+        for (int j = 0; j < 8; ++j) {
 #pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            float gate = gemm::round_bf16(acc[4 * j + 2 * half + c]);
-            float up = gemm::round_bf16(acc[4 * (j + 8) + 2 * half + c]);
-            gate = fminf(gate, p.activation_clamp);
-            up = fminf(fmaxf(up, -p.activation_clamp), p.activation_clamp);
-            h[c] = gemm::activate(gate, p.activation) * up;
+          for (int half = 0; half < 2; ++half) {
+            float h[2];
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+              float gate = gemm::round_bf16(acc[64 * pair + 4 * j + 2 * half + c]);
+              float up = gemm::round_bf16(acc[64 * pair + 4 * (j + 8) + 2 * half + c]);
+              gate = fminf(gate, p.activation_clamp);
+              up = fminf(fmaxf(up, -p.activation_clamp), p.activation_clamp);
+              h[c] = gemm::activate(gate, p.activation) * up;
+            }
+            const int64_t col =
+                static_cast<int64_t>(n_block) * (BlockN / 2) + 64 * pair + 8 * j + 2 * (lane % 4);
+            const int64_t row = row0 + 8 * half;
+            *reinterpret_cast<__nv_bfloat162*>(out + row * p.out_stride + col) =
+                __floats2bfloat162_rn(h[0], h[1]);
           }
-          const int64_t col = static_cast<int64_t>(n_block) * (BlockN / 2) + 8 * j + 2 * (lane % 4);
-          const int64_t row = row0 + 8 * half;
-          *reinterpret_cast<__nv_bfloat162*>(out + row * p.out_stride + col) =
-              __floats2bfloat162_rn(h[0], h[1]);
         }
       }
     } else {
@@ -299,7 +336,7 @@ __global__ void __launch_bounds__(gemm::Tile<BlockM, BlockN>::kThreads, 1)
       const int seg_col0 = (extra ? n_block - n_base_blocks : n_block) * BlockN;
       const int64_t out_col0 = (extra ? p.n_base : 0) + seg_col0;
 #pragma unroll
-      for (int j = 0; j < 16; ++j) {
+      for (int j = 0; j < BlockN / 8; ++j) {
         const int col = 8 * j + 2 * (lane % 4);
         if (seg_col0 + col >= seg_cols) continue;  // segment N tail (columns come in pairs)
 #pragma unroll

@@ -25,6 +25,8 @@ from .env import num_sms as resolve_device_sms
 from .routing import RoutePlan
 
 ACTIVATIONS = {"swiglu": 0, "geglu": 1}
+# 128 until the 128x256 variants are validated on the GPU (docs/PERFORMANCE.md).
+DEFAULT_BLOCK_N = 128
 
 
 def _device_sms(device: torch.device) -> int:
@@ -39,6 +41,7 @@ def grouped_gemm(
     k: int | None = None,
     b_extra: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    block_n: int = DEFAULT_BLOCK_N,
 ) -> torch.Tensor:
     """Pool GEMM with the Store epilogue.
 
@@ -50,6 +53,7 @@ def grouped_gemm(
             ignored.
         b_extra: optional ``[E, N_x, k]`` BF16: ``N_x`` more output columns.
         out: optional ``[pool rows, N + N_x]`` BF16 output.
+        block_n: output tile width, a registry choice (128, or 256 for BLOCK_M 128).
 
     Returns:
         ``out`` ``[pool rows, N + N_x]`` BF16. Rows at or past the rows in use are not
@@ -70,6 +74,7 @@ def grouped_gemm(
             dl(plan.expert_pool_offsets),
             dl(out),
             plan.block_m,
+            block_n,
             False,
             0,
             math.inf,
@@ -95,6 +100,7 @@ def gated_grouped_gemm(
     side_b_up: torch.Tensor | None = None,
     side_scale: float = 0.0,
     out: torch.Tensor | None = None,
+    block_n: int = DEFAULT_BLOCK_N,
 ) -> torch.Tensor:
     """GEMM1 + gated activation over the pool.
 
@@ -107,6 +113,7 @@ def gated_grouped_gemm(
         side_b_gate, side_b_up: ``[E, I, r]`` BF16 (``b1``, ``b3`` transposed), or None.
         side_scale: the adapter scale ``s``.
         out: optional ``[pool rows, I]`` BF16.
+        block_n: output tile width (256 needs ``2I`` to be a multiple of 256).
 
     Returns:
         ``h`` ``[pool rows, I]`` BF16.
@@ -126,6 +133,7 @@ def gated_grouped_gemm(
             dl(plan.expert_pool_offsets),
             dl(out),
             plan.block_m,
+            block_n,
             True,
             ACTIVATIONS[activation],
             clamp,

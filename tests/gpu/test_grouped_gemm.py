@@ -30,7 +30,11 @@ def weights(*shape, seed=1, scale=None):
     return (torch.randn(*shape, device="cuda", generator=generator) * scale).bfloat16()
 
 
-@pytest.mark.parametrize("block_m", [64, 128])
+# (BLOCK_M, BLOCK_N) pairs of the registry.
+TILES = [(64, 128), (128, 128), (128, 256)]
+
+
+@pytest.mark.parametrize("block_m,block_n", TILES)
 @pytest.mark.parametrize(
     "tokens,experts,top_k,hidden,inter",
     [
@@ -41,30 +45,31 @@ def weights(*shape, seed=1, scale=None):
         (4096, 32, 6, 4096, 2048),
     ],
 )
-def test_store_matches_reference(block_m, tokens, experts, top_k, hidden, inter):
+def test_store_matches_reference(block_m, block_n, tokens, experts, top_k, hidden, inter):
     # GEMM2 shape: [pool, I] x [E, H, I]^T, H may have a tail (2880 = 22.5 tiles).
     plan, a = pool_for(tokens, experts, top_k, block_m, inter, kind="skewed")
     b = weights(experts, hidden, inter)
-    out = grouped_gemm(a, b, plan)
+    out = grouped_gemm(a, b, plan, block_n=block_n)
     rows = int(plan.expert_pool_offsets[-1])
     assert_close_to_oracle("out", out[:rows], grouped_gemm_reference(a, b, plan))
 
 
+@pytest.mark.parametrize("block_n", [128, 256])
 @pytest.mark.parametrize("rank", [16, 64, 128, 256])
-def test_store_with_extra_columns(rank):
+def test_store_with_extra_columns(rank, block_n):
     plan, a = pool_for(600, 8, 2, 128, 768, kind="masked")
     b = weights(8, 1536, 768)
     b_extra = weights(8, rank, 768, seed=2)
-    out = grouped_gemm(a, b, plan, b_extra=b_extra)
+    out = grouped_gemm(a, b, plan, b_extra=b_extra, block_n=block_n)
     rows = int(plan.expert_pool_offsets[-1])
     assert out.shape[1] == 1536 + rank
     assert_close_to_oracle("out", out[:rows], grouped_gemm_reference(a, b, plan, b_extra=b_extra))
 
 
-@pytest.mark.parametrize("block_m", [64, 128])
+@pytest.mark.parametrize("block_m,block_n", TILES)
 @pytest.mark.parametrize("activation,clamp", [("swiglu", None), ("geglu", None), ("swiglu", 0.5)])
 @pytest.mark.parametrize("rank", [0, 16, 128, 256])
-def test_gated_matches_reference(block_m, activation, clamp, rank):
+def test_gated_matches_reference(block_m, block_n, activation, clamp, rank):
     hidden, inter, experts = 512, 256, 8
     plan, a = pool_for(
         900, experts, 4, block_m, hidden + 2 * rank, kind="empty", empty_experts=(0, 3, 7)
@@ -78,7 +83,14 @@ def test_gated_matches_reference(block_m, activation, clamp, rank):
             side_scale=0.25,
         )
     h = gated_grouped_gemm(
-        a, w13, plan, k=hidden, activation=activation, activation_clamp=clamp, **side
+        a,
+        w13,
+        plan,
+        k=hidden,
+        activation=activation,
+        activation_clamp=clamp,
+        block_n=block_n,
+        **side,
     )
     expected = gated_grouped_gemm_reference(
         a, w13, plan, k=hidden, activation=activation, activation_clamp=clamp, **side

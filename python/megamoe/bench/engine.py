@@ -54,8 +54,14 @@ def main(argv: list[str] | None = None) -> int:
         a_dense = a[:routes] if rows == routes else None
         flops = 2.0 * routes * k * n
         cases = {"engine": lambda a=a, b=b: grouped_gemm(a, b, plan)}
+        if block_m == 128:
+            cases["engine n256"] = lambda a=a, b=b: grouped_gemm(a, b, plan, block_n=256)
         if name == "gemm1":
             cases["engine+act"] = lambda a=a, b=b, k=k: gated_grouped_gemm(a, b, plan, k=k)
+            if block_m == 128:
+                cases["engine+act n256"] = lambda a=a, b=b, k=k: gated_grouped_gemm(
+                    a, b, plan, k=k, block_n=256
+                )
         if a_dense is not None:
             cases["torch._grouped_mm"] = lambda a=a_dense, b=b: torch._grouped_mm(
                 a, b.transpose(1, 2), offs=offs
