@@ -358,26 +358,36 @@ def build_arch(arch: str, pin: pinlib.Pin, args, reports: Path) -> dict:
     with step(f"{arch} build"):
         wheel = build_once(arch, pin, args.out, build_dir, args.jobs, cross)
     result["wheel_sha256_first"] = sha256(wheel)
-    if args.repro:
-        with tempfile.TemporaryDirectory() as tmp:
-            first = Path(tmp) / wheel.name
+    keep = Path(tempfile.mkdtemp(prefix="megamoe-repro-"))
+    try:
+        if args.repro:
+            first = keep / wheel.name
             shutil.move(wheel, first)
             with step(f"{arch} rebuild (reproducibility)"):
                 wheel = build_once(arch, pin, args.out, build_dir, args.jobs, cross)
             diff = compare(first, wheel)
             same = sha256(first) == sha256(wheel)
-        result["reproducible"] = same
-        result["reproducibility_diff"] = diff
-        log(
-            f"reproducibility {arch}: {'bit-identical' if same else 'DIFFERENT'}"
-            f" ({sha256(wheel)}){'' if same else ': ' + ', '.join(diff)}"
-        )
-        if not same:
-            raise SystemExit(f"{arch}: two SOURCE_DATE_EPOCH builds differ: {diff}")
-    if args.audit:
-        with step(f"{arch} auditwheel"):
-            wheel, policy = audit(wheel, arch, reports)
-        result["policy"] = policy
+            result["reproducible"] = same
+            result["reproducibility_diff"] = diff
+            log(
+                f"reproducibility {arch}: {'bit-identical' if same else 'DIFFERENT'}"
+                f" ({sha256(wheel)}){'' if same else ': ' + ', '.join(diff)}"
+            )
+            if not same:
+                raise SystemExit(f"{arch}: two SOURCE_DATE_EPOCH builds differ: {diff}")
+        if args.audit:
+            with step(f"{arch} auditwheel"):
+                wheel, policy = audit(wheel, arch, reports)
+            result["policy"] = policy
+            if args.repro:
+                # The released file is the retagged one: retag the first build too.
+                again, _ = audit(first, arch, keep)
+                same = sha256(again) == sha256(wheel)
+                result["reproducible_release_wheel"] = same
+                if not same:
+                    raise SystemExit(f"{arch}: the retagged wheels differ")
+    finally:
+        shutil.rmtree(keep, ignore_errors=True)
     with step(f"{arch} smoke import" + (" (qemu)" if cross else "")):
         smoke(wheel, arch, cross)
     with zipfile.ZipFile(wheel) as archive:
