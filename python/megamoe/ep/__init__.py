@@ -1,0 +1,59 @@
+"""Expert parallelism (DESIGN §4): experts sharded over a torch.distributed group.
+
+Backend-agnostic pieces (gloo on CPU today, NCCL on GPU):
+
+- :func:`plan_dispatch` -> :class:`DispatchPlan`: BLOCK_M agreement (all-reduce MAX of
+  the token count), the routing split per destination rank, the counts exchange, the
+  rank-uniform receive bound and the receiver's pool plan;
+- :func:`dispatch` / :func:`combine` / :func:`sum_over_k`: the row exchanges of the
+  forward (``[x | q13]`` out, ``[y | p]`` back) and backward (``[dout | dout b2^T | w]``
+  out, ``[dx | dg b1^T | du b3^T | dw]`` back) and the fixed-order sum over ``k``;
+- :func:`reduce_shared_grads`: the all-reduce (SUM) of the ``a1, a3, b2`` grads;
+- :func:`reference_moe`: the EP layer on the reference math (float64/float32),
+  differentiable, equal to EP1 on the same global batch;
+- :func:`run_gloo`: run a function on ``P`` local gloo processes.
+
+See docs/EXPERT-PARALLEL.md for the data flow and the ordering guarantees.
+"""
+
+from .exchange import (
+    AllToAllRows,
+    all_to_all_rows,
+    combine,
+    dispatch,
+    reduce_shared_grads,
+    sum_over_k,
+)
+from .launch import run_gloo
+from .plan import (
+    DispatchPlan,
+    ExpertPartition,
+    agree_block_m,
+    group_rank,
+    group_size,
+    plan_dispatch,
+    recv_capacity,
+    split_routes,
+)
+from .reference_layer import ExpertState, ReferenceExperts, reference_moe
+
+__all__ = [
+    "AllToAllRows",
+    "DispatchPlan",
+    "ExpertPartition",
+    "ExpertState",
+    "ReferenceExperts",
+    "agree_block_m",
+    "all_to_all_rows",
+    "combine",
+    "dispatch",
+    "group_rank",
+    "group_size",
+    "plan_dispatch",
+    "recv_capacity",
+    "reduce_shared_grads",
+    "reference_moe",
+    "run_gloo",
+    "split_routes",
+    "sum_over_k",
+]

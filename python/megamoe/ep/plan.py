@@ -1,0 +1,379 @@
+"""Expert-parallel dispatch plan: who sends which route where, and the receiver's pool.
+
+Rank ``p`` of a group of ``P`` ranks owns the global experts
+``[p * E_l, (p + 1) * E_l)`` with ``E_l = E / P``. A route ``(t, k)`` with expert id
+``e >= 0`` goes to rank ``e // E_l``; a masked route (``-1``) goes nowhere.
+
+Ordering (the determinism contract, see docs/EXPERT-PARALLEL.md):
+
+- **send order**: the rows a rank sends are its routes sorted by destination rank,
+  stable in the flat route index ``t * K + k`` (so ascending ``t * K + k`` inside each
+  destination's chunk);
+- **receive order**: ``all_to_all_single`` concatenates the chunks by source rank, so a
+  rank receives rows ordered by ``(source rank, source t * K + k)``;
+- **pool order**: the receiver plans its pool over the received rows (one route per
+  row, :func:`~megamoe.routing.plan_routes` with ``K = 1``): rows sorted by local expert,
+  stable in the receive index, each expert's segment padded to ``BLOCK_M``.
+
+When the global batch is the ranks' token slices concatenated in rank order, the
+receive order is ascending global ``t * K + k``: every expert sees its rows in the
+order an EP1 run over the global batch would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .._checks import check_int, check_tensor
+from ..heuristics import BlockMConfig, get_block_m
+from ..routing import RoutePlan, plan_routes
+
+__all__ = [
+    "DispatchPlan",
+    "ExpertPartition",
+    "agree_block_m",
+    "group_rank",
+    "group_size",
+    "plan_dispatch",
+    "recv_capacity",
+    "split_routes",
+]
+
+
+def group_size(group: dist.ProcessGroup | None) -> int:
+    """Ranks in ``group``; ``None`` means no expert parallelism (1, no torch.distributed)."""
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group: dist.ProcessGroup | None) -> int:
+    """This process's rank in ``group`` (0 for ``None``)."""
+    return 0 if group is None else dist.get_rank(group)
+
+
+@dataclass(frozen=True)
+class ExpertPartition:
+    """Contiguous expert ownership: rank ``p`` owns ``[p * E_l, (p + 1) * E_l)``."""
+
+    num_experts: int
+    world_size: int
+    rank: int
+
+    def __post_init__(self) -> None:
+        check_int("num_experts", self.num_experts, minimum=1)
+        check_int("world_size", self.world_size, minimum=1)
+        check_int("rank", self.rank, minimum=0)
+        if self.num_experts % self.world_size != 0:
+            raise ValueError(
+                f"num_experts: expected a multiple of the EP size {self.world_size}, "
+                f"got {self.num_experts}"
+            )
+        if self.rank >= self.world_size:
+            raise ValueError(f"rank: expected < world_size={self.world_size}, got {self.rank}")
+
+    @property
+    def num_local_experts(self) -> int:
+        """``E_l = E / P``."""
+        return self.num_experts // self.world_size
+
+    @property
+    def expert_begin(self) -> int:
+        """Global id of this rank's local expert 0."""
+        return self.rank * self.num_local_experts
+
+    def owner(self, expert_ids: torch.Tensor) -> torch.Tensor:
+        """Owning rank of each id (int64, same shape), ``-1`` for masked ids (``< 0``)."""
+        ids = expert_ids.to(torch.int64)
+        return torch.where(ids >= 0, ids // self.num_local_experts, torch.full_like(ids, -1))
+
+
+def split_routes(
+    topk_ids: torch.Tensor, partition: ExpertPartition
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which routes go to which rank, in send order (pure; no communication).
+
+    Args:
+        topk_ids: ``[T, K]`` int32/int64 global expert ids in ``[-1, E)``.
+        partition: the expert partition of the group.
+
+    Returns:
+        ``(send_routes, send_counts)``: ``send_routes`` ``[N_send]`` int64 flat route
+        indices ``t * K + k`` sorted by destination rank, ascending inside each
+        destination (masked routes are left out, so ``N_send`` = unmasked routes);
+        ``send_counts`` ``[P]`` int64 routes per destination rank. Both on the
+        device of ``topk_ids``. Reads ``N_send`` back to the host.
+    """
+    world = partition.world_size
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    dest = torch.where(flat >= 0, flat // partition.num_local_experts, torch.full_like(flat, world))
+    order = torch.sort(dest, stable=True).indices
+    counts = torch.bincount(dest, minlength=world + 1)
+    num_send = flat.numel() - int(counts[world])
+    return order[:num_send], counts[:world].clone()
+
+
+def recv_capacity(max_tokens: int, top_k: int, world_size: int) -> int:
+    """Rank-uniform bound on the routes any rank can receive: ``P * T_max * K``.
+
+    Each of the ``P`` sources sends at most all of its ``T_s * K <= T_max * K``
+    routes to one rank, whatever the routing (duplicate ids in a token included), so
+    the bound needs no knowledge of the counts. It is what
+    :func:`~megamoe.workspace.workspace_layout` sizes with ``ep_size=P``.
+    """
+    return world_size * max_tokens * top_k
+
+
+def _all_reduce_max(
+    values: list[int], group: dist.ProcessGroup | None, device: torch.device | None = None
+) -> list[int]:
+    """Element-wise MAX over the group of a short int vector (a host read follows)."""
+    if group is None:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.int64)
+    if dist.get_backend(group) == dist.Backend.NCCL:  # NCCL reduces device tensors only
+        on_gpu = device is not None and device.type == "cuda"
+        t = t.to(device if on_gpu else torch.device("cuda", torch.cuda.current_device()))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return [int(v) for v in t.tolist()]
+
+
+def agree_block_m(
+    num_tokens: int,
+    top_k: int,
+    num_experts: int,
+    *,
+    group: dist.ProcessGroup | None,
+    config: BlockMConfig | None = None,
+) -> tuple[int, int]:
+    """The group's ``(block_m, max_tokens)``, identical on every rank.
+
+    All-reduces MAX of the per-rank token count, then
+    ``get_block_m(max_tokens, top_k, num_experts, ep_size=P)``. A collective: every
+    rank of ``group`` must call it. :func:`plan_dispatch` does the same agreement
+    (together with its argument checks) in one all-reduce.
+    """
+    check_int("num_tokens", num_tokens, minimum=0)
+    (max_tokens,) = _all_reduce_max([num_tokens], group)
+    block_m = get_block_m(max_tokens, top_k, num_experts, group_size(group), config)
+    return block_m, max_tokens
+
+
+@dataclass(frozen=True, eq=False)
+class DispatchPlan:
+    """Index maps of one expert-parallel step on one rank (made by :func:`plan_dispatch`).
+
+    Sizes: ``T`` tokens here, ``K`` top-k, ``P`` ranks, ``N_send`` unmasked routes here,
+    ``N_recv`` routes received here.
+
+    - ``partition``: experts per rank, this rank's ``expert_begin``.
+    - ``num_tokens`` ``T``, ``top_k`` ``K``, ``max_tokens`` ``T_max`` (MAX over ranks),
+      ``block_m`` (agreed over ranks).
+    - ``send_routes`` ``[N_send]`` int64: flat route index ``t*K + k`` of each sent row,
+      in send order (by destination rank, then ascending ``t*K + k``).
+    - ``send_splits`` / ``recv_splits``: rows to / from each rank (host ints, ``P``).
+    - ``recv_expert`` ``[N_recv]`` int64: global expert id of each received row, in
+      receive order ``(source rank, source t*K + k)``; always owned by this rank.
+    - ``recv_capacity``: ``P * T_max * K`` (:func:`recv_capacity`), the same on every rank.
+    - ``pool``: the :class:`~megamoe.routing.RoutePlan` of the received rows padded
+      with masked rows to ``recv_capacity`` (``K = 1``: its route index *is* the
+      receive index); its ``pool_capacity`` is rank-uniform.
+    - ``group``: the process group (``None``: one process).
+    """
+
+    partition: ExpertPartition
+    num_tokens: int
+    top_k: int
+    max_tokens: int
+    block_m: int
+    send_routes: torch.Tensor
+    send_splits: tuple[int, ...]
+    recv_splits: tuple[int, ...]
+    recv_expert: torch.Tensor
+    recv_capacity: int
+    pool: RoutePlan
+    group: dist.ProcessGroup | None = field(default=None, repr=False)
+
+    @property
+    def num_send(self) -> int:
+        """``N_send``: rows this rank sends (its unmasked routes)."""
+        return sum(self.send_splits)
+
+    @property
+    def num_recv(self) -> int:
+        """``N_recv``: rows this rank receives."""
+        return sum(self.recv_splits)
+
+    @property
+    def send_tokens(self) -> torch.Tensor:
+        """``[N_send]`` int64: the token ``t`` of each sent row."""
+        return torch.div(self.send_routes, self.top_k, rounding_mode="floor")
+
+    @property
+    def send_position(self) -> torch.Tensor:
+        """``[T, K]`` int32: each route's row in send order, ``-1`` for masked routes.
+
+        The rows :func:`~megamoe.ep.exchange.combine` gets back arrive in send order, so
+        this is the ``route_to_pool_row`` of the returned buffer: the EP1 combine kernels
+        (``sum_k w y`` and the side sum, which read routes through ``route_to_pool_row``)
+        can run on the returned ``[N_send, H + r]`` rows without a scatter.
+        """
+        device = self.send_routes.device
+        pos = torch.full((self.num_tokens * self.top_k,), -1, dtype=torch.int32, device=device)
+        pos[self.send_routes] = torch.arange(self.num_send, dtype=torch.int32, device=device)
+        return pos.view(self.num_tokens, self.top_k)
+
+    @property
+    def pool_capacity(self) -> int:
+        """Rows of the rank-uniform pool (``pool_capacity(recv_capacity, E_l, BLOCK_M)``)."""
+        return self.pool.pool_capacity
+
+
+def _empty_pool(num_local_experts: int, block_m: int, device: torch.device) -> RoutePlan:
+    """The route plan of zero routes (every rank has zero tokens)."""
+
+    def int32(*shape: int) -> torch.Tensor:
+        return torch.zeros(shape, dtype=torch.int32, device=device)
+
+    return RoutePlan(
+        expert_counts=int32(num_local_experts),
+        expert_pool_offsets=int32(num_local_experts + 1),
+        route_to_pool_row=int32(0, 1),
+        pool_row_to_route=int32(0),
+        block_m=block_m,
+    )
+
+
+def _exchange_counts(send_counts: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """``recv_counts[s]`` = ``send_counts`` entry of rank ``s`` for this rank."""
+    if group is None:
+        return send_counts.clone()
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts, group=group)
+    return recv_counts
+
+
+def plan_dispatch(
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    *,
+    group: dist.ProcessGroup | None,
+    block_m: int | None = None,
+    max_tokens: int | None = None,
+    check_ids: bool = True,
+    uniform: Mapping[str, int] | None = None,
+    config: BlockMConfig | None = None,
+) -> DispatchPlan:
+    """Plan one expert-parallel step (a collective: every rank of ``group`` calls it).
+
+    Steps: one all-reduce MAX of ``[T, bad-id flag, K, -K, E, -E, uniform..., -uniform...]``
+    (BLOCK_M agreement and argument checks in one collective) -> the local routing
+    split (:func:`split_routes`) -> ``all_to_all_single`` of the per-rank counts ->
+    ``all_to_all_single`` of the routes' expert ids -> the receiver's pool plan.
+
+    Args:
+        topk_ids: ``[T, K]`` int32/int64 global expert ids, ``-1`` = masked. ``T`` may
+            differ between ranks (and may be 0 on some).
+        num_experts: ``E``, experts over the whole group (a multiple of ``P``).
+        group: the EP process group (any backend; ``None`` = one process, ``P = 1``).
+        block_m: override the agreed BLOCK_M (must then be the same on every rank).
+        max_tokens: the group's ``T_max`` if the caller knows it (a static bound, e.g.
+            under CUDA-graph capture): skips the all-reduce and with it the cross-rank
+            checks. Must be the same on every rank and ``>= T`` everywhere.
+        check_ids: reject ids outside ``[-1, E)`` (reads the ids' min/max on the host).
+        uniform: extra ints that must be equal on every rank (e.g. ``{"hidden": H}``);
+            checked in the same all-reduce, a mismatch raises ``ValueError`` on every
+            rank (so no rank is left waiting in a later collective).
+        config: :func:`~megamoe.get_block_m` thresholds.
+
+    Returns:
+        The :class:`DispatchPlan`. The counts are read back to the host (the split sizes
+        of ``all_to_all_single`` are host ints): this is the CPU path's host sync.
+    """
+    check_tensor("topk_ids", topk_ids, ndim=2, dtypes=(torch.int32, torch.int64))
+    num_tokens, top_k = topk_ids.shape
+    check_int("num_experts", num_experts, minimum=1)
+    world, rank = group_size(group), group_rank(group)
+    partition = ExpertPartition(num_experts, world, rank)
+    if top_k < 1:
+        raise ValueError(f"topk_ids: expected at least one route per token, got {top_k}")
+    bad_ids = 0
+    if check_ids and topk_ids.numel():
+        low, high = int(topk_ids.min()), int(topk_ids.max())
+        if low < -1 or high >= num_experts:
+            bad_ids = rank + 1
+            if max_tokens is not None or group is None:
+                raise ValueError(
+                    f"topk_ids: expected expert ids in [-1, {num_experts}), got values in "
+                    f"[{low}, {high}]"
+                )
+    extra = dict(uniform or {})
+    if max_tokens is None:
+        names = ["top_k", "num_experts", *extra]
+        values = [top_k, num_experts, *(int(v) for v in extra.values())]
+        agreed = _all_reduce_max(
+            [num_tokens, bad_ids, *values, *(-v for v in values)], group, topk_ids.device
+        )
+        max_tokens, bad_rank = agreed[0], agreed[1]
+        if bad_rank:
+            raise ValueError(
+                f"topk_ids: expected expert ids in [-1, {num_experts}) on every rank, rank "
+                f"{bad_rank - 1} has ids outside"
+            )
+        n = len(values)
+        highs, lows = agreed[2 : 2 + n], [-v for v in agreed[2 + n :]]
+        for name, mine, high, low in zip(names, values, highs, lows):
+            if high != low:
+                raise ValueError(
+                    f"{name}: expected the same value on every rank of the EP group, got "
+                    f"values in [{low}, {high}] (this rank: {mine})"
+                )
+    else:
+        check_int("max_tokens", max_tokens, minimum=num_tokens)
+    if block_m is None:
+        block_m = get_block_m(max_tokens, top_k, num_experts, world, config)
+
+    send_routes, send_counts = split_routes(topk_ids, partition)
+    recv_counts = _exchange_counts(send_counts, group)
+    send_splits = tuple(int(c) for c in send_counts.tolist())
+    recv_splits = tuple(int(c) for c in recv_counts.tolist())  # the host sync
+
+    send_ids = topk_ids.reshape(-1).to(torch.int64).index_select(0, send_routes)
+    if group is None:
+        recv_expert = send_ids.clone()
+    else:
+        recv_expert = send_ids.new_empty(sum(recv_splits))
+        dist.all_to_all_single(
+            recv_expert, send_ids, list(recv_splits), list(send_splits), group=group
+        )
+    capacity = recv_capacity(max_tokens, top_k, world)
+    if recv_expert.numel() > capacity:
+        raise ValueError(
+            f"max_tokens: {max_tokens} is below some rank's token count: this rank "
+            f"received {recv_expert.numel()} routes, more than P * max_tokens * K = {capacity}"
+        )
+    num_local = partition.num_local_experts
+    if capacity == 0:
+        pool = _empty_pool(num_local, block_m, topk_ids.device)
+    else:
+        padded = torch.full((capacity, 1), -1, dtype=torch.int64, device=topk_ids.device)
+        padded[: recv_expert.numel(), 0] = recv_expert
+        pool = plan_routes(
+            padded, num_local, block_m, expert_begin=partition.expert_begin, check_ids=False
+        )
+    return DispatchPlan(
+        partition=partition,
+        num_tokens=num_tokens,
+        top_k=top_k,
+        max_tokens=max_tokens,
+        block_m=block_m,
+        send_routes=send_routes,
+        send_splits=send_splits,
+        recv_splits=recv_splits,
+        recv_expert=recv_expert,
+        recv_capacity=capacity,
+        pool=pool,
+        group=group,
+    )
