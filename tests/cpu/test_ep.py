@@ -11,7 +11,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megamoe import ep, get_block_m, plan_routes, pool_capacity, reference, workspace_layout
+from megamoe import (
+    ep,
+    get_block_m,
+    plan_routes,
+    pool,
+    pool_capacity,
+    reference,
+    workspace_layout,
+)
 from megamoe.side_lora import SideLoRA
 from megamoe.testing import make_layer, make_routing
 
@@ -95,6 +103,20 @@ def test_send_position_indexes_the_returned_rows():
     assert torch.equal(pos < 0, ids < 0)
     valid = pos >= 0
     assert torch.equal(per_route[valid], rows[pos[valid].long()])  # P = 1: returned == sent
+
+
+def test_return_plan_feeds_the_ep1_combine():
+    """The returned rows + return_plan give pool.side_sum / pool.combine their EP1 inputs."""
+    ids, weights = make_routing(23, 8, 3, kind="masked", seed=6, masked_fraction=0.3)
+    plan = ep.plan_dispatch(ids, 8, group=None)
+    gen = torch.Generator().manual_seed(2)
+    returned = torch.randn(plan.num_send, 24, generator=gen).to(torch.bfloat16)
+    per_route = ep.combine(returned, plan).float()
+    ret = plan.return_plan
+    want_y = ep.sum_over_k(per_route[..., :16], weights).to(torch.bfloat16)
+    want_p = ep.sum_over_k(per_route[..., 16:], weights).to(torch.bfloat16)
+    assert torch.equal(pool.combine(returned, ret, weights, hidden=16), want_y)
+    assert torch.equal(pool.side_sum(returned, ret, weights, 16), want_p)
 
 
 def test_plan_dispatch_checks():

@@ -226,6 +226,24 @@ class DispatchPlan:
         return pos.view(self.num_tokens, self.top_k)
 
     @property
+    def return_plan(self) -> RoutePlan:
+        """A one-segment :class:`~megamoe.routing.RoutePlan` over the returned rows.
+
+        ``route_to_pool_row`` is :attr:`send_position`, ``pool_row_to_route`` is
+        ``send_routes``: the EP1 ``pool.side_sum`` / ``pool.combine`` (kernels or
+        references) run unchanged on the ``[N_send, H + r]`` rows :func:`combine`'s
+        exchange returns, summing over ``k`` in order with the routing weights.
+        """
+        device = self.send_routes.device
+        return RoutePlan(
+            expert_counts=torch.tensor([self.num_send], dtype=torch.int32, device=device),
+            expert_pool_offsets=torch.tensor([0, self.num_send], dtype=torch.int32, device=device),
+            route_to_pool_row=self.send_position,
+            pool_row_to_route=self.send_routes.to(torch.int32),
+            block_m=self.block_m,
+        )
+
+    @property
     def pool_capacity(self) -> int:
         """Rows of the rank-uniform pool (``pool_capacity(recv_capacity, E_l, BLOCK_M)``)."""
         return self.pool.pool_capacity
