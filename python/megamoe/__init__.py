@@ -6,7 +6,7 @@ heuristics and the workspace, the route plan, the float64 oracle
 (``megamoe.reference``) and the testing helpers (``megamoe.testing``).
 """
 
-from . import reference
+from . import ep, reference
 from .env import resolve_num_sms
 from .heuristics import BlockMConfig, get_block_m
 from .mxfp4 import dequantize_mxfp4, quantize_mxfp4
@@ -26,6 +26,7 @@ __all__ = [
     "Workspace",
     "__version__",
     "dequantize_mxfp4",
+    "ep",
     "get_block_m",
     "get_workspace_size",
     "moe",

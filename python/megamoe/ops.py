@@ -79,7 +79,11 @@ def moe(
         ``[T, H]`` bfloat16.
     """
     if group is not None:
-        raise ValueError("group: expert parallelism is not available yet (issue 6); pass None")
+        raise ValueError(
+            "group: the fused kernels run EP1 only in this version (the NCCL path is issue "
+            "6); pass None, or use megamoe.ep.reference_moe(..., group=pg) for the "
+            "expert-parallel reference"
+        )
     if workspace is not None:
         raise ValueError(
             "workspace: this version allocates scratch through torch's caching allocator; pass None"
