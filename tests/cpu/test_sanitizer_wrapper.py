@@ -1,0 +1,644 @@
+"""megamoe.testing.sanitizer on the CPU: report parser, command line, tool lookup, CLI.
+
+The canned reports follow compute-sanitizer's documented text format (CUDA 12/13:
+``at kernel+0xOFF in file:line``; line-wrapped racecheck analysis records; device
+frames) and the older cuda-memcheck one (``at 0xOFF in file:line:kernel``). A fake
+compute-sanitizer (a small Python script) drives the whole run path without a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import stat
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from megamoe.testing import sanitizer
+from megamoe.testing.sanitizer import (
+    ERROR_EXITCODES,
+    TOOLS,
+    Finding,
+    kernel_display_name,
+    parse_report,
+)
+
+GEMM = (
+    "void megamoe::kernels::grouped_gemm_kernel<128, 128, (megamoe::Epilogue)1>"
+    "(megamoe::GroupedGemmParams)"
+)
+GATHER = "void megamoe::kernels::pool_gather_rows<4>(megamoe::PoolGatherParams)"
+
+
+def _report(body: str) -> str:
+    """Every line of ``body`` with compute-sanitizer's 9-character prefix."""
+    lines = textwrap.dedent(body).strip("\n").splitlines()
+    return "\n".join("=========" + (" " + line if line else "") for line in lines) + "\n"
+
+
+MEMCHECK = _report(
+    f"""
+    COMPUTE-SANITIZER
+    Invalid __global__ write of size 4 bytes
+        at {GEMM}+0x1a30 in /work/main/kernels/grouped_gemm.cuh:412
+        by thread (128,0,0) in block (3,0,0)
+        Address 0x7f3a2c001000 is out of bounds
+        and is 1 bytes after the nearest allocation at 0x7f3a2c000000 of size 4,095 bytes
+        Device Frame: {GEMM}+0x1a30 in /work/main/kernels/grouped_gemm.cuh:412
+
+    Invalid __global__ write of size 4 bytes
+        at {GEMM}+0x1a30 in /work/main/kernels/grouped_gemm.cuh:412
+        by thread (129,0,0) in block (3,0,0)
+        Address 0x7f3a2c001004 is out of bounds
+        and is 5 bytes after the nearest allocation at 0x7f3a2c000000 of size 4,095 bytes
+
+    Invalid __shared__ read of size 16 bytes
+        at megamoe::kernels::load_row(const uint4 *)+0x90 in pool_gather.cuh:88
+        by thread (5,0,0) in block (0,0,0)
+        Address 0x10400 is out of bounds
+        Device Frame: megamoe::kernels::load_row(const uint4 *)+0x90 in pool_gather.cuh:88
+        Device Frame: {GATHER}+0x3c0 in pool_gather.cuh:120
+
+    Invalid __global__ read of size 2 bytes
+        at unaligned_kernel():0x160 in memcheck_demo.cu:6
+        by thread (0,0,0) in block (0,0,0)
+        Address 0x7f6510c00001 is misaligned
+
+    Program hit cudaErrorLaunchFailure (error 719) due to "unspecified launch failure" on CUDA API call to cudaStreamSynchronize.
+        Saved host backtrace up to driver entry point at error
+            Host Frame: [0x2774ec]
+                   in /lib/x86_64-linux-gnu/libcuda.so.1
+
+    Target application returned an error
+    ERROR SUMMARY: 5 errors
+    """  # noqa: E501
+)
+
+# cuda-memcheck era: "at 0xOFF in file:line:function" and "Device Frame:f (f : 0xOFF)".
+MEMCHECK_OLD = _report(
+    """
+    CUDA-MEMCHECK
+    Invalid __global__ read of size 8
+        at 0x000000c8 in /home/user/src/my_helper.cuh:75:void vector_projection<double>(double*, int)
+        by thread (9,0,0) in block (0,0,0)
+        Address 0x000370e8 is out of bounds
+        Device Frame:void vector_projection<double>(double*, int) (void vector_projection<double>(double*, int) : 0xc8)
+
+    Invalid __local__ write of size 4
+        at 0x00000028 in kernel_without_lineinfo(int*)
+        by thread (1,0,0) in block (0,0,0)
+        Address 0x00fffd0c is out of bounds
+
+    Malloc/Free error encountered : Double free
+        at 0x79d8
+        by thread (0,0,0) in block (0,0,0)
+        Address 0x400aff920
+
+    ERROR SUMMARY: 3 errors
+    """  # noqa: E501
+)
+
+# Analysis reports: one wrapped over several lines (long names), one on a line, one warning.
+RACECHECK = _report(
+    f"""
+    COMPUTE-SANITIZER
+    Error: Race reported between Write access at
+        {GEMM}+0x2b40 in /work/main/kernels/grouped_gemm.cuh:301
+        and Read access at
+        {GEMM}+0x2c10 in /work/main/kernels/grouped_gemm.cuh:318 [4096 hazards]
+        and Write access at
+        {GEMM}+0x2b40 in /work/main/kernels/grouped_gemm.cuh:301 [12 hazards]
+
+    Error: Race reported between Read access at race_kernel(float *)+0x90 in race.cu:14 and Write access at race_kernel(float *)+0xa0 in race.cu:15 [32 hazards]
+
+    Warning: Race reported between Write access at warp_sum(int *)+0x50 in sum.cu:8
+        and Read access at warp_sum(int *)+0x60 in sum.cu:9 [4 hazards]
+
+    RACECHECK SUMMARY: 3 hazards displayed (2 errors, 1 warning)
+    """  # noqa: E501
+)
+
+RACECHECK_HAZARD = _report(
+    """
+    COMPUTE-SANITIZER
+    ERROR: Potential WAW hazard detected at __shared__ 0x0 in block (0,0,0) :
+        Write Thread (0,0,0) at WAW()+0x2f0 in raceWAW.cu:20
+        Write Thread (1,0,0) at WAW()+0x2f0 in raceWAW.cu:20
+        Current Value : 1, Incoming Value : 2
+
+    WARN: Potential RAW hazard detected at __shared__ 0x4 in block (0,0,0) :
+        Write Thread (31,0,0) at 0x00000070 in raceRAW.cu:18:RAW(void)
+        Read Thread (0,0,0) at 0x00000090 in raceRAW.cu:19:RAW(void)
+
+    RACECHECK SUMMARY: 2 hazards displayed (1 error, 1 warning)
+    """
+)
+
+INITCHECK = _report(
+    f"""
+    COMPUTE-SANITIZER
+    Uninitialized __global__ memory read of size 16 bytes
+        at {GATHER}+0x2a0 in pool_gather.cuh:97
+        by thread (0,0,0) in block (2,0,0)
+        Address 0x7f3a2c000100
+
+    Uninitialized __global__ memory read of size 16 bytes
+        at {GATHER}+0x2a0 in pool_gather.cuh:97
+        by thread (1,0,0) in block (2,0,0)
+        Address 0x7f3a2c000110
+
+    Uninitialized __shared__ memory read of size 4 bytes
+        at KernelSharedError()+0x1a0 in uninitialized_shared.cu:7
+        by thread (0,0,0) in block (0,0,0)
+        Address 0x0
+
+    Unused __global__ memory in allocation 0x7fed9f400000 of size 100 bytes
+        Not written 80 bytes at offset 0x14 (0x7fed9f400014)
+        80% of allocation were unused.
+
+    ERROR SUMMARY: 3 errors
+    """
+)
+
+SYNCCHECK = _report(
+    """
+    COMPUTE-SANITIZER
+    Barrier error detected. Divergent thread(s) in block.
+        at route_plan_offsets<int>(megamoe::RoutePlanParams<int>)+0x15520 in route_plan.cuh:140
+        by thread (128,0,0) in block (0,0,0)
+
+    Barrier error detected. Divergent thread(s) in warp
+        at 0x00000130 in divergence.cu:61:threadDivergence(float *)
+        by thread (37,0,0) in block (0,0,0)
+
+    Barrier error detected. Invalid arguments
+        at bad_mask(int *)+0x40 in mask.cu:12
+        by thread (3,0,0) in block (0,0,0)
+
+    Warpgroup MMA sequence error detected. Warps of the warpgroup issued different wgmma instructions.
+        at mma_kernel()+0x880 in mma.cu:30
+        by thread (64,0,0) in block (0,0,0)
+
+    ERROR SUMMARY: 4 errors
+    """  # noqa: E501
+)
+
+LEAKS = _report(
+    """
+    COMPUTE-SANITIZER
+    Leaked 64 bytes at 0x400200200
+        Saved host backtrace up to driver entry point at cudaMalloc time
+            Host Frame: cudaMalloc [0x527bb] in app
+
+    LEAK SUMMARY: 64 bytes leaked in 1 allocations
+    ERROR SUMMARY: 1 error
+    """
+)
+
+CLEAN = _report(
+    """
+    COMPUTE-SANITIZER
+    ERROR SUMMARY: 0 errors
+    """
+)
+
+CLEAN_RACECHECK = _report(
+    """
+    COMPUTE-SANITIZER
+    RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)
+    """
+)
+
+
+# ------------------------------------------------------------------------- names
+
+
+@pytest.mark.parametrize(
+    "name,expected",
+    [
+        (GEMM, "megamoe::kernels::grouped_gemm_kernel<128, 128, (megamoe::Epilogue)1>"),
+        ("RAW()", "RAW"),
+        ("kernel_name+0x15520", "kernel_name"),
+        ("void vector_projection<double>(double*, int)", "vector_projection<double>"),
+        ("(anonymous namespace)::helper(int (*)(int))", "(anonymous namespace)::helper"),
+        ("plain", "plain"),
+    ],
+)
+def test_kernel_display_name(name: str, expected: str) -> None:
+    assert kernel_display_name(name) == expected
+
+
+# ------------------------------------------------------------------------ parser
+
+
+def test_memcheck_summary_per_kernel() -> None:
+    report = parse_report(MEMCHECK)
+    assert report.error_summary == 5
+    assert report.errors == 5 and report.warnings == 0 and report.complete
+    assert report.summary() == {
+        "<host>": {"CUDA API error cudaErrorLaunchFailure in cudaStreamSynchronize": 1},
+        "megamoe::kernels::grouped_gemm_kernel<128, 128, (megamoe::Epilogue)1>": {
+            "Invalid __global__ write": 2
+        },
+        # The fault is in an inlined device function; the kernel is its last frame.
+        "megamoe::kernels::pool_gather_rows<4>": {"Invalid __shared__ read": 1},
+        "unaligned_kernel": {"Invalid __global__ read": 1},
+    }
+    gemm = report.findings[0]
+    assert gemm.location == "/work/main/kernels/grouped_gemm.cuh:412"
+    assert "by thread (128,0,0) in block (3,0,0)" in gemm.text
+    shared = report.findings[2]
+    assert shared.function == "megamoe::kernels::load_row(const uint4 *)"
+    assert "Target application returned an error" in report.notes
+
+
+def test_memcheck_old_format() -> None:
+    report = parse_report(MEMCHECK_OLD)
+    assert report.errors == 3
+    assert report.summary() == {
+        "<unattributed>": {"Malloc/Free error: Double free": 1},
+        "kernel_without_lineinfo": {"Invalid __local__ write": 1},
+        "vector_projection<double>": {"Invalid __global__ read": 1},
+    }
+    first = report.findings[0]
+    assert first.location == "/home/user/src/my_helper.cuh:75"
+    assert first.function == "void vector_projection<double>(double*, int)"
+
+
+def test_racecheck_analysis_records() -> None:
+    report = parse_report(RACECHECK)
+    assert report.racecheck_summary == {"displayed": 3, "errors": 2, "warnings": 1}
+    assert report.errors == 2 and report.warnings == 1
+    assert report.summary() == {
+        "megamoe::kernels::grouped_gemm_kernel<128, 128, (megamoe::Epilogue)1>": {
+            "Race reported between Write and Read access": 1
+        },
+        "race_kernel": {"Race reported between Read and Write access": 1},
+        "warp_sum": {"Race reported between Write and Read access (warning)": 1},
+    }
+    wrapped = report.findings[0]
+    assert wrapped.hazards == 4096 + 12
+    assert wrapped.location == "/work/main/kernels/grouped_gemm.cuh:301"
+    assert [f.severity for f in report.findings] == ["error", "error", "warning"]
+    assert report.summary(include_warnings=False).keys() == {
+        "megamoe::kernels::grouped_gemm_kernel<128, 128, (megamoe::Epilogue)1>",
+        "race_kernel",
+    }
+
+
+def test_racecheck_hazard_records() -> None:
+    report = parse_report(RACECHECK_HAZARD)
+    assert report.errors == 1 and report.warnings == 1
+    assert report.summary() == {
+        "RAW": {"Potential RAW hazard (warning)": 1},
+        "WAW": {"Potential WAW hazard": 1},
+    }
+    assert report.findings[1].location == "raceRAW.cu:18"
+
+
+def test_initcheck_records() -> None:
+    report = parse_report(INITCHECK)
+    assert report.errors == 3 and report.warnings == 1
+    assert report.summary() == {
+        "<host>": {"Unused __global__ memory (warning)": 1},
+        "KernelSharedError": {"Uninitialized __shared__ memory read": 1},
+        "megamoe::kernels::pool_gather_rows<4>": {"Uninitialized __global__ memory read": 2},
+    }
+
+
+def test_synccheck_records() -> None:
+    report = parse_report(SYNCCHECK)
+    assert report.errors == 4
+    assert report.summary() == {
+        "bad_mask": {"Barrier error: Invalid arguments": 1},
+        "mma_kernel": {
+            "Warpgroup MMA sequence error: Warps of the warpgroup issued different "
+            "wgmma instructions": 1
+        },
+        "route_plan_offsets<int>": {"Barrier error: Divergent thread(s) in block": 1},
+        "threadDivergence": {"Barrier error: Divergent thread(s) in warp": 1},
+    }
+
+
+def test_leaks_and_clean_reports() -> None:
+    leaks = parse_report(LEAKS)
+    assert leaks.errors == 1 and leaks.summary() == {"<host>": {"Leaked allocation": 1}}
+    assert leaks.leak_summary == "LEAK SUMMARY: 64 bytes leaked in 1 allocations"
+    for text in (CLEAN, CLEAN_RACECHECK):
+        clean = parse_report(text)
+        assert clean.errors == 0 and clean.findings == [] and clean.complete
+        assert "| (none) | | 0 |" in clean.format_summary()
+
+
+def test_summary_counts_past_the_print_limit() -> None:
+    # The tool stops printing records at --print-limit but its summary counts all.
+    text = MEMCHECK.replace("ERROR SUMMARY: 5 errors", "ERROR SUMMARY: 1234 errors")
+    assert parse_report(text).errors == 1234
+
+
+def test_application_output_is_ignored_and_missing_summary_is_incomplete() -> None:
+    mixed = "collected 3 items\n" + MEMCHECK.split("========= Target")[0] + "3 passed\n"
+    report = parse_report(mixed)
+    assert len(report.findings) == 5 and report.error_summary is None
+    assert not report.complete and report.errors == 5  # the API error counts too
+    assert "stopped early" in report.format_summary()
+    assert parse_report("").errors == 0 and not parse_report("").complete
+
+
+def test_format_summary_and_json() -> None:
+    report = parse_report(MEMCHECK)
+    table = report.format_summary()
+    assert (
+        "| `megamoe::kernels::grouped_gemm_kernel<128, 128, (megamoe::Epilogue)1>` "
+        "| Invalid __global__ write | 2 |" in table
+    )
+    assert "errors: 5, warnings: 0 (ERROR SUMMARY: 5)" in table
+    data = json.loads(json.dumps(report.to_dict()))
+    assert data["errors"] == 5 and len(data["findings"]) == 5
+    assert Finding(**data["findings"][0]) == report.findings[0]
+
+
+# -------------------------------------------------------------- command and lookup
+
+
+def test_exit_codes_are_distinct_and_outside_pytest_codes() -> None:
+    codes = [ERROR_EXITCODES[tool] for tool in TOOLS]
+    assert len(set(codes)) == len(TOOLS)
+    assert all(code > 5 and code not in (124, 125, 126, 127) for code in codes)
+
+
+@pytest.mark.parametrize("tool", TOOLS)
+def test_command_and_environment(tool: str, tmp_path: Path) -> None:
+    log = tmp_path / f"{tool}.log"
+    command = sanitizer.sanitizer_command(
+        tool, ["python", "-m", "pytest", "x"], executable="/cs", log_file=log
+    )
+    assert command[:7] == [
+        "/cs",
+        "--tool",
+        tool,
+        "--error-exitcode",
+        str(ERROR_EXITCODES[tool]),
+        "--log-file",
+        str(log),
+    ]
+    assert command[-4:] == ["python", "-m", "pytest", "x"]
+    for option, value in [
+        ("--report-api-errors", "no"),
+        ("--show-backtrace", "device"),
+        ("--destroy-on-device-error", "kernel"),
+        ("--check-exit-code", "no"),
+        ("--target-processes", "all"),
+    ]:
+        assert command[command.index(option) + 1] == value
+    if tool == "memcheck":
+        assert command[command.index("--padding") + 1] == "4096"
+    env = sanitizer.sanitizer_env(tool, {"PATH": "/bin"})
+    assert env == {
+        "PATH": "/bin",
+        "PYTORCH_NO_CUDA_MEMORY_CACHING": "1",
+        "MEGAMOE_SANITIZER_TOOL": tool,
+    }
+
+
+def test_command_rejects_bad_tool_and_empty_target(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="tool: expected one of"):
+        sanitizer.sanitizer_command("helgrind", ["x"], executable="/cs", log_file=tmp_path)
+    with pytest.raises(ValueError, match="target: expected a command"):
+        sanitizer.sanitizer_command("memcheck", [], executable="/cs", log_file=tmp_path)
+
+
+def _executable(path: Path, text: str = "#!/bin/sh\nexit 0\n") -> Path:
+    path.write_text(text)
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return path
+
+
+def _no_pathfinder(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make cuda.pathfinder find nothing (the CPU machine may have the wheels)."""
+    import cuda.pathfinder as pathfinder
+
+    monkeypatch.setattr(pathfinder, "find_nvidia_binary_utility", lambda name: None)
+
+
+def test_find_prefers_override_then_pathfinder_then_path(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    pytest.importorskip("cuda.pathfinder")
+    import cuda.pathfinder as pathfinder
+
+    monkeypatch.setenv("MEGAMOE_COMPUTE_SANITIZER", "/opt/cs")
+    assert sanitizer.find_compute_sanitizer() == "/opt/cs"
+    monkeypatch.delenv("MEGAMOE_COMPUTE_SANITIZER")
+    wheel = str(tmp_path / "wheel" / "compute-sanitizer")
+    monkeypatch.setattr(pathfinder, "find_nvidia_binary_utility", lambda name: wheel)
+    assert sanitizer.find_compute_sanitizer() == wheel
+    _no_pathfinder(monkeypatch)
+    on_path = _executable(tmp_path / "compute-sanitizer")
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert sanitizer.find_compute_sanitizer() == str(on_path)
+
+
+def test_find_falls_back_to_the_toolkit_folder(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    pytest.importorskip("cuda.pathfinder")
+    monkeypatch.delenv("MEGAMOE_COMPUTE_SANITIZER", raising=False)
+    _no_pathfinder(monkeypatch)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.setattr(sanitizer, "DEFAULT_TOOLKIT_BIN", tmp_path)
+    assert sanitizer.find_compute_sanitizer() is None
+    found = _executable(tmp_path / "compute-sanitizer")
+    assert sanitizer.find_compute_sanitizer() == str(found)
+
+
+# ------------------------------------------------------- runs with a fake sanitizer
+
+# Stands in for compute-sanitizer: records its arguments and environment, writes the
+# canned report chosen by FAKE_REPORT to --log-file, runs the target, and exits like
+# the tool (--error-exitcode when the report has errors, else the target's status).
+FAKE = """\
+#!{python}
+import json, os, subprocess, sys
+args = sys.argv[1:]
+log = args[args.index("--log-file") + 1]
+code = int(args[args.index("--error-exitcode") + 1])
+target = args[args.index("--report-api-errors") + 2:]
+while target and target[0].startswith("--"):
+    target = target[2:]
+with open(os.environ["FAKE_RECORD"], "a") as f:
+    f.write(json.dumps({{"args": args, "tool_env": os.environ.get("MEGAMOE_SANITIZER_TOOL"),
+        "caching": os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING")}}) + "\\n")
+report = open(os.environ["FAKE_REPORT"]).read()
+with open(log, "w") as f:
+    f.write(report)
+status = subprocess.run(target).returncode
+bad = "ERROR SUMMARY: 0 errors" not in report and "(0 errors," not in report
+sys.exit(code if bad else status)
+"""
+
+
+@pytest.fixture
+def fake(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    """A fake compute-sanitizer; returns (set_report, records)."""
+    script = _executable(tmp_path / "fake-sanitizer", FAKE.format(python=sys.executable))
+    record = tmp_path / "record.jsonl"
+    report = tmp_path / "report.txt"
+    monkeypatch.setenv("MEGAMOE_COMPUTE_SANITIZER", str(script))
+    monkeypatch.setenv("FAKE_RECORD", str(record))
+    monkeypatch.setenv("FAKE_REPORT", str(report))
+    # The nested pytest runs need none of the installed plugins: start them fast.
+    monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
+
+    def set_report(text: str) -> None:
+        report.write_text(text)
+
+    def records() -> list[dict]:
+        return [json.loads(line) for line in record.read_text().splitlines()]
+
+    return set_report, records
+
+
+def test_run_reports_errors_by_exit_code_and_summary(fake, tmp_path: Path) -> None:
+    set_report, records = fake
+    set_report(MEMCHECK)
+    result = sanitizer.run("memcheck", [sys.executable, "-c", "pass"], log_file=tmp_path / "m.log")
+    assert result.returncode == ERROR_EXITCODES["memcheck"]
+    assert result.found_errors and not result.clean and not result.app_failed
+    assert result.report.errors == 5 and result.verdict() == "5 error(s)"
+    (call,) = records()
+    assert call["tool_env"] == "memcheck" and call["caching"] == "1"
+    assert call["args"][:2] == ["--tool", "memcheck"]
+
+
+def test_run_clean_and_target_failure(fake, tmp_path: Path) -> None:
+    set_report, _ = fake
+    set_report(CLEAN)
+    ok = sanitizer.run("initcheck", [sys.executable, "-c", "pass"], log_file=tmp_path / "a.log")
+    assert ok.clean and ok.verdict() == "clean" and ok.returncode == 0
+    failing = sanitizer.run(
+        "initcheck", [sys.executable, "-c", "raise SystemExit(1)"], log_file=tmp_path / "b.log"
+    )
+    assert failing.app_failed and not failing.found_errors and not failing.clean
+    assert failing.verdict() == "target failed (exit 1)"
+
+
+def test_run_timeout_kills_the_target(fake, tmp_path: Path) -> None:
+    set_report, _ = fake
+    set_report(CLEAN)
+    slow = [sys.executable, "-c", "import time; time.sleep(60)"]
+    result = sanitizer.run("synccheck", slow, log_file=tmp_path / "t.log", timeout=1.0)
+    assert result.timed_out and result.returncode == 124 and not result.clean
+    assert result.seconds < 30
+
+
+@pytest.mark.parametrize(
+    "returncode,text,verdict",
+    [
+        (0, CLEAN, "clean"),
+        (1, CLEAN, "target failed (exit 1)"),
+        # The error exit code with a complete, error-free report: only the target failed.
+        (86, CLEAN, "target failed (exit 86)"),
+        # The error exit code and no summary line: the tool was cut short; trust the code.
+        (86, "", "0 error(s)"),
+        (0, MEMCHECK, "5 error(s)"),
+        (0, "", "incomplete report"),
+    ],
+)
+def test_run_classification(returncode: int, text: str, verdict: str) -> None:
+    run = sanitizer.SanitizerRun(
+        "memcheck", ["cs"], returncode, parse_report(text), Path("m.log"), 1.0
+    )
+    assert run.verdict() == verdict
+    assert run.clean == (verdict == "clean")
+    assert run.found_errors == verdict.endswith("error(s)")
+    assert run.app_failed == verdict.startswith("target failed")
+
+
+def test_run_without_a_sanitizer_says_how_to_get_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sanitizer, "find_compute_sanitizer", lambda: None)
+    with pytest.raises(FileNotFoundError, match="MEGAMOE_COMPUTE_SANITIZER"):
+        sanitizer.run("memcheck", ["true"])
+    assert sanitizer.main(["--tool", "memcheck"]) == 2
+
+
+def _selection(tmp_path: Path, body: str) -> Path:
+    test = tmp_path / "sel" / "test_sel.py"
+    test.parent.mkdir()
+    test.write_text(body)
+    return test
+
+
+def test_cli_single_tool(fake, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    set_report, records = fake
+    set_report(RACECHECK)
+    test = _selection(tmp_path, "def test_ok():\n    pass\n")
+    out = tmp_path / "out"
+    code = sanitizer.main(["--tool", "racecheck", "--out", str(out), "-q", str(test)])
+    assert code == ERROR_EXITCODES["racecheck"]
+    printed = capsys.readouterr().out
+    assert "== racecheck: 2 error(s)" in printed
+    assert "| `race_kernel` | Race reported between Read and Write access | 1 |" in printed
+    saved = json.loads((out / "racecheck.json").read_text())
+    assert saved["errors"] == 2 and saved["warnings"] == 1 and not saved["clean"]
+    assert (out / "racecheck.log").read_text() == RACECHECK
+    (call,) = records()
+    assert call["args"][-3:] == ["no:cacheprovider", "-q", str(test)]
+
+
+def test_cli_all_tools_and_pass_through_after_double_dash(
+    fake, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    set_report, records = fake
+    set_report(CLEAN + CLEAN_RACECHECK)
+    test = _selection(tmp_path, "def test_ok():\n    pass\n")
+    out = tmp_path / "out"
+    code = sanitizer.main(["--tool", "all", "--out", str(out), "--", str(test), "-k", "ok"])
+    assert code == 0
+    assert [c["tool_env"] for c in records()] == list(TOOLS)
+    assert all(c["args"][-3:] == [str(test), "-k", "ok"] for c in records())
+    table = capsys.readouterr().out
+    for tool in TOOLS:
+        assert f"| {tool} | 0 | 0 | 0 | clean |" in table
+        assert (out / f"{tool}.json").is_file()
+
+
+def test_cli_all_tools_fails_when_one_fails(fake, tmp_path: Path) -> None:
+    set_report, _ = fake
+    set_report(SYNCCHECK)
+    test = _selection(tmp_path, "def test_ok():\n    pass\n")
+    assert sanitizer.main(["--tool", "all", "--out", str(tmp_path / "o"), str(test)]) == 1
+
+
+def test_cli_pytest_failure_is_passed_on(fake, tmp_path: Path) -> None:
+    set_report, _ = fake
+    set_report(CLEAN)
+    test = _selection(tmp_path, "def test_bad():\n    assert False\n")
+    assert sanitizer.main(["--tool", "memcheck", "--out", str(tmp_path / "o"), str(test)]) == 1
+
+
+def test_cli_print_command_and_default_selection(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    code = sanitizer.main(
+        [
+            "--tool",
+            "initcheck",
+            "--sanitizer",
+            "/cs",
+            "--out",
+            str(tmp_path),
+            "--sanitizer-arg=--num-cuda-barriers=64",
+            "--print-command",
+            "-k",
+            "gemm",
+        ]
+    )
+    assert code == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("/cs --tool initcheck --error-exitcode 88 --log-file ")
+    assert "--num-cuda-barriers=64" in line
+    # "-k gemm" selects nothing by itself: the default selection is added.
+    assert line.endswith("-p no:cacheprovider -k gemm tests/sanitizer")

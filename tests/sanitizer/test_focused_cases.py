@@ -1,0 +1,351 @@
+"""Every kernel family at small shapes, for compute-sanitizer (memcheck, racecheck,
+initcheck, synccheck): route plan, pool gather / side sum / combine, grouped GEMM
+(Store with the N extra segment, GatedActivation with the K side segment) and the
+fused forward ``mm.moe``, at the edges where indexing goes wrong: one token, BLOCK_M
+boundaries, empty experts, masked and remote routes, tile tails, persistent CTAs that
+walk several tiles, and the rejection of undersized buffers before any launch.
+
+Shapes are small because racecheck and initcheck slow kernels down by orders of
+magnitude. Each case also checks its result (bitwise where the kernel and reference
+do the same float32 operations, else against the float64 oracle), and reads only what
+the kernel wrote: initcheck would flag a comparison that reads the unwritten tail of
+a pool buffer, and rightly so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import megamoe as mm
+from megamoe import pool
+from megamoe.grouped_gemm import (
+    gated_grouped_gemm,
+    gated_grouped_gemm_reference,
+    grouped_gemm,
+    grouped_gemm_reference,
+)
+from megamoe.registry import registry
+from megamoe.testing import assert_close_to_oracle, make_layer, make_routing
+
+pytestmark = pytest.mark.gpu
+
+REG = registry()
+BLOCK_MS = REG.block_m_choices
+# (BLOCK_M, BLOCK_N) of every grouped GEMM variant in the registry.
+GEMM_TILES = sorted(
+    {(v.params["block_m"], v.params["block_n"]) for v in REG.family("grouped_gemm")}
+)
+PLAN_FIELDS = ("expert_counts", "expert_pool_offsets", "route_to_pool_row", "pool_row_to_route")
+
+
+def bf16(shape: tuple[int, ...], seed: int, scale: float = 1.0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=gen) * scale).to(torch.bfloat16).cuda()
+
+
+def on_cpu(plan: mm.RoutePlan) -> mm.RoutePlan:
+    return dataclasses.replace(plan, **{f: getattr(plan, f).cpu() for f in PLAN_FIELDS})
+
+
+def rows_used(plan: mm.RoutePlan) -> int:
+    return int(plan.expert_pool_offsets[-1])
+
+
+def assert_bitwise(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    a, e = actual.cpu(), expected.cpu()
+    assert a.shape == e.shape and a.dtype == e.dtype
+    if a.dtype == torch.bfloat16:
+        a, e = a.view(torch.int16), e.view(torch.int16)
+    assert torch.equal(a, e)
+
+
+def gpu_plan(
+    tokens: int,
+    experts: int,
+    top_k: int,
+    block_m: int,
+    *,
+    kind: str = "masked",
+    seed: int = 0,
+    local: int | None = None,
+    expert_begin: int = 0,
+    id_dtype: torch.dtype = torch.int32,
+) -> tuple[mm.RoutePlan, torch.Tensor, torch.Tensor]:
+    """(plan on the GPU, topk_ids on the CPU, topk_weights on the GPU)."""
+    ids, weights = make_routing(tokens, experts, top_k, kind=kind, seed=seed, id_dtype=id_dtype)
+    plan = mm.plan_routes(
+        ids.cuda(), experts if local is None else local, block_m, expert_begin=expert_begin
+    )
+    return plan, ids, weights.cuda()
+
+
+# ------------------------------------------------------------------- route plan
+
+
+@pytest.mark.parametrize("block_m", BLOCK_MS)
+@pytest.mark.parametrize(
+    "tokens,top_k,experts,local,expert_begin,kind,id_dtype",
+    [
+        pytest.param(1, 1, 8, 8, 0, "balanced", torch.int32, id="one-token"),
+        pytest.param(17, 2, 8, 8, 0, "masked", torch.int64, id="masked-int64"),
+        # 2,400 routes: more than one 2,048-route tile of the counting sort.
+        pytest.param(400, 6, 16, 16, 0, "empty", torch.int32, id="empty-experts-two-tiles"),
+        pytest.param(300, 4, 32, 8, 8, "skewed", torch.int64, id="remote-experts"),
+    ],
+)
+def test_route_plan(tokens, top_k, experts, local, expert_begin, kind, id_dtype, block_m):
+    plan, ids, _ = gpu_plan(
+        tokens,
+        experts,
+        top_k,
+        block_m,
+        kind=kind,
+        local=local,
+        expert_begin=expert_begin,
+        id_dtype=id_dtype,
+    )
+    expected = mm.plan_routes_reference(ids, local, block_m, expert_begin=expert_begin)
+    for name in PLAN_FIELDS:
+        assert torch.equal(getattr(plan, name).cpu(), getattr(expected, name)), name
+
+
+def test_route_plan_all_masked():
+    ids = torch.full((5, 2), -1, dtype=torch.int32, device="cuda")
+    plan = mm.plan_routes(ids, 4, BLOCK_MS[0])
+    assert rows_used(plan) == 0
+    assert bool((plan.pool_row_to_route == -1).all())
+
+
+# ----------------------------------------------------------------- pool kernels
+
+
+@pytest.mark.parametrize("side_cols", [0, 32])
+@pytest.mark.parametrize("tokens,top_k", [(1, 1), (90, 2), (17, 6)])
+def test_pool_gather(tokens, top_k, side_cols):
+    plan, _, _ = gpu_plan(tokens, 8, top_k, BLOCK_MS[0], kind="empty", seed=tokens)
+    x = bf16((tokens, 64), 1)
+    side = bf16((tokens, side_cols), 2) if side_cols else None
+    out = pool.gather_pool(x, side, plan)
+    expected = pool.gather_pool_reference(
+        x.cpu(), None if side is None else side.cpu(), on_cpu(plan)
+    )
+    rows = rows_used(plan)
+    assert_bitwise(out[:rows], expected[:rows])
+
+
+@pytest.mark.parametrize("scale", [0.0, 0.5])
+@pytest.mark.parametrize("tokens,top_k,rank", [(1, 1, 16), (91, 2, 16), (33, 6, 0)])
+def test_pool_side_sum_and_combine(tokens, top_k, rank, scale):
+    hidden = 64
+    plan, _, weights = gpu_plan(tokens, 8, top_k, BLOCK_MS[-1], kind="masked", seed=tokens)
+    # Every row initialised: the kernels read only rows with a route, but the
+    # references index the whole buffer.
+    pool_output = bf16((plan.pool_capacity, hidden + rank), 3)
+    side_expand = bf16((tokens, hidden), 4) if rank else None
+    cpu_plan = on_cpu(plan)
+    if rank:
+        p_sum = pool.side_sum(pool_output, plan, weights, hidden)
+        expected = pool.side_sum_reference(pool_output.cpu(), cpu_plan, weights.cpu(), hidden)
+        assert_bitwise(p_sum, expected)
+    out = pool.combine(pool_output, plan, weights, side_expand, scale, hidden=hidden)
+    expected = pool.combine_reference(
+        pool_output.cpu(),
+        cpu_plan,
+        weights.cpu(),
+        None if side_expand is None else side_expand.cpu(),
+        scale,
+        hidden=hidden,
+    )
+    assert_bitwise(out, expected)
+
+
+# ------------------------------------------------------------------ grouped GEMM
+
+
+@pytest.mark.parametrize("extra", [0, 16])
+@pytest.mark.parametrize("tokens,top_k", [(1, 1), (100, 2)])
+@pytest.mark.parametrize("block_m,block_n", GEMM_TILES)
+def test_grouped_gemm_store(block_m, block_n, tokens, top_k, extra):
+    # N = 192: a partial last tile for both BLOCK_N 128 and 256 (TMA reads past an
+    # expert's N land in the next expert's rows or are zero-filled; never stored).
+    experts, k, n = 4, 128, 192
+    plan, _, _ = gpu_plan(tokens, experts, top_k, block_m, kind="empty", seed=tokens)
+    a = bf16((plan.pool_capacity, k), 5)
+    b = bf16((experts, n, k), 6, k**-0.5)
+    b_extra = bf16((experts, extra, k), 7, k**-0.5) if extra else None
+    out = grouped_gemm(a, b, plan, b_extra=b_extra, block_n=block_n)
+    rows = rows_used(plan)
+    assert out.shape == (plan.pool_capacity, n + extra)
+    if rows:
+        expected = grouped_gemm_reference(a, b, plan, b_extra=b_extra)
+        assert_close_to_oracle("out", out[:rows], expected)
+
+
+@pytest.mark.parametrize(
+    "activation,clamp,rank",
+    [("swiglu", None, 0), ("swiglu", None, 16), ("geglu", 0.5, 16)],
+)
+@pytest.mark.parametrize("tokens,top_k", [(1, 1), (100, 2)])
+@pytest.mark.parametrize("block_m,block_n", GEMM_TILES)
+def test_grouped_gemm_gated(block_m, block_n, tokens, top_k, activation, clamp, rank):
+    # 2I = 256: one N tile of 256 or two of 128; r = 16: the K side segment's only
+    # step reads 16 of 64 TMA columns (the rest is zero-filled past r).
+    experts, hidden, inter = 4, 128, 128
+    plan, _, _ = gpu_plan(tokens, experts, top_k, block_m, kind="masked", seed=tokens)
+    a = bf16((plan.pool_capacity, hidden + 2 * rank), 8)
+    w13 = bf16((experts, 2 * inter, hidden), 9, hidden**-0.5)
+    side = {}
+    if rank:
+        side = dict(
+            side_b_gate=bf16((experts, inter, rank), 10, rank**-0.5),
+            side_b_up=bf16((experts, inter, rank), 11, rank**-0.5),
+            side_scale=0.25,
+        )
+    h = gated_grouped_gemm(
+        a,
+        w13,
+        plan,
+        k=hidden,
+        activation=activation,
+        activation_clamp=clamp,
+        block_n=block_n,
+        **side,
+    )
+    rows = rows_used(plan)
+    if rows:
+        expected = gated_grouped_gemm_reference(
+            a, w13, plan, k=hidden, activation=activation, activation_clamp=clamp, **side
+        )
+        assert_close_to_oracle("h", h[:rows], expected)
+
+
+@pytest.mark.parametrize("block_m,block_n", GEMM_TILES)
+def test_grouped_gemm_persistent_ctas_walk_many_tiles(block_m, block_n, monkeypatch):
+    # Two CTAs for a few dozen tiles: every CTA wraps the stage ring and the mbarrier
+    # phases several times, the part of a persistent pipeline races hide in.
+    monkeypatch.setenv("MEGAMOE_NUM_SMS", "2")
+    monkeypatch.delenv("MEGAMOE_SM_HEADROOM", raising=False)
+    experts, k, n = 4, 256, 256
+    plan, _, _ = gpu_plan(600, experts, 2, block_m, kind="skewed", seed=12)
+    a = bf16((plan.pool_capacity, k), 13)
+    b = bf16((experts, n, k), 14, k**-0.5)
+    out = grouped_gemm(a, b, plan, block_n=block_n)
+    rows = rows_used(plan)
+    assert_close_to_oracle("out", out[:rows], grouped_gemm_reference(a, b, plan))
+
+
+# ------------------------------------------------------------------ fused forward
+
+
+def block_m_transition(top_k: int, experts: int) -> int:
+    """The first token count at which our heuristic picks a larger BLOCK_M."""
+    first = mm.get_block_m(1, top_k, experts)
+    for tokens in range(2, 1 << 16):
+        if mm.get_block_m(tokens, top_k, experts) != first:
+            return tokens
+    raise AssertionError("no BLOCK_M transition below 65,536 tokens")
+
+
+TRANSITION = block_m_transition(2, 8)
+
+
+@pytest.mark.parametrize(
+    "tokens,top_k,rank,kwargs",
+    [
+        pytest.param(1, 1, None, {}, id="one-token-no-side"),
+        pytest.param(1, 2, 16, {}, id="one-token-side"),
+        pytest.param(TRANSITION - 1, 2, 16, {}, id="below-block-m-transition"),
+        pytest.param(TRANSITION, 2, 16, {}, id="at-block-m-transition"),
+        pytest.param(200, 2, 16, {"routing": "empty"}, id="empty-experts"),
+        pytest.param(
+            150,
+            6,
+            32,
+            {"routing": "masked", "activation": "geglu", "activation_clamp": 1.0},
+            id="masked-geglu-clamp",
+        ),
+        pytest.param(64, 2, 16, {"scale": 0.0}, id="zero-scale"),
+        pytest.param(50, 4, 16, {"routing": "skewed", "id_dtype": torch.int64}, id="int64-skewed"),
+    ],
+)
+def test_moe_forward(tokens, top_k, rank, kwargs):
+    shape = dict(hidden=128, intermediate=128, num_experts=8, top_k=top_k, side_rank=rank)
+    fast = make_layer(**shape, num_tokens=tokens, device="cuda", seed=tokens, **kwargs)
+    exact = make_layer(
+        **shape, num_tokens=tokens, device="cuda", dtype=torch.float64, seed=tokens, **kwargs
+    )
+    with torch.no_grad():
+        out = fast.call(mm.moe)
+        expected = exact.call(mm.reference.moe)
+    assert out.shape == (tokens, 128)
+    assert_close_to_oracle("out", out, expected)
+
+
+def test_mxfp4_quantizer_on_the_gpu():
+    # The MXFP4 path that exists today (the fused decode is a later issue): quantize,
+    # prepare and dequantize on the device, including a NaN block and a zero block.
+    w = bf16((4, 256, 128), 15)
+    w[0, 0, :32] = 0
+    w[1, 3, 5] = float("nan")
+    packed, scales = mm.quantize_mxfp4(w, axis=-1)
+    back = mm.dequantize_mxfp4(packed, scales, axis=-1)
+    assert bool(torch.isnan(back[1, 3, :32]).all()) and bool((back[0, 0, :32] == 0).all())
+    base = mm.prepare_base_weights(bf16((4, 256, 128), 16), bf16((4, 128, 128), 17), "mxfp4")
+    assert base.w13_linear().shape == (4, 256, 128)
+
+
+# ------------------------------------------------------- rejection before launch
+
+
+def test_undersized_workspace_is_rejected_before_any_launch():
+    device = torch.device("cuda", torch.cuda.current_device())
+    layout = mm.workspace_layout(17, 128, 128, 8, 2, 16)
+    small = mm.Workspace(layout.size - 1)
+    with pytest.raises(ValueError, match="workspace: expected at least"):
+        small.check_fits(layout, device)
+    layer = make_layer(128, 128, 8, 2, 16, num_tokens=17, device="cuda")
+    with torch.no_grad(), pytest.raises(ValueError, match="workspace"):
+        layer.call(mm.moe, workspace=small)
+    mm.Workspace(layout.size).check_fits(layout, device)
+
+
+def test_undersized_buffers_are_rejected_by_the_launchers():
+    from megamoe import _C
+    from megamoe._native import current_stream, dlpack
+
+    tokens, top_k, experts, block_m = 20, 2, 4, BLOCK_MS[0]
+    ids, weights = make_routing(tokens, experts, top_k, seed=18)
+    ids, weights = ids.cuda(), weights.cuda()
+    stream = current_stream(ids.device)
+    routes = tokens * top_k
+    capacity = mm.pool_capacity(routes, experts, block_m)
+
+    def i32(*shape: int) -> torch.Tensor:
+        return torch.zeros(shape, dtype=torch.int32, device="cuda")
+
+    scratch = i32(_C.route_plan_num_tiles(routes), experts)
+    counts, offsets, r2p = i32(experts), i32(experts + 1), i32(routes)
+    with pytest.raises(ValueError, match="pool_row_to_route: pool capacity"):
+        _C.route_plan(
+            *(dlpack(ids), 0, experts, block_m, dlpack(scratch), dlpack(counts)),
+            *(dlpack(offsets), dlpack(r2p), dlpack(i32(capacity - 1)), stream),
+        )
+    plan = mm.plan_routes(ids, experts, block_m)
+    x = bf16((tokens, 64), 19)
+    with pytest.raises(ValueError, match="out: expected shape"):
+        pool.gather_pool(x, None, plan, bf16((capacity - block_m, 64), 20))
+    pool_input = pool.gather_pool(x, None, plan)
+    b = bf16((experts, 64, 64), 21)
+    short = torch.empty(capacity - block_m, 64, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(ValueError, match="out: expected shape"):
+        grouped_gemm(pool_input, b, plan, out=short)
+    pool_output = grouped_gemm(pool_input, b, plan)
+    with pytest.raises(ValueError, match="out: expected shape"):
+        pool.combine(pool_output, plan, weights, out=bf16((tokens - 1, 64), 22))
+    # The rejected calls launched nothing and left the context healthy.
+    out = pool.combine(pool_output, plan, weights)
+    torch.cuda.synchronize()
+    assert out.shape == (tokens, 64) and bool(torch.isfinite(out.float()).all())
