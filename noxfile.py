@@ -191,9 +191,8 @@ def wheel(session: nox.Session) -> None:
     Wheels land in dist/ (earlier wheels of the arches built are replaced), the
     reports (auditwheel, reproducibility, timings) in dist/reports/.
     """
-    _install(
-        session, *BUILD_DEPS, "auditwheel", "wheel", "cuda-pathfinder", "nvidia-cuda-cuobjdump"
-    )
+    tools = ["cuda-pathfinder", "nvidia-cuda-cuobjdump", "nvidia-cuda-nvdisasm"]
+    _install(session, *BUILD_DEPS, "auditwheel", "wheel", *tools)
     args = session.posargs or ["--arch", "x86_64", "--repro", "--audit"]
     session.run("python", str(ROOT / "ci" / "build_wheels.py"), "--pin", "host", *args)
 

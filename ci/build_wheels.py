@@ -401,15 +401,17 @@ def build_arch(arch: str, pin: pinlib.Pin, args, reports: Path) -> dict:
 
 
 def cubin_hashes(wheel: Path) -> dict[str, dict[str, str]] | None:
-    """sha256 of each sm_90a cubin in the module and of its SASS (None: no cuobjdump)."""
+    """sha256 of each sm_90a cubin in the module and of its SASS (None: no cuobjdump and
+    nvdisasm here; the wheel session installs both from PyPI)."""
     try:
-        from cuda.pathfinder import find_nvidia_binary_utility
-
-        cuobjdump = find_nvidia_binary_utility("cuobjdump")
+        from cuda.pathfinder import find_nvidia_binary_utility as find
     except ImportError:
-        cuobjdump = shutil.which("cuobjdump")
-    if not cuobjdump:
+        find = shutil.which
+    cuobjdump, nvdisasm = find("cuobjdump"), find("nvdisasm")
+    if not cuobjdump or not nvdisasm:
+        log("no cuobjdump/nvdisasm: skipping the cross-arch SASS comparison")
         return None
+    env = {**os.environ, "PATH": f"{Path(nvdisasm).parent}:{os.environ.get('PATH', '')}"}
     with tempfile.TemporaryDirectory() as tmp, zipfile.ZipFile(wheel) as archive:
         module = next(n for n in archive.namelist() if n.startswith("megamoe/_C"))
         path = Path(tmp) / Path(module).name
@@ -420,7 +422,7 @@ def cubin_hashes(wheel: Path) -> dict[str, dict[str, str]] | None:
         found = {}
         for cubin in sorted(Path(tmp).glob("*.cubin")):
             sass = subprocess.run(
-                [cuobjdump, "-sass", str(cubin)], check=True, capture_output=True
+                [cuobjdump, "-sass", str(cubin)], check=True, capture_output=True, env=env
             ).stdout
             found[cubin.name] = {
                 "cubin": sha256(cubin),
