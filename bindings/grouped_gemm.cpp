@@ -161,6 +161,7 @@ void grouped_gemm(const Tensor& a, int64_t k_base, const Tensor& b,
   params.out = out.data();
   params.out_stride = out.shape(1);
   params.num_experts = static_cast<int32_t>(experts);
+  params.pool_rows = static_cast<int32_t>(rows);
   params.k_base = static_cast<int32_t>(k_base);
   params.n_base = static_cast<int32_t>(n_base);
   params.n_extra = static_cast<int32_t>(n_extra);

@@ -197,7 +197,8 @@ __global__ void __launch_bounds__(gemm::Tile<BlockM, BlockN>::kThreads, 1)
   }
   __syncthreads();
 
-  const int rows_used = __ldg(p.expert_pool_offsets + p.num_experts);
+  // A corrupt plan must not make the kernel read or write past the pool.
+  const int rows_used = min(__ldg(p.expert_pool_offsets + p.num_experts), p.pool_rows);
   const int m_blocks = rows_used / BlockM;
   const int n_base_blocks = (p.n_base + BlockN - 1) / BlockN;
   const int n_blocks = n_base_blocks + (p.n_extra + BlockN - 1) / BlockN;

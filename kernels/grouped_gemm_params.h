@@ -41,6 +41,7 @@ struct GroupedGemmParams {
   void* out;                           // BF16 [pool rows, out_stride]
   int64_t out_stride;                  // elements between output rows
   int32_t num_experts;
+  int32_t pool_rows;       // rows of A and out: the rows in use are clamped to it
   int32_t k_base;          // reduction length of the base segment
   int32_t n_base;          // output columns of the base segment (B rows per expert)
   int32_t n_extra;         // extra output columns (0: none)

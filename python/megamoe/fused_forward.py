@@ -71,7 +71,9 @@ def check_forward_inputs(
     )
     check_choice("activation", activation, tuple(ACTIVATIONS))
     if activation_clamp is not None and not (
-        isinstance(activation_clamp, (int, float)) and 0 < float(activation_clamp) < float("inf")
+        isinstance(activation_clamp, (int, float))
+        and not isinstance(activation_clamp, bool)
+        and 0 < float(activation_clamp) < float("inf")
     ):
         raise ValueError(
             f"activation_clamp: expected a positive finite float or None, got {activation_clamp!r}"

@@ -29,6 +29,17 @@ ACTIVATIONS = {"swiglu": 0, "geglu": 1}
 DEFAULT_BLOCK_N = 128
 
 
+def _check_pool_operand(a: torch.Tensor, plan: RoutePlan) -> None:
+    """The pool operand must be on the GPU and hold exactly the plan's pool rows: the
+    kernel walks the rows the plan says are in use."""
+    if not a.is_cuda:
+        raise ValueError(f"a: expected a CUDA tensor, got {a.device}")
+    if a.shape[0] != plan.pool_capacity:
+        raise ValueError(
+            f"a: expected plan.pool_capacity = {plan.pool_capacity} rows, got {a.shape[0]}"
+        )
+
+
 def _device_sms(device: torch.device) -> int:
     return resolve_device_sms(device.index if device.index is not None else None)
 
@@ -61,6 +72,7 @@ def grouped_gemm(
     """
     check_tensor("a", a, ndim=2, dtypes=(torch.bfloat16,), contiguous=True)
     check_tensor("b", b, ndim=3, dtypes=(torch.bfloat16,), device=a.device, contiguous=True)
+    _check_pool_operand(a, plan)
     k = b.shape[2] if k is None else k
     n_total = b.shape[1] + (0 if b_extra is None else b_extra.shape[1])
     if out is None:
@@ -121,6 +133,9 @@ def gated_grouped_gemm(
     check_choice("activation", activation, tuple(ACTIVATIONS))
     check_tensor("a", a, ndim=2, dtypes=(torch.bfloat16,), contiguous=True)
     check_tensor("w13", w13, ndim=3, dtypes=(torch.bfloat16,), device=a.device, contiguous=True)
+    if w13.shape[1] % block_n != 0:
+        raise ValueError(f"w13: expected 2I a multiple of block_n={block_n}, got {w13.shape[1]}")
+    _check_pool_operand(a, plan)
     if out is None:
         out = torch.empty(a.shape[0], w13.shape[1] // 2, dtype=torch.bfloat16, device=a.device)
     clamp = math.inf if activation_clamp is None else float(activation_clamp)

@@ -57,6 +57,10 @@ def get_block_m(
         )
     if top_k > num_experts:
         raise ValueError(f"top_k: expected <= num_experts={num_experts}, got {top_k}")
+    if config is not None and not isinstance(config, BlockMConfig):
+        raise TypeError(
+            f"config: expected megamoe.BlockMConfig or None, got {type(config).__name__}"
+        )
     config = config or BlockMConfig()
     choices = registry().block_m_choices
     rows_per_expert = num_tokens * ep_size * top_k / num_experts

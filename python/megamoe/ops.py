@@ -90,6 +90,13 @@ def moe(
         )
     if not isinstance(base, BaseWeights):
         raise TypeError(f"base: expected megamoe.BaseWeights, got {type(base).__name__}")
+    if base.format != "bf16":
+        raise ValueError(
+            f"base: format {base.format!r} has no fused kernels yet (MXFP4 decode lands "
+            "with issue 5); use format='bf16'"
+        )
+    if side is not None and not isinstance(side, SideLoRA):
+        raise TypeError(f"side: expected megamoe.SideLoRA or None, got {type(side).__name__}")
     side_tensors = [] if side is None else list(side.tensors())
     needs_grad = torch.is_grad_enabled() and any(
         t.requires_grad for t in [x, topk_weights, base.w13, base.w2, *side_tensors]
@@ -100,7 +107,8 @@ def moe(
             "torch.no_grad() / inference_mode, or train with megamoe.reference.moe"
         )
     scale = 0.0 if side is None else side.scale
-    check_ids = not torch.cuda.is_current_stream_capturing()
+    # The id check reads back to the host, which graph capture forbids.
+    check_ids = not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
     return _moe_forward_op(
         x,
         topk_ids,

@@ -13,6 +13,7 @@ import torch
 
 from ._checks import check_int
 from .heuristics import get_block_m
+from .registry import registry
 from .routing import pool_capacity, route_plan_num_tiles
 
 REGION_ALIGNMENT = 256
@@ -75,6 +76,11 @@ def workspace_layout(
     check_int("ep_size", ep_size, minimum=1)
     if block_m is None:
         block_m = get_block_m(num_tokens, top_k, num_local_experts * ep_size, ep_size)
+    check_int("block_m", block_m, minimum=1)
+    if block_m not in registry().block_m_choices:
+        raise ValueError(
+            f"block_m: expected one of {list(registry().block_m_choices)}, got {block_m}"
+        )
     # In EP a rank's pool receives routes from every rank: size for all of them.
     num_routes = num_tokens * top_k * ep_size
     capacity = pool_capacity(num_routes, num_local_experts, block_m)

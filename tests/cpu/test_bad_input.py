@@ -6,9 +6,8 @@ test_heuristics, test_env, test_pool, test_mxfp4 and test_reference (the invento
 is docs/BAD-INPUT.md). Devices are exercised with the ``meta`` device: a tensor on
 another device than its partners must be named just as a CPU tensor beside CUDA ones.
 
-Cases marked ``xfail(strict=True)`` are checks the API lacks today (each names the fix
-in its reason); when the check lands the test passes, and strict mode fails the suite
-until the marker is removed.
+The last group were checks the API lacked when these tests were written; they landed
+with the tests.
 """
 
 from __future__ import annotations
@@ -438,77 +437,33 @@ def test_valid_mxfp4_weights_pass_the_checks() -> None:
 # ------------------------------------------------------------- checks the API lacks
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="mm.moe calls side.tensors() before any type check (AttributeError). Fix, in "
-    "megamoe/ops.py moe() after the base check: `if side is not None and not "
-    "isinstance(side, SideLoRA): raise TypeError(f'side: expected megamoe.SideLoRA or "
-    "None, got {type(side).__name__}')`",
-)
 def test_moe_side_of_the_wrong_type() -> None:
     with pytest.raises(TypeError, match=r"^side: expected megamoe\.SideLoRA"):
         moe(side=side_tensors())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="mm.moe passes an MXFP4 base's packed bytes to the op as if BF16; on CUDA the "
-    "error then blames x's shape (H/2). Fix, in megamoe/ops.py moe() after the base type "
-    "check: `if base.format != 'bf16': raise ValueError(f\"base: format {base.format!r} "
-    "has no fused kernels yet (MXFP4 decode lands with issue 5); use format='bf16'\")`",
-)
 def test_moe_mxfp4_base_names_the_format() -> None:
     base = mm.prepare_base_weights(*base_tensors(), format="mxfp4")
     with pytest.raises(ValueError, match=r"^base: format 'mxfp4'"):
         moe(base=base)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="mm.moe calls torch.cuda.is_current_stream_capturing() before the fused "
-    "path's checks; on a CPU-only torch build that raises RuntimeError ('Tried to "
-    "instantiate dummy base class'), so CPU weights never reach 'base: expected CUDA "
-    "weights'. Fix, in megamoe/ops.py moe(): `check_ids = not "
-    "(torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())`",
-)
 def test_moe_cpu_weights_name_the_base() -> None:
     with pytest.raises(ValueError, match=r"^base: expected CUDA weights"):
         moe()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="workspace_layout/get_workspace_size accept any block_m (0 divides by zero, "
-    "96 sizes a pool no kernel uses). Fix, in megamoe/workspace.py workspace_layout() "
-    "where block_m is given: `check_int('block_m', block_m, minimum=1)` and reject "
-    "values not in registry().block_m_choices with ValueError('block_m: expected one "
-    "of ...')`",
-)
 @pytest.mark.parametrize("block_m", [0, 96])
 def test_workspace_block_m_is_checked(block_m: int) -> None:
     with pytest.raises(ValueError, match=r"^block_m: expected"):
         mm.get_workspace_size(T, H, I, E, K, block_m=block_m)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="get_block_m uses config.min_blocks_per_expert unchecked (AttributeError). "
-    "Fix, in megamoe/heuristics.py get_block_m(): `if config is not None and not "
-    "isinstance(config, BlockMConfig): raise TypeError(f'config: expected "
-    "megamoe.BlockMConfig or None, got {type(config).__name__}')`",
-)
 def test_block_m_config_type_is_checked() -> None:
     with pytest.raises(TypeError, match=r"^config: expected"):
         mm.get_block_m(T, K, E, config={"min_blocks_per_expert": 1})
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="grouped_gemm/gated_grouped_gemm hand CPU tensors to torch.cuda.device, whose "
-    "error names no argument. Fix, in megamoe/grouped_gemm.py both wrappers after the "
-    "`a` check: `if not a.is_cuda: raise ValueError(f'a: expected a CUDA tensor, got "
-    "{a.device}')`",
-)
 def test_gemm_on_cpu_names_the_argument() -> None:
     with pytest.raises(ValueError, match=r"^a: expected a CUDA tensor"):
         gemm()

@@ -3,8 +3,8 @@
 The fused forward checks devices, alignment and strides only for CUDA inputs, and the
 grouped GEMM launcher checks the rest in C++; those checks need a GPU and the
 compiled module. The CPU-reachable cases are in tests/cpu/test_bad_input.py; the
-inventory of all of them is docs/BAD-INPUT.md. ``xfail(strict=True)`` marks checks
-the API lacks today (the reason names the fix).
+inventory of all of them is docs/BAD-INPUT.md. The last group were
+checks the API lacked when these tests were written; they landed with the tests.
 """
 
 from __future__ import annotations
@@ -304,40 +304,17 @@ def test_the_valid_calls_run(layer: LayerInputs, gemm: GemmInputs) -> None:
 # ------------------------------------------------------------- checks the API lacks
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="mm.moe sends an MXFP4 base's packed bytes down the BF16 path, and the error "
-    "blames x's shape ([*, H/2]). Fix, in megamoe/ops.py moe() after the base type "
-    "check: `if base.format != 'bf16': raise ValueError(f\"base: format {base.format!r} "
-    "has no fused kernels yet (MXFP4 decode lands with issue 5); use format='bf16'\")`",
-)
 def test_moe_mxfp4_base_names_the_format(layer: LayerInputs) -> None:
     base = mm.prepare_base_weights(layer.w13, layer.w2, format="mxfp4")
     with pytest.raises(ValueError, match=r"^base: format 'mxfp4'"):
         moe(layer, base=base)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="The gated GEMM's 2I check lives in C++ and names the operand `b`; the Python "
-    "argument is `w13`. Fix, in megamoe/grouped_gemm.py gated_grouped_gemm(): `if "
-    "w13.shape[1] % block_n: raise ValueError(f'w13: expected 2I a multiple of "
-    "block_n={block_n}, got {w13.shape[1]}')`",
-)
 def test_gated_w13_width_names_w13(gemm: GemmInputs) -> None:
     with pytest.raises(ValueError, match=r"^w13: expected 2I a multiple"):
         gated_grouped_gemm(gemm.a, bf16(4, 192, 128), gemm.plan, k=128)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="grouped_gemm accepts a pool with fewer rows than the plan uses and the kernel "
-    "does not clamp the rows in use to the pool, so it writes past `out`. Fix, in "
-    "megamoe/grouped_gemm.py both wrappers: `if a.shape[0] != plan.pool_capacity: raise "
-    "ValueError(f'a: expected plan.pool_capacity = {plan.pool_capacity} rows, got "
-    "{a.shape[0]}')`; and in kernels/grouped_gemm.cuh clamp rows_used to A's rows (a "
-    "new GroupedGemmParams field), as pool_gather does",
-)
 def test_gemm_pool_smaller_than_the_plan(gemm: GemmInputs) -> None:
     # 128 rows: fewer than the plan's rows in use (>= 200 routes), a BLOCK_M multiple.
     rows = 128
