@@ -78,7 +78,7 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "format", "--check", *python_paths)
     sources = sorted(
         str(p)
-        for d in ("kernels", "bindings")
+        for d in ("kernels", "bindings", "tests/sanitizer")
         for p in (ROOT / d).rglob("*")
         if p.suffix in {".h", ".cuh", ".cu", ".cpp"}
     )
@@ -109,7 +109,8 @@ def cpu(session: nox.Session) -> None:
 
 @nox.session
 def compile_variants(session: nox.Session) -> None:
-    """Compile every registry variant for sm_90a; resource table; fail on spills."""
+    """Compile every registry variant for sm_90a; resource table; SASS checks; fail on a
+    regression against tools/variant_resources.json (``-- --update-baseline`` records it)."""
     # cuobjdump 13.2+ from PyPI reads 13.0 cubins; the prepared GPU machine has its own.
     _install(
         session,
@@ -141,14 +142,43 @@ def gpu_edge(session: nox.Session) -> None:
 
 @nox.session
 def sanitizer(session: nox.Session) -> None:
-    """compute-sanitizer over focused cases (the suite lands with issue 8)."""
+    """compute-sanitizer memcheck, racecheck, initcheck, synccheck over tests/sanitizer.
+
+    ``nox -s sanitizer`` runs all four tools; ``nox -s sanitizer -- --tool memcheck``
+    one (further arguments go to ``python -m megamoe.testing.sanitizer``, unknown ones
+    to pytest). First the planted-error check, in plain pytest since it starts
+    compute-sanitizer itself. Logs and JSON summaries land in build/sanitizer/.
+    """
     _install_megamoe(session)
+    _install(session, "cuda-pathfinder")
     if not _has_gpu(session):
         session.skip("no CUDA GPU here")
-    if not any((ROOT / "tests" / "sanitizer").glob("test_*.py")):
-        session.skip("no sanitizer cases yet")
+    tests = ROOT / "tests" / "sanitizer"
+    config = [f"--rootdir={ROOT}", "-c", str(ROOT / "pyproject.toml")]
+    options = list(session.posargs)
+    if not any(a == "--tool" or a.startswith("--tool=") for a in options):
+        options = ["--tool", "all", *options]
     with session.chdir(session.create_tmp()):
-        _pytest(session, str(ROOT / "tests" / "sanitizer"))
+        session.run(
+            "python",
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            *config,
+            str(tests / "test_planted_errors.py"),
+        )
+        session.run(
+            "python",
+            "-m",
+            "megamoe.testing.sanitizer",
+            "--out",
+            str(ROOT / "build" / "sanitizer"),
+            *options,
+            "--",
+            *config,
+            str(tests),
+        )
 
 
 @nox.session
