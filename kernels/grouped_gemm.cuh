@@ -66,51 +66,37 @@ __device__ __forceinline__ uint64_t advance_k16(uint64_t desc, int k16) {
   return desc + static_cast<uint64_t>((k16 * 32) >> 4);
 }
 
+// The wgmma instruction of an N-column tile (m64, K-major A and B, FP32 accumulate).
 template <int N>
-struct Wgmma;
-
+struct WgmmaOp;
 template <>
-struct Wgmma<128> {
-  using Op = cute::SM90::GMMA::MMA_64x128x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,
-                                                            cute::SM90::GMMA::Major::K>;
-  template <size_t... I>
-  __device__ __forceinline__ static void run(uint64_t a, uint64_t b, float* d, bool accumulate,
-                                             std::index_sequence<I...>) {
-    Op::fma(a, b, d[I]...,
-            accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
-  }
-  __device__ __forceinline__ static void mma(uint64_t a, uint64_t b, float* d, bool accumulate) {
-    run(a, b, d, accumulate, std::make_index_sequence<64>{});
-  }
+struct WgmmaOp<64> {
+  using type = cute::SM90::GMMA::MMA_64x64x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,
+                                                             cute::SM90::GMMA::Major::K>;
+};
+template <>
+struct WgmmaOp<128> {
+  using type = cute::SM90::GMMA::MMA_64x128x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,
+                                                              cute::SM90::GMMA::Major::K>;
+};
+template <>
+struct WgmmaOp<256> {
+  using type = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,
+                                                              cute::SM90::GMMA::Major::K>;
 };
 
-template <>
-struct Wgmma<256> {
-  using Op = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,
-                                                            cute::SM90::GMMA::Major::K>;
+// One m64xNx16 wgmma on N/2 accumulator registers per thread (d[0 .. N/2)).
+template <int N>
+struct Wgmma {
   template <size_t... I>
   __device__ __forceinline__ static void run(uint64_t a, uint64_t b, float* d, bool accumulate,
                                              std::index_sequence<I...>) {
-    Op::fma(a, b, d[I]...,
-            accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
+    WgmmaOp<N>::type::fma(
+        a, b, d[I]...,
+        accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
   }
   __device__ __forceinline__ static void mma(uint64_t a, uint64_t b, float* d, bool accumulate) {
-    run(a, b, d, accumulate, std::make_index_sequence<128>{});
-  }
-};
-
-template <>
-struct Wgmma<64> {
-  using Op = cute::SM90::GMMA::MMA_64x64x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,
-                                                           cute::SM90::GMMA::Major::K>;
-  template <size_t... I>
-  __device__ __forceinline__ static void run(uint64_t a, uint64_t b, float* d, bool accumulate,
-                                             std::index_sequence<I...>) {
-    Op::fma(a, b, d[I]...,
-            accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
-  }
-  __device__ __forceinline__ static void mma(uint64_t a, uint64_t b, float* d, bool accumulate) {
-    run(a, b, d, accumulate, std::make_index_sequence<32>{});
+    run(a, b, d, accumulate, std::make_index_sequence<N / 2>{});
   }
 };
 
