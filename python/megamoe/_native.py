@@ -21,14 +21,6 @@ def native() -> ModuleType:
     return _C
 
 
-def has_native() -> bool:
-    try:
-        native()
-    except ImportError:
-        return False
-    return True
-
-
 def dlpack(tensor: torch.Tensor) -> object:
     """A DLPack capsule of a CUDA tensor for the C++ launchers.
 
