@@ -82,8 +82,8 @@ void grouped_gemm(const Tensor& a, int64_t k_base, const Tensor& b,
                   const Tensor& expert_pool_offsets, const Tensor& out, int block_m, int block_n,
                   bool gated, int activation, double activation_clamp,
                   std::optional<Tensor> b_extra, std::optional<Tensor> side_b_gate,
-                  std::optional<Tensor> side_b_up, double side_scale, int num_sms,
-                  uintptr_t stream) {
+                  std::optional<Tensor> side_b_up, double side_scale,
+                  std::optional<Tensor> preact_out, int num_sms, uintptr_t stream) {
   const int device = a.device_id();
   check_tensor("a", a, bfloat16_dtype(), {-1, -1}, device);
   const int64_t rows = a.shape(0), lda = a.shape(1);
@@ -117,6 +117,10 @@ void grouped_gemm(const Tensor& a, int64_t k_base, const Tensor& b,
     if (static_cast<int64_t>(out.shape(1)) != n_base / 2)
       throw nb::value_error(
           ("out: expected " + str(n_base / 2) + " columns (I), got " + str(out.shape(1))).c_str());
+    if (preact_out) {
+      check_tensor("preact_out", *preact_out, bfloat16_dtype(), {rows, n_base}, device);
+      params.preact_out = preact_out->data();
+    }
     if (side_b_gate.has_value() != side_b_up.has_value())
       throw nb::value_error("side_b_gate/side_b_up: give both or neither");
     if (side_b_gate) {
@@ -142,6 +146,7 @@ void grouped_gemm(const Tensor& a, int64_t k_base, const Tensor& b,
                                 side_k, kernels.block_n / 2);
     }
   } else {
+    if (preact_out) throw nb::value_error("preact_out: only the gated epilogue stores it");
     if (side_b_gate || side_b_up)
       throw nb::value_error("side_b_gate: the K side segment needs the gated epilogue");
     if (b_extra) {
@@ -197,7 +202,7 @@ void register_grouped_gemm(nb::module_& m) {
         nb::arg("expert_pool_offsets"), nb::arg("out"), nb::arg("block_m"), nb::arg("block_n"),
         nb::arg("gated"), nb::arg("activation"), nb::arg("activation_clamp"),
         nb::arg("b_extra").none(), nb::arg("side_b_gate").none(), nb::arg("side_b_up").none(),
-        nb::arg("side_scale"), nb::arg("num_sms"), nb::arg("stream"),
+        nb::arg("side_scale"), nb::arg("preact_out").none(), nb::arg("num_sms"), nb::arg("stream"),
         "Grouped GEMM over the expert pool (see kernels/grouped_gemm_params.h).");
 }
 

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "activation_backward.h"
 #include "cuda_check.h"
 #include "grouped_gemm.h"
 #include "pool_ops.h"
@@ -69,4 +70,5 @@ NB_MODULE(_C, m) {
 
   megamoe::register_pool_ops(m);
   megamoe::register_grouped_gemm(m);
+  megamoe::register_activation_backward(m);
 }

@@ -300,20 +300,28 @@ __global__ void __launch_bounds__(gemm::Tile<BlockM, BlockN>::kThreads, 1)
         for (int j = 0; j < 8; ++j) {
 #pragma unroll
           for (int half = 0; half < 2; ++half) {
-            float h[2];
+            float h[2], gate[2], up[2];
 #pragma unroll
             for (int c = 0; c < 2; ++c) {
-              float gate = gemm::round_bf16(acc[64 * pair + 4 * j + 2 * half + c]);
-              float up = gemm::round_bf16(acc[64 * pair + 4 * (j + 8) + 2 * half + c]);
-              gate = fminf(gate, p.activation_clamp);
-              up = fminf(fmaxf(up, -p.activation_clamp), p.activation_clamp);
-              h[c] = gemm::activate(gate, p.activation) * up;
+              gate[c] = gemm::round_bf16(acc[64 * pair + 4 * j + 2 * half + c]);
+              up[c] = gemm::round_bf16(acc[64 * pair + 4 * (j + 8) + 2 * half + c]);
+              const float gate_clamped = fminf(gate[c], p.activation_clamp);
+              const float up_clamped = fminf(fmaxf(up[c], -p.activation_clamp), p.activation_clamp);
+              h[c] = gemm::activate(gate_clamped, p.activation) * up_clamped;
             }
             const int64_t col =
                 static_cast<int64_t>(n_block) * (BlockN / 2) + 64 * pair + 8 * j + 2 * (lane % 4);
             const int64_t row = row0 + 8 * half;
             *reinterpret_cast<__nv_bfloat162*>(out + row * p.out_stride + col) =
                 __floats2bfloat162_rn(h[0], h[1]);
+            if (p.preact_out != nullptr) {
+              // Same interleave as B's rows: gate at tile column 128*pair + c, up at +64.
+              __nv_bfloat16* preact = static_cast<__nv_bfloat16*>(p.preact_out) + row * p.n_base +
+                                      static_cast<int64_t>(n_block) * BlockN + 128 * pair + 8 * j +
+                                      2 * (lane % 4);
+              *reinterpret_cast<__nv_bfloat162*>(preact) = __floats2bfloat162_rn(gate[0], gate[1]);
+              *reinterpret_cast<__nv_bfloat162*>(preact + 64) = __floats2bfloat162_rn(up[0], up[1]);
+            }
           }
         }
       }

@@ -40,6 +40,10 @@ struct GroupedGemmParams {
   const int32_t* expert_pool_offsets;  // [E + 1] segment starts; [E] = pool rows in use
   void* out;                           // BF16 [pool rows, out_stride]
   int64_t out_stride;                  // elements between output rows
+  // GatedActivation only, optional (nullptr: not stored): the BF16 pre-activations
+  // [pool rows, n_base] (g and u before the clamp, in B's interleaved row order), which
+  // the backward's activation derivative needs.
+  void* preact_out;
   int32_t num_experts;
   int32_t pool_rows;       // rows of A and out: the rows in use are clamped to it
   int32_t k_base;          // reduction length of the base segment

@@ -31,6 +31,11 @@ FAMILIES = {
         "table_type": "PoolCombineKernels",
         "make": "megamoe::kernels::pool_combine_kernels()",
     },
+    "activation_backward": {
+        "header": "activation_backward.cuh",
+        "table_type": "ActivationBackwardKernels",
+        "make": "megamoe::kernels::activation_backward_kernels()",
+    },
     "grouped_gemm": {
         "header": "grouped_gemm.cuh",
         "table_type": "GroupedGemmKernels",

@@ -26,9 +26,10 @@ def dlpack(tensor: torch.Tensor) -> object:
 
     ``stream=-1`` tells torch not to order the default stream after the current one:
     our launches run on the current stream themselves, and that extra event wait
-    would break CUDA-graph capture.
+    would break CUDA-graph capture. Detached first: inside the autograd custom ops the
+    inputs still carry ``requires_grad`` and the kernels never take part in autograd.
     """
-    return tensor.__dlpack__(stream=-1)
+    return tensor.detach().__dlpack__(stream=-1)
 
 
 def current_stream(device: torch.device) -> int:

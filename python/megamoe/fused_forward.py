@@ -10,15 +10,37 @@ no-adapter path, so its output is bitwise the no-adapter output.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from . import pool
 from ._checks import check_choice, check_tensor
 from .grouped_gemm import ACTIVATIONS, gated_grouped_gemm, grouped_gemm
-from .heuristics import get_block_m
-from .routing import plan_routes
+from .heuristics import get_block_m, get_block_n
+from .routing import RoutePlan, plan_routes
 from .side_lora import SideLoRA
 from .weights import BaseWeights
+
+#: What the forward keeps for the backward (see :func:`moe_forward`).
+SAVE_MODES = ("none", "preact", "recompute")
+
+
+@dataclass(frozen=True, eq=False)
+class ForwardState:
+    """What the fused backward needs beyond the call's inputs (DESIGN §3 memory policy).
+
+    - ``plan``: the route plan (int32 index maps, ~12 bytes per route).
+    - ``preact``: ``[pool_capacity, 2I]`` BF16 GEMM1 pre-activations ``g``, ``u`` in
+      ``w13``'s interleave, or None under activation checkpointing.
+    - ``q13``: ``[T, 2r]`` BF16 ``[x a1 | x a3]`` (None without an active adapter).
+    - ``p_sum``: ``[T, r]`` BF16 ``sum_k w p`` (None without an active adapter).
+    """
+
+    plan: RoutePlan
+    preact: torch.Tensor | None
+    q13: torch.Tensor | None
+    p_sum: torch.Tensor | None
 
 
 def check_forward_inputs(
@@ -103,13 +125,20 @@ def moe_forward(
     activation: str = "swiglu",
     activation_clamp: float | None = None,
     check_ids: bool = True,
-) -> torch.Tensor:
+    save: str = "none",
+) -> torch.Tensor | tuple[torch.Tensor, ForwardState]:
     """``out [T, H]`` BF16 of DESIGN §1 on the fused kernels (see module docstring).
 
     ``check_ids`` rejects expert ids outside ``[-1, E_l)`` with a ``ValueError``; it
     reads two values back to the host, so pass ``False`` under CUDA-graph capture
     (out-of-range ids then count as masked).
+
+    ``save``: ``"none"`` returns ``out``; ``"preact"`` also keeps GEMM1's pre-activations
+    and returns ``(out, ForwardState)`` for :mod:`megamoe.fused_backward`;
+    ``"recompute"`` returns a state without them (the backward recomputes GEMM1:
+    activation checkpointing).
     """
+    check_choice("save", save, SAVE_MODES)
     check_forward_inputs(x, topk_ids, topk_weights, base, side, activation, activation_clamp)
     num_tokens, top_k = topk_ids.shape
     experts = base.num_experts
@@ -136,6 +165,11 @@ def moe_forward(
         )
         b_extra = side.a2.transpose(1, 2).contiguous()  # [E, r, I]
     pool_input = pool.gather_pool(x, q13, plan)
+    preact = None
+    if save == "preact":
+        preact = torch.empty(
+            plan.pool_capacity, 2 * base.intermediate, dtype=torch.bfloat16, device=x.device
+        )
     hidden_pool = gated_grouped_gemm(
         pool_input,
         base.w13,
@@ -143,14 +177,21 @@ def moe_forward(
         k=base.hidden,
         activation=activation,
         activation_clamp=activation_clamp,
+        preact_out=preact,
+        block_n=get_block_n(plan.block_m, 2 * base.intermediate),
         **side_gemm1,
     )
-    pool_output = grouped_gemm(hidden_pool, base.w2, plan, b_extra=b_extra)
+    del pool_input  # [T*K, H + 2r]: the largest forward buffer, not needed past GEMM1
+    pool_output = grouped_gemm(
+        hidden_pool, base.w2, plan, b_extra=b_extra, block_n=get_block_n(plan.block_m, base.hidden)
+    )
+    del hidden_pool
     side_expand = None
+    p_sum = None
     if use_side:
         p_sum = pool.side_sum(pool_output, plan, topk_weights, base.hidden)  # [T, r]
         side_expand = p_sum @ side.b2  # [T, H], once per token
-    return pool.combine(
+    out = pool.combine(
         pool_output,
         plan,
         topk_weights,
@@ -158,3 +199,44 @@ def moe_forward(
         scale=side.scale if use_side else 0.0,
         hidden=base.hidden,
     )
+    if save == "none":
+        return out
+    return out, ForwardState(plan=plan, preact=preact, q13=q13, p_sum=p_sum)
+
+
+def recompute_preact(
+    x: torch.Tensor,
+    state: ForwardState,
+    base: BaseWeights,
+    side: SideLoRA | None,
+    *,
+    activation: str,
+    activation_clamp: float | None,
+) -> torch.Tensor:
+    """GEMM1's ``[pool_capacity, 2I]`` pre-activations again (activation checkpointing):
+    the same gather and GEMM1 launch as the forward, so bitwise the same values."""
+    plan = state.plan
+    use_side = state.q13 is not None
+    pool_input = pool.gather_pool(x, state.q13, plan)
+    preact = torch.empty(
+        plan.pool_capacity, 2 * base.intermediate, dtype=torch.bfloat16, device=x.device
+    )
+    side_gemm1 = {}
+    if use_side:
+        side_gemm1 = dict(
+            side_b_gate=side.b1.transpose(1, 2).contiguous(),
+            side_b_up=side.b3.transpose(1, 2).contiguous(),
+            side_scale=side.scale,
+        )
+    gated_grouped_gemm(
+        pool_input,
+        base.w13,
+        plan,
+        k=base.hidden,
+        activation=activation,
+        activation_clamp=activation_clamp,
+        preact_out=preact,
+        block_n=get_block_n(plan.block_m, 2 * base.intermediate),
+        **side_gemm1,
+    )
+    return preact

@@ -25,7 +25,7 @@ from .env import num_sms as resolve_device_sms
 from .routing import RoutePlan
 
 ACTIVATIONS = {"swiglu": 0, "geglu": 1}
-# 128 until the 128x256 variants are validated on the GPU (docs/PERFORMANCE.md).
+# The callers' default; the fused layer picks per GEMM with heuristics.get_block_n.
 DEFAULT_BLOCK_N = 128
 
 
@@ -94,6 +94,7 @@ def grouped_gemm(
             None,
             None,
             0.0,
+            None,
             _device_sms(a.device),
             _native.current_stream(a.device),
         )
@@ -112,6 +113,7 @@ def gated_grouped_gemm(
     side_b_up: torch.Tensor | None = None,
     side_scale: float = 0.0,
     out: torch.Tensor | None = None,
+    preact_out: torch.Tensor | None = None,
     block_n: int = DEFAULT_BLOCK_N,
 ) -> torch.Tensor:
     """GEMM1 + gated activation over the pool.
@@ -125,6 +127,9 @@ def gated_grouped_gemm(
         side_b_gate, side_b_up: ``[E, I, r]`` BF16 (``b1``, ``b3`` transposed), or None.
         side_scale: the adapter scale ``s``.
         out: optional ``[pool rows, I]`` BF16.
+        preact_out: optional ``[pool rows, 2I]`` BF16: also store the pre-activations
+            ``g``, ``u`` (before the clamp, BF16-rounded, in ``w13``'s interleaved
+            order) for the backward.
         block_n: output tile width (256 needs ``2I`` to be a multiple of 256).
 
     Returns:
@@ -136,6 +141,15 @@ def gated_grouped_gemm(
     if w13.shape[1] % block_n != 0:
         raise ValueError(f"w13: expected 2I a multiple of block_n={block_n}, got {w13.shape[1]}")
     _check_pool_operand(a, plan)
+    if preact_out is not None:
+        check_tensor(
+            "preact_out",
+            preact_out,
+            shape=(a.shape[0], w13.shape[1]),
+            dtypes=(torch.bfloat16,),
+            device=a.device,
+            contiguous=True,
+        )
     if out is None:
         out = torch.empty(a.shape[0], w13.shape[1] // 2, dtype=torch.bfloat16, device=a.device)
     clamp = math.inf if activation_clamp is None else float(activation_clamp)
@@ -156,6 +170,7 @@ def gated_grouped_gemm(
             None if side_b_gate is None else dl(side_b_gate),
             None if side_b_up is None else dl(side_b_up),
             float(side_scale),
+            None if preact_out is None else dl(preact_out),
             _device_sms(a.device),
             _native.current_stream(a.device),
         )

@@ -1,17 +1,31 @@
-"""``mm.moe``: the public fused MoE layer call (DESIGN §5), a torch custom op.
+"""``mm.moe``: the public fused MoE layer call (DESIGN §5), torch custom ops.
 
-Forward only in this version (EP1, BF16 base): a call that would need gradients is
-rejected with a clear error rather than silently falling back to other numerics.
+Three ops (EP1, BF16 base):
+
+- ``megamoe::moe_forward``: inference; saves nothing.
+- ``megamoe::moe_train_forward``: the same forward, also returning what the backward
+  needs (route plan, GEMM1 pre-activations unless checkpointing, ``q13``, ``p_sum``);
+  its autograd formula calls
+- ``megamoe::moe_backward``: :func:`megamoe.fused_backward.moe_backward`.
+
+All have fake implementations (shapes known without a sync), so ``torch.compile``
+traces them, and no host synchronisation (under CUDA-graph capture the id range check
+is skipped).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .fused_forward import moe_forward
+from .fused_backward import moe_backward
+from .fused_forward import ForwardState, moe_forward
+from .heuristics import get_block_m
 from .registry import registry
+from .routing import RoutePlan, pool_capacity
 from .side_lora import SideLoRA
 from .weights import BaseWeights
+
+_SIDE_NAMES = ("a1", "b1", "a3", "b3", "a2", "b2")
 
 
 @torch.library.custom_op("megamoe::moe_forward", mutates_args=())
@@ -49,6 +63,257 @@ def _(x, topk_ids, topk_weights, w13, w2, side, scale, activation, activation_cl
     return x.new_empty(x.shape)
 
 
+def _base_weights(w13: torch.Tensor, w2: torch.Tensor) -> BaseWeights:
+    experts, two_i, hidden = w13.shape
+    return BaseWeights(
+        "bf16", w13, w2, None, None, experts, hidden, two_i // 2, registry().gate_up_interleave
+    )
+
+
+def _side(side: tuple[torch.Tensor | None, ...], scale: float) -> SideLoRA | None:
+    return None if side[0] is None else SideLoRA(*side, scale=scale)
+
+
+def _empty(like: torch.Tensor) -> torch.Tensor:
+    return like.new_empty(0)
+
+
+@torch.library.custom_op("megamoe::moe_train_forward", mutates_args=())
+def _moe_train_forward_op(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    a1: torch.Tensor | None,
+    b1: torch.Tensor | None,
+    a3: torch.Tensor | None,
+    b3: torch.Tensor | None,
+    a2: torch.Tensor | None,
+    b2: torch.Tensor | None,
+    scale: float,
+    activation: str,
+    activation_clamp: float | None,
+    check_ids: bool,
+    activation_checkpoint: bool,
+) -> tuple[
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+]:
+    """``(out, expert_counts, expert_pool_offsets, route_to_pool_row, pool_row_to_route,
+    preact, q13, p_sum)``; absent state tensors are empty."""
+    out, state = moe_forward(
+        x,
+        topk_ids,
+        topk_weights,
+        _base_weights(w13, w2),
+        _side((a1, b1, a3, b3, a2, b2), scale),
+        activation=activation,
+        activation_clamp=activation_clamp,
+        check_ids=check_ids,
+        save="recompute" if activation_checkpoint else "preact",
+    )
+    plan = state.plan
+    return (
+        out,
+        plan.expert_counts,
+        plan.expert_pool_offsets,
+        plan.route_to_pool_row,
+        plan.pool_row_to_route,
+        _empty(x) if state.preact is None else state.preact,
+        _empty(x) if state.q13 is None else state.q13,
+        _empty(x) if state.p_sum is None else state.p_sum,
+    )
+
+
+@_moe_train_forward_op.register_fake
+def _(
+    x,
+    topk_ids,
+    topk_weights,
+    w13,
+    w2,
+    a1,
+    b1,
+    a3,
+    b3,
+    a2,
+    b2,
+    scale,
+    activation,
+    activation_clamp,
+    check_ids,
+    activation_checkpoint,
+):
+    tokens, top_k = topk_ids.shape
+    experts, two_i, _ = w13.shape
+    capacity = pool_capacity(tokens * top_k, experts, get_block_m(tokens, top_k, experts))
+    index = dict(dtype=torch.int32, device=x.device)
+    use_side = a1 is not None and scale != 0.0
+    rank = a1.shape[1] if a1 is not None else 0
+    return (
+        x.new_empty(x.shape),
+        torch.empty(experts, **index),
+        torch.empty(experts + 1, **index),
+        torch.empty(tokens, top_k, **index),
+        torch.empty(capacity, **index),
+        x.new_empty(0) if activation_checkpoint else x.new_empty(capacity, two_i),
+        x.new_empty(tokens, 2 * rank) if use_side else x.new_empty(0),
+        x.new_empty(tokens, rank) if use_side else x.new_empty(0),
+    )
+
+
+@torch.library.custom_op("megamoe::moe_backward", mutates_args=())
+def _moe_backward_op(
+    dout: torch.Tensor,
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    a1: torch.Tensor | None,
+    b1: torch.Tensor | None,
+    a3: torch.Tensor | None,
+    b3: torch.Tensor | None,
+    a2: torch.Tensor | None,
+    b2: torch.Tensor | None,
+    scale: float,
+    activation: str,
+    activation_clamp: float | None,
+    expert_counts: torch.Tensor,
+    expert_pool_offsets: torch.Tensor,
+    route_to_pool_row: torch.Tensor,
+    pool_row_to_route: torch.Tensor,
+    preact: torch.Tensor,
+    q13: torch.Tensor,
+    p_sum: torch.Tensor,
+    base_grads: bool,
+    side_grads: bool,
+) -> list[torch.Tensor]:
+    """``[dx, dtopk_weights, dw13, dw2, da1, db1, da3, db3, da2, db2]``; gradients not
+    computed are empty tensors."""
+    tokens, top_k = route_to_pool_row.shape
+    experts = w13.shape[0]
+    plan = RoutePlan(
+        expert_counts,
+        expert_pool_offsets,
+        route_to_pool_row,
+        pool_row_to_route,
+        get_block_m(tokens, top_k, experts),
+    )
+    state = ForwardState(
+        plan=plan,
+        preact=preact if preact.numel() else None,
+        q13=q13 if q13.numel() else None,
+        p_sum=p_sum if p_sum.numel() else None,
+    )
+    grads = moe_backward(
+        dout,
+        x,
+        topk_weights,
+        _base_weights(w13, w2),
+        _side((a1, b1, a3, b3, a2, b2), scale),
+        state,
+        activation=activation,
+        activation_clamp=activation_clamp,
+        base_grads=base_grads,
+        side_grads=side_grads,
+    )
+    order = ("x", "topk_weights", "w13", "w2", *_SIDE_NAMES)
+    return [_empty(x) if grads[name] is None else grads[name] for name in order]
+
+
+@_moe_backward_op.register_fake
+def _(
+    dout,
+    x,
+    topk_weights,
+    w13,
+    w2,
+    a1,
+    b1,
+    a3,
+    b3,
+    a2,
+    b2,
+    scale,
+    activation,
+    activation_clamp,
+    expert_counts,
+    expert_pool_offsets,
+    route_to_pool_row,
+    pool_row_to_route,
+    preact,
+    q13,
+    p_sum,
+    base_grads,
+    side_grads,
+):
+    use_side = q13.numel() > 0 and side_grads
+    side = (a1, b1, a3, b3, a2, b2)
+    return [
+        x.new_empty(x.shape),
+        topk_weights.new_empty(topk_weights.shape),
+        w13.new_empty(w13.shape) if base_grads else x.new_empty(0),
+        w2.new_empty(w2.shape) if base_grads else x.new_empty(0),
+        *[t.new_empty(t.shape) if use_side else x.new_empty(0) for t in side],
+    ]
+
+
+def _train_setup_context(ctx, inputs, output) -> None:
+    (x, _ids, topk_weights, w13, w2, *rest) = inputs
+    side = tuple(rest[:6])
+    scale, activation, activation_clamp = rest[6], rest[7], rest[8]
+    ctx.has_side = side[0] is not None
+    ctx.scale = scale
+    ctx.activation = activation
+    ctx.activation_clamp = activation_clamp
+    side_tensors = side if ctx.has_side else ()
+    ctx.save_for_backward(x, topk_weights, w13, w2, *side_tensors, *output[1:])
+
+
+def _train_backward(ctx, dout, *_state_grads):
+    saved = ctx.saved_tensors
+    x, topk_weights, w13, w2 = saved[:4]
+    side = tuple(saved[4:10]) if ctx.has_side else (None,) * 6
+    state = saved[10:] if ctx.has_side else saved[4:]
+    needs = ctx.needs_input_grad
+    base_grads = bool(needs[3] or needs[4])
+    side_grads = ctx.has_side and any(needs[5:11])
+    grads = _moe_backward_op(
+        dout.contiguous(),
+        x,
+        topk_weights,
+        w13,
+        w2,
+        *side,
+        ctx.scale,
+        ctx.activation,
+        ctx.activation_clamp,
+        *state,
+        base_grads,
+        side_grads,
+    )
+    result = [None] * 16
+    for slot, grad in zip((0, 2, 3, 4, 5, 6, 7, 8, 9, 10), grads, strict=True):
+        if needs[slot] and grad.numel() > 0:
+            result[slot] = grad
+    if ctx.has_side and ctx.scale == 0.0:
+        # A zero scale took the no-adapter path; the adapters' gradient is exactly 0.
+        for slot, tensor in zip(range(5, 11), side, strict=True):
+            if needs[slot]:
+                result[slot] = torch.zeros_like(tensor)
+    return tuple(result)
+
+
+_moe_train_forward_op.register_autograd(_train_backward, setup_context=_train_setup_context)
+
+
 def moe(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -60,8 +325,14 @@ def moe(
     activation_clamp: float | None = None,
     group: object = None,
     workspace: object = None,
+    activation_checkpoint: bool = False,
 ) -> torch.Tensor:
-    """The MoE layer forward on the fused kernels.
+    """The MoE layer on the fused kernels, differentiable (DESIGN §1, §5).
+
+    Differentiable in ``x``, ``topk_weights``, every adapter tensor and, when
+    ``base.w13``/``base.w2`` require grad (ordinary mode, see
+    :func:`~megamoe.prepare_base_weights`), the base weights. A call with gradients
+    off saves nothing for a backward.
 
     Args:
         x: ``[T, H]`` bfloat16, CUDA, contiguous.
@@ -74,6 +345,9 @@ def moe(
         group: expert parallelism (not in this version: must be None).
         workspace: must be None in this version (scratch comes from torch's caching
             allocator).
+        activation_checkpoint: keep only small per-token state for the backward
+            (route plan, ``x a1|x a3``, ``sum_k w p``) and recompute GEMM1's
+            pre-activations there, instead of saving them (``T*K*2I`` BF16).
 
     Returns:
         ``[T, H]`` bfloat16.
@@ -97,18 +371,35 @@ def moe(
         )
     if side is not None and not isinstance(side, SideLoRA):
         raise TypeError(f"side: expected megamoe.SideLoRA or None, got {type(side).__name__}")
+    if not isinstance(activation_checkpoint, bool):
+        raise TypeError(
+            f"activation_checkpoint: expected a bool, got {type(activation_checkpoint).__name__}"
+        )
     side_tensors = [] if side is None else list(side.tensors())
     needs_grad = torch.is_grad_enabled() and any(
         t.requires_grad for t in [x, topk_weights, base.w13, base.w2, *side_tensors]
     )
-    if needs_grad:
-        raise NotImplementedError(
-            "mm.moe: the fused backward is not available yet (issue 4); call under "
-            "torch.no_grad() / inference_mode, or train with megamoe.reference.moe"
-        )
     scale = 0.0 if side is None else side.scale
     # The id check reads back to the host, which graph capture forbids.
-    check_ids = not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+    # (Under torch.compile the op is opaque: the check runs inside it, at run time.)
+    check_ids = torch.compiler.is_compiling() or not (
+        torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    )
+    if needs_grad:
+        side_args = side_tensors if side_tensors else [None] * 6
+        return _moe_train_forward_op(
+            x,
+            topk_ids,
+            topk_weights,
+            base.w13,
+            base.w2,
+            *side_args,
+            scale,
+            activation,
+            activation_clamp,
+            check_ids,
+            activation_checkpoint,
+        )[0]
     return _moe_forward_op(
         x,
         topk_ids,

@@ -218,7 +218,7 @@ CASES: dict[str, Case] = {
     "gemm-pool-rows-not-block-multiple": (
         lambda L, g: grouped_gemm(g.a[:-1], g.b, g.plan),
         ValueError,
-        r"^a: pool rows \d+ are not a multiple of BLOCK_M 64",
+        r"^a: expected plan.pool_capacity = \d+ rows, got \d+",
     ),
     "gemm-unknown-block-n": (
         lambda L, g: grouped_gemm(g.a, g.b, g.plan, block_n=64),

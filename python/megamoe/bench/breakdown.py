@@ -1,7 +1,9 @@
-"""``python -m megamoe.bench.breakdown``: per-kernel GPU time of one fused forward.
+"""``python -m megamoe.bench.breakdown``: per-kernel GPU time of one fused call.
 
-Runs the fused forward at a bench shape under torch.profiler (after warm-up) and
-prints each kernel's total CUDA time over ``--iters`` calls, divided by ``--iters``.
+Runs the fused forward (``--pass forward``, inference) or forward + backward
+(``--pass fwd+bwd``, side-LoRA or ``--mode ordinary``) at a bench shape under
+torch.profiler (after warm-up) and prints each kernel's total CUDA time over
+``--iters`` calls, divided by ``--iters``.
 """
 
 from __future__ import annotations
@@ -22,25 +24,42 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="ep4rank")
     parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--pass", dest="pass_name", choices=("forward", "fwd+bwd"))
+    parser.add_argument("--mode", choices=("side-lora", "ordinary"), default="side-lora")
     args = parser.parse_args(argv)
     s = SHAPES[args.shape]
+    ordinary = args.mode == "ordinary"
+    training = args.pass_name == "fwd+bwd"
     layer = make_layer(
         s.hidden,
         s.intermediate,
         s.num_local_experts,
         s.top_k,
-        s.side_rank,
+        None if ordinary else s.side_rank,
         num_tokens=s.num_tokens,
         device="cuda",
+        requires_grad=training,
+        trainable_base=training and ordinary,
     )
-    with torch.no_grad():
-        for _ in range(3):
-            layer.call(mm.moe)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(args.iters):
+    dout = torch.randn_like(layer.x)
+
+    def step() -> None:
+        if not training:
+            with torch.no_grad():
                 layer.call(mm.moe)
-            torch.cuda.synchronize()
+            return
+        if ordinary:
+            layer.reprepare_base()
+        leaves = list(layer.grad_leaves().values())
+        torch.autograd.grad(layer.call(mm.moe), leaves, dout)
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.iters):
+            step()
+        torch.cuda.synchronize()
     rows = []
     for event in prof.key_averages():
         device_us = event.device_time_total
@@ -48,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.append((device_us / args.iters / 1e3, event.count // args.iters, event.key))
     rows.sort(reverse=True)
     total = sum(r[0] for r in rows)
-    print(f"{args.shape}: per forward call, {total:.2f} ms of kernel time")
+    what = f"{args.pass_name or 'forward'} {args.mode if training else ''}".strip()
+    print(f"{args.shape}: per {what} call, {total:.2f} ms of kernel time")
     print(f"{'ms':>8} {'share':>6} {'calls':>5}  kernel")
     for ms, calls, name in rows:
         print(f"{ms:8.3f} {ms / total:6.1%} {calls:5d}  {name[:90]}")

@@ -30,8 +30,6 @@ from .timing import Progress, time_fn
 BACKENDS = ("fused", "baseline", "reference")
 PASSES = ("forward", "fwd+bwd")
 UNAVAILABLE = {
-    ("fused", "fwd+bwd"): "not built yet: the fused backward lands with issue 4",
-    ("fused", "ordinary"): "not built yet: ordinary mode needs the fused backward (issue 4)",
     ("fused", "mxfp4"): "not built yet: the MXFP4 decode lands with issue 5",
     ("fused", "cpu"): "needs a Hopper GPU",
 }
@@ -112,8 +110,7 @@ def _measure(
         device=device,
         dtype=dtype,
         format=args.dtype,
-        # The fused forward has no backward yet: it runs as an inference call.
-        requires_grad=backend != "fused",
+        requires_grad=True,
         trainable_base=ordinary,
     )
     leaves = list(layer.grad_leaves().values())
@@ -156,8 +153,7 @@ def _measure(
         )
 
     def forward() -> None:
-        with torch.set_grad_enabled(backend != "fused"):
-            call()
+        call()  # autograd on: the training forward, saving what the backward needs
 
     def forward_backward() -> None:
         call().backward(dout)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from . import baseline, inputs, metrics
 from .inputs import ROUTING_KINDS, LayerInputs, make_layer, make_routing
 from .metrics import (
+    GRAD_MIN_COSINE,
     ORACLE_MAX_REL_L2,
     ORACLE_MIN_COSINE,
     Metrics,
@@ -18,6 +19,7 @@ from .metrics import (
 )
 
 __all__ = [
+    "GRAD_MIN_COSINE",
     "ORACLE_MAX_REL_L2",
     "ORACLE_MIN_COSINE",
     "ROUTING_KINDS",

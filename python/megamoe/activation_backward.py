@@ -1,0 +1,212 @@
+"""The gated-activation backward over the expert pool (kernels/activation_backward.cuh).
+
+Between dgrad2 (``z = dout_pool @ w2_e (+ s (dout b2^T)_pool @ a2_e^T)``) and dgrad1,
+one memory-bound pass per pool row (weight ``w`` of its route) computes, for every
+column ``i < I`` (DESIGN §1):
+
+- ``z = z_base + s * z_side`` in FP32: the unweighted ``dL/dh``;
+- ``h = bf16(act(gc) * uc)`` from the saved pre-activations (bitwise the forward's);
+- ``dg = bf16(w z uc act'(gc))``, ``du = bf16(w z act(gc))``, zero where the clamp cut;
+- ``drouter[row] = sum_i z_i h_i`` (the router gradient ``<z, h>``, FP32);
+- ``weighted_h = bf16(w h)``, which the ``a2`` and ``w2`` weight gradients contract over.
+
+``preact`` and ``dgrad_preact`` use ``w13``'s gate/up interleave (64 gate columns, then
+the matching 64 up columns), so ``dgrad_preact`` feeds dgrad1 against ``w13`` as is.
+Padding rows below the rows in use get zeros; rows at or past them are not written.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from . import _native
+from ._checks import check_choice, check_tensor
+from .grouped_gemm import ACTIVATIONS
+from .registry import registry
+from .routing import RoutePlan
+
+__all__ = ["activation_backward", "activation_backward_reference"]
+
+
+def _check(
+    preact: torch.Tensor,
+    z_base: torch.Tensor,
+    z_side: torch.Tensor | None,
+    topk_weights: torch.Tensor,
+    plan: RoutePlan,
+    activation: str,
+) -> tuple[int, int]:
+    check_choice("activation", activation, tuple(ACTIVATIONS))
+    capacity = plan.pool_capacity
+    check_tensor(
+        "preact", preact, shape=(capacity, None), dtypes=(torch.bfloat16,), contiguous=True
+    )
+    two_i = preact.shape[1]
+    interleave = registry().gate_up_interleave
+    if two_i == 0 or two_i % (2 * interleave) != 0:
+        raise ValueError(
+            f"preact: expected 2I columns with I a multiple of {interleave}, got {two_i}"
+        )
+    intermediate = two_i // 2
+    device = preact.device
+    for name, t in (("z_base", z_base), ("z_side", z_side)):
+        if t is not None:
+            check_tensor(
+                name,
+                t,
+                shape=(capacity, intermediate),
+                dtypes=(torch.bfloat16,),
+                device=device,
+                contiguous=True,
+            )
+    check_tensor(
+        "topk_weights",
+        topk_weights,
+        shape=tuple(plan.route_to_pool_row.shape),
+        dtypes=(torch.float32,),
+        device=device,
+        contiguous=True,
+    )
+    return capacity, intermediate
+
+
+def activation_backward(
+    preact: torch.Tensor,
+    z_base: torch.Tensor,
+    z_side: torch.Tensor | None,
+    topk_weights: torch.Tensor,
+    plan: RoutePlan,
+    *,
+    side_scale: float = 0.0,
+    activation: str = "swiglu",
+    activation_clamp: float | None = None,
+    weighted_h: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Activation backward + router-gradient dot over the pool (module docstring).
+
+    Args:
+        preact: ``[pool_capacity, 2I]`` BF16 pre-activations from the forward's GEMM1.
+        z_base: ``[pool_capacity, I]`` BF16 ``dout_pool @ w2_e``.
+        z_side: ``[pool_capacity, I]`` BF16 ``(dout b2^T)_pool @ a2_e^T`` or None.
+        topk_weights: ``[T, K]`` float32 router weights.
+        plan: the forward's route plan.
+        side_scale: ``s`` (multiplies ``z_side``).
+        activation, activation_clamp: as in the forward.
+        weighted_h: also return ``bf16(w h)``.
+
+    Returns:
+        ``(dgrad_preact [pool_capacity, 2I] BF16, weighted_h [pool_capacity, I] BF16 or
+        None, drouter [pool_capacity] float32)``.
+    """
+    capacity, intermediate = _check(preact, z_base, z_side, topk_weights, plan, activation)
+    if not preact.is_cuda:
+        return activation_backward_reference(
+            preact,
+            z_base,
+            z_side,
+            topk_weights,
+            plan,
+            side_scale=side_scale,
+            activation=activation,
+            activation_clamp=activation_clamp,
+            weighted_h=weighted_h,
+        )
+    device = preact.device
+    dgrad_preact = torch.empty_like(preact)
+    weighted = (
+        torch.empty(capacity, intermediate, dtype=torch.bfloat16, device=device)
+        if weighted_h
+        else None
+    )
+    drouter = torch.empty(capacity, dtype=torch.float32, device=device)
+    clamp = math.inf if activation_clamp is None else float(activation_clamp)
+    dl = _native.dlpack
+    with torch.cuda.device(device):
+        _native.native().activation_backward(
+            dl(preact),
+            dl(z_base),
+            None if z_side is None else dl(z_side),
+            float(side_scale),
+            dl(topk_weights.view(-1)),
+            dl(plan.pool_row_to_route),
+            dl(plan.expert_pool_offsets),
+            ACTIVATIONS[activation],
+            clamp,
+            dl(dgrad_preact),
+            None if weighted is None else dl(weighted),
+            dl(drouter),
+            _native.current_stream(device),
+        )
+    return dgrad_preact, weighted, drouter
+
+
+def _split_interleave(t: torch.Tensor, interleave: int) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, two_i = t.shape
+    blocks = t.view(rows, two_i // (2 * interleave), 2, interleave)
+    return blocks[:, :, 0].reshape(rows, -1), blocks[:, :, 1].reshape(rows, -1)
+
+
+def _join_interleave(gate: torch.Tensor, up: torch.Tensor, interleave: int) -> torch.Tensor:
+    rows, intermediate = gate.shape
+    blocks = intermediate // interleave
+    return torch.stack(
+        [gate.view(rows, blocks, interleave), up.view(rows, blocks, interleave)], dim=2
+    ).reshape(rows, 2 * intermediate)
+
+
+def activation_backward_reference(
+    preact: torch.Tensor,
+    z_base: torch.Tensor,
+    z_side: torch.Tensor | None,
+    topk_weights: torch.Tensor,
+    plan: RoutePlan,
+    *,
+    side_scale: float = 0.0,
+    activation: str = "swiglu",
+    activation_clamp: float | None = None,
+    weighted_h: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """The same math in torch float32 (rows past the rows in use are zero here).
+
+    The dot product's summation order differs from the kernel's, so ``drouter`` agrees
+    to float32 rounding, the BF16 outputs to one BF16 ulp where a sum lands on a tie.
+    """
+    capacity, _ = _check(preact, z_base, z_side, topk_weights, plan, activation)
+    interleave = registry().gate_up_interleave
+    rows_used = int(plan.expert_pool_offsets[-1])
+    route = plan.pool_row_to_route.long()
+    routed = (route >= 0) & (torch.arange(capacity, device=preact.device) < rows_used)
+    weights = torch.where(
+        routed, topk_weights.reshape(-1)[route.clamp(min=0)], torch.zeros((), device=route.device)
+    )[:, None]
+    g, u = (t.float() for t in _split_interleave(preact, interleave))
+    z = z_base.float()
+    if z_side is not None:
+        z = z + side_scale * z_side.float()
+    clamp = math.inf if activation_clamp is None else float(activation_clamp)
+    gc, uc = g.clamp(max=clamp), u.clamp(-clamp, clamp)
+    if activation == "swiglu":
+        sig = torch.sigmoid(gc)
+        act = F.silu(gc)
+        derivative = sig * (1.0 + gc * (1.0 - sig))
+    else:
+        k0, k1 = math.sqrt(2.0 / math.pi), 0.044715
+        t = torch.tanh(k0 * (gc + k1 * gc**3))
+        act = 0.5 * gc * (1.0 + t)
+        sech2 = 1.0 - t * t
+        tail = torch.where(sech2 == 0, 0.0, 0.5 * gc * sech2 * k0 * (1.0 + 3.0 * k1 * gc * gc))
+        derivative = 0.5 * (1.0 + t) + tail
+    h = (act * uc).bfloat16().float()
+    dh = weights * z
+    dg = torch.where(g <= clamp, dh * uc * derivative, 0.0)
+    du = torch.where((u >= -clamp) & (u <= clamp), dh * act, 0.0)
+    keep = routed[:, None]
+    dgrad_preact = _join_interleave(
+        torch.where(keep, dg, 0.0).bfloat16(), torch.where(keep, du, 0.0).bfloat16(), interleave
+    )
+    drouter = torch.where(routed, (z * h).sum(dim=1), 0.0)
+    weighted = torch.where(keep, weights * h, 0.0).bfloat16() if weighted_h else None
+    return dgrad_preact, weighted, drouter

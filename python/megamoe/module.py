@@ -1,0 +1,402 @@
+"""``mm.MegaMoE``: the MoE expert block as a ``torch.nn.Module`` (DESIGN §5).
+
+The module owns the expert weights and the shared-outer side-LoRA adapters as
+``nn.Parameter``s and calls :func:`megamoe.moe` (``backend="fused"``) or
+:func:`megamoe.reference.moe` (``backend="reference"``, float32, runs on the CPU).
+Routing is the trainer's: ``forward(x, topk_ids, topk_weights)``.
+
+Two training modes:
+
+- frozen base with trainable adapters (``trainable_base=False``, the default): the
+  prepared base (:func:`~megamoe.prepare_base_weights`, BF16 or MXFP4) is cached and
+  rebuilt automatically when ``w13``/``w2`` change (see :meth:`MegaMoE.base_weights`);
+- ordinary mode (``trainable_base=True``, BF16 only): the base is prepared every call,
+  differentiably, so gradients reach ``w13``/``w2``.
+
+The adapters are wrapped in a :class:`~megamoe.SideLoRA` on every call: the optimizer
+updates the parameters in place and the next call sees them (no refresh step).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from . import ops, reference
+from ._checks import check_choice, check_finite_float, check_int, check_tensor
+from .registry import registry
+from .side_lora import SIDE_RANK_MAX, SIDE_RANK_MULTIPLE, SideLoRA
+from .weights import BASE_FORMATS, BaseWeights, prepare_base_weights
+
+__all__ = ["BACKENDS", "MegaMoE"]
+
+#: ``"fused"``: :func:`megamoe.moe` (CUDA kernels). ``"reference"``:
+#: :func:`megamoe.reference.moe` in float32 (any device; for tests and debugging).
+BACKENDS = ("fused", "reference")
+
+_ADAPTER_NAMES = ("a1", "b1", "a3", "b3", "a2", "b2")
+_BASE_NAMES = ("w13", "w2")
+# prepare_base_weights takes BF16 or FP32; FP32 keeps master weights for the optimizer.
+_PARAM_DTYPES = (torch.bfloat16, torch.float32)
+
+
+class MegaMoE(nn.Module):
+    """Routed-expert MoE block with shared-outer side-LoRA adapters (DESIGN §1).
+
+    Args:
+        hidden: ``H``, a multiple of the registry's ``hidden_multiple`` (64).
+        intermediate: ``I`` per expert, a multiple of ``intermediate_multiple`` (64).
+        num_experts: ``E``; this module holds every expert (EP1).
+        top_k: ``K``, the routes per token ``forward`` expects.
+        side_rank: adapter rank ``r`` (a multiple of 16 in [16, 256]); ``0`` or
+            ``None`` builds no adapters (``a1`` .. ``b2`` are ``None``).
+        side_scale: the adapter scale ``s``. Give at most one of ``side_scale`` and
+            ``side_alpha``; with neither, ``s = 1.0`` (LoRA's ``alpha = r``).
+        side_alpha: LoRA-style ``alpha``: ``s = side_alpha / side_rank``.
+        activation: ``"swiglu"`` or ``"geglu"``.
+        activation_clamp: ``None`` or ``c > 0`` (``g = min(g, c)``, ``u = clamp(u, ±c)``).
+        trainable_base: ordinary mode: ``w13``/``w2`` require grad and the base is
+            prepared differentiably every call. ``False``: frozen base, prepared once
+            and cached. The mode follows the parameters' ``requires_grad`` at call
+            time, so ``layer.requires_grad_(False)`` freezes the base too.
+        base_format: ``"bf16"`` or ``"mxfp4"`` (frozen base only: the kernels read a
+            quantized copy, which has no gradient).
+        param_dtype: storage dtype of the parameters: ``torch.bfloat16`` (default) or
+            ``torch.float32`` (master weights; each call casts them to BF16
+            differentiably, which the fused kernels read). ``dtype`` is an alias, as
+            in ``nn.Linear``'s factory kwargs.
+        backend: ``"fused"`` (default) or ``"reference"``.
+        device: factory kwarg: where the parameters are created.
+        dtype: factory kwarg, alias of ``param_dtype``.
+
+    Parameters (nn.Linear layout per expert):
+        ``w13 [E, 2I, H]`` (rows ``0..I-1`` gate, ``I..2I-1`` up), ``w2 [E, H, I]``;
+        adapters ``a1 [H, r]``, ``b1 [E, r, I]``, ``a3 [H, r]``, ``b3 [E, r, I]``,
+        ``a2 [E, I, r]``, ``b2 [r, H]``.
+    """
+
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        num_experts: int,
+        top_k: int,
+        side_rank: int | None = 128,
+        *,
+        side_scale: float | None = None,
+        side_alpha: float | None = None,
+        activation: str = "swiglu",
+        activation_clamp: float | None = None,
+        trainable_base: bool = False,
+        base_format: str = "bf16",
+        param_dtype: torch.dtype | None = None,
+        backend: str = "fused",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        reg = registry()
+        self.hidden = check_int("hidden", hidden, minimum=1)
+        self.intermediate = check_int("intermediate", intermediate, minimum=1)
+        if hidden % reg.hidden_multiple != 0:
+            raise ValueError(
+                f"hidden: expected a multiple of {reg.hidden_multiple} (the kernels' K tile), "
+                f"got {hidden}"
+            )
+        if intermediate % reg.intermediate_multiple != 0:
+            raise ValueError(
+                f"intermediate: expected a multiple of {reg.intermediate_multiple} (the "
+                f"kernels' gate/up tile), got {intermediate}"
+            )
+        self.num_experts = check_int("num_experts", num_experts, minimum=1)
+        self.top_k = check_int("top_k", top_k, minimum=1)
+        if top_k > num_experts:
+            raise ValueError(
+                f"top_k: expected at most num_experts={num_experts} routes per token, got {top_k}"
+            )
+        if side_rank is None:
+            side_rank = 0
+        side_rank = check_int("side_rank", side_rank, minimum=0)
+        if side_rank and (side_rank % SIDE_RANK_MULTIPLE != 0 or side_rank > SIDE_RANK_MAX):
+            raise ValueError(
+                f"side_rank: expected 0/None (no adapters) or a multiple of "
+                f"{SIDE_RANK_MULTIPLE} in [{SIDE_RANK_MULTIPLE}, {SIDE_RANK_MAX}], got {side_rank}"
+            )
+        self.side_rank = side_rank
+        self.side_scale = _resolve_scale(side_scale, side_alpha, side_rank)
+        check_choice("activation", activation, reference.ACTIVATIONS)
+        self.activation = activation
+        if activation_clamp is not None:
+            activation_clamp = check_finite_float("activation_clamp", activation_clamp)
+            if activation_clamp <= 0:
+                raise ValueError(
+                    f"activation_clamp: expected a positive finite float or None, got "
+                    f"{activation_clamp}"
+                )
+        self.activation_clamp = activation_clamp
+        if not isinstance(trainable_base, bool):
+            raise TypeError(f"trainable_base: expected a bool, got {type(trainable_base).__name__}")
+        check_choice("base_format", base_format, BASE_FORMATS)
+        if trainable_base and base_format != "bf16":
+            raise ValueError(
+                f"base_format: ordinary mode (trainable_base=True) needs 'bf16'; an "
+                f"{base_format!r} base is a frozen quantized copy with no gradient"
+            )
+        self.base_format = base_format
+        check_choice("backend", backend, BACKENDS)
+        self.backend = backend
+        if param_dtype is not None and dtype is not None and param_dtype != dtype:
+            raise ValueError(
+                f"dtype: alias of param_dtype, got both param_dtype={param_dtype} and dtype={dtype}"
+            )
+        param_dtype = param_dtype or dtype or torch.bfloat16
+        if param_dtype not in _PARAM_DTYPES:
+            raise TypeError(
+                f"param_dtype: expected torch.bfloat16 or torch.float32, got {param_dtype}"
+            )
+
+        factory = {"device": device, "dtype": param_dtype}
+        h, i, e, r = hidden, intermediate, num_experts, side_rank
+        self.w13 = nn.Parameter(torch.empty(e, 2 * i, h, **factory), requires_grad=trainable_base)
+        self.w2 = nn.Parameter(torch.empty(e, h, i, **factory), requires_grad=trainable_base)
+        if r:
+            self.a1 = nn.Parameter(torch.empty(h, r, **factory))
+            self.b1 = nn.Parameter(torch.empty(e, r, i, **factory))
+            self.a3 = nn.Parameter(torch.empty(h, r, **factory))
+            self.b3 = nn.Parameter(torch.empty(e, r, i, **factory))
+            self.a2 = nn.Parameter(torch.empty(e, i, r, **factory))
+            self.b2 = nn.Parameter(torch.empty(r, h, **factory))
+        else:
+            for name in _ADAPTER_NAMES:
+                self.register_parameter(name, None)
+        # (key, BaseWeights) of the frozen base; see base_weights().
+        self._base_cache: tuple[tuple, BaseWeights] | None = None
+        self.reset_parameters()
+
+    # ------------------------------------------------------------------ init
+
+    def reset_parameters(self) -> None:
+        """Base like ``nn.Linear``'s default, adapters LoRA-style (zero contribution).
+
+        Base: ``U(-1/sqrt(fan_in), 1/sqrt(fan_in))`` per expert, which is what
+        ``nn.Linear`` draws (kaiming-uniform with ``a = sqrt(5)``). It is written out
+        because ``nn.init.kaiming_uniform_`` on the stacked ``[E, out, in]`` tensor
+        would take ``out * in`` as the fan-in.
+
+        Adapters: the expand factors ``b1``, ``b3``, ``b2`` are zero and the shrink
+        factors ``a1``, ``a3``, ``a2`` are drawn like nn.Linear weights (fan-in ``H``
+        for ``a1``/``a3``, ``I`` for ``a2``). One zero factor per product makes the
+        initial adapter contribution exactly zero, so wrapping a pretrained layer
+        starts from its exact output; the other factor is random so the zero factor
+        still gets a gradient (``db = s q^T dg`` with ``q = x a != 0``). Both zero
+        would be a saddle point: neither factor would ever receive a gradient.
+        """
+        with torch.no_grad():
+            _uniform_fan_in(self.w13, self.hidden)
+            _uniform_fan_in(self.w2, self.intermediate)
+            if self.side_rank:
+                _uniform_fan_in(self.a1, self.hidden)
+                _uniform_fan_in(self.a3, self.hidden)
+                _uniform_fan_in(self.a2, self.intermediate)
+                for t in (self.b1, self.b3, self.b2):
+                    t.zero_()
+        self._base_cache = None
+
+    # ------------------------------------------------------------ parameters
+
+    @property
+    def trainable_base(self) -> bool:
+        """Ordinary mode: true when ``w13`` or ``w2`` requires grad (checked every call)."""
+        return bool(self.w13.requires_grad or self.w2.requires_grad)
+
+    def adapter_parameters(self) -> list[nn.Parameter]:
+        """The six adapter parameters ``[a1, b1, a3, b3, a2, b2]`` (empty without adapters)."""
+        if not self.side_rank:
+            return []
+        return [getattr(self, name) for name in _ADAPTER_NAMES]
+
+    def base_parameters(self) -> list[nn.Parameter]:
+        """The base expert weights ``[w13, w2]`` (for an ordinary-mode optimizer group)."""
+        return [self.w13, self.w2]
+
+    def side_lora(self) -> SideLoRA | None:
+        """The adapters as a :class:`~megamoe.SideLoRA` for this backend, or ``None``.
+
+        The fused backend gets BF16 tensors (a differentiable cast of FP32 master
+        weights); the reference backend gets the parameters as they are.
+        """
+        if not self.side_rank:
+            return None
+        tensors = [getattr(self, name) for name in _ADAPTER_NAMES]
+        if self.backend == "fused":
+            tensors = [t.to(torch.bfloat16) for t in tensors]
+        return SideLoRA(*tensors, scale=self.side_scale)
+
+    @torch.no_grad()
+    def load_side_lora(self, side: SideLoRA) -> None:
+        """Copy adapters (e.g. from :mod:`megamoe.adapter_convert`) into this module.
+
+        Args:
+            side: a :class:`~megamoe.SideLoRA` with this module's ``H``, ``I``, ``E``
+                and rank. Its tensors are cast to the parameter dtype/device; its
+                ``scale`` becomes ``side_scale``.
+        """
+        if not isinstance(side, SideLoRA):
+            raise TypeError(f"side: expected a megamoe.SideLoRA, got {type(side).__name__}")
+        if not self.side_rank:
+            raise ValueError("side: this MegaMoE was built without adapters (side_rank=0)")
+        want = (self.hidden, self.intermediate, self.num_experts, self.side_rank)
+        got = (side.hidden, side.intermediate, side.num_experts, side.rank)
+        if got != want:
+            raise ValueError(
+                f"side: expected adapters for H={want[0]}, I={want[1]}, E={want[2]}, r={want[3]}, "
+                f"got H={got[0]}, I={got[1]}, E={got[2]}, r={got[3]}"
+            )
+        for name, value in zip(_ADAPTER_NAMES, side.tensors()):
+            getattr(self, name).copy_(value)
+        self.side_scale = side.scale
+
+    # The scale is a hyperparameter, not a tensor; keeping it in the state dict makes a
+    # checkpoint of converted adapters (whose scale came with them) self-contained.
+    def get_extra_state(self) -> dict:
+        return {"side_scale": self.side_scale}
+
+    def set_extra_state(self, state: dict) -> None:
+        self.side_scale = check_finite_float("side_scale", state["side_scale"])
+
+    # ------------------------------------------------------------- base cache
+
+    def base_weights(self) -> BaseWeights:
+        """The prepared base for the next call.
+
+        Ordinary mode: prepared now, keeping the autograd link to ``w13``/``w2``.
+        Frozen base: prepared under ``no_grad`` and cached; the cache is keyed on each
+        tensor's storage address and version counter, so ``load_state_dict``, an
+        in-place edit (``with torch.no_grad(): layer.w13.mul_(2)``), ``.to()`` or
+        assigning a new tensor all rebuild it. Writes through ``.data`` bypass the
+        version counter: call :meth:`invalidate_base_cache` after those.
+        """
+        if self.trainable_base:
+            if self.base_format != "bf16":
+                raise ValueError(
+                    f"base_format: {self.base_format!r} is a frozen quantized copy; w13/w2 "
+                    "require grad (ordinary mode needs base_format='bf16'). Freeze them with "
+                    "requires_grad_(False) or build the module with base_format='bf16'"
+                )
+            self._base_cache = None  # don't hold a stale frozen copy next to a live one
+            return prepare_base_weights(self.w13, self.w2, format=self.base_format)
+        key = self._base_key()
+        if key is not None and self._base_cache is not None and self._base_cache[0] == key:
+            return self._base_cache[1]
+        with torch.no_grad():
+            base = prepare_base_weights(self.w13, self.w2, format=self.base_format)
+        self._base_cache = None if key is None else (key, base)
+        return base
+
+    def invalidate_base_cache(self) -> None:
+        """Drop the cached frozen base; the next call prepares it again."""
+        self._base_cache = None
+
+    def _base_key(self) -> tuple | None:
+        parts = []
+        for t in (self.w13, self.w2):
+            try:
+                version = t._version
+            except RuntimeError:  # inference tensors keep no version counter: don't cache
+                return None
+            parts.append((t.data_ptr(), version, t.dtype, t.device))
+        return (self.base_format, *parts)
+
+    def _apply(self, fn, recurse: bool = True):
+        # .to()/.cuda()/.half() replace the parameters; drop the prepared copy now so
+        # the old device's memory is freed rather than held until the next call.
+        self._base_cache = None
+        return super()._apply(fn, recurse)
+
+    # ----------------------------------------------------------------- forward
+
+    def forward(
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """Run the MoE block.
+
+        Args:
+            x: ``[T, H]`` tokens (bfloat16 for the fused backend; bf16/fp32/fp64 for
+                the reference).
+            topk_ids: ``[T, K]`` int32/int64 expert ids, ``-1`` = masked route;
+                ``K`` must equal ``top_k``.
+            topk_weights: ``[T, K]`` float32 router weights (differentiable).
+
+        Returns:
+            ``[T, H]`` in ``x.dtype`` (the reference computes in float32 and casts).
+        """
+        check_tensor("x", x, ndim=2)
+        if x.shape[1] != self.hidden:
+            raise ValueError(
+                f"x: expected shape [T, {self.hidden}] (hidden={self.hidden}), got {list(x.shape)}"
+            )
+        check_tensor("topk_ids", topk_ids, ndim=2)
+        if topk_ids.shape[1] != self.top_k:
+            raise ValueError(
+                f"topk_ids: expected shape [T, {self.top_k}] (top_k={self.top_k}), got "
+                f"{list(topk_ids.shape)}"
+            )
+        base = self.base_weights()
+        side = self.side_lora()
+        kwargs = {"activation": self.activation, "activation_clamp": self.activation_clamp}
+        if self.backend == "reference":
+            out = reference.moe(
+                x, topk_ids, topk_weights, base, side, compute_dtype=torch.float32, **kwargs
+            )
+            return out.to(x.dtype)
+        return ops.moe(x, topk_ids, topk_weights, base, side, **kwargs)
+
+    def extra_repr(self) -> str:
+        base = "trainable" if self.trainable_base else "frozen"
+        parts = [
+            f"hidden={self.hidden}",
+            f"intermediate={self.intermediate}",
+            f"num_experts={self.num_experts}",
+            f"top_k={self.top_k}",
+            f"side_rank={self.side_rank}",
+        ]
+        if self.side_rank:
+            parts.append(f"side_scale={self.side_scale:g}")
+        parts += [f"activation={self.activation!r}"]
+        if self.activation_clamp is not None:
+            parts.append(f"activation_clamp={self.activation_clamp:g}")
+        parts += [
+            f"base={base} {self.base_format}",
+            f"param_dtype={str(self.w13.dtype).replace('torch.', '')}",
+            f"backend={self.backend!r}",
+        ]
+        return ", ".join(parts)
+
+    def named_adapter_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """``(name, parameter)`` for the adapters (for optimizer groups by name)."""
+        for name in _ADAPTER_NAMES if self.side_rank else ():
+            yield name, getattr(self, name)
+
+
+def _resolve_scale(side_scale: float | None, side_alpha: float | None, rank: int) -> float:
+    if side_scale is not None and side_alpha is not None:
+        raise ValueError(
+            f"side_scale: give side_scale or side_alpha (s = alpha / side_rank), not both; got "
+            f"side_scale={side_scale}, side_alpha={side_alpha}"
+        )
+    if side_scale is not None:
+        return check_finite_float("side_scale", side_scale)
+    if side_alpha is not None:
+        alpha = check_finite_float("side_alpha", side_alpha)
+        if not rank:
+            raise ValueError("side_alpha: needs adapters (side_rank > 0) to define alpha / rank")
+        return alpha / rank
+    return 1.0
+
+
+def _uniform_fan_in(t: torch.Tensor, fan_in: int) -> None:
+    bound = 1.0 / math.sqrt(fan_in)
+    nn.init.uniform_(t, -bound, bound)

@@ -1,0 +1,300 @@
+"""mm.MegaMoE (module.py) on the CPU through backend="reference"."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megamoe import reference
+from megamoe.module import MegaMoE
+from megamoe.side_lora import SideLoRA
+from megamoe.testing.inputs import make_routing
+from megamoe.weights import prepare_base_weights
+
+H, I, E, K, R, T = 64, 64, 4, 2, 16, 24
+F32 = torch.float32
+SIDE = ("a1", "b1", "a3", "b3", "a2", "b2")
+
+
+def make_layer(**kwargs) -> MegaMoE:
+    torch.manual_seed(kwargs.pop("seed", 0))
+    args = dict(side_rank=R, backend="reference", param_dtype=F32, side_scale=0.5)
+    args.update(kwargs)
+    return MegaMoE(H, I, E, K, **args)
+
+
+def randomize_adapters(layer: MegaMoE, seed: int = 1) -> None:
+    """Nonzero expand factors, so every adapter path contributes."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in layer.adapter_parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-2] ** 0.5)
+
+
+def inputs(seed: int = 0, requires_grad: bool = False):
+    ids, weights = make_routing(T, E, K, kind="masked", seed=seed)
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(seed))
+    return x.requires_grad_(requires_grad), ids, weights.requires_grad_(requires_grad)
+
+
+def reference_out(layer: MegaMoE, x, ids, weights, side="layer"):
+    base = prepare_base_weights(layer.w13, layer.w2, format=layer.base_format)
+    if side == "layer":
+        side = SideLoRA(*layer.adapter_parameters(), scale=layer.side_scale)
+    return reference.moe(
+        x,
+        ids,
+        weights,
+        base,
+        side,
+        activation=layer.activation,
+        activation_clamp=layer.activation_clamp,
+        compute_dtype=F32,
+    )
+
+
+def test_output_equals_reference_moe():
+    layer = make_layer(activation="geglu", activation_clamp=3.0)
+    randomize_adapters(layer)
+    x, ids, weights = inputs()
+    assert torch.equal(layer(x, ids, weights), reference_out(layer, x, ids, weights))
+
+
+def test_parameter_layout_and_init():
+    layer = make_layer()
+    shapes = {name: tuple(p.shape) for name, p in layer.named_parameters()}
+    assert shapes == {
+        "w13": (E, 2 * I, H),
+        "w2": (E, H, I),
+        "a1": (H, R),
+        "b1": (E, R, I),
+        "a3": (H, R),
+        "b3": (E, R, I),
+        "a2": (E, I, R),
+        "b2": (R, H),
+    }
+    # nn.Linear's default draw: |w| <= 1/sqrt(fan_in), and not degenerate.
+    for p, fan_in in ((layer.w13, H), (layer.w2, I), (layer.a1, H), (layer.a2, I)):
+        assert p.abs().max() <= fan_in**-0.5 and p.std() > 0.3 * fan_in**-0.5
+    for name in ("b1", "b3", "b2"):
+        assert not getattr(layer, name).any()
+
+
+def test_initial_adapter_contribution_is_exactly_zero():
+    layer = make_layer()
+    x, ids, weights = inputs()
+    assert torch.equal(layer(x, ids, weights), reference_out(layer, x, ids, weights, side=None))
+
+
+def test_initial_gradients_reach_the_zero_expand_factors():
+    # LoRA init: b = 0 gets a gradient through the random a; a gets none until b moves.
+    layer = make_layer()
+    x, ids, weights = inputs()
+    layer(x, ids, weights).square().sum().backward()
+    for name in ("b1", "b3", "b2"):
+        assert getattr(layer, name).grad.abs().sum() > 0, name
+    for name in ("a1", "a3", "a2"):
+        assert not getattr(layer, name).grad.any(), name
+
+
+def test_frozen_base_gradients_reach_only_adapters_and_inputs():
+    layer = make_layer()
+    randomize_adapters(layer)
+    x, ids, weights = inputs(requires_grad=True)
+    layer(x, ids, weights).square().sum().backward()
+    assert layer.w13.grad is None and layer.w2.grad is None
+    assert not layer.w13.requires_grad and not layer.trainable_base
+    for name in SIDE:
+        assert getattr(layer, name).grad.abs().sum() > 0, name
+    assert x.grad.abs().sum() > 0 and weights.grad.abs().sum() > 0
+
+
+def test_ordinary_mode_gradients_reach_the_base():
+    layer = make_layer(trainable_base=True)
+    randomize_adapters(layer)
+    x, ids, weights = inputs()
+    dout = torch.randn(T, H, generator=torch.Generator().manual_seed(5))
+    (layer(x, ids, weights) * dout).sum().backward()
+    assert layer.trainable_base
+    for name in ("w13", "w2", *SIDE):
+        assert getattr(layer, name).grad.abs().sum() > 0, name
+
+    # Same numbers as calling the oracle directly on leaves of the same values.
+    leaves = {n: p.detach().clone().requires_grad_(True) for n, p in layer.named_parameters()}
+    base = prepare_base_weights(leaves["w13"], leaves["w2"])
+    side = SideLoRA(*(leaves[n] for n in SIDE), scale=layer.side_scale)
+    out = reference.moe(x, ids, weights, base, side, compute_dtype=F32)
+    (out * dout).sum().backward()
+    for name, p in layer.named_parameters():
+        assert torch.equal(p.grad, leaves[name].grad), name
+
+
+def test_requires_grad_false_freezes_the_base():
+    layer = make_layer(trainable_base=True)
+    layer.requires_grad_(False)
+    for p in layer.adapter_parameters():
+        p.requires_grad_(True)
+    x, ids, weights = inputs()
+    layer(x, ids, weights).sum().backward()
+    assert layer.w13.grad is None and not layer.trainable_base
+    assert layer.base_weights() is layer.base_weights()  # frozen: cached
+
+
+def test_helpers_list_the_parameters():
+    layer = make_layer()
+    assert [p for p in layer.adapter_parameters()] == [getattr(layer, n) for n in SIDE]
+    assert layer.base_parameters() == [layer.w13, layer.w2]
+    assert [n for n, _ in layer.named_adapter_parameters()] == list(SIDE)
+    ids = {id(p) for p in layer.adapter_parameters() + layer.base_parameters()}
+    assert ids == {id(p) for p in layer.parameters()}
+
+
+def test_frozen_base_is_prepared_once():
+    layer = make_layer()
+    x, ids, weights = inputs()
+    layer(x, ids, weights)
+    base = layer.base_weights()
+    layer(x, ids, weights)
+    assert layer.base_weights() is base
+    assert not base.w13.requires_grad
+
+
+def test_in_place_edit_rebuilds_the_cached_base():
+    layer = make_layer()
+    randomize_adapters(layer)
+    x, ids, weights = inputs()
+    before = layer(x, ids, weights)
+    base = layer.base_weights()
+    with torch.no_grad():
+        layer.w13.mul_(0.5)
+        layer.w2[1].neg_()
+    after = layer(x, ids, weights)
+    assert layer.base_weights() is not base
+    assert not torch.equal(before, after)
+    assert torch.equal(after, reference_out(layer, x, ids, weights))
+
+
+def test_load_state_dict_rebuilds_the_cached_base_and_carries_the_scale():
+    src = make_layer(seed=3, side_scale=2.0)
+    randomize_adapters(src, seed=4)
+    dst = make_layer(seed=5)
+    x, ids, weights = inputs()
+    dst(x, ids, weights)  # fill the cache with the old weights
+    dst.load_state_dict(src.state_dict())
+    assert dst.side_scale == 2.0
+    assert torch.equal(dst(x, ids, weights), src(x, ids, weights))
+
+
+def test_data_writes_need_invalidate():
+    # .data shares no version counter with the parameter: documented, with a remedy.
+    layer = make_layer()
+    x, ids, weights = inputs()
+    layer(x, ids, weights)
+    layer.w13.data.mul_(2.0)
+    layer.invalidate_base_cache()
+    assert torch.equal(layer(x, ids, weights), reference_out(layer, x, ids, weights))
+
+
+def test_assigning_new_tensors_rebuilds_the_cached_base():
+    layer = make_layer()
+    x, ids, weights = inputs()
+    layer(x, ids, weights)
+    layer.w2 = torch.nn.Parameter(layer.w2.detach() * 3, requires_grad=False)
+    assert torch.equal(layer(x, ids, weights), reference_out(layer, x, ids, weights))
+
+
+def test_mxfp4_frozen_base():
+    layer = make_layer(base_format="mxfp4")
+    randomize_adapters(layer)
+    x, ids, weights = inputs()
+    out = layer(x, ids, weights)
+    assert layer.base_weights().format == "mxfp4"
+    assert torch.equal(out, reference_out(layer, x, ids, weights))
+    layer.w13.requires_grad_(True)
+    with pytest.raises(ValueError, match="base_format"):
+        layer(x, ids, weights)
+
+
+def test_no_adapters():
+    layer = make_layer(side_rank=0)
+    assert layer.adapter_parameters() == [] and layer.a1 is None and layer.side_lora() is None
+    x, ids, weights = inputs()
+    assert torch.equal(layer(x, ids, weights), reference_out(layer, x, ids, weights, side=None))
+
+
+def test_scale_options():
+    assert make_layer(side_scale=None).side_scale == 1.0
+    assert make_layer(side_scale=None, side_alpha=32.0).side_scale == 32.0 / R
+
+
+def test_bf16_params_and_output_dtype():
+    layer = make_layer(param_dtype=torch.bfloat16)
+    assert layer.w13.dtype == torch.bfloat16 and layer.a1.dtype == torch.bfloat16
+    x, ids, weights = inputs()
+    assert layer(x.to(torch.bfloat16), ids, weights).dtype == torch.bfloat16
+
+
+def test_fused_backend_casts_master_weights_to_bf16_differentiably():
+    layer = make_layer(backend="fused")
+    side = layer.side_lora()
+    assert all(t.dtype == torch.bfloat16 and t.requires_grad for t in side.tensors())
+    side.b2.float().sum().backward()
+    assert layer.b2.grad is not None and layer.b2.grad.dtype == F32
+
+
+def test_load_side_lora():
+    layer = make_layer()
+    gen = torch.Generator().manual_seed(7)
+    side = SideLoRA(*(torch.randn(p.shape, generator=gen) for p in layer.adapter_parameters()), 3.0)
+    layer.load_side_lora(side)
+    assert layer.side_scale == 3.0 and torch.equal(layer.b3, side.b3)
+    with pytest.raises(ValueError, match="r=32"):
+        make_layer(side_rank=32).load_side_lora(side)
+    with pytest.raises(TypeError, match="side"):
+        layer.load_side_lora(side.tensors())
+
+
+def test_extra_repr():
+    text = repr(make_layer(activation_clamp=7.0))
+    for part in ("hidden=64", "top_k=2", "side_rank=16", "side_scale=0.5", "frozen bf16",
+                 "activation_clamp=7", "backend='reference'"):  # fmt: skip
+        assert part in text
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(hidden=48), "hidden"),
+        (dict(intermediate=96), "intermediate"),
+        (dict(side_rank=8), "side_rank"),
+        (dict(side_rank=272), "side_rank"),
+        (dict(top_k=5), "top_k"),
+        (dict(base_format="mxfp4", trainable_base=True), "base_format"),
+        (dict(base_format="fp8"), "base_format"),
+        (dict(backend="triton"), "backend"),
+        (dict(activation="relu"), "activation"),
+        (dict(activation_clamp=-1.0), "activation_clamp"),
+        (dict(side_scale=0.5, side_alpha=16.0), "side_scale"),
+        (dict(side_rank=0, side_scale=None, side_alpha=16.0), "side_alpha"),
+        (dict(param_dtype=torch.float16), "param_dtype"),
+        (dict(param_dtype=F32, dtype=torch.bfloat16), "dtype"),
+        (dict(trainable_base=1), "trainable_base"),
+    ],
+)
+def test_bad_constructor_arguments(kwargs, match):
+    args = dict(hidden=H, intermediate=I, num_experts=E, top_k=K, side_rank=R)
+    args.update(backend="reference", side_scale=0.5)
+    args.update(kwargs)
+    with pytest.raises((TypeError, ValueError), match=match):
+        MegaMoE(**args)
+
+
+def test_bad_forward_arguments():
+    layer = make_layer()
+    x, ids, weights = inputs()
+    with pytest.raises(ValueError, match=r"topk_ids: expected shape \[T, 2\]"):
+        layer(x, torch.cat([ids, ids], dim=1), torch.cat([weights, weights], dim=1))
+    with pytest.raises(ValueError, match="x: expected shape"):
+        layer(x[:, :32], ids, weights)
+    with pytest.raises(TypeError, match="x"):
+        layer(x.numpy(), ids, weights)
