@@ -164,8 +164,9 @@ void pool_side_sum(const Tensor& pool_output, const Tensor& route_to_pool_row,
   const auto [num_tokens, top_k] =
       check_routes(pool_output, route_to_pool_row, topk_weights, device);
   const int64_t columns = pool_output.shape(1);
-  if (hidden < kPoolVectorElems || hidden > columns)
-    throw nb::value_error(("hidden: expected " + str(kPoolVectorElems) + " to " + str(columns) +
+  // hidden = 0 sums whole rows (the backward's b1/b3 shrinks).
+  if (hidden < 0 || hidden > columns)
+    throw nb::value_error(("hidden: expected 0 to " + str(columns) +
                            " (pool_output's columns), got " + str(hidden))
                               .c_str());
   check_multiple_of_vector("hidden", "the hidden size", hidden);

@@ -121,7 +121,10 @@ def activation_backward(
         if weighted_h
         else None
     )
-    drouter = torch.empty(capacity, dtype=torch.float32, device=device)
+    # Zeros, not empty: rows past the rows in use are never written, and callers index
+    # row 0 for routes without a row (masked by a where), which must read initialized
+    # memory even when no row is in use (compute-sanitizer initcheck).
+    drouter = torch.zeros(capacity, dtype=torch.float32, device=device)
     clamp = math.inf if activation_clamp is None else float(activation_clamp)
     dl = _native.dlpack
     with torch.cuda.device(device):

@@ -2,16 +2,21 @@
 
 Pipeline, given ``dout [T, H]`` and the forward's :class:`ForwardState`:
 
-1. ``db2 = dout b2^T`` once per token; gather ``[dout | db2]`` into the pool.
+1. gather ``dout`` into the pool; ``db2 = dout b2^T`` once per token, gathered too.
 2. dgrad2: ``z_base = dout_pool @ w2_e``, ``z_side = db2_pool @ a2_e^T`` (grouped GEMMs).
 3. activation backward (one kernel): ``z = z_base + s z_side`` (FP32), router grad
    ``<z, h>``, ``dg | du`` (interleaved like ``w13``), ``bf16(w h)``.
-4. dgrad1: ``dx_pool = (dg | du) @ w13_e``; the ``b1``/``b3`` shrinks
+4. K-grouped weight gradients over each expert's pool rows (tail rows are zeros,
+   empty experts exact zeros): ``da2``, ``dw2``, ``dw13`` (ordinary), ``db1``, ``db3``.
+5. dgrad1: ``dx_pool = (dg | du) @ w13_e``; the ``b1``/``b3`` shrinks
    ``(dg b1_e^T | du b3_e^T)`` as a second grouped GEMM, summed over k per token.
-5. combine: ``dx = sum_k dx_pool + s (sg a1^T + su a3^T)`` (FP32, k in order).
-6. K-grouped weight gradients over each expert's pool rows: ``db1``, ``db3``, ``da2``
-   (side-LoRA) and ``dw13``, ``dw2`` (ordinary mode); dense shared ``da1``, ``da3``,
-   ``db2`` once per token.
+6. combine: ``dx = sum_k dx_pool + s (sg a1^T + su a3^T)`` (FP32, k in order).
+7. dense shared ``da1``, ``da3``, ``db2`` once per token.
+
+Memory policy: the forward keeps the route plan, ``q13``, ``p_sum`` and GEMM1's
+pre-activations (``[T*K, 2I]`` BF16; none with activation checkpointing, which
+recomputes them here). The backward frees each pool buffer as soon as its last reader
+ran (docs/PERFORMANCE.md has the bytes at ep4rank).
 
 The grouped GEMMs of steps 2, 4 and 6 run on ``torch._grouped_mm`` (cuBLAS/CUTLASS):
 our engine has no transposed-B or K-grouped mode yet, and at ep4rank it is slower
@@ -55,19 +60,6 @@ def _k_grouped_mm(a_t: torch.Tensor, b: torch.Tensor, state: ForwardState) -> to
     out = torch._grouped_mm(a_t, b, offs=_offsets(state))
     empty = (state.plan.expert_counts == 0).view(-1, 1, 1)
     return out.masked_fill_(empty, 0.0)
-
-
-def _sum_over_k(pool_rows: torch.Tensor, state: ForwardState) -> torch.Tensor:
-    """``[T, C]`` FP32: per token, the sum over its routes (k = 0..K-1 in order) of its
-    pool rows (routes without a pool row add nothing)."""
-    row_of_route = state.plan.route_to_pool_row.long()  # [T, K]
-    valid = (row_of_route >= 0).unsqueeze(-1)
-    rows = pool_rows.index_select(0, row_of_route.clamp(min=0).view(-1))
-    rows = rows.view(*row_of_route.shape, -1).float()
-    total = torch.zeros_like(rows[:, 0])
-    for k in range(row_of_route.shape[1]):
-        total = total + torch.where(valid[:, k], rows[:, k], 0.0)
-    return total
 
 
 def _side_shrink_weights(side: SideLoRA, interleave: int) -> torch.Tensor:
@@ -128,15 +120,18 @@ def moe_backward(
     dout = dout.contiguous()
     grads: dict[str, torch.Tensor | None] = dict.fromkeys(GRAD_NAMES)
 
-    # 1. [dout | dout b2^T] into the pool.
-    db2_tokens = (dout @ side.b2.T).contiguous() if use_side else None  # [T, r]
-    dout_pool = pool.gather_pool(dout, db2_tokens, plan)  # [P, H (+ r)]
+    # 1. dout (and dout b2^T, once per token) into the pool.
+    dout_pool = pool.gather_pool(dout, None, plan)  # [P, H]
 
     # 2. dgrad2 (w2 [E, H, I] is the [K, N] operand as stored; a2^T likewise).
-    z_base = _grouped_mm(dout_pool[:, :hidden], base.w2, state)
-    z_side = None
+    z_base = _grouped_mm(dout_pool, base.w2, state)
+    if not base_grads:
+        del dout_pool  # [P, H]: freed before the next pool buffers (memory policy)
+    z_side = db2_pool = None
     if use_side:
-        z_side = _grouped_mm(dout_pool[:, hidden:], side.a2.transpose(1, 2), state)
+        db2_tokens = dout @ side.b2.T  # [T, r]
+        db2_pool = pool.gather_pool(db2_tokens, None, plan)  # [P, r]
+        z_side = _grouped_mm(db2_pool, side.a2.transpose(1, 2), state)
 
     # 3. activation backward + router grad.
     preact = state.preact
@@ -162,22 +157,20 @@ def moe_backward(
         row_of_route >= 0, drouter[row_of_route.clamp(min=0)], 0.0
     ).to(topk_weights.dtype)
 
-    # 4. dgrad1 and the b1/b3 shrinks.
-    dx_pool = _grouped_mm(dgrad_preact, base.w13, state)  # [P, H]
-    side_expand = None
-    if use_side:
-        shrink_pool = _grouped_mm(dgrad_preact, _side_shrink_weights(side, interleave), state)
-        shrink = _sum_over_k(shrink_pool, state).to(torch.bfloat16)  # [T, 2r] = [sg | su]
-        del shrink_pool
-        a13 = torch.cat([side.a1, side.a3], dim=1)  # [H, 2r]
-        side_expand = shrink @ a13.T  # [T, H]
+    # 4. The weight gradients that contract over w h, so it can be freed.
+    if use_side and side_grads:
+        a2_t = _k_grouped_mm(db2_pool.T, weighted_h, state)  # [E, r, I]
+        grads["a2"] = (s * a2_t.float()).transpose(1, 2).contiguous().to(torch.bfloat16)
+        del a2_t, db2_pool
+    if base_grads:
+        grads["w2"] = _k_grouped_mm(dout_pool.T, weighted_h, state)  # [E, H, I]
+        del dout_pool
+        x_pool = pool.gather_pool(x, None, plan)
+        grads["w13"] = _k_grouped_mm(dgrad_preact.T, x_pool, state)  # [E, 2I, H]
+        del x_pool
+    del weighted_h
 
-    # 5. dx = sum_k dx_pool + s (sg a1^T + su a3^T).
-    ones = torch.ones_like(topk_weights, dtype=torch.float32)
-    grads["x"] = pool.combine(dx_pool, plan, ones, side_expand, scale=s, hidden=hidden)
-    del dx_pool
-
-    # 6. weight gradients.
+    # 5. db1, db3 (K-grouped over q13 and dg | du).
     if use_side and side_grads:
         rank = side.rank
         q13_pool = pool.gather_pool(state.q13, None, plan)  # [P, 2r]
@@ -185,15 +178,29 @@ def moe_backward(
         gate_cols, up_cols = _deinterleave(b13, interleave)
         grads["b1"] = (s * gate_cols[:, :rank].float()).to(torch.bfloat16)
         grads["b3"] = (s * up_cols[:, rank:].float()).to(torch.bfloat16)
-        a2_t = _k_grouped_mm(dout_pool[:, hidden:].T, weighted_h, state)  # [E, r, I]
-        grads["a2"] = (s * a2_t.float()).transpose(1, 2).contiguous().to(torch.bfloat16)
+        del q13_pool, b13, gate_cols, up_cols
+
+    # 6. dgrad1 and the b1/b3 shrinks.
+    dx_pool = _grouped_mm(dgrad_preact, base.w13, state)  # [P, H]
+    side_expand = shrink = None
+    if use_side:
+        shrink_pool = _grouped_mm(dgrad_preact, _side_shrink_weights(side, interleave), state)
+        ones = torch.ones_like(topk_weights, dtype=torch.float32)
+        shrink = pool.side_sum(shrink_pool, plan, ones, 0)  # [T, 2r] = [sg | su]
+        del shrink_pool
+        a13 = torch.cat([side.a1, side.a3], dim=1)  # [H, 2r]
+        side_expand = shrink @ a13.T  # [T, H]
+    del dgrad_preact
+
+    # 7. dx = sum_k dx_pool + s (sg a1^T + su a3^T).
+    ones = torch.ones_like(topk_weights, dtype=torch.float32)
+    grads["x"] = pool.combine(dx_pool, plan, ones, side_expand, scale=s, hidden=hidden)
+    del dx_pool
+
+    # 8. The dense shared-factor gradients, once per token.
+    if use_side and side_grads:
         a13_grad = (s * (x.T @ shrink).float()).to(torch.bfloat16)  # [H, 2r]
         grads["a1"] = a13_grad[:, :rank].contiguous()
         grads["a3"] = a13_grad[:, rank:].contiguous()
         grads["b2"] = (s * (state.p_sum.T @ dout).float()).to(torch.bfloat16)
-    if base_grads:
-        x_pool = pool.gather_pool(x, None, plan)
-        grads["w13"] = _k_grouped_mm(dgrad_preact.T, x_pool, state)  # [E, 2I, H]
-        del x_pool
-        grads["w2"] = _k_grouped_mm(dout_pool[:, :hidden].T, weighted_h, state)  # [E, H, I]
     return grads

@@ -250,7 +250,8 @@ def _check_side_sum(
     pool_output = _check_bf16("pool_output", pool_output, [None, None], device)
     _check_weights(topk_weights, plan)
     columns = pool_output.shape[1]
-    hidden = check_int("hidden", hidden, minimum=VECTOR_ELEMS)
+    # hidden = 0 sums whole rows (the backward's b1/b3 shrinks).
+    hidden = check_int("hidden", hidden, minimum=0)
     if hidden > columns:
         raise ValueError(
             f"hidden: expected at most {columns} (pool_output's columns), got {hidden}"
@@ -292,7 +293,8 @@ def side_sum(
         pool_output: ``[pool_capacity, H + r]`` bfloat16 (GEMM2's ``[y | p]``).
         plan: the :class:`~megamoe.routing.RoutePlan` the pool was built with.
         topk_weights: ``[T, K]`` float32.
-        hidden: ``H``; columns ``H .. H + r - 1`` are summed (``r`` a multiple of 8).
+        hidden: ``H``; columns ``H .. H + r - 1`` are summed (``r`` a multiple of 8;
+            ``H = 0`` sums whole rows).
         out: ``[T, r]`` bfloat16 to write into, or ``None`` to allocate.
 
     Returns:

@@ -292,8 +292,8 @@ def test_combine_and_side_sum_validation_names_the_argument():
         pool.side_sum(pool_output.float(), plan, weights, 32)
     with pytest.raises(ValueError, match="hidden: expected at most 48"):
         pool.side_sum(pool_output, plan, weights, 64)
-    with pytest.raises(ValueError, match="hidden: expected an int >= 8"):
-        pool.side_sum(pool_output, plan, weights, 0)
+    with pytest.raises(ValueError, match="hidden: expected an int >= 0"):
+        pool.side_sum(pool_output, plan, weights, -8)
     with pytest.raises(ValueError, match="hidden: expected the hidden size .* multiple of 8"):
         pool.side_sum(pool_output, plan, weights, 36)
     with pytest.raises(ValueError, match="pool_output: expected its side columns"):

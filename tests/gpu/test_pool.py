@@ -156,6 +156,13 @@ def test_row_widths_that_do_not_fill_a_warp(hidden):
     check_combine(case, hidden=hidden, side_rank=8, scale=-1.5, seed=8)
 
 
+@pytest.mark.parametrize("side_rank", [8, 256])
+def test_side_sum_of_whole_rows(side_rank):
+    # hidden = 0: the backward sums its [sg | su] shrink rows this way.
+    case = make_case(700, 6, seed=side_rank)
+    check_side_sum(case, hidden=0, side_rank=side_rank, seed=13)
+
+
 @pytest.mark.parametrize("top_k", [7, 8, 9, 17])
 def test_top_k_beyond_one_batch(top_k):
     # The combine kernel loads routes in batches of 8.

@@ -1,7 +1,8 @@
 """Every kernel family at small shapes, for compute-sanitizer (memcheck, racecheck,
 initcheck, synccheck): route plan, pool gather / side sum / combine, grouped GEMM
-(Store with the N extra segment, GatedActivation with the K side segment) and the
-fused forward ``mm.moe``, at the edges where indexing goes wrong: one token, BLOCK_M
+(Store with the N extra segment, GatedActivation with the K side segment and the
+pre-activation store), the activation backward, and the fused forward and backward of
+``mm.moe``, at the edges where indexing goes wrong: one token, BLOCK_M
 boundaries, empty experts, masked and remote routes, tile tails, persistent CTAs that
 walk several tiles, and the rejection of undersized buffers before any launch.
 
@@ -28,7 +29,7 @@ from megamoe.grouped_gemm import (
     grouped_gemm_reference,
 )
 from megamoe.registry import registry
-from megamoe.testing import assert_close_to_oracle, make_layer, make_routing
+from megamoe.testing import GRAD_MIN_COSINE, assert_close_to_oracle, make_layer, make_routing
 
 pytestmark = pytest.mark.gpu
 
@@ -282,6 +283,44 @@ def test_moe_forward(tokens, top_k, rank, kwargs):
         expected = exact.call(mm.reference.moe)
     assert out.shape == (tokens, 128)
     assert_close_to_oracle("out", out, expected)
+
+
+@pytest.mark.parametrize(
+    "tokens,top_k,rank,kwargs",
+    [
+        pytest.param(1, 1, None, {}, id="one-token-no-side"),
+        pytest.param(1, 2, 16, {}, id="one-token-side"),
+        pytest.param(TRANSITION, 2, 16, {}, id="at-block-m-transition"),
+        pytest.param(200, 2, 16, {"routing": "empty"}, id="empty-experts"),
+        pytest.param(
+            150,
+            6,
+            32,
+            {"routing": "masked", "activation": "geglu", "activation_clamp": 1.0},
+            id="masked-geglu-clamp",
+        ),
+        pytest.param(64, 2, 16, {"scale": 0.0}, id="zero-scale"),
+        pytest.param(90, 2, None, {"trainable_base": True}, id="ordinary"),
+        pytest.param(90, 2, 16, {"checkpoint": True}, id="activation-checkpoint"),
+    ],
+)
+def test_moe_forward_backward(tokens, top_k, rank, kwargs):
+    """The fused backward (activation backward, pre-activation store, gathers, the
+    whole-row side sum, combines) and the torch grouped GEMMs it drives."""
+    kwargs = dict(kwargs)
+    checkpoint = kwargs.pop("checkpoint", False)
+    shape = dict(hidden=128, intermediate=128, num_experts=8, top_k=top_k, side_rank=rank)
+    common = dict(num_tokens=tokens, device="cuda", seed=tokens, requires_grad=True, **kwargs)
+    fast = make_layer(**shape, **common)
+    exact = make_layer(**shape, dtype=torch.float64, **common)
+    dout = bf16((tokens, 128), 21)
+    out = fast.call(mm.moe, activation_checkpoint=checkpoint)
+    dx, drouter = torch.autograd.grad(out, [fast.x, fast.topk_weights], dout)
+    clamp = kwargs.get("activation_clamp")
+    expected = exact.call(mm.reference.moe, round_bf16=clamp is not None)
+    ex, erouter = torch.autograd.grad(expected, [exact.x, exact.topk_weights], dout.double())
+    assert_close_to_oracle("dx", dx, ex, min_cosine=GRAD_MIN_COSINE)
+    assert_close_to_oracle("dtopk_weights", drouter, erouter, min_cosine=GRAD_MIN_COSINE)
 
 
 def test_mxfp4_quantizer_on_the_gpu():

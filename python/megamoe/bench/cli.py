@@ -97,6 +97,8 @@ def _measure(
     from megamoe.testing.inputs import make_layer
 
     fn, dtype, extra = _backend_fn(backend, device)
+    if backend == "fused" and args.activation_checkpoint:
+        extra = {**extra, "activation_checkpoint": True}
     ordinary = args.mode == "ordinary"
     progress.update(f"{backend}: building inputs for {shape.name}")
     layer = make_layer(
@@ -242,6 +244,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", default="cuda" if gpu else "cpu")
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--quiet", action="store_true", help="no progress line")
+    parser.add_argument(
+        "--activation-checkpoint",
+        action="store_true",
+        help="fused backend: recompute GEMM1's pre-activations in the backward",
+    )
     args = parser.parse_args(argv)
     args.backends = [b.strip() for b in args.backend.split(",") if b.strip()]
     args.passes = [p.strip() for p in args.passes.split(",") if p.strip()]

@@ -1,0 +1,114 @@
+"""``python -m megamoe.bench.memory``: where the fused layer's memory goes, stage by stage.
+
+Runs one fused forward + backward at a bench shape and prints, after every pipeline
+stage (route plan, gathers, GEMMs, activation backward, combines), the bytes allocated
+and the peak reached during that stage, from torch's caching-allocator counters. The
+stages are found by wrapping the pipeline's module-level functions for the duration of
+the run, so the layer itself runs unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+import torch
+
+import megamoe as mm
+from megamoe import fused_backward, fused_forward
+from megamoe.testing.inputs import make_layer
+
+from .shapes import SHAPES
+
+GIB = 2**30
+
+# (module, attribute) of every stage to watch.
+_STAGES = [
+    (fused_forward, "plan_routes"),
+    (fused_forward.pool, "gather_pool"),
+    (fused_forward, "gated_grouped_gemm"),
+    (fused_forward, "grouped_gemm"),
+    (fused_forward.pool, "side_sum"),
+    (fused_forward.pool, "combine"),
+    (fused_backward, "_grouped_mm"),
+    (fused_backward, "_k_grouped_mm"),
+    (fused_backward, "activation_backward"),
+    (fused_backward, "recompute_preact"),
+]
+
+
+def _watch(rows: list[tuple[str, float, float]]) -> list[tuple[object, str, Callable]]:
+    originals = []
+    for module, name in _STAGES:
+        original = getattr(module, name)
+
+        def wrapped(*args, __original=original, __name=name, **kwargs):
+            torch.cuda.reset_peak_memory_stats()
+            result = __original(*args, **kwargs)
+            rows.append(
+                (
+                    __name,
+                    torch.cuda.memory_allocated() / GIB,
+                    torch.cuda.max_memory_allocated() / GIB,
+                )
+            )
+            return result
+
+        setattr(module, name, wrapped)
+        originals.append((module, name, original))
+    return originals
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="ep4rank")
+    parser.add_argument("--mode", choices=("side-lora", "ordinary"), default="side-lora")
+    parser.add_argument("--activation-checkpoint", action="store_true")
+    args = parser.parse_args(argv)
+    s = SHAPES[args.shape]
+    ordinary = args.mode == "ordinary"
+    layer = make_layer(
+        s.hidden,
+        s.intermediate,
+        s.num_local_experts,
+        s.top_k,
+        None if ordinary else s.side_rank,
+        num_tokens=s.num_tokens,
+        device="cuda",
+        requires_grad=True,
+        trainable_base=ordinary,
+    )
+    dout = torch.randn_like(layer.x)
+    leaves = list(layer.grad_leaves().values())
+    torch.autograd.grad(layer.call(mm.moe), leaves, dout)  # warm-up
+    torch.cuda.synchronize()
+    if ordinary:
+        layer.reprepare_base()
+    inputs = torch.cuda.memory_allocated() / GIB
+    rows: list[tuple[str, float, float]] = []
+    originals = _watch(rows)
+    try:
+        torch.cuda.reset_peak_memory_stats()
+        out = layer.call(mm.moe, activation_checkpoint=args.activation_checkpoint)
+        rows.append(("-- forward done (saved state held)", torch.cuda.memory_allocated() / GIB, 0))
+        grads = torch.autograd.grad(out, leaves, dout)
+        del out
+        rows.append(("-- backward done (grads held)", torch.cuda.memory_allocated() / GIB, 0))
+    finally:
+        for module, name, original in originals:
+            setattr(module, name, original)
+    del grads
+    print(
+        f"{args.shape} {args.mode}{' checkpoint' if args.activation_checkpoint else ''}: "
+        f"inputs, weights and dout hold {inputs:.2f} GiB"
+    )
+    print(f"{'stage':40s} {'after GiB':>10s} {'peak GiB':>10s}")
+    for name, after, peak in rows:
+        print(f"{name:40s} {after:10.2f} {peak:10.2f}")
+    print(f"{'overall peak':40s} {'':10s} {max(r[2] for r in rows):10.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
