@@ -275,9 +275,15 @@ def _train_setup_context(ctx, inputs, output) -> None:
     ctx.activation_clamp = activation_clamp
     side_tensors = side if ctx.has_side else ()
     ctx.save_for_backward(x, topk_weights, w13, w2, *side_tensors, *output[1:])
+    # The state outputs are not differentiable: without this autograd would hand the
+    # backward a materialized zero gradient for each ([T*K, 2I] for the pre-activations).
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.set_materialize_grads(False)
 
 
 def _train_backward(ctx, dout, *_state_grads):
+    if dout is None:  # no gradient reached the output (grads are not materialized)
+        return (None,) * 16
     saved = ctx.saved_tensors
     x, topk_weights, w13, w2 = saved[:4]
     side = tuple(saved[4:10]) if ctx.has_side else (None,) * 6

@@ -460,7 +460,7 @@ def test_native_combine_and_side_sum_check_their_arguments():
             side_expand=random_bf16((8, 56), 0),
             pool_output=random_bf16((plan.pool_capacity, 60), 0),
         )
-    with pytest.raises(ValueError, match="hidden: expected 8 to 80"):
+    with pytest.raises(ValueError, match="hidden: expected 0 to 80"):
         side_sum(hidden=88)
     with pytest.raises(ValueError, match="hidden: expected the hidden size"):
         side_sum(hidden=60)

@@ -126,7 +126,8 @@ def test_route_plan_all_masked():
 @pytest.mark.parametrize("side_cols", [0, 32])
 @pytest.mark.parametrize("tokens,top_k", [(1, 1), (90, 2), (17, 6)])
 def test_pool_gather(tokens, top_k, side_cols):
-    plan, _, _ = gpu_plan(tokens, 8, top_k, BLOCK_MS[0], kind="empty", seed=tokens)
+    # 16 experts: kind="empty" leaves three of them without routes, top-6 needs 6 more.
+    plan, _, _ = gpu_plan(tokens, 16, top_k, BLOCK_MS[0], kind="empty", seed=tokens)
     x = bf16((tokens, 64), 1)
     side = bf16((tokens, side_cols), 2) if side_cols else None
     out = pool.gather_pool(x, side, plan)

@@ -116,6 +116,13 @@ def _measure(
         trainable_base=ordinary,
     )
     leaves = list(layer.grad_leaves().values())
+    # Hold only the weights this backend reads, as a trainer would: the baseline takes
+    # the nn.Linear-layout pair, the fused layer the prepared base (for a frozen base the
+    # original w13 can go; in ordinary mode it is the trainable master, kept).
+    if backend == "baseline" and args.dtype == "bf16":
+        layer.base = None
+    elif backend == "fused" and not ordinary:
+        layer.w13 = layer.w2 = None
     dout = torch.randn(
         shape.num_tokens,
         shape.hidden,

@@ -81,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     dout = torch.randn_like(layer.x)
     leaves = list(layer.grad_leaves().values())
+    if not ordinary:
+        layer.w13 = layer.w2 = None  # a frozen base is held only as the prepared copy
     torch.autograd.grad(layer.call(mm.moe), leaves, dout)  # warm-up
     torch.cuda.synchronize()
     if ordinary:
