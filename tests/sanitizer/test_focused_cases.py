@@ -173,7 +173,8 @@ def test_pool_side_sum_and_combine(tokens, top_k, rank, scale):
 def test_grouped_gemm_store(block_m, block_n, tokens, top_k, extra):
     # N = 192: a partial last tile for both BLOCK_N 128 and 256 (TMA reads past an
     # expert's N land in the next expert's rows or are zero-filled; never stored).
-    experts, k, n = 4, 128, 192
+    # 8 experts: kind="empty" leaves three without routes and top-2 needs two more.
+    experts, k, n = 8, 128, 192
     plan, _, _ = gpu_plan(tokens, experts, top_k, block_m, kind="empty", seed=tokens)
     a = bf16((plan.pool_capacity, k), 5)
     b = bf16((experts, n, k), 6, k**-0.5)
@@ -368,10 +369,12 @@ def test_undersized_buffers_are_rejected_by_the_launchers():
 
     scratch = i32(_C.route_plan_num_tiles(routes), experts)
     counts, offsets, r2p = i32(experts), i32(experts + 1), i32(routes)
+    # One row below the launcher's worst case (pool_capacity rounds it up to a block).
+    worst_case_rows = routes + experts * (block_m - 1)
     with pytest.raises(ValueError, match="pool_row_to_route: pool capacity"):
         _C.route_plan(
             *(dlpack(ids), 0, experts, block_m, dlpack(scratch), dlpack(counts)),
-            *(dlpack(offsets), dlpack(r2p), dlpack(i32(capacity - 1)), stream),
+            *(dlpack(offsets), dlpack(r2p), dlpack(i32(worst_case_rows - 1)), stream),
         )
     plan = mm.plan_routes(ids, experts, block_m)
     x = bf16((tokens, 64), 19)
