@@ -166,9 +166,9 @@ void pool_side_sum(const Tensor& pool_output, const Tensor& route_to_pool_row,
   const int64_t columns = pool_output.shape(1);
   // hidden = 0 sums whole rows (the backward's b1/b3 shrinks).
   if (hidden < 0 || hidden > columns)
-    throw nb::value_error(("hidden: expected 0 to " + str(columns) +
-                           " (pool_output's columns), got " + str(hidden))
-                              .c_str());
+    throw nb::value_error(
+        ("hidden: expected 0 to " + str(columns) + " (pool_output's columns), got " + str(hidden))
+            .c_str());
   check_multiple_of_vector("hidden", "the hidden size", hidden);
   const int64_t side_rank = columns - hidden;
   check_multiple_of_vector("pool_output", "its side columns (columns - hidden)", side_rank);

@@ -62,14 +62,14 @@ def _k_grouped_mm(a_t: torch.Tensor, b: torch.Tensor, state: ForwardState) -> to
     return out.masked_fill_(empty, 0.0)
 
 
-def _side_shrink_weights(side: SideLoRA, interleave: int) -> torch.Tensor:
+def _side_shrink_weights(b1: torch.Tensor, b3: torch.Tensor, interleave: int) -> torch.Tensor:
     """``[E, 2I, 2r]``: ``(dg | du) @ this = (dg b1_e^T | du b3_e^T)`` with ``dg | du``
     in ``w13``'s interleave (gate rows meet ``b1^T``, up rows ``b3^T``, zeros between)."""
-    experts, rank, intermediate = side.b1.shape
+    experts, rank, intermediate = b1.shape
     blocks = intermediate // interleave
-    weights = side.b1.new_zeros(experts, blocks, 2, interleave, 2 * rank)
-    weights[:, :, 0, :, :rank] = side.b1.transpose(1, 2).reshape(experts, blocks, interleave, rank)
-    weights[:, :, 1, :, rank:] = side.b3.transpose(1, 2).reshape(experts, blocks, interleave, rank)
+    weights = b1.new_zeros(experts, blocks, 2, interleave, 2 * rank)
+    weights[:, :, 0, :, :rank] = b1.transpose(1, 2).reshape(experts, blocks, interleave, rank)
+    weights[:, :, 1, :, rank:] = b3.transpose(1, 2).reshape(experts, blocks, interleave, rank)
     return weights.view(experts, 2 * intermediate, 2 * rank)
 
 
@@ -184,7 +184,8 @@ def moe_backward(
     dx_pool = _grouped_mm(dgrad_preact, base.w13, state)  # [P, H]
     side_expand = shrink = None
     if use_side:
-        shrink_pool = _grouped_mm(dgrad_preact, _side_shrink_weights(side, interleave), state)
+        shrink_weights = _side_shrink_weights(side.b1, side.b3, interleave)
+        shrink_pool = _grouped_mm(dgrad_preact, shrink_weights, state)
         ones = torch.ones_like(topk_weights, dtype=torch.float32)
         shrink = pool.side_sum(shrink_pool, plan, ones, 0)  # [T, 2r] = [sg | su]
         del shrink_pool

@@ -10,7 +10,10 @@ Two entry points, both on torch's current stream with no host synchronisation:
   segment (``s * (q1 b1 | q3 b3)``), and ``h = act(g) * u`` written as BF16.
 
 The torch references (:func:`grouped_gemm_reference`, :func:`gated_grouped_gemm_reference`)
-compute the same math per expert in float64 for tests.
+compute the same math per expert in float64 for tests. On CPU tensors both entry
+points run a torch twin (float32 per expert, the kernel's rounding points, host reads
+of the offsets) so that the layer pipelines built on them (EP included) can be tested
+without a GPU; ``mm.moe`` itself requires CUDA.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 from . import _native
 from ._checks import check_choice, check_tensor
 from .env import num_sms as resolve_device_sms
+from .registry import registry
 from .routing import RoutePlan
 
 ACTIVATIONS = {"swiglu": 0, "geglu": 1}
@@ -30,10 +34,8 @@ DEFAULT_BLOCK_N = 128
 
 
 def _check_pool_operand(a: torch.Tensor, plan: RoutePlan) -> None:
-    """The pool operand must be on the GPU and hold exactly the plan's pool rows: the
-    kernel walks the rows the plan says are in use."""
-    if not a.is_cuda:
-        raise ValueError(f"a: expected a CUDA tensor, got {a.device}")
+    """The pool operand must hold exactly the plan's pool rows: the kernel walks the
+    rows the plan says are in use."""
     if a.shape[0] != plan.pool_capacity:
         raise ValueError(
             f"a: expected plan.pool_capacity = {plan.pool_capacity} rows, got {a.shape[0]}"
@@ -77,6 +79,12 @@ def grouped_gemm(
     n_total = b.shape[1] + (0 if b_extra is None else b_extra.shape[1])
     if out is None:
         out = torch.empty(a.shape[0], n_total, dtype=torch.bfloat16, device=a.device)
+    if not a.is_cuda:
+        weights = b if b_extra is None else torch.cat([b, b_extra], dim=1)
+        for e, start, end in _expert_rows(plan):
+            if end > start:
+                out[start:end] = (a[start:end, :k].float() @ weights[e].float().T).bfloat16()
+        return out
     dl = _native.dlpack
     with torch.cuda.device(a.device):
         _native.native().grouped_gemm(
@@ -153,6 +161,11 @@ def gated_grouped_gemm(
     if out is None:
         out = torch.empty(a.shape[0], w13.shape[1] // 2, dtype=torch.bfloat16, device=a.device)
     clamp = math.inf if activation_clamp is None else float(activation_clamp)
+    if not a.is_cuda:
+        _gated_cpu(
+            a, w13, plan, k, activation, clamp, side_b_gate, side_b_up, side_scale, out, preact_out
+        )
+        return out
     dl = _native.dlpack
     with torch.cuda.device(a.device):
         _native.native().grouped_gemm(
@@ -175,6 +188,37 @@ def gated_grouped_gemm(
             _native.current_stream(a.device),
         )
     return out
+
+
+def _gated_cpu(a, w13, plan, k, activation, clamp, side_b_gate, side_b_up, side_scale, out, preact):
+    """The CPU twin of the gated launch (module docstring): per expert in float32."""
+    interleave = registry().gate_up_interleave
+    intermediate = w13.shape[1] // 2
+    rank = 0 if side_b_gate is None else side_b_gate.shape[2]
+    for e, start, end in _expert_rows(plan):
+        rows = end - start
+        if rows == 0:
+            continue
+        gu = a[start:end, :k].float() @ w13[e].float().T  # [rows, 2I], interleaved
+        if rank:
+            q1 = a[start:end, k : k + rank].float()
+            q3 = a[start:end, k + rank : k + 2 * rank].float()
+            blocks = gu.view(rows, -1, 2, interleave)
+            blocks[:, :, 0] += side_scale * (q1 @ side_b_gate[e].float().T).view(
+                rows, -1, interleave
+            )
+            blocks[:, :, 1] += side_scale * (q3 @ side_b_up[e].float().T).view(rows, -1, interleave)
+        gu = gu.bfloat16()
+        if preact is not None:
+            preact[start:end] = gu
+        g, u = gu.float().view(rows, -1, 2, interleave).unbind(2)
+        g, u = g.clamp(max=clamp), u.clamp(-clamp, clamp)
+        act = (
+            g / (1.0 + torch.exp(-g))
+            if activation == "swiglu"
+            else torch.nn.functional.gelu(g, approximate="tanh")
+        )
+        out[start:end] = (act * u).reshape(rows, intermediate).bfloat16()
 
 
 def _expert_rows(plan: RoutePlan) -> list[tuple[int, int, int]]:

@@ -464,6 +464,26 @@ def test_block_m_config_type_is_checked() -> None:
         mm.get_block_m(T, K, E, config={"min_blocks_per_expert": 1})
 
 
-def test_gemm_on_cpu_names_the_argument() -> None:
-    with pytest.raises(ValueError, match=r"^a: expected a CUDA tensor"):
-        gemm()
+def test_gemm_pool_rows_name_the_argument() -> None:
+    p = plan()
+    with pytest.raises(ValueError, match=r"^a: expected plan.pool_capacity"):
+        gemm(a=bf16(p.pool_capacity - 8, I))
+
+
+def test_gemm_cpu_twins_match_the_float64_references() -> None:
+    """On CPU the engine entry points run torch twins (for pipeline tests without a
+    GPU); they agree with the float64 references to BF16 rounding."""
+    from megamoe.grouped_gemm import gated_grouped_gemm_reference, grouped_gemm_reference
+
+    p = plan()
+    rows = int(p.expert_pool_offsets[-1])
+    a, b, extra = bf16(p.pool_capacity, I), bf16(E, H, I), bf16(E, 16, I)
+    out = gemm(a=a, b=b, b_extra=extra)
+    want = grouped_gemm_reference(a, b, p, b_extra=extra)
+    assert torch.allclose(out[:rows].double(), want, rtol=2e-2, atol=2e-2)
+    a1 = bf16(p.pool_capacity, H)
+    w13 = bf16(E, 2 * I, H)
+    preact = torch.empty(p.pool_capacity, 2 * I, dtype=torch.bfloat16)
+    h = gated(a=a1, w13=w13, preact_out=preact)
+    want_h = gated_grouped_gemm_reference(a1, w13, p, k=H)
+    assert torch.allclose(h[:rows].double(), want_h, rtol=3e-2, atol=3e-2)

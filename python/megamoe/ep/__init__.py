@@ -11,6 +11,8 @@ Backend-agnostic pieces (gloo on CPU today, NCCL on GPU):
 - :func:`reduce_shared_grads`: the all-reduce (SUM) of the ``a1, a3, b2`` grads;
 - :func:`reference_moe`: the EP layer on the reference math (float64/float32),
   differentiable, equal to EP1 on the same global batch;
+- :func:`fused_moe`: the EP layer on the fused pipeline (what ``mm.moe(group=pg)``
+  runs; NCCL on GPUs, the stages' torch twins with gloo on CPU);
 - :func:`run_gloo`: run a function on ``P`` local gloo processes.
 
 See docs/EXPERT-PARALLEL.md for the data flow and the ordering guarantees.
@@ -24,6 +26,8 @@ from .exchange import (
     reduce_shared_grads,
     sum_over_k,
 )
+from .fused_layer import fused_ep_moe
+from .fused_layer import moe as fused_moe
 from .launch import run_gloo
 from .plan import (
     DispatchPlan,
@@ -47,6 +51,8 @@ __all__ = [
     "all_to_all_rows",
     "combine",
     "dispatch",
+    "fused_ep_moe",
+    "fused_moe",
     "group_rank",
     "group_size",
     "plan_dispatch",

@@ -178,8 +178,9 @@ class DispatchPlan:
       receive order ``(source rank, source t*K + k)``; always owned by this rank.
     - ``recv_capacity``: ``P * T_max * K`` (:func:`recv_capacity`), the same on every rank.
     - ``pool``: the :class:`~megamoe.routing.RoutePlan` of the received rows padded
-      with masked rows to ``recv_capacity`` (``K = 1``: its route index *is* the
-      receive index); its ``pool_capacity`` is rank-uniform.
+      with masked rows to the group's pool routes (``K = 1``: its route index *is* the
+      receive index): ``recv_capacity`` with a static ``max_tokens``, else the MAX over
+      ranks of ``N_recv``; either way its ``pool_capacity`` is rank-uniform.
     - ``group``: the process group (``None``: one process).
     """
 
@@ -242,6 +243,11 @@ class DispatchPlan:
             pool_row_to_route=self.send_routes.to(torch.int32),
             block_m=self.block_m,
         )
+
+    @property
+    def pool_routes(self) -> int:
+        """Rows of the receive buffers the pool is planned over (``>= N_recv``, rank-uniform)."""
+        return self.pool.route_to_pool_row.shape[0]
 
     @property
     def pool_capacity(self) -> int:
@@ -328,6 +334,7 @@ def plan_dispatch(
                     f"[{low}, {high}]"
                 )
     extra = dict(uniform or {})
+    static_bound = max_tokens is not None
     if max_tokens is None:
         names = ["top_k", "num_experts", *extra]
         values = [top_k, num_experts, *(int(v) for v in extra.values())]
@@ -373,10 +380,19 @@ def plan_dispatch(
             f"received {recv_expert.numel()} routes, more than P * max_tokens * K = {capacity}"
         )
     num_local = partition.num_local_experts
-    if capacity == 0:
+    # The pool's routes: rank-uniform. With a static max_tokens, the worst case
+    # P * T_max * K (no collective); otherwise the MAX over ranks of the routes actually
+    # received (one more tiny all-reduce next to the counts' host sync): the worst case
+    # is P times the balanced load, too much memory at production sizes.
+    pool_routes = (
+        capacity
+        if static_bound
+        else _all_reduce_max([recv_expert.numel()], group, topk_ids.device)[0]
+    )
+    if pool_routes == 0:
         pool = _empty_pool(num_local, block_m, topk_ids.device)
     else:
-        padded = torch.full((capacity, 1), -1, dtype=torch.int64, device=topk_ids.device)
+        padded = torch.full((pool_routes, 1), -1, dtype=torch.int64, device=topk_ids.device)
         padded[: recv_expert.numel(), 0] = recv_expert
         pool = plan_routes(
             padded, num_local, block_m, expert_begin=partition.expert_begin, check_ids=False
