@@ -53,6 +53,12 @@ def _has_gpu(session: nox.Session) -> bool:
     return isinstance(output, str) and output.strip().endswith("1")
 
 
+def _gpu_count(session: nox.Session) -> int:
+    code = "import torch; print(torch.cuda.device_count())"
+    output = session.run("python", "-c", code, silent=True)
+    return int(output.strip().splitlines()[-1]) if isinstance(output, str) else 0
+
+
 def _pytest(session: nox.Session, *args: str) -> None:
     # Run from a temp dir so `import megamoe` finds the installed package, not python/.
     session.run(
@@ -206,6 +212,21 @@ def production(session: nox.Session) -> None:
             "--json",
             str(out / f"ep4rank-{mode}.json"),
         )
+    # Expert parallelism: EP2 per-rank F+B vs EP1 doing the same per-rank work, and
+    # the exchanges alone (65,536 tokens per rank, 256 experts), where 2 GPUs exist.
+    if _gpu_count(session) >= 2:
+        for mode in ("side-lora", "ordinary"):
+            session.run(
+                "python",
+                "-m",
+                "megamoe.bench",
+                "--ep",
+                "2",
+                "--mode",
+                mode,
+                "--json",
+                str(out / f"ep2-{mode}.json"),
+            )
 
 
 @nox.session

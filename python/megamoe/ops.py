@@ -16,7 +16,9 @@ is skipped).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
+from .ep.fused_layer import moe as fused_moe
 from .fused_backward import moe_backward
 from .fused_forward import ForwardState, moe_forward
 from .heuristics import get_block_m
@@ -329,9 +331,10 @@ def moe(
     *,
     activation: str = "swiglu",
     activation_clamp: float | None = None,
-    group: object = None,
+    group: dist.ProcessGroup | None = None,
     workspace: object = None,
     activation_checkpoint: bool = False,
+    reduce_shared_grads: bool = True,
 ) -> torch.Tensor:
     """The MoE layer on the fused kernels, differentiable (DESIGN §1, §5).
 
@@ -348,22 +351,21 @@ def moe(
         side: optional :class:`~megamoe.SideLoRA` (bfloat16); scale 0 gives output
             bitwise equal to ``side=None``.
         activation: ``"swiglu"`` or ``"geglu"``; activation_clamp: ``c`` or None.
-        group: expert parallelism (not in this version: must be None).
+        group: a torch.distributed process group (NCCL) to shard the experts over:
+            ``base``/``side`` then hold this rank's experts (global ids ``rank * E_l``
+            ..) and the shared factors, ``topk_ids`` are global ids, and the call is a
+            collective (:func:`megamoe.ep.fused_moe`). None: EP1.
         workspace: must be None in this version (scratch comes from torch's caching
             allocator).
         activation_checkpoint: keep only small per-token state for the backward
             (route plan, ``x a1|x a3``, ``sum_k w p``) and recompute GEMM1's
             pre-activations there, instead of saving them (``T*K*2I`` BF16).
+        reduce_shared_grads: with ``group``, all-reduce the ``a1, a3, b2`` gradients
+            over the group (results independent of the EP degree).
 
     Returns:
         ``[T, H]`` bfloat16.
     """
-    if group is not None:
-        raise ValueError(
-            "group: the fused kernels run EP1 only in this version (the NCCL path is issue "
-            "6); pass None, or use megamoe.ep.reference_moe(..., group=pg) for the "
-            "expert-parallel reference"
-        )
     if workspace is not None:
         raise ValueError(
             "workspace: this version allocates scratch through torch's caching allocator; pass None"
@@ -381,6 +383,35 @@ def moe(
         raise TypeError(
             f"activation_checkpoint: expected a bool, got {type(activation_checkpoint).__name__}"
         )
+    if group is not None:
+        if not isinstance(group, dist.ProcessGroup):
+            raise TypeError(
+                f"group: expected a torch.distributed.ProcessGroup or None, got "
+                f"{type(group).__name__}"
+            )
+        if base.device.type != "cuda":
+            raise ValueError(
+                f"base: expected CUDA weights for the fused path, got {base.device} (the "
+                "CPU twin of the EP pipeline is megamoe.ep.fused_moe, for tests)"
+            )
+        if activation_checkpoint:
+            raise ValueError(
+                "activation_checkpoint: not available with group= in this version "
+                "(the EP path saves the pre-activations)"
+            )
+        return fused_moe(
+            x,
+            topk_ids,
+            topk_weights,
+            base,
+            side,
+            group=group,
+            activation=activation,
+            activation_clamp=activation_clamp,
+            reduce_shared_grads=reduce_shared_grads,
+        )
+    if reduce_shared_grads is not True:
+        raise ValueError("reduce_shared_grads: only meaningful with group=; leave it True")
     side_tensors = [] if side is None else list(side.tensors())
     needs_grad = torch.is_grad_enabled() and any(
         t.requires_grad for t in [x, topk_weights, base.w13, base.w2, *side_tensors]

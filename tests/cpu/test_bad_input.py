@@ -111,7 +111,7 @@ Case = tuple[Callable[[], object], type[Exception], str]
 CASES: dict[str, Case] = {
     # ---- mm.moe: what the CPU can reach (the rest of its checks run on CUDA inputs,
     # tests/gpu/test_bad_input_gpu.py)
-    "moe-group": (lambda: moe(group=object()), ValueError, r"^group:"),
+    "moe-group": (lambda: moe(group=object()), TypeError, r"^group:"),
     "moe-workspace": (
         lambda: moe(workspace=mm.Workspace(16, device="cpu")),
         ValueError,

@@ -95,9 +95,16 @@ def test_cli_mxfp4_base(tmp_path):
         (["--pass", "backward"], "--pass"),
         (["--mode", "ordinary", "--dtype", "mxfp4"], "ordinary"),
         (["--iters", "0"], "--iters"),
+        (["--ep", "0"], "--ep"),
     ],
 )
 def test_cli_rejects_bad_options(argv, match, capsys):
     with pytest.raises(SystemExit):
         cli.parse_args(["--device", "cpu", *argv])
     assert match in capsys.readouterr().err
+
+
+def test_cli_ep_needs_the_gpus(capsys):
+    # --ep P hands over to torchrun only when P local GPUs exist.
+    assert cli.main(["--device", "cpu", "--ep", "2"]) == 2
+    assert "--ep 2: needs 2 GPUs" in capsys.readouterr().err

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -256,6 +257,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="fused backend: recompute GEMM1's pre-activations in the backward",
     )
+    parser.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="expert-parallel degree: > 1 runs `megamoe.bench.ep` on that many local GPUs "
+        "under torchrun (65,536 tokens per rank, 256 experts; --mode and --json pass on)",
+    )
     args = parser.parse_args(argv)
     args.backends = [b.strip() for b in args.backend.split(",") if b.strip()]
     args.passes = [p.strip() for p in args.passes.split(",") if p.strip()]
@@ -269,13 +277,46 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--mode ordinary trains the base: it needs --dtype bf16")
     if args.iters < 1 or args.warmup < 0:
         parser.error("--iters must be >= 1 and --warmup >= 0")
+    if args.ep < 1:
+        parser.error("--ep must be >= 1")
     if args.device.startswith("cuda") and not gpu:
         parser.error("--device cuda: no CUDA GPU is available")
     return args
 
 
+def _run_ep(args: argparse.Namespace) -> int:
+    """``--ep P``: the expert-parallel bench on ``P`` local GPUs (a torchrun child)."""
+    if torch.cuda.device_count() < args.ep:
+        print(
+            f"--ep {args.ep}: needs {args.ep} GPUs, {torch.cuda.device_count()} found",
+            file=sys.stderr,
+        )
+        return 2
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(args.ep),
+        "-m",
+        "megamoe.bench.ep",
+        "--mode",
+        args.mode,
+        "--warmup",
+        str(args.warmup),
+        "--iters",
+        str(args.iters),
+    ]
+    if args.json:
+        command += ["--json", str(args.json)]
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
+    return subprocess.run(command, env=env, check=False).returncode
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.ep > 1:
+        return _run_ep(args)
     device = torch.device(args.device)
     shape = SHAPES[args.shape]
     progress = Progress(enabled=not args.quiet)

@@ -1,0 +1,220 @@
+"""EP2 (or EP-P) checks of ``mm.moe(group=pg)`` on NCCL; run under torchrun.
+
+    torchrun --nproc-per-node 2 tests/gpu/ep_nccl_worker.py
+
+Every rank builds the same seeded global batch, runs its token slice with its
+experts through ``mm.moe(..., group=WORLD)`` (forward + backward), and checks, for the
+DESIGN §6 EP subset (remote, masked and skewed routing, one token, an empty rank, the
+BLOCK_M transition of the agreed heuristic, ordinary mode, zero scale):
+
+- output and every gradient against the float64 oracle of the global batch (the gates
+  of tests/gpu/test_moe_backward.py);
+- against EP1 (``mm.moe`` on the global batch, this GPU): the same gates, and the
+  shared grads equal on every rank after the reduction;
+- a second EP2 step bitwise equal to the first.
+
+Exits 0 when every check on every rank passed; prints the failures otherwise.
+NVLink multicast stays off (NCCL_NVLS_ENABLE=0), as the machines require.
+
+``--cpu`` runs the same checks on gloo with ``megamoe.ep.fused_moe``'s CPU twins (a
+self-test of this harness without GPUs).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+
+import torch
+import torch.distributed as dist
+
+import megamoe as mm
+from megamoe.testing import (
+    GRAD_MIN_COSINE,
+    ORACLE_MAX_REL_L2,
+    ORACLE_MIN_COSINE,
+    compare,
+    make_layer,
+)
+
+H, INTER, R, E = 256, 128, 16, 16
+CPU = "--cpu" in sys.argv
+DEVICE = "cpu" if CPU else "cuda"
+SIDE = ("a1", "b1", "a3", "b3", "a2", "b2")
+SHARED = ("a1", "a3", "b2")
+
+
+def scenarios(world: int) -> dict[str, dict]:
+    # Token counts around the agreed BLOCK_M change (the heuristic sees the MAX over
+    # ranks and the EP size).
+    transition = next(
+        t
+        for t in range(2, 100_000)
+        if mm.get_block_m(t, 2, E, world) != mm.get_block_m(t - 1, 2, E, world)
+    )
+    return {
+        "balanced": dict(top_k=2, tokens=[300] * world),
+        "masked_geglu_clamp": dict(
+            top_k=6, routing="masked", activation="geglu", clamp=1.0, tokens=[200] * world
+        ),
+        "skewed": dict(top_k=2, routing="skewed", tokens=[257, 131] + [90] * (world - 2)),
+        "remote_only": dict(top_k=2, to_last_rank=True, tokens=[120] * world),
+        "one_token": dict(top_k=2, tokens=[1] * world),
+        "empty_rank": dict(top_k=2, tokens=[0] + [150] * (world - 1)),
+        "below_transition": dict(top_k=2, tokens=[transition - 1] + [10] * (world - 1)),
+        "at_transition": dict(top_k=2, tokens=[transition] + [10] * (world - 1)),
+        "ordinary": dict(top_k=2, side_rank=None, trainable_base=True, tokens=[180] * world),
+        "zero_scale": dict(top_k=2, scale=0.0, tokens=[100] * world),
+    }
+
+
+def global_layer(name: str, spec: dict, world: int, dtype: torch.dtype):
+    kwargs = {}
+    if spec.get("to_last_rank"):
+        kwargs["empty_experts"] = list(range(0, E - E // world))
+    return make_layer(
+        H,
+        INTER,
+        E,
+        spec["top_k"],
+        spec.get("side_rank", R),
+        num_tokens=sum(spec["tokens"]),
+        seed=len(name) * 7 + world,
+        device=DEVICE,
+        dtype=dtype,
+        scale=spec.get("scale", 0.5),
+        routing=spec.get("routing", "balanced"),
+        activation=spec.get("activation", "swiglu"),
+        activation_clamp=spec.get("clamp"),
+        requires_grad=True,
+        trainable_base=spec.get("trainable_base", False),
+        **kwargs,
+    )
+
+
+def run(layer, dout, rows, experts, group):
+    """Forward + backward of ``rows`` with ``experts``; returns out and named grads."""
+    base = layer.base
+    trainable = base.w13.requires_grad
+    x = layer.x[rows].detach().clone().requires_grad_(True)
+    weights = layer.topk_weights[rows].detach().clone().requires_grad_(True)
+    w13 = base.w13[experts].detach().clone().requires_grad_(trainable)
+    w2 = base.w2[experts].detach().clone().requires_grad_(trainable)
+    local = mm.BaseWeights(
+        "bf16", w13, w2, None, None, w13.shape[0], H, INTER, base.gate_up_interleave
+    )
+    named = {"x": x, "topk_weights": weights, "w13": w13, "w2": w2}
+    side = None
+    if layer.side is not None:
+        s = layer.side
+        parts = dict(
+            a1=s.a1, b1=s.b1[experts], a3=s.a3, b3=s.b3[experts], a2=s.a2[experts], b2=s.b2
+        )
+        named.update({k: v.detach().clone().requires_grad_(True) for k, v in parts.items()})
+        side = mm.SideLoRA(*(named[n] for n in SIDE), scale=s.scale)
+    moe = mm.ep.fused_moe if CPU else mm.moe
+    out = moe(
+        x,
+        layer.topk_ids[rows].contiguous(),
+        weights,
+        local,
+        side,
+        activation=layer.activation,
+        activation_clamp=layer.activation_clamp,
+        group=group,
+    )
+    out.backward(dout[rows])
+    return out.detach(), {k: v.grad for k, v in named.items() if v.requires_grad}
+
+
+def check(name: str, spec: dict, rank: int, world: int, failures: list[str]) -> None:
+    group = dist.group.WORLD
+    fast = global_layer(name, spec, world, torch.bfloat16)
+    exact = global_layer(name, spec, world, torch.float64)
+    tokens = spec["tokens"]
+    gen = torch.Generator().manual_seed(99)
+    dout = torch.randn(sum(tokens), H, generator=gen).to(device=DEVICE, dtype=torch.bfloat16)
+    begin = sum(tokens[:rank])
+    rows = slice(begin, begin + tokens[rank])
+    e_l = E // world
+    experts = slice(rank * e_l, (rank + 1) * e_l)
+
+    out, grads = run(fast, dout, rows, experts, group)
+    again_out, again = run(fast, dout, rows, experts, group)
+    if not torch.equal(out, again_out) or any(not torch.equal(grads[k], again[k]) for k in grads):
+        failures.append(f"{name}: a second EP{world} step is not bitwise equal")
+    ep1_out, ep1 = run(fast, dout, slice(0, sum(tokens)), slice(0, E), None)
+
+    clamp = spec.get("clamp")
+    oracle_out = exact.call(mm.reference.moe, round_bf16=clamp is not None)
+    leaves = exact.grad_leaves()
+    oracle = dict(
+        zip(
+            leaves,
+            torch.autograd.grad(oracle_out, list(leaves.values()), dout.double()),
+            strict=True,
+        )
+    )
+    plain_out = exact.call(mm.reference.moe).detach()
+
+    def gate(what, actual, expected, cosine):
+        m = compare(actual, expected)
+        if not (m.cosine >= cosine and m.rel_l2 <= ORACLE_MAX_REL_L2):
+            failures.append(f"{name}: {what} {m}")
+
+    gate("out vs oracle", out, plain_out[rows], ORACLE_MIN_COSINE)
+    gate("out vs EP1", out, ep1_out[rows], ORACLE_MIN_COSINE)
+    for key, grad in grads.items():
+        if key in ("x", "topk_weights"):
+            want, ep1_want = oracle[key][rows], ep1[key][rows]
+        elif key in SHARED:
+            want, ep1_want = oracle[key], ep1[key]
+        elif key == "w13":
+            # Kernel row order: compare with EP1's, which the oracle gates below.
+            gate("dw13 vs EP1", grad, ep1[key][experts], GRAD_MIN_COSINE)
+            continue
+        else:
+            want, ep1_want = oracle[key][experts], ep1[key][experts]
+        if spec.get("scale") == 0.0 and key in SIDE:
+            if torch.count_nonzero(grad):
+                failures.append(f"{name}: d{key} is not zero at scale 0")
+            continue
+        gate(f"d{key} vs oracle", grad, want, GRAD_MIN_COSINE)
+        gate(f"d{key} vs EP1", grad, ep1_want, GRAD_MIN_COSINE)
+    for key in SHARED:
+        if key in grads:
+            gathered = [torch.empty_like(grads[key]) for _ in range(world)]
+            dist.all_gather(gathered, grads[key])
+            if any(not torch.equal(g, gathered[0]) for g in gathered):
+                failures.append(f"{name}: shared d{key} differs between ranks")
+
+
+def main() -> int:
+    dist.init_process_group("gloo" if CPU else "nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if not CPU:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    failures: list[str] = []
+    for name, spec in scenarios(world).items():
+        try:
+            check(name, spec, rank, world, failures)
+        except Exception as error:  # report, keep the ranks in step for the next case
+            failures.append(f"{name}: raised {type(error).__name__}: {error}")
+            raise
+        if rank == 0:
+            print(f"rank 0: {name} done, {len(failures)} failure(s) so far", flush=True)
+    counts = torch.tensor([len(failures)], device=DEVICE)
+    dist.all_reduce(counts)
+    for line in failures:
+        print(f"rank {rank}: {line}", flush=True)
+    if rank == 0:
+        print(f"EP{world} NCCL checks: {int(counts)} failure(s)", flush=True)
+    dist.destroy_process_group()
+    return 0 if int(counts) == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
