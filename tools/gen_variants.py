@@ -36,6 +36,11 @@ FAMILIES = {
         "table_type": "ActivationBackwardKernels",
         "make": "megamoe::kernels::activation_backward_kernels()",
     },
+    "mxfp4_decode": {
+        "header": "mxfp4_decode.cuh",
+        "table_type": "Mxfp4DecodeKernels",
+        "make": "megamoe::kernels::mxfp4_decode_kernels()",
+    },
     "grouped_gemm": {
         "header": "grouped_gemm.cuh",
         "table_type": "GroupedGemmKernels",

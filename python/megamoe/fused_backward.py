@@ -124,7 +124,7 @@ def moe_backward(
     dout_pool = pool.gather_pool(dout, None, plan)  # [P, H]
 
     # 2. dgrad2 (w2 [E, H, I] is the [K, N] operand as stored; a2^T likewise).
-    z_base = _grouped_mm(dout_pool, base.w2, state)
+    z_base = _grouped_mm(dout_pool, base.w2_for_gemm(), state)  # MXFP4: transient decode
     if not base_grads:
         del dout_pool  # [P, H]: freed before the next pool buffers (memory policy)
     z_side = db2_pool = None
@@ -181,7 +181,7 @@ def moe_backward(
         del q13_pool, b13, gate_cols, up_cols
 
     # 6. dgrad1 and the b1/b3 shrinks.
-    dx_pool = _grouped_mm(dgrad_preact, base.w13, state)  # [P, H]
+    dx_pool = _grouped_mm(dgrad_preact, base.w13_for_gemm(), state)  # [P, H]
     side_expand = shrink = None
     if use_side:
         shrink_weights = _side_shrink_weights(side.b1, side.b3, interleave)

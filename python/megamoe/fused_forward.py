@@ -55,11 +55,6 @@ def check_forward_inputs(
     """Every argument check of the fused forward, before any launch."""
     if not isinstance(base, BaseWeights):
         raise TypeError(f"base: expected megamoe.BaseWeights, got {type(base).__name__}")
-    if base.format != "bf16":
-        raise ValueError(
-            f"base: format {base.format!r} has no fused kernels yet (MXFP4 decode lands "
-            "with issue 5); use format='bf16'"
-        )
     device = base.device
     if device.type != "cuda":
         raise ValueError(f"base: expected CUDA weights for the fused path, got {device}")
@@ -170,9 +165,10 @@ def moe_forward(
         preact = torch.empty(
             plan.pool_capacity, 2 * base.intermediate, dtype=torch.bfloat16, device=x.device
         )
+    w13 = base.w13_for_gemm()  # MXFP4: a transient BF16 decode, dropped after GEMM1
     hidden_pool = gated_grouped_gemm(
         pool_input,
-        base.w13,
+        w13,
         plan,
         k=base.hidden,
         activation=activation,
@@ -181,11 +177,12 @@ def moe_forward(
         block_n=get_block_n(plan.block_m, 2 * base.intermediate),
         **side_gemm1,
     )
-    del pool_input  # [T*K, H + 2r]: the largest forward buffer, not needed past GEMM1
+    del pool_input, w13  # [T*K, H + 2r]: the largest forward buffer, not needed past GEMM1
+    w2 = base.w2_for_gemm()
     pool_output = grouped_gemm(
-        hidden_pool, base.w2, plan, b_extra=b_extra, block_n=get_block_n(plan.block_m, base.hidden)
+        hidden_pool, w2, plan, b_extra=b_extra, block_n=get_block_n(plan.block_m, base.hidden)
     )
-    del hidden_pool
+    del hidden_pool, w2
     side_expand = None
     p_sum = None
     if use_side:
@@ -230,7 +227,7 @@ def recompute_preact(
         )
     gated_grouped_gemm(
         pool_input,
-        base.w13,
+        base.w13_for_gemm(),
         plan,
         k=base.hidden,
         activation=activation,

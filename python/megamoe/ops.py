@@ -1,6 +1,7 @@
 """``mm.moe``: the public fused MoE layer call (DESIGN §5), torch custom ops.
 
-Three ops (EP1, BF16 base):
+Three ops (EP1; BF16 or MXFP4 base, the MXFP4 one decoded to a transient BF16 buffer
+before each GEMM that reads it):
 
 - ``megamoe::moe_forward``: inference; saves nothing.
 - ``megamoe::moe_train_forward``: the same forward, also returning what the backward
@@ -37,16 +38,15 @@ def _moe_forward_op(
     topk_weights: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
+    w13_scales: torch.Tensor | None,  # MXFP4 base: the UE8M0 scales; None for BF16
+    w2_scales: torch.Tensor | None,
     side: list[torch.Tensor],  # (a1, b1, a3, b3, a2, b2), or empty: no adapters
     scale: float,
     activation: str,
     activation_clamp: float | None,
     check_ids: bool,
 ) -> torch.Tensor:
-    experts, two_i, hidden = w13.shape
-    base = BaseWeights(
-        "bf16", w13, w2, None, None, experts, hidden, two_i // 2, registry().gate_up_interleave
-    )
+    base = _base_weights(w13, w2, w13_scales, w2_scales)
     side_lora = SideLoRA(*side, scale=scale) if side else None
     return moe_forward(
         x,
@@ -61,15 +61,38 @@ def _moe_forward_op(
 
 
 @_moe_forward_op.register_fake
-def _(x, topk_ids, topk_weights, w13, w2, side, scale, activation, activation_clamp, check_ids):
+def _(
+    x,
+    topk_ids,
+    topk_weights,
+    w13,
+    w2,
+    w13_scales,
+    w2_scales,
+    side,
+    scale,
+    activation,
+    activation_clamp,
+    check_ids,
+):
     return x.new_empty(x.shape)
 
 
-def _base_weights(w13: torch.Tensor, w2: torch.Tensor) -> BaseWeights:
-    experts, two_i, hidden = w13.shape
-    return BaseWeights(
-        "bf16", w13, w2, None, None, experts, hidden, two_i // 2, registry().gate_up_interleave
-    )
+def _base_weights(
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scales: torch.Tensor | None = None,
+    w2_scales: torch.Tensor | None = None,
+) -> BaseWeights:
+    """The BaseWeights of the op's tensors: MXFP4 when scales are given (packed uint8
+    values, ``H/2`` bytes per w13 row), else BF16."""
+    experts, two_i, last = w13.shape
+    interleave = registry().gate_up_interleave
+    if w13_scales is not None:
+        return BaseWeights(
+            "mxfp4", w13, w2, w13_scales, w2_scales, experts, 2 * last, two_i // 2, interleave
+        )
+    return BaseWeights("bf16", w13, w2, None, None, experts, last, two_i // 2, interleave)
 
 
 def _side(side: tuple[torch.Tensor | None, ...], scale: float) -> SideLoRA | None:
@@ -87,6 +110,8 @@ def _moe_train_forward_op(
     topk_weights: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
+    w13_scales: torch.Tensor | None,
+    w2_scales: torch.Tensor | None,
     a1: torch.Tensor | None,
     b1: torch.Tensor | None,
     a3: torch.Tensor | None,
@@ -114,7 +139,7 @@ def _moe_train_forward_op(
         x,
         topk_ids,
         topk_weights,
-        _base_weights(w13, w2),
+        _base_weights(w13, w2, w13_scales, w2_scales),
         _side((a1, b1, a3, b3, a2, b2), scale),
         activation=activation,
         activation_clamp=activation_clamp,
@@ -141,6 +166,8 @@ def _(
     topk_weights,
     w13,
     w2,
+    w13_scales,
+    w2_scales,
     a1,
     b1,
     a3,
@@ -178,6 +205,8 @@ def _moe_backward_op(
     topk_weights: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
+    w13_scales: torch.Tensor | None,
+    w2_scales: torch.Tensor | None,
     a1: torch.Tensor | None,
     b1: torch.Tensor | None,
     a3: torch.Tensor | None,
@@ -218,7 +247,7 @@ def _moe_backward_op(
         dout,
         x,
         topk_weights,
-        _base_weights(w13, w2),
+        _base_weights(w13, w2, w13_scales, w2_scales),
         _side((a1, b1, a3, b3, a2, b2), scale),
         state,
         activation=activation,
@@ -237,6 +266,8 @@ def _(
     topk_weights,
     w13,
     w2,
+    w13_scales,
+    w2_scales,
     a1,
     b1,
     a3,
@@ -267,16 +298,25 @@ def _(
     ]
 
 
+# Input slots of megamoe::moe_train_forward (the order of its signature).
+_X, _TOPK_WEIGHTS, _W13, _W2, _W13_SCALES = 0, 2, 3, 4, 5
+_SIDE_SLOTS = range(7, 13)
+_SCALE, _ACTIVATION, _CLAMP = 13, 14, 15
+_NUM_INPUTS = 18
+
+
 def _train_setup_context(ctx, inputs, output) -> None:
-    (x, _ids, topk_weights, w13, w2, *rest) = inputs
-    side = tuple(rest[:6])
-    scale, activation, activation_clamp = rest[6], rest[7], rest[8]
+    side = tuple(inputs[slot] for slot in _SIDE_SLOTS)
     ctx.has_side = side[0] is not None
-    ctx.scale = scale
-    ctx.activation = activation
-    ctx.activation_clamp = activation_clamp
+    ctx.scale = inputs[_SCALE]
+    ctx.activation = inputs[_ACTIVATION]
+    ctx.activation_clamp = inputs[_CLAMP]
     side_tensors = side if ctx.has_side else ()
-    ctx.save_for_backward(x, topk_weights, w13, w2, *side_tensors, *output[1:])
+    ctx.save_for_backward(
+        *(inputs[slot] for slot in (_X, _TOPK_WEIGHTS, _W13, _W2, _W13_SCALES, _W13_SCALES + 1)),
+        *side_tensors,
+        *output[1:],
+    )
     # The state outputs are not differentiable: without this autograd would hand the
     # backward a materialized zero gradient for each ([T*K, 2I] for the pre-activations).
     ctx.mark_non_differentiable(*output[1:])
@@ -285,20 +325,22 @@ def _train_setup_context(ctx, inputs, output) -> None:
 
 def _train_backward(ctx, dout, *_state_grads):
     if dout is None:  # no gradient reached the output (grads are not materialized)
-        return (None,) * 16
+        return (None,) * _NUM_INPUTS
     saved = ctx.saved_tensors
-    x, topk_weights, w13, w2 = saved[:4]
-    side = tuple(saved[4:10]) if ctx.has_side else (None,) * 6
-    state = saved[10:] if ctx.has_side else saved[4:]
+    x, topk_weights, w13, w2, w13_scales, w2_scales = saved[:6]
+    side = tuple(saved[6:12]) if ctx.has_side else (None,) * 6
+    state = saved[12:] if ctx.has_side else saved[6:]
     needs = ctx.needs_input_grad
-    base_grads = bool(needs[3] or needs[4])
-    side_grads = ctx.has_side and any(needs[5:11])
+    base_grads = bool(needs[_W13] or needs[_W2])
+    side_grads = ctx.has_side and any(needs[slot] for slot in _SIDE_SLOTS)
     grads = _moe_backward_op(
         dout.contiguous(),
         x,
         topk_weights,
         w13,
         w2,
+        w13_scales,
+        w2_scales,
         *side,
         ctx.scale,
         ctx.activation,
@@ -307,13 +349,14 @@ def _train_backward(ctx, dout, *_state_grads):
         base_grads,
         side_grads,
     )
-    result = [None] * 16
-    for slot, grad in zip((0, 2, 3, 4, 5, 6, 7, 8, 9, 10), grads, strict=True):
+    result = [None] * _NUM_INPUTS
+    slots = (_X, _TOPK_WEIGHTS, _W13, _W2, *_SIDE_SLOTS)
+    for slot, grad in zip(slots, grads, strict=True):
         if needs[slot] and grad.numel() > 0:
             result[slot] = grad
     if ctx.has_side and ctx.scale == 0.0:
         # A zero scale took the no-adapter path; the adapters' gradient is exactly 0.
-        for slot, tensor in zip(range(5, 11), side, strict=True):
+        for slot, tensor in zip(_SIDE_SLOTS, side, strict=True):
             if needs[slot]:
                 result[slot] = torch.zeros_like(tensor)
     return tuple(result)
@@ -347,7 +390,9 @@ def moe(
         x: ``[T, H]`` bfloat16, CUDA, contiguous.
         topk_ids: ``[T, K]`` int32/int64 global expert ids, ``-1`` = masked.
         topk_weights: ``[T, K]`` float32 router weights.
-        base: :func:`~megamoe.prepare_base_weights` output (``format="bf16"``).
+        base: :func:`~megamoe.prepare_base_weights` output, ``format="bf16"`` or
+            ``"mxfp4"`` (a frozen base: kept packed, decoded to a transient BF16 buffer
+            right before each GEMM that reads it; EP1 only in this version).
         side: optional :class:`~megamoe.SideLoRA` (bfloat16); scale 0 gives output
             bitwise equal to ``side=None``.
         activation: ``"swiglu"`` or ``"geglu"``; activation_clamp: ``c`` or None.
@@ -372,16 +417,16 @@ def moe(
         )
     if not isinstance(base, BaseWeights):
         raise TypeError(f"base: expected megamoe.BaseWeights, got {type(base).__name__}")
-    if base.format != "bf16":
-        raise ValueError(
-            f"base: format {base.format!r} has no fused kernels yet (MXFP4 decode lands "
-            "with issue 5); use format='bf16'"
-        )
     if side is not None and not isinstance(side, SideLoRA):
         raise TypeError(f"side: expected megamoe.SideLoRA or None, got {type(side).__name__}")
     if not isinstance(activation_checkpoint, bool):
         raise TypeError(
             f"activation_checkpoint: expected a bool, got {type(activation_checkpoint).__name__}"
+        )
+    if group is not None and base.format != "bf16":
+        raise ValueError(
+            f"base: the expert-parallel path takes format='bf16' in this version, got "
+            f"{base.format!r}"
         )
     if group is not None:
         if not isinstance(group, dist.ProcessGroup):
@@ -430,6 +475,8 @@ def moe(
             topk_weights,
             base.w13,
             base.w2,
+            base.w13_scales,
+            base.w2_scales,
             *side_args,
             scale,
             activation,
@@ -443,6 +490,8 @@ def moe(
         topk_weights,
         base.w13,
         base.w2,
+        base.w13_scales,
+        base.w2_scales,
         side_tensors,
         scale,
         activation,

@@ -60,6 +60,26 @@ class BaseWeights:
         tensors = [self.w13, self.w2, self.w13_scales, self.w2_scales]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
+    def w13_for_gemm(self) -> torch.Tensor:
+        """``[E_l, 2I, H]`` BF16 in the kernels' interleaved row order, for one GEMM.
+
+        The stored tensor for ``"bf16"``; for ``"mxfp4"`` a transient decode
+        (:func:`~megamoe.mxfp4_decode.decode_mxfp4_bf16`), to be dropped after the GEMM.
+        """
+        if self.format == "mxfp4":
+            from .mxfp4_decode import decode_mxfp4_bf16
+
+            return decode_mxfp4_bf16(self.w13, self.w13_scales)
+        return self.w13
+
+    def w2_for_gemm(self) -> torch.Tensor:
+        """``[E_l, H, I]`` BF16 for one GEMM (see :meth:`w13_for_gemm`)."""
+        if self.format == "mxfp4":
+            from .mxfp4_decode import decode_mxfp4_bf16
+
+            return decode_mxfp4_bf16(self.w2, self.w2_scales)
+        return self.w2
+
     def w13_linear(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """``[E_l, 2I, H]`` in nn.Linear row order (gate rows then up rows), dequantized.
 
@@ -133,6 +153,13 @@ def prepare_base_weights(w13: torch.Tensor, w2: torch.Tensor, format: str = "bf1
             hidden,
             intermediate,
             reg.gate_up_interleave,
+        )
+    if torch.is_grad_enabled() and (w13.requires_grad or w2.requires_grad):
+        # The packed base has no gradient; dropping the autograd link silently would
+        # train nothing. Ordinary training with MXFP4 needs a master copy (not built).
+        raise ValueError(
+            "w13: an MXFP4 base is frozen, but w13/w2 require grad; pass .detach() "
+            "tensors for a frozen base, or format='bf16' to train the base"
         )
     for name, value in (("w13", w13), ("w2", w2)):
         if not torch.isfinite(value).all():

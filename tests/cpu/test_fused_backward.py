@@ -46,7 +46,7 @@ def _state(layer, block_m: int) -> ForwardState:
         rows = route[begin:end]
         tok = torch.where(rows >= 0, rows // top_k, 0)
         xe = torch.where((rows >= 0)[:, None], x.float()[tok], 0.0)
-        gu = xe @ base.w13[e].float().T  # kernel (interleaved) row order
+        gu = xe @ base.w13_for_gemm()[e].float().T  # kernel (interleaved) row order
         if use_side:
             r = side.rank
             q = torch.where((rows >= 0)[:, None], q13.float()[tok], 0.0)
@@ -85,8 +85,9 @@ def _oracle_grads(layer, dout, base_grads: bool, *, round_bf16: bool) -> dict:
         layer.x,
         layer.topk_ids,
         layer.topk_weights,
-        layer.w13,
-        layer.w2,
+        # Dequantized for an MXFP4 base (exact in float32, so exact in float64).
+        layer.base.w13_linear(torch.float32).double(),
+        layer.base.w2_linear(torch.float32).double(),
         layer.side,
         activation=layer.activation,
         activation_clamp=layer.activation_clamp,
@@ -193,3 +194,37 @@ def test_activation_backward_rejects_bad_shapes():
             state.plan,
             activation="relu",
         )
+
+
+@pytest.mark.parametrize("activation,clamp", [("swiglu", None), ("geglu", 0.75)])
+def test_backward_with_an_mxfp4_base(activation, clamp):
+    """An MXFP4 base goes through the transient BF16 decode: gradients match the
+    oracle run on the dequantized weights."""
+    layer = make_layer(
+        64,
+        128,
+        4,
+        2,
+        16,
+        num_tokens=41,
+        seed=5,
+        format="mxfp4",
+        activation=activation,
+        activation_clamp=clamp,
+    )
+    assert layer.base.format == "mxfp4"
+    state = _state(layer, block_m=64)
+    dout = torch.randn(41, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
+    grads = moe_backward(
+        dout,
+        layer.x,
+        layer.topk_weights,
+        layer.base,
+        layer.side,
+        state,
+        activation=activation,
+        activation_clamp=clamp,
+    )
+    expected = _oracle_grads(layer, dout, False, round_bf16=clamp is not None)
+    for name in ("x", "topk_weights", "a1", "b1", "a3", "b3", "a2", "b2"):
+        assert_close_to_oracle(name, grads[name], expected[name], min_cosine=GRAD_MIN_COSINE)

@@ -286,3 +286,82 @@ def test_training_loop_matches_reference_backend():
     assert fused[-1] < fused[0]  # it trains
     for step, (a, b) in enumerate(zip(fused, reference, strict=True)):
         assert abs(a - b) <= 1e-2 * abs(b), (step, a, b)
+
+
+# ----------------------------------------------------------------- MXFP4 base
+
+
+@pytest.mark.parametrize("tokens,top_k", [(1, 2), (177, 6), (1030, 2)])
+@pytest.mark.parametrize("activation,clamp", [("swiglu", None), ("geglu", 1.5)])
+def test_mxfp4_forward_backward(tokens, top_k, activation, clamp):
+    """MXFP4 base vs the oracle on the dequantized weights, same gates as BF16."""
+    run_case(
+        256,
+        128,
+        16,
+        top_k,
+        16,
+        tokens,
+        seed=tokens,
+        routing="masked",
+        format="mxfp4",
+        activation=activation,
+        activation_clamp=clamp,
+    )
+
+
+@pytest.mark.parametrize("routing", ["skewed", "empty"])
+def test_mxfp4_routing_and_model_dims(routing):
+    run_case(1536, 768, 8, 2, 64, 600, seed=4, routing=routing, format="mxfp4")
+
+
+def test_mxfp4_zero_scale_matches_no_adapter_path():
+    fast, _ = _layers(512, 256, 8, 2, 32, 257, seed=19, scale=0.0, format="mxfp4")
+    dout = _dout(257, 512)
+    out, grads = _fused_grads(fast, dout)
+    plain = mm.moe(fast.x, fast.topk_ids, fast.topk_weights, fast.base, None)
+    dx, drouter = torch.autograd.grad(plain, [fast.x, fast.topk_weights], dout)
+    assert torch.equal(out, plain)
+    assert torch.equal(grads["x"], dx)
+    assert torch.equal(grads["topk_weights"], drouter)
+
+
+def test_mxfp4_decode_kernel_is_bitwise_the_dequantizer():
+    """Every code with scale bytes at the extremes (0 = 2^-127, 1, 126, 127, 128, 253,
+    254, and 0xFF = NaN), all-zero blocks and -0 codes."""
+    from megamoe.mxfp4_decode import decode_mxfp4_bf16
+
+    gen = torch.Generator().manual_seed(5)
+    packed = torch.randint(0, 256, (64, 8, 48), generator=gen, dtype=torch.uint8)
+    scales = torch.randint(0, 255, (64, 8, 3), generator=gen, dtype=torch.uint8)
+    extremes = torch.tensor([0, 1, 126, 127, 128, 253, 254, 255], dtype=torch.uint8)
+    scales[:8, 0, 0] = extremes
+    packed[8, 0, :16] = 0  # an all-zero block
+    packed[9, 0, :16] = 0x88  # -0 codes
+    expected = mm.dequantize_mxfp4(packed, scales, axis=-1, dtype=torch.bfloat16)
+    actual = decode_mxfp4_bf16(packed.cuda(), scales.cuda()).cpu()
+    assert torch.equal(actual.view(torch.int16), expected.view(torch.int16))
+
+
+def test_mxfp4_layer_with_wide_scale_range_and_zero_blocks():
+    """Expert rows scaled by 2^-30 .. 2^30 before quantization (scales far from 127)
+    and whole zero blocks: still the oracle on the dequantized weights."""
+    hidden, inter, experts = 256, 128, 8
+    layer = make_layer(hidden, inter, experts, 2, 16, num_tokens=300, seed=8)
+    factors = 2.0 ** torch.linspace(-30, 30, 2 * inter).round()
+    w13 = (layer.w13.float() * factors.view(1, -1, 1)).to(torch.bfloat16)
+    w13[:, :5, :32] = 0  # zero blocks
+    w2 = layer.w2.clone()
+    w2[0] = 0  # a whole zero expert
+    for dtype in (torch.bfloat16, torch.float64):
+        base = mm.prepare_base_weights(w13.cuda(), w2.cuda(), "mxfp4")
+        assert int(base.w13_scales.min()) < 100 and int(base.w13_scales.max()) > 150
+        x = layer.x.cuda().to(dtype)
+        ids, weights = layer.topk_ids.cuda(), layer.topk_weights.cuda()
+        side = mm.SideLoRA(*(t.cuda().to(dtype) for t in layer.side.tensors()), scale=0.5)
+        if dtype == torch.bfloat16:
+            with torch.no_grad():
+                out = mm.moe(x, ids, weights, base, side)
+        else:
+            expected = mm.reference.moe(x, ids, weights, base, side)
+    assert_close_to_oracle("out", out, expected)

@@ -31,7 +31,6 @@ from .timing import Progress, time_fn
 BACKENDS = ("fused", "baseline", "reference")
 PASSES = ("forward", "fwd+bwd")
 UNAVAILABLE = {
-    ("fused", "mxfp4"): "not built yet: the MXFP4 decode lands with issue 5",
     ("fused", "cpu"): "needs a Hopper GPU",
 }
 
