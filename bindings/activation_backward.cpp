@@ -29,8 +29,7 @@ void check_bf16_aligned(const char* name, const Tensor& t, const std::vector<int
         (std::string(name) + ": expected a 16-byte aligned data pointer").c_str());
 }
 
-void activation_backward(const Tensor& preact, const Tensor& z_base, std::optional<Tensor> z_side,
-                         double side_scale, const Tensor& route_weights,
+void activation_backward(const Tensor& preact, const Tensor& z, const Tensor& route_weights,
                          const Tensor& pool_row_to_route, const Tensor& expert_pool_offsets,
                          int activation, double activation_clamp, const Tensor& dgrad_preact,
                          std::optional<Tensor> weighted_h, const Tensor& drouter,
@@ -43,11 +42,7 @@ void activation_backward(const Tensor& preact, const Tensor& z_base, std::option
     throw nb::value_error(("preact: expected 2I columns with I a multiple of " +
                            str(variants::kGateUpInterleave) + ", got " + str(two_i))
                               .c_str());
-  check_bf16_aligned("z_base", z_base, {pool_capacity, intermediate}, device);
-  if (z_side) {
-    check_bf16_aligned("z_side", *z_side, {pool_capacity, intermediate}, device);
-    if (!std::isfinite(side_scale)) throw nb::value_error("side_scale: expected a finite value");
-  }
+  check_bf16_aligned("z", z, {pool_capacity, intermediate}, device);
   check_tensor<float>("route_weights", route_weights, {-1}, device);
   check_tensor<int32_t>("pool_row_to_route", pool_row_to_route, {pool_capacity}, device);
   check_tensor<int32_t>("expert_pool_offsets", expert_pool_offsets, {-1}, device);
@@ -72,8 +67,7 @@ void activation_backward(const Tensor& preact, const Tensor& z_base, std::option
 
   ActivationBackwardParams params{};
   params.preact = preact.data();
-  params.z_base = z_base.data();
-  params.z_side = z_side ? z_side->data() : nullptr;
+  params.z = z.data();
   params.route_weights = static_cast<const float*>(route_weights.data());
   params.pool_row_to_route = static_cast<const int32_t*>(pool_row_to_route.data());
   params.pool_rows_used =
@@ -86,7 +80,6 @@ void activation_backward(const Tensor& preact, const Tensor& z_base, std::option
   params.intermediate = static_cast<int32_t>(intermediate);
   params.activation = activation;
   params.activation_clamp = static_cast<float>(activation_clamp);
-  params.side_scale = static_cast<float>(side_scale);
 
   // A persistent grid (the kernel grid-strides over rows, one warp per row).
   const ActivationBackwardKernels& kernels = variants::activation_backward;
@@ -111,11 +104,10 @@ void activation_backward(const Tensor& preact, const Tensor& z_base, std::option
 }  // namespace
 
 void register_activation_backward(nb::module_& m) {
-  m.def("activation_backward", &activation_backward, nb::arg("preact"), nb::arg("z_base"),
-        nb::arg("z_side").none(), nb::arg("side_scale"), nb::arg("route_weights"),
-        nb::arg("pool_row_to_route"), nb::arg("expert_pool_offsets"), nb::arg("activation"),
-        nb::arg("activation_clamp"), nb::arg("dgrad_preact"), nb::arg("weighted_h").none(),
-        nb::arg("drouter"), nb::arg("stream"),
+  m.def("activation_backward", &activation_backward, nb::arg("preact"), nb::arg("z"),
+        nb::arg("route_weights"), nb::arg("pool_row_to_route"), nb::arg("expert_pool_offsets"),
+        nb::arg("activation"), nb::arg("activation_clamp"), nb::arg("dgrad_preact"),
+        nb::arg("weighted_h").none(), nb::arg("drouter"), nb::arg("stream"),
         "Gated-activation backward + router-gradient dot over the pool "
         "(kernels/activation_backward_params.h).");
 }

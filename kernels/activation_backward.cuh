@@ -2,7 +2,7 @@
 // mask, the router-gradient dot product and the route weighting, in one pass over a
 // pool row (see activation_backward_params.h for the exact math).
 //
-// Memory-bound (reads 2I + I (+ I) BF16, writes 2I + I BF16 per row): one warp per pool
+// Memory-bound (reads 2I + I BF16, writes 2I + I BF16 per row): one warp per pool
 // row, lanes stride the row in 8-column (16-byte) vectors. The dot product is summed
 // per lane in column order, then by a fixed butterfly: deterministic.
 #pragma once
@@ -109,13 +109,7 @@ __global__ void __launch_bounds__(kActivationBackwardThreads)
       } else {
         const Vec8 gate = load8(p.preact, gate_vec);
         const Vec8 up = load8(p.preact, up_vec);
-        Vec8 z = load8(p.z_base, i_vec);
-        if (p.z_side != nullptr) {
-          const Vec8 z_side = load8(p.z_side, i_vec);
-#pragma unroll
-          for (int i = 0; i < kVectorElems; ++i)
-            z.v[i] += p.side_scale * z_side.v[i];  // kept FP32: one rounding fewer
-        }
+        const Vec8 z = load8(p.z, i_vec);
 #pragma unroll
         for (int i = 0; i < kVectorElems; ++i) {
           const float gc = fminf(gate.v[i], clamp);

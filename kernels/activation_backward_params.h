@@ -10,7 +10,7 @@ namespace megamoe {
 constexpr int kActivationBackwardThreads = 256;
 
 // Per pool row (one route, weight w = route_weights[route]), columns i < I:
-//   z   = z_base + side_scale * z_side  (FP32)      unweighted dL/dh (DESIGN §1)
+//   z   (dgrad2's output, the adapter term included)  unweighted dL/dh (DESIGN §1)
 //   g,u = preact gate/up (BF16, before the clamp); gc, uc = clamped
 //   h   = bf16(act(gc) * uc)                        exactly the forward's h
 //   dg  = bf16(w z uc act'(gc)),  du = bf16(w z act(gc))   (0 where the clamp cut)
@@ -20,10 +20,9 @@ constexpr int kActivationBackwardThreads = 256;
 // then the matching 64 up columns. Padding rows (route -1) below the rows in use get
 // zeros; rows at or past the rows in use are not touched.
 struct ActivationBackwardParams {
-  const void* preact;          // [pool_capacity, 2I] bf16
-  const void* z_base;          // [pool_capacity, I] bf16: dout_pool @ w2_e
-  const void* z_side;          // [pool_capacity, I] bf16: (dout b2^T)_pool @ a2_e^T, or nullptr
-  const float* route_weights;  // [num_routes] float32 (topk_weights, flat t*K+k)
+  const void* preact;  // [pool_capacity, 2I] bf16
+  const void* z;       // [pool_capacity, I] bf16: [dout | s dout b2^T]_pool @ [w2_e ; a2_e^T]
+  const float* route_weights;        // [num_routes] float32 (topk_weights, flat t*K+k)
   const int32_t* pool_row_to_route;  // [pool_capacity]
   const int32_t* pool_rows_used;     // &expert_pool_offsets[E_l]: read on the device
   void* dgrad_preact;                // [pool_capacity, 2I] bf16 out: dg | du, interleaved
@@ -34,7 +33,6 @@ struct ActivationBackwardParams {
   int32_t intermediate;    // I, a multiple of the 64-column interleave
   int32_t activation;      // Activation (0 SwiGLU, 1 GeGLU)
   float activation_clamp;  // +inf: no clamp
-  float side_scale;        // s (ignored without z_side)
 };
 
 using ActivationBackwardKernel = void (*)(ActivationBackwardParams);

@@ -1,10 +1,10 @@
 """The gated-activation backward over the expert pool (kernels/activation_backward.cuh).
 
-Between dgrad2 (``z = dout_pool @ w2_e (+ s (dout b2^T)_pool @ a2_e^T)``) and dgrad1,
+Between dgrad2 (``z = [dout | s dout b2^T]_pool @ [w2_e ; a2_e^T]``) and dgrad1,
 one memory-bound pass per pool row (weight ``w`` of its route) computes, for every
 column ``i < I`` (DESIGN §1):
 
-- ``z = z_base + s * z_side`` in FP32: the unweighted ``dL/dh``;
+- ``z``: the unweighted ``dL/dh`` (adapter term included);
 - ``h = bf16(act(gc) * uc)`` from the saved pre-activations (bitwise the forward's);
 - ``dg = bf16(w z uc act'(gc))``, ``du = bf16(w z act(gc))``, zero where the clamp cut;
 - ``drouter[row] = sum_i z_i h_i`` (the router gradient ``<z, h>``, FP32);
@@ -33,8 +33,7 @@ __all__ = ["activation_backward", "activation_backward_reference"]
 
 def _check(
     preact: torch.Tensor,
-    z_base: torch.Tensor,
-    z_side: torch.Tensor | None,
+    z: torch.Tensor,
     topk_weights: torch.Tensor,
     plan: RoutePlan,
     activation: str,
@@ -52,16 +51,14 @@ def _check(
         )
     intermediate = two_i // 2
     device = preact.device
-    for name, t in (("z_base", z_base), ("z_side", z_side)):
-        if t is not None:
-            check_tensor(
-                name,
-                t,
-                shape=(capacity, intermediate),
-                dtypes=(torch.bfloat16,),
-                device=device,
-                contiguous=True,
-            )
+    check_tensor(
+        "z",
+        z,
+        shape=(capacity, intermediate),
+        dtypes=(torch.bfloat16,),
+        device=device,
+        contiguous=True,
+    )
     check_tensor(
         "topk_weights",
         topk_weights,
@@ -75,12 +72,10 @@ def _check(
 
 def activation_backward(
     preact: torch.Tensor,
-    z_base: torch.Tensor,
-    z_side: torch.Tensor | None,
+    z: torch.Tensor,
     topk_weights: torch.Tensor,
     plan: RoutePlan,
     *,
-    side_scale: float = 0.0,
     activation: str = "swiglu",
     activation_clamp: float | None = None,
     weighted_h: bool = True,
@@ -89,11 +84,10 @@ def activation_backward(
 
     Args:
         preact: ``[pool_capacity, 2I]`` BF16 pre-activations from the forward's GEMM1.
-        z_base: ``[pool_capacity, I]`` BF16 ``dout_pool @ w2_e``.
-        z_side: ``[pool_capacity, I]`` BF16 ``(dout b2^T)_pool @ a2_e^T`` or None.
+        z: ``[pool_capacity, I]`` BF16 dgrad2 output ``[dout | s dout b2^T]_pool @
+            [w2_e ; a2_e^T]``.
         topk_weights: ``[T, K]`` float32 router weights.
         plan: the forward's route plan.
-        side_scale: ``s`` (multiplies ``z_side``).
         activation, activation_clamp: as in the forward.
         weighted_h: also return ``bf16(w h)``.
 
@@ -101,15 +95,13 @@ def activation_backward(
         ``(dgrad_preact [pool_capacity, 2I] BF16, weighted_h [pool_capacity, I] BF16 or
         None, drouter [pool_capacity] float32)``.
     """
-    capacity, intermediate = _check(preact, z_base, z_side, topk_weights, plan, activation)
+    capacity, intermediate = _check(preact, z, topk_weights, plan, activation)
     if not preact.is_cuda:
         return activation_backward_reference(
             preact,
-            z_base,
-            z_side,
+            z,
             topk_weights,
             plan,
-            side_scale=side_scale,
             activation=activation,
             activation_clamp=activation_clamp,
             weighted_h=weighted_h,
@@ -130,9 +122,7 @@ def activation_backward(
     with torch.cuda.device(device):
         _native.native().activation_backward(
             dl(preact),
-            dl(z_base),
-            None if z_side is None else dl(z_side),
-            float(side_scale),
+            dl(z),
             dl(topk_weights.view(-1)),
             dl(plan.pool_row_to_route),
             dl(plan.expert_pool_offsets),
@@ -162,12 +152,10 @@ def _join_interleave(gate: torch.Tensor, up: torch.Tensor, interleave: int) -> t
 
 def activation_backward_reference(
     preact: torch.Tensor,
-    z_base: torch.Tensor,
-    z_side: torch.Tensor | None,
+    z: torch.Tensor,
     topk_weights: torch.Tensor,
     plan: RoutePlan,
     *,
-    side_scale: float = 0.0,
     activation: str = "swiglu",
     activation_clamp: float | None = None,
     weighted_h: bool = True,
@@ -177,7 +165,7 @@ def activation_backward_reference(
     The dot product's summation order differs from the kernel's, so ``drouter`` agrees
     to float32 rounding, the BF16 outputs to one BF16 ulp where a sum lands on a tie.
     """
-    capacity, _ = _check(preact, z_base, z_side, topk_weights, plan, activation)
+    capacity, _ = _check(preact, z, topk_weights, plan, activation)
     interleave = registry().gate_up_interleave
     rows_used = int(plan.expert_pool_offsets[-1])
     route = plan.pool_row_to_route.long()
@@ -186,9 +174,7 @@ def activation_backward_reference(
         routed, topk_weights.reshape(-1)[route.clamp(min=0)], torch.zeros((), device=route.device)
     )[:, None]
     g, u = (t.float() for t in _split_interleave(preact, interleave))
-    z = z_base.float()
-    if z_side is not None:
-        z = z + side_scale * z_side.float()
+    z = z.float()
     clamp = math.inf if activation_clamp is None else float(activation_clamp)
     gc, uc = g.clamp(max=clamp), u.clamp(-clamp, clamp)
     if activation == "swiglu":

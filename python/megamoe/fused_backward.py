@@ -2,9 +2,10 @@
 
 Pipeline, given ``dout [T, H]`` and the forward's :class:`ForwardState`:
 
-1. gather ``dout`` into the pool; ``db2 = dout b2^T`` once per token, gathered too.
-2. dgrad2: ``z_base = dout_pool @ w2_e``, ``z_side = db2_pool @ a2_e^T`` (grouped GEMMs).
-3. activation backward (one kernel): ``z = z_base + s z_side`` (FP32), router grad
+1. ``db2 = s dout b2^T`` once per token; gather ``[dout | db2]`` into the pool.
+2. dgrad2, one grouped GEMM: ``z = [dout | db2]_pool @ [w2_e ; a2_e^T]`` (the adapter
+   term as extra K rows).
+3. activation backward (one kernel): router grad
    ``<z, h>``, ``dg | du`` (interleaved like ``w13``), ``bf16(w h)``.
 4. K-grouped weight gradients over each expert's pool rows (tail rows are zeros,
    empty experts exact zeros): ``da2``, ``dw2``, ``dw13`` (ordinary), ``db1``, ``db3``.
@@ -120,18 +121,22 @@ def moe_backward(
     dout = dout.contiguous()
     grads: dict[str, torch.Tensor | None] = dict.fromkeys(GRAD_NAMES)
 
-    # 1. dout (and dout b2^T, once per token) into the pool.
-    dout_pool = pool.gather_pool(dout, None, plan)  # [P, H]
-
-    # 2. dgrad2 (w2 [E, H, I] is the [K, N] operand as stored; a2^T likewise).
-    z_base = _grouped_mm(dout_pool, base.w2_for_gemm(), state)  # MXFP4: transient decode
-    if not base_grads:
-        del dout_pool  # [P, H]: freed before the next pool buffers (memory policy)
-    z_side = db2_pool = None
+    # 1-2. dgrad2 as one GEMM: z = [dout | s dout b2^T]_pool @ [w2_e ; a2_e^T], the
+    # adapter term as r extra K rows (one BF16 rounding of z, no second [P, I] buffer).
+    w2 = base.w2_for_gemm()  # MXFP4: a transient decode
+    db2_pool = None
     if use_side:
-        db2_tokens = dout @ side.b2.T  # [T, r]
-        db2_pool = pool.gather_pool(db2_tokens, None, plan)  # [P, r]
-        z_side = _grouped_mm(db2_pool, side.a2.transpose(1, 2), state)
+        db2 = (s * (dout @ side.b2.T).float()).to(torch.bfloat16)  # [T, r], once per token
+        dout_pool = pool.gather_pool(dout, db2, plan)  # [P, H + r]
+        w2 = torch.cat([w2, side.a2.transpose(1, 2)], dim=1)  # [E, H + r, I]
+        if side_grads:
+            db2_pool = pool.gather_pool(db2, None, plan)  # [P, r]: all da2 needs later
+    else:
+        dout_pool = pool.gather_pool(dout, None, plan)  # [P, H]
+    z = _grouped_mm(dout_pool, w2, state)
+    del w2
+    if not base_grads:
+        del dout_pool  # freed before the next pool buffers (memory policy)
 
     # 3. activation backward + router grad.
     preact = state.preact
@@ -142,16 +147,14 @@ def moe_backward(
     need_weighted_h = (use_side and side_grads) or base_grads
     dgrad_preact, weighted_h, drouter = activation_backward(
         preact,
-        z_base,
-        z_side,
+        z,
         topk_weights,
         plan,
-        side_scale=s,
         activation=activation,
         activation_clamp=activation_clamp,
         weighted_h=need_weighted_h,
     )
-    del z_base, z_side, preact
+    del z, preact
     row_of_route = plan.route_to_pool_row.long()
     grads["topk_weights"] = torch.where(
         row_of_route >= 0, drouter[row_of_route.clamp(min=0)], 0.0
@@ -159,11 +162,12 @@ def moe_backward(
 
     # 4. The weight gradients that contract over w h, so it can be freed.
     if use_side and side_grads:
+        # s is already in the gathered s dout b2^T columns.
         a2_t = _k_grouped_mm(db2_pool.T, weighted_h, state)  # [E, r, I]
-        grads["a2"] = (s * a2_t.float()).transpose(1, 2).contiguous().to(torch.bfloat16)
+        grads["a2"] = a2_t.transpose(1, 2).contiguous()
         del a2_t, db2_pool
     if base_grads:
-        grads["w2"] = _k_grouped_mm(dout_pool.T, weighted_h, state)  # [E, H, I]
+        grads["w2"] = _k_grouped_mm(dout_pool[:, :hidden].T, weighted_h, state)  # [E, H, I]
         del dout_pool
         x_pool = pool.gather_pool(x, None, plan)
         grads["w13"] = _k_grouped_mm(dgrad_preact.T, x_pool, state)  # [E, 2I, H]

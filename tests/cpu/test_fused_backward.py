@@ -171,7 +171,7 @@ def test_activation_backward_cpu_is_the_reference():
     gen = torch.Generator().manual_seed(2)
     capacity = state.plan.pool_capacity
     z = torch.randn(capacity, 128, generator=gen).bfloat16()
-    args = (state.preact, z, None, layer.topk_weights, state.plan)
+    args = (state.preact, z, layer.topk_weights, state.plan)
     for got, want in zip(activation_backward(*args), activation_backward_reference(*args)):
         assert torch.equal(got, want)
 
@@ -181,15 +181,14 @@ def test_activation_backward_rejects_bad_shapes():
     state = _state(layer, block_m=64)
     capacity = state.plan.pool_capacity
     z = torch.zeros(capacity, 64, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="z_base"):
-        activation_backward(state.preact, z, None, layer.topk_weights, state.plan)
+    with pytest.raises(ValueError, match="^z:"):
+        activation_backward(state.preact, z, layer.topk_weights, state.plan)
     with pytest.raises(ValueError, match="preact"):
-        activation_backward(state.preact[:, :96], z, None, layer.topk_weights, state.plan)
+        activation_backward(state.preact[:, :96], z, layer.topk_weights, state.plan)
     with pytest.raises(ValueError, match="activation"):
         activation_backward(
             state.preact,
             torch.zeros(capacity, 128, dtype=torch.bfloat16),
-            None,
             layer.topk_weights,
             state.plan,
             activation="relu",

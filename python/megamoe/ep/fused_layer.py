@@ -11,8 +11,9 @@ forward
   combine kernels over the returned rows: ``p_sum = sum_k w p``, ``out = sum_k w y +
   s p_sum b2`` (FP32, ``k`` in order).
 backward
-  ``db2 = dout b2^T`` once per token -> exchange ``[dout | db2]`` rows and the route
-  weights (FP32) -> pool gather -> dgrad2, activation backward, dgrad1 and the
+  ``db2 = s dout b2^T`` once per token -> exchange ``[dout | db2]`` rows and the route
+  weights (FP32) -> pool gather -> dgrad2 (``a2`` as extra K rows), activation
+  backward, dgrad1 and the
   ``b1``/``b3`` shrinks on the pool (the EP1 stages) -> ``[dx_route | sg | su]`` rows
   and the router grads back -> ``dx = sum_k dx_route + s (sg a1^T + su a3^T)`` with the
   combine kernels; expert-local grads (``b1, b3, a2``; ``w13, w2`` in ordinary mode) by
@@ -192,11 +193,12 @@ class _FusedEPMoE(torch.autograd.Function):
         routes = plan.pool
         dout = dout.to(torch.bfloat16).contiguous()
 
-        # Out: [dout | dout b2^T] rows and the route weights (FP32, not rounded).
+        # Out: [dout | s dout b2^T] rows and the route weights (FP32, not rounded).
         token_rows = dout
         if use_side:
             a1, b1, a3, b3, a2, b2 = side
-            token_rows = torch.cat([dout, dout @ b2.T], dim=1)
+            db2 = (s * (dout @ b2.T).float()).to(torch.bfloat16)  # once per token
+            token_rows = torch.cat([dout, db2], dim=1)
         recv = _exchange_into(
             plan.pool_routes,
             token_rows.index_select(0, plan.send_tokens),
@@ -215,26 +217,26 @@ class _FusedEPMoE(torch.autograd.Function):
         dout_pool = pool.gather_pool(recv, None, routes)  # [P, H (+ r)]
         del recv
 
-        # The EP1 expert stages on the pool.
-        z_base = _grouped_mm(dout_pool[:, :hidden], w2, plan)
-        z_side = _grouped_mm(dout_pool[:, hidden:], a2.transpose(1, 2), plan) if use_side else None
+        # The EP1 expert stages on the pool; dgrad2 with the a2 term as extra K rows.
+        w2_k = torch.cat([w2, a2.transpose(1, 2)], dim=1) if use_side else w2
+        z = _grouped_mm(dout_pool, w2_k, plan)
+        del w2_k
         dgrad_preact, weighted_h, drouter = activation_backward(
             preact,
-            z_base,
-            z_side,
+            z,
             recv_w,
             routes,
-            side_scale=s,
             activation=options["activation"],
             activation_clamp=options["activation_clamp"],
             weighted_h=use_side or base_grads,
         )
-        del z_base, z_side
+        del z
         grads = dict.fromkeys(GRAD_NAMES)
         if use_side:
             rank = a1.shape[1]
+            # s is already in the exchanged s dout b2^T columns.
             a2_t = _k_grouped_mm(dout_pool[:, hidden:].T, weighted_h, plan)  # [E_l, r, I]
-            grads["a2"] = (s * a2_t.float()).transpose(1, 2).contiguous().to(torch.bfloat16)
+            grads["a2"] = a2_t.transpose(1, 2).contiguous()
             q13_pool = pool.gather_pool(recv_q13, None, routes)
             b13 = _k_grouped_mm(q13_pool.T, dgrad_preact, plan)  # [E_l, 2r, 2I]
             gate_cols, up_cols = _deinterleave(b13, interleave)
