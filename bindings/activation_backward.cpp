@@ -19,6 +19,9 @@ namespace megamoe {
 
 namespace {
 
+static_assert(kActivationBackwardInterleave == variants::kGateUpInterleave,
+              "the kernel indexes w13's gate/up interleave of the registry");
+
 std::string str(int64_t v) { return std::to_string(v); }
 
 void check_bf16_aligned(const char* name, const Tensor& t, const std::vector<int64_t>& shape,

@@ -18,8 +18,8 @@ namespace megamoe::kernels {
 
 namespace act_bwd {
 
-constexpr int kVectorElems = 8;  // BF16 per 16-byte vector
-constexpr int kInterleave = 64;  // gate/up interleave of w13 (registry layout)
+constexpr int kVectorElems = 8;                             // BF16 per 16-byte vector
+constexpr int kInterleave = kActivationBackwardInterleave;  // gate/up interleave of w13
 constexpr int kVectorsPerBlock = kInterleave / kVectorElems;
 
 struct Vec8 {

@@ -8,6 +8,9 @@ namespace megamoe {
 
 // Threads per block of the activation backward: 8 warps, one pool row per warp.
 constexpr int kActivationBackwardThreads = 256;
+// The gate/up interleave of w13's rows the kernel indexes with (the host launcher
+// asserts it equals the registry's gate_up_interleave).
+constexpr int kActivationBackwardInterleave = 64;
 
 // Per pool row (one route, weight w = route_weights[route]), columns i < I:
 //   z   (dgrad2's output, the adapter term included)  unweighted dL/dh (DESIGN §1)

@@ -139,7 +139,7 @@ def activation_backward(
 def _split_interleave(t: torch.Tensor, interleave: int) -> tuple[torch.Tensor, torch.Tensor]:
     rows, two_i = t.shape
     blocks = t.view(rows, two_i // (2 * interleave), 2, interleave)
-    return blocks[:, :, 0].reshape(rows, -1), blocks[:, :, 1].reshape(rows, -1)
+    return blocks[:, :, 0].reshape(rows, two_i // 2), blocks[:, :, 1].reshape(rows, two_i // 2)
 
 
 def _join_interleave(gate: torch.Tensor, up: torch.Tensor, interleave: int) -> torch.Tensor:

@@ -1,25 +1,29 @@
-"""The fused MoE backward on the GPU (EP1, BF16 base), DESIGN §1 and §3.
+"""The fused MoE backward on the GPU (EP1; BF16 or MXFP4 base), DESIGN §1 and §3.
 
 Pipeline, given ``dout [T, H]`` and the forward's :class:`ForwardState`:
 
 1. ``db2 = s dout b2^T`` once per token; gather ``[dout | db2]`` into the pool.
 2. dgrad2, one grouped GEMM: ``z = [dout | db2]_pool @ [w2_e ; a2_e^T]`` (the adapter
    term as extra K rows).
-3. activation backward (one kernel): router grad
-   ``<z, h>``, ``dg | du`` (interleaved like ``w13``), ``bf16(w h)``.
+3. activation backward (one kernel): router grad ``<z, h>``, ``dg | du`` (interleaved
+   like ``w13``), ``bf16(w h)``.
 4. K-grouped weight gradients over each expert's pool rows (tail rows are zeros,
    empty experts exact zeros): ``da2``, ``dw2``, ``dw13`` (ordinary), ``db1``, ``db3``.
 5. dgrad1: ``dx_pool = (dg | du) @ w13_e``; the ``b1``/``b3`` shrinks
-   ``(dg b1_e^T | du b3_e^T)`` as a second grouped GEMM, summed over k per token.
-6. combine: ``dx = sum_k dx_pool + s (sg a1^T + su a3^T)`` (FP32, k in order).
-7. dense shared ``da1``, ``da3``, ``db2`` once per token.
+   ``(dg b1_e^T | du b3_e^T)`` as a second grouped GEMM.
+6. combine: ``dx = sum_k dx_pool + s (sg a1^T + su a3^T)`` (FP32, k in order), with
+   ``[sg | su]`` the per-token sums of the shrinks.
+7. dense shared ``da1``, ``da3``, ``db2`` once per token (FP32 sums, rounded once).
+
+Steps 1-5 are :func:`pool_backward`, shared with the expert-parallel layer
+(:mod:`megamoe.ep.fused_layer`), which runs them on the pool of received rows.
 
 Memory policy: the forward keeps the route plan, ``q13``, ``p_sum`` and GEMM1's
 pre-activations (``[T*K, 2I]`` BF16; none with activation checkpointing, which
 recomputes them here). The backward frees each pool buffer as soon as its last reader
 ran (docs/PERFORMANCE.md has the bytes at ep4rank).
 
-The grouped GEMMs of steps 2, 4 and 6 run on ``torch._grouped_mm`` (cuBLAS/CUTLASS):
+The grouped GEMMs of steps 2, 4 and 5 run on ``torch._grouped_mm`` (cuBLAS/CUTLASS):
 our engine has no transposed-B or K-grouped mode yet, and at ep4rank it is slower
 than ``torch._grouped_mm`` for these shapes (docs/PERFORMANCE.md). Every other step
 is a megamoe kernel or a small per-token torch op. Deterministic: no atomics, fixed
@@ -28,39 +32,21 @@ summation orders. No host synchronisation.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from . import pool
 from .activation_backward import activation_backward
 from .fused_forward import ForwardState, recompute_preact
 from .registry import registry
+from .routing import RoutePlan
 from .side_lora import SideLoRA
 from .weights import BaseWeights
 
-__all__ = ["GRAD_NAMES", "moe_backward"]
+__all__ = ["GRAD_NAMES", "PoolBackward", "mm_fp32", "moe_backward", "pool_backward"]
 
 GRAD_NAMES = ("x", "topk_weights", "w13", "w2", "a1", "b1", "a3", "b3", "a2", "b2")
-
-
-def _offsets(state: ForwardState) -> torch.Tensor:
-    # torch._grouped_mm takes the cumulative group ends; rows past the last are ignored.
-    return state.plan.expert_pool_offsets[1:]
-
-
-def _grouped_mm(a: torch.Tensor, b: torch.Tensor, state: ForwardState) -> torch.Tensor:
-    """``out[rows of e] = a[rows of e] @ b[e]`` over the pool (M-grouped)."""
-    return torch._grouped_mm(a, b, offs=_offsets(state))
-
-
-def _k_grouped_mm(a_t: torch.Tensor, b: torch.Tensor, state: ForwardState) -> torch.Tensor:
-    """``out[e] = a_t[:, rows of e] @ b[rows of e]``: the K-grouped weight gradient.
-
-    Padding rows are zero in the pool operands (gather and activation backward write
-    zeros there), so they add exact zeros. Experts without routes get exact zeros.
-    """
-    out = torch._grouped_mm(a_t, b, offs=_offsets(state))
-    empty = (state.plan.expert_counts == 0).view(-1, 1, 1)
-    return out.masked_fill_(empty, 0.0)
 
 
 def _side_shrink_weights(b1: torch.Tensor, b3: torch.Tensor, interleave: int) -> torch.Tensor:
@@ -82,6 +68,137 @@ def _deinterleave(t: torch.Tensor, interleave: int) -> tuple[torch.Tensor, torch
         blocks[..., 0, :].reshape(*lead, two_i // 2),
         blocks[..., 1, :].reshape(*lead, two_i // 2),
     )
+
+
+def mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` of BF16 operands with an FP32 result (the sum is not rounded to BF16)."""
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.float() @ b.float()
+
+
+@dataclass
+class PoolBackward:
+    """What :func:`pool_backward` returns for one pool (rows as in its plan).
+
+    - ``dx_pool`` ``[P, H]`` BF16: each route's ``(dg | du) w13_e``.
+    - ``shrink_pool`` ``[P, 2r]`` BF16 ``(dg b1_e^T | du b3_e^T)`` or None (no adapter).
+    - ``drouter`` ``[P]`` float32: each route's ``<z, h>`` (0 on padding rows).
+    - ``local``: the expert-local gradients ``b1, b3`` ``[E_l, r, I]``, ``a2``
+      ``[E_l, I, r]``, ``w13`` ``[E_l, 2I, H]`` (kernel row order), ``w2`` ``[E_l, H, I]``
+      (None where not asked for).
+    """
+
+    dx_pool: torch.Tensor
+    shrink_pool: torch.Tensor | None
+    drouter: torch.Tensor
+    local: dict[str, torch.Tensor | None]
+
+
+def pool_backward(
+    dout_rows: torch.Tensor,
+    db2_rows: torch.Tensor | None,
+    preact: torch.Tensor,
+    route_weights: torch.Tensor,
+    plan: RoutePlan,
+    base: BaseWeights,
+    side: SideLoRA | None,
+    *,
+    q13_rows: torch.Tensor | None,
+    x_rows: torch.Tensor | None,
+    activation: str,
+    activation_clamp: float | None,
+    base_grads: bool,
+    side_grads: bool,
+) -> PoolBackward:
+    """The expert stage's backward over one pool, shared by EP1 and the EP layer.
+
+    The ``*_rows`` tensors are indexed like the plan's routes (EP1: per token, with
+    ``K`` routes each; EP: per received row, ``K = 1``); each is gathered into the pool
+    here, so the pool buffers are freed as soon as their last reader ran.
+
+    Args:
+        dout_rows: ``[rows, H]`` BF16 ``dout``, or ``[rows, H + r]`` ``[dout | s dout
+            b2^T]`` when ``db2_rows`` is None and an adapter is active.
+        db2_rows: ``[rows, r]`` BF16 ``s dout b2^T`` (EP1) or None.
+        preact: ``[P, 2I]`` BF16 GEMM1 pre-activations of the forward.
+        route_weights: float32 shaped like ``plan.route_to_pool_row``.
+        plan: the pool's route plan; base, side: the local experts (``side`` None: no
+            active adapter).
+        q13_rows: ``[rows, 2r]`` BF16 ``[x a1 | x a3]`` (for ``db1``, ``db3``) or None.
+        x_rows: ``[rows, H]`` BF16 ``x`` (for ``dw13``, ordinary mode) or None.
+        activation, activation_clamp: as in the forward.
+        base_grads, side_grads: which expert-local gradients to form.
+    """
+    hidden = base.hidden
+    interleave = registry().gate_up_interleave
+    use_side = side is not None
+    offsets = plan.expert_pool_offsets[1:]  # torch._grouped_mm's cumulative group ends
+
+    def grouped(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch._grouped_mm(a, b, offs=offsets)
+
+    def k_grouped(a_t: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        # Padding rows are zero in both operands; experts without rows get exact zeros.
+        out = torch._grouped_mm(a_t, b, offs=offsets)
+        return out.masked_fill_((plan.expert_counts == 0).view(-1, 1, 1), 0.0)
+
+    local: dict[str, torch.Tensor | None] = dict.fromkeys(("b1", "b3", "a2", "w13", "w2"))
+    # dgrad2 as one GEMM: z = [dout | s dout b2^T]_pool @ [w2_e ; a2_e^T], the adapter
+    # term as r extra K rows (z rounded once, no second [P, I] buffer).
+    dout_pool = pool.gather_pool(dout_rows, db2_rows, plan)  # [P, H (+ r)]
+    w2 = base.w2_for_gemm()  # MXFP4: a transient decode
+    if use_side:
+        w2 = torch.cat([w2, side.a2.transpose(1, 2)], dim=1)  # [E, H + r, I]
+    z = grouped(dout_pool, w2)
+    del w2
+    db2_pool = None
+    if use_side and side_grads:
+        # s is already in these columns. Gathered on its own where possible, so the
+        # [P, H + r] pool can go now.
+        db2_pool = dout_pool[:, hidden:]
+        if db2_rows is not None:
+            db2_pool = pool.gather_pool(db2_rows, None, plan)
+    if not base_grads and db2_rows is not None:
+        del dout_pool
+    dgrad_preact, weighted_h, drouter = activation_backward(
+        preact,
+        z,
+        route_weights,
+        plan,
+        activation=activation,
+        activation_clamp=activation_clamp,
+        weighted_h=(use_side and side_grads) or base_grads,
+    )
+    del z
+
+    # The weight gradients that contract over w h, so it can be freed.
+    if use_side and side_grads:
+        local["a2"] = k_grouped(db2_pool.T, weighted_h).transpose(1, 2).contiguous()
+        del db2_pool
+    if base_grads:
+        local["w2"] = k_grouped(dout_pool[:, :hidden].T, weighted_h)  # [E, H, I]
+        x_pool = pool.gather_pool(x_rows, None, plan)
+        local["w13"] = k_grouped(dgrad_preact.T, x_pool)  # [E, 2I, H]
+        del x_pool
+    dout_pool = None
+    del weighted_h
+    if use_side and side_grads:
+        rank = side.rank
+        q13_pool = pool.gather_pool(q13_rows, None, plan)  # [P, 2r]
+        b13 = k_grouped(q13_pool.T, dgrad_preact)  # [E, 2r, 2I]
+        del q13_pool
+        gate_cols, up_cols = _deinterleave(b13, interleave)
+        s = side.scale
+        local["b1"] = (s * gate_cols[:, :rank].float()).to(torch.bfloat16)
+        local["b3"] = (s * up_cols[:, rank:].float()).to(torch.bfloat16)
+
+    # dgrad1 and the b1/b3 shrinks.
+    dx_pool = grouped(dgrad_preact, base.w13_for_gemm())  # [P, H]
+    shrink_pool = None
+    if use_side:
+        shrink_pool = grouped(dgrad_preact, _side_shrink_weights(side.b1, side.b3, interleave))
+    return PoolBackward(dx_pool, shrink_pool, drouter, local)
 
 
 def moe_backward(
@@ -115,97 +232,55 @@ def moe_backward(
     """
     plan = state.plan
     hidden = base.hidden
-    interleave = registry().gate_up_interleave
     use_side = state.q13 is not None
     s = side.scale if use_side else 0.0
     dout = dout.contiguous()
     grads: dict[str, torch.Tensor | None] = dict.fromkeys(GRAD_NAMES)
 
-    # 1-2. dgrad2 as one GEMM: z = [dout | s dout b2^T]_pool @ [w2_e ; a2_e^T], the
-    # adapter term as r extra K rows (one BF16 rounding of z, no second [P, I] buffer).
-    w2 = base.w2_for_gemm()  # MXFP4: a transient decode
-    db2_pool = None
-    if use_side:
-        db2 = (s * (dout @ side.b2.T).float()).to(torch.bfloat16)  # [T, r], once per token
-        dout_pool = pool.gather_pool(dout, db2, plan)  # [P, H + r]
-        w2 = torch.cat([w2, side.a2.transpose(1, 2)], dim=1)  # [E, H + r, I]
-        if side_grads:
-            db2_pool = pool.gather_pool(db2, None, plan)  # [P, r]: all da2 needs later
-    else:
-        dout_pool = pool.gather_pool(dout, None, plan)  # [P, H]
-    z = _grouped_mm(dout_pool, w2, state)
-    del w2
-    if not base_grads:
-        del dout_pool  # freed before the next pool buffers (memory policy)
-
-    # 3. activation backward + router grad.
     preact = state.preact
     if preact is None:
         preact = recompute_preact(
             x, state, base, side, activation=activation, activation_clamp=activation_clamp
         )
-    need_weighted_h = (use_side and side_grads) or base_grads
-    dgrad_preact, weighted_h, drouter = activation_backward(
+    db2 = None
+    if use_side:
+        db2 = (s * mm_fp32(dout, side.b2.T)).to(torch.bfloat16)  # [T, r], once per token
+    stage = pool_backward(
+        dout,
+        db2,
         preact,
-        z,
         topk_weights,
         plan,
+        base,
+        side if use_side else None,
+        q13_rows=state.q13,
+        x_rows=x,
         activation=activation,
         activation_clamp=activation_clamp,
-        weighted_h=need_weighted_h,
+        base_grads=base_grads,
+        side_grads=side_grads,
     )
-    del z, preact
+    del preact
     row_of_route = plan.route_to_pool_row.long()
     grads["topk_weights"] = torch.where(
-        row_of_route >= 0, drouter[row_of_route.clamp(min=0)], 0.0
+        row_of_route >= 0, stage.drouter[row_of_route.clamp(min=0)], 0.0
     ).to(topk_weights.dtype)
+    grads.update({k: v for k, v in stage.local.items() if v is not None})
 
-    # 4. The weight gradients that contract over w h, so it can be freed.
-    if use_side and side_grads:
-        # s is already in the gathered s dout b2^T columns.
-        a2_t = _k_grouped_mm(db2_pool.T, weighted_h, state)  # [E, r, I]
-        grads["a2"] = a2_t.transpose(1, 2).contiguous()
-        del a2_t, db2_pool
-    if base_grads:
-        grads["w2"] = _k_grouped_mm(dout_pool[:, :hidden].T, weighted_h, state)  # [E, H, I]
-        del dout_pool
-        x_pool = pool.gather_pool(x, None, plan)
-        grads["w13"] = _k_grouped_mm(dgrad_preact.T, x_pool, state)  # [E, 2I, H]
-        del x_pool
-    del weighted_h
-
-    # 5. db1, db3 (K-grouped over q13 and dg | du).
-    if use_side and side_grads:
-        rank = side.rank
-        q13_pool = pool.gather_pool(state.q13, None, plan)  # [P, 2r]
-        b13 = _k_grouped_mm(q13_pool.T, dgrad_preact, state)  # [E, 2r, 2I]
-        gate_cols, up_cols = _deinterleave(b13, interleave)
-        grads["b1"] = (s * gate_cols[:, :rank].float()).to(torch.bfloat16)
-        grads["b3"] = (s * up_cols[:, rank:].float()).to(torch.bfloat16)
-        del q13_pool, b13, gate_cols, up_cols
-
-    # 6. dgrad1 and the b1/b3 shrinks.
-    dx_pool = _grouped_mm(dgrad_preact, base.w13_for_gemm(), state)  # [P, H]
+    # dx = sum_k dx_pool + s (sg a1^T + su a3^T), k in order, FP32.
+    ones = torch.ones_like(topk_weights, dtype=torch.float32)
     side_expand = shrink = None
     if use_side:
-        shrink_weights = _side_shrink_weights(side.b1, side.b3, interleave)
-        shrink_pool = _grouped_mm(dgrad_preact, shrink_weights, state)
-        ones = torch.ones_like(topk_weights, dtype=torch.float32)
-        shrink = pool.side_sum(shrink_pool, plan, ones, 0)  # [T, 2r] = [sg | su]
-        del shrink_pool
-        a13 = torch.cat([side.a1, side.a3], dim=1)  # [H, 2r]
-        side_expand = shrink @ a13.T  # [T, H]
-    del dgrad_preact
+        shrink = pool.side_sum(stage.shrink_pool, plan, ones, 0)  # [T, 2r] = [sg | su]
+        side_expand = shrink @ torch.cat([side.a1, side.a3], dim=1).T  # [T, H]
+    grads["x"] = pool.combine(stage.dx_pool, plan, ones, side_expand, scale=s, hidden=hidden)
+    del stage
 
-    # 7. dx = sum_k dx_pool + s (sg a1^T + su a3^T).
-    ones = torch.ones_like(topk_weights, dtype=torch.float32)
-    grads["x"] = pool.combine(dx_pool, plan, ones, side_expand, scale=s, hidden=hidden)
-    del dx_pool
-
-    # 8. The dense shared-factor gradients, once per token.
+    # The dense shared-factor gradients, once per token, FP32 sums rounded once.
     if use_side and side_grads:
-        a13_grad = (s * (x.T @ shrink).float()).to(torch.bfloat16)  # [H, 2r]
+        rank = side.rank
+        a13_grad = (s * mm_fp32(x.T, shrink)).to(torch.bfloat16)  # [H, 2r]
         grads["a1"] = a13_grad[:, :rank].contiguous()
         grads["a3"] = a13_grad[:, rank:].contiguous()
-        grads["b2"] = (s * (state.p_sum.T @ dout).float()).to(torch.bfloat16)
+        grads["b2"] = (s * mm_fp32(state.p_sum.T, dout)).to(torch.bfloat16)
     return grads

@@ -1,4 +1,4 @@
-"""The fused MoE forward on the GPU (EP1, BF16 base), DESIGN §3 pipeline:
+"""The fused MoE forward on the GPU (EP1; BF16 or MXFP4 base), DESIGN §3 pipeline:
 
 route plan -> q13 = x [a1|a3] once per token -> gather [x | q13] into the pool ->
 GEMM1 + side K segment + gated activation -> GEMM2 + a2 N segment -> per-token
@@ -51,12 +51,19 @@ def check_forward_inputs(
     side: SideLoRA | None,
     activation: str,
     activation_clamp: float | None,
+    *,
+    require_cuda: bool = True,
+    allow_no_tokens: bool = False,
 ) -> None:
-    """Every argument check of the fused forward, before any launch."""
+    """Every argument check of the fused forward, before any launch.
+
+    The EP layer passes ``require_cuda=False`` (CPU twins, for tests) and
+    ``allow_no_tokens=True`` (a rank may hold no tokens and still serve its experts).
+    """
     if not isinstance(base, BaseWeights):
         raise TypeError(f"base: expected megamoe.BaseWeights, got {type(base).__name__}")
     device = base.device
-    if device.type != "cuda":
+    if require_cuda and device.type != "cuda":
         raise ValueError(f"base: expected CUDA weights for the fused path, got {device}")
     check_tensor(
         "x",
@@ -68,7 +75,7 @@ def check_forward_inputs(
         alignment=16,
     )
     num_tokens = x.shape[0]
-    if num_tokens < 1:
+    if num_tokens < 1 and not allow_no_tokens:
         raise ValueError("x: expected at least one token")
     check_tensor(
         "topk_ids",
@@ -149,40 +156,23 @@ def moe_forward(
     # A zero scale contributes exact zeros: take the no-adapter path (bitwise equal).
     use_side = side is not None and side.scale != 0.0
     q13 = None
-    side_gemm1 = {}
-    b_extra = None
     if use_side:
         q13 = torch.cat([x @ side.a1, x @ side.a3], dim=1)  # [T, 2r], once per token
-        side_gemm1 = dict(
-            side_b_gate=side.b1.transpose(1, 2).contiguous(),  # [E, I, r]
-            side_b_up=side.b3.transpose(1, 2).contiguous(),
-            side_scale=side.scale,
-        )
-        b_extra = side.a2.transpose(1, 2).contiguous()  # [E, r, I]
-    pool_input = pool.gather_pool(x, q13, plan)
     preact = None
     if save == "preact":
         preact = torch.empty(
             plan.pool_capacity, 2 * base.intermediate, dtype=torch.bfloat16, device=x.device
         )
-    w13 = base.w13_for_gemm()  # MXFP4: a transient BF16 decode, dropped after GEMM1
-    hidden_pool = gated_grouped_gemm(
-        pool_input,
-        w13,
+    pool_output = expert_stage(
+        x,
+        q13,
         plan,
-        k=base.hidden,
+        base,
+        side if use_side else None,
         activation=activation,
         activation_clamp=activation_clamp,
-        preact_out=preact,
-        block_n=get_block_n(plan.block_m, 2 * base.intermediate),
-        **side_gemm1,
+        preact=preact,
     )
-    del pool_input, w13  # [T*K, H + 2r]: the largest forward buffer, not needed past GEMM1
-    w2 = base.w2_for_gemm()
-    pool_output = grouped_gemm(
-        hidden_pool, w2, plan, b_extra=b_extra, block_n=get_block_n(plan.block_m, base.hidden)
-    )
-    del hidden_pool, w2
     side_expand = None
     p_sum = None
     if use_side:
@@ -201,6 +191,81 @@ def moe_forward(
     return out, ForwardState(plan=plan, preact=preact, q13=q13, p_sum=p_sum)
 
 
+def gemm1(
+    pool_input: torch.Tensor,
+    plan: RoutePlan,
+    base: BaseWeights,
+    side: SideLoRA | None,
+    *,
+    activation: str,
+    activation_clamp: float | None,
+    preact: torch.Tensor | None,
+) -> torch.Tensor:
+    """GEMM1 + side K segment + gated activation over the pool: ``h`` ``[P, I]`` BF16.
+
+    The one launch the forward, the checkpoint recompute and the EP layer share, so
+    their pre-activations are bitwise equal. ``side``: None for no active adapter;
+    ``preact``: optional ``[P, 2I]`` BF16 output of ``g``, ``u``.
+    """
+    side_args = {}
+    if side is not None:
+        side_args = dict(
+            side_b_gate=side.b1.transpose(1, 2).contiguous(),  # [E, I, r]
+            side_b_up=side.b3.transpose(1, 2).contiguous(),
+            side_scale=side.scale,
+        )
+    return gated_grouped_gemm(
+        pool_input,
+        base.w13_for_gemm(),  # MXFP4: a transient BF16 decode, dropped after GEMM1
+        plan,
+        k=base.hidden,
+        activation=activation,
+        activation_clamp=activation_clamp,
+        preact_out=preact,
+        block_n=get_block_n(plan.block_m, 2 * base.intermediate),
+        **side_args,
+    )
+
+
+def expert_stage(
+    rows: torch.Tensor,
+    side_rows: torch.Tensor | None,
+    plan: RoutePlan,
+    base: BaseWeights,
+    side: SideLoRA | None,
+    *,
+    activation: str,
+    activation_clamp: float | None,
+    preact: torch.Tensor | None,
+) -> torch.Tensor:
+    """The experts over one pool: gather ``[rows | side_rows]``, GEMM1 (+ activation),
+    GEMM2 (+ ``a2`` N segment). Returns ``[y | p]`` ``[P, H (+ r)]`` BF16.
+
+    Shared by EP1 (``rows`` = tokens, ``side_rows`` = ``q13``) and the EP layer
+    (``rows`` = received ``[x | q13]`` rows, ``side_rows`` None). The pool input, the
+    largest forward buffer, is freed before GEMM2.
+    """
+    pool_input = pool.gather_pool(rows, side_rows, plan)
+    hidden_pool = gemm1(
+        pool_input,
+        plan,
+        base,
+        side,
+        activation=activation,
+        activation_clamp=activation_clamp,
+        preact=preact,
+    )
+    del pool_input
+    b_extra = None if side is None else side.a2.transpose(1, 2).contiguous()  # [E, r, I]
+    return grouped_gemm(
+        hidden_pool,
+        base.w2_for_gemm(),
+        plan,
+        b_extra=b_extra,
+        block_n=get_block_n(plan.block_m, base.hidden),
+    )
+
+
 def recompute_preact(
     x: torch.Tensor,
     state: ForwardState,
@@ -211,29 +276,20 @@ def recompute_preact(
     activation_clamp: float | None,
 ) -> torch.Tensor:
     """GEMM1's ``[pool_capacity, 2I]`` pre-activations again (activation checkpointing):
-    the same gather and GEMM1 launch as the forward, so bitwise the same values."""
+    the same gather and :func:`gemm1` launch as the forward, so bitwise the same values."""
     plan = state.plan
     use_side = state.q13 is not None
     pool_input = pool.gather_pool(x, state.q13, plan)
     preact = torch.empty(
         plan.pool_capacity, 2 * base.intermediate, dtype=torch.bfloat16, device=x.device
     )
-    side_gemm1 = {}
-    if use_side:
-        side_gemm1 = dict(
-            side_b_gate=side.b1.transpose(1, 2).contiguous(),
-            side_b_up=side.b3.transpose(1, 2).contiguous(),
-            side_scale=side.scale,
-        )
-    gated_grouped_gemm(
+    gemm1(
         pool_input,
-        base.w13_for_gemm(),
         plan,
-        k=base.hidden,
+        base,
+        side if use_side else None,
         activation=activation,
         activation_clamp=activation_clamp,
-        preact_out=preact,
-        block_n=get_block_n(plan.block_m, 2 * base.intermediate),
-        **side_gemm1,
+        preact=preact,
     )
     return preact

@@ -20,7 +20,8 @@ __all__ = ["decode_mxfp4_bf16"]
 
 
 def decode_mxfp4_bf16(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Decode MXFP4 blocked along the last dim to BF16 (bitwise :func:`dequantize_mxfp4`).
+    """Decode MXFP4 blocked along the last dim to BF16 (bitwise :func:`dequantize_mxfp4`,
+    except that a NaN block's NaNs may carry other payload bits).
 
     Args:
         packed: ``[..., K/2]`` uint8, contiguous (two E2M1 codes per byte, low first).

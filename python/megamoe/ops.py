@@ -299,7 +299,7 @@ def _(
 
 
 # Input slots of megamoe::moe_train_forward (the order of its signature).
-_X, _TOPK_WEIGHTS, _W13, _W2, _W13_SCALES = 0, 2, 3, 4, 5
+_X, _TOPK_WEIGHTS, _W13, _W2, _W13_SCALES, _W2_SCALES = 0, 2, 3, 4, 5, 6
 _SIDE_SLOTS = range(7, 13)
 _SCALE, _ACTIVATION, _CLAMP = 13, 14, 15
 _NUM_INPUTS = 18
@@ -313,7 +313,7 @@ def _train_setup_context(ctx, inputs, output) -> None:
     ctx.activation_clamp = inputs[_CLAMP]
     side_tensors = side if ctx.has_side else ()
     ctx.save_for_backward(
-        *(inputs[slot] for slot in (_X, _TOPK_WEIGHTS, _W13, _W2, _W13_SCALES, _W13_SCALES + 1)),
+        *(inputs[slot] for slot in (_X, _TOPK_WEIGHTS, _W13, _W2, _W13_SCALES, _W2_SCALES)),
         *side_tensors,
         *output[1:],
     )

@@ -42,6 +42,14 @@ SCENARIOS: dict[str, dict] = {
         trainable_base=True,
         tokens={2: [5, 8], 4: [2, 5, 4, 3], 8: [2, 1, 3, 2, 1, 2, 3, 1]},
     ),
+    # Ranks with nothing to send and nothing to receive still join every exchange.
+    "idle_ranks": dict(
+        top_k=2, to_rank0=True, tokens={2: [5, 0], 4: [3, 0, 2, 0], 8: [2, 0, 0, 1, 0, 0, 0, 0]}
+    ),
+    # Every route masked: an empty pool on every rank, zero output and gradients.
+    "all_masked": dict(
+        top_k=2, routing="masked", masked_fraction=1.0, tokens={2: [4, 3], 4: [2] * 4, 8: [1] * 8}
+    ),
     "zero_scale": dict(
         top_k=2, scale=0.0, tokens={2: [4, 7], 4: [2, 3, 4, 1], 8: [1, 2, 1, 1, 2, 1, 1, 2]}
     ),
@@ -53,6 +61,8 @@ def global_layer(name: str, world: int):
     tokens = spec["tokens"][world]
     kwargs = {}
     routing = spec.get("routing", "balanced")
+    if "masked_fraction" in spec:
+        kwargs["masked_fraction"] = spec["masked_fraction"]
     if spec.get("to_rank0"):
         # Every route to rank 0's experts (at EP8, E_l = 1 < K: to the first K ranks).
         kwargs["empty_experts"] = list(range(max(E // world, spec["top_k"]), E))

@@ -27,16 +27,16 @@ deterministic; it equals EP1 up to the order of the shared-grad sums.
 
 from __future__ import annotations
 
+import struct
+
 import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from .. import pool
-from .._checks import check_choice, check_tensor
-from ..activation_backward import activation_backward
-from ..fused_backward import GRAD_NAMES, _deinterleave, _side_shrink_weights
-from ..grouped_gemm import ACTIVATIONS, gated_grouped_gemm, grouped_gemm
-from ..heuristics import get_block_n
+from ..fused_backward import GRAD_NAMES, mm_fp32, pool_backward
+from ..fused_forward import check_forward_inputs, expert_stage
+from ..grouped_gemm import ACTIVATIONS
 from ..registry import registry
 from ..side_lora import SideLoRA
 from ..weights import BaseWeights
@@ -54,52 +54,53 @@ def _exchange_into(
     group: dist.ProcessGroup | None,
 ) -> torch.Tensor:
     """``all_to_all_single`` into the first ``sum(recv_splits)`` rows of a new
-    ``[out_rows, ...]`` buffer (the rest stays unwritten: the pool plan never reads it)."""
+    ``[out_rows, ...]`` buffer (the rest stays unwritten: the pool plan never reads it).
+
+    Every rank calls the collective, also with nothing to send or receive: a rank that
+    skipped it would leave its peers waiting (gloo exchanges zero-length messages).
+    """
     received = sum(recv_splits)
     out = send.new_empty((out_rows, *send.shape[1:]))
     if group is None:
         out[:received].copy_(send)
-    elif received or send.shape[0]:
+    else:
         dist.all_to_all_single(
             out[:received], send.contiguous(), list(recv_splits), list(send_splits), group=group
         )
     return out
 
 
-def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` of BF16 operands with an FP32 result (no BF16 rounding of the sum)."""
-    if a.is_cuda:
-        return torch.mm(a, b, out_dtype=torch.float32)
-    return a.float() @ b.float()
+def _local_weights(w13: torch.Tensor, w2: torch.Tensor) -> BaseWeights:
+    experts, two_i, hidden = w13.shape
+    return BaseWeights(
+        "bf16", w13, w2, None, None, experts, hidden, two_i // 2, registry().gate_up_interleave
+    )
 
 
-def _grouped_mm(a: torch.Tensor, b: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
-    return torch._grouped_mm(a, b, offs=plan.pool.expert_pool_offsets[1:])
-
-
-def _k_grouped_mm(a_t: torch.Tensor, b: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
-    out = torch._grouped_mm(a_t, b, offs=plan.pool.expert_pool_offsets[1:])
-    return out.masked_fill_((plan.pool.expert_counts == 0).view(-1, 1, 1), 0.0)
+def _float_bits(value: float) -> int:
+    """The IEEE float64 bits of ``value`` as an int (exact equality across ranks; -0.0
+    counts as 0.0)."""
+    return struct.unpack("<q", struct.pack("<d", value + 0.0))[0]
 
 
 class _FusedEPMoE(torch.autograd.Function):
-    """Forward and backward of the fused EP layer (both contain collectives)."""
+    """Forward and backward of the fused EP layer (both contain collectives; every rank
+    runs the same sequence, since the pool capacity and ``use_side`` are rank-uniform)."""
 
     @staticmethod
     def forward(ctx, options, plan, x, topk_weights, w13, w2, *side_tensors):
         hidden = w2.shape[1]
-        intermediate = w2.shape[2]
         s = options["scale"]
         use_side = bool(side_tensors) and s != 0.0
         ctx.topk_dtype = topk_weights.dtype
         x = x.detach()
         topk_weights = topk_weights.detach().float().contiguous()
-        w13, w2 = w13.detach(), w2.detach()
+        base = _local_weights(w13.detach(), w2.detach())
         side = tuple(t.detach() for t in side_tensors) if side_tensors else None
+        side_lora = SideLoRA(*side, scale=s) if use_side else None
         token_rows = x
         if use_side:
-            a1, b1, a3, b3, a2, b2 = side
-            token_rows = torch.cat([x, x @ a1, x @ a3], dim=1)  # [x | q13], once per token
+            token_rows = torch.cat([x, x @ side_lora.a1, x @ side_lora.a3], dim=1)  # [x | q13]
         recv = _exchange_into(
             plan.pool_routes,
             token_rows.index_select(0, plan.send_tokens),
@@ -108,39 +109,23 @@ class _FusedEPMoE(torch.autograd.Function):
             plan.group,
         )
         routes = plan.pool
-        pool_input = pool.gather_pool(recv, None, routes)
+        width = hidden + (side_lora.rank if use_side else 0)
         preact = torch.empty(
-            routes.pool_capacity, 2 * intermediate, dtype=torch.bfloat16, device=x.device
+            routes.pool_capacity, 2 * base.intermediate, dtype=torch.bfloat16, device=x.device
         )
-        side_gemm1 = {}
-        b_extra = None
-        if use_side:
-            side_gemm1 = dict(
-                side_b_gate=b1.transpose(1, 2).contiguous(),
-                side_b_up=b3.transpose(1, 2).contiguous(),
-                side_scale=s,
+        if routes.pool_capacity:
+            pool_output = expert_stage(
+                recv,
+                None,
+                routes,
+                base,
+                side_lora,
+                activation=options["activation"],
+                activation_clamp=options["activation_clamp"],
+                preact=preact,
             )
-            b_extra = a2.transpose(1, 2).contiguous()
-        hidden_pool = gated_grouped_gemm(
-            pool_input,
-            w13,
-            routes,
-            k=hidden,
-            activation=options["activation"],
-            activation_clamp=options["activation_clamp"],
-            preact_out=preact,
-            block_n=get_block_n(routes.block_m, 2 * intermediate),
-            **side_gemm1,
-        )
-        del pool_input
-        pool_output = grouped_gemm(
-            hidden_pool,
-            w2,
-            routes,
-            b_extra=b_extra,
-            block_n=get_block_n(routes.block_m, hidden),
-        )
-        del hidden_pool
+        else:  # no rank holds a token: nothing to compute, the exchanges still run
+            pool_output = x.new_empty(0, width)
         row_of_recv = routes.route_to_pool_row[: plan.num_recv, 0].long()
         returned = _exchange_into(
             plan.num_send,
@@ -154,7 +139,7 @@ class _FusedEPMoE(torch.autograd.Function):
         side_expand = p_sum = None
         if use_side:
             p_sum = pool.side_sum(returned, back, topk_weights, hidden)  # [T, r]
-            side_expand = p_sum @ b2
+            side_expand = p_sum @ side_lora.b2
         out = pool.combine(
             returned, back, topk_weights, side_expand, scale=s if use_side else 0.0, hidden=hidden
         )
@@ -165,17 +150,17 @@ class _FusedEPMoE(torch.autograd.Function):
         # Received q13 (small) for db1/db3; the received x only in ordinary mode (dw13).
         # Copied from the received rows only: the buffer's tail is never written.
         received = plan.num_recv
-        keep_recv = recv_q13 = None
+        keep_x = recv_q13 = None
         if ctx.needs_input_grad[4] or ctx.needs_input_grad[5]:
-            keep_recv = recv
+            keep_x = recv
             if recv.shape[1] != hidden:
-                keep_recv = recv.new_zeros(plan.pool_routes, hidden)
-                keep_recv[:received] = recv[:received, :hidden]
+                keep_x = recv.new_zeros(plan.pool_routes, hidden)
+                keep_x[:received] = recv[:received, :hidden]
         if use_side:
             recv_q13 = recv.new_zeros(plan.pool_routes, recv.shape[1] - hidden)
             recv_q13[:received] = recv[:received, hidden:]
         ctx.save_for_backward(
-            x, topk_weights, w13, w2, preact, keep_recv, recv_q13, p_sum, *(side or ())
+            x, topk_weights, w13, w2, preact, keep_x, recv_q13, p_sum, *(side or ())
         )
         return out
 
@@ -189,15 +174,15 @@ class _FusedEPMoE(torch.autograd.Function):
         use_side = ctx.use_side
         s = options["scale"]
         hidden = w2.shape[1]
-        interleave = registry().gate_up_interleave
+        base = _local_weights(w13, w2)
+        side_lora = SideLoRA(*side, scale=s) if use_side else None
         routes = plan.pool
         dout = dout.to(torch.bfloat16).contiguous()
 
         # Out: [dout | s dout b2^T] rows and the route weights (FP32, not rounded).
         token_rows = dout
         if use_side:
-            a1, b1, a3, b3, a2, b2 = side
-            db2 = (s * (dout @ b2.T).float()).to(torch.bfloat16)  # once per token
+            db2 = (s * mm_fp32(dout, side_lora.b2.T)).to(torch.bfloat16)  # once per token
             token_rows = torch.cat([dout, db2], dim=1)
         recv = _exchange_into(
             plan.pool_routes,
@@ -214,76 +199,67 @@ class _FusedEPMoE(torch.autograd.Function):
             plan.recv_splits,
             plan.group,
         )
-        dout_pool = pool.gather_pool(recv, None, routes)  # [P, H (+ r)]
-        del recv
 
-        # The EP1 expert stages on the pool; dgrad2 with the a2 term as extra K rows.
-        w2_k = torch.cat([w2, a2.transpose(1, 2)], dim=1) if use_side else w2
-        z = _grouped_mm(dout_pool, w2_k, plan)
-        del w2_k
-        dgrad_preact, weighted_h, drouter = activation_backward(
-            preact,
-            z,
-            recv_w,
-            routes,
-            activation=options["activation"],
-            activation_clamp=options["activation_clamp"],
-            weighted_h=use_side or base_grads,
-        )
-        del z
+        # The EP1 pool stages over the received rows.
         grads = dict.fromkeys(GRAD_NAMES)
-        if use_side:
-            rank = a1.shape[1]
-            # s is already in the exchanged s dout b2^T columns.
-            a2_t = _k_grouped_mm(dout_pool[:, hidden:].T, weighted_h, plan)  # [E_l, r, I]
-            grads["a2"] = a2_t.transpose(1, 2).contiguous()
-            q13_pool = pool.gather_pool(recv_q13, None, routes)
-            b13 = _k_grouped_mm(q13_pool.T, dgrad_preact, plan)  # [E_l, 2r, 2I]
-            gate_cols, up_cols = _deinterleave(b13, interleave)
-            grads["b1"] = (s * gate_cols[:, :rank].float()).to(torch.bfloat16)
-            grads["b3"] = (s * up_cols[:, rank:].float()).to(torch.bfloat16)
-            del q13_pool, b13
-        if base_grads:
-            grads["w2"] = _k_grouped_mm(dout_pool[:, :hidden].T, weighted_h, plan)
-            x_pool = pool.gather_pool(recv_x, None, routes)
-            grads["w13"] = _k_grouped_mm(dgrad_preact.T, x_pool, plan)
-            del x_pool
-        del dout_pool, weighted_h
-        dx_pool = _grouped_mm(dgrad_preact, w13, plan)  # [P, H]
-        pieces = [dx_pool]
-        if use_side:
-            pieces.append(_grouped_mm(dgrad_preact, _side_shrink_weights(b1, b3, interleave), plan))
-        del dgrad_preact
+        width = hidden + (2 * side_lora.rank if use_side else 0)
+        row_of_recv = routes.route_to_pool_row[: plan.num_recv, 0].long()
+        if routes.pool_capacity:
+            stage = pool_backward(
+                recv,
+                None,
+                preact,
+                recv_w,
+                routes,
+                base,
+                side_lora,
+                q13_rows=recv_q13,
+                x_rows=recv_x,
+                activation=options["activation"],
+                activation_clamp=options["activation_clamp"],
+                base_grads=base_grads,
+                side_grads=use_side,
+            )
+            del recv
+            grads.update({k: v for k, v in stage.local.items() if v is not None})
+            pieces = [stage.dx_pool] + ([stage.shrink_pool] if use_side else [])
+            back_rows = torch.cat([p.index_select(0, row_of_recv) for p in pieces], dim=1)
+            back_dw = stage.drouter.index_select(0, row_of_recv)
+            del stage, pieces
+        else:  # no rank holds a token: the local grads are zeros, the exchanges run
+            back_rows = dout.new_empty(0, width)
+            back_dw = recv_w.new_empty(0)
+            if use_side:
+                for name, t in (("b1", side[1]), ("b3", side[3]), ("a2", side[4])):
+                    grads[name] = torch.zeros_like(t)
+            if base_grads:
+                grads["w13"], grads["w2"] = torch.zeros_like(w13), torch.zeros_like(w2)
 
         # Back: [dx_route | sg | su] rows and the router grads, in send order.
-        row_of_recv = routes.route_to_pool_row[: plan.num_recv, 0].long()
-        back_rows = torch.cat([p.index_select(0, row_of_recv) for p in pieces], dim=1)
-        del pieces, dx_pool
         returned = _exchange_into(
             plan.num_send, back_rows, plan.recv_splits, plan.send_splits, plan.group
         )
         returned_dw = _exchange_into(
-            plan.num_send,
-            drouter.index_select(0, row_of_recv),
-            plan.recv_splits,
-            plan.send_splits,
-            plan.group,
+            plan.num_send, back_dw, plan.recv_splits, plan.send_splits, plan.group
         )
         back = plan.return_plan
+        # Masked routes read the appended zero (also when nothing was sent at all).
         position = back.route_to_pool_row.long()
-        grads["topk_weights"] = torch.where(
-            position >= 0, returned_dw[position.clamp(min=0)], 0.0
-        ).to(ctx.topk_dtype)
+        padded_dw = torch.cat([returned_dw, returned_dw.new_zeros(1)])
+        grads["topk_weights"] = padded_dw[torch.where(position >= 0, position, plan.num_send)].to(
+            ctx.topk_dtype
+        )
         ones = torch.ones_like(topk_weights)
         side_expand = shrink = None
         if use_side:
             shrink = pool.side_sum(returned, back, ones, hidden)  # [T, 2r] = [sg | su]
-            side_expand = shrink @ torch.cat([a1, a3], dim=1).T
+            side_expand = shrink @ torch.cat([side_lora.a1, side_lora.a3], dim=1).T
         grads["x"] = pool.combine(
             returned, back, ones, side_expand, scale=s if use_side else 0.0, hidden=hidden
         )
         if use_side:
-            shared = [s * _mm_fp32(x.T, shrink), s * _mm_fp32(p_sum.T, dout)]
+            rank = side_lora.rank
+            shared = [s * mm_fp32(x.T, shrink), s * mm_fp32(p_sum.T, dout)]
             if options["reduce_shared_grads"]:
                 reduce_shared_grads(shared, plan.group)
             a13_grad = shared[0].to(torch.bfloat16)
@@ -379,62 +355,37 @@ def moe(
     Returns:
         ``[T, H]`` BF16.
     """
-    if not isinstance(base, BaseWeights):
-        raise TypeError(f"base: expected megamoe.BaseWeights, got {type(base).__name__}")
-    if base.format != "bf16":
+    if isinstance(base, BaseWeights) and base.format != "bf16":
         raise ValueError(f"base: format {base.format!r} has no fused EP path yet; use 'bf16'")
-    device = base.device
-    check_tensor(
-        "x",
+    check_forward_inputs(
         x,
-        shape=(None, base.hidden),
-        dtypes=(torch.bfloat16,),
-        device=device,
-        contiguous=True,
-    )
-    tokens = x.shape[0]
-    check_tensor(
-        "topk_ids",
         topk_ids,
-        shape=(tokens, None),
-        dtypes=(torch.int32, torch.int64),
-        device=device,
-        contiguous=True,
-    )
-    check_tensor(
-        "topk_weights",
         topk_weights,
-        shape=tuple(topk_ids.shape),
-        dtypes=(torch.float32,),
-        device=device,
-        contiguous=True,
+        base,
+        side,
+        activation,
+        activation_clamp,
+        require_cuda=False,
+        allow_no_tokens=True,
     )
-    check_choice("activation", activation, tuple(ACTIVATIONS))
-    if side is not None:
-        if not isinstance(side, SideLoRA):
-            raise TypeError(f"side: expected megamoe.SideLoRA or None, got {type(side).__name__}")
-        if side.dtype != torch.bfloat16 or side.device != device:
-            raise TypeError(
-                f"side: expected bfloat16 tensors on {device}, got {side.dtype} on {side.device}"
-            )
-        dims = (side.hidden, side.intermediate, side.num_experts)
-        if dims != (base.hidden, base.intermediate, base.num_experts):
-            raise ValueError(
-                f"side: (H, I, E_l) = {dims} does not match base "
-                f"{(base.hidden, base.intermediate, base.num_experts)}"
-            )
     if not isinstance(reduce_shared_grads, bool):
         raise TypeError(
             f"reduce_shared_grads: expected a bool, got {type(reduce_shared_grads).__name__}"
         )
     # Everything that must match across ranks is checked in plan_dispatch's one
-    # all-reduce, so a mismatch raises on every rank instead of hanging a collective.
+    # all-reduce, so a mismatch raises on every rank instead of hanging a collective:
+    # shapes, the activation, the adapter scale and clamp (their float bits; a zero
+    # scale drops the adapter columns from every exchange).
+    scale = side.scale if side is not None else 0.0
     uniform = {
         "hidden": base.hidden,
         "intermediate": base.intermediate,
         "side_rank": 0 if side is None else side.rank,
         "activation": tuple(ACTIVATIONS).index(activation),
-        "activation_clamp (set or None)": int(activation_clamp is not None),
+        "side.scale (float64 bits)": _float_bits(scale),
+        "activation_clamp (float64 bits, -1: None)": (
+            -1 if activation_clamp is None else _float_bits(float(activation_clamp))
+        ),
         "reduce_shared_grads": int(reduce_shared_grads),
     }
     plan = plan_dispatch(
@@ -452,7 +403,7 @@ def moe(
         base.w2,
         side.tensors() if side is not None else (),
         plan,
-        scale=side.scale if side is not None else 0.0,
+        scale=scale,
         activation=activation,
         activation_clamp=activation_clamp,
         reduce_shared_grads=reduce_shared_grads,

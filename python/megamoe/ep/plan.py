@@ -251,7 +251,7 @@ class DispatchPlan:
 
     @property
     def pool_capacity(self) -> int:
-        """Rows of the rank-uniform pool (``pool_capacity(recv_capacity, E_l, BLOCK_M)``)."""
+        """Rows of the rank-uniform pool (``pool_capacity(pool_routes, E_l, BLOCK_M)``)."""
         return self.pool.pool_capacity
 
 
@@ -295,7 +295,11 @@ def plan_dispatch(
     Steps: one all-reduce MAX of ``[T, bad-id flag, K, -K, E, -E, uniform..., -uniform...]``
     (BLOCK_M agreement and argument checks in one collective) -> the local routing
     split (:func:`split_routes`) -> ``all_to_all_single`` of the per-rank counts ->
-    ``all_to_all_single`` of the routes' expert ids -> the receiver's pool plan.
+    ``all_to_all_single`` of the routes' expert ids -> (without a static ``max_tokens``)
+    an all-reduce MAX of the received route count, the rank-uniform pool size -> the
+    receiver's pool plan. With a static ``max_tokens`` the cross-rank checks are
+    skipped: a bad id or an overflow then raises on one rank only and its peers wait in
+    the next collective until the group's timeout.
 
     Args:
         topk_ids: ``[T, K]`` int32/int64 global expert ids, ``-1`` = masked. ``T`` may

@@ -1,0 +1,84 @@
+"""The activation-backward kernel and GEMM1's pre-activation store, each against its
+torch reference (the fused backward tests cover them end to end through the oracle)."""
+
+import dataclasses
+
+import pytest
+import torch
+
+import megamoe as mm
+from megamoe.activation_backward import activation_backward, activation_backward_reference
+from megamoe.grouped_gemm import gated_grouped_gemm
+from megamoe.testing.inputs import make_routing
+
+pytestmark = pytest.mark.gpu
+
+PLAN_FIELDS = ("expert_counts", "expert_pool_offsets", "route_to_pool_row", "pool_row_to_route")
+
+
+def on_cpu(plan):
+    return dataclasses.replace(plan, **{f: getattr(plan, f).cpu() for f in PLAN_FIELDS})
+
+
+def case(tokens, top_k, experts, inter, *, kind="masked", seed=0):
+    ids, weights = make_routing(tokens, experts, top_k, kind=kind, seed=seed)
+    plan = mm.plan_routes(ids.cuda(), experts, mm.get_block_m(tokens, top_k, experts))
+    gen = torch.Generator().manual_seed(seed)
+    preact = (torch.randn(plan.pool_capacity, 2 * inter, generator=gen) * 2).bfloat16()
+    z = torch.randn(plan.pool_capacity, inter, generator=gen).bfloat16()
+    return plan, preact, z, weights
+
+
+@pytest.mark.parametrize("activation,clamp", [("swiglu", None), ("geglu", None), ("swiglu", 1.0)])
+@pytest.mark.parametrize("tokens,top_k,inter", [(1, 1, 64), (333, 6, 256), (2048, 2, 512)])
+def test_kernel_matches_reference(activation, clamp, tokens, top_k, inter):
+    plan, preact, z, weights = case(tokens, top_k, 8, inter, seed=tokens)
+    args = dict(activation=activation, activation_clamp=clamp)
+    dgu, weighted, drouter = activation_backward(
+        preact.cuda(), z.cuda(), weights.cuda(), plan, **args
+    )
+    want_dgu, want_weighted, want_router = activation_backward_reference(
+        preact, z, weights, on_cpu(plan), **args
+    )
+    rows = int(plan.expert_pool_offsets[-1])  # rows past these are never written
+    # Same FP32 operations but expf/tanhf vs torch's: BF16 results within one ulp.
+    for got, want in ((dgu, want_dgu), (weighted, want_weighted)):
+        got, want = got[:rows].cpu().float(), want[:rows].float()
+        assert torch.allclose(got, want, rtol=2**-7, atol=1e-30)
+    assert torch.allclose(drouter[:rows].cpu(), want_router[:rows], rtol=1e-4, atol=1e-5)
+    # Padding rows: exact zeros.
+    padding = (plan.pool_row_to_route[:rows] < 0).cpu()
+    assert torch.count_nonzero(dgu[:rows].cpu()[padding]) == 0
+    assert torch.count_nonzero(drouter[:rows].cpu()[padding]) == 0
+
+
+@pytest.mark.parametrize("block_n", [128, 256])
+@pytest.mark.parametrize("rank", [0, 16])
+def test_gemm1_stores_the_pre_activations(block_n, rank):
+    tokens, top_k, experts, hidden, inter = 600, 2, 8, 256, 256
+    ids, _ = make_routing(tokens, experts, top_k, seed=1)
+    plan = mm.plan_routes(ids.cuda(), experts, 128)
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    a = torch.randn(plan.pool_capacity, hidden + 2 * rank, device="cuda", generator=gen)
+    a = a.bfloat16()
+    w13 = (torch.randn(experts, 2 * inter, hidden, device="cuda", generator=gen) / 16).bfloat16()
+    side = {}
+    if rank:
+        b_gate = (torch.randn(experts, inter, rank, device="cuda", generator=gen) / 4).bfloat16()
+        b_up = (torch.randn(experts, inter, rank, device="cuda", generator=gen) / 4).bfloat16()
+        side = dict(side_b_gate=b_gate, side_b_up=b_up, side_scale=0.5)
+    preact = torch.empty(plan.pool_capacity, 2 * inter, dtype=torch.bfloat16, device="cuda")
+    gated_grouped_gemm(a, w13, plan, k=hidden, preact_out=preact, block_n=block_n, **side)
+    offsets = plan.expert_pool_offsets.tolist()
+    for e in range(experts):
+        lo, hi = offsets[e], offsets[e + 1]
+        if lo == hi:
+            continue
+        want = a[lo:hi, :hidden].double() @ w13[e].double().T  # kernel (interleaved) order
+        if rank:
+            blocks = want.view(hi - lo, -1, 2, 64)
+            q1, q3 = a[lo:hi, hidden : hidden + rank], a[lo:hi, hidden + rank :]
+            blocks[:, :, 0] += 0.5 * (q1.double() @ b_gate[e].double().T).view(hi - lo, -1, 64)
+            blocks[:, :, 1] += 0.5 * (q3.double() @ b_up[e].double().T).view(hi - lo, -1, 64)
+        got = preact[lo:hi].double()
+        assert torch.allclose(got, want, rtol=2**-7, atol=1e-2), e
