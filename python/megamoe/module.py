@@ -69,6 +69,9 @@ class MegaMoE(nn.Module):
             differentiably, which the fused kernels read). ``dtype`` is an alias, as
             in ``nn.Linear``'s factory kwargs.
         backend: ``"fused"`` (default) or ``"reference"``.
+        activation_checkpoint: fused backend: recompute GEMM1's pre-activations in the
+            backward instead of keeping them (``T*K*2I`` BF16) between forward and
+            backward (``mm.moe``'s option of the same name).
         device: factory kwarg: where the parameters are created.
         dtype: factory kwarg, alias of ``param_dtype``.
 
@@ -94,6 +97,7 @@ class MegaMoE(nn.Module):
         base_format: str = "bf16",
         param_dtype: torch.dtype | None = None,
         backend: str = "fused",
+        activation_checkpoint: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -148,6 +152,12 @@ class MegaMoE(nn.Module):
         self.base_format = base_format
         check_choice("backend", backend, BACKENDS)
         self.backend = backend
+        if not isinstance(activation_checkpoint, bool):
+            kind = type(activation_checkpoint).__name__
+            raise TypeError(f"activation_checkpoint: expected a bool, got {kind}")
+        # Fused backend: keep only small per-token state between forward and backward
+        # and recompute GEMM1's pre-activations in the backward (mm.moe's option).
+        self.activation_checkpoint = activation_checkpoint
         if param_dtype is not None and dtype is not None and param_dtype != dtype:
             raise ValueError(
                 f"dtype: alias of param_dtype, got both param_dtype={param_dtype} and dtype={dtype}"
@@ -352,7 +362,15 @@ class MegaMoE(nn.Module):
                 x, topk_ids, topk_weights, base, side, compute_dtype=torch.float32, **kwargs
             )
             return out.to(x.dtype)
-        return ops.moe(x, topk_ids, topk_weights, base, side, **kwargs)
+        return ops.moe(
+            x,
+            topk_ids,
+            topk_weights,
+            base,
+            side,
+            activation_checkpoint=self.activation_checkpoint,
+            **kwargs,
+        )
 
     def extra_repr(self) -> str:
         base = "trainable" if self.trainable_base else "frozen"
@@ -373,6 +391,8 @@ class MegaMoE(nn.Module):
             f"param_dtype={str(self.w13.dtype).replace('torch.', '')}",
             f"backend={self.backend!r}",
         ]
+        if self.activation_checkpoint:
+            parts.append("activation_checkpoint=True")
         return ", ".join(parts)
 
     def named_adapter_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:

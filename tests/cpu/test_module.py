@@ -298,3 +298,10 @@ def test_bad_forward_arguments():
         layer(x[:, :32], ids, weights)
     with pytest.raises(TypeError, match="x"):
         layer(x.numpy(), ids, weights)
+
+
+def test_activation_checkpoint_option_is_checked_and_shown():
+    layer = MegaMoE(64, 64, 4, 2, side_rank=16, backend="reference", activation_checkpoint=True)
+    assert "activation_checkpoint=True" in repr(layer)
+    with pytest.raises(TypeError, match="^activation_checkpoint"):
+        MegaMoE(64, 64, 4, 2, activation_checkpoint="yes")
