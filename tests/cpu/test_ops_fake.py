@@ -1,0 +1,69 @@
+"""The fake (meta) implementations of the custom ops, which torch.compile traces with:
+shapes and dtypes of every output, without running a kernel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import megamoe as mm  # also registers the megamoe:: ops
+from megamoe.routing import pool_capacity
+
+T, H, I, E, K, R = 37, 128, 64, 8, 2, 16
+
+
+def _inputs(side: bool):
+    x = torch.empty(T, H, dtype=torch.bfloat16)
+    ids = torch.empty(T, K, dtype=torch.int32)
+    weights = torch.empty(T, K, dtype=torch.float32)
+    w13 = torch.empty(E, 2 * I, H, dtype=torch.bfloat16)
+    w2 = torch.empty(E, H, I, dtype=torch.bfloat16)
+    adapters = [None] * 6
+    if side:
+        adapters = [
+            torch.empty(H, R, dtype=torch.bfloat16),
+            torch.empty(E, R, I, dtype=torch.bfloat16),
+            torch.empty(H, R, dtype=torch.bfloat16),
+            torch.empty(E, R, I, dtype=torch.bfloat16),
+            torch.empty(E, I, R, dtype=torch.bfloat16),
+            torch.empty(R, H, dtype=torch.bfloat16),
+        ]
+    return x, ids, weights, w13, w2, adapters
+
+
+@pytest.mark.parametrize("side", [False, True])
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_train_forward_and_backward_fakes(side, checkpoint):
+    capacity = pool_capacity(T * K, E, mm.get_block_m(T, K, E))
+    with FakeTensorMode():
+        x, ids, weights, w13, w2, adapters = _inputs(side)
+        outputs = torch.ops.megamoe.moe_train_forward(
+            x, ids, weights, w13, w2, None, None, *adapters, 0.5, "swiglu", None, True, checkpoint
+        )
+        out, counts, offsets, r2p, p2r, preact, q13, p_sum = outputs
+        assert out.shape == (T, H) and out.dtype == torch.bfloat16
+        assert counts.shape == (E,) and offsets.shape == (E + 1,)
+        assert r2p.shape == (T, K) and p2r.shape == (capacity,)
+        assert preact.shape == ((0,) if checkpoint else (capacity, 2 * I))
+        assert q13.shape == ((T, 2 * R) if side else (0,))
+        assert p_sum.shape == ((T, R) if side else (0,))
+        grads = torch.ops.megamoe.moe_backward(
+            out, x, weights, w13, w2, None, None, *adapters, 0.5, "swiglu", None,
+            counts, offsets, r2p, p2r, preact, q13, p_sum, True, side,
+        )  # fmt: skip
+        assert [tuple(g.shape) for g in grads[:4]] == [(T, H), (T, K), tuple(w13.shape), (E, H, I)]
+        side_shapes = [tuple(g.shape) for g in grads[4:]]
+        if side:
+            assert side_shapes == [tuple(a.shape) for a in adapters]
+        else:
+            assert side_shapes == [(0,)] * 6
+
+
+def test_inference_fake():
+    with FakeTensorMode():
+        x, ids, weights, w13, w2, _ = _inputs(False)
+        out = torch.ops.megamoe.moe_forward(
+            x, ids, weights, w13, w2, None, None, [], 0.0, "swiglu", None, True
+        )
+        assert out.shape == (T, H) and out.dtype == torch.bfloat16
