@@ -159,7 +159,9 @@ def pool_backward(
         db2_pool = dout_pool[:, hidden:]
         if db2_rows is not None:
             db2_pool = pool.gather_pool(db2_rows, None, plan)
-    if not base_grads and db2_rows is not None:
+    # Kept only while a later reader needs it: dw2 (ordinary mode), or da2 when the
+    # s dout b2^T columns were not given on their own (the EP layer's received rows).
+    if not (base_grads or (db2_pool is not None and db2_rows is None)):
         del dout_pool
     dgrad_preact, weighted_h, drouter = activation_backward(
         preact,
@@ -181,7 +183,7 @@ def pool_backward(
         x_pool = pool.gather_pool(x_rows, None, plan)
         local["w13"] = k_grouped(dgrad_preact.T, x_pool)  # [E, 2I, H]
         del x_pool
-    dout_pool = None
+    dout_pool = None  # drop the reference if it was kept
     del weighted_h
     if use_side and side_grads:
         rank = side.rank
