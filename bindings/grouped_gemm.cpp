@@ -65,16 +65,46 @@ CUtensorMap tma_2d(const char* name, const void* base, int64_t rows, int64_t col
   return map;
 }
 
-const GroupedGemmKernels& select_variant(int block_m, int block_n, Epilogue epilogue) {
+// A 3-D BF16 view [depth][rows][cols] (row-major, contiguous), loaded in [1, 64, 64]
+// boxes with the 128-byte swizzle: an MN-major B, one expert per depth slice, so K rows
+// past an expert's k_base are zero-filled rather than read from the next expert.
+CUtensorMap tma_3d(const char* name, const void* base, int64_t depth, int64_t rows, int64_t cols) {
+  if (reinterpret_cast<uintptr_t>(base) % 16 != 0 || (cols * 2) % 16 != 0)
+    throw nb::value_error((std::string(name) +
+                           ": TMA needs a 16-byte aligned address and rows of a multiple of "
+                           "16 bytes")
+                              .c_str());
+  CUtensorMap map{};
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows),
+                              static_cast<cuuint64_t>(depth)};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(cols * 2),
+                                 static_cast<cuuint64_t>(rows * cols * 2)};
+  const cuuint32_t box[3] = {64, static_cast<cuuint32_t>(kGemmBlockK), 1};
+  const cuuint32_t element_strides[3] = {1, 1, 1};
+  const CUresult result = encode_tiled()(
+      &map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(base), dims, strides, box,
+      element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (result != CUDA_SUCCESS)
+    throw std::runtime_error(std::string("megamoe: cuTensorMapEncodeTiled failed for ") + name +
+                             " (CUresult " + str(result) + ")");
+  return map;
+}
+
+const GroupedGemmKernels& select_variant(int block_m, int block_n, Epilogue epilogue,
+                                         BMajor b_major) {
   for (const auto& variant : variants::kGroupedGemmVariants) {
     const Epilogue e = std::string(variant.epilogue) == "GatedActivation"
                            ? Epilogue::GatedActivation
                            : Epilogue::Store;
-    if (variant.block_m == block_m && variant.block_n == block_n && e == epilogue)
+    const BMajor major = std::string(variant.b_major) == "MN" ? BMajor::MN : BMajor::K;
+    if (variant.block_m == block_m && variant.block_n == block_n && e == epilogue &&
+        major == b_major)
       return *variant.kernels;
   }
   throw nb::value_error(("block_m/block_n: no grouped GEMM variant for BLOCK_M " + str(block_m) +
-                         ", BLOCK_N " + str(block_n))
+                         ", BLOCK_N " + str(block_n) +
+                         (b_major == BMajor::MN ? " with an MN-major B" : ""))
                             .c_str());
 }
 
@@ -83,12 +113,18 @@ void grouped_gemm(const Tensor& a, int64_t k_base, const Tensor& b,
                   bool gated, int activation, double activation_clamp,
                   std::optional<Tensor> b_extra, std::optional<Tensor> side_b_gate,
                   std::optional<Tensor> side_b_up, double side_scale,
-                  std::optional<Tensor> preact_out, int num_sms, uintptr_t stream) {
+                  std::optional<Tensor> preact_out, bool b_major_mn, int num_sms,
+                  uintptr_t stream) {
   const int device = a.device_id();
   check_tensor("a", a, bfloat16_dtype(), {-1, -1}, device);
   const int64_t rows = a.shape(0), lda = a.shape(1);
-  check_tensor("b", b, bfloat16_dtype(), {-1, -1, k_base}, device);
-  const int64_t experts = b.shape(0), n_base = b.shape(1);
+  // K-major B: [E, N, K] (nn.Linear); MN-major B: [E, K, N] (the same weights, read
+  // transposed by the dgrads).
+  if (b_major_mn)
+    check_tensor("b", b, bfloat16_dtype(), {-1, k_base, -1}, device);
+  else
+    check_tensor("b", b, bfloat16_dtype(), {-1, -1, k_base}, device);
+  const int64_t experts = b.shape(0), n_base = b_major_mn ? b.shape(2) : b.shape(1);
   check_tensor<int32_t>("expert_pool_offsets", expert_pool_offsets, {experts + 1}, device);
   if (k_base < 8 || k_base % 8 != 0 || k_base > lda)
     throw nb::value_error(("k_base: expected a multiple of 8 in [8, " + str(lda) +
@@ -97,8 +133,14 @@ void grouped_gemm(const Tensor& a, int64_t k_base, const Tensor& b,
   if (rows % block_m != 0)
     throw nb::value_error(
         ("a: pool rows " + str(rows) + " are not a multiple of BLOCK_M " + str(block_m)).c_str());
+  if (b_major_mn && (gated || b_extra || side_b_gate || side_b_up || preact_out))
+    throw nb::value_error("b: an MN-major B takes the Store epilogue without segments");
+  if (b_major_mn && n_base % 8 != 0)
+    throw nb::value_error(
+        ("b: an MN-major B needs N a multiple of 8 (16-byte rows), got " + str(n_base)).c_str());
   const GroupedGemmKernels& kernels =
-      select_variant(block_m, block_n, gated ? Epilogue::GatedActivation : Epilogue::Store);
+      select_variant(block_m, block_n, gated ? Epilogue::GatedActivation : Epilogue::Store,
+                     b_major_mn ? BMajor::MN : BMajor::K);
 
   GroupedGemmParams params{};
   int64_t side_k = 0, n_extra = 0;
@@ -161,7 +203,8 @@ void grouped_gemm(const Tensor& a, int64_t k_base, const Tensor& b,
   }
 
   params.a = tma_2d("a", a.data(), rows, k_base, lda, block_m);
-  params.b = tma_2d("b", b.data(), experts * n_base, k_base, k_base, kernels.block_n);
+  params.b = b_major_mn ? tma_3d("b", b.data(), experts, k_base, n_base)
+                        : tma_2d("b", b.data(), experts * n_base, k_base, k_base, kernels.block_n);
   params.expert_pool_offsets = static_cast<const int32_t*>(expert_pool_offsets.data());
   params.out = out.data();
   params.out_stride = out.shape(1);
@@ -202,7 +245,8 @@ void register_grouped_gemm(nb::module_& m) {
         nb::arg("expert_pool_offsets"), nb::arg("out"), nb::arg("block_m"), nb::arg("block_n"),
         nb::arg("gated"), nb::arg("activation"), nb::arg("activation_clamp"),
         nb::arg("b_extra").none(), nb::arg("side_b_gate").none(), nb::arg("side_b_up").none(),
-        nb::arg("side_scale"), nb::arg("preact_out").none(), nb::arg("num_sms"), nb::arg("stream"),
+        nb::arg("side_scale"), nb::arg("preact_out").none(), nb::arg("b_major_mn"),
+        nb::arg("num_sms"), nb::arg("stream"),
         "Grouped GEMM over the expert pool (see kernels/grouped_gemm_params.h).");
 }
 

@@ -60,38 +60,64 @@ __device__ __forceinline__ uint64_t smem_descriptor(const void* smem) {
   return desc.desc_;
 }
 
+// wgmma descriptor of an MN-major, 128-byte-swizzled B tile made of TMA boxes of
+// 64 K rows x 64 N columns (128-byte rows, 8 KB per box) placed side by side along N.
+// CuTe's canonical MN-major SW128 layout ((8,n),(8,k)):((1,LBO),(8,SBO)) in 16-byte
+// units: LBO = the 8 KB between 64-column chunks, SBO = the 1 KB between 8-row K groups.
+__device__ __forceinline__ uint64_t smem_descriptor_mn(const void* smem) {
+  cute::GmmaDescriptor desc;
+  desc.bitfield.start_address_ = static_cast<uint16_t>(cute::cast_smem_ptr_to_uint(smem) >> 4);
+  desc.bitfield.leading_byte_offset_ = (kGemmBlockK * kRowBytes) >> 4;
+  desc.bitfield.stride_byte_offset_ = 1024 >> 4;
+  desc.bitfield.base_offset_ = 0;
+  desc.bitfield.layout_type_ = 1;  // SWIZZLE_128B
+  return desc.desc_;
+}
+
+// Advance an MN-major descriptor along K by 16 rows (16 x 128 bytes).
+__device__ __forceinline__ uint64_t advance_k16_mn(uint64_t desc, int k16) {
+  return desc + static_cast<uint64_t>((k16 * 16 * kRowBytes) >> 4);
+}
+
 // Advance a descriptor along K by 16 elements (32 bytes) inside the swizzle span: the
 // hardware applies the swizzle to the computed address, so a plain offset is right.
 __device__ __forceinline__ uint64_t advance_k16(uint64_t desc, int k16) {
   return desc + static_cast<uint64_t>((k16 * 32) >> 4);
 }
 
-// The wgmma instruction of an N-column tile (m64, K-major A and B, FP32 accumulate).
-template <int N>
+// The wgmma instruction of an N-column tile (m64, K-major A, FP32 accumulate; B
+// K-major, or MN-major when kBMajorMN).
+template <int N, bool kBMajorMN>
 struct WgmmaOp;
-template <>
-struct WgmmaOp<64> {
-  using type = cute::SM90::GMMA::MMA_64x64x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,
-                                                             cute::SM90::GMMA::Major::K>;
+template <bool kBMajorMN>
+struct WgmmaOp<64, kBMajorMN> {
+  using type =
+      cute::SM90::GMMA::MMA_64x64x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,
+                                                    kBMajorMN ? cute::SM90::GMMA::Major::MN
+                                                              : cute::SM90::GMMA::Major::K>;
 };
-template <>
-struct WgmmaOp<128> {
-  using type = cute::SM90::GMMA::MMA_64x128x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,
-                                                              cute::SM90::GMMA::Major::K>;
+template <bool kBMajorMN>
+struct WgmmaOp<128, kBMajorMN> {
+  using type =
+      cute::SM90::GMMA::MMA_64x128x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,
+                                                     kBMajorMN ? cute::SM90::GMMA::Major::MN
+                                                               : cute::SM90::GMMA::Major::K>;
 };
-template <>
-struct WgmmaOp<256> {
-  using type = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,
-                                                              cute::SM90::GMMA::Major::K>;
+template <bool kBMajorMN>
+struct WgmmaOp<256, kBMajorMN> {
+  using type =
+      cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,
+                                                     kBMajorMN ? cute::SM90::GMMA::Major::MN
+                                                               : cute::SM90::GMMA::Major::K>;
 };
 
 // One m64xNx16 wgmma on N/2 accumulator registers per thread (d[0 .. N/2)).
-template <int N>
+template <int N, bool kBMajorMN = false>
 struct Wgmma {
   template <size_t... I>
   __device__ __forceinline__ static void run(uint64_t a, uint64_t b, float* d, bool accumulate,
                                              std::index_sequence<I...>) {
-    WgmmaOp<N>::type::fma(
+    WgmmaOp<N, kBMajorMN>::type::fma(
         a, b, d[I]...,
         accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
   }
@@ -148,12 +174,15 @@ __device__ __forceinline__ float round_bf16(float v) {
 
 }  // namespace gemm
 
-template <int BlockM, int BlockN, Epilogue kEpilogue>
+template <int BlockM, int BlockN, Epilogue kEpilogue, BMajor kBMajor>
 __global__ void __launch_bounds__(gemm::Tile<BlockM, BlockN>::kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ GroupedGemmParams p) {
   using namespace gemm;
   using T = Tile<BlockM, BlockN>;
   static_assert(BlockN == 128 || BlockN == 256, "tiles hold whole 64-column gate/up pairs");
+  constexpr bool kBMajorMN = kBMajor == BMajor::MN;
+  static_assert(!kBMajorMN || kEpilogue == Epilogue::Store,
+                "an MN-major B (the dgrads) has the Store epilogue only");
   // Accumulator registers per consumer thread (m64 x BlockN FP32 over 128 threads), and
   // the 64-column gate/up interleave blocks one tile spans.
   constexpr int kAccRegs = BlockN / 2;
@@ -222,8 +251,18 @@ __global__ void __launch_bounds__(gemm::Tile<BlockM, BlockN>::kThreads, 1)
                                   : expert * p.n_base + n_block * BlockN;
           FullBarrier::arrive_and_expect_tx(bar, T::kABytes + T::kBBytes);
           cute::SM90_TMA_LOAD_2D::copy(&p.a, bar, kCacheHint, stage_a(ring.stage), k0, row0);
-          cute::SM90_TMA_LOAD_2D::copy(extra ? &p.b_extra : &p.b, bar, kCacheHint,
-                                       stage_b(ring.stage), k0, b_row);
+          if constexpr (kBMajorMN) {
+            // BLOCK_N / 64 boxes of 64 K rows x 64 N columns, side by side along N; the
+            // 3-D map zero-fills K rows past this expert's k_base.
+#pragma unroll
+            for (int chunk = 0; chunk < BlockN / 64; ++chunk)
+              cute::SM90_TMA_LOAD_3D::copy(&p.b, bar, kCacheHint,
+                                           stage_b(ring.stage) + chunk * kGemmBlockK * kRowBytes,
+                                           n_block * BlockN + 64 * chunk, k0, expert);
+          } else {
+            cute::SM90_TMA_LOAD_2D::copy(extra ? &p.b_extra : &p.b, bar, kCacheHint,
+                                         stage_b(ring.stage), k0, b_row);
+          }
         }
         ring.template advance<T::kStages>();
       }
@@ -268,10 +307,18 @@ __global__ void __launch_bounds__(gemm::Tile<BlockM, BlockN>::kThreads, 1)
         }
       } else {
         const bool first = step == 0;  // no side segment: the base starts the sum
+        if constexpr (kBMajorMN) {
+          const uint64_t desc_b_mn = smem_descriptor_mn(stage_b(ring.stage));
 #pragma unroll
-        for (int k16 = 0; k16 < kGemmBlockK / 16; ++k16)
-          Wgmma<BlockN>::mma(advance_k16(desc_a, k16), advance_k16(desc_b, k16), acc,
-                             !(first && k16 == 0));
+          for (int k16 = 0; k16 < kGemmBlockK / 16; ++k16)
+            Wgmma<BlockN, true>::mma(advance_k16(desc_a, k16), advance_k16_mn(desc_b_mn, k16), acc,
+                                     !(first && k16 == 0));
+        } else {
+#pragma unroll
+          for (int k16 = 0; k16 < kGemmBlockK / 16; ++k16)
+            Wgmma<BlockN>::mma(advance_k16(desc_a, k16), advance_k16(desc_b, k16), acc,
+                               !(first && k16 == 0));
+        }
       }
       cute::warpgroup_commit_batch();
       cute::warpgroup_wait<0>();
@@ -345,15 +392,16 @@ __global__ void __launch_bounds__(gemm::Tile<BlockM, BlockN>::kThreads, 1)
   }
 }
 
-template <int BlockM, int BlockN, Epilogue kEpilogue>
+template <int BlockM, int BlockN, Epilogue kEpilogue, BMajor kBMajor = BMajor::K>
 GroupedGemmKernels grouped_gemm_kernels() {
   using T = gemm::Tile<BlockM, BlockN>;
-  return GroupedGemmKernels{&grouped_gemm_kernel<BlockM, BlockN, kEpilogue>,
+  return GroupedGemmKernels{&grouped_gemm_kernel<BlockM, BlockN, kEpilogue, kBMajor>,
                             BlockM,
                             BlockN,
                             T::kThreads,
                             T::kSmemBytes,
-                            kEpilogue};
+                            kEpilogue,
+                            kBMajor};
 }
 
 }  // namespace megamoe::kernels

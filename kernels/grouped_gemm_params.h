@@ -11,6 +11,13 @@ namespace megamoe {
 // Epilogues are template parameters: they change the register use of the kernel.
 enum class Epilogue { Store, GatedActivation };
 
+// Layout of the B operand in global memory, a template parameter (it changes the
+// TMA boxes and the wgmma descriptor):
+//  - K: B_e is [N, K] K-major (nn.Linear layout: GEMM1's w13, GEMM2's w2);
+//  - MN: B_e is [K, N] N-major (the same weights read transposed: the dgrads'
+//    dx = dg w13_e and z = dout w2_e). Store epilogue, no side or extra segments.
+enum class BMajor { K, MN };
+
 // Activations are runtime parameters (DESIGN §2: keep the variant count small).
 enum class Activation : int32_t { SwiGLU = 0, GeGLU = 1 };
 
@@ -30,7 +37,8 @@ constexpr int kGemmBlockK = 64;
 //  - N extra segment (Store only): `n_extra` more output columns from b_extra.
 struct GroupedGemmParams {
   CUtensorMap a;            // [pool rows, k_base] BF16, box [BLOCK_M, 64]
-  CUtensorMap b;            // [E * n_base, k_base] BF16, box [BLOCK_N, 64]
+  CUtensorMap b;            // K: [E * n_base, k_base], box [BLOCK_N, 64];
+                            // MN: 3-D [E][k_base][n_base], box [1, 64, 64] (BF16)
   CUtensorMap a_side_gate;  // [pool rows, side_k] BF16 (q1 columns), box [BLOCK_M, 64]
   CUtensorMap a_side_up;    // [pool rows, side_k] BF16 (q3 columns), box [BLOCK_M, 64]
   CUtensorMap b_side_gate;  // [E * I, side_k] BF16 (b1 transposed), box [BLOCK_N / 2, 64]
@@ -64,6 +72,7 @@ struct GroupedGemmKernels {
   int num_threads;
   int smem_bytes;
   Epilogue epilogue;
+  BMajor b_major;
 };
 
 }  // namespace megamoe

@@ -45,7 +45,7 @@ FAMILIES = {
         "header": "grouped_gemm.cuh",
         "table_type": "GroupedGemmKernels",
         "make": "megamoe::kernels::grouped_gemm_kernels<{block_m}, {block_n}, "
-        "megamoe::Epilogue::{epilogue}>()",
+        "megamoe::Epilogue::{epilogue}, megamoe::BMajor::{b_major}>()",
     },
 }
 

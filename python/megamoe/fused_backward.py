@@ -32,6 +32,7 @@ summation orders. No host synchronisation.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -39,14 +40,38 @@ import torch
 from . import pool
 from .activation_backward import activation_backward
 from .fused_forward import ForwardState, recompute_preact
+from .grouped_gemm import grouped_gemm
+from .heuristics import get_block_n
 from .registry import registry
 from .routing import RoutePlan
 from .side_lora import SideLoRA
 from .weights import BaseWeights
 
-__all__ = ["GRAD_NAMES", "PoolBackward", "mm_fp32", "moe_backward", "pool_backward"]
+__all__ = [
+    "DGRAD_ENGINE_VAR",
+    "GRAD_NAMES",
+    "PoolBackward",
+    "dgrad_on_engine",
+    "mm_fp32",
+    "moe_backward",
+    "pool_backward",
+]
 
 GRAD_NAMES = ("x", "topk_weights", "w13", "w2", "a1", "b1", "a3", "b3", "a2", "b2")
+
+#: Opt-in switch, ``MEGAMOE_DGRAD_ENGINE=1``: run dgrad1 and dgrad2 on the grouped GEMM
+#: engine (its MN-major B variants) instead of ``torch._grouped_mm``, to time the two
+#: against each other; pools of BLOCK_M 128 only (the variants that exist). Off by
+#: default until measured on the GPU (docs/DESIGN-NOTES.md, "Next engine steps").
+DGRAD_ENGINE_VAR = "MEGAMOE_DGRAD_ENGINE"
+
+
+def dgrad_on_engine() -> bool:
+    """Whether ``MEGAMOE_DGRAD_ENGINE`` asks for the engine dgrads (``"0"``/unset: no)."""
+    value = os.environ.get(DGRAD_ENGINE_VAR, "0").strip() or "0"
+    if value not in ("0", "1"):
+        raise ValueError(f"{DGRAD_ENGINE_VAR}: expected 0 or 1, got {value!r}")
+    return value == "1"
 
 
 def _side_shrink_weights(b1: torch.Tensor, b3: torch.Tensor, interleave: int) -> torch.Tensor:
@@ -138,6 +163,15 @@ def pool_backward(
     def grouped(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch._grouped_mm(a, b, offs=offsets)
 
+    engine = dgrad_on_engine() and plan.block_m == 128 and preact.is_cuda
+
+    def dgrad(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """``out[rows of e] = a[rows of e] @ b[e]`` with ``b`` ``[E, K, N]`` as stored."""
+        if engine:
+            block_n = get_block_n(plan.block_m, b.shape[2])
+            return grouped_gemm(a, b.contiguous(), plan, block_n=block_n, b_major="mn")
+        return grouped(a, b)
+
     def k_grouped(a_t: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         # Padding rows are zero in both operands; experts without rows get exact zeros.
         out = torch._grouped_mm(a_t, b, offs=offsets)
@@ -150,7 +184,7 @@ def pool_backward(
     w2 = base.w2_for_gemm()  # MXFP4: a transient decode
     if use_side:
         w2 = torch.cat([w2, side.a2.transpose(1, 2)], dim=1)  # [E, H + r, I]
-    z = grouped(dout_pool, w2)
+    z = dgrad(dout_pool, w2)
     del w2
     db2_pool = None
     if use_side and side_grads:
@@ -196,7 +230,7 @@ def pool_backward(
         local["b3"] = (s * up_cols[:, rank:].float()).to(torch.bfloat16)
 
     # dgrad1 and the b1/b3 shrinks.
-    dx_pool = grouped(dgrad_preact, base.w13_for_gemm())  # [P, H]
+    dx_pool = dgrad(dgrad_preact, base.w13_for_gemm())  # [P, H]
     shrink_pool = None
     if use_side:
         shrink_pool = grouped(dgrad_preact, _side_shrink_weights(side.b1, side.b3, interleave))

@@ -55,6 +55,7 @@ def grouped_gemm(
     b_extra: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     block_n: int = DEFAULT_BLOCK_N,
+    b_major: str = "k",
 ) -> torch.Tensor:
     """Pool GEMM with the Store epilogue.
 
@@ -67,23 +68,37 @@ def grouped_gemm(
         b_extra: optional ``[E, N_x, k]`` BF16: ``N_x`` more output columns.
         out: optional ``[pool rows, N + N_x]`` BF16 output.
         block_n: output tile width, a registry choice (128, or 256 for BLOCK_M 128).
+        b_major: ``"k"`` (``b`` is ``[E, N, k]``, nn.Linear layout) or ``"mn"``: ``b`` is
+            ``[E, k, N]`` and read as stored (``out = a @ b[e]``: the dgrads' ``dg w13_e``
+            and ``dout w2_e``); BLOCK_M 128 only, no ``b_extra``.
 
     Returns:
         ``out`` ``[pool rows, N + N_x]`` BF16. Rows at or past the rows in use are not
         written.
     """
+    check_choice("b_major", b_major, ("k", "mn"))
     check_tensor("a", a, ndim=2, dtypes=(torch.bfloat16,), contiguous=True)
     check_tensor("b", b, ndim=3, dtypes=(torch.bfloat16,), device=a.device, contiguous=True)
     _check_pool_operand(a, plan)
-    k = b.shape[2] if k is None else k
-    n_total = b.shape[1] + (0 if b_extra is None else b_extra.shape[1])
+    major_mn = b_major == "mn"
+    if major_mn and b_extra is not None:
+        raise ValueError("b_extra: not available with b_major='mn'")
+    if major_mn:
+        if k is not None and k != b.shape[1]:
+            raise ValueError(f"k: expected b.shape[1] = {b.shape[1]} for b_major='mn', got {k}")
+        k = b.shape[1]
+        n_total = b.shape[2]
+    else:
+        k = b.shape[2] if k is None else k
+        n_total = b.shape[1] + (0 if b_extra is None else b_extra.shape[1])
     if out is None:
         out = torch.empty(a.shape[0], n_total, dtype=torch.bfloat16, device=a.device)
     if not a.is_cuda:
         weights = b if b_extra is None else torch.cat([b, b_extra], dim=1)
         for e, start, end in _expert_rows(plan):
             if end > start:
-                out[start:end] = (a[start:end, :k].float() @ weights[e].float().T).bfloat16()
+                w = weights[e].float() if major_mn else weights[e].float().T
+                out[start:end] = (a[start:end, :k].float() @ w).bfloat16()
         return out
     dl = _native.dlpack
     with torch.cuda.device(a.device):
@@ -103,6 +118,7 @@ def grouped_gemm(
             None,
             0.0,
             None,
+            major_mn,
             _device_sms(a.device),
             _native.current_stream(a.device),
         )
@@ -184,6 +200,7 @@ def gated_grouped_gemm(
             None if side_b_up is None else dl(side_b_up),
             float(side_scale),
             None if preact_out is None else dl(preact_out),
+            False,
             _device_sms(a.device),
             _native.current_stream(a.device),
         )

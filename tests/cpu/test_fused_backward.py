@@ -216,3 +216,35 @@ def test_backward_with_an_mxfp4_base(activation, clamp):
     expected = _oracle_grads(layer, dout, False, round_bf16=clamp is not None)
     for name in ("x", "topk_weights", "a1", "b1", "a3", "b3", "a2", "b2"):
         assert_close_to_oracle(name, grads[name], expected[name], min_cosine=GRAD_MIN_COSINE)
+
+
+@pytest.mark.parametrize("value,expected", [(None, False), ("0", False), ("1", True), (" ", False)])
+def test_dgrad_engine_switch(monkeypatch, value, expected):
+    from megamoe.fused_backward import DGRAD_ENGINE_VAR, dgrad_on_engine
+
+    if value is None:
+        monkeypatch.delenv(DGRAD_ENGINE_VAR, raising=False)
+    else:
+        monkeypatch.setenv(DGRAD_ENGINE_VAR, value)
+    assert dgrad_on_engine() is expected
+
+
+def test_dgrad_engine_switch_rejects_other_values(monkeypatch):
+    from megamoe.fused_backward import DGRAD_ENGINE_VAR, dgrad_on_engine
+
+    monkeypatch.setenv(DGRAD_ENGINE_VAR, "yes")
+    with pytest.raises(ValueError, match=f"^{DGRAD_ENGINE_VAR}"):
+        dgrad_on_engine()
+
+
+def test_mn_major_cpu_twin_matches_a_plain_product():
+    from megamoe.grouped_gemm import grouped_gemm, grouped_gemm_reference
+
+    layer = make_layer(64, 128, 4, 2, None, num_tokens=50, seed=9)
+    plan = plan_routes_reference(layer.topk_ids, 4, 64)
+    gen = torch.Generator().manual_seed(4)
+    a = torch.randn(plan.pool_capacity, 80, generator=gen).bfloat16()
+    b = (torch.randn(4, 80, 96, generator=gen) / 8).bfloat16()  # [E, K, N] as stored
+    out = grouped_gemm(a, b, plan, b_major="mn")
+    rows = int(plan.expert_pool_offsets[-1])
+    assert_close_to_oracle("out", out[:rows], grouped_gemm_reference(a, b.transpose(1, 2), plan))

@@ -66,6 +66,28 @@ def test_store_with_extra_columns(rank, block_n):
     assert_close_to_oracle("out", out[:rows], grouped_gemm_reference(a, b, plan, b_extra=b_extra))
 
 
+@pytest.mark.parametrize("block_n", [128, 256])
+@pytest.mark.parametrize(
+    "tokens,experts,top_k,k,n",
+    [
+        (1, 8, 1, 128, 256),
+        (700, 8, 2, 2048 + 16, 1024),  # dgrad2 with the a2 rows: K = I + r, a K tail
+        (1029, 16, 6, 1536, 768 + 64),  # an N tail
+        (4096, 32, 6, 4096, 2048),  # dgrad1 of a small layer: [P, 2I] x [E, 2I, H]
+    ],
+)
+def test_store_with_an_mn_major_b(block_n, tokens, experts, top_k, k, n):
+    """b [E, K, N] read as stored (the dgrads' transposed weights): TMA boxes of 64 K
+    rows x 64 N columns, wgmma with an MN-major B; K rows past an expert's K are
+    zero-filled by the 3-D tensor map, not read from the next expert."""
+    plan, a = pool_for(tokens, experts, top_k, 128, k, kind="skewed")
+    b = weights(experts, k, n)
+    out = grouped_gemm(a, b, plan, block_n=block_n, b_major="mn")
+    rows = int(plan.expert_pool_offsets[-1])
+    expected = grouped_gemm_reference(a, b.transpose(1, 2), plan)
+    assert_close_to_oracle("out", out[:rows], expected)
+
+
 @pytest.mark.parametrize("block_m,block_n", TILES)
 @pytest.mark.parametrize("activation,clamp", [("swiglu", None), ("geglu", None), ("swiglu", 0.5)])
 @pytest.mark.parametrize("rank", [0, 16, 128, 256])
