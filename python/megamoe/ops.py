@@ -392,7 +392,7 @@ def moe(
         topk_weights: ``[T, K]`` float32 router weights.
         base: :func:`~megamoe.prepare_base_weights` output, ``format="bf16"`` or
             ``"mxfp4"`` (a frozen base: kept packed, decoded to a transient BF16 buffer
-            right before each GEMM that reads it; EP1 only in this version).
+            right before each GEMM that reads it).
         side: optional :class:`~megamoe.SideLoRA` (bfloat16); scale 0 gives output
             bitwise equal to ``side=None``.
         activation: ``"swiglu"`` or ``"geglu"``; activation_clamp: ``c`` or None.
@@ -422,11 +422,6 @@ def moe(
     if not isinstance(activation_checkpoint, bool):
         raise TypeError(
             f"activation_checkpoint: expected a bool, got {type(activation_checkpoint).__name__}"
-        )
-    if group is not None and base.format != "bf16":
-        raise ValueError(
-            f"base: the expert-parallel path takes format='bf16' in this version, got "
-            f"{base.format!r}"
         )
     if group is not None:
         if not isinstance(group, dist.ProcessGroup):

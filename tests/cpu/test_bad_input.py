@@ -442,12 +442,6 @@ def test_moe_side_of_the_wrong_type() -> None:
         moe(side=side_tensors())
 
 
-def test_moe_mxfp4_base_with_a_group_names_the_format() -> None:
-    base = mm.prepare_base_weights(*base_tensors(), format="mxfp4")
-    with pytest.raises(ValueError, match=r"^base: the expert-parallel path takes format='bf16'"):
-        moe(base=base, group=object())
-
-
 def test_trainable_mxfp4_base_is_refused() -> None:
     w13, w2 = (t.requires_grad_() for t in base_tensors())
     with pytest.raises(ValueError, match=r"^w13: an MXFP4 base is frozen"):

@@ -50,6 +50,8 @@ SCENARIOS: dict[str, dict] = {
     "all_masked": dict(
         top_k=2, routing="masked", masked_fraction=1.0, tokens={2: [4, 3], 4: [2] * 4, 8: [1] * 8}
     ),
+    # A frozen MXFP4 base: packed weights decoded before each GEMM on every rank.
+    "mxfp4": dict(top_k=2, format="mxfp4", tokens={2: [7, 5], 4: [3, 4, 2, 3], 8: [2] * 8}),
     "zero_scale": dict(
         top_k=2, scale=0.0, tokens={2: [4, 7], 4: [2, 3, 4, 1], 8: [1, 2, 1, 1, 2, 1, 1, 2]}
     ),
@@ -74,6 +76,7 @@ def global_layer(name: str, world: int):
         routing=routing,
         activation=spec.get("activation", "swiglu"),
         activation_clamp=spec.get("clamp"),
+        format=spec.get("format", "bf16"),
         **kwargs,
     )
     args = (H, INTER, E, spec["top_k"], spec.get("side_rank", R))
@@ -103,10 +106,15 @@ def run_fused(name: str, rank: int, world: int, group) -> dict:
     base = layer.base
     w13 = base.w13[experts].detach().clone().requires_grad_(trainable)
     w2 = base.w2[experts].detach().clone().requires_grad_(trainable)
+    scales = (None, None)
+    if base.format == "mxfp4":
+        scales = (base.w13_scales[experts].clone(), base.w2_scales[experts].clone())
     local_base = type(base)(
-        "bf16", w13, w2, None, None, w13.shape[0], H, INTER, base.gate_up_interleave
+        base.format, w13, w2, *scales, w13.shape[0], H, INTER, base.gate_up_interleave
     )
-    named = {"x": x, "topk_weights": weights, "w13": w13, "w2": w2}
+    named = {"x": x, "topk_weights": weights}
+    if trainable:
+        named.update(w13=w13, w2=w2)
     side = None
     if layer.side is not None:
         s = layer.side
@@ -142,8 +150,9 @@ def oracle(name: str, world: int) -> tuple[torch.Tensor, dict]:
         exact.x,
         exact.topk_ids,
         exact.topk_weights,
-        exact.w13,
-        exact.w2,
+        # The weights the layer computes with (dequantized for an MXFP4 base; exact).
+        exact.base.w13_linear(torch.float32).double(),
+        exact.base.w2_linear(torch.float32).double(),
         exact.side,
         activation=exact.activation,
         activation_clamp=exact.activation_clamp,

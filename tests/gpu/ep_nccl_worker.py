@@ -68,6 +68,7 @@ def scenarios(world: int) -> dict[str, dict]:
         "at_transition": dict(top_k=2, tokens=[transition] + [10] * (world - 1)),
         "ordinary": dict(top_k=2, side_rank=None, trainable_base=True, tokens=[180] * world),
         "zero_scale": dict(top_k=2, scale=0.0, tokens=[100] * world),
+        "mxfp4": dict(top_k=6, format="mxfp4", routing="masked", tokens=[250] * world),
         # Ranks with nothing to send or receive still join every exchange.
         "idle_rank": dict(top_k=2, to_last_rank=True, tokens=[0] + [60] * (world - 1)),
         "all_masked": dict(top_k=2, routing="masked", masked_fraction=1.0, tokens=[30] * world),
@@ -94,6 +95,7 @@ def global_layer(name: str, spec: dict, world: int, dtype: torch.dtype):
         routing=spec.get("routing", "balanced"),
         activation=spec.get("activation", "swiglu"),
         activation_clamp=spec.get("clamp"),
+        format=spec.get("format", "bf16"),
         requires_grad=True,
         trainable_base=spec.get("trainable_base", False),
         **kwargs,
@@ -108,10 +110,15 @@ def run(layer, dout, rows, experts, group):
     weights = layer.topk_weights[rows].detach().clone().requires_grad_(True)
     w13 = base.w13[experts].detach().clone().requires_grad_(trainable)
     w2 = base.w2[experts].detach().clone().requires_grad_(trainable)
+    scales = (None, None)
+    if base.format == "mxfp4":
+        scales = (base.w13_scales[experts].clone(), base.w2_scales[experts].clone())
     local = mm.BaseWeights(
-        "bf16", w13, w2, None, None, w13.shape[0], H, INTER, base.gate_up_interleave
+        base.format, w13, w2, *scales, w13.shape[0], H, INTER, base.gate_up_interleave
     )
-    named = {"x": x, "topk_weights": weights, "w13": w13, "w2": w2}
+    named = {"x": x, "topk_weights": weights}
+    if trainable:
+        named.update(w13=w13, w2=w2)
     side = None
     if layer.side is not None:
         s = layer.side

@@ -261,7 +261,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=int,
         default=1,
         help="expert-parallel degree: > 1 runs `megamoe.bench.ep` on that many local GPUs "
-        "under torchrun (65,536 tokens per rank, 256 experts; --mode and --json pass on)",
+        "under torchrun (65,536 tokens per rank, 256 experts; --mode, --dtype and --json "
+        "pass on)",
     )
     args = parser.parse_args(argv)
     args.backends = [b.strip() for b in args.backend.split(",") if b.strip()]
@@ -301,6 +302,8 @@ def _run_ep(args: argparse.Namespace) -> int:
         "megamoe.bench.ep",
         "--mode",
         args.mode,
+        "--dtype",
+        args.dtype,
         "--warmup",
         str(args.warmup),
         "--iters",

@@ -1,7 +1,8 @@
 """``torchrun --nproc-per-node P -m megamoe.bench.ep``: expert-parallel F+B per rank.
 
 Each rank holds ``T`` tokens (default 65,536) and ``E / P`` of ``E`` experts (default
-256), balanced top-k routing over all ``E``, side-LoRA (or ``--mode ordinary``). It
+256), balanced top-k routing over all ``E``, side-LoRA (or ``--mode ordinary``), a BF16
+(or ``--dtype mxfp4``) base. It
 times, with CUDA events (warm-up, then ``--iters`` samples; a sample is the MAX over
 ranks, the figure the median of those):
 
@@ -67,10 +68,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--intermediate", type=int, default=2048)
     parser.add_argument("--rank", type=int, default=128, help="adapter rank")
     parser.add_argument("--mode", choices=("side-lora", "ordinary"), default="side-lora")
+    parser.add_argument("--dtype", choices=("bf16", "mxfp4"), default="bf16", help="base format")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
+    if args.mode == "ordinary" and args.dtype == "mxfp4":
+        parser.error("--mode ordinary trains the base: it needs --dtype bf16")
 
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -87,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         num_tokens=args.tokens,
         seed=100 + rank,
         device="cuda",
+        format=args.dtype,
         requires_grad=True,
         trainable_base=ordinary,
     )
@@ -153,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"EP{world}: {args.tokens} tokens/rank, {args.experts} experts "
             f"({local_experts}/rank), top-{args.top_k}, H={args.hidden}, "
-            f"I={args.intermediate}, mode={args.mode}, device={torch.cuda.get_device_name()}"
+            f"I={args.intermediate}, mode={args.mode}, base={args.dtype}, "
+            f"device={torch.cuda.get_device_name()}"
         )
         print(f"{'case':24s} {'median ms':>10s} {'peak GiB':>9s}")
         for key, row in results.items():

@@ -70,11 +70,15 @@ def _exchange_into(
     return out
 
 
-def _local_weights(w13: torch.Tensor, w2: torch.Tensor) -> BaseWeights:
-    experts, two_i, hidden = w13.shape
-    return BaseWeights(
-        "bf16", w13, w2, None, None, experts, hidden, two_i // 2, registry().gate_up_interleave
-    )
+def _local_weights(
+    w13: torch.Tensor, w2: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None
+) -> BaseWeights:
+    """This rank's experts: BF16, or MXFP4 (packed values + the UE8M0 ``scales``)."""
+    experts, two_i, last = w13.shape
+    interleave = registry().gate_up_interleave
+    if scales is not None:
+        return BaseWeights("mxfp4", w13, w2, *scales, experts, 2 * last, two_i // 2, interleave)
+    return BaseWeights("bf16", w13, w2, None, None, experts, last, two_i // 2, interleave)
 
 
 def _float_bits(value: float) -> int:
@@ -89,13 +93,13 @@ class _FusedEPMoE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, options, plan, x, topk_weights, w13, w2, *side_tensors):
-        hidden = w2.shape[1]
+        hidden = w2.shape[1]  # w2 [E_l, H, I or I/2 packed]
         s = options["scale"]
         use_side = bool(side_tensors) and s != 0.0
         ctx.topk_dtype = topk_weights.dtype
         x = x.detach()
         topk_weights = topk_weights.detach().float().contiguous()
-        base = _local_weights(w13.detach(), w2.detach())
+        base = _local_weights(w13.detach(), w2.detach(), options["scales"])
         side = tuple(t.detach() for t in side_tensors) if side_tensors else None
         side_lora = SideLoRA(*side, scale=s) if use_side else None
         token_rows = x
@@ -174,7 +178,7 @@ class _FusedEPMoE(torch.autograd.Function):
         use_side = ctx.use_side
         s = options["scale"]
         hidden = w2.shape[1]
-        base = _local_weights(w13, w2)
+        base = _local_weights(w13, w2, options["scales"])
         side_lora = SideLoRA(*side, scale=s) if use_side else None
         routes = plan.pool
         dout = dout.to(torch.bfloat16).contiguous()
@@ -291,24 +295,29 @@ def fused_ep_moe(
     activation: str,
     activation_clamp: float | None,
     reduce_shared_grads: bool,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Run the fused EP layer (module docstring) with an existing dispatch plan.
 
     Args:
         x: ``[T, H]`` BF16 (``T`` may be 0 on a rank).
         topk_weights: ``[T, K]`` float32.
-        w13: ``[E_l, 2I, H]`` BF16 in the kernels' gate/up interleave (``base.w13``).
-        w2: ``[E_l, H, I]`` BF16.
+        w13: ``[E_l, 2I, H]`` BF16 in the kernels' gate/up interleave (``base.w13``), or
+            its MXFP4 packing ``[E_l, 2I, H/2]`` uint8.
+        w2: ``[E_l, H, I]`` BF16, or ``[E_l, H, I/2]`` uint8 (MXFP4).
         side_tensors: ``(a1, b1, a3, b3, a2, b2)`` BF16 (shared factors replicated,
             expert-local ones this rank's) or ``()``.
         plan: :func:`~megamoe.ep.plan.plan_dispatch` of this step's ``topk_ids``.
         scale, activation, activation_clamp: as in ``mm.moe``.
         reduce_shared_grads: all-reduce the ``a1, a3, b2`` gradients over the group.
+        scales: the UE8M0 scales ``(w13_scales, w2_scales)`` of an MXFP4 base (decoded
+            to transient BF16 before each GEMM, as in EP1), or None for BF16.
 
     Returns:
         ``[T, H]`` BF16; differentiable like ``mm.moe``.
     """
     options = {
+        "scales": scales,
         "scale": float(scale),
         "activation": activation,
         "activation_clamp": activation_clamp,
@@ -342,7 +351,7 @@ def moe(
         topk_ids: ``[T, K]`` int32/int64 *global* expert ids in ``[-1, E)``.
         topk_weights: ``[T, K]`` float32, differentiable.
         base: this rank's experts (:func:`~megamoe.prepare_base_weights` of ``[E_l, ...]``,
-            global ids ``rank * E_l ..``), format ``"bf16"``.
+            global ids ``rank * E_l ..``), format ``"bf16"`` or ``"mxfp4"`` (frozen).
         side: optional BF16 :class:`~megamoe.SideLoRA`: shared ``a1, a3, b2`` (the same on
             every rank) and this rank's ``b1, b3, a2``.
         group: the EP process group (NCCL on GPUs, gloo on CPU), or None (one process).
@@ -355,8 +364,6 @@ def moe(
     Returns:
         ``[T, H]`` BF16.
     """
-    if isinstance(base, BaseWeights) and base.format != "bf16":
-        raise ValueError(f"base: format {base.format!r} has no fused EP path yet; use 'bf16'")
     check_forward_inputs(
         x,
         topk_ids,
@@ -381,6 +388,7 @@ def moe(
         "hidden": base.hidden,
         "intermediate": base.intermediate,
         "side_rank": 0 if side is None else side.rank,
+        "base format (0 bf16, 1 mxfp4)": int(base.format == "mxfp4"),
         "activation": tuple(ACTIVATIONS).index(activation),
         "side.scale (float64 bits)": _float_bits(scale),
         "activation_clamp (float64 bits, -1: None)": (
@@ -407,4 +415,5 @@ def moe(
         activation=activation,
         activation_clamp=activation_clamp,
         reduce_shared_grads=reduce_shared_grads,
+        scales=(base.w13_scales, base.w2_scales) if base.format == "mxfp4" else None,
     )
