@@ -94,9 +94,10 @@ CUtensorMap tma_3d(const char* name, const void* base, int64_t depth, int64_t ro
 const GroupedGemmKernels& select_variant(int block_m, int block_n, Epilogue epilogue,
                                          BMajor b_major) {
   for (const auto& variant : variants::kGroupedGemmVariants) {
-    const Epilogue e = std::string(variant.epilogue) == "GatedActivation"
-                           ? Epilogue::GatedActivation
-                           : Epilogue::Store;
+    const std::string name = variant.epilogue;
+    const Epilogue e = name == "GatedActivation"      ? Epilogue::GatedActivation
+                       : name == "ActivationBackward" ? Epilogue::ActivationBackward
+                                                      : Epilogue::Store;
     const BMajor major = std::string(variant.b_major) == "MN" ? BMajor::MN : BMajor::K;
     if (variant.block_m == block_m && variant.block_n == block_n && e == epilogue &&
         major == b_major)
@@ -106,6 +107,27 @@ const GroupedGemmKernels& select_variant(int block_m, int block_n, Epilogue epil
                          ", BLOCK_N " + str(block_n) +
                          (b_major == BMajor::MN ? " with an MN-major B" : ""))
                             .c_str());
+}
+
+void launch(const GroupedGemmKernels& kernels, const GroupedGemmParams& params, int device,
+            int num_sms, uintptr_t stream) {
+  int current_device = -1;
+  cuda_check(cudaGetDevice(&current_device), "cudaGetDevice");
+  if (current_device != device)
+    throw nb::value_error(
+        ("a: on cuda:" + str(device) + " but the current device is cuda:" + str(current_device))
+            .c_str());
+  if (num_sms < 1) throw nb::value_error("num_sms: expected >= 1");
+  // Not a stream operation: cheap, and allowed during CUDA-graph capture.
+  cuda_check(cudaFuncSetAttribute(reinterpret_cast<const void*>(kernels.kernel),
+                                  cudaFuncAttributeMaxDynamicSharedMemorySize, kernels.smem_bytes),
+             "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(num_sms));
+  config.blockDim = dim3(static_cast<unsigned>(kernels.num_threads));
+  config.dynamicSmemBytes = static_cast<size_t>(kernels.smem_bytes);
+  config.stream = reinterpret_cast<cudaStream_t>(stream);
+  cuda_check(cudaLaunchKernelEx(&config, kernels.kernel, params), "grouped_gemm launch");
 }
 
 void grouped_gemm(const Tensor& a, int64_t k_base, const Tensor& b,
@@ -218,24 +240,72 @@ void grouped_gemm(const Tensor& a, int64_t k_base, const Tensor& b,
   params.activation = activation;
   params.activation_clamp = static_cast<float>(activation_clamp);
 
-  int current_device = -1;
-  cuda_check(cudaGetDevice(&current_device), "cudaGetDevice");
-  if (current_device != device)
-    throw nb::value_error(
-        ("a: on cuda:" + str(device) + " but the current device is cuda:" + str(current_device))
-            .c_str());
-  if (num_sms < 1) throw nb::value_error("num_sms: expected >= 1");
+  launch(kernels, params, device, num_sms, stream);
+}
 
-  // Not a stream operation: cheap, and allowed during CUDA-graph capture.
-  cuda_check(cudaFuncSetAttribute(reinterpret_cast<const void*>(kernels.kernel),
-                                  cudaFuncAttributeMaxDynamicSharedMemorySize, kernels.smem_bytes),
-             "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>(num_sms));
-  config.blockDim = dim3(static_cast<unsigned>(kernels.num_threads));
-  config.dynamicSmemBytes = static_cast<size_t>(kernels.smem_bytes);
-  config.stream = reinterpret_cast<cudaStream_t>(stream);
-  cuda_check(cudaLaunchKernelEx(&config, kernels.kernel, params), "grouped_gemm launch");
+// dgrad2 with the activation backward as its epilogue (Epilogue::ActivationBackward):
+// z = a @ b_e with b [E, K, I] MN-major (w2 as stored, or [w2 ; a2^T]), consumed in
+// registers; writes dg | du, w h (optional) and the router dot's per-tile partials.
+void grouped_gemm_activation_backward(const Tensor& a, const Tensor& b,
+                                      const Tensor& expert_pool_offsets, const Tensor& preact,
+                                      const Tensor& route_weights, const Tensor& pool_row_to_route,
+                                      const Tensor& dgrad_preact, std::optional<Tensor> weighted_h,
+                                      const Tensor& drouter_partials, int block_m, int block_n,
+                                      int activation, double activation_clamp, int num_sms,
+                                      uintptr_t stream) {
+  const int device = a.device_id();
+  check_tensor("a", a, bfloat16_dtype(), {-1, -1}, device);
+  const int64_t rows = a.shape(0), lda = a.shape(1);
+  check_tensor("b", b, bfloat16_dtype(), {-1, -1, -1}, device);
+  const int64_t experts = b.shape(0), k_base = b.shape(1), intermediate = b.shape(2);
+  if (k_base < 8 || k_base % 8 != 0 || k_base > lda)
+    throw nb::value_error(
+        ("b: expected K a multiple of 8 in [8, " + str(lda) + "] (a's columns), got " + str(k_base))
+            .c_str());
+  if (intermediate % 64 != 0)
+    throw nb::value_error(
+        ("b: expected I a multiple of 64 (the gate/up interleave), got " + str(intermediate))
+            .c_str());
+  check_tensor<int32_t>("expert_pool_offsets", expert_pool_offsets, {experts + 1}, device);
+  if (rows % block_m != 0)
+    throw nb::value_error(
+        ("a: pool rows " + str(rows) + " are not a multiple of BLOCK_M " + str(block_m)).c_str());
+  check_tensor("preact", preact, bfloat16_dtype(), {rows, 2 * intermediate}, device);
+  check_tensor<float>("route_weights", route_weights, {-1}, device);
+  check_tensor<int32_t>("pool_row_to_route", pool_row_to_route, {rows}, device);
+  check_tensor("dgrad_preact", dgrad_preact, bfloat16_dtype(), {rows, 2 * intermediate}, device);
+  if (weighted_h)
+    check_tensor("weighted_h", *weighted_h, bfloat16_dtype(), {rows, intermediate}, device);
+  if (activation != 0 && activation != 1)
+    throw nb::value_error(
+        ("activation: expected 0 (swiglu) or 1 (geglu), got " + str(activation)).c_str());
+  if (std::isnan(activation_clamp) || activation_clamp <= 0)
+    throw nb::value_error("activation_clamp: expected a positive value (inf = no clamp)");
+  const GroupedGemmKernels& kernels =
+      select_variant(block_m, block_n, Epilogue::ActivationBackward, BMajor::MN);
+  const int64_t n_blocks = (intermediate + kernels.block_n - 1) / kernels.block_n;
+  check_tensor<float>("drouter_partials", drouter_partials, {rows, n_blocks}, device);
+
+  GroupedGemmParams params{};
+  params.a = tma_2d("a", a.data(), rows, k_base, lda, block_m);
+  params.b = tma_3d("b", b.data(), experts, k_base, intermediate);
+  params.expert_pool_offsets = static_cast<const int32_t*>(expert_pool_offsets.data());
+  params.out = nullptr;
+  params.out_stride = 0;
+  params.num_experts = static_cast<int32_t>(experts);
+  params.pool_rows = static_cast<int32_t>(rows);
+  params.k_base = static_cast<int32_t>(k_base);
+  params.n_base = static_cast<int32_t>(intermediate);
+  params.activation = activation;
+  params.activation_clamp = static_cast<float>(activation_clamp);
+  params.preact = preact.data();
+  params.route_weights = static_cast<const float*>(route_weights.data());
+  params.pool_row_to_route = static_cast<const int32_t*>(pool_row_to_route.data());
+  params.num_routes = route_weights.shape(0);
+  params.dgrad_preact = dgrad_preact.data();
+  params.weighted_h = weighted_h ? weighted_h->data() : nullptr;
+  params.drouter_partials = static_cast<float*>(drouter_partials.data());
+  launch(kernels, params, device, num_sms, stream);
 }
 
 }  // namespace
@@ -248,6 +318,12 @@ void register_grouped_gemm(nb::module_& m) {
         nb::arg("side_scale"), nb::arg("preact_out").none(), nb::arg("b_major_mn"),
         nb::arg("num_sms"), nb::arg("stream"),
         "Grouped GEMM over the expert pool (see kernels/grouped_gemm_params.h).");
+  m.def("grouped_gemm_activation_backward", &grouped_gemm_activation_backward, nb::arg("a"),
+        nb::arg("b"), nb::arg("expert_pool_offsets"), nb::arg("preact"), nb::arg("route_weights"),
+        nb::arg("pool_row_to_route"), nb::arg("dgrad_preact"), nb::arg("weighted_h").none(),
+        nb::arg("drouter_partials"), nb::arg("block_m"), nb::arg("block_n"), nb::arg("activation"),
+        nb::arg("activation_clamp"), nb::arg("num_sms"), nb::arg("stream"),
+        "dgrad2 with the activation backward as its epilogue (MN-major B).");
 }
 
 }  // namespace megamoe

@@ -20,6 +20,7 @@
 #include <cute/arch/mma_sm90_gmma.hpp>
 #include <utility>
 
+#include "gated_activation_math.cuh"
 #include "grouped_gemm_params.h"
 
 namespace megamoe::kernels {
@@ -181,8 +182,10 @@ __global__ void __launch_bounds__(gemm::Tile<BlockM, BlockN>::kThreads, 1)
   using T = Tile<BlockM, BlockN>;
   static_assert(BlockN == 128 || BlockN == 256, "tiles hold whole 64-column gate/up pairs");
   constexpr bool kBMajorMN = kBMajor == BMajor::MN;
-  static_assert(!kBMajorMN || kEpilogue == Epilogue::Store,
-                "an MN-major B (the dgrads) has the Store epilogue only");
+  constexpr bool kActBackward = kEpilogue == Epilogue::ActivationBackward;
+  static_assert(!kBMajorMN || kEpilogue != Epilogue::GatedActivation,
+                "an MN-major B (the dgrads) has the Store or ActivationBackward epilogue");
+  static_assert(!kActBackward || kBMajorMN, "the activation backward is dgrad2's (MN-major B)");
   // Accumulator registers per consumer thread (m64 x BlockN FP32 over 128 threads), and
   // the 64-column gate/up interleave blocks one tile spans.
   constexpr int kAccRegs = BlockN / 2;
@@ -371,6 +374,75 @@ __global__ void __launch_bounds__(gemm::Tile<BlockM, BlockN>::kThreads, 1)
             }
           }
         }
+      }
+    } else if constexpr (kActBackward) {
+      // dgrad2 + activation backward: the accumulators are z for columns
+      // i = n_block * BlockN + 8j + 2(lane % 4) + {0,1} of rows row0 and row0 + 8. Each
+      // thread reads g, u of those columns (w13's interleave: i's gate column is
+      // 128 (i / 64) + i % 64, its up column 64 further) and writes dg | du there.
+      const __nv_bfloat16* preact = static_cast<const __nv_bfloat16*>(p.preact);
+      __nv_bfloat16* dgrad = static_cast<__nv_bfloat16*>(p.dgrad_preact);
+      __nv_bfloat16* weighted = static_cast<__nv_bfloat16*>(p.weighted_h);
+      const int64_t preact_stride = 2 * static_cast<int64_t>(p.n_base);
+      const float clamp = p.activation_clamp;
+      float weight[2], dot[2] = {0.0f, 0.0f};
+      bool routed[2];
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int32_t route = __ldg(p.pool_row_to_route + row0 + 8 * half);
+        // Padding rows (route -1) get weight 0 and a zero router dot, as in the
+        // activation-backward kernel.
+        routed[half] = route >= 0 && route < p.num_routes;
+        weight[half] = routed[half] ? __ldg(p.route_weights + route) : 0.0f;
+      }
+#pragma unroll
+      for (int j = 0; j < BlockN / 8; ++j) {
+        const int col = n_block * BlockN + 8 * j + 2 * (lane % 4);
+        if (col >= p.n_base) continue;  // N tail (columns come in pairs)
+        const int64_t gate_col = static_cast<int64_t>(col / 64) * 128 + col % 64;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int64_t row = row0 + 8 * half;
+          const __nv_bfloat162 gate2 =
+              *reinterpret_cast<const __nv_bfloat162*>(preact + row * preact_stride + gate_col);
+          const __nv_bfloat162 up2 = *reinterpret_cast<const __nv_bfloat162*>(
+              preact + row * preact_stride + gate_col + 64);
+          const float gate[2] = {__low2float(gate2), __high2float(gate2)};
+          const float up[2] = {__low2float(up2), __high2float(up2)};
+          float dg[2], du[2], wh[2];
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const float z = gemm::round_bf16(acc[4 * j + 2 * half + c]);  // a GEMM output
+            const float gc = fminf(gate[c], clamp);
+            const float uc = fminf(fmaxf(up[c], -clamp), clamp);
+            float act, derivative;
+            act_math::activation_and_derivative(gc, p.activation, act, derivative);
+            const float h = gemm::round_bf16(act * uc);
+            dot[half] += z * h;
+            const float dh = weight[half] * z;
+            // Boundary values pass the gradient, like torch.clamp's.
+            dg[c] = gate[c] <= clamp ? dh * uc * derivative : 0.0f;
+            du[c] = up[c] >= -clamp && up[c] <= clamp ? dh * act : 0.0f;
+            wh[c] = weight[half] * h;
+          }
+          *reinterpret_cast<__nv_bfloat162*>(dgrad + row * preact_stride + gate_col) =
+              __floats2bfloat162_rn(dg[0], dg[1]);
+          *reinterpret_cast<__nv_bfloat162*>(dgrad + row * preact_stride + gate_col + 64) =
+              __floats2bfloat162_rn(du[0], du[1]);
+          if (weighted != nullptr)
+            *reinterpret_cast<__nv_bfloat162*>(weighted + row * p.n_base + col) =
+                __floats2bfloat162_rn(wh[0], wh[1]);
+        }
+      }
+      // The router dot <z, h>: a row's columns of this tile sit in the 4 lanes of a quad.
+      // Sum them in a fixed butterfly; the caller sums the tiles' partials in order.
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        dot[half] += __shfl_xor_sync(0xffffffffu, dot[half], 1);
+        dot[half] += __shfl_xor_sync(0xffffffffu, dot[half], 2);
+        if (lane % 4 == 0)
+          p.drouter_partials[(row0 + 8 * half) * n_base_blocks + n_block] =
+              routed[half] ? dot[half] : 0.0f;
       }
     } else {
       const bool extra = n_block >= n_base_blocks;

@@ -9,7 +9,12 @@
 namespace megamoe {
 
 // Epilogues are template parameters: they change the register use of the kernel.
-enum class Epilogue { Store, GatedActivation };
+//  - Store: BF16 out (N segments);
+//  - GatedActivation: GEMM1's act(g) * u (K side segment, optional pre-activations);
+//  - ActivationBackward: dgrad2's z = dout_pool w2_e consumed in registers by the
+//    activation backward (activation_backward_params.h's math): dg | du, w h and the
+//    router dot's per-tile partials are written, z never is (MN-major B only).
+enum class Epilogue { Store, GatedActivation, ActivationBackward };
 
 // Layout of the B operand in global memory, a template parameter (it changes the
 // TMA boxes and the wgmma descriptor):
@@ -52,6 +57,14 @@ struct GroupedGemmParams {
   // [pool rows, n_base] (g and u before the clamp, in B's interleaved row order), which
   // the backward's activation derivative needs.
   void* preact_out;
+  // ActivationBackward only (n_base = I, the columns of z):
+  const void* preact;                // [pool rows, 2I] bf16, from GEMM1
+  const float* route_weights;        // [num_routes] float32 (weights of the pool's routes)
+  const int32_t* pool_row_to_route;  // [pool rows]
+  int64_t num_routes;
+  void* dgrad_preact;       // [pool rows, 2I] bf16 out: dg | du, interleaved
+  void* weighted_h;         // [pool rows, I] bf16 out: w h, or nullptr
+  float* drouter_partials;  // [pool rows, ceil(I / BLOCK_N)] float32 out
   int32_t num_experts;
   int32_t pool_rows;       // rows of A and out: the rows in use are clamped to it
   int32_t k_base;          // reduction length of the base segment

@@ -199,3 +199,106 @@ def activation_backward_reference(
     drouter = torch.where(routed, (z * h).sum(dim=1), 0.0)
     weighted = torch.where(keep, weights * h, 0.0).bfloat16() if weighted_h else None
     return dgrad_preact, weighted, drouter
+
+
+def fused_dgrad2_activation_backward(
+    dout_pool: torch.Tensor,
+    w2: torch.Tensor,
+    preact: torch.Tensor,
+    topk_weights: torch.Tensor,
+    plan: RoutePlan,
+    *,
+    activation: str = "swiglu",
+    activation_clamp: float | None = None,
+    weighted_h: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """dgrad2 with the activation backward as its epilogue (the engine's
+    ActivationBackward variants): ``z = dout_pool @ w2[e]`` is consumed in registers.
+
+    Args:
+        dout_pool: ``[pool_capacity, >= K]`` BF16 ``[dout | s dout b2^T]`` pool.
+        w2: ``[E, K, I]`` BF16 as stored (``w2``, or ``[w2 ; a2^T]``), read MN-major.
+        preact, topk_weights, plan, activation, activation_clamp, weighted_h: as in
+            :func:`activation_backward` (BLOCK_M 128 pools: the variants that exist).
+
+    Returns:
+        ``(dgrad_preact, weighted_h or None, drouter)`` like :func:`activation_backward`;
+        ``drouter`` is the in-order sum of the per-tile partials. On CPU: the store GEMM's
+        twin followed by :func:`activation_backward_reference`.
+    """
+    from .grouped_gemm import _device_sms, grouped_gemm
+    from .heuristics import get_block_n
+
+    check_choice("activation", activation, tuple(ACTIVATIONS))
+    check_tensor("w2", w2, ndim=3, dtypes=(torch.bfloat16,), device=preact.device)
+    capacity, intermediate = plan.pool_capacity, w2.shape[2]
+    check_tensor(
+        "dout_pool",
+        dout_pool,
+        shape=(capacity, None),
+        dtypes=(torch.bfloat16,),
+        device=preact.device,
+        contiguous=True,
+    )
+    check_tensor(
+        "preact",
+        preact,
+        shape=(capacity, 2 * intermediate),
+        dtypes=(torch.bfloat16,),
+        contiguous=True,
+    )
+    check_tensor(
+        "topk_weights",
+        topk_weights,
+        shape=tuple(plan.route_to_pool_row.shape),
+        dtypes=(torch.float32,),
+        device=preact.device,
+        contiguous=True,
+    )
+    if not preact.is_cuda:
+        z = grouped_gemm(dout_pool, w2, plan, b_major="mn")
+        return activation_backward_reference(
+            preact,
+            z,
+            topk_weights,
+            plan,
+            activation=activation,
+            activation_clamp=activation_clamp,
+            weighted_h=weighted_h,
+        )
+    if plan.block_m != 128:
+        raise ValueError(f"plan.block_m: the fused dgrad2 needs BLOCK_M 128, got {plan.block_m}")
+    block_n = get_block_n(plan.block_m, intermediate)
+    n_blocks = -(-intermediate // block_n)
+    device = preact.device
+    dgrad_preact = torch.empty_like(preact)
+    weighted = (
+        torch.empty(capacity, intermediate, dtype=torch.bfloat16, device=device)
+        if weighted_h
+        else None
+    )
+    partials = torch.zeros(capacity, n_blocks, dtype=torch.float32, device=device)
+    clamp = math.inf if activation_clamp is None else float(activation_clamp)
+    dl = _native.dlpack
+    with torch.cuda.device(device):
+        _native.native().grouped_gemm_activation_backward(
+            dl(dout_pool),
+            dl(w2.contiguous()),
+            dl(plan.expert_pool_offsets),
+            dl(preact),
+            dl(topk_weights.reshape(-1)),
+            dl(plan.pool_row_to_route),
+            dl(dgrad_preact),
+            None if weighted is None else dl(weighted),
+            dl(partials),
+            plan.block_m,
+            block_n,
+            ACTIVATIONS[activation],
+            clamp,
+            _device_sms(device),
+            _native.current_stream(device),
+        )
+    drouter = partials[:, 0].clone()
+    for n_block in range(1, n_blocks):  # the tiles' partials, in order
+        drouter += partials[:, n_block]
+    return dgrad_preact, weighted, drouter

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from . import pool
-from .activation_backward import activation_backward
+from .activation_backward import activation_backward, fused_dgrad2_activation_backward
 from .fused_forward import ForwardState, recompute_preact
 from .grouped_gemm import grouped_gemm
 from .heuristics import get_block_n
@@ -59,10 +59,11 @@ __all__ = [
 
 GRAD_NAMES = ("x", "topk_weights", "w13", "w2", "a1", "b1", "a3", "b3", "a2", "b2")
 
-#: Opt-in switch, ``MEGAMOE_DGRAD_ENGINE=1``: run dgrad1 and dgrad2 on the grouped GEMM
-#: engine (its MN-major B variants) instead of ``torch._grouped_mm``, to time the two
-#: against each other; pools of BLOCK_M 128 only (the variants that exist). Off by
-#: default until measured on the GPU (docs/DESIGN-NOTES.md, "Next engine steps").
+#: Opt-in switch, ``MEGAMOE_DGRAD_ENGINE=1``: run dgrad1 on the grouped GEMM engine (its
+#: MN-major B variants) and dgrad2 with the activation backward as its epilogue,
+#: instead of ``torch._grouped_mm`` plus the separate pass, to time the two against each
+#: other; pools of BLOCK_M 128 only (the variants that exist). Off by default until
+#: measured on the GPU (docs/DESIGN-NOTES.md, "Next engine steps").
 DGRAD_ENGINE_VAR = "MEGAMOE_DGRAD_ENGINE"
 
 
@@ -184,7 +185,21 @@ def pool_backward(
     w2 = base.w2_for_gemm()  # MXFP4: a transient decode
     if use_side:
         w2 = torch.cat([w2, side.a2.transpose(1, 2)], dim=1)  # [E, H + r, I]
-    z = dgrad(dout_pool, w2)
+    need_weighted_h = (use_side and side_grads) or base_grads
+    if engine:
+        # dgrad2 with the activation backward as its epilogue: z never reaches memory.
+        dgrad_preact, weighted_h, drouter = fused_dgrad2_activation_backward(
+            dout_pool,
+            w2,
+            preact,
+            route_weights,
+            plan,
+            activation=activation,
+            activation_clamp=activation_clamp,
+            weighted_h=need_weighted_h,
+        )
+    else:
+        z = dgrad(dout_pool, w2)
     del w2
     db2_pool = None
     if use_side and side_grads:
@@ -197,16 +212,17 @@ def pool_backward(
     # s dout b2^T columns were not given on their own (the EP layer's received rows).
     if not (base_grads or (db2_pool is not None and db2_rows is None)):
         del dout_pool
-    dgrad_preact, weighted_h, drouter = activation_backward(
-        preact,
-        z,
-        route_weights,
-        plan,
-        activation=activation,
-        activation_clamp=activation_clamp,
-        weighted_h=(use_side and side_grads) or base_grads,
-    )
-    del z
+    if not engine:
+        dgrad_preact, weighted_h, drouter = activation_backward(
+            preact,
+            z,
+            route_weights,
+            plan,
+            activation=activation,
+            activation_clamp=activation_clamp,
+            weighted_h=need_weighted_h,
+        )
+        del z
 
     # The weight gradients that contract over w h, so it can be freed.
     if use_side and side_grads:

@@ -82,3 +82,33 @@ def test_gemm1_stores_the_pre_activations(block_n, rank):
             blocks[:, :, 1] += 0.5 * (q3.double() @ b_up[e].double().T).view(hi - lo, -1, 64)
         got = preact[lo:hi].double()
         assert torch.allclose(got, want, rtol=2**-7, atol=1e-2), e
+
+
+@pytest.mark.parametrize("block_n_case", ["swiglu", "geglu-clamp"])
+@pytest.mark.parametrize("k,inter", [(256 + 16, 256), (512, 384)])
+def test_fused_dgrad2_matches_the_unfused_pass(block_n_case, k, inter):
+    """The engine's ActivationBackward epilogue (MN-major B) against the Store GEMM with
+    the same B followed by the activation-backward kernel: z is rounded to BF16 at the
+    same point, so dg, du and w h agree to one BF16 ulp; the router dot is summed in a
+    different order (per-tile partials)."""
+    from megamoe.activation_backward import fused_dgrad2_activation_backward
+    from megamoe.grouped_gemm import grouped_gemm
+
+    activation, clamp = ("swiglu", None) if block_n_case == "swiglu" else ("geglu", 1.0)
+    tokens, top_k, experts = 2048, 2, 8
+    ids, weights = make_routing(tokens, experts, top_k, kind="masked", seed=k)
+    plan = mm.plan_routes(ids.cuda(), experts, 128)
+    gen = torch.Generator(device="cuda").manual_seed(inter)
+    preact = torch.randn(plan.pool_capacity, 2 * inter, device="cuda", generator=gen) * 2
+    preact = preact.bfloat16()
+    dout_pool = torch.randn(plan.pool_capacity, k, device="cuda", generator=gen).bfloat16()
+    w2 = (torch.randn(experts, k, inter, device="cuda", generator=gen) / 16).bfloat16()
+    weights = weights.cuda()
+    args = dict(activation=activation, activation_clamp=clamp)
+    fused = fused_dgrad2_activation_backward(dout_pool, w2, preact, weights, plan, **args)
+    z = grouped_gemm(dout_pool, w2, plan, b_major="mn", block_n=mm.get_block_n(128, inter))
+    unfused = activation_backward(preact, z, weights, plan, **args)
+    rows = int(plan.expert_pool_offsets[-1])
+    for got, want in zip(fused[:2], unfused[:2], strict=True):
+        assert torch.allclose(got[:rows].float(), want[:rows].float(), rtol=2**-7, atol=1e-30)
+    assert torch.allclose(fused[2][:rows], unfused[2][:rows], rtol=1e-4, atol=1e-4)
