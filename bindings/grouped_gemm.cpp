@@ -21,6 +21,9 @@ namespace megamoe {
 
 namespace {
 
+// The gated epilogues index w13's gate/up interleave as 64-column blocks.
+static_assert(variants::kGateUpInterleave == 64, "the GEMM epilogues hard-code the interleave");
+
 std::string str(int64_t v) { return std::to_string(v); }
 
 PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {

@@ -420,10 +420,11 @@ __global__ void __launch_bounds__(gemm::Tile<BlockM, BlockN>::kThreads, 1)
             const float h = gemm::round_bf16(act * uc);
             dot[half] += z * h;
             const float dh = weight[half] * z;
-            // Boundary values pass the gradient, like torch.clamp's.
-            dg[c] = gate[c] <= clamp ? dh * uc * derivative : 0.0f;
-            du[c] = up[c] >= -clamp && up[c] <= clamp ? dh * act : 0.0f;
-            wh[c] = weight[half] * h;
+            // Boundary values pass the gradient, like torch.clamp's. Padding rows get
+            // explicit zeros whatever their inputs hold.
+            dg[c] = routed[half] && gate[c] <= clamp ? dh * uc * derivative : 0.0f;
+            du[c] = routed[half] && up[c] >= -clamp && up[c] <= clamp ? dh * act : 0.0f;
+            wh[c] = routed[half] ? weight[half] * h : 0.0f;
           }
           *reinterpret_cast<__nv_bfloat162*>(dgrad + row * preact_stride + gate_col) =
               __floats2bfloat162_rn(dg[0], dg[1]);

@@ -72,7 +72,7 @@ struct GroupedGemmParams {
   int32_t n_extra;         // extra output columns (0: none)
   int32_t side_k;          // K of each side segment (0: none)
   float side_scale;        // scale of the side segments' sum
-  int32_t activation;      // Activation, GatedActivation only
+  int32_t activation;      // Activation (GatedActivation, ActivationBackward)
   float activation_clamp;  // +inf: no clamp
 };
 

@@ -28,7 +28,11 @@ from .grouped_gemm import ACTIVATIONS
 from .registry import registry
 from .routing import RoutePlan
 
-__all__ = ["activation_backward", "activation_backward_reference"]
+__all__ = [
+    "activation_backward",
+    "activation_backward_reference",
+    "fused_dgrad2_activation_backward",
+]
 
 
 def _check(

@@ -84,9 +84,10 @@ def test_gemm1_stores_the_pre_activations(block_n, rank):
         assert torch.allclose(got, want, rtol=2**-7, atol=1e-2), e
 
 
-@pytest.mark.parametrize("block_n_case", ["swiglu", "geglu-clamp"])
-@pytest.mark.parametrize("k,inter", [(256 + 16, 256), (512, 384)])
-def test_fused_dgrad2_matches_the_unfused_pass(block_n_case, k, inter):
+@pytest.mark.parametrize("act_case", ["swiglu", "geglu-clamp"])
+@pytest.mark.parametrize("k,inter", [(256 + 16, 256), (512, 384), (512, 320)])
+@pytest.mark.parametrize("weighted_h", [True, False])
+def test_fused_dgrad2_matches_the_unfused_pass(act_case, k, inter, weighted_h):
     """The engine's ActivationBackward epilogue (MN-major B) against the Store GEMM with
     the same B followed by the activation-backward kernel: z is rounded to BF16 at the
     same point, so dg, du and w h agree to one BF16 ulp; the router dot is summed in a
@@ -94,7 +95,7 @@ def test_fused_dgrad2_matches_the_unfused_pass(block_n_case, k, inter):
     from megamoe.activation_backward import fused_dgrad2_activation_backward
     from megamoe.grouped_gemm import grouped_gemm
 
-    activation, clamp = ("swiglu", None) if block_n_case == "swiglu" else ("geglu", 1.0)
+    activation, clamp = ("swiglu", None) if act_case == "swiglu" else ("geglu", 1.0)
     tokens, top_k, experts = 2048, 2, 8
     ids, weights = make_routing(tokens, experts, top_k, kind="masked", seed=k)
     plan = mm.plan_routes(ids.cuda(), experts, 128)
@@ -104,11 +105,14 @@ def test_fused_dgrad2_matches_the_unfused_pass(block_n_case, k, inter):
     dout_pool = torch.randn(plan.pool_capacity, k, device="cuda", generator=gen).bfloat16()
     w2 = (torch.randn(experts, k, inter, device="cuda", generator=gen) / 16).bfloat16()
     weights = weights.cuda()
-    args = dict(activation=activation, activation_clamp=clamp)
+    args = dict(activation=activation, activation_clamp=clamp, weighted_h=weighted_h)
     fused = fused_dgrad2_activation_backward(dout_pool, w2, preact, weights, plan, **args)
     z = grouped_gemm(dout_pool, w2, plan, b_major="mn", block_n=mm.get_block_n(128, inter))
     unfused = activation_backward(preact, z, weights, plan, **args)
     rows = int(plan.expert_pool_offsets[-1])
+    assert (fused[1] is None) == (not weighted_h)
     for got, want in zip(fused[:2], unfused[:2], strict=True):
+        if got is None:
+            continue
         assert torch.allclose(got[:rows].float(), want[:rows].float(), rtol=2**-7, atol=1e-30)
     assert torch.allclose(fused[2][:rows], unfused[2][:rows], rtol=1e-4, atol=1e-4)
