@@ -24,7 +24,8 @@ import torch.nn.functional as F
 
 from . import _native
 from ._checks import check_choice, check_tensor
-from .grouped_gemm import ACTIVATIONS
+from .grouped_gemm import ACTIVATIONS, _device_sms, grouped_gemm
+from .heuristics import get_block_n
 from .registry import registry
 from .routing import RoutePlan
 
@@ -230,9 +231,6 @@ def fused_dgrad2_activation_backward(
         ``drouter`` is the in-order sum of the per-tile partials. On CPU: the store GEMM's
         twin followed by :func:`activation_backward_reference`.
     """
-    from .grouped_gemm import _device_sms, grouped_gemm
-    from .heuristics import get_block_n
-
     check_choice("activation", activation, tuple(ACTIVATIONS))
     check_tensor("w2", w2, ndim=3, dtypes=(torch.bfloat16,), device=preact.device)
     capacity, intermediate = plan.pool_capacity, w2.shape[2]

@@ -13,6 +13,7 @@ import torch
 
 from ._checks import check_choice, check_tensor
 from .mxfp4 import MXFP4_BLOCK, dequantize_mxfp4, quantize_mxfp4
+from .mxfp4_decode import decode_mxfp4_bf16
 from .registry import registry
 
 BASE_FORMATS = ("bf16", "mxfp4")
@@ -67,16 +68,12 @@ class BaseWeights:
         (:func:`~megamoe.mxfp4_decode.decode_mxfp4_bf16`), to be dropped after the GEMM.
         """
         if self.format == "mxfp4":
-            from .mxfp4_decode import decode_mxfp4_bf16
-
             return decode_mxfp4_bf16(self.w13, self.w13_scales)
         return self.w13
 
     def w2_for_gemm(self) -> torch.Tensor:
         """``[E_l, H, I]`` BF16 for one GEMM (see :meth:`w13_for_gemm`)."""
         if self.format == "mxfp4":
-            from .mxfp4_decode import decode_mxfp4_bf16
-
             return decode_mxfp4_bf16(self.w2, self.w2_scales)
         return self.w2
 

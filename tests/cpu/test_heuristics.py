@@ -83,3 +83,14 @@ def test_bad_arguments_name_the_argument(kwargs, match):
 def test_non_int_is_a_type_error():
     with pytest.raises(TypeError, match="num_tokens"):
         mm.get_block_m(1.5, 1, 8)
+
+
+def test_block_m_transitions_sit_on_the_heuristic_changes():
+    from megamoe.testing import block_m_transitions
+
+    found = block_m_transitions(6, 8)
+    assert found and len(found) % 3 == 0
+    for below, at, above in zip(found[::3], found[1::3], found[2::3], strict=True):
+        assert below + 1 == at == above - 1
+        assert mm.get_block_m(below, 6, 8) != mm.get_block_m(at, 6, 8)
+        assert mm.get_block_m(at, 6, 8) == mm.get_block_m(above, 6, 8)

@@ -9,6 +9,7 @@ import megamoe as mm
 from megamoe.testing import (
     GRAD_MIN_COSINE,
     assert_close_to_oracle,
+    block_m_transitions,
     make_layer,
 )
 
@@ -100,16 +101,6 @@ TOKENS = [1, 15, 16, 17, 90, 91, 176, 177, 346, 347, 688, 689, 1029, 1030, 2048]
 @pytest.mark.parametrize("top_k", [1, 2, 6])
 def test_token_counts(tokens, top_k):
     run_case(256, 128, 16, top_k, 16, tokens, seed=tokens, routing="masked")
-
-
-def block_m_transitions(top_k, experts):
-    found, previous = [], mm.get_block_m(1, top_k, experts)
-    for tokens in range(2, 70_000):
-        current = mm.get_block_m(tokens, top_k, experts)
-        if current != previous:
-            found += [tokens - 1, tokens, tokens + 1]
-            previous = current
-    return found
 
 
 @pytest.mark.parametrize("tokens", block_m_transitions(6, 8))

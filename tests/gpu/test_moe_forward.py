@@ -4,20 +4,9 @@ import pytest
 import torch
 
 import megamoe as mm
-from megamoe.testing import assert_close_to_oracle, make_layer
+from megamoe.testing import assert_close_to_oracle, block_m_transitions, make_layer
 
 pytestmark = pytest.mark.gpu
-
-
-def block_m_transitions(top_k, experts):
-    """Token counts around every BLOCK_M change of our own heuristic (±1)."""
-    found, previous = [], mm.get_block_m(1, top_k, experts)
-    for tokens in range(2, 70_000):
-        current = mm.get_block_m(tokens, top_k, experts)
-        if current != previous:
-            found += [tokens - 1, tokens, tokens + 1]
-            previous = current
-    return found
 
 
 def run_case(hidden, inter, experts, top_k, rank, tokens, **kwargs):

@@ -8,7 +8,7 @@ holds the DESIGN §6 oracle gates.
 from __future__ import annotations
 
 from . import baseline, inputs, metrics
-from .inputs import ROUTING_KINDS, LayerInputs, make_layer, make_routing
+from .inputs import ROUTING_KINDS, LayerInputs, block_m_transitions, make_layer, make_routing
 from .metrics import (
     GRAD_MIN_COSINE,
     ORACLE_MAX_REL_L2,
@@ -27,6 +27,7 @@ __all__ = [
     "Metrics",
     "assert_close_to_oracle",
     "baseline",
+    "block_m_transitions",
     "compare",
     "inputs",
     "make_layer",

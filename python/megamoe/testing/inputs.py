@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from .._checks import check_choice, check_finite_float, check_int
+from ..heuristics import get_block_m
 from ..side_lora import SideLoRA
 from ..weights import BaseWeights, prepare_base_weights
 
@@ -327,3 +328,16 @@ def make_layer(
         activation=activation,
         activation_clamp=activation_clamp,
     )
+
+
+def block_m_transitions(top_k: int, num_experts: int, max_tokens: int = 70_000) -> list[int]:
+    """Token counts ``t - 1, t, t + 1`` around every ``t`` where our own BLOCK_M heuristic
+    (:func:`~megamoe.get_block_m`, EP1) changes, for ``t`` below ``max_tokens``; the edge
+    matrix tests query it instead of copying the heuristic's thresholds."""
+    found, previous = [], get_block_m(1, top_k, num_experts)
+    for tokens in range(2, max_tokens):
+        current = get_block_m(tokens, top_k, num_experts)
+        if current != previous:
+            found += [tokens - 1, tokens, tokens + 1]
+            previous = current
+    return found
