@@ -2,13 +2,20 @@
 torch reference (the fused backward tests cover them end to end through the oracle)."""
 
 import dataclasses
+import math
 
 import pytest
 import torch
 
 import megamoe as mm
-from megamoe.activation_backward import activation_backward, activation_backward_reference
+from megamoe.activation_backward import (
+    _join_interleave,
+    _split_interleave,
+    activation_backward,
+    activation_backward_reference,
+)
 from megamoe.grouped_gemm import gated_grouped_gemm
+from megamoe.registry import registry
 from megamoe.testing.inputs import make_routing
 
 pytestmark = pytest.mark.gpu
@@ -29,6 +36,42 @@ def case(tokens, top_k, experts, inter, *, kind="masked", seed=0):
     return plan, preact, z, weights
 
 
+def term_magnitudes(preact, z, weights, plan, activation, clamp):
+    """Float64 sums of the absolute values of the terms behind dg, du and w*h per element.
+
+    GeGLU's act = g(1+t)/2 and act' = (1+t)/2 + tail cancel (large negative g, and act'
+    near its zero at g ~ -0.75), so one FP32 ulp of tanhf (kernel) vs torch.tanh moves
+    the result by ulps of the *terms*, not of the result: the bound scales with these.
+    """
+    g, u = (t.double() for t in _split_interleave(preact, registry().gate_up_interleave))
+    limit = math.inf if clamp is None else clamp
+    gc, uc = g.clamp(max=limit), u.clamp(-limit, limit)
+    route = plan.pool_row_to_route.long()
+    w = torch.where(route >= 0, weights.reshape(-1).double()[route.clamp(min=0)], 0.0)[:, None]
+    if activation == "swiglu":
+        sig = torch.sigmoid(gc)
+        act_terms = (gc * sig).abs()
+        derivative_terms = sig * (1 + gc.abs() * (1 - sig))
+    else:
+        k0, k1 = math.sqrt(2 / math.pi), 0.044715
+        t = torch.tanh(k0 * (gc + k1 * gc**3))
+        act_terms = 0.5 * gc.abs() * (1 + t.abs())
+        tail = 0.5 * gc.abs() * (1 - t * t) * k0 * (1 + 3 * k1 * gc * gc)
+        derivative_terms = 0.5 * (1 + t.abs()) + tail
+    dh = (w * z.double()).abs()
+    interleave = registry().gate_up_interleave
+    dgu_terms = _join_interleave(dh * uc.abs() * derivative_terms, dh * act_terms, interleave)
+    return dgu_terms, w.abs() * act_terms * uc.abs()
+
+
+def within_bound(got, want, terms):
+    """One BF16 rounding of the result (2^-8, doubled for a tie flip) plus 64 FP32 ulps
+    of the terms (tanhf/expf differ from torch's by a few ulps; the rest is rounding)."""
+    error = (got.double() - want.double()).abs()
+    bound = 2**-7 * want.double().abs() + 64 * 2**-24 * terms + 1e-30
+    return bool((error <= bound).all()), float((error / bound).max())
+
+
 @pytest.mark.parametrize("activation,clamp", [("swiglu", None), ("geglu", None), ("swiglu", 1.0)])
 @pytest.mark.parametrize("tokens,top_k,inter", [(1, 1, 64), (333, 6, 256), (2048, 2, 512)])
 def test_kernel_matches_reference(activation, clamp, tokens, top_k, inter):
@@ -37,14 +80,18 @@ def test_kernel_matches_reference(activation, clamp, tokens, top_k, inter):
     dgu, weighted, drouter = activation_backward(
         preact.cuda(), z.cuda(), weights.cuda(), plan, **args
     )
+    cpu_plan = on_cpu(plan)
     want_dgu, want_weighted, want_router = activation_backward_reference(
-        preact, z, weights, on_cpu(plan), **args
+        preact, z, weights, cpu_plan, **args
     )
+    dgu_terms, weighted_terms = term_magnitudes(preact, z, weights, cpu_plan, activation, clamp)
     rows = int(plan.expert_pool_offsets[-1])  # rows past these are never written
-    # Same FP32 operations but expf/tanhf vs torch's: BF16 results within one ulp.
-    for got, want in ((dgu, want_dgu), (weighted, want_weighted)):
-        got, want = got[:rows].cpu().float(), want[:rows].float()
-        assert torch.allclose(got, want, rtol=2**-7, atol=1e-30)
+    for name, got, want, terms in (
+        ("dgu", dgu, want_dgu, dgu_terms),
+        ("weighted", weighted, want_weighted, weighted_terms),
+    ):
+        ok, worst = within_bound(got[:rows].cpu(), want[:rows], terms[:rows])
+        assert ok, f"{name}: error up to {worst:.2f}x the bound"
     assert torch.allclose(drouter[:rows].cpu(), want_router[:rows], rtol=1e-4, atol=1e-5)
     # Padding rows: exact zeros.
     padding = (plan.pool_row_to_route[:rows] < 0).cpu()

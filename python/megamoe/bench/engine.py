@@ -1,5 +1,6 @@
 """``python -m megamoe.bench.engine``: the engine as a plain grouped GEMM vs
-``torch._grouped_mm`` at the ep4rank GEMM1 and GEMM2 shapes, in one run.
+``torch._grouped_mm`` at the ep4rank GEMM1 and GEMM2 shapes and the backward's
+dgrad1/dgrad2 shapes (MN-major B), in one run.
 
 Both compute the same products over the same routed rows (balanced routing: the
 pool has no padding at BLOCK_M 128, so FLOPs are equal). CUDA-event medians.
@@ -47,15 +48,24 @@ def main(argv: list[str] | None = None) -> int:
         return (torch.randn(*shape, device=device, generator=gen) * scale).bfloat16()
 
     results = []
-    shapes = {"gemm1": (h, 2 * i), "gemm2": (i, h)}
-    for name, (k, n) in shapes.items():
+    # gemm1/gemm2: the forward (B K-major, [E, N, K]). dgrad1/dgrad2: the backward's
+    # data grads, which read the same weights transposed (B MN-major, [E, K, N]).
+    shapes = {
+        "gemm1": (h, 2 * i, "k"),
+        "gemm2": (i, h, "k"),
+        "dgrad1": (2 * i, h, "mn"),
+        "dgrad2": (h, i, "mn"),
+    }
+    for name, (k, n, b_major) in shapes.items():
         a = randn(plan.pool_capacity, k)
-        b = randn(e, n, k, scale=k**-0.5)
+        b = randn(e, n, k, scale=k**-0.5) if b_major == "k" else randn(e, k, n, scale=k**-0.5)
         a_dense = a[:routes] if rows == routes else None
         flops = 2.0 * routes * k * n
-        cases = {"engine": lambda a=a, b=b: grouped_gemm(a, b, plan)}
+        cases = {"engine": lambda a=a, b=b, m=b_major: grouped_gemm(a, b, plan, b_major=m)}
         if block_m == 128:
-            cases["engine n256"] = lambda a=a, b=b: grouped_gemm(a, b, plan, block_n=256)
+            cases["engine n256"] = lambda a=a, b=b, m=b_major: grouped_gemm(
+                a, b, plan, block_n=256, b_major=m
+            )
         if name == "gemm1":
             cases["engine+act"] = lambda a=a, b=b, k=k: gated_grouped_gemm(a, b, plan, k=k)
             if block_m == 128:
@@ -63,8 +73,9 @@ def main(argv: list[str] | None = None) -> int:
                     a, b, plan, k=k, block_n=256
                 )
         if a_dense is not None:
-            cases["torch._grouped_mm"] = lambda a=a_dense, b=b: torch._grouped_mm(
-                a, b.transpose(1, 2), offs=offs
+            b_kn = b.transpose(1, 2) if b_major == "k" else b
+            cases["torch._grouped_mm"] = lambda a=a_dense, b=b_kn: torch._grouped_mm(
+                a, b, offs=offs
             )
         for case, fn in cases.items():
             timing = time_fn(fn, device=device, warmup=args.warmup, iters=args.iters)
