@@ -395,44 +395,68 @@ __global__ void __launch_bounds__(gemm::Tile<BlockM, BlockN>::kThreads, 1)
         routed[half] = route >= 0 && route < p.num_routes;
         weight[half] = routed[half] ? __ldg(p.route_weights + route) : 0.0f;
       }
+      // The g, u loads of a chunk of column groups are issued together before any math:
+      // one memory latency per chunk instead of one per column group (the loads would
+      // otherwise sit behind each group's activation math; the tensor cores idle
+      // through this epilogue, so its latency is the kernel's).
+      constexpr int kGroups = BlockN / 8;
+      // 16 registers of g, u in flight per thread: 8 spill under the 168-register cap
+      // (ptxas interleaves the chunks' math), 4 fit beside the accumulators.
+      constexpr int kChunk = 4;
+      static_assert(kGroups % kChunk == 0, "whole chunks of column groups");
 #pragma unroll
-      for (int j = 0; j < BlockN / 8; ++j) {
-        const int col = n_block * BlockN + 8 * j + 2 * (lane % 4);
-        if (col >= p.n_base) continue;  // N tail (columns come in pairs)
-        const int64_t gate_col = static_cast<int64_t>(col / 64) * 128 + col % 64;
+      for (int j0 = 0; j0 < kGroups; j0 += kChunk) {
+        __nv_bfloat162 gate2[kChunk][2], up2[kChunk][2];
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int64_t row = row0 + 8 * half;
-          const __nv_bfloat162 gate2 =
-              *reinterpret_cast<const __nv_bfloat162*>(preact + row * preact_stride + gate_col);
-          const __nv_bfloat162 up2 = *reinterpret_cast<const __nv_bfloat162*>(
-              preact + row * preact_stride + gate_col + 64);
-          const float gate[2] = {__low2float(gate2), __high2float(gate2)};
-          const float up[2] = {__low2float(up2), __high2float(up2)};
-          float dg[2], du[2], wh[2];
+        for (int jj = 0; jj < kChunk; ++jj) {
+          const int col = n_block * BlockN + 8 * (j0 + jj) + 2 * (lane % 4);
+          const int64_t gate_col = static_cast<int64_t>(col / 64) * 128 + col % 64;
 #pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            const float z = gemm::round_bf16(acc[4 * j + 2 * half + c]);  // a GEMM output
-            const float gc = fminf(gate[c], clamp);
-            const float uc = fminf(fmaxf(up[c], -clamp), clamp);
-            float act, derivative;
-            act_math::activation_and_derivative(gc, p.activation, act, derivative);
-            const float h = gemm::round_bf16(act * uc);
-            dot[half] += z * h;
-            const float dh = weight[half] * z;
-            // Boundary values pass the gradient, like torch.clamp's. Padding rows get
-            // explicit zeros whatever their inputs hold.
-            dg[c] = routed[half] && gate[c] <= clamp ? dh * uc * derivative : 0.0f;
-            du[c] = routed[half] && up[c] >= -clamp && up[c] <= clamp ? dh * act : 0.0f;
-            wh[c] = routed[half] ? weight[half] * h : 0.0f;
+          for (int half = 0; half < 2; ++half) {
+            const __nv_bfloat16* at = preact + (row0 + 8 * half) * preact_stride + gate_col;
+            const bool in_n = col < p.n_base;  // N tail (columns come in pairs)
+            gate2[jj][half] = in_n ? *reinterpret_cast<const __nv_bfloat162*>(at)
+                                   : __floats2bfloat162_rn(0.0f, 0.0f);
+            up2[jj][half] = in_n ? *reinterpret_cast<const __nv_bfloat162*>(at + 64)
+                                 : __floats2bfloat162_rn(0.0f, 0.0f);
           }
-          *reinterpret_cast<__nv_bfloat162*>(dgrad + row * preact_stride + gate_col) =
-              __floats2bfloat162_rn(dg[0], dg[1]);
-          *reinterpret_cast<__nv_bfloat162*>(dgrad + row * preact_stride + gate_col + 64) =
-              __floats2bfloat162_rn(du[0], du[1]);
-          if (weighted != nullptr)
-            *reinterpret_cast<__nv_bfloat162*>(weighted + row * p.n_base + col) =
-                __floats2bfloat162_rn(wh[0], wh[1]);
+        }
+#pragma unroll
+        for (int jj = 0; jj < kChunk; ++jj) {
+          const int j = j0 + jj;
+          const int col = n_block * BlockN + 8 * j + 2 * (lane % 4);
+          if (col >= p.n_base) continue;
+          const int64_t gate_col = static_cast<int64_t>(col / 64) * 128 + col % 64;
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int64_t row = row0 + 8 * half;
+            const float gate[2] = {__low2float(gate2[jj][half]), __high2float(gate2[jj][half])};
+            const float up[2] = {__low2float(up2[jj][half]), __high2float(up2[jj][half])};
+            float dg[2], du[2], wh[2];
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+              const float z = gemm::round_bf16(acc[4 * j + 2 * half + c]);  // a GEMM output
+              const float gc = fminf(gate[c], clamp);
+              const float uc = fminf(fmaxf(up[c], -clamp), clamp);
+              float act, derivative;
+              act_math::activation_and_derivative(gc, p.activation, act, derivative);
+              const float h = gemm::round_bf16(act * uc);
+              dot[half] += z * h;
+              const float dh = weight[half] * z;
+              // Boundary values pass the gradient, like torch.clamp's. Padding rows get
+              // explicit zeros whatever their inputs hold.
+              dg[c] = routed[half] && gate[c] <= clamp ? dh * uc * derivative : 0.0f;
+              du[c] = routed[half] && up[c] >= -clamp && up[c] <= clamp ? dh * act : 0.0f;
+              wh[c] = routed[half] ? weight[half] * h : 0.0f;
+            }
+            *reinterpret_cast<__nv_bfloat162*>(dgrad + row * preact_stride + gate_col) =
+                __floats2bfloat162_rn(dg[0], dg[1]);
+            *reinterpret_cast<__nv_bfloat162*>(dgrad + row * preact_stride + gate_col + 64) =
+                __floats2bfloat162_rn(du[0], du[1]);
+            if (weighted != nullptr)
+              *reinterpret_cast<__nv_bfloat162*>(weighted + row * p.n_base + col) =
+                  __floats2bfloat162_rn(wh[0], wh[1]);
+          }
         }
       }
       // The router dot <z, h>: a row's columns of this tile sit in the 4 lanes of a quad.

@@ -59,20 +59,29 @@ __all__ = [
 
 GRAD_NAMES = ("x", "topk_weights", "w13", "w2", "a1", "b1", "a3", "b3", "a2", "b2")
 
-#: Opt-in switch, ``MEGAMOE_DGRAD_ENGINE=1``: run dgrad1 on the grouped GEMM engine (its
-#: MN-major B variants) and dgrad2 with the activation backward as its epilogue,
-#: instead of ``torch._grouped_mm`` plus the separate pass, to time the two against each
-#: other; pools of BLOCK_M 128 only (the variants that exist). Off by default until
-#: measured on the GPU (docs/DESIGN-NOTES.md, "Next engine steps").
+#: Opt-in switch ``MEGAMOE_DGRAD_ENGINE``: ``1`` runs dgrad1 on the grouped GEMM engine
+#: (its MN-major B variants) and dgrad2 with the activation backward as its epilogue;
+#: ``dgrad2`` runs only the fused dgrad2 there; ``0`` (default) runs both on
+#: ``torch._grouped_mm`` plus the separate activation-backward pass. Pools of BLOCK_M 128
+#: only (the variants that exist). The default follows the measurements in
+#: docs/PERFORMANCE.md ("Engine dgrads").
 DGRAD_ENGINE_VAR = "MEGAMOE_DGRAD_ENGINE"
+DGRAD_ENGINE_CHOICES = ("0", "1", "dgrad2")
+
+
+def dgrad_engine_mode() -> str:
+    """``MEGAMOE_DGRAD_ENGINE``: ``"0"`` (unset), ``"1"`` or ``"dgrad2"``."""
+    value = os.environ.get(DGRAD_ENGINE_VAR, "0").strip() or "0"
+    if value not in DGRAD_ENGINE_CHOICES:
+        raise ValueError(
+            f"{DGRAD_ENGINE_VAR}: expected one of {list(DGRAD_ENGINE_CHOICES)}, got {value!r}"
+        )
+    return value
 
 
 def dgrad_on_engine() -> bool:
-    """Whether ``MEGAMOE_DGRAD_ENGINE`` asks for the engine dgrads (``"0"``/unset: no)."""
-    value = os.environ.get(DGRAD_ENGINE_VAR, "0").strip() or "0"
-    if value not in ("0", "1"):
-        raise ValueError(f"{DGRAD_ENGINE_VAR}: expected 0 or 1, got {value!r}")
-    return value == "1"
+    """Whether ``MEGAMOE_DGRAD_ENGINE`` asks for any engine dgrad."""
+    return dgrad_engine_mode() != "0"
 
 
 def _side_shrink_weights(b1: torch.Tensor, b3: torch.Tensor, interleave: int) -> torch.Tensor:
@@ -164,11 +173,13 @@ def pool_backward(
     def grouped(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch._grouped_mm(a, b, offs=offsets)
 
-    engine = dgrad_on_engine() and plan.block_m == 128 and preact.is_cuda
+    mode = dgrad_engine_mode()
+    engine = mode != "0" and plan.block_m == 128 and preact.is_cuda
+    dgrad1_on_engine = engine and mode == "1"
 
     def dgrad(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """``out[rows of e] = a[rows of e] @ b[e]`` with ``b`` ``[E, K, N]`` as stored."""
-        if engine:
+        if dgrad1_on_engine:
             block_n = get_block_n(plan.block_m, b.shape[2])
             return grouped_gemm(a, b.contiguous(), plan, block_n=block_n, b_major="mn")
         return grouped(a, b)

@@ -218,15 +218,19 @@ def test_backward_with_an_mxfp4_base(activation, clamp):
         assert_close_to_oracle(name, grads[name], expected[name], min_cosine=GRAD_MIN_COSINE)
 
 
-@pytest.mark.parametrize("value,expected", [(None, False), ("0", False), ("1", True), (" ", False)])
-def test_dgrad_engine_switch(monkeypatch, value, expected):
-    from megamoe.fused_backward import DGRAD_ENGINE_VAR, dgrad_on_engine
+@pytest.mark.parametrize(
+    "value,mode",
+    [(None, "0"), ("0", "0"), ("1", "1"), (" ", "0"), ("dgrad2", "dgrad2"), (" dgrad2 ", "dgrad2")],
+)
+def test_dgrad_engine_switch(monkeypatch, value, mode):
+    from megamoe.fused_backward import DGRAD_ENGINE_VAR, dgrad_engine_mode, dgrad_on_engine
 
     if value is None:
         monkeypatch.delenv(DGRAD_ENGINE_VAR, raising=False)
     else:
         monkeypatch.setenv(DGRAD_ENGINE_VAR, value)
-    assert dgrad_on_engine() is expected
+    assert dgrad_engine_mode() == mode
+    assert dgrad_on_engine() is (mode != "0")
 
 
 def test_dgrad_engine_switch_rejects_other_values(monkeypatch):

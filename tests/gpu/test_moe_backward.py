@@ -361,10 +361,12 @@ def test_mxfp4_layer_with_wide_scale_range_and_zero_blocks():
     assert_close_to_oracle("out", out, expected)
 
 
-def test_dgrads_on_the_engine_match_the_oracle(monkeypatch):
+@pytest.mark.parametrize("mode", ["1", "dgrad2"])
+def test_dgrads_on_the_engine_match_the_oracle(monkeypatch, mode):
     """MEGAMOE_DGRAD_ENGINE=1: dgrad1/dgrad2 on the engine's MN-major variants (a BLOCK_M
-    128 pool), same gates as the default torch._grouped_mm dgrads."""
-    monkeypatch.setenv("MEGAMOE_DGRAD_ENGINE", "1")
+    128 pool); =dgrad2: only the fused dgrad2. Same gates as the default
+    torch._grouped_mm dgrads."""
+    monkeypatch.setenv("MEGAMOE_DGRAD_ENGINE", mode)
     assert mm.get_block_m(2048, 2, 8) == 128
     run_case(512, 256, 8, 2, 32, 2048, seed=47, routing="skewed")
     run_case(512, 256, 8, 2, None, 2048, seed=48, trainable_base=True)
