@@ -9,11 +9,12 @@ without adapters (our kernels only).
 
     python tools/initcheck_tma_probe.py            # starts compute-sanitizer itself
 
-GPU only. Seen on an H200 (CUDA 13.0, torch 2.11, 2026-11-29), records per phase:
-fill 0, bf16-mm 6144, fp32-mm 0, bf16-grouped-mm 6400, megamoe forward 0. The clones
-read values that are right, so initcheck misses the BF16 GEMMs' stores (they go out
-likely through TMA bulk stores on Hopper, which the tool does not track; the FP32
-kernel and ours store from registers).
+GPU only. Seen on an H200 (CUDA 13.0, torch 2.11, 2026-11-29), records per phase in
+two runs: fill 0/0, bf16-mm 6144/0, fp32-mm 0/0, bf16-grouped-mm 6400/256, megamoe
+forward 0/0. The clones read values that are right, so initcheck misses some GEMM
+kernels' output stores: torch's CUTLASS grouped GEMM every time, cuBLAS's BF16 GEMM
+when its heuristic picks such a kernel (likely the TMA bulk stores of Hopper kernels;
+the FP32 kernel and ours store from registers).
 """
 
 from __future__ import annotations

@@ -74,11 +74,8 @@ TOOL_OPTIONS: dict[str, tuple[str, ...]] = {
     # 4 KiB of padding after every allocation catches overruns up to a page.
     "memcheck": ("--leak-check", "no", "--padding", "4096"),
     # Analysis reports (one record per racing pair of source locations) rather than
-    # one record per racing byte. cuBLAS's nvjet kernels are not instrumented: at the
-    # focused cases' tiny shapes two of them report shared-memory hazards (2 records,
-    # H200, CUDA 13.0, 2026-11-29) in code that is not ours; shared-memory hazards are
-    # per kernel, so leaving them out cannot hide one in ours.
-    "racecheck": ("--racecheck-report", "analysis", "--kernel-name-exclude", "kns=nvjet"),
+    # one record per racing byte.
+    "racecheck": ("--racecheck-report", "analysis"),
     "initcheck": (),
     "synccheck": (),
 }
