@@ -62,8 +62,9 @@ class MegaMoE(nn.Module):
             prepared differentiably every call. ``False``: frozen base, prepared once
             and cached. The mode follows the parameters' ``requires_grad`` at call
             time, so ``layer.requires_grad_(False)`` freezes the base too.
-        base_format: ``"bf16"`` or ``"mxfp4"`` (frozen base only: the kernels read a
-            quantized copy, which has no gradient).
+        base_format: ``"bf16"`` or ``"mxfp4"`` (the kernels read a quantized copy; in
+            ordinary mode ``w13``/``w2`` are its master weights, trained straight
+            through the quantizer, which runs again every call).
         param_dtype: storage dtype of the parameters: ``torch.bfloat16`` (default) or
             ``torch.float32`` (master weights; each call casts them to BF16
             differentiably, which the fused kernels read). ``dtype`` is an alias, as
@@ -144,11 +145,6 @@ class MegaMoE(nn.Module):
         if not isinstance(trainable_base, bool):
             raise TypeError(f"trainable_base: expected a bool, got {type(trainable_base).__name__}")
         check_choice("base_format", base_format, BASE_FORMATS)
-        if trainable_base and base_format != "bf16":
-            raise ValueError(
-                f"base_format: ordinary mode (trainable_base=True) needs 'bf16'; an "
-                f"{base_format!r} base is a frozen quantized copy with no gradient"
-            )
         self.base_format = base_format
         check_choice("backend", backend, BACKENDS)
         self.backend = backend
@@ -290,12 +286,6 @@ class MegaMoE(nn.Module):
         version counter: call :meth:`invalidate_base_cache` after those.
         """
         if self.trainable_base:
-            if self.base_format != "bf16":
-                raise ValueError(
-                    f"base_format: {self.base_format!r} is a frozen quantized copy; w13/w2 "
-                    "require grad (ordinary mode needs base_format='bf16'). Freeze them with "
-                    "requires_grad_(False) or build the module with base_format='bf16'"
-                )
             self._base_cache = None  # don't hold a stale frozen copy next to a live one
             return prepare_base_weights(self.w13, self.w2, format=self.base_format)
         key = self._base_key()

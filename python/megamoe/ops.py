@@ -392,7 +392,8 @@ def moe(
         topk_weights: ``[T, K]`` float32 router weights.
         base: :func:`~megamoe.prepare_base_weights` output, ``format="bf16"`` or
             ``"mxfp4"`` (a frozen base: kept packed, decoded to a transient BF16 buffer
-            right before each GEMM that reads it).
+            right before each GEMM that reads it; a trainable master: decoded once per
+            call and trained straight through).
         side: optional :class:`~megamoe.SideLoRA` (bfloat16); scale 0 gives output
             bitwise equal to ``side=None``.
         activation: ``"swiglu"`` or ``"geglu"``; activation_clamp: ``c`` or None.
@@ -417,6 +418,10 @@ def moe(
         )
     if not isinstance(base, BaseWeights):
         raise TypeError(f"base: expected megamoe.BaseWeights, got {type(base).__name__}")
+    if base.trains_master and torch.is_grad_enabled():
+        # Ordinary mode on an MXFP4 base: the BF16 path on the exact decode, with the
+        # gradient passed straight through to the master (DESIGN §1).
+        base = base.straight_through()
     if side is not None and not isinstance(side, SideLoRA):
         raise TypeError(f"side: expected megamoe.SideLoRA or None, got {type(side).__name__}")
     if not isinstance(activation_checkpoint, bool):

@@ -2,7 +2,9 @@
 
 ``prepare_base_weights`` is done once for a frozen base and reused every step. In
 ordinary mode (trainable base) it is differentiable: the prepared tensors keep the
-autograd link to the caller's ``w13``/``w2``.
+autograd link to the caller's ``w13``/``w2``. For an MXFP4 base that link goes
+straight through the quantizer (DESIGN §1): the forward and the dgrads use the MXFP4
+values, and the gradient with respect to those values is the master's gradient.
 """
 
 from __future__ import annotations
@@ -51,6 +53,38 @@ class BaseWeights:
     hidden: int
     intermediate: int
     gate_up_interleave: int
+    # MXFP4 in ordinary mode: the BF16 master in the kernels' row order, still linked to
+    # the caller's w13/w2; the straight-through gradient sink (None for a frozen base).
+    w13_master: torch.Tensor | None = None
+    w2_master: torch.Tensor | None = None
+
+    @property
+    def trains_master(self) -> bool:
+        """An MXFP4 base whose master weights take a straight-through gradient."""
+        masters = [t for t in (self.w13_master, self.w2_master) if t is not None]
+        return any(t.requires_grad for t in masters)
+
+    def straight_through(self) -> BaseWeights:
+        """The BF16 base this MXFP4 base stands for in ordinary mode.
+
+        Its ``w13``/``w2`` hold the exact BF16 decode of the packed values and require
+        grad; their gradient passes to ``w13_master``/``w2_master`` unchanged. The
+        decode is transient: it lives for one forward/backward, as the master does
+        anyway in ordinary training.
+        """
+        if not self.trains_master:
+            raise ValueError("base: straight_through() needs an MXFP4 base with a trainable master")
+        return BaseWeights(
+            "bf16",
+            _StraightThrough.apply(self.w13_for_gemm(), self.w13_master),
+            _StraightThrough.apply(self.w2_for_gemm(), self.w2_master),
+            None,
+            None,
+            self.num_experts,
+            self.hidden,
+            self.intermediate,
+            self.gate_up_interleave,
+        )
 
     @property
     def device(self) -> torch.device:
@@ -98,6 +132,19 @@ class BaseWeights:
         return values.to(dtype)
 
 
+class _StraightThrough(torch.autograd.Function):
+    """``forward(decoded, master) = decoded``; the gradient goes to ``master`` as is."""
+
+    @staticmethod
+    def forward(ctx, decoded: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
+        ctx.master_dtype = master.dtype
+        return decoded.view_as(decoded)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
+        return None, grad.to(ctx.master_dtype)
+
+
 def prepare_base_weights(w13: torch.Tensor, w2: torch.Tensor, format: str = "bf16") -> BaseWeights:
     """Convert nn.Linear-layout expert weights to the kernels' layout.
 
@@ -110,6 +157,11 @@ def prepare_base_weights(w13: torch.Tensor, w2: torch.Tensor, format: str = "bf1
 
     Returns:
         A reusable :class:`BaseWeights`. MXFP4 takes about 0.27x the bytes of BF16.
+        When ``w13``/``w2`` require grad (ordinary mode) the result is part of the
+        autograd graph: prepare it again after every optimizer step. For MXFP4 it then
+        also holds the BF16 kernel-order copy of the master as the straight-through
+        gradient sink (``w13_master``/``w2_master``); ``mm.moe`` trains the master
+        with the gradient taken at the MXFP4 values.
     """
     check_choice("format", format, BASE_FORMATS)
     reg = registry()
@@ -151,13 +203,9 @@ def prepare_base_weights(w13: torch.Tensor, w2: torch.Tensor, format: str = "bf1
             intermediate,
             reg.gate_up_interleave,
         )
-    if torch.is_grad_enabled() and (w13.requires_grad or w2.requires_grad):
-        # The packed base has no gradient; dropping the autograd link silently would
-        # train nothing. Ordinary training with MXFP4 needs a master copy (not built).
-        raise ValueError(
-            "w13: an MXFP4 base is frozen, but w13/w2 require grad; pass .detach() "
-            "tensors for a frozen base, or format='bf16' to train the base"
-        )
+    # Ordinary mode: keep the (differentiable) BF16 kernel-order tensors as the
+    # straight-through gradient sink; the packed values are quantized from them.
+    trains = torch.is_grad_enabled() and (w13.requires_grad or w2.requires_grad)
     for name, value in (("w13", w13), ("w2", w2)):
         if not torch.isfinite(value).all():
             raise ValueError(f"{name}: MXFP4 quantization needs finite weights, found NaN or Inf")
@@ -175,4 +223,6 @@ def prepare_base_weights(w13: torch.Tensor, w2: torch.Tensor, format: str = "bf1
         hidden,
         intermediate,
         reg.gate_up_interleave,
+        w13_master=w13_kernel if trains else None,
+        w2_master=w2_kernel if trains else None,
     )

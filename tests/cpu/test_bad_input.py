@@ -442,10 +442,10 @@ def test_moe_side_of_the_wrong_type() -> None:
         moe(side=side_tensors())
 
 
-def test_trainable_mxfp4_base_is_refused() -> None:
-    w13, w2 = (t.requires_grad_() for t in base_tensors())
-    with pytest.raises(ValueError, match=r"^w13: an MXFP4 base is frozen"):
-        mm.prepare_base_weights(w13, w2, format="mxfp4")
+def test_straight_through_needs_a_trainable_master() -> None:
+    w13, w2 = base_tensors()
+    with pytest.raises(ValueError, match=r"^base: straight_through\(\) needs an MXFP4 base"):
+        mm.prepare_base_weights(w13, w2, format="mxfp4").straight_through()
 
 
 def test_moe_cpu_weights_name_the_base() -> None:

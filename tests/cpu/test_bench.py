@@ -93,7 +93,7 @@ def test_cli_mxfp4_base(tmp_path):
     [
         (["--backend", "cublas"], "--backend"),
         (["--pass", "backward"], "--pass"),
-        (["--mode", "ordinary", "--dtype", "mxfp4"], "ordinary"),
+        (["--dtype", "fp8"], "--dtype"),
         (["--iters", "0"], "--iters"),
         (["--ep", "0"], "--ep"),
     ],

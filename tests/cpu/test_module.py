@@ -210,9 +210,33 @@ def test_mxfp4_frozen_base():
     out = layer(x, ids, weights)
     assert layer.base_weights().format == "mxfp4"
     assert torch.equal(out, reference_out(layer, x, ids, weights))
-    layer.w13.requires_grad_(True)
-    with pytest.raises(ValueError, match="base_format"):
-        layer(x, ids, weights)
+
+
+def test_mxfp4_ordinary_mode_trains_the_master_straight_through():
+    """The forward runs on the MXFP4 values; w13/w2 get the gradient taken at those
+    values, bit for bit the BF16 layer's gradient on the dequantized weights."""
+    layer = make_layer(base_format="mxfp4", trainable_base=True)
+    randomize_adapters(layer)
+    x, ids, weights = inputs()
+    out = layer(x, ids, weights)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).to(out.dtype)
+    out.backward(dout)
+    packed = layer.base_weights()
+    assert packed.format == "mxfp4" and packed.trains_master
+
+    twin = make_layer(base_format="bf16", trainable_base=True)
+    twin.load_state_dict(layer.state_dict())
+    with torch.no_grad():
+        twin.w13.copy_(packed.w13_linear())
+        twin.w2.copy_(packed.w2_linear())
+    twin_out = twin(x, ids, weights)
+    twin_out.backward(dout)
+    assert torch.equal(out, twin_out)
+    assert layer.w13.grad is not None and layer.w2.grad is not None
+    assert torch.equal(layer.w13.grad, twin.w13.grad)
+    assert torch.equal(layer.w2.grad, twin.w2.grad)
+    # The packed base is not the master: the forward differs from the BF16 master's.
+    assert not torch.equal(packed.w13_linear(), layer.w13.detach())
 
 
 def test_no_adapters():
@@ -269,7 +293,6 @@ def test_extra_repr():
         (dict(side_rank=8), "side_rank"),
         (dict(side_rank=272), "side_rank"),
         (dict(top_k=5), "top_k"),
-        (dict(base_format="mxfp4", trainable_base=True), "base_format"),
         (dict(base_format="fp8"), "base_format"),
         (dict(backend="triton"), "backend"),
         (dict(activation="relu"), "activation"),

@@ -317,6 +317,35 @@ def test_mxfp4_zero_scale_matches_no_adapter_path():
     assert torch.equal(grads["topk_weights"], drouter)
 
 
+@pytest.mark.parametrize("tokens,rank", [(1, None), (347, 16), (2048, None)])
+def test_mxfp4_ordinary_mode_vs_the_oracle(tokens, rank):
+    """Ordinary mode on an MXFP4 base: the master takes the gradient at the MXFP4 values
+    (straight through), gated against the oracle run the same way."""
+    fast, grads = run_case(
+        512, 256, 8, 2, rank, tokens, seed=tokens, trainable_base=True, format="mxfp4"
+    )
+    assert fast.base.trains_master
+    assert grads["w13"].dtype == torch.bfloat16 and grads["w2"].dtype == torch.bfloat16
+
+
+def test_mxfp4_ordinary_mode_is_the_bf16_path_on_the_decoded_weights():
+    """Straight through means: bit for bit the BF16 ordinary-mode gradients of a base
+    holding the decoded values (same kernels, same inputs)."""
+    fast, _ = _layers(512, 256, 8, 2, 16, 600, seed=33, trainable_base=True, format="mxfp4")
+    dout = _dout(600, 512)
+    out, grads = _fused_grads(fast, dout)
+    w13 = fast.base.w13_linear().detach().requires_grad_(True)
+    w2 = fast.base.w2_linear().detach().requires_grad_(True)
+    base = mm.prepare_base_weights(w13, w2)
+    leaves = [fast.x, fast.topk_weights, w13, w2, *fast.side.tensors()]
+    twin_out = mm.moe(fast.x, fast.topk_ids, fast.topk_weights, base, fast.side)
+    twin = torch.autograd.grad(twin_out, leaves, dout)
+    assert torch.equal(out, twin_out)
+    names = ("x", "topk_weights", "w13", "w2", *SIDE_NAMES)
+    for name, want in zip(names, twin, strict=True):
+        assert torch.equal(grads[name], want), name
+
+
 def test_mxfp4_decode_kernel_is_bitwise_the_dequantizer():
     """Every code with scale bytes at the extremes (0 = 2^-127, 1, 126, 127, 128, 253,
     254, and 0xFF = NaN), all-zero blocks and -0 codes."""

@@ -273,8 +273,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for pass_name in args.passes:
         if pass_name not in PASSES:
             parser.error(f"--pass: expected a subset of {PASSES}, got {pass_name!r}")
-    if args.mode == "ordinary" and args.dtype == "mxfp4":
-        parser.error("--mode ordinary trains the base: it needs --dtype bf16")
     if args.iters < 1 or args.warmup < 0:
         parser.error("--iters must be >= 1 and --warmup >= 0")
     if args.ep < 1:

@@ -269,8 +269,9 @@ def make_layer(
         requires_grad: make ``x``, ``topk_weights`` and the adapter tensors leaves
             that require grad.
         trainable_base: ordinary mode: ``w13``/``w2`` are leaves that require grad and
-            ``base`` keeps the autograd link to them (``format="bf16"`` only); call
-            :meth:`LayerInputs.reprepare_base` before each further backward.
+            ``base`` keeps the autograd link to them (for ``format="mxfp4"`` straight
+            through the quantizer); call :meth:`LayerInputs.reprepare_base` before each
+            further backward.
     """
     hidden = check_int("hidden", hidden, minimum=1)
     intermediate = check_int("intermediate", intermediate, minimum=1)
@@ -278,11 +279,6 @@ def make_layer(
     if side_rank is not None:
         side_rank = check_int("side_rank", side_rank, minimum=1)
     check_choice("dtype", dtype, (torch.bfloat16, torch.float32, torch.float64))
-    if trainable_base and format != "bf16":
-        raise ValueError(
-            f"trainable_base: ordinary mode needs format='bf16' (the MXFP4 base is a "
-            f"frozen quantized copy), got format={format!r}"
-        )
     topk_ids, topk_weights = make_routing(
         num_tokens, num_experts, top_k, kind=routing, seed=seed, device=device, **routing_kwargs
     )
