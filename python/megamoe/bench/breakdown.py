@@ -26,6 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--pass", dest="pass_name", choices=("forward", "fwd+bwd"))
     parser.add_argument("--mode", choices=("side-lora", "ordinary"), default="side-lora")
+    parser.add_argument("--dtype", choices=("bf16", "mxfp4"), default="bf16", help="base format")
     args = parser.parse_args(argv)
     s = SHAPES[args.shape]
     ordinary = args.mode == "ordinary"
@@ -40,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         device="cuda",
         requires_grad=training,
         trainable_base=training and ordinary,
+        format=args.dtype,
     )
     dout = torch.randn_like(layer.x)
 
@@ -67,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.append((device_us / args.iters / 1e3, event.count // args.iters, event.key))
     rows.sort(reverse=True)
     total = sum(r[0] for r in rows)
-    what = f"{args.pass_name or 'forward'} {args.mode if training else ''}".strip()
+    what = f"{args.pass_name or 'forward'} {args.mode if training else ''} {args.dtype}"
+    what = " ".join(what.split())
     print(f"{args.shape}: per {what} call, {total:.2f} ms of kernel time")
     print(f"{'ms':>8} {'share':>6} {'calls':>5}  kernel")
     for ms, calls, name in rows:
