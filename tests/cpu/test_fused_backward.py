@@ -252,3 +252,14 @@ def test_mn_major_cpu_twin_matches_a_plain_product():
     out = grouped_gemm(a, b, plan, b_major="mn")
     rows = int(plan.expert_pool_offsets[-1])
     assert_close_to_oracle("out", out[:rows], grouped_gemm_reference(a, b.transpose(1, 2), plan))
+
+
+def test_stack_k_rows_is_the_concatenation():
+    from megamoe.fused_backward import _stack_k_rows
+
+    gen = torch.Generator().manual_seed(3)
+    w2 = torch.randn(3, 64, 32, generator=gen).bfloat16()
+    a2 = torch.randn(3, 32, 16, generator=gen).bfloat16()  # [E, I, r]
+    got = _stack_k_rows(w2, a2.transpose(1, 2))
+    assert got.is_contiguous()
+    assert torch.equal(got, torch.cat([w2, a2.transpose(1, 2)], dim=1))
