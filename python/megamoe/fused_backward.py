@@ -91,6 +91,8 @@ def _stack_k_rows(w2: torch.Tensor, a2_t: torch.Tensor) -> torch.Tensor:
     the whole result (2.9 ms for the 1 GiB ``w2`` at ep4rank, H200); copying ``w2`` into
     its slab on its own keeps that copy at memory speed. Same values bit for bit.
     """
+    if a2_t.dtype != w2.dtype:  # copy_ would cast where cat promotes
+        raise ValueError(f"a2: expected dtype {w2.dtype} like w2, got {a2_t.dtype}")
     experts, hidden, inter = w2.shape
     out = w2.new_empty(experts, hidden + a2_t.shape[1], inter)
     out[:, :hidden].copy_(w2)

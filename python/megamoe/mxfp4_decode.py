@@ -41,6 +41,13 @@ def decode_mxfp4_bf16(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tenso
     check_tensor(
         "scales", scales, shape=want, dtypes=(torch.uint8,), device=packed.device, contiguous=True
     )
+    return _decode_op(packed, scales)
+
+
+# A torch custom op, so torch.compile treats the decode as one opaque node (the CUDA
+# path calls the native extension directly, which dynamo cannot trace).
+@torch.library.custom_op("megamoe::mxfp4_decode_bf16", mutates_args=())
+def _decode_op(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     if not packed.is_cuda:
         return dequantize_mxfp4(packed, scales, axis=-1, dtype=torch.bfloat16)
     out = torch.empty(
@@ -56,3 +63,8 @@ def decode_mxfp4_bf16(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tenso
             _native.current_stream(packed.device),
         )
     return out
+
+
+@_decode_op.register_fake
+def _decode_fake(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return packed.new_empty((*packed.shape[:-1], 2 * packed.shape[-1]), dtype=torch.bfloat16)

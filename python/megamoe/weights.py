@@ -53,8 +53,8 @@ class BaseWeights:
     hidden: int
     intermediate: int
     gate_up_interleave: int
-    # MXFP4 in ordinary mode: the BF16 master in the kernels' row order, still linked to
-    # the caller's w13/w2; the straight-through gradient sink (None for a frozen base).
+    # MXFP4 in ordinary mode: the caller's own w13/w2 (nn.Linear layout, no copy), the
+    # straight-through gradient sink (None for a frozen base).
     w13_master: torch.Tensor | None = None
     w2_master: torch.Tensor | None = None
 
@@ -68,16 +68,19 @@ class BaseWeights:
         """The BF16 base this MXFP4 base stands for in ordinary mode.
 
         Its ``w13``/``w2`` hold the exact BF16 decode of the packed values and require
-        grad; their gradient passes to ``w13_master``/``w2_master`` unchanged. The
-        decode is transient: it lives for one forward/backward, as the master does
-        anyway in ordinary training.
+        grad; their gradient passes to ``w13_master``/``w2_master`` unchanged (back in
+        nn.Linear row order, in the master's dtype). The decode is transient: it lives
+        for one forward/backward, next to the master that ordinary training holds anyway.
         """
         if not self.trains_master:
             raise ValueError("base: straight_through() needs an MXFP4 base with a trainable master")
+        perm = gate_up_interleave_index(self.intermediate, self.gate_up_interleave, self.device)
+        linear_rows = torch.empty_like(perm)
+        linear_rows[perm] = torch.arange(perm.numel(), device=perm.device)
         return BaseWeights(
             "bf16",
-            _StraightThrough.apply(self.w13_for_gemm(), self.w13_master),
-            _StraightThrough.apply(self.w2_for_gemm(), self.w2_master),
+            _StraightThrough.apply(self.w13_for_gemm(), self.w13_master, linear_rows),
+            _StraightThrough.apply(self.w2_for_gemm(), self.w2_master, None),
             None,
             None,
             self.num_experts,
@@ -91,7 +94,8 @@ class BaseWeights:
         return self.w13.device
 
     def nbytes(self) -> int:
-        """Bytes held by the prepared tensors (values and scales)."""
+        """Bytes held by the prepared tensors (values and scales; a trainable MXFP4
+        base's masters are the caller's own tensors and not counted)."""
         tensors = [self.w13, self.w2, self.w13_scales, self.w2_scales]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
@@ -133,16 +137,30 @@ class BaseWeights:
 
 
 class _StraightThrough(torch.autograd.Function):
-    """``forward(decoded, master) = decoded``; the gradient goes to ``master`` as is."""
+    """``forward(decoded, master, linear_rows) = decoded``; the gradient goes to
+    ``master`` as is, its rows put back in nn.Linear order by ``linear_rows`` (the
+    inverse of the gate/up interleave; None for ``w2``) and cast to the master's dtype."""
 
     @staticmethod
-    def forward(ctx, decoded: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
+    def forward(
+        ctx, decoded: torch.Tensor, master: torch.Tensor, linear_rows: torch.Tensor | None
+    ) -> torch.Tensor:
+        if decoded.shape != master.shape:
+            raise ValueError(
+                f"base: master shape {list(master.shape)} != decoded {list(decoded.shape)}"
+            )
         ctx.master_dtype = master.dtype
+        ctx.reorder = linear_rows is not None
+        if ctx.reorder:
+            ctx.save_for_backward(linear_rows)
         return decoded.view_as(decoded)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
-        return None, grad.to(ctx.master_dtype)
+    def backward(ctx, grad: torch.Tensor) -> tuple[None, torch.Tensor, None]:
+        if ctx.reorder:
+            (linear_rows,) = ctx.saved_tensors
+            grad = grad.index_select(1, linear_rows)
+        return None, grad.to(ctx.master_dtype), None
 
 
 def prepare_base_weights(w13: torch.Tensor, w2: torch.Tensor, format: str = "bf16") -> BaseWeights:
@@ -203,8 +221,8 @@ def prepare_base_weights(w13: torch.Tensor, w2: torch.Tensor, format: str = "bf1
             intermediate,
             reg.gate_up_interleave,
         )
-    # Ordinary mode: keep the (differentiable) BF16 kernel-order tensors as the
-    # straight-through gradient sink; the packed values are quantized from them.
+    # Ordinary mode: the caller's w13/w2 are the straight-through gradient sink (kept by
+    # reference, no copy); the packed values are quantized from their BF16 rounding.
     trains = torch.is_grad_enabled() and (w13.requires_grad or w2.requires_grad)
     for name, value in (("w13", w13), ("w2", w2)):
         if not torch.isfinite(value).all():
@@ -223,6 +241,6 @@ def prepare_base_weights(w13: torch.Tensor, w2: torch.Tensor, format: str = "bf1
         hidden,
         intermediate,
         reg.gate_up_interleave,
-        w13_master=w13_kernel if trains else None,
-        w2_master=w2_kernel if trains else None,
+        w13_master=w13 if trains else None,
+        w2_master=w2 if trains else None,
     )

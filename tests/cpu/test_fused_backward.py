@@ -263,3 +263,56 @@ def test_stack_k_rows_is_the_concatenation():
     got = _stack_k_rows(w2, a2.transpose(1, 2))
     assert got.is_contiguous()
     assert torch.equal(got, torch.cat([w2, a2.transpose(1, 2)], dim=1))
+
+
+def test_ep_entry_trains_an_mxfp4_master_straight_through():
+    """megamoe.ep.fused_moe called directly (CPU twins, group=None) converts a trainable
+    MXFP4 base like mm.moe: the master gets the gradient of a BF16 base holding the
+    decoded values, bit for bit (before, the packed base silently dropped it)."""
+    from megamoe.testing.inputs import make_layer
+
+    layer = make_layer(
+        128, 128, 4, 2, 16, num_tokens=20, format="mxfp4", trainable_base=True,
+        requires_grad=True, seed=9,
+    )  # fmt: skip
+    dout = torch.randn(20, 128, generator=torch.Generator().manual_seed(4)).bfloat16()
+    call = (layer.x, layer.topk_ids, layer.topk_weights)
+    out = mm.ep.fused_moe(*call, layer.base, layer.side, group=None)
+    grads = torch.autograd.grad(out, [layer.w13, layer.w2], dout)
+
+    w13 = layer.base.w13_linear().detach().requires_grad_(True)
+    w2 = layer.base.w2_linear().detach().requires_grad_(True)
+    twin = mm.ep.fused_moe(*call, mm.prepare_base_weights(w13, w2), layer.side, group=None)
+    want = torch.autograd.grad(twin, [w13, w2], dout)
+    assert torch.equal(out, twin)
+    for got, expected in zip(grads, want, strict=True):
+        assert torch.equal(got, expected)
+
+
+def test_mxfp4_decode_op_and_straight_through_trace_in_one_graph():
+    """The decode is a torch custom op (opcheck: fake impl, schema), and the
+    straight-through conversion traces with torch.compile(fullgraph=True)."""
+    from megamoe.mxfp4_decode import _decode_op, decode_mxfp4_bf16
+
+    gen = torch.Generator().manual_seed(2)
+    packed = torch.randint(0, 256, (6, 32), generator=gen, dtype=torch.uint8)
+    scales = torch.randint(100, 140, (6, 2), generator=gen, dtype=torch.uint8)
+    torch.library.opcheck(_decode_op, (packed, scales))
+    assert torch.equal(
+        decode_mxfp4_bf16(packed, scales).view(torch.int16),
+        mm.dequantize_mxfp4(packed, scales, axis=-1, dtype=torch.bfloat16).view(torch.int16),
+    )
+
+    w13 = torch.randn(2, 256, 64, generator=gen).bfloat16().requires_grad_(True)
+    w2 = torch.randn(2, 64, 128, generator=gen).bfloat16().requires_grad_(True)
+    base = mm.prepare_base_weights(w13, w2, format="mxfp4")
+
+    def loss(b):
+        bf16 = b.straight_through()
+        return (bf16.w13.float() ** 2).sum() + bf16.w2.float().sum()
+
+    eager = torch.autograd.grad(loss(base), [w13, w2])
+    compiled = torch.compile(loss, backend="eager", fullgraph=True)
+    traced = torch.autograd.grad(compiled(base), [w13, w2])
+    for got, want in zip(traced, eager, strict=True):
+        assert torch.equal(got, want)

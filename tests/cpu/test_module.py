@@ -212,10 +212,20 @@ def test_mxfp4_frozen_base():
     assert torch.equal(out, reference_out(layer, x, ids, weights))
 
 
-def test_mxfp4_ordinary_mode_trains_the_master_straight_through():
+@pytest.mark.parametrize("param_dtype", [torch.bfloat16, F32])
+def test_mxfp4_ordinary_mode_trains_the_master_straight_through(param_dtype):
     """The forward runs on the MXFP4 values; w13/w2 get the gradient taken at those
-    values, bit for bit the BF16 layer's gradient on the dequantized weights."""
-    layer = make_layer(base_format="mxfp4", trainable_base=True)
+    values, bit for bit the BF16 layer's gradient on the dequantized weights. I = 128
+    spans two gate/up interleave blocks, so a row-order slip would show."""
+
+    def layer_of(base_format: str) -> MegaMoE:
+        torch.manual_seed(0)
+        return MegaMoE(
+            H, 128, E, K, side_rank=R, backend="reference", param_dtype=param_dtype,
+            side_scale=0.5, base_format=base_format, trainable_base=True,
+        )  # fmt: skip
+
+    layer = layer_of("mxfp4")
     randomize_adapters(layer)
     x, ids, weights = inputs()
     out = layer(x, ids, weights)
@@ -223,8 +233,9 @@ def test_mxfp4_ordinary_mode_trains_the_master_straight_through():
     out.backward(dout)
     packed = layer.base_weights()
     assert packed.format == "mxfp4" and packed.trains_master
+    assert packed.w13_master is layer.w13 and packed.w2_master is layer.w2  # no copies
 
-    twin = make_layer(base_format="bf16", trainable_base=True)
+    twin = layer_of("bf16")
     twin.load_state_dict(layer.state_dict())
     with torch.no_grad():
         twin.w13.copy_(packed.w13_linear())
@@ -232,11 +243,12 @@ def test_mxfp4_ordinary_mode_trains_the_master_straight_through():
     twin_out = twin(x, ids, weights)
     twin_out.backward(dout)
     assert torch.equal(out, twin_out)
-    assert layer.w13.grad is not None and layer.w2.grad is not None
-    assert torch.equal(layer.w13.grad, twin.w13.grad)
-    assert torch.equal(layer.w2.grad, twin.w2.grad)
+    for name in ("w13", "w2", *SIDE):
+        got, want = getattr(layer, name).grad, getattr(twin, name).grad
+        assert got is not None and got.dtype == param_dtype, name
+        assert torch.equal(got, want), name
     # The packed base is not the master: the forward differs from the BF16 master's.
-    assert not torch.equal(packed.w13_linear(), layer.w13.detach())
+    assert not torch.equal(packed.w13_linear().to(param_dtype), layer.w13.detach())
 
 
 def test_no_adapters():

@@ -308,10 +308,12 @@ def test_activation_backward(tokens, top_k, activation, clamp, weighted_h):
 
 
 @pytest.mark.parametrize("weighted_h", [True, False])
-@pytest.mark.parametrize("tokens,top_k,k,inter", [(1, 1, 128, 128), (150, 6, 144, 320)])
+@pytest.mark.parametrize(
+    "tokens,top_k,k,inter", [(1, 1, 128, 128), (150, 6, 144, 320), (150, 6, 144, 512)]
+)
 def test_fused_dgrad2_activation_backward(tokens, top_k, k, inter, weighted_h):
     """dgrad2 with the activation backward as the engine's epilogue (z never stored);
-    I = 320 leaves an N tail."""
+    I = 320 leaves an N tail (128-wide tiles), I = 512 takes the 128x256 variant."""
     experts = 8
     plan, _, weights = gpu_plan(tokens, experts, top_k, 128, kind="masked", seed=tokens)
     preact = bf16((plan.pool_capacity, 2 * inter), 19, 2.0)
