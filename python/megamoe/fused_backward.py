@@ -257,6 +257,9 @@ def pool_backward(
         del db2_pool
     if base_grads:
         local["w2"] = k_grouped(dout_pool[:, :hidden].T, weighted_h)  # [E, H, I]
+        # dw2 was their last reader: free the [P, H] dout pool and w h before the
+        # [P, H] x pool arrives (ordinary mode's peak is here).
+        dout_pool = weighted_h = None
         x_pool = pool.gather_pool(x_rows, None, plan)
         local["w13"] = k_grouped(dgrad_preact.T, x_pool)  # [E, 2I, H]
         del x_pool
