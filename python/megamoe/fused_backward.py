@@ -51,7 +51,7 @@ __all__ = [
     "DGRAD_ENGINE_VAR",
     "GRAD_NAMES",
     "PoolBackward",
-    "dgrad_on_engine",
+    "dgrad_engine_mode",
     "mm_fp32",
     "moe_backward",
     "pool_backward",
@@ -77,11 +77,6 @@ def dgrad_engine_mode() -> str:
             f"{DGRAD_ENGINE_VAR}: expected one of {list(DGRAD_ENGINE_CHOICES)}, got {value!r}"
         )
     return value
-
-
-def dgrad_on_engine() -> bool:
-    """Whether ``MEGAMOE_DGRAD_ENGINE`` asks for any engine dgrad."""
-    return dgrad_engine_mode() != "0"
 
 
 def _stack_k_rows(w2: torch.Tensor, a2_t: torch.Tensor) -> torch.Tensor:

@@ -418,10 +418,9 @@ def moe(
         )
     if not isinstance(base, BaseWeights):
         raise TypeError(f"base: expected megamoe.BaseWeights, got {type(base).__name__}")
-    if base.trains_master and torch.is_grad_enabled():
-        # Ordinary mode on an MXFP4 base: the BF16 path on the exact decode, with the
-        # gradient passed straight through to the master (DESIGN §1).
-        base = base.straight_through()
+    # Ordinary mode on an MXFP4 base: the BF16 path on the exact decode, with the
+    # gradient passed straight through to the master (DESIGN §1).
+    base = base.for_call()
     if side is not None and not isinstance(side, SideLoRA):
         raise TypeError(f"side: expected megamoe.SideLoRA or None, got {type(side).__name__}")
     if not isinstance(activation_checkpoint, bool):

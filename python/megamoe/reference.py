@@ -563,8 +563,7 @@ def moe(
         raise ValueError("group: the reference runs on one process; pass group=None")
     if not isinstance(base, BaseWeights):
         raise TypeError(f"base: expected a megamoe.BaseWeights, got {type(base).__name__}")
-    if base.trains_master and torch.is_grad_enabled():
-        base = base.straight_through()  # MXFP4 ordinary mode, as mm.moe
+    base = base.for_call()  # MXFP4 ordinary mode: straight through, as mm.moe
     _check_routing(x, topk_ids, topk_weights, base.hidden)
     if base.device != x.device:
         raise ValueError(f"base: expected device {x.device} like x, got {base.device}")

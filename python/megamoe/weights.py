@@ -33,6 +33,14 @@ def gate_up_interleave_index(intermediate: int, interleave: int, device=None) ->
     return torch.cat([gate, up], dim=1).reshape(-1)
 
 
+def linear_row_index(intermediate: int, interleave: int, device=None) -> torch.Tensor:
+    """The inverse of :func:`gate_up_interleave_index`: ``w13 = w13_kernel[:, rows]``."""
+    perm = gate_up_interleave_index(intermediate, interleave, device)
+    rows = torch.empty_like(perm)
+    rows[perm] = torch.arange(perm.numel(), device=perm.device)
+    return rows
+
+
 @dataclass(frozen=True, eq=False)
 class BaseWeights:
     """Prepared base weights (see :func:`prepare_base_weights`).
@@ -64,6 +72,11 @@ class BaseWeights:
         masters = [t for t in (self.w13_master, self.w2_master) if t is not None]
         return any(t.requires_grad for t in masters)
 
+    def for_call(self) -> BaseWeights:
+        """What a layer call runs on: :meth:`straight_through` for an MXFP4 base with a
+        trainable master while gradients are on (ordinary mode), else this base."""
+        return self.straight_through() if self.trains_master and torch.is_grad_enabled() else self
+
     def straight_through(self) -> BaseWeights:
         """The BF16 base this MXFP4 base stands for in ordinary mode.
 
@@ -74,9 +87,7 @@ class BaseWeights:
         """
         if not self.trains_master:
             raise ValueError("base: straight_through() needs an MXFP4 base with a trainable master")
-        perm = gate_up_interleave_index(self.intermediate, self.gate_up_interleave, self.device)
-        linear_rows = torch.empty_like(perm)
-        linear_rows[perm] = torch.arange(perm.numel(), device=perm.device)
+        linear_rows = linear_row_index(self.intermediate, self.gate_up_interleave, self.device)
         return BaseWeights(
             "bf16",
             _StraightThrough.apply(self.w13_for_gemm(), self.w13_master, linear_rows),
@@ -121,10 +132,8 @@ class BaseWeights:
         Differentiable for the bf16 format (ordinary mode reference/baseline use it).
         """
         w13 = self._values(self.w13, self.w13_scales, dtype)
-        perm = gate_up_interleave_index(self.intermediate, self.gate_up_interleave, w13.device)
-        inverse = torch.empty_like(perm)
-        inverse[perm] = torch.arange(perm.numel(), device=perm.device)
-        return w13.index_select(1, inverse)
+        rows = linear_row_index(self.intermediate, self.gate_up_interleave, w13.device)
+        return w13.index_select(1, rows)
 
     def w2_linear(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """``[E_l, H, I]``, dequantized."""
@@ -177,9 +186,9 @@ def prepare_base_weights(w13: torch.Tensor, w2: torch.Tensor, format: str = "bf1
         A reusable :class:`BaseWeights`. MXFP4 takes about 0.27x the bytes of BF16.
         When ``w13``/``w2`` require grad (ordinary mode) the result is part of the
         autograd graph: prepare it again after every optimizer step. For MXFP4 it then
-        also holds the BF16 kernel-order copy of the master as the straight-through
-        gradient sink (``w13_master``/``w2_master``); ``mm.moe`` trains the master
-        with the gradient taken at the MXFP4 values.
+        also keeps references to ``w13``/``w2`` as the straight-through gradient sink
+        (``w13_master``/``w2_master``, no copy); ``mm.moe`` trains them with the
+        gradient taken at the MXFP4 values.
     """
     check_choice("format", format, BASE_FORMATS)
     reg = registry()

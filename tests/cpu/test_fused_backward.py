@@ -223,22 +223,21 @@ def test_backward_with_an_mxfp4_base(activation, clamp):
     [(None, "0"), ("0", "0"), ("1", "1"), (" ", "0"), ("dgrad2", "dgrad2"), (" dgrad2 ", "dgrad2")],
 )
 def test_dgrad_engine_switch(monkeypatch, value, mode):
-    from megamoe.fused_backward import DGRAD_ENGINE_VAR, dgrad_engine_mode, dgrad_on_engine
+    from megamoe.fused_backward import DGRAD_ENGINE_VAR, dgrad_engine_mode
 
     if value is None:
         monkeypatch.delenv(DGRAD_ENGINE_VAR, raising=False)
     else:
         monkeypatch.setenv(DGRAD_ENGINE_VAR, value)
     assert dgrad_engine_mode() == mode
-    assert dgrad_on_engine() is (mode != "0")
 
 
 def test_dgrad_engine_switch_rejects_other_values(monkeypatch):
-    from megamoe.fused_backward import DGRAD_ENGINE_VAR, dgrad_on_engine
+    from megamoe.fused_backward import DGRAD_ENGINE_VAR, dgrad_engine_mode
 
     monkeypatch.setenv(DGRAD_ENGINE_VAR, "yes")
     with pytest.raises(ValueError, match=f"^{DGRAD_ENGINE_VAR}"):
-        dgrad_on_engine()
+        dgrad_engine_mode()
 
 
 def test_mn_major_cpu_twin_matches_a_plain_product():

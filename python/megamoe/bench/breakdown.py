@@ -15,7 +15,6 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import megamoe as mm
-from megamoe.testing.inputs import make_layer
 
 from .shapes import SHAPES
 
@@ -31,13 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     s = SHAPES[args.shape]
     ordinary = args.mode == "ordinary"
     training = args.pass_name == "fwd+bwd"
-    layer = make_layer(
-        s.hidden,
-        s.intermediate,
-        s.num_local_experts,
-        s.top_k,
-        None if ordinary else s.side_rank,
-        num_tokens=s.num_tokens,
+    layer = s.make_layer(
+        ordinary=ordinary,
         device="cuda",
         requires_grad=training,
         trainable_base=training and ordinary,

@@ -94,20 +94,13 @@ def run_backend(
 def _measure(
     backend: str, shape: Shape, args, device: torch.device, progress: Progress
 ) -> list[dict]:
-    from megamoe.testing.inputs import make_layer
-
     fn, dtype, extra = _backend_fn(backend, device)
     if backend == "fused" and args.activation_checkpoint:
         extra = {**extra, "activation_checkpoint": True}
     ordinary = args.mode == "ordinary"
     progress.update(f"{backend}: building inputs for {shape.name}")
-    layer = make_layer(
-        shape.hidden,
-        shape.intermediate,
-        shape.num_local_experts,
-        shape.top_k,
-        None if ordinary else shape.side_rank,
-        num_tokens=shape.num_tokens,
+    layer = shape.make_layer(
+        ordinary=ordinary,
         seed=args.seed,
         device=device,
         dtype=dtype,

@@ -17,7 +17,6 @@ import torch
 
 import megamoe as mm
 from megamoe import fused_backward, fused_forward
-from megamoe.testing.inputs import make_layer
 
 from .shapes import SHAPES
 
@@ -68,13 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     s = SHAPES[args.shape]
     ordinary = args.mode == "ordinary"
-    layer = make_layer(
-        s.hidden,
-        s.intermediate,
-        s.num_local_experts,
-        s.top_k,
-        None if ordinary else s.side_rank,
-        num_tokens=s.num_tokens,
+    layer = s.make_layer(
+        ordinary=ordinary,
         device="cuda",
         requires_grad=True,
         trainable_base=ordinary,

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from megamoe.testing.inputs import LayerInputs
 
 
 @dataclass(frozen=True)
@@ -21,6 +25,21 @@ class Shape:
     @property
     def num_routes(self) -> int:
         return self.num_tokens * self.top_k
+
+    def make_layer(self, *, ordinary: bool, **kwargs) -> LayerInputs:
+        """:func:`megamoe.testing.make_layer` at this shape: side-LoRA of ``side_rank``,
+        or no adapters in ordinary mode; ``kwargs`` go through (device, grads, ..)."""
+        from megamoe.testing.inputs import make_layer
+
+        return make_layer(
+            self.hidden,
+            self.intermediate,
+            self.num_local_experts,
+            self.top_k,
+            None if ordinary else self.side_rank,
+            num_tokens=self.num_tokens,
+            **kwargs,
+        )
 
 
 SHAPES = {

@@ -364,10 +364,9 @@ def moe(
     Returns:
         ``[T, H]`` BF16.
     """
-    if isinstance(base, BaseWeights) and base.trains_master and torch.is_grad_enabled():
-        # Ordinary mode on an MXFP4 base, as mm.moe: the BF16 path on the exact decode,
-        # the gradient straight through to the master (a no-op if mm.moe already did it).
-        base = base.straight_through()
+    if isinstance(base, BaseWeights):
+        # MXFP4 ordinary mode, as mm.moe (a no-op if mm.moe already converted it).
+        base = base.for_call()
     check_forward_inputs(
         x,
         topk_ids,

@@ -185,8 +185,7 @@ def moe(
 
     dtype = x.dtype
     if isinstance(base, BaseWeights):
-        if base.trains_master and torch.is_grad_enabled():
-            base = base.straight_through()  # MXFP4 ordinary mode, as mm.moe
+        base = base.for_call()  # MXFP4 ordinary mode: straight through, as mm.moe
         # The MXFP4 decoder stops at float32, which holds every decoded value exactly.
         narrow = torch.float32 if dtype == torch.float64 else dtype
         w13, w2 = base.w13_linear(narrow).to(dtype), base.w2_linear(narrow).to(dtype)
