@@ -95,21 +95,44 @@ CUtensorMap tma_3d(const char* name, const void* base, int64_t depth, int64_t ro
 }
 
 const GroupedGemmKernels& select_variant(int block_m, int block_n, Epilogue epilogue,
-                                         BMajor b_major) {
+                                         BMajor b_major, BFormat b_format = BFormat::BF16) {
   for (const auto& variant : variants::kGroupedGemmVariants) {
-    const std::string name = variant.epilogue;
-    const Epilogue e = name == "GatedActivation"      ? Epilogue::GatedActivation
-                       : name == "ActivationBackward" ? Epilogue::ActivationBackward
-                                                      : Epilogue::Store;
-    const BMajor major = std::string(variant.b_major) == "MN" ? BMajor::MN : BMajor::K;
-    if (variant.block_m == block_m && variant.block_n == block_n && e == epilogue &&
-        major == b_major)
-      return *variant.kernels;
+    const GroupedGemmKernels& k = *variant.kernels;
+    if (k.block_m == block_m && k.block_n == block_n && k.epilogue == epilogue &&
+        k.b_major == b_major && k.b_format == b_format)
+      return k;
   }
   throw nb::value_error(("block_m/block_n: no grouped GEMM variant for BLOCK_M " + str(block_m) +
                          ", BLOCK_N " + str(block_n) +
-                         (b_major == BMajor::MN ? " with an MN-major B" : ""))
+                         (b_major == BMajor::MN ? " with an MN-major B" : "") +
+                         (b_format == BFormat::MXFP4 ? " with an MXFP4 B" : ""))
                             .c_str());
+}
+
+// A 2-D row-major uint8/uint16 view [rows, cols] loaded unswizzled in [box_rows,
+// box_cols] boxes (the MXFP4 codes and scales; the consumers read them, not wgmma).
+CUtensorMap tma_2d_plain(const char* name, const void* base, CUtensorMapDataType type,
+                         int element_bytes, int64_t rows, int64_t cols, int box_rows,
+                         int box_cols) {
+  if (reinterpret_cast<uintptr_t>(base) % 16 != 0 || (cols * element_bytes) % 16 != 0)
+    throw nb::value_error((std::string(name) +
+                           ": TMA needs a 16-byte aligned address and rows of a multiple of "
+                           "16 bytes, got rows of " +
+                           str(cols * element_bytes) + " bytes")
+                              .c_str());
+  CUtensorMap map{};
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols * element_bytes)};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows)};
+  const cuuint32_t element_strides[2] = {1, 1};
+  const CUresult result =
+      encode_tiled()(&map, type, 2, const_cast<void*>(base), dims, strides, box, element_strides,
+                     CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+                     CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (result != CUDA_SUCCESS)
+    throw std::runtime_error(std::string("megamoe: cuTensorMapEncodeTiled failed for ") + name +
+                             " (CUresult " + str(result) + ")");
+  return map;
 }
 
 void launch(const GroupedGemmKernels& kernels, const GroupedGemmParams& params, int device,
@@ -138,18 +161,32 @@ void grouped_gemm(const Tensor& a, int64_t k_base, const Tensor& b,
                   bool gated, int activation, double activation_clamp,
                   std::optional<Tensor> b_extra, std::optional<Tensor> side_b_gate,
                   std::optional<Tensor> side_b_up, double side_scale,
-                  std::optional<Tensor> preact_out, bool b_major_mn, int num_sms,
-                  uintptr_t stream) {
+                  std::optional<Tensor> preact_out, bool b_major_mn, std::optional<Tensor> b_scales,
+                  int num_sms, uintptr_t stream) {
   const int device = a.device_id();
   check_tensor("a", a, bfloat16_dtype(), {-1, -1}, device);
   const int64_t rows = a.shape(0), lda = a.shape(1);
+  const bool mxfp4 = b_scales.has_value();
   // K-major B: [E, N, K] (nn.Linear); MN-major B: [E, K, N] (the same weights, read
-  // transposed by the dgrads).
-  if (b_major_mn)
+  // transposed by the dgrads); MXFP4 B: [E, N, K/2] codes (K-major).
+  if (mxfp4 && b_major_mn) throw nb::value_error("b_scales: an MXFP4 B is read K-major only");
+  if (mxfp4 && k_base % kGemmBlockK != 0)
+    throw nb::value_error(
+        ("k_base: an MXFP4 B needs K a multiple of 64, got " + str(k_base)).c_str());
+  if (mxfp4)
+    check_tensor<uint8_t>("b", b, {-1, -1, k_base / 2}, device);
+  else if (b_major_mn)
     check_tensor("b", b, bfloat16_dtype(), {-1, k_base, -1}, device);
   else
     check_tensor("b", b, bfloat16_dtype(), {-1, -1, k_base}, device);
   const int64_t experts = b.shape(0), n_base = b_major_mn ? b.shape(2) : b.shape(1);
+  if (mxfp4) {
+    check_tensor<int16_t>("b_scales", *b_scales, {experts, k_base / kGemmBlockK, n_base}, device);
+    if (n_base % 8 != 0)
+      throw nb::value_error(
+          ("b: an MXFP4 B needs N a multiple of 8 (16-byte scale rows), got " + str(n_base))
+              .c_str());
+  }
   check_tensor<int32_t>("expert_pool_offsets", expert_pool_offsets, {experts + 1}, device);
   if (k_base < 8 || k_base % 8 != 0 || k_base > lda)
     throw nb::value_error(("k_base: expected a multiple of 8 in [8, " + str(lda) +
@@ -165,7 +202,7 @@ void grouped_gemm(const Tensor& a, int64_t k_base, const Tensor& b,
         ("b: an MN-major B needs N a multiple of 8 (16-byte rows), got " + str(n_base)).c_str());
   const GroupedGemmKernels& kernels =
       select_variant(block_m, block_n, gated ? Epilogue::GatedActivation : Epilogue::Store,
-                     b_major_mn ? BMajor::MN : BMajor::K);
+                     b_major_mn ? BMajor::MN : BMajor::K, mxfp4 ? BFormat::MXFP4 : BFormat::BF16);
 
   GroupedGemmParams params{};
   int64_t side_k = 0, n_extra = 0;
@@ -228,8 +265,16 @@ void grouped_gemm(const Tensor& a, int64_t k_base, const Tensor& b,
   }
 
   params.a = tma_2d("a", a.data(), rows, k_base, lda, block_m);
-  params.b = b_major_mn ? tma_3d("b", b.data(), experts, k_base, n_base)
-                        : tma_2d("b", b.data(), experts * n_base, k_base, k_base, kernels.block_n);
+  if (mxfp4) {
+    params.b_codes = tma_2d_plain("b", b.data(), CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, experts * n_base,
+                                  k_base / 2, kernels.block_n, kGemmBlockK / 2);
+    params.b_scales = tma_2d_plain("b_scales", b_scales->data(), CU_TENSOR_MAP_DATA_TYPE_UINT16, 2,
+                                   experts * (k_base / kGemmBlockK), n_base, 1, kernels.block_n);
+  } else {
+    params.b = b_major_mn
+                   ? tma_3d("b", b.data(), experts, k_base, n_base)
+                   : tma_2d("b", b.data(), experts * n_base, k_base, k_base, kernels.block_n);
+  }
   params.expert_pool_offsets = static_cast<const int32_t*>(expert_pool_offsets.data());
   params.out = out.data();
   params.out_stride = out.shape(1);
@@ -319,7 +364,7 @@ void register_grouped_gemm(nb::module_& m) {
         nb::arg("gated"), nb::arg("activation"), nb::arg("activation_clamp"),
         nb::arg("b_extra").none(), nb::arg("side_b_gate").none(), nb::arg("side_b_up").none(),
         nb::arg("side_scale"), nb::arg("preact_out").none(), nb::arg("b_major_mn"),
-        nb::arg("num_sms"), nb::arg("stream"),
+        nb::arg("b_scales").none(), nb::arg("num_sms"), nb::arg("stream"),
         "Grouped GEMM over the expert pool (see kernels/grouped_gemm_params.h).");
   m.def("grouped_gemm_activation_backward", &grouped_gemm_activation_backward, nb::arg("a"),
         nb::arg("b"), nb::arg("expert_pool_offsets"), nb::arg("preact"), nb::arg("route_weights"),

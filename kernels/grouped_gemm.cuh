@@ -22,6 +22,7 @@
 
 #include "gated_activation_math.cuh"
 #include "grouped_gemm_params.h"
+#include "mxfp4_tile_decode.cuh"
 
 namespace megamoe::kernels {
 
@@ -31,21 +32,32 @@ using FullBarrier = cutlass::arch::ClusterTransactionBarrier;
 using EmptyBarrier = cutlass::arch::ClusterBarrier;
 
 constexpr int kWarpgroupThreads = 128;
+// The consumers' decode barrier: a user id of cutlass::arch::NamedBarrier (it adds the
+// ids CUTLASS reserves, 0 being __syncthreads).
+constexpr int kDecodeBarrierId = 0;
 constexpr int kSwizzleBytes = 128;          // TMA + wgmma 128-byte swizzle
 constexpr int kRowBytes = kGemmBlockK * 2;  // one K-block row of BF16
 // TMA's L2 cache-policy operand must be a valid policy word (0 is not one).
 constexpr uint64_t kCacheHint = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_NORMAL);
 static_assert(kRowBytes == kSwizzleBytes, "a K-block row must be one swizzle span");
 
-template <int BlockM, int BlockN>
+// One pipeline stage: the A tile, the BF16 B tile and, for an MXFP4 B, the staging
+// area its codes and scales land in (decoded into the B tile by the consumers).
+template <int BlockM, int BlockN, BFormat kBFormat = BFormat::BF16>
 struct Tile {
   static constexpr int kConsumers = BlockM / 64;  // wgmma M is 64 per warpgroup
   static constexpr int kThreads = (kConsumers + 1) * kWarpgroupThreads;
+  static constexpr bool kMxfp4 = kBFormat == BFormat::MXFP4;
   static constexpr int kABytes = BlockM * kRowBytes;
   static constexpr int kBBytes = BlockN * kRowBytes;
-  static constexpr int kStageBytes = kABytes + kBBytes;
+  static constexpr int kCodeBytes = kMxfp4 ? BlockN * mxfp4::kCodeBytesPerRow : 0;
+  static constexpr int kScaleBytes = kMxfp4 ? BlockN * 2 : 0;
+  // Whole 1024-byte units: every stage's A and B tiles start on a swizzle-atom boundary.
+  static constexpr int kStageBytes =
+      (kABytes + kBBytes + kCodeBytes + kScaleBytes + 1023) / 1024 * 1024;
   // As many stages as fit next to the barriers (227 KB of shared memory per CTA).
   static constexpr int kStages = (220 * 1024) / kStageBytes > 8 ? 8 : (220 * 1024) / kStageBytes;
+  static_assert(kStages >= 2, "the MXFP4 decode runs one stage ahead of the wgmma");
   static constexpr int kSmemBytes = kStages * kStageBytes + 2 * kStages * 8 + 1024;
 };
 
@@ -175,11 +187,13 @@ __device__ __forceinline__ float round_bf16(float v) {
 
 }  // namespace gemm
 
-template <int BlockM, int BlockN, Epilogue kEpilogue, BMajor kBMajor>
-__global__ void __launch_bounds__(gemm::Tile<BlockM, BlockN>::kThreads, 1)
+template <int BlockM, int BlockN, Epilogue kEpilogue, BMajor kBMajor, BFormat kBFormat>
+__global__ void __launch_bounds__(gemm::Tile<BlockM, BlockN, kBFormat>::kThreads, 1)
     grouped_gemm_kernel(const __grid_constant__ GroupedGemmParams p) {
   using namespace gemm;
-  using T = Tile<BlockM, BlockN>;
+  using T = Tile<BlockM, BlockN, kBFormat>;
+  constexpr bool kMxfp4 = T::kMxfp4;
+  static_assert(!kMxfp4 || kBMajor == BMajor::K, "the MXFP4 decode writes a K-major B tile");
   static_assert(BlockN == 128 || BlockN == 256, "tiles hold whole 64-column gate/up pairs");
   constexpr bool kBMajorMN = kBMajor == BMajor::MN;
   constexpr bool kActBackward = kEpilogue == Epilogue::ActivationBackward;
@@ -200,6 +214,8 @@ __global__ void __launch_bounds__(gemm::Tile<BlockM, BlockN>::kThreads, 1)
   uint64_t* empty = full + T::kStages;
   auto stage_a = [&](int s) { return stages + s * T::kStageBytes; };
   auto stage_b = [&](int s) { return stages + s * T::kStageBytes + T::kABytes; };
+  auto stage_codes = [&](int s) { return stage_b(s) + T::kBBytes; };
+  auto stage_scales = [&](int s) { return stage_codes(s) + T::kCodeBytes; };
 
   const int warpgroup = threadIdx.x / kWarpgroupThreads;
   // 256-column tiles need 128 accumulator registers per consumer thread: move registers
@@ -252,6 +268,20 @@ __global__ void __launch_bounds__(gemm::Tile<BlockM, BlockN>::kThreads, 1)
           const int k0 = (step - side_steps) * kGemmBlockK;
           const int b_row = extra ? expert * p.n_extra + (n_block - n_base_blocks) * BlockN
                                   : expert * p.n_base + n_block * BlockN;
+          if (kMxfp4 && !extra) {
+            // Codes and scales of the K block into the staging area (the consumers
+            // decode them); rows and columns past the tensors are zero-filled, which
+            // decodes to exact zeros.
+            FullBarrier::arrive_and_expect_tx(bar, T::kABytes + T::kCodeBytes + T::kScaleBytes);
+            cute::SM90_TMA_LOAD_2D::copy(&p.a, bar, kCacheHint, stage_a(ring.stage), k0, row0);
+            cute::SM90_TMA_LOAD_2D::copy(&p.b_codes, bar, kCacheHint, stage_codes(ring.stage),
+                                         k0 / 2, b_row);
+            cute::SM90_TMA_LOAD_2D::copy(&p.b_scales, bar, kCacheHint, stage_scales(ring.stage),
+                                         n_block * BlockN,
+                                         expert * schedule.base_steps + k0 / kGemmBlockK);
+            ring.template advance<T::kStages>();
+            continue;
+          }
           FullBarrier::arrive_and_expect_tx(bar, T::kABytes + T::kBBytes);
           cute::SM90_TMA_LOAD_2D::copy(&p.a, bar, kCacheHint, stage_a(ring.stage), k0, row0);
           if constexpr (kBMajorMN) {
@@ -280,11 +310,38 @@ __global__ void __launch_bounds__(gemm::Tile<BlockM, BlockN>::kThreads, 1)
   const int lane = threadIdx.x % 32;
   float acc[kAccRegs];
   RingState ring;
+  // MXFP4 B: every consumer thread decodes its share of a stage's B tile; the named
+  // barrier (consumer warpgroups only: the producer warp is elsewhere) then publishes
+  // the whole tile to both warpgroups' wgmma.
+  const int decode_thread = threadIdx.x - kWarpgroupThreads;
+  auto decode_stage = [&](int s) {
+    mxfp4::decode_b_block<BlockN, T::kConsumers * kWarpgroupThreads>(
+        stage_codes(s), reinterpret_cast<const uint16_t*>(stage_scales(s)), stage_b(s),
+        decode_thread);
+    // The generic-proxy stores must be visible to wgmma, which reads through the async
+    // proxy.
+    cutlass::arch::fence_view_async_shared();
+  };
+  auto decoded_tile_barrier = [] {
+    cutlass::arch::NamedBarrier::arrive_and_wait(T::kConsumers * kWarpgroupThreads,
+                                                 kDecodeBarrierId);
+  };
   for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
     const int m_block = tile / n_blocks;
     const int n_block = tile % n_blocks;
+    // Which K steps read an MXFP4 B (the base steps of a base-column tile).
+    const bool decodes_tile = kMxfp4 && n_block < n_base_blocks;
+    const int first_base_step = 2 * schedule.side_steps_per_half;
     for (int step = 0; step < schedule.total(); ++step) {
-      FullBarrier::wait(&full[ring.stage], ring.phase);
+      const bool decodes = decodes_tile && step >= first_base_step;
+      // Pipeline contract of the MXFP4 steps: step k + 1's B tile is decoded while step
+      // k's wgmma run (below), so a decoding step has already waited for its stage and
+      // passed the barrier, except the tile's first step, which decodes here.
+      if (!decodes || step == 0) FullBarrier::wait(&full[ring.stage], ring.phase);
+      if (decodes && step == 0) {
+        decode_stage(ring.stage);
+        decoded_tile_barrier();
+      }
       const uint64_t desc_a = smem_descriptor(stage_a(ring.stage) + consumer * 64 * kRowBytes);
       const uint64_t desc_b = smem_descriptor(stage_b(ring.stage));
       const int side_steps = 2 * schedule.side_steps_per_half;
@@ -324,9 +381,18 @@ __global__ void __launch_bounds__(gemm::Tile<BlockM, BlockN>::kThreads, 1)
         }
       }
       cute::warpgroup_commit_batch();
+      const bool decode_next =
+          decodes_tile && step + 1 >= first_base_step && step + 1 < schedule.total();
+      if (decode_next) {
+        RingState next = ring;
+        next.template advance<T::kStages>();
+        FullBarrier::wait(&full[next.stage], next.phase);
+        decode_stage(next.stage);
+      }
       cute::warpgroup_wait<0>();
       if (lane == 0) EmptyBarrier::arrive(&empty[ring.stage]);
       ring.template advance<T::kStages>();
+      if (decode_next) decoded_tile_barrier();
       if (step + 1 == side_steps) {
         // The side sum is complete: scale it before the base K loop accumulates on top,
         // so s multiplies exactly the adapter term (FP32, no extra rounding).
@@ -489,16 +555,18 @@ __global__ void __launch_bounds__(gemm::Tile<BlockM, BlockN>::kThreads, 1)
   }
 }
 
-template <int BlockM, int BlockN, Epilogue kEpilogue, BMajor kBMajor = BMajor::K>
+template <int BlockM, int BlockN, Epilogue kEpilogue, BMajor kBMajor = BMajor::K,
+          BFormat kBFormat = BFormat::BF16>
 GroupedGemmKernels grouped_gemm_kernels() {
-  using T = gemm::Tile<BlockM, BlockN>;
-  return GroupedGemmKernels{&grouped_gemm_kernel<BlockM, BlockN, kEpilogue, kBMajor>,
+  using T = gemm::Tile<BlockM, BlockN, kBFormat>;
+  return GroupedGemmKernels{&grouped_gemm_kernel<BlockM, BlockN, kEpilogue, kBMajor, kBFormat>,
                             BlockM,
                             BlockN,
                             T::kThreads,
                             T::kSmemBytes,
                             kEpilogue,
-                            kBMajor};
+                            kBMajor,
+                            kBFormat};
 }
 
 }  // namespace megamoe::kernels

@@ -23,6 +23,13 @@ enum class Epilogue { Store, GatedActivation, ActivationBackward };
 //    dx = dg w13_e and z = dout w2_e). Store epilogue, no side or extra segments.
 enum class BMajor { K, MN };
 
+// Storage of the base B operand, a template parameter (it changes the stage layout):
+//  - BF16: loaded by TMA straight into the stage's B tile;
+//  - MXFP4: E2M1 codes and UE8M0 scales (kernels/mxfp4_tile_decode.cuh) are loaded by
+//    TMA into a staging area of the stage, and the consumers decode them to BF16 in the
+//    stage's B tile (K-major B only; side and extra segments stay BF16).
+enum class BFormat { BF16, MXFP4 };
+
 // Activations are runtime parameters (DESIGN §2: keep the variant count small).
 enum class Activation : int32_t { SwiGLU = 0, GeGLU = 1 };
 
@@ -49,6 +56,12 @@ struct GroupedGemmParams {
   CUtensorMap b_side_gate;  // [E * I, side_k] BF16 (b1 transposed), box [BLOCK_N / 2, 64]
   CUtensorMap b_side_up;    // [E * I, side_k] BF16 (b3 transposed), box [BLOCK_N / 2, 64]
   CUtensorMap b_extra;      // [E * n_extra, k_base] BF16 (a2 transposed), box [BLOCK_N, 64]
+  // MXFP4 base B only (b is unused): the codes [E * n_base, k_base / 2] uint8, box
+  // [BLOCK_N, 32] (two codes per byte, even K index in the low nibble), and the scales
+  // [E * k_base / 64, n_base] uint16, box [1, BLOCK_N]: for expert e, K block kb and
+  // row n, the UE8M0 bytes of K columns 64 kb .. +31 (low byte) and +32 .. +63.
+  CUtensorMap b_codes;
+  CUtensorMap b_scales;
 
   const int32_t* expert_pool_offsets;  // [E + 1] segment starts; [E] = pool rows in use
   void* out;                           // BF16 [pool rows, out_stride]
@@ -86,6 +99,7 @@ struct GroupedGemmKernels {
   int smem_bytes;
   Epilogue epilogue;
   BMajor b_major;
+  BFormat b_format;
 };
 
 }  // namespace megamoe

@@ -45,7 +45,8 @@ FAMILIES = {
         "header": "grouped_gemm.cuh",
         "table_type": "GroupedGemmKernels",
         "make": "megamoe::kernels::grouped_gemm_kernels<{block_m}, {block_n}, "
-        "megamoe::Epilogue::{epilogue}, megamoe::BMajor::{b_major}>()",
+        "megamoe::Epilogue::{epilogue}, megamoe::BMajor::{b_major}, "
+        "megamoe::BFormat::{b_format}>()",
     },
 }
 

@@ -214,15 +214,19 @@ def gemm1(
             side_b_up=side.b3.transpose(1, 2).contiguous(),
             side_scale=side.scale,
         )
+    # MXFP4: codes + scales decoded inside the engine (or a transient BF16 decode,
+    # dropped after GEMM1: MEGAMOE_MXFP4_DECODE=transient).
+    w13, w13_scales = base.w13_operand()
     return gated_grouped_gemm(
         pool_input,
-        base.w13_for_gemm(),  # MXFP4: a transient BF16 decode, dropped after GEMM1
+        w13,
         plan,
         k=base.hidden,
         activation=activation,
         activation_clamp=activation_clamp,
         preact_out=preact,
         block_n=get_block_n(plan.block_m, 2 * base.intermediate),
+        w13_scales=w13_scales,
         **side_args,
     )
 
@@ -257,11 +261,13 @@ def expert_stage(
     )
     del pool_input
     b_extra = None if side is None else side.a2.transpose(1, 2).contiguous()  # [E, r, I]
+    w2, w2_scales = base.w2_operand()
     return grouped_gemm(
         hidden_pool,
-        base.w2_for_gemm(),
+        w2,
         plan,
         b_extra=b_extra,
+        b_scales=w2_scales,
         block_n=get_block_n(plan.block_m, base.hidden),
     )
 

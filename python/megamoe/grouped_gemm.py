@@ -46,6 +46,37 @@ def _device_sms(device: torch.device) -> int:
     return resolve_device_sms(device.index if device.index is not None else None)
 
 
+def _mxfp4_operand(
+    name: str, codes: torch.Tensor, scales: torch.Tensor, device: torch.device
+) -> tuple[int, torch.Tensor]:
+    """Check an MXFP4 B (``codes`` ``[E, N, K/2]`` uint8, ``scales`` ``[E, N, K/32]``
+    uint8, K a multiple of 64) and return ``K`` and the scales in the engine's layout:
+    ``[E, K/64, N]`` int16, the two scale bytes of a 64-column K block side by side and
+    a block's rows contiguous (what one TMA box per K step loads). A small transposed
+    copy (1/16 of the codes' bytes), made per call."""
+    check_tensor(name, codes, ndim=3, dtypes=(torch.uint8,), device=device, contiguous=True)
+    experts, rows, half_k = codes.shape
+    k = 2 * half_k
+    if k % 64 != 0:
+        raise ValueError(f"{name}: an MXFP4 B needs K a multiple of 64, got K={k}")
+    check_tensor(
+        f"{name}_scales",
+        scales,
+        shape=(experts, rows, k // 32),
+        dtypes=(torch.uint8,),
+        device=device,
+        contiguous=True,
+    )
+    return k, scales.view(torch.int16).transpose(1, 2).contiguous()
+
+
+def _dequantized(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The CPU twins' BF16 view of an MXFP4 B (the engine decodes to the same values)."""
+    from .mxfp4 import dequantize_mxfp4
+
+    return dequantize_mxfp4(codes, scales, axis=-1, dtype=torch.bfloat16)
+
+
 def grouped_gemm(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -56,6 +87,7 @@ def grouped_gemm(
     out: torch.Tensor | None = None,
     block_n: int = DEFAULT_BLOCK_N,
     b_major: str = "k",
+    b_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Pool GEMM with the Store epilogue.
 
@@ -71,6 +103,11 @@ def grouped_gemm(
         b_major: ``"k"`` (``b`` is ``[E, N, k]``, nn.Linear layout) or ``"mn"``: ``b`` is
             ``[E, k, N]`` and read as stored (``out = a @ b[e]``: the dgrads' ``dg w13_e``
             and ``dout w2_e``); BLOCK_M 128 only, no ``b_extra``.
+        b_scales: MXFP4 B: ``b`` is then ``[E, N, k/2]`` uint8 E2M1 codes and this is
+            ``[E, N, k/32]`` uint8 UE8M0 scales (:func:`~megamoe.mxfp4.quantize_mxfp4`
+            along K); the engine decodes each K block to BF16 in shared memory, with
+            the values of :func:`~megamoe.mxfp4.dequantize_mxfp4`. K-major only;
+            ``b_extra`` stays BF16.
 
     Returns:
         ``out`` ``[pool rows, N + N_x]`` BF16. Rows at or past the rows in use are not
@@ -78,7 +115,18 @@ def grouped_gemm(
     """
     check_choice("b_major", b_major, ("k", "mn"))
     check_tensor("a", a, ndim=2, dtypes=(torch.bfloat16,), contiguous=True)
-    check_tensor("b", b, ndim=3, dtypes=(torch.bfloat16,), device=a.device, contiguous=True)
+    engine_scales = None
+    if b_scales is not None:
+        if b_major != "k":
+            raise ValueError("b_scales: an MXFP4 B is read K-major only (b_major='k')")
+        b_k, engine_scales = _mxfp4_operand("b", b, b_scales, a.device)
+        if k is not None and k != b_k:
+            raise ValueError(f"k: an MXFP4 B reduces over all its K={b_k} columns, got k={k}")
+        k = b_k
+        if not a.is_cuda:
+            b, engine_scales = _dequantized(b, b_scales), None
+    else:
+        check_tensor("b", b, ndim=3, dtypes=(torch.bfloat16,), device=a.device, contiguous=True)
     _check_pool_operand(a, plan)
     major_mn = b_major == "mn"
     if major_mn and b_extra is not None:
@@ -119,6 +167,7 @@ def grouped_gemm(
             0.0,
             None,
             major_mn,
+            None if engine_scales is None else dl(engine_scales),
             _device_sms(a.device),
             _native.current_stream(a.device),
         )
@@ -139,6 +188,7 @@ def gated_grouped_gemm(
     out: torch.Tensor | None = None,
     preact_out: torch.Tensor | None = None,
     block_n: int = DEFAULT_BLOCK_N,
+    w13_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """GEMM1 + gated activation over the pool.
 
@@ -155,13 +205,24 @@ def gated_grouped_gemm(
             ``g``, ``u`` (before the clamp, BF16-rounded, in ``w13``'s interleaved
             order) for the backward.
         block_n: output tile width (256 needs ``2I`` to be a multiple of 256).
+        w13_scales: MXFP4 base: ``w13`` is then ``[E, 2I, k/2]`` uint8 codes and this is
+            ``[E, 2I, k/32]`` uint8 scales, decoded in the engine (see
+            :func:`grouped_gemm`'s ``b_scales``); the side segment stays BF16.
 
     Returns:
         ``h`` ``[pool rows, I]`` BF16.
     """
     check_choice("activation", activation, tuple(ACTIVATIONS))
     check_tensor("a", a, ndim=2, dtypes=(torch.bfloat16,), contiguous=True)
-    check_tensor("w13", w13, ndim=3, dtypes=(torch.bfloat16,), device=a.device, contiguous=True)
+    engine_scales = None
+    if w13_scales is not None:
+        w13_k, engine_scales = _mxfp4_operand("w13", w13, w13_scales, a.device)
+        if w13_k != k:
+            raise ValueError(f"k: expected the MXFP4 w13's K={w13_k}, got {k}")
+        if not a.is_cuda:
+            w13, engine_scales = _dequantized(w13, w13_scales), None
+    else:
+        check_tensor("w13", w13, ndim=3, dtypes=(torch.bfloat16,), device=a.device, contiguous=True)
     if w13.shape[1] % block_n != 0:
         raise ValueError(f"w13: expected 2I a multiple of block_n={block_n}, got {w13.shape[1]}")
     _check_pool_operand(a, plan)
@@ -201,6 +262,7 @@ def gated_grouped_gemm(
             float(side_scale),
             None if preact_out is None else dl(preact_out),
             False,
+            None if engine_scales is None else dl(engine_scales),
             _device_sms(a.device),
             _native.current_stream(a.device),
         )

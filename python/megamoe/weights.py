@@ -9,6 +9,7 @@ values, and the gradient with respect to those values is the master's gradient.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,23 @@ from .mxfp4_decode import decode_mxfp4_bf16
 from .registry import registry
 
 BASE_FORMATS = ("bf16", "mxfp4")
+
+#: ``MEGAMOE_MXFP4_DECODE``: where the forward GEMMs decode an MXFP4 base.
+#: ``engine`` (default): inside the grouped GEMM, one K block at a time into shared
+#: memory (no BF16 copy of the weights); ``transient``: a BF16 decode of the whole
+#: weight right before each GEMM. The values are the same bits either way (tested).
+MXFP4_DECODE_VAR = "MEGAMOE_MXFP4_DECODE"
+MXFP4_DECODE_MODES = ("engine", "transient")
+
+
+def mxfp4_decode_mode() -> str:
+    """``MEGAMOE_MXFP4_DECODE``: ``"engine"`` (unset) or ``"transient"``."""
+    mode = os.environ.get(MXFP4_DECODE_VAR, "engine")
+    if mode not in MXFP4_DECODE_MODES:
+        raise ValueError(
+            f"{MXFP4_DECODE_VAR}: expected one of {', '.join(MXFP4_DECODE_MODES)}, got {mode!r}"
+        )
+    return mode
 
 
 def gate_up_interleave_index(intermediate: int, interleave: int, device=None) -> torch.Tensor:
@@ -119,6 +137,20 @@ class BaseWeights:
         if self.format == "mxfp4":
             return decode_mxfp4_bf16(self.w13, self.w13_scales)
         return self.w13
+
+    def w13_operand(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """GEMM1's B operand ``(w13, scales)``: the BF16 ``w13`` and None, or for an
+        MXFP4 base decoded in the engine (:func:`mxfp4_decode_mode`) the codes and
+        scales (``w13_scales=`` of :func:`~megamoe.grouped_gemm.gated_grouped_gemm`)."""
+        if self.format == "mxfp4" and mxfp4_decode_mode() == "engine":
+            return self.w13, self.w13_scales
+        return self.w13_for_gemm(), None
+
+    def w2_operand(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """GEMM2's B operand ``(w2, scales)`` (see :meth:`w13_operand`)."""
+        if self.format == "mxfp4" and mxfp4_decode_mode() == "engine":
+            return self.w2, self.w2_scales
+        return self.w2_for_gemm(), None
 
     def w2_for_gemm(self) -> torch.Tensor:
         """``[E_l, H, I]`` BF16 for one GEMM (see :meth:`w13_for_gemm`)."""

@@ -34,6 +34,7 @@ from megamoe.grouped_gemm import (
     grouped_gemm,
     grouped_gemm_reference,
 )
+from megamoe.mxfp4_decode import decode_mxfp4_bf16
 from megamoe.registry import registry
 from megamoe.testing import GRAD_MIN_COSINE, assert_close_to_oracle, make_layer, make_routing
 from megamoe.testing.sanitizer import UNDER_SANITIZER_ENV
@@ -263,6 +264,36 @@ def test_grouped_gemm_persistent_ctas_walk_many_tiles(block_m, block_n, monkeypa
     out = grouped_gemm(a, b, plan, block_n=block_n)
     rows = rows_used(plan)
     assert_close_to_oracle("out", out[:rows], grouped_gemm_reference(a, b, plan))
+
+
+@pytest.mark.parametrize("num_sms", [None, "2"], ids=["all-sms", "two-ctas"])
+@pytest.mark.parametrize("gated", [False, True], ids=["store", "gated"])
+@pytest.mark.parametrize("tokens,top_k", [(1, 1), (150, 2)])
+@pytest.mark.parametrize("block_m,block_n", GEMM_TILES)
+def test_grouped_gemm_mxfp4_b(block_m, block_n, tokens, top_k, gated, num_sms, monkeypatch):
+    # MXFP4 B: codes and scales land in a staging area by TMA, the consumers decode a K
+    # block into the swizzled B tile one step ahead of the wgmma, behind a named barrier
+    # and a proxy fence. K = 192: three K steps; N = 192 (Store): a partial N tile whose
+    # code rows past the expert read the next expert's or are zero-filled. Two CTAs:
+    # each wraps the ring (3 to 7 stages) many times. Bitwise the BF16 engine on the
+    # transient decode.
+    if num_sms:
+        monkeypatch.setenv("MEGAMOE_NUM_SMS", num_sms)
+        monkeypatch.delenv("MEGAMOE_SM_HEADROOM", raising=False)
+    experts, k = 8, 192
+    n = 256 if gated else 192
+    plan, _, _ = gpu_plan(tokens, experts, top_k, block_m, kind="empty", seed=tokens)
+    a = bf16((plan.pool_capacity, k), 17)
+    codes, scales = mm.quantize_mxfp4(bf16((experts, n, k), 18, k**-0.5), axis=-1)
+    decoded = decode_mxfp4_bf16(codes, scales)
+    if gated:
+        out = gated_grouped_gemm(a, codes, plan, k=k, block_n=block_n, w13_scales=scales)
+        want = gated_grouped_gemm(a, decoded, plan, k=k, block_n=block_n)
+    else:
+        out = grouped_gemm(a, codes, plan, block_n=block_n, b_scales=scales)
+        want = grouped_gemm(a, decoded, plan, block_n=block_n)
+    rows = rows_used(plan)
+    assert_bitwise(out[:rows], want[:rows])
 
 
 @pytest.mark.parametrize("block_n", [128, 256])

@@ -1,6 +1,8 @@
 """``python -m megamoe.bench.engine``: the engine as a plain grouped GEMM vs
 ``torch._grouped_mm`` at the ep4rank GEMM1 and GEMM2 shapes and the backward's
-dgrad1/dgrad2 shapes (MN-major B), in one run.
+dgrad1/dgrad2 shapes (MN-major B), in one run. For GEMM1/GEMM2 also an MXFP4 B: the
+engine's in-kernel decode ("mxfp4 ...") and the transient path ("decode+engine ...":
+the BF16 decode of the whole weight, then the BF16 engine).
 
 Both compute the same products over the same routed rows (balanced routing: the
 pool has no padding at BLOCK_M 128, so FLOPs are equal). CUDA-event medians.
@@ -17,6 +19,7 @@ import torch
 
 import megamoe as mm
 from megamoe.grouped_gemm import gated_grouped_gemm, grouped_gemm
+from megamoe.mxfp4_decode import decode_mxfp4_bf16
 from megamoe.testing.inputs import make_routing
 
 from .timing import time_fn
@@ -72,6 +75,24 @@ def main(argv: list[str] | None = None) -> int:
                 cases["engine+act n256"] = lambda a=a, b=b, k=k: gated_grouped_gemm(
                     a, b, plan, k=k, block_n=256
                 )
+        if b_major == "k":
+            codes, scales = mm.quantize_mxfp4(b, axis=-1)
+            block_n = 256 if block_m == 128 else 128
+            if name == "gemm1":
+                cases[f"mxfp4+act n{block_n}"] = lambda a=a, c=codes, s=scales, k=k, bn=block_n: (
+                    gated_grouped_gemm(a, c, plan, k=k, block_n=bn, w13_scales=s)
+                )
+                cases[f"decode+engine+act n{block_n}"] = (
+                    lambda a=a, c=codes, s=scales, k=k, bn=block_n: gated_grouped_gemm(
+                        a, decode_mxfp4_bf16(c, s), plan, k=k, block_n=bn
+                    )
+                )
+            cases[f"mxfp4 n{block_n}"] = lambda a=a, c=codes, s=scales, bn=block_n: grouped_gemm(
+                a, c, plan, block_n=bn, b_scales=s
+            )
+            cases[f"decode+engine n{block_n}"] = lambda a=a, c=codes, s=scales, bn=block_n: (
+                grouped_gemm(a, decode_mxfp4_bf16(c, s), plan, block_n=bn)
+            )
         if a_dense is not None:
             b_kn = b.transpose(1, 2) if b_major == "k" else b
             cases["torch._grouped_mm"] = lambda a=a_dense, b=b_kn: torch._grouped_mm(
@@ -90,11 +111,11 @@ def main(argv: list[str] | None = None) -> int:
         del a, b
     base = {r["gemm"]: r["median_ms"] for r in results if r["case"] == "torch._grouped_mm"}
     print(f"T={args.tokens} E={e} K={args.top_k} H={h} I={i} BLOCK_M={block_m} rows={rows}")
-    print(f"{'gemm':<6} {'case':<18} {'median ms':>10} {'TFLOP/s':>8} {'vs torch':>9}")
+    print(f"{'gemm':<6} {'case':<26} {'median ms':>10} {'TFLOP/s':>8} {'vs torch':>9}")
     for r in results:
         ratio = f"{base[r['gemm']] / r['median_ms']:.2f}x" if r["gemm"] in base else "-"
         print(
-            f"{r['gemm']:<6} {r['case']:<18} {r['median_ms']:>10.3f} {r['tflops']:>8.1f} {ratio:>9}"
+            f"{r['gemm']:<6} {r['case']:<26} {r['median_ms']:>10.3f} {r['tflops']:>8.1f} {ratio:>9}"
         )
     if args.json:
         args.json.write_text(

@@ -1,0 +1,182 @@
+"""The grouped GEMM engine's in-kernel MXFP4 decode (kernels/mxfp4_tile_decode.cuh).
+
+Two oracles: the engine on the transient BF16 decode of the same codes (the decoded
+shared-memory tile must be the same bits, so the outputs must be too, NaN and Inf
+included), and the float64 per-expert reference on :func:`mm.dequantize_mxfp4`'s values
+at the DESIGN §6 gates.
+"""
+
+import pytest
+import torch
+
+import megamoe as mm
+from megamoe.grouped_gemm import (
+    gated_grouped_gemm,
+    gated_grouped_gemm_reference,
+    grouped_gemm,
+    grouped_gemm_reference,
+)
+from megamoe.mxfp4_decode import decode_mxfp4_bf16
+from megamoe.testing import assert_close_to_oracle
+from megamoe.testing.inputs import make_routing
+
+pytestmark = pytest.mark.gpu
+
+TILES = [(64, 128), (128, 128), (128, 256)]
+
+
+def pool_for(num_tokens, experts, top_k, block_m, cols, *, kind="skewed", seed=0):
+    ids, _ = make_routing(num_tokens, experts, top_k, kind=kind, seed=seed)
+    plan = mm.plan_routes(ids.cuda(), experts, block_m)
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    a = torch.randn(plan.pool_capacity, cols, device="cuda", generator=generator)
+    return plan, a.bfloat16()
+
+
+def mxfp4_operand(experts, rows, k, *, seed, scale_low=112, scale_high=136):
+    """Random codes (every code value) and scale bytes in [scale_low, scale_high): both
+    decode paths (scale <= 128 and above) with values of at most 6 x 2^8."""
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    codes = torch.randint(
+        0, 256, (experts, rows, k // 2), dtype=torch.uint8, device="cuda", generator=generator
+    )
+    scales = torch.randint(
+        scale_low,
+        scale_high,
+        (experts, rows, k // 32),
+        dtype=torch.uint8,
+        device="cuda",
+        generator=generator,
+    )
+    return codes, scales
+
+
+def same_bits(actual, expected):
+    return torch.equal(actual.view(torch.int16), expected.view(torch.int16))
+
+
+@pytest.mark.parametrize("block_m,block_n", TILES)
+@pytest.mark.parametrize(
+    "tokens,experts,top_k,hidden,inter",
+    [(1, 8, 1, 256, 128), (517, 8, 2, 704, 640), (2048, 16, 6, 2048, 1024)],
+)
+@pytest.mark.parametrize("extra", [0, 64])
+def test_store_engine_decode_is_the_transient_decode(
+    block_m, block_n, tokens, experts, top_k, hidden, inter, extra
+):
+    """GEMM2's shape: [pool, I] x [E, H, I]^T (H = 704: an N tail at both widths),
+    with the BF16 a2 segment as extra columns."""
+    plan, a = pool_for(tokens, experts, top_k, block_m, inter, seed=tokens)
+    codes, scales = mxfp4_operand(experts, hidden, inter, seed=tokens + 1)
+    b_extra = None
+    if extra:
+        b_extra = torch.randn(experts, extra, inter, device="cuda").bfloat16()
+    out = grouped_gemm(a, codes, plan, b_scales=scales, b_extra=b_extra, block_n=block_n)
+    decoded = decode_mxfp4_bf16(codes, scales)
+    twin = grouped_gemm(a, decoded, plan, b_extra=b_extra, block_n=block_n)
+    rows = int(plan.expert_pool_offsets[-1])
+    assert same_bits(out[:rows], twin[:rows])
+    expected = grouped_gemm_reference(a, decoded, plan, b_extra=b_extra)
+    assert_close_to_oracle("out", out[:rows], expected)
+
+
+@pytest.mark.parametrize("block_m,block_n", TILES)
+@pytest.mark.parametrize("rank", [0, 64])
+@pytest.mark.parametrize("activation,clamp", [("swiglu", None), ("geglu", 7.0)])
+def test_gated_engine_decode_is_the_transient_decode(block_m, block_n, rank, activation, clamp):
+    """GEMM1 with the gate/up interleave, the BF16 side segment, the pre-activations."""
+    tokens, experts, top_k, hidden, inter = 1100, 8, 3, 1024, 512
+    plan, a = pool_for(tokens, experts, top_k, block_m, hidden + 2 * rank, seed=rank + 3)
+    codes, scales = mxfp4_operand(experts, 2 * inter, hidden, seed=rank + 4, scale_high=124)
+    side = {}
+    if rank:
+        side = dict(
+            side_b_gate=torch.randn(experts, inter, rank, device="cuda").bfloat16(),
+            side_b_up=torch.randn(experts, inter, rank, device="cuda").bfloat16(),
+            side_scale=0.75,
+        )
+    kwargs = dict(k=hidden, activation=activation, activation_clamp=clamp, block_n=block_n)
+    preact = torch.empty(a.shape[0], 2 * inter, dtype=torch.bfloat16, device="cuda")
+    h = gated_grouped_gemm(a, codes, plan, w13_scales=scales, preact_out=preact, **kwargs, **side)
+    decoded = decode_mxfp4_bf16(codes, scales)
+    twin_preact = torch.empty_like(preact)
+    twin = gated_grouped_gemm(a, decoded, plan, preact_out=twin_preact, **kwargs, **side)
+    rows = int(plan.expert_pool_offsets[-1])
+    assert same_bits(h[:rows], twin[:rows])
+    assert same_bits(preact[:rows], twin_preact[:rows])
+    expected = gated_grouped_gemm_reference(
+        a, decoded, plan, k=hidden, activation=activation, activation_clamp=clamp, **side
+    )
+    assert_close_to_oracle("h", h[:rows], expected)
+
+
+@pytest.mark.parametrize("block_m,block_n", TILES)
+def test_every_code_and_scale_byte(block_m, block_n):
+    """Scale bytes 0..255 (0 = 2^-127, subnormal products, 0xFF = NaN, overflow to Inf)
+    with every code, -0 codes and all-zero blocks: the same bits as the transient
+    decode, NaN and Inf outputs included."""
+    experts, hidden, inter = 4, 256, 512
+    plan, a = pool_for(300, experts, 2, block_m, inter, seed=9)
+    codes, _ = mxfp4_operand(experts, hidden, inter, seed=10)
+    scales = torch.arange(experts * hidden * inter // 32, device="cuda") % 256
+    scales = scales.to(torch.uint8).view(experts, hidden, inter // 32)
+    codes[0, :4] = 0  # all-zero blocks
+    codes[1, :4] = 0x88  # -0 codes
+    out = grouped_gemm(a, codes, plan, b_scales=scales, block_n=block_n)
+    twin = grouped_gemm(a, decode_mxfp4_bf16(codes, scales), plan, block_n=block_n)
+    rows = int(plan.expert_pool_offsets[-1])
+    assert bool(torch.isnan(out[:rows]).any())
+    assert same_bits(out[:rows], twin[:rows])
+    # Tiny scales only (0 .. 8): subnormal decoded values, finite results.
+    small = scales % 9
+    out = grouped_gemm(a, codes, plan, b_scales=small, block_n=block_n)
+    twin = grouped_gemm(a, decode_mxfp4_bf16(codes, small), plan, block_n=block_n)
+    assert same_bits(out[:rows], twin[:rows])
+
+
+def test_engine_decode_is_deterministic():
+    plan, a = pool_for(3000, 16, 4, 128, 1024, seed=21)
+    codes, scales = mxfp4_operand(16, 2048, 1024, seed=22)
+    first = grouped_gemm(a, codes, plan, b_scales=scales, block_n=256)
+    for _ in range(3):
+        assert torch.equal(grouped_gemm(a, codes, plan, b_scales=scales, block_n=256), first)
+
+
+def test_mxfp4_operand_is_checked():
+    plan, a = pool_for(64, 4, 2, 128, 256, seed=1)
+    codes, scales = mxfp4_operand(4, 256, 256, seed=2)
+    with pytest.raises(ValueError, match="b_scales: an MXFP4 B is read K-major only"):
+        grouped_gemm(a, codes, plan, b_scales=scales, b_major="mn")
+    with pytest.raises(ValueError, match="b_scales"):
+        grouped_gemm(a, codes, plan, b_scales=scales[:, :, :4])
+    with pytest.raises(TypeError, match="b"):
+        grouped_gemm(a, codes.view(torch.int8), plan, b_scales=scales)
+    short_codes, short_scales = codes[:, :, :16].contiguous(), scales[:, :, :1].contiguous()
+    with pytest.raises(ValueError, match="multiple of 64"):
+        grouped_gemm(a, short_codes, plan, b_scales=short_scales)
+    with pytest.raises(ValueError, match="k"):
+        grouped_gemm(a, codes, plan, b_scales=scales, k=128)
+
+
+@pytest.mark.parametrize("ordinary", [False, True])
+def test_layer_forward_engine_decode_is_the_transient_decode(monkeypatch, ordinary):
+    """mm.moe on an MXFP4 base (side-LoRA, or a frozen base without adapters): the
+    in-engine decode gives the transient decode's output and gradients bit for bit."""
+    from megamoe.testing import make_layer
+
+    layer = make_layer(
+        1024, 512, 16, 4, 32, num_tokens=1500, seed=5, device="cuda", requires_grad=True,
+        format="mxfp4",
+    )  # fmt: skip
+    side = None if ordinary else layer.side
+    dout = torch.randn(1500, 1024, device="cuda").bfloat16()
+    results = []
+    for mode in ("engine", "transient"):
+        monkeypatch.setenv("MEGAMOE_MXFP4_DECODE", mode)
+        out = mm.moe(layer.x, layer.topk_ids, layer.topk_weights, layer.base, side)
+        leaves = [layer.x, layer.topk_weights] + ([] if side is None else list(side.tensors()))
+        results.append((out, torch.autograd.grad(out, leaves, dout)))
+    (out, grads), (twin_out, twin_grads) = results
+    assert torch.equal(out, twin_out)
+    for got, want in zip(grads, twin_grads, strict=True):
+        assert torch.equal(got, want)
