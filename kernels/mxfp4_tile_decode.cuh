@@ -49,54 +49,121 @@ __host__ __device__ constexpr int swizzled_chunk_offset(int row, int chunk) {
   return row * 128 + ((chunk ^ (row % 8)) * 16);
 }
 
-// Eight codes -> eight BF16 (one 16-byte chunk) at scale byte `scale`.
-__device__ __forceinline__ uint4 decode_word(uint32_t word, uint32_t scale) {
+// Eight codes -> eight BF16 (one 16-byte chunk) at scale byte `scale`, by FP32 math:
+// the path for scales whose products leave the BF16 normal range (rare; see
+// ScaleTables), exactly the transient decode's arithmetic.
+__device__ __forceinline__ uint4 decode_word_fp32(uint32_t word, uint32_t scale) {
   uint4 chunk;
   __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&chunk);
   auto code = [&](int index) {
     return __uint_as_float(e2m1_bits_times_2_pow_minus_126(word, index));
   };
-  if (scale <= 128u) {
-    // One multiply by 2^(scale - 1) = 2^126 x 2^(scale - 127), a normal FP32 for these
-    // scales; the product is exact (subnormal inputs and outputs are kept: no FTZ).
-    const float factor = __uint_as_float((scale + 126u) << 23);
+  // code x 2^126 is the exact E2M1 value; times the scale (0xFF: NaN) as the transient
+  // decode does (exact, subnormals kept: no FTZ).
+  const float factor = ue8m0(scale);
+  const float two_pow_126 = __uint_as_float((126u + 127u) << 23);
 #pragma unroll
-    for (int pair = 0; pair < 4; ++pair)
-      pairs[pair] = __floats2bfloat162_rn(code(2 * pair) * factor, code(2 * pair + 1) * factor);
-  } else {
-    // 2^(scale - 1) overflows FP32: first the exact E2M1 value, then the scale (0xFF:
-    // NaN), as the transient decode does.
-    const float factor = ue8m0(scale);
-    const float two_pow_126 = __uint_as_float((126u + 127u) << 23);
-#pragma unroll
-    for (int pair = 0; pair < 4; ++pair)
-      pairs[pair] = __floats2bfloat162_rn(code(2 * pair) * two_pow_126 * factor,
-                                          code(2 * pair + 1) * two_pow_126 * factor);
-  }
+  for (int pair = 0; pair < 4; ++pair)
+    pairs[pair] = __floats2bfloat162_rn(code(2 * pair) * two_pow_126 * factor,
+                                        code(2 * pair + 1) * two_pow_126 * factor);
   return chunk;
+}
+
+// The BF16 bytes of the eight magnitudes E2M1(m) x 2^(scale - 127), m = 0..7, as
+// byte-permute tables (low bytes of m = 0..3 | 4..7, high bytes likewise): one PRMT
+// then looks up four codes at once. Built once per 32-value unit. Exact by integer
+// arithmetic where every product is a normal BF16 (2 <= scale <= 252): E2M1 magnitude
+// m = 2e + f (e >= 1) is 2^(e-1) (1 + f/2), so its BF16 bits are (m << 6) plus the
+// exponent (scale - 1) << 7; m = 1 (0.5) is (scale - 1) << 7 alone, m = 0 is zero.
+struct ScaleTables {
+  uint32_t low[2], high[2];
+  static constexpr uint32_t kFastMin = 2, kFastMax = 252;
+
+  __device__ __forceinline__ static bool fast(uint32_t scale) {
+    return scale - kFastMin <= kFastMax - kFastMin;  // unsigned: one compare
+  }
+  __device__ __forceinline__ explicit ScaleTables(uint32_t scale) {
+    const uint32_t exponent = (scale - 1u) << 7;
+    const uint32_t both = exponent | (exponent << 16);  // one copy per 16-bit lane
+    // 16-bit lanes (m, m + 1): bits of magnitudes 0|1, 2|3, 4|5, 6|7 (no carry out of
+    // a lane: the largest is 252 << 7 + 448 < 2^16).
+    const uint32_t m01 = both & 0xFFFF0000u;
+    const uint32_t m23 = both + 0x00C00080u;
+    const uint32_t m45 = both + 0x01400100u;
+    const uint32_t m67 = both + 0x01C00180u;
+    low[0] = __byte_perm(m01, m23, 0x6420);
+    high[0] = __byte_perm(m01, m23, 0x7531);
+    low[1] = __byte_perm(m45, m67, 0x6420);
+    high[1] = __byte_perm(m45, m67, 0x7531);
+  }
+
+  // Eight codes (two per byte, low nibble first) -> eight BF16.
+  __device__ __forceinline__ uint4 decode(uint32_t word) const {
+    const uint32_t magnitude = word & 0x77777777u;                  // 3-bit selectors, no sign mode
+    const uint32_t low_a = __byte_perm(low[0], low[1], magnitude);  // codes 0..3
+    const uint32_t high_a = __byte_perm(high[0], high[1], magnitude);
+    const uint32_t low_b = __byte_perm(low[0], low[1], magnitude >> 16);  // codes 4..7
+    const uint32_t high_b = __byte_perm(high[0], high[1], magnitude >> 16);
+    // Signs: code 2j's sign bit (bit 3 of byte j) shifted to bit 7 of byte j, and code
+    // 2j + 1's (bit 7 of byte j) as is; pair j takes them as its bits 15 and 31.
+    const uint32_t sign = word & 0x88888888u;
+    const uint32_t sign_even = sign << 4;
+    uint4 chunk;
+    chunk.x =
+        __byte_perm(low_a, high_a, 0x5140) | (__byte_perm(sign_even, sign, 0x4000) & 0x80008000u);
+    chunk.y =
+        __byte_perm(low_a, high_a, 0x7362) | (__byte_perm(sign_even, sign, 0x5010) & 0x80008000u);
+    chunk.z =
+        __byte_perm(low_b, high_b, 0x5140) | (__byte_perm(sign_even, sign, 0x6020) & 0x80008000u);
+    chunk.w =
+        __byte_perm(low_b, high_b, 0x7362) | (__byte_perm(sign_even, sign, 0x7030) & 0x80008000u);
+    return chunk;
+  }
+};
+
+__device__ __forceinline__ uint32_t shared_address(const void* pointer) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(pointer));
 }
 
 // Decode one K block of a B tile: `codes` [BlockN][32] bytes and `scales` [BlockN]
 // uint16 (staging) -> `b_tile` [BlockN][64] BF16, swizzled. `thread` is this thread's
 // index among the `Threads` decoding threads. Units are (row, 32-column half), in
 // order, so a warp reads 512 contiguous code bytes and a quarter warp's 16-byte
-// stores hit 8 different bank groups (conflict-free).
+// stores hit 8 different bank groups (conflict-free). Shared-window addresses: the
+// stage pointers are generic, and generic loads/stores cost more than LDS/STS.
 template <int BlockN, int Threads>
 __device__ __forceinline__ void decode_b_block(const uint8_t* codes, const uint16_t* scales,
                                                uint8_t* b_tile, int thread) {
   constexpr int kUnits = BlockN * kUnitsPerRow;
   static_assert(kUnits % Threads == 0, "every thread decodes the same number of units");
+  const uint32_t codes_base = shared_address(codes), scales_base = shared_address(scales);
+  const uint32_t tile_base = shared_address(b_tile);
 #pragma unroll
   for (int i = 0; i < kUnits / Threads; ++i) {
     const int unit = thread + i * Threads;
     const int row = unit / kUnitsPerRow, half = unit % kUnitsPerRow;
-    const uint4 unit_codes = *reinterpret_cast<const uint4*>(codes + unit * kUnitBytes);
-    const uint32_t scale = (static_cast<uint32_t>(scales[row]) >> (8 * half)) & 0xFFu;
-    const uint32_t words[4] = {unit_codes.x, unit_codes.y, unit_codes.z, unit_codes.w};
+    uint32_t words[4];
+    uint16_t scale_pair;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(words[0]), "=r"(words[1]), "=r"(words[2]), "=r"(words[3])
+                 : "r"(codes_base + unit * kUnitBytes));
+    asm volatile("ld.shared.u16 %0, [%1];" : "=h"(scale_pair) : "r"(scales_base + row * 2));
+    const uint32_t scale = (static_cast<uint32_t>(scale_pair) >> (8 * half)) & 0xFFu;
+    uint4 chunks[4];
+    if (ScaleTables::fast(scale)) {
+      const ScaleTables tables(scale);
+#pragma unroll
+      for (int w = 0; w < 4; ++w) chunks[w] = tables.decode(words[w]);
+    } else {
+#pragma unroll
+      for (int w = 0; w < 4; ++w) chunks[w] = decode_word_fp32(words[w], scale);
+    }
 #pragma unroll
     for (int w = 0; w < 4; ++w)
-      *reinterpret_cast<uint4*>(b_tile + swizzled_chunk_offset(row, 4 * half + w)) =
-          decode_word(words[w], scale);
+      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(
+                       tile_base + swizzled_chunk_offset(row, 4 * half + w)),
+                   "r"(chunks[w].x), "r"(chunks[w].y), "r"(chunks[w].z), "r"(chunks[w].w)
+                   : "memory");
   }
 }
 
