@@ -32,9 +32,6 @@ using FullBarrier = cutlass::arch::ClusterTransactionBarrier;
 using EmptyBarrier = cutlass::arch::ClusterBarrier;
 
 constexpr int kWarpgroupThreads = 128;
-// The consumers' decode barrier: a user id of cutlass::arch::NamedBarrier (it adds the
-// ids CUTLASS reserves, 0 being __syncthreads).
-constexpr int kDecodeBarrierId = 0;
 constexpr int kSwizzleBytes = 128;          // TMA + wgmma 128-byte swizzle
 constexpr int kRowBytes = kGemmBlockK * 2;  // one K-block row of BF16
 // TMA's L2 cache-policy operand must be a valid policy word (0 is not one).
@@ -58,7 +55,9 @@ struct Tile {
   // As many stages as fit next to the barriers (227 KB of shared memory per CTA).
   static constexpr int kStages = (220 * 1024) / kStageBytes > 8 ? 8 : (220 * 1024) / kStageBytes;
   static_assert(kStages >= 2, "the MXFP4 decode runs one stage ahead of the wgmma");
-  static constexpr int kSmemBytes = kStages * kStageBytes + 2 * kStages * 8 + 1024;
+  // full + empty mbarriers per stage, and for MXFP4 a `decoded` one.
+  static constexpr int kBarriers = kMxfp4 ? 3 : 2;
+  static constexpr int kSmemBytes = kStages * kStageBytes + kBarriers * kStages * 8 + 1024;
 };
 
 // wgmma shared-memory descriptor of a K-major, 128-byte-swizzled tile whose rows are
@@ -212,6 +211,9 @@ __global__ void __launch_bounds__(gemm::Tile<BlockM, BlockN, kBFormat>::kThreads
       reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem) + 1023) & ~uintptr_t{1023});
   uint64_t* full = reinterpret_cast<uint64_t*>(stages + T::kStages * T::kStageBytes);
   uint64_t* empty = full + T::kStages;
+  // MXFP4: completes when every consumer thread has decoded its share of the stage's B
+  // tile (or, for a BF16 step, passed it), so both warpgroups' wgmma may read it.
+  uint64_t* decoded = empty + T::kStages;
   auto stage_a = [&](int s) { return stages + s * T::kStageBytes; };
   auto stage_b = [&](int s) { return stages + s * T::kStageBytes + T::kABytes; };
   auto stage_codes = [&](int s) { return stage_b(s) + T::kBBytes; };
@@ -226,6 +228,7 @@ __global__ void __launch_bounds__(gemm::Tile<BlockM, BlockN, kBFormat>::kThreads
     for (int s = 0; s < T::kStages; ++s) {
       FullBarrier::init(&full[s], 1);
       EmptyBarrier::init(&empty[s], T::kConsumers * 4);  // one arrival per consumer warp
+      if constexpr (kMxfp4) EmptyBarrier::init(&decoded[s], T::kConsumers * kWarpgroupThreads);
     }
     cutlass::arch::fence_barrier_init();
   }
@@ -310,21 +313,22 @@ __global__ void __launch_bounds__(gemm::Tile<BlockM, BlockN, kBFormat>::kThreads
   const int lane = threadIdx.x % 32;
   float acc[kAccRegs];
   RingState ring;
-  // MXFP4 B: every consumer thread decodes its share of a stage's B tile; the named
-  // barrier (consumer warpgroups only: the producer warp is elsewhere) then publishes
-  // the whole tile to both warpgroups' wgmma.
+  // MXFP4 B: every consumer thread decodes its share of a stage's B tile, then arrives
+  // on the stage's `decoded` barrier, which both warpgroups wait on before their wgmma.
+  // Every step of an MXFP4 kernel passes through it (BF16 steps decode nothing), so its
+  // phase follows the ring's like `full`'s.
   const int decode_thread = threadIdx.x - kWarpgroupThreads;
-  auto decode_stage = [&](int s) {
-    mxfp4::decode_b_block<BlockN, T::kConsumers * kWarpgroupThreads>(
-        stage_codes(s), reinterpret_cast<const uint16_t*>(stage_scales(s)), stage_b(s),
-        decode_thread);
-    // The generic-proxy stores must be visible to wgmma, which reads through the async
-    // proxy.
-    cutlass::arch::fence_view_async_shared();
-  };
-  auto decoded_tile_barrier = [] {
-    cutlass::arch::NamedBarrier::arrive_and_wait(T::kConsumers * kWarpgroupThreads,
-                                                 kDecodeBarrierId);
+  auto prepare_stage = [&](const RingState& at, bool decodes) {
+    FullBarrier::wait(&full[at.stage], at.phase);
+    if (decodes) {
+      mxfp4::decode_b_block<BlockN, T::kConsumers * kWarpgroupThreads>(
+          stage_codes(at.stage), reinterpret_cast<const uint16_t*>(stage_scales(at.stage)),
+          stage_b(at.stage), decode_thread);
+      // The generic-proxy stores must be visible to wgmma, which reads through the
+      // async proxy; the barrier's release/acquire then orders them for the readers.
+      cutlass::arch::fence_view_async_shared();
+    }
+    EmptyBarrier::arrive(&decoded[at.stage]);
   };
   for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
     const int m_block = tile / n_blocks;
@@ -332,16 +336,16 @@ __global__ void __launch_bounds__(gemm::Tile<BlockM, BlockN, kBFormat>::kThreads
     // Which K steps read an MXFP4 B (the base steps of a base-column tile).
     const bool decodes_tile = kMxfp4 && n_block < n_base_blocks;
     const int first_base_step = 2 * schedule.side_steps_per_half;
+    auto step_decodes = [&](int step) { return decodes_tile && step >= first_base_step; };
+    // Pipeline contract of an MXFP4 kernel: step k + 1's stage is prepared (waited for
+    // and, if MXFP4, decoded) while step k's wgmma run, so a step only waits for its
+    // `decoded` barrier; the tile's first step is prepared here.
+    if constexpr (kMxfp4) prepare_stage(ring, step_decodes(0));
     for (int step = 0; step < schedule.total(); ++step) {
-      const bool decodes = decodes_tile && step >= first_base_step;
-      // Pipeline contract of the MXFP4 steps: step k + 1's B tile is decoded while step
-      // k's wgmma run (below), so a decoding step has already waited for its stage and
-      // passed the barrier, except the tile's first step, which decodes here.
-      if (!decodes || step == 0) FullBarrier::wait(&full[ring.stage], ring.phase);
-      if (decodes && step == 0) {
-        decode_stage(ring.stage);
-        decoded_tile_barrier();
-      }
+      if constexpr (kMxfp4)
+        EmptyBarrier::wait(&decoded[ring.stage], ring.phase);
+      else
+        FullBarrier::wait(&full[ring.stage], ring.phase);
       const uint64_t desc_a = smem_descriptor(stage_a(ring.stage) + consumer * 64 * kRowBytes);
       const uint64_t desc_b = smem_descriptor(stage_b(ring.stage));
       const int side_steps = 2 * schedule.side_steps_per_half;
@@ -381,18 +385,16 @@ __global__ void __launch_bounds__(gemm::Tile<BlockM, BlockN, kBFormat>::kThreads
         }
       }
       cute::warpgroup_commit_batch();
-      const bool decode_next =
-          decodes_tile && step + 1 >= first_base_step && step + 1 < schedule.total();
-      if (decode_next) {
-        RingState next = ring;
-        next.template advance<T::kStages>();
-        FullBarrier::wait(&full[next.stage], next.phase);
-        decode_stage(next.stage);
+      if constexpr (kMxfp4) {
+        if (step + 1 < schedule.total()) {
+          RingState next = ring;
+          next.template advance<T::kStages>();
+          prepare_stage(next, step_decodes(step + 1));
+        }
       }
       cute::warpgroup_wait<0>();
       if (lane == 0) EmptyBarrier::arrive(&empty[ring.stage]);
       ring.template advance<T::kStages>();
-      if (decode_next) decoded_tile_barrier();
       if (step + 1 == side_steps) {
         // The side sum is complete: scale it before the base K loop accumulates on top,
         // so s multiplies exactly the adapter term (FP32, no extra rounding).
