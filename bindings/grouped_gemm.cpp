@@ -159,8 +159,7 @@ void launch(const GroupedGemmKernels& kernels, const GroupedGemmParams& params, 
 void grouped_gemm(const Tensor& a, int64_t k_base, const Tensor& b,
                   const Tensor& expert_pool_offsets, const Tensor& out, int block_m, int block_n,
                   bool gated, int activation, double activation_clamp,
-                  std::optional<Tensor> b_extra, std::optional<Tensor> side_b_gate,
-                  std::optional<Tensor> side_b_up, double side_scale,
+                  std::optional<Tensor> b_extra, std::optional<Tensor> side_b, double side_scale,
                   std::optional<Tensor> preact_out, bool b_major_mn, std::optional<Tensor> b_scales,
                   int num_sms, uintptr_t stream) {
   const int device = a.device_id();
@@ -195,7 +194,7 @@ void grouped_gemm(const Tensor& a, int64_t k_base, const Tensor& b,
   if (rows % block_m != 0)
     throw nb::value_error(
         ("a: pool rows " + str(rows) + " are not a multiple of BLOCK_M " + str(block_m)).c_str());
-  if (b_major_mn && (gated || b_extra || side_b_gate || side_b_up || preact_out))
+  if (b_major_mn && (gated || b_extra || side_b || preact_out))
     throw nb::value_error("b: an MN-major B takes the Store epilogue without segments");
   if (b_major_mn && n_base % 8 != 0)
     throw nb::value_error(
@@ -225,34 +224,26 @@ void grouped_gemm(const Tensor& a, int64_t k_base, const Tensor& b,
       check_tensor("preact_out", *preact_out, bfloat16_dtype(), {rows, n_base}, device);
       params.preact_out = preact_out->data();
     }
-    if (side_b_gate.has_value() != side_b_up.has_value())
-      throw nb::value_error("side_b_gate/side_b_up: give both or neither");
-    if (side_b_gate) {
-      check_tensor("side_b_gate", *side_b_gate, bfloat16_dtype(), {experts, n_base / 2, -1},
-                   device);
-      side_k = side_b_gate->shape(2);
-      check_tensor("side_b_up", *side_b_up, bfloat16_dtype(), {experts, n_base / 2, side_k},
-                   device);
-      if (side_k % 8 != 0 || k_base + 2 * side_k > lda)
-        throw nb::value_error(("side_b_gate: rank " + str(side_k) +
-                               " must be a multiple of 8 with k_base + 2*rank <= a's columns " +
+    if (side_b) {
+      // [E, 2I, 2r]: the block-diagonal side weights in w13's row order.
+      check_tensor("side_b", *side_b, bfloat16_dtype(), {experts, n_base, -1}, device);
+      side_k = side_b->shape(2);
+      if (side_k % 16 != 0 || k_base + side_k > lda)
+        throw nb::value_error(("side_b: K " + str(side_k) +
+                               " (2 x rank) must be a multiple of 16 with k_base + K <= a's "
+                               "columns " +
                                str(lda))
                                   .c_str());
       if (!std::isfinite(side_scale)) throw nb::value_error("side_scale: expected a finite value");
-      params.a_side_gate = tma_2d("a (q1 columns)", static_cast<const uint16_t*>(a.data()) + k_base,
-                                  rows, side_k, lda, block_m);
-      params.a_side_up =
-          tma_2d("a (q3 columns)", static_cast<const uint16_t*>(a.data()) + k_base + side_k, rows,
+      params.a_side =
+          tma_2d("a ([q1 | q3] columns)", static_cast<const uint16_t*>(a.data()) + k_base, rows,
                  side_k, lda, block_m);
-      params.b_side_gate = tma_2d("side_b_gate", side_b_gate->data(), experts * (n_base / 2),
-                                  side_k, side_k, kernels.block_n / 2);
-      params.b_side_up = tma_2d("side_b_up", side_b_up->data(), experts * (n_base / 2), side_k,
-                                side_k, kernels.block_n / 2);
+      params.b_side =
+          tma_2d("side_b", side_b->data(), experts * n_base, side_k, side_k, kernels.block_n);
     }
   } else {
     if (preact_out) throw nb::value_error("preact_out: only the gated epilogue stores it");
-    if (side_b_gate || side_b_up)
-      throw nb::value_error("side_b_gate: the K side segment needs the gated epilogue");
+    if (side_b) throw nb::value_error("side_b: the K side segment needs the gated epilogue");
     if (b_extra) {
       check_tensor("b_extra", *b_extra, bfloat16_dtype(), {experts, -1, k_base}, device);
       n_extra = b_extra->shape(1);
@@ -362,9 +353,9 @@ void register_grouped_gemm(nb::module_& m) {
   m.def("grouped_gemm", &grouped_gemm, nb::arg("a"), nb::arg("k_base"), nb::arg("b"),
         nb::arg("expert_pool_offsets"), nb::arg("out"), nb::arg("block_m"), nb::arg("block_n"),
         nb::arg("gated"), nb::arg("activation"), nb::arg("activation_clamp"),
-        nb::arg("b_extra").none(), nb::arg("side_b_gate").none(), nb::arg("side_b_up").none(),
-        nb::arg("side_scale"), nb::arg("preact_out").none(), nb::arg("b_major_mn"),
-        nb::arg("b_scales").none(), nb::arg("num_sms"), nb::arg("stream"),
+        nb::arg("b_extra").none(), nb::arg("side_b").none(), nb::arg("side_scale"),
+        nb::arg("preact_out").none(), nb::arg("b_major_mn"), nb::arg("b_scales").none(),
+        nb::arg("num_sms"), nb::arg("stream"),
         "Grouped GEMM over the expert pool (see kernels/grouped_gemm_params.h).");
   m.def("grouped_gemm_activation_backward", &grouped_gemm_activation_backward, nb::arg("a"),
         nb::arg("b"), nb::arg("expert_pool_offsets"), nb::arg("preact"), nb::arg("route_weights"),

@@ -152,11 +152,11 @@ __device__ __forceinline__ int expert_of_row(const int32_t* offsets, int num_exp
   return lo;
 }
 
-// The K-steps of one tile: side steps (gate then up), then base steps.
+// The K-steps of one tile: side steps, then base steps.
 struct TileSchedule {
-  int side_steps_per_half;  // ceil(side_k / 64) for each of gate and up (0: no side)
-  int base_steps;           // ceil(k_base / 64)
-  __device__ __forceinline__ int total() const { return 2 * side_steps_per_half + base_steps; }
+  int side_steps;  // ceil(side_k / 64) (0: no side segment)
+  int base_steps;  // ceil(k_base / 64)
+  __device__ __forceinline__ int total() const { return side_steps + base_steps; }
 };
 
 // Stage ring position shared by producer and consumers.
@@ -257,16 +257,15 @@ __global__ void __launch_bounds__(gemm::Tile<BlockM, BlockN, kBFormat>::kThreads
       for (int step = 0; step < schedule.total(); ++step) {
         EmptyBarrier::wait(&empty[ring.stage], ring.phase ^ 1u);
         uint64_t* bar = &full[ring.stage];
-        const int side_steps = 2 * schedule.side_steps_per_half;
+        const int side_steps = schedule.side_steps;
         if (step < side_steps) {
-          const bool up = step >= schedule.side_steps_per_half;
-          const int k0 = (step % schedule.side_steps_per_half) * kGemmBlockK;
-          const int b_row = expert * (p.n_base / 2) + n_block * (BlockN / 2);
-          FullBarrier::arrive_and_expect_tx(bar, T::kABytes + T::kBBytes / 2);
-          cute::SM90_TMA_LOAD_2D::copy(up ? &p.a_side_up : &p.a_side_gate, bar, kCacheHint,
-                                       stage_a(ring.stage), k0, row0);
-          cute::SM90_TMA_LOAD_2D::copy(up ? &p.b_side_up : &p.b_side_gate, bar, kCacheHint,
-                                       stage_b(ring.stage), k0, b_row);
+          // Side segment: [q1 | q3] columns against the block-diagonal side weights, a
+          // full-width BF16 B tile like the base's.
+          const int k0 = step * kGemmBlockK;
+          const int b_row = expert * p.n_base + n_block * BlockN;
+          FullBarrier::arrive_and_expect_tx(bar, T::kABytes + T::kBBytes);
+          cute::SM90_TMA_LOAD_2D::copy(&p.a_side, bar, kCacheHint, stage_a(ring.stage), k0, row0);
+          cute::SM90_TMA_LOAD_2D::copy(&p.b_side, bar, kCacheHint, stage_b(ring.stage), k0, b_row);
         } else {
           const int k0 = (step - side_steps) * kGemmBlockK;
           const int b_row = extra ? expert * p.n_extra + (n_block - n_base_blocks) * BlockN
@@ -335,7 +334,7 @@ __global__ void __launch_bounds__(gemm::Tile<BlockM, BlockN, kBFormat>::kThreads
     const int n_block = tile % n_blocks;
     // Which K steps read an MXFP4 B (the base steps of a base-column tile).
     const bool decodes_tile = kMxfp4 && n_block < n_base_blocks;
-    const int first_base_step = 2 * schedule.side_steps_per_half;
+    const int first_base_step = schedule.side_steps;
     auto step_decodes = [&](int step) { return decodes_tile && step >= first_base_step; };
     // Pipeline contract of an MXFP4 kernel: step k + 1's stage is prepared (waited for
     // and, if MXFP4, decoded) while step k's wgmma run, so a step only waits for its
@@ -348,29 +347,12 @@ __global__ void __launch_bounds__(gemm::Tile<BlockM, BlockN, kBFormat>::kThreads
         FullBarrier::wait(&full[ring.stage], ring.phase);
       const uint64_t desc_a = smem_descriptor(stage_a(ring.stage) + consumer * 64 * kRowBytes);
       const uint64_t desc_b = smem_descriptor(stage_b(ring.stage));
-      const int side_steps = 2 * schedule.side_steps_per_half;
+      const int side_steps = schedule.side_steps;
       cute::warpgroup_arrive();
-      if (step < side_steps) {
-        // Side K segment: each 64-row block of the B tile feeds the gate (or up)
-        // columns of one interleave pair: accumulator registers 64*pair (+32 for up).
-        const bool up = step >= schedule.side_steps_per_half;
-        const bool first = (step % schedule.side_steps_per_half) == 0;
-        // Constant register offsets only (a dynamic one would move acc to local memory).
-#pragma unroll
-        for (int pair = 0; pair < kGatePairs; ++pair) {
-          // 64 rows of 128 bytes further into the B tile (descriptor units are 16 bytes).
-          const uint64_t desc_b_pair = desc_b + static_cast<uint64_t>(pair * 64 * kRowBytes / 16);
-#pragma unroll
-          for (int k16 = 0; k16 < kGemmBlockK / 16; ++k16) {
-            const uint64_t a = advance_k16(desc_a, k16), b = advance_k16(desc_b_pair, k16);
-            if (up)
-              Wgmma<64>::mma(a, b, acc + 64 * pair + 32, !(first && k16 == 0));
-            else
-              Wgmma<64>::mma(a, b, acc + 64 * pair, !(first && k16 == 0));
-          }
-        }
-      } else {
-        const bool first = step == 0;  // no side segment: the base starts the sum
+      {
+        // Side and base steps are the same full-width MMA (one code path: a branch
+        // around wgmma makes ptxas serialize them); the first step starts the sum.
+        const bool first = step == 0;
         if constexpr (kBMajorMN) {
           const uint64_t desc_b_mn = smem_descriptor_mn(stage_b(ring.stage));
 #pragma unroll

@@ -43,19 +43,19 @@ constexpr int kGemmBlockK = 64;
 // [E * rows_per_expert, K] so one 2-D tensor map serves every expert.
 //
 // Segments (all optional but the base):
-//  - K side segments (GatedActivation only): two extra reductions over `side_k`
-//    columns, gate half from (a_side_gate, b_side_gate), up half from (a_side_up,
-//    b_side_up); their sum is scaled by `side_scale` before the base K loop adds on.
+//  - K side segment (GatedActivation only): an extra reduction over `side_k` = 2r
+//    columns, a_side = the pool's [q1 | q3] columns against b_side = the block-diagonal
+//    side weights (gate rows [b1^T | 0], up rows [0 | b3^T], in w13's interleave), so it
+//    is a plain full-width K segment; its sum is scaled by `side_scale` before the base
+//    K loop adds on.
 //  - N extra segment (Store only): `n_extra` more output columns from b_extra.
 struct GroupedGemmParams {
-  CUtensorMap a;            // [pool rows, k_base] BF16, box [BLOCK_M, 64]
-  CUtensorMap b;            // K: [E * n_base, k_base], box [BLOCK_N, 64];
-                            // MN: 3-D [E][k_base][n_base], box [1, 64, 64] (BF16)
-  CUtensorMap a_side_gate;  // [pool rows, side_k] BF16 (q1 columns), box [BLOCK_M, 64]
-  CUtensorMap a_side_up;    // [pool rows, side_k] BF16 (q3 columns), box [BLOCK_M, 64]
-  CUtensorMap b_side_gate;  // [E * I, side_k] BF16 (b1 transposed), box [BLOCK_N / 2, 64]
-  CUtensorMap b_side_up;    // [E * I, side_k] BF16 (b3 transposed), box [BLOCK_N / 2, 64]
-  CUtensorMap b_extra;      // [E * n_extra, k_base] BF16 (a2 transposed), box [BLOCK_N, 64]
+  CUtensorMap a;        // [pool rows, k_base] BF16, box [BLOCK_M, 64]
+  CUtensorMap b;        // K: [E * n_base, k_base], box [BLOCK_N, 64];
+                        // MN: 3-D [E][k_base][n_base], box [1, 64, 64] (BF16)
+  CUtensorMap a_side;   // [pool rows, side_k] BF16 ([q1 | q3] columns), box [BLOCK_M, 64]
+  CUtensorMap b_side;   // [E * n_base, side_k] BF16 (block-diagonal), box [BLOCK_N, 64]
+  CUtensorMap b_extra;  // [E * n_extra, k_base] BF16 (a2 transposed), box [BLOCK_N, 64]
   // MXFP4 base B only (b is unused): the codes [E * n_base, k_base / 2] uint8, box
   // [BLOCK_N, 32] (two codes per byte, even K index in the low nibble), and the scales
   // [E * k_base / 64, n_base] uint16, box [1, BLOCK_N]: for expert e, K block kb and
@@ -83,8 +83,8 @@ struct GroupedGemmParams {
   int32_t k_base;          // reduction length of the base segment
   int32_t n_base;          // output columns of the base segment (B rows per expert)
   int32_t n_extra;         // extra output columns (0: none)
-  int32_t side_k;          // K of each side segment (0: none)
-  float side_scale;        // scale of the side segments' sum
+  int32_t side_k;          // K of the side segment, 2r (0: none)
+  float side_scale;        // scale of the side segment's sum
   int32_t activation;      // Activation (GatedActivation, ActivationBackward)
   float activation_clamp;  // +inf: no clamp
 };

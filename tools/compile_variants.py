@@ -10,6 +10,9 @@ Checks that hold whatever the baseline says:
 - no spill stores or loads, and no LDL/STL (local-memory) instruction in any kernel;
 - HGMMA in every kernel of a GEMM family (``GEMM_FAMILIES``): a grouped GEMM that
   compiles to plain FMA (e.g. built for the wrong arch) fails here, not in a benchmark;
+- no ptxas "wgmma.mma_async instructions are serialized" advisory (C7510-C7520): ptxas
+  then waits for every wgmma right after issuing it, so nothing overlaps the tensor
+  cores (a branch around wgmma, or too few registers for the accumulators, does it);
 - every variant defines at least one kernel.
 
 Checks against the baseline (per variant and mangled kernel symbol):
@@ -76,6 +79,9 @@ NVCC_FLAGS = [
 PTXAS_FUNCTION = re.compile(r"Compiling entry function '(\S+)' for 'sm_90a'")
 PTXAS_STACK = re.compile(
     r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads"
+)
+PTXAS_SERIALIZED = re.compile(
+    r"wgmma\.mma_async instructions are serialized due to (.+?) in the function '(\S+?)'"
 )
 PTXAS_USAGE = re.compile(r"Used (\d+) registers(?:, used \d+ barriers)?(?:, (\d+) bytes smem)?")
 LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s*[<"]([^>"]+)[>"]', re.MULTILINE)
@@ -169,17 +175,18 @@ def parse_ptxas(log: str) -> dict[str, dict[str, int]]:
     for line in log.splitlines():
         if m := PTXAS_FUNCTION.search(line):
             current = m.group(1)
-            kernels[current] = {
-                "registers": 0,
-                "smem": 0,
-                "stack": 0,
-                "spill_stores": 0,
-                "spill_loads": 0,
-            }
+            kernels.setdefault(current, {}).update(
+                registers=0, smem=0, stack=0, spill_stores=0, spill_loads=0
+            )
+        elif m := PTXAS_SERIALIZED.search(line):
+            # The advisory names its kernel and may come before its "Compiling" line.
+            kernels.setdefault(m[2], {})["wgmma_serialized"] = m[1]
         elif current and (m := PTXAS_STACK.search(line)):
             kernels[current].update(stack=int(m[1]), spill_stores=int(m[2]), spill_loads=int(m[3]))
         elif current and (m := PTXAS_USAGE.search(line)):
             kernels[current].update(registers=int(m[1]), smem=int(m[2] or 0))
+    for usage in kernels.values():
+        usage.setdefault("wgmma_serialized", None)
     return kernels
 
 
@@ -315,7 +322,8 @@ def measure(results: list[CompileResult], registry: dict[str, dict]) -> list[dic
 
 
 def check_absolute(rows: list[dict], variants: list[str]) -> list[str]:
-    """Failures that no baseline can excuse: spills, local memory, GEMMs without HGMMA."""
+    """Failures that no baseline can excuse: spills, local memory, GEMMs without HGMMA,
+    wgmma serialized by ptxas."""
     failures = []
     built = {row["variant"] for row in rows}
     for name in variants:
@@ -332,6 +340,10 @@ def check_absolute(rows: list[dict], variants: list[str]) -> list[str]:
             failures.append(f"{where} has {row['local_memory_instructions']} LDL/STL instructions")
         if row["family"] in GEMM_FAMILIES and row["hgmma_instructions"] == 0:
             failures.append(f"{where} issues no HGMMA (family {row['family']} must use wgmma)")
+        if row.get("wgmma_serialized"):
+            failures.append(
+                f"{where} has its wgmma serialized by ptxas ({row['wgmma_serialized']})"
+            )
     return failures
 
 

@@ -70,6 +70,26 @@ def _mxfp4_operand(
     return k, scales.view(torch.int16).transpose(1, 2).contiguous()
 
 
+def block_diagonal_side_weights(
+    side_b_gate: torch.Tensor, side_b_up: torch.Tensor, interleave: int
+) -> torch.Tensor:
+    """``[E, 2I, 2r]`` BF16: the side weights as one K segment over the pool's
+    ``[q1 | q3]`` columns, in ``w13``'s gate/up row interleave: a gate row ``i`` holds
+    ``[b1^T[i] | 0]``, an up row ``[0 | b3^T[i]]``.
+
+    GEMM1 then runs the side segment as ordinary full-width K steps (the kernel has a
+    single MMA path; the zero halves cost 2r/H more MMA work, 6% at r=128, H=4096).
+    Built per call from ``side_b_gate``/``side_b_up`` (``[E, I, r]``; trainable adapters
+    change every step): 4r bytes per row of ``w13``.
+    """
+    experts, intermediate, rank = side_b_gate.shape
+    blocks = intermediate // interleave
+    side = side_b_gate.new_zeros(experts, blocks, 2, interleave, 2 * rank)
+    side[:, :, 0, :, :rank] = side_b_gate.view(experts, blocks, interleave, rank)
+    side[:, :, 1, :, rank:] = side_b_up.view(experts, blocks, interleave, rank)
+    return side.view(experts, 2 * intermediate, 2 * rank)
+
+
 def _dequantized(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """The CPU twins' BF16 view of an MXFP4 B (the engine decodes to the same values)."""
     from .mxfp4 import dequantize_mxfp4
@@ -163,7 +183,6 @@ def grouped_gemm(
             math.inf,
             None if b_extra is None else dl(b_extra),
             None,
-            None,
             0.0,
             None,
             major_mn,
@@ -245,6 +264,9 @@ def gated_grouped_gemm(
         return out
     dl = _native.dlpack
     with torch.cuda.device(a.device):
+        side_b = None
+        if side_b_gate is not None or side_b_up is not None:
+            side_b = _side_operand(side_b_gate, side_b_up, w13.shape, k, a)
         _native.native().grouped_gemm(
             dl(a),
             k,
@@ -257,8 +279,7 @@ def gated_grouped_gemm(
             ACTIVATIONS[activation],
             clamp,
             None,
-            None if side_b_gate is None else dl(side_b_gate),
-            None if side_b_up is None else dl(side_b_up),
+            None if side_b is None else dl(side_b),
             float(side_scale),
             None if preact_out is None else dl(preact_out),
             False,
@@ -267,6 +288,37 @@ def gated_grouped_gemm(
             _native.current_stream(a.device),
         )
     return out
+
+
+def _side_operand(side_b_gate, side_b_up, w13_shape, k, a) -> torch.Tensor:
+    """Check ``side_b_gate``/``side_b_up`` (``[E, I, r]`` BF16 each, ``a`` holding
+    ``[x | q1 | q3]``) and return the block-diagonal side operand."""
+    if side_b_gate is None or side_b_up is None:
+        raise ValueError("side_b_gate/side_b_up: give both or neither")
+    experts, two_i = w13_shape[0], w13_shape[1]
+    check_tensor(
+        "side_b_gate",
+        side_b_gate,
+        ndim=3,
+        dtypes=(torch.bfloat16,),
+        device=a.device,
+        contiguous=True,
+    )
+    rank = side_b_gate.shape[2]
+    expected = (experts, two_i // 2, rank)
+    if tuple(side_b_gate.shape) != expected:
+        raise ValueError(
+            f"side_b_gate: expected shape {list(expected)}, got {list(side_b_gate.shape)}"
+        )
+    check_tensor("side_b_up", side_b_up, shape=expected, dtypes=(torch.bfloat16,), device=a.device)
+    if rank % 8 != 0 or k + 2 * rank > a.shape[1]:
+        raise ValueError(
+            f"side_b_gate: rank {rank} must be a multiple of 8 with k_base + 2*rank <= a's "
+            f"columns {a.shape[1]}"
+        )
+    return block_diagonal_side_weights(
+        side_b_gate, side_b_up.contiguous(), registry().gate_up_interleave
+    )
 
 
 def _gated_cpu(a, w13, plan, k, activation, clamp, side_b_gate, side_b_up, side_scale, out, preact):

@@ -70,6 +70,7 @@ def test_parse_ptxas():
             "stack": 0,
             "spill_stores": 0,
             "spill_loads": 0,
+            "wgmma_serialized": None,
         },
         "_Z7offsetsv": {
             "registers": 50,
@@ -77,8 +78,25 @@ def test_parse_ptxas():
             "stack": 16,
             "spill_stores": 8,
             "spill_loads": 4,
+            "wgmma_serialized": None,
         },
     }
+
+
+def test_parse_ptxas_finds_serialized_wgmma():
+    log = (
+        "ptxas info    : (C7520) Potential Performance Loss: wgmma.mma_async instructions are "
+        "serialized due to program dependence on compiler-inserted WG.AR in divergent path in "
+        "the function '_Zgated'\n"
+        "ptxas info    : Compiling entry function '_Zgated' for 'sm_90a'\n"
+        "ptxas info    : Used 104 registers\n"
+    )
+    kernels = cv.parse_ptxas(log)
+    assert kernels["_Zgated"]["registers"] == 104
+    reason = "program dependence on compiler-inserted WG.AR in divergent path"
+    assert kernels["_Zgated"]["wgmma_serialized"] == reason
+    failures = cv.check_absolute([row(symbol="_Zgated", wgmma_serialized=reason)], ["gemm_v"])
+    assert failures == [f"gemm_v: _Zgated<1> has its wgmma serialized by ptxas ({reason})"]
 
 
 def test_count_sass():
