@@ -167,19 +167,27 @@ void grouped_gemm(const Tensor& a, int64_t k_base, const Tensor& b,
   const int64_t rows = a.shape(0), lda = a.shape(1);
   const bool mxfp4 = b_scales.has_value();
   // K-major B: [E, N, K] (nn.Linear); MN-major B: [E, K, N] (the same weights, read
-  // transposed by the dgrads); MXFP4 B: [E, N, K/2] codes (K-major).
-  if (mxfp4 && b_major_mn) throw nb::value_error("b_scales: an MXFP4 B is read K-major only");
+  // transposed by the dgrads); MXFP4 B: the codes [E, N, K/2] (K-major) or [E, K, N/2]
+  // (MN-major).
   if (mxfp4 && k_base % kGemmBlockK != 0)
     throw nb::value_error(
         ("k_base: an MXFP4 B needs K a multiple of 64, got " + str(k_base)).c_str());
-  if (mxfp4)
+  if (mxfp4 && b_major_mn)
+    check_tensor<uint8_t>("b", b, {-1, k_base, -1}, device);
+  else if (mxfp4)
     check_tensor<uint8_t>("b", b, {-1, -1, k_base / 2}, device);
   else if (b_major_mn)
     check_tensor("b", b, bfloat16_dtype(), {-1, k_base, -1}, device);
   else
     check_tensor("b", b, bfloat16_dtype(), {-1, -1, k_base}, device);
-  const int64_t experts = b.shape(0), n_base = b_major_mn ? b.shape(2) : b.shape(1);
-  if (mxfp4) {
+  const int64_t experts = b.shape(0);
+  const int64_t n_base = b_major_mn ? b.shape(2) * (mxfp4 ? 2 : 1) : b.shape(1);
+  if (mxfp4 && b_major_mn) {
+    if (n_base % 32 != 0)
+      throw nb::value_error(
+          ("b: an MN-major MXFP4 B needs N a multiple of 32, got " + str(n_base)).c_str());
+    check_tensor<uint8_t>("b_scales", *b_scales, {experts, n_base / 32, k_base}, device);
+  } else if (mxfp4) {
     check_tensor<int16_t>("b_scales", *b_scales, {experts, k_base / kGemmBlockK, n_base}, device);
     if (n_base % 8 != 0)
       throw nb::value_error(
@@ -256,7 +264,13 @@ void grouped_gemm(const Tensor& a, int64_t k_base, const Tensor& b,
   }
 
   params.a = tma_2d("a", a.data(), rows, k_base, lda, block_m);
-  if (mxfp4) {
+  if (mxfp4 && b_major_mn) {
+    params.b_codes = tma_2d_plain("b", b.data(), CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, experts * k_base,
+                                  n_base / 2, kGemmBlockK, kernels.block_n / 2);
+    params.b_scales =
+        tma_2d_plain("b_scales", b_scales->data(), CU_TENSOR_MAP_DATA_TYPE_UINT8, 1,
+                     experts * (n_base / 32), k_base, kernels.block_n / 32, kGemmBlockK);
+  } else if (mxfp4) {
     params.b_codes = tma_2d_plain("b", b.data(), CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, experts * n_base,
                                   k_base / 2, kernels.block_n, kGemmBlockK / 2);
     params.b_scales = tma_2d_plain("b_scales", b_scales->data(), CU_TENSOR_MAP_DATA_TYPE_UINT16, 2,
@@ -290,13 +304,25 @@ void grouped_gemm_activation_backward(const Tensor& a, const Tensor& b,
                                       const Tensor& route_weights, const Tensor& pool_row_to_route,
                                       const Tensor& dgrad_preact, std::optional<Tensor> weighted_h,
                                       const Tensor& drouter_partials, int block_m, int block_n,
-                                      int activation, double activation_clamp, int num_sms,
+                                      int activation, double activation_clamp,
+                                      std::optional<Tensor> b_scales, int num_sms,
                                       uintptr_t stream) {
   const int device = a.device_id();
   check_tensor("a", a, bfloat16_dtype(), {-1, -1}, device);
   const int64_t rows = a.shape(0), lda = a.shape(1);
-  check_tensor("b", b, bfloat16_dtype(), {-1, -1, -1}, device);
-  const int64_t experts = b.shape(0), k_base = b.shape(1), intermediate = b.shape(2);
+  // BF16 b [E, K, I], or MXFP4 codes [E, K, I/2] with scales [E, I/32, K] (transposed).
+  const bool mxfp4 = b_scales.has_value();
+  if (mxfp4)
+    check_tensor<uint8_t>("b", b, {-1, -1, -1}, device);
+  else
+    check_tensor("b", b, bfloat16_dtype(), {-1, -1, -1}, device);
+  const int64_t experts = b.shape(0), k_base = b.shape(1),
+                intermediate = b.shape(2) * (mxfp4 ? 2 : 1);
+  if (mxfp4) {
+    if (k_base % kGemmBlockK != 0)
+      throw nb::value_error(("b: an MXFP4 B needs K a multiple of 64, got " + str(k_base)).c_str());
+    check_tensor<uint8_t>("b_scales", *b_scales, {experts, intermediate / 32, k_base}, device);
+  }
   if (k_base < 8 || k_base % 8 != 0 || k_base > lda)
     throw nb::value_error(
         ("b: expected K a multiple of 8 in [8, " + str(lda) + "] (a's columns), got " + str(k_base))
@@ -321,13 +347,22 @@ void grouped_gemm_activation_backward(const Tensor& a, const Tensor& b,
   if (std::isnan(activation_clamp) || activation_clamp <= 0)
     throw nb::value_error("activation_clamp: expected a positive value (inf = no clamp)");
   const GroupedGemmKernels& kernels =
-      select_variant(block_m, block_n, Epilogue::ActivationBackward, BMajor::MN);
+      select_variant(block_m, block_n, Epilogue::ActivationBackward, BMajor::MN,
+                     mxfp4 ? BFormat::MXFP4 : BFormat::BF16);
   const int64_t n_blocks = (intermediate + kernels.block_n - 1) / kernels.block_n;
   check_tensor<float>("drouter_partials", drouter_partials, {rows, n_blocks}, device);
 
   GroupedGemmParams params{};
   params.a = tma_2d("a", a.data(), rows, k_base, lda, block_m);
-  params.b = tma_3d("b", b.data(), experts, k_base, intermediate);
+  if (mxfp4) {
+    params.b_codes = tma_2d_plain("b", b.data(), CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, experts * k_base,
+                                  intermediate / 2, kGemmBlockK, kernels.block_n / 2);
+    params.b_scales =
+        tma_2d_plain("b_scales", b_scales->data(), CU_TENSOR_MAP_DATA_TYPE_UINT8, 1,
+                     experts * (intermediate / 32), k_base, kernels.block_n / 32, kGemmBlockK);
+  } else {
+    params.b = tma_3d("b", b.data(), experts, k_base, intermediate);
+  }
   params.expert_pool_offsets = static_cast<const int32_t*>(expert_pool_offsets.data());
   params.out = nullptr;
   params.out_stride = 0;
@@ -361,8 +396,8 @@ void register_grouped_gemm(nb::module_& m) {
         nb::arg("b"), nb::arg("expert_pool_offsets"), nb::arg("preact"), nb::arg("route_weights"),
         nb::arg("pool_row_to_route"), nb::arg("dgrad_preact"), nb::arg("weighted_h").none(),
         nb::arg("drouter_partials"), nb::arg("block_m"), nb::arg("block_n"), nb::arg("activation"),
-        nb::arg("activation_clamp"), nb::arg("num_sms"), nb::arg("stream"),
-        "dgrad2 with the activation backward as its epilogue (MN-major B).");
+        nb::arg("activation_clamp"), nb::arg("b_scales").none(), nb::arg("num_sms"),
+        nb::arg("stream"), "dgrad2 with the activation backward as its epilogue (MN-major B).");
 }
 
 }  // namespace megamoe

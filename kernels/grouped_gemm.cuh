@@ -192,7 +192,6 @@ __global__ void __launch_bounds__(gemm::Tile<BlockM, BlockN, kBFormat>::kThreads
   using namespace gemm;
   using T = Tile<BlockM, BlockN, kBFormat>;
   constexpr bool kMxfp4 = T::kMxfp4;
-  static_assert(!kMxfp4 || kBMajor == BMajor::K, "the MXFP4 decode writes a K-major B tile");
   static_assert(BlockN == 128 || BlockN == 256, "tiles hold whole 64-column gate/up pairs");
   constexpr bool kBMajorMN = kBMajor == BMajor::MN;
   constexpr bool kActBackward = kEpilogue == Epilogue::ActivationBackward;
@@ -276,11 +275,20 @@ __global__ void __launch_bounds__(gemm::Tile<BlockM, BlockN, kBFormat>::kThreads
             // decodes to exact zeros.
             FullBarrier::arrive_and_expect_tx(bar, T::kABytes + T::kCodeBytes + T::kScaleBytes);
             cute::SM90_TMA_LOAD_2D::copy(&p.a, bar, kCacheHint, stage_a(ring.stage), k0, row0);
-            cute::SM90_TMA_LOAD_2D::copy(&p.b_codes, bar, kCacheHint, stage_codes(ring.stage),
-                                         k0 / 2, b_row);
-            cute::SM90_TMA_LOAD_2D::copy(&p.b_scales, bar, kCacheHint, stage_scales(ring.stage),
-                                         n_block * BlockN,
-                                         expert * schedule.base_steps + k0 / kGemmBlockK);
+            if constexpr (kBMajorMN) {
+              // Codes [E * K, N / 2]: 64 K rows of this expert (K is a multiple of 64);
+              // scales [E * N / 32, K]: this tile's N blocks of 32, 64 K columns.
+              cute::SM90_TMA_LOAD_2D::copy(&p.b_codes, bar, kCacheHint, stage_codes(ring.stage),
+                                           n_block * (BlockN / 2), expert * p.k_base + k0);
+              cute::SM90_TMA_LOAD_2D::copy(&p.b_scales, bar, kCacheHint, stage_scales(ring.stage),
+                                           k0, expert * (p.n_base / 32) + n_block * (BlockN / 32));
+            } else {
+              cute::SM90_TMA_LOAD_2D::copy(&p.b_codes, bar, kCacheHint, stage_codes(ring.stage),
+                                           k0 / 2, b_row);
+              cute::SM90_TMA_LOAD_2D::copy(&p.b_scales, bar, kCacheHint, stage_scales(ring.stage),
+                                           n_block * BlockN,
+                                           expert * schedule.base_steps + k0 / kGemmBlockK);
+            }
             ring.template advance<T::kStages>();
             continue;
           }
@@ -320,9 +328,13 @@ __global__ void __launch_bounds__(gemm::Tile<BlockM, BlockN, kBFormat>::kThreads
   auto prepare_stage = [&](const RingState& at, bool decodes) {
     FullBarrier::wait(&full[at.stage], at.phase);
     if (decodes) {
-      mxfp4::decode_b_block<BlockN, T::kConsumers * kWarpgroupThreads>(
-          stage_codes(at.stage), reinterpret_cast<const uint16_t*>(stage_scales(at.stage)),
-          stage_b(at.stage), decode_thread);
+      if constexpr (kBMajorMN)
+        mxfp4::decode_b_block_mn<BlockN, T::kConsumers * kWarpgroupThreads>(
+            stage_codes(at.stage), stage_scales(at.stage), stage_b(at.stage), decode_thread);
+      else
+        mxfp4::decode_b_block<BlockN, T::kConsumers * kWarpgroupThreads>(
+            stage_codes(at.stage), reinterpret_cast<const uint16_t*>(stage_scales(at.stage)),
+            stage_b(at.stage), decode_thread);
       // The generic-proxy stores must be visible to wgmma, which reads through the
       // async proxy; the barrier's release/acquire then orders them for the readers.
       cutlass::arch::fence_view_async_shared();

@@ -27,7 +27,8 @@ enum class BMajor { K, MN };
 //  - BF16: loaded by TMA straight into the stage's B tile;
 //  - MXFP4: E2M1 codes and UE8M0 scales (kernels/mxfp4_tile_decode.cuh) are loaded by
 //    TMA into a staging area of the stage, and the consumers decode them to BF16 in the
-//    stage's B tile (K-major B only; side and extra segments stay BF16).
+//    stage's B tile, K-major or MN-major (Store and GatedActivation epilogues; side and
+//    extra segments stay BF16).
 enum class BFormat { BF16, MXFP4 };
 
 // Activations are runtime parameters (DESIGN §2: keep the variant count small).
@@ -56,10 +57,13 @@ struct GroupedGemmParams {
   CUtensorMap a_side;   // [pool rows, side_k] BF16 ([q1 | q3] columns), box [BLOCK_M, 64]
   CUtensorMap b_side;   // [E * n_base, side_k] BF16 (block-diagonal), box [BLOCK_N, 64]
   CUtensorMap b_extra;  // [E * n_extra, k_base] BF16 (a2 transposed), box [BLOCK_N, 64]
-  // MXFP4 base B only (b is unused): the codes [E * n_base, k_base / 2] uint8, box
-  // [BLOCK_N, 32] (two codes per byte, even K index in the low nibble), and the scales
-  // [E * k_base / 64, n_base] uint16, box [1, BLOCK_N]: for expert e, K block kb and
-  // row n, the UE8M0 bytes of K columns 64 kb .. +31 (low byte) and +32 .. +63.
+  // MXFP4 base B only (b is unused). K-major: the codes [E * n_base, k_base / 2] uint8,
+  // box [BLOCK_N, 32] (two codes per byte, even K index in the low nibble), and the
+  // scales [E * k_base / 64, n_base] uint16, box [1, BLOCK_N]: for expert e, K block kb
+  // and row n, the UE8M0 bytes of K columns 64 kb .. +31 (low byte) and +32 .. +63.
+  // MN-major (the weights as stored, read by the dgrads): the codes
+  // [E * k_base, n_base / 2] uint8, box [64, BLOCK_N / 2], and the scales
+  // [E * n_base / 32, k_base] uint8 (transposed), box [BLOCK_N / 32, 64].
   CUtensorMap b_codes;
   CUtensorMap b_scales;
 

@@ -167,4 +167,50 @@ __device__ __forceinline__ void decode_b_block(const uint8_t* codes, const uint1
   }
 }
 
+// Decode one K block of an MN-major B tile (the dgrads' view of the weights: K rows
+// of the stored matrix, N along its packed axis): `codes` [64][BlockN / 2] bytes (K
+// row, then N) and `scales` [BlockN / 32][64] bytes (N block of 32, then K row) ->
+// `b_tile`, BlockN / 64 boxes of [64 K rows][64 N] BF16 side by side, each 128-byte
+// swizzled (the layout TMA writes for a BF16 MN-major B). Units are (K row, 32-column N
+// block), in order: a warp reads contiguous code bytes, and a unit's four chunks land
+// in one 128-byte row of one box, as in the K-major case.
+template <int BlockN, int Threads>
+__device__ __forceinline__ void decode_b_block_mn(const uint8_t* codes, const uint8_t* scales,
+                                                  uint8_t* b_tile, int thread) {
+  constexpr int kBlockK = 64, kBoxBytes = kBlockK * 128;
+  constexpr int kUnitsPerRow = BlockN / 32;
+  constexpr int kUnits = kBlockK * kUnitsPerRow;
+  static_assert(kUnits % Threads == 0, "every thread decodes the same number of units");
+  const uint32_t codes_base = shared_address(codes), scales_base = shared_address(scales);
+  const uint32_t tile_base = shared_address(b_tile);
+#pragma unroll
+  for (int i = 0; i < kUnits / Threads; ++i) {
+    const int unit = thread + i * Threads;
+    const int k_row = unit / kUnitsPerRow, n_block = unit % kUnitsPerRow;
+    uint32_t words[4], scale;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(words[0]), "=r"(words[1]), "=r"(words[2]), "=r"(words[3])
+                 : "r"(codes_base + unit * kUnitBytes));
+    asm volatile("ld.shared.u8 %0, [%1];"
+                 : "=r"(scale)
+                 : "r"(scales_base + n_block * kBlockK + k_row));
+    uint4 chunks[4];
+    if (ScaleTables::fast(scale)) {
+      const ScaleTables tables(scale);
+#pragma unroll
+      for (int w = 0; w < 4; ++w) chunks[w] = tables.decode(words[w]);
+    } else {
+#pragma unroll
+      for (int w = 0; w < 4; ++w) chunks[w] = decode_word_fp32(words[w], scale);
+    }
+    const uint32_t box = tile_base + (n_block / 2) * kBoxBytes;
+#pragma unroll
+    for (int w = 0; w < 4; ++w)
+      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(
+                       box + swizzled_chunk_offset(k_row, 4 * (n_block % 2) + w)),
+                   "r"(chunks[w].x), "r"(chunks[w].y), "r"(chunks[w].z), "r"(chunks[w].w)
+                   : "memory");
+  }
+}
+
 }  // namespace megamoe::kernels::mxfp4

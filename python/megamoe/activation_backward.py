@@ -24,8 +24,9 @@ import torch.nn.functional as F
 
 from . import _native
 from ._checks import check_choice, check_tensor
-from .grouped_gemm import ACTIVATIONS, _device_sms, grouped_gemm
+from .grouped_gemm import ACTIVATIONS, _device_sms, _mxfp4_operand, grouped_gemm
 from .heuristics import get_block_n
+from .mxfp4 import dequantize_mxfp4
 from .registry import registry
 from .routing import RoutePlan
 
@@ -216,13 +217,16 @@ def fused_dgrad2_activation_backward(
     activation: str = "swiglu",
     activation_clamp: float | None = None,
     weighted_h: bool = True,
+    w2_scales: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """dgrad2 with the activation backward as its epilogue (the engine's
     ActivationBackward variants): ``z = dout_pool @ w2[e]`` is consumed in registers.
 
     Args:
         dout_pool: ``[pool_capacity, >= K]`` BF16 ``[dout | s dout b2^T]`` pool.
-        w2: ``[E, K, I]`` BF16 as stored (``w2``, or ``[w2 ; a2^T]``), read MN-major.
+        w2: ``[E, K, I]`` BF16 as stored (``w2``, or ``[w2 ; a2^T]``), read MN-major;
+            or with ``w2_scales`` the MXFP4 codes ``[E, K, I/2]`` of ``w2``, scales
+            ``[E, K, I/32]``, decoded in the engine.
         preact, topk_weights, plan, activation, activation_clamp, weighted_h: as in
             :func:`activation_backward` (BLOCK_M 128 pools: the variants that exist).
 
@@ -232,8 +236,15 @@ def fused_dgrad2_activation_backward(
         twin followed by :func:`activation_backward_reference`.
     """
     check_choice("activation", activation, tuple(ACTIVATIONS))
-    check_tensor("w2", w2, ndim=3, dtypes=(torch.bfloat16,), device=preact.device)
-    capacity, intermediate = plan.pool_capacity, w2.shape[2]
+    engine_scales = None
+    if w2_scales is not None:
+        _, engine_scales = _mxfp4_operand("w2", w2, w2_scales, preact.device, "mn")
+        if not preact.is_cuda:
+            w2 = dequantize_mxfp4(w2, w2_scales, axis=-1, dtype=torch.bfloat16)
+    else:
+        check_tensor("w2", w2, ndim=3, dtypes=(torch.bfloat16,), device=preact.device)
+    capacity = plan.pool_capacity
+    intermediate = w2.shape[2] * (2 if w2.dtype == torch.uint8 else 1)
     check_tensor(
         "dout_pool",
         dout_pool,
@@ -297,6 +308,7 @@ def fused_dgrad2_activation_backward(
             block_n,
             ACTIVATIONS[activation],
             clamp,
+            None if engine_scales is None else dl(engine_scales),
             _device_sms(device),
             _native.current_stream(device),
         )

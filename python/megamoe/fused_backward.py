@@ -45,7 +45,7 @@ from .heuristics import get_block_n
 from .registry import registry
 from .routing import RoutePlan
 from .side_lora import SideLoRA
-from .weights import BaseWeights
+from .weights import BaseWeights, mxfp4_decode_mode
 
 __all__ = [
     "DGRAD_ENGINE_VAR",
@@ -187,6 +187,9 @@ def pool_backward(
     mode = dgrad_engine_mode()
     engine = mode != "0" and plan.block_m == 128 and preact.is_cuda
     dgrad1_on_engine = engine and mode == "1"
+    # An MXFP4 base read by engine dgrads is decoded inside them (MEGAMOE_MXFP4_DECODE=
+    # engine), except dgrad2 with an adapter: its B is [w2 ; a2^T], of two formats.
+    mxfp4_in_engine = base.format == "mxfp4" and mxfp4_decode_mode() == "engine"
 
     def dgrad(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """``out[rows of e] = a[rows of e] @ b[e]`` with ``b`` ``[E, K, N]`` as stored."""
@@ -194,6 +197,15 @@ def pool_backward(
             block_n = get_block_n(plan.block_m, b.shape[2])
             return grouped_gemm(a, b.contiguous(), plan, block_n=block_n, b_major="mn")
         return grouped(a, b)
+
+    def dgrad1(a: torch.Tensor) -> torch.Tensor:
+        """``a @ w13[e]`` (``[P, 2I] -> [P, H]``)."""
+        if dgrad1_on_engine and mxfp4_in_engine:
+            block_n = get_block_n(plan.block_m, hidden)
+            return grouped_gemm(
+                a, base.w13, plan, block_n=block_n, b_major="mn", b_scales=base.w13_scales
+            )
+        return dgrad(a, base.w13_for_gemm())  # MXFP4: a transient decode
 
     def k_grouped(a_t: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         # Padding rows are zero in both operands; experts without rows get exact zeros.
@@ -204,9 +216,13 @@ def pool_backward(
     # dgrad2 as one GEMM: z = [dout | s dout b2^T]_pool @ [w2_e ; a2_e^T], the adapter
     # term as r extra K rows (z rounded once, no second [P, I] buffer).
     dout_pool = pool.gather_pool(dout_rows, db2_rows, plan)  # [P, H (+ r)]
-    w2 = base.w2_for_gemm()  # MXFP4: a transient decode
-    if use_side:
-        w2 = _stack_k_rows(w2, side.a2.transpose(1, 2))  # [E, H + r, I]
+    w2_scales = None
+    if engine and mxfp4_in_engine and not use_side:
+        w2, w2_scales = base.w2, base.w2_scales  # codes, decoded in the fused dgrad2
+    else:
+        w2 = base.w2_for_gemm()  # MXFP4: a transient decode
+        if use_side:
+            w2 = _stack_k_rows(w2, side.a2.transpose(1, 2))  # [E, H + r, I]
     need_weighted_h = (use_side and side_grads) or base_grads
     if engine:
         # dgrad2 with the activation backward as its epilogue: z never reaches memory.
@@ -219,6 +235,7 @@ def pool_backward(
             activation=activation,
             activation_clamp=activation_clamp,
             weighted_h=need_weighted_h,
+            w2_scales=w2_scales,
         )
     else:
         z = dgrad(dout_pool, w2)
@@ -271,7 +288,7 @@ def pool_backward(
         local["b3"] = (s * up_cols[:, rank:].float()).to(torch.bfloat16)
 
     # dgrad1 and the b1/b3 shrinks.
-    dx_pool = dgrad(dgrad_preact, base.w13_for_gemm())  # [P, H]
+    dx_pool = dgrad1(dgrad_preact)  # [P, H]
     shrink_pool = None
     if use_side:
         shrink_pool = grouped(dgrad_preact, _side_shrink_weights(side.b1, side.b3, interleave))

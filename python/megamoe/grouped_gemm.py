@@ -47,26 +47,39 @@ def _device_sms(device: torch.device) -> int:
 
 
 def _mxfp4_operand(
-    name: str, codes: torch.Tensor, scales: torch.Tensor, device: torch.device
+    name: str,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    device: torch.device,
+    b_major: str = "k",
 ) -> tuple[int, torch.Tensor]:
-    """Check an MXFP4 B (``codes`` ``[E, N, K/2]`` uint8, ``scales`` ``[E, N, K/32]``
-    uint8, K a multiple of 64) and return ``K`` and the scales in the engine's layout:
-    ``[E, K/64, N]`` int16, the two scale bytes of a 64-column K block side by side and
-    a block's rows contiguous (what one TMA box per K step loads). A small transposed
-    copy (1/16 of the codes' bytes), made per call."""
+    """Check an MXFP4 B and return its ``K`` and its scales in the engine's layout.
+
+    K-major (``b_major="k"``): ``codes`` ``[E, N, K/2]``, ``scales`` ``[E, N, K/32]``
+    (uint8, quantized along K, K a multiple of 64); engine scales ``[E, K/64, N]`` int16:
+    the two scale bytes of a 64-column K block side by side, a block's rows contiguous.
+    MN-major (``"mn"``, the dgrads reading the weights as stored): ``codes``
+    ``[E, K, N/2]``, ``scales`` ``[E, K, N/32]`` (quantized along N); engine scales
+    ``[E, N/32, K]`` uint8. Either way one TMA box per K step loads them; the transposed
+    copy (1/16 of the codes' bytes) is made per call.
+    """
     check_tensor(name, codes, ndim=3, dtypes=(torch.uint8,), device=device, contiguous=True)
-    experts, rows, half_k = codes.shape
-    k = 2 * half_k
+    experts, rows, half_cols = codes.shape
+    k, n = (rows, 2 * half_cols) if b_major == "mn" else (2 * half_cols, rows)
     if k % 64 != 0:
         raise ValueError(f"{name}: an MXFP4 B needs K a multiple of 64, got K={k}")
+    if b_major == "mn" and n % 32 != 0:
+        raise ValueError(f"{name}: an MN-major MXFP4 B needs N a multiple of 32, got N={n}")
     check_tensor(
         f"{name}_scales",
         scales,
-        shape=(experts, rows, k // 32),
+        shape=(experts, rows, 2 * half_cols // 32),
         dtypes=(torch.uint8,),
         device=device,
         contiguous=True,
     )
+    if b_major == "mn":
+        return k, scales.transpose(1, 2).contiguous()
     return k, scales.view(torch.int16).transpose(1, 2).contiguous()
 
 
@@ -125,9 +138,10 @@ def grouped_gemm(
             and ``dout w2_e``); BLOCK_M 128 only, no ``b_extra``.
         b_scales: MXFP4 B: ``b`` is then ``[E, N, k/2]`` uint8 E2M1 codes and this is
             ``[E, N, k/32]`` uint8 UE8M0 scales (:func:`~megamoe.mxfp4.quantize_mxfp4`
-            along K); the engine decodes each K block to BF16 in shared memory, with
-            the values of :func:`~megamoe.mxfp4.dequantize_mxfp4`. K-major only;
-            ``b_extra`` stays BF16.
+            along K); with ``b_major="mn"`` ``b`` is ``[E, k, N/2]`` and this
+            ``[E, k, N/32]`` (quantized along N, the weights as stored). The engine
+            decodes each K block to BF16 in shared memory, with the values of
+            :func:`~megamoe.mxfp4.dequantize_mxfp4`; ``b_extra`` stays BF16.
 
     Returns:
         ``out`` ``[pool rows, N + N_x]`` BF16. Rows at or past the rows in use are not
@@ -137,9 +151,7 @@ def grouped_gemm(
     check_tensor("a", a, ndim=2, dtypes=(torch.bfloat16,), contiguous=True)
     engine_scales = None
     if b_scales is not None:
-        if b_major != "k":
-            raise ValueError("b_scales: an MXFP4 B is read K-major only (b_major='k')")
-        b_k, engine_scales = _mxfp4_operand("b", b, b_scales, a.device)
+        b_k, engine_scales = _mxfp4_operand("b", b, b_scales, a.device, b_major)
         if k is not None and k != b_k:
             raise ValueError(f"k: an MXFP4 B reduces over all its K={b_k} columns, got k={k}")
         k = b_k
@@ -155,7 +167,7 @@ def grouped_gemm(
         if k is not None and k != b.shape[1]:
             raise ValueError(f"k: expected b.shape[1] = {b.shape[1]} for b_major='mn', got {k}")
         k = b.shape[1]
-        n_total = b.shape[2]
+        n_total = b.shape[2] * (2 if engine_scales is not None else 1)
     else:
         k = b.shape[2] if k is None else k
         n_total = b.shape[1] + (0 if b_extra is None else b_extra.shape[1])

@@ -147,8 +147,8 @@ def test_engine_decode_is_deterministic():
 def test_mxfp4_operand_is_checked():
     plan, a = pool_for(64, 4, 2, 128, 256, seed=1)
     codes, scales = mxfp4_operand(4, 256, 256, seed=2)
-    with pytest.raises(ValueError, match="b_scales: an MXFP4 B is read K-major only"):
-        grouped_gemm(a, codes, plan, b_scales=scales, b_major="mn")
+    with pytest.raises(ValueError, match="b_scales: expected shape"):
+        grouped_gemm(a, codes[:, :, :16].contiguous(), plan, b_scales=scales, b_major="mn")
     with pytest.raises(ValueError, match="b_scales"):
         grouped_gemm(a, codes, plan, b_scales=scales[:, :, :4])
     with pytest.raises(TypeError, match="b"):
@@ -160,18 +160,73 @@ def test_mxfp4_operand_is_checked():
         grouped_gemm(a, codes, plan, b_scales=scales, k=128)
 
 
+@pytest.mark.parametrize("block_n", [128, 256])
+@pytest.mark.parametrize(
+    "tokens,experts,top_k,k,n",
+    [(1, 8, 1, 256, 128), (700, 8, 2, 512, 704), (3000, 16, 4, 2048, 1024)],
+)
+def test_mn_major_engine_decode_is_the_transient_decode(block_n, tokens, experts, top_k, k, n):
+    """The dgrads' view: codes [E, K, N/2] as stored (quantized along N), decoded into the
+    MN-major tile (N = 704: a partial N tile at both widths)."""
+    plan, a = pool_for(tokens, experts, top_k, 128, k, seed=tokens + 5)
+    codes, scales = mxfp4_operand(experts, k, n, seed=tokens + 6)
+    out = grouped_gemm(a, codes, plan, b_major="mn", b_scales=scales, block_n=block_n)
+    decoded = decode_mxfp4_bf16(codes, scales)  # [E, K, N]
+    twin = grouped_gemm(a, decoded, plan, b_major="mn", block_n=block_n)
+    rows = int(plan.expert_pool_offsets[-1])
+    assert same_bits(out[:rows], twin[:rows])
+    expected = grouped_gemm_reference(a, decoded.transpose(1, 2).contiguous(), plan)
+    assert_close_to_oracle("out", out[:rows], expected)
+
+
+@pytest.mark.parametrize("inter", [384, 512])  # BLOCK_N 128 and 256
+@pytest.mark.parametrize("weighted_h", [True, False])
+def test_fused_dgrad2_engine_decode_is_the_transient_decode(weighted_h, inter):
+    """dgrad2 + activation backward on MXFP4 w2 ([E, H, I/2] codes): the transient decode's
+    dg | du, w h and router partials bit for bit."""
+    from megamoe.activation_backward import fused_dgrad2_activation_backward
+
+    tokens, top_k, experts, hidden = 2048, 2, 8, 512
+    ids, weights = make_routing(tokens, experts, top_k, kind="masked", seed=3)
+    plan = mm.plan_routes(ids.cuda(), experts, 128)
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    preact = (
+        torch.randn(plan.pool_capacity, 2 * inter, device="cuda", generator=gen) * 2
+    ).bfloat16()
+    dout_pool = torch.randn(plan.pool_capacity, hidden, device="cuda", generator=gen).bfloat16()
+    codes, scales = mxfp4_operand(experts, hidden, inter, seed=5, scale_high=124)
+    args = dict(activation="swiglu", weighted_h=weighted_h)
+    fused = fused_dgrad2_activation_backward(
+        dout_pool, codes, preact, weights.cuda(), plan, w2_scales=scales, **args
+    )
+    twin = fused_dgrad2_activation_backward(
+        dout_pool, decode_mxfp4_bf16(codes, scales), preact, weights.cuda(), plan, **args
+    )
+    rows = int(plan.expert_pool_offsets[-1])
+    assert same_bits(fused[0][:rows], twin[0][:rows])
+    if weighted_h:
+        assert same_bits(fused[1][:rows], twin[1][:rows])
+    assert torch.equal(fused[2][:rows], twin[2][:rows])
+
+
+@pytest.mark.parametrize("dgrad_engine", ["0", "1"])
 @pytest.mark.parametrize("ordinary", [False, True])
-def test_layer_forward_engine_decode_is_the_transient_decode(monkeypatch, ordinary):
+def test_layer_forward_engine_decode_is_the_transient_decode(monkeypatch, ordinary, dgrad_engine):
     """mm.moe on an MXFP4 base (side-LoRA, or a frozen base without adapters): the
-    in-engine decode gives the transient decode's output and gradients bit for bit."""
+    in-engine decode gives the transient decode's output and gradients bit for bit,
+    with torch's dgrads or the engine's (MEGAMOE_DGRAD_ENGINE=1: dgrad1 and, without an
+    adapter, the fused dgrad2 decode MXFP4 inside)."""
     from megamoe.testing import make_layer
 
+    monkeypatch.setenv("MEGAMOE_DGRAD_ENGINE", dgrad_engine)
+
     layer = make_layer(
-        1024, 512, 16, 4, 32, num_tokens=1500, seed=5, device="cuda", requires_grad=True,
+        1024, 512, 16, 4, 32, num_tokens=3000, seed=5, device="cuda", requires_grad=True,
         format="mxfp4",
     )  # fmt: skip
+    assert mm.get_block_m(3000, 4, 16) == 128  # the engine dgrads need BLOCK_M 128
     side = None if ordinary else layer.side
-    dout = torch.randn(1500, 1024, device="cuda").bfloat16()
+    dout = torch.randn(3000, 1024, device="cuda").bfloat16()
     results = []
     for mode in ("engine", "transient"):
         monkeypatch.setenv("MEGAMOE_MXFP4_DECODE", mode)

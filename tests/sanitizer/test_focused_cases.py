@@ -296,6 +296,38 @@ def test_grouped_gemm_mxfp4_b(block_m, block_n, tokens, top_k, gated, num_sms, m
     assert_bitwise(out[:rows], want[:rows])
 
 
+@pytest.mark.parametrize("num_sms", [None, "2"], ids=["all-sms", "two-ctas"])
+@pytest.mark.parametrize("fused_dgrad2", [False, True], ids=["store", "actbwd"])
+@pytest.mark.parametrize("block_n", [128, 256])
+def test_grouped_gemm_mxfp4_b_mn_major(block_n, fused_dgrad2, num_sms, monkeypatch):
+    # MXFP4 weights read MN-major (the dgrads): codes [E, K, N/2] by 64-row TMA boxes,
+    # scales transposed, decoded into 64-column swizzled boxes. N = 192: a partial tile
+    # at BLOCK_N 256. The Store and the ActivationBackward epilogue (dgrad2), bitwise
+    # the BF16 engine on the transient decode.
+    from megamoe.activation_backward import fused_dgrad2_activation_backward
+
+    if num_sms:
+        monkeypatch.setenv("MEGAMOE_NUM_SMS", num_sms)
+        monkeypatch.delenv("MEGAMOE_SM_HEADROOM", raising=False)
+    # The fused dgrad2 picks its own BLOCK_N from I: I = block_n selects that width.
+    experts, k, n = 8, 192, block_n if fused_dgrad2 else 192
+    plan, _, weights = gpu_plan(150, experts, 2, 128, kind="empty", seed=19)
+    a = bf16((plan.pool_capacity, k), 20)
+    codes, scales = mm.quantize_mxfp4(bf16((experts, k, n), 21, k**-0.5), axis=-1)
+    decoded = decode_mxfp4_bf16(codes, scales)
+    rows = rows_used(plan)
+    if fused_dgrad2:
+        preact = bf16((plan.pool_capacity, 2 * n), 22)
+        got = fused_dgrad2_activation_backward(a, codes, preact, weights, plan, w2_scales=scales)
+        want = fused_dgrad2_activation_backward(a, decoded, preact, weights, plan)
+        for got_t, want_t in zip(got, want, strict=True):
+            assert_bitwise(got_t[:rows], want_t[:rows])
+    else:
+        out = grouped_gemm(a, codes, plan, b_major="mn", b_scales=scales, block_n=block_n)
+        want = grouped_gemm(a, decoded, plan, b_major="mn", block_n=block_n)
+        assert_bitwise(out[:rows], want[:rows])
+
+
 @pytest.mark.parametrize("block_n", [128, 256])
 @pytest.mark.parametrize("tokens,top_k", [(1, 1), (150, 2)])
 def test_grouped_gemm_store_mn_major_b(block_n, tokens, top_k):

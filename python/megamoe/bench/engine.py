@@ -75,6 +75,15 @@ def main(argv: list[str] | None = None) -> int:
                 cases["engine+act n256"] = lambda a=a, b=b, k=k: gated_grouped_gemm(
                     a, b, plan, k=k, block_n=256
                 )
+        if b_major == "mn" and block_m == 128:
+            # The dgrads on MXFP4 weights as stored ([E, K, N/2], quantized along N).
+            codes, scales = mm.quantize_mxfp4(b, axis=-1)
+            cases["mxfp4 n256"] = lambda a=a, c=codes, s=scales: grouped_gemm(
+                a, c, plan, block_n=256, b_major="mn", b_scales=s
+            )
+            cases["decode+engine n256"] = lambda a=a, c=codes, s=scales: grouped_gemm(
+                a, decode_mxfp4_bf16(c, s), plan, block_n=256, b_major="mn"
+            )
         if b_major == "k":
             codes, scales = mm.quantize_mxfp4(b, axis=-1)
             block_n = 256 if block_m == 128 else 128
