@@ -214,8 +214,8 @@ def gemm1(
             side_b_up=side.b3.transpose(1, 2).contiguous(),
             side_scale=side.scale,
         )
-    # MXFP4: codes + scales decoded inside the engine (or a transient BF16 decode,
-    # dropped after GEMM1: MEGAMOE_MXFP4_DECODE=transient).
+    # MXFP4: a transient BF16 decode dropped after GEMM1, or (MEGAMOE_MXFP4_DECODE=
+    # engine) the codes and scales, decoded inside the engine.
     w13, w13_scales = base.w13_operand()
     return gated_grouped_gemm(
         pool_input,

@@ -21,17 +21,19 @@ from .registry import registry
 
 BASE_FORMATS = ("bf16", "mxfp4")
 
-#: ``MEGAMOE_MXFP4_DECODE``: where the forward GEMMs decode an MXFP4 base.
-#: ``engine`` (default): inside the grouped GEMM, one K block at a time into shared
-#: memory (no BF16 copy of the weights); ``transient``: a BF16 decode of the whole
-#: weight right before each GEMM. The values are the same bits either way (tested).
+#: ``MEGAMOE_MXFP4_DECODE``: where the GEMMs decode an MXFP4 base.
+#: ``transient`` (default): a BF16 decode of the whole weight right before each GEMM,
+#: dropped after it (measured faster at ep4rank: docs/PERFORMANCE.md); ``engine``: inside
+#: the grouped GEMM, one K block at a time into shared memory, no BF16 copy of the
+#: weights (the forward GEMMs, and the engine dgrads under MEGAMOE_DGRAD_ENGINE=1). The
+#: values are the same bits either way (tested).
 MXFP4_DECODE_VAR = "MEGAMOE_MXFP4_DECODE"
 MXFP4_DECODE_MODES = ("engine", "transient")
 
 
 def mxfp4_decode_mode() -> str:
-    """``MEGAMOE_MXFP4_DECODE``: ``"engine"`` (unset) or ``"transient"``."""
-    mode = os.environ.get(MXFP4_DECODE_VAR, "engine")
+    """``MEGAMOE_MXFP4_DECODE``: ``"transient"`` (unset) or ``"engine"``."""
+    mode = os.environ.get(MXFP4_DECODE_VAR, "transient")
     if mode not in MXFP4_DECODE_MODES:
         raise ValueError(
             f"{MXFP4_DECODE_VAR}: expected one of {', '.join(MXFP4_DECODE_MODES)}, got {mode!r}"
