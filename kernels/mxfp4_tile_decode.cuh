@@ -194,6 +194,20 @@ __device__ __forceinline__ void decode_b_block_mn(const uint8_t* codes, const ui
     asm volatile("ld.shared.u8 %0, [%1];"
                  : "=r"(scale)
                  : "r"(scales_base + n_block * kBlockK + k_row));
+    // A quarter warp (8 units of one K row) stores to up to 4 boxes 8 KB apart, i.e. the
+    // same banks: each unit starts at chunk `rotation` of its four so the 8 stores of a
+    // round hit 8 different 16-byte bank groups. Rotating the 4 input words (selects,
+    // no dynamically indexed registers) puts chunk (w + rotation) % 4 in slot w.
+    const int rotation = (n_block / 2) % 4;
+    if (rotation & 1) {
+      const uint32_t first = words[0];
+      words[0] = words[1], words[1] = words[2], words[2] = words[3], words[3] = first;
+    }
+    if (rotation & 2) {
+      uint32_t t = words[0];
+      words[0] = words[2], words[2] = t;
+      t = words[1], words[1] = words[3], words[3] = t;
+    }
     uint4 chunks[4];
     if (ScaleTables::fast(scale)) {
       const ScaleTables tables(scale);
@@ -207,7 +221,7 @@ __device__ __forceinline__ void decode_b_block_mn(const uint8_t* codes, const ui
 #pragma unroll
     for (int w = 0; w < 4; ++w)
       asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(
-                       box + swizzled_chunk_offset(k_row, 4 * (n_block % 2) + w)),
+                       box + swizzled_chunk_offset(k_row, 4 * (n_block % 2) + (w + rotation) % 4)),
                    "r"(chunks[w].x), "r"(chunks[w].y), "r"(chunks[w].z), "r"(chunks[w].w)
                    : "memory");
   }
