@@ -31,6 +31,14 @@ stage() { # name, limit in seconds, command...
   echo "$name rc=$rc $(($(date +%s) - t0))s :: $(tail -1 "$out/$name.log" | cut -c1-150)" >>"$out/summary.txt"
 }
 
+# The lent machines have no network: the build requirements the image lacks (the pinned
+# nvidia-cutlass headers, nox) come as wheels carried along in .whl/ (or MEGAMOE_WHEELS).
+wheels=${MEGAMOE_WHEELS:-$root/.whl}
+if compgen -G "$wheels/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/megamoe-build-site "$wheels"/*.whl \
+    >"$out/pip.log" 2>&1
+  export PYTHONPATH=/tmp/megamoe-build-site${PYTHONPATH:+:$PYTHONPATH}
+fi
 (cd "$root" && CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) python3 -m pip install -q --no-build-isolation --no-deps .) \
   >"$out/build.log" 2>&1 || {
   tail -30 "$out/build.log"
