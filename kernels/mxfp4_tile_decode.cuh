@@ -121,16 +121,43 @@ struct ScaleTables {
   }
 };
 
+// Shared-window addresses and explicit LDS/STS: the stage pointers are generic, and
+// generic loads/stores cost more than shared ones.
 __device__ __forceinline__ uint32_t shared_address(const void* pointer) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(pointer));
+}
+
+// One unit's 16 code bytes: four words of eight codes.
+__device__ __forceinline__ void load_unit_codes(uint32_t address, uint32_t (&words)[4]) {
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(words[0]), "=r"(words[1]), "=r"(words[2]), "=r"(words[3])
+               : "r"(address));
+}
+
+// A unit's four words -> its four 16-byte BF16 chunks at scale byte `scale`.
+__device__ __forceinline__ void decode_unit(const uint32_t (&words)[4], uint32_t scale,
+                                            uint4 (&chunks)[4]) {
+  if (ScaleTables::fast(scale)) {
+    const ScaleTables tables(scale);
+#pragma unroll
+    for (int w = 0; w < 4; ++w) chunks[w] = tables.decode(words[w]);
+  } else {
+#pragma unroll
+    for (int w = 0; w < 4; ++w) chunks[w] = decode_word_fp32(words[w], scale);
+  }
+}
+
+__device__ __forceinline__ void store_chunk(uint32_t address, const uint4& chunk) {
+  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(address), "r"(chunk.x),
+               "r"(chunk.y), "r"(chunk.z), "r"(chunk.w)
+               : "memory");
 }
 
 // Decode one K block of a B tile: `codes` [BlockN][32] bytes and `scales` [BlockN]
 // uint16 (staging) -> `b_tile` [BlockN][64] BF16, swizzled. `thread` is this thread's
 // index among the `Threads` decoding threads. Units are (row, 32-column half), in
 // order, so a warp reads 512 contiguous code bytes and a quarter warp's 16-byte
-// stores hit 8 different bank groups (conflict-free). Shared-window addresses: the
-// stage pointers are generic, and generic loads/stores cost more than LDS/STS.
+// stores hit 8 different bank groups (conflict-free).
 template <int BlockN, int Threads>
 __device__ __forceinline__ void decode_b_block(const uint8_t* codes, const uint16_t* scales,
                                                uint8_t* b_tile, int thread) {
@@ -144,26 +171,13 @@ __device__ __forceinline__ void decode_b_block(const uint8_t* codes, const uint1
     const int row = unit / kUnitsPerRow, half = unit % kUnitsPerRow;
     uint32_t words[4];
     uint16_t scale_pair;
-    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(words[0]), "=r"(words[1]), "=r"(words[2]), "=r"(words[3])
-                 : "r"(codes_base + unit * kUnitBytes));
+    load_unit_codes(codes_base + unit * kUnitBytes, words);
     asm volatile("ld.shared.u16 %0, [%1];" : "=h"(scale_pair) : "r"(scales_base + row * 2));
-    const uint32_t scale = (static_cast<uint32_t>(scale_pair) >> (8 * half)) & 0xFFu;
     uint4 chunks[4];
-    if (ScaleTables::fast(scale)) {
-      const ScaleTables tables(scale);
-#pragma unroll
-      for (int w = 0; w < 4; ++w) chunks[w] = tables.decode(words[w]);
-    } else {
-#pragma unroll
-      for (int w = 0; w < 4; ++w) chunks[w] = decode_word_fp32(words[w], scale);
-    }
+    decode_unit(words, (static_cast<uint32_t>(scale_pair) >> (8 * half)) & 0xFFu, chunks);
 #pragma unroll
     for (int w = 0; w < 4; ++w)
-      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(
-                       tile_base + swizzled_chunk_offset(row, 4 * half + w)),
-                   "r"(chunks[w].x), "r"(chunks[w].y), "r"(chunks[w].z), "r"(chunks[w].w)
-                   : "memory");
+      store_chunk(tile_base + swizzled_chunk_offset(row, 4 * half + w), chunks[w]);
   }
 }
 
@@ -188,9 +202,7 @@ __device__ __forceinline__ void decode_b_block_mn(const uint8_t* codes, const ui
     const int unit = thread + i * Threads;
     const int k_row = unit / kUnitsPerRow, n_block = unit % kUnitsPerRow;
     uint32_t words[4], scale;
-    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(words[0]), "=r"(words[1]), "=r"(words[2]), "=r"(words[3])
-                 : "r"(codes_base + unit * kUnitBytes));
+    load_unit_codes(codes_base + unit * kUnitBytes, words);
     asm volatile("ld.shared.u8 %0, [%1];"
                  : "=r"(scale)
                  : "r"(scales_base + n_block * kBlockK + k_row));
@@ -209,21 +221,12 @@ __device__ __forceinline__ void decode_b_block_mn(const uint8_t* codes, const ui
       t = words[1], words[1] = words[3], words[3] = t;
     }
     uint4 chunks[4];
-    if (ScaleTables::fast(scale)) {
-      const ScaleTables tables(scale);
-#pragma unroll
-      for (int w = 0; w < 4; ++w) chunks[w] = tables.decode(words[w]);
-    } else {
-#pragma unroll
-      for (int w = 0; w < 4; ++w) chunks[w] = decode_word_fp32(words[w], scale);
-    }
+    decode_unit(words, scale, chunks);
     const uint32_t box = tile_base + (n_block / 2) * kBoxBytes;
 #pragma unroll
     for (int w = 0; w < 4; ++w)
-      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(
-                       box + swizzled_chunk_offset(k_row, 4 * (n_block % 2) + (w + rotation) % 4)),
-                   "r"(chunks[w].x), "r"(chunks[w].y), "r"(chunks[w].z), "r"(chunks[w].w)
-                   : "memory");
+      store_chunk(box + swizzled_chunk_offset(k_row, 4 * (n_block % 2) + (w + rotation) % 4),
+                  chunks[w]);
   }
 }
 
