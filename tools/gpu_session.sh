@@ -68,6 +68,8 @@ bench_lane() {
   local bench=(python3 -m megamoe.bench --quiet --shape ep4rank)
   stage bench_side 90 "${bench[@]}" --backend fused,baseline --json "$out/bench_side.json"
   stage bench_mxfp4 60 "${bench[@]}" --dtype mxfp4 --backend fused --json "$out/bench_mxfp4.json"
+  MEGAMOE_MXFP4_DECODE=engine stage bench_mxfp4_engine 60 "${bench[@]}" --dtype mxfp4 \
+    --backend fused --json "$out/bench_mxfp4_engine.json"
   stage bench_ordinary 90 "${bench[@]}" --mode ordinary --backend fused,baseline --json "$out/bench_ordinary.json"
   stage breakdown 60 python3 -m megamoe.bench.breakdown --pass fwd+bwd
   stage memory 60 python3 -m megamoe.bench.memory --shape ep4rank
