@@ -135,6 +135,29 @@ CUtensorMap tma_2d_plain(const char* name, const void* base, CUtensorMapDataType
   return map;
 }
 
+// The base B operand's tensor maps (kernels/grouped_gemm_params.h), for each storage
+// and major: BF16 K-major [E * N, K] in [BLOCK_N, 64] boxes, BF16 MN-major [E][K][N] in
+// [1, 64, 64] boxes; MXFP4 codes and scales in the boxes one K step loads (shapes
+// checked by the caller).
+void set_b_operand(GroupedGemmParams& params, const Tensor& b,
+                   const std::optional<Tensor>& b_scales, int64_t experts, int64_t k_base,
+                   int64_t n_base, int block_n, bool b_major_mn) {
+  if (!b_scales) {
+    params.b = b_major_mn ? tma_3d("b", b.data(), experts, k_base, n_base)
+                          : tma_2d("b", b.data(), experts * n_base, k_base, k_base, block_n);
+  } else if (b_major_mn) {
+    params.b_codes = tma_2d_plain("b", b.data(), CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, experts * k_base,
+                                  n_base / 2, kGemmBlockK, block_n / 2);
+    params.b_scales = tma_2d_plain("b_scales", b_scales->data(), CU_TENSOR_MAP_DATA_TYPE_UINT8, 1,
+                                   experts * (n_base / 32), k_base, block_n / 32, kGemmBlockK);
+  } else {
+    params.b_codes = tma_2d_plain("b", b.data(), CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, experts * n_base,
+                                  k_base / 2, block_n, kGemmBlockK / 2);
+    params.b_scales = tma_2d_plain("b_scales", b_scales->data(), CU_TENSOR_MAP_DATA_TYPE_UINT16, 2,
+                                   experts * (k_base / kGemmBlockK), n_base, 1, block_n);
+  }
+}
+
 void launch(const GroupedGemmKernels& kernels, const GroupedGemmParams& params, int device,
             int num_sms, uintptr_t stream) {
   int current_device = -1;
@@ -264,22 +287,7 @@ void grouped_gemm(const Tensor& a, int64_t k_base, const Tensor& b,
   }
 
   params.a = tma_2d("a", a.data(), rows, k_base, lda, block_m);
-  if (mxfp4 && b_major_mn) {
-    params.b_codes = tma_2d_plain("b", b.data(), CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, experts * k_base,
-                                  n_base / 2, kGemmBlockK, kernels.block_n / 2);
-    params.b_scales =
-        tma_2d_plain("b_scales", b_scales->data(), CU_TENSOR_MAP_DATA_TYPE_UINT8, 1,
-                     experts * (n_base / 32), k_base, kernels.block_n / 32, kGemmBlockK);
-  } else if (mxfp4) {
-    params.b_codes = tma_2d_plain("b", b.data(), CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, experts * n_base,
-                                  k_base / 2, kernels.block_n, kGemmBlockK / 2);
-    params.b_scales = tma_2d_plain("b_scales", b_scales->data(), CU_TENSOR_MAP_DATA_TYPE_UINT16, 2,
-                                   experts * (k_base / kGemmBlockK), n_base, 1, kernels.block_n);
-  } else {
-    params.b = b_major_mn
-                   ? tma_3d("b", b.data(), experts, k_base, n_base)
-                   : tma_2d("b", b.data(), experts * n_base, k_base, k_base, kernels.block_n);
-  }
+  set_b_operand(params, b, b_scales, experts, k_base, n_base, kernels.block_n, b_major_mn);
   params.expert_pool_offsets = static_cast<const int32_t*>(expert_pool_offsets.data());
   params.out = out.data();
   params.out_stride = out.shape(1);
@@ -354,15 +362,7 @@ void grouped_gemm_activation_backward(const Tensor& a, const Tensor& b,
 
   GroupedGemmParams params{};
   params.a = tma_2d("a", a.data(), rows, k_base, lda, block_m);
-  if (mxfp4) {
-    params.b_codes = tma_2d_plain("b", b.data(), CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, experts * k_base,
-                                  intermediate / 2, kGemmBlockK, kernels.block_n / 2);
-    params.b_scales =
-        tma_2d_plain("b_scales", b_scales->data(), CU_TENSOR_MAP_DATA_TYPE_UINT8, 1,
-                     experts * (intermediate / 32), k_base, kernels.block_n / 32, kGemmBlockK);
-  } else {
-    params.b = tma_3d("b", b.data(), experts, k_base, intermediate);
-  }
+  set_b_operand(params, b, b_scales, experts, k_base, intermediate, kernels.block_n, true);
   params.expert_pool_offsets = static_cast<const int32_t*>(expert_pool_offsets.data());
   params.out = nullptr;
   params.out_stride = 0;

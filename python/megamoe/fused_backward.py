@@ -223,19 +223,15 @@ def pool_backward(
         w2 = base.w2_for_gemm()  # MXFP4: a transient decode
         if use_side:
             w2 = _stack_k_rows(w2, side.a2.transpose(1, 2))  # [E, H + r, I]
-    need_weighted_h = (use_side and side_grads) or base_grads
+    activation_args = dict(
+        activation=activation,
+        activation_clamp=activation_clamp,
+        weighted_h=(use_side and side_grads) or base_grads,
+    )
     if engine:
         # dgrad2 with the activation backward as its epilogue: z never reaches memory.
         dgrad_preact, weighted_h, drouter = fused_dgrad2_activation_backward(
-            dout_pool,
-            w2,
-            preact,
-            route_weights,
-            plan,
-            activation=activation,
-            activation_clamp=activation_clamp,
-            weighted_h=need_weighted_h,
-            w2_scales=w2_scales,
+            dout_pool, w2, preact, route_weights, plan, w2_scales=w2_scales, **activation_args
         )
     else:
         z = dgrad(dout_pool, w2)
@@ -253,13 +249,7 @@ def pool_backward(
         del dout_pool
     if not engine:
         dgrad_preact, weighted_h, drouter = activation_backward(
-            preact,
-            z,
-            route_weights,
-            plan,
-            activation=activation,
-            activation_clamp=activation_clamp,
-            weighted_h=need_weighted_h,
+            preact, z, route_weights, plan, **activation_args
         )
         del z
 
