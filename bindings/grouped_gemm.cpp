@@ -4,7 +4,6 @@
 #include "grouped_gemm.h"
 
 #include <cuda.h>
-#include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
@@ -14,6 +13,7 @@
 #include <string>
 
 #include "cuda_check.h"
+#include "gemm_launch.h"
 #include "tensor_checks.h"
 #include "variant_table.h"
 
@@ -25,74 +25,6 @@ namespace {
 static_assert(variants::kGateUpInterleave == 64, "the GEMM epilogues hard-code the interleave");
 
 std::string str(int64_t v) { return std::to_string(v); }
-
-PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
-  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    void* ptr = nullptr;
-    cudaDriverEntryPointQueryResult status{};
-    cuda_check(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000,
-                                                cudaEnableDefault, &status),
-               "cudaGetDriverEntryPointByVersion(cuTensorMapEncodeTiled)");
-    if (status != cudaDriverEntryPointSuccess || ptr == nullptr)
-      throw std::runtime_error("megamoe: the driver has no cuTensorMapEncodeTiled");
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr);
-  }();
-  return fn;
-}
-
-// A 2-D row-major BF16 view [rows, cols] with `row_stride` elements between rows,
-// loaded in [box_rows, 64] boxes with the 128-byte swizzle wgmma reads. Reads past
-// `rows`/`cols` are zero-filled by the TMA unit.
-CUtensorMap tma_2d(const char* name, const void* base, int64_t rows, int64_t cols,
-                   int64_t row_stride, int box_rows) {
-  if (reinterpret_cast<uintptr_t>(base) % 16 != 0)
-    throw nb::value_error((std::string(name) + ": TMA needs a 16-byte aligned address").c_str());
-  if ((row_stride * 2) % 16 != 0)
-    throw nb::value_error((std::string(name) +
-                           ": TMA needs a row stride that is a multiple of 16 bytes, got " +
-                           str(row_stride * 2))
-                              .c_str());
-  CUtensorMap map{};
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(row_stride * 2)};
-  const cuuint32_t box[2] = {static_cast<cuuint32_t>(kGemmBlockK),
-                             static_cast<cuuint32_t>(box_rows)};
-  const cuuint32_t element_strides[2] = {1, 1};
-  const CUresult result = encode_tiled()(
-      &map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides, box,
-      element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (result != CUDA_SUCCESS)
-    throw std::runtime_error(std::string("megamoe: cuTensorMapEncodeTiled failed for ") + name +
-                             " (CUresult " + str(result) + ")");
-  return map;
-}
-
-// A 3-D BF16 view [depth][rows][cols] (row-major, contiguous), loaded in [1, 64, 64]
-// boxes with the 128-byte swizzle: an MN-major B, one expert per depth slice, so K rows
-// past an expert's k_base are zero-filled rather than read from the next expert.
-CUtensorMap tma_3d(const char* name, const void* base, int64_t depth, int64_t rows, int64_t cols) {
-  if (reinterpret_cast<uintptr_t>(base) % 16 != 0 || (cols * 2) % 16 != 0)
-    throw nb::value_error((std::string(name) +
-                           ": TMA needs a 16-byte aligned address and rows of a multiple of "
-                           "16 bytes")
-                              .c_str());
-  CUtensorMap map{};
-  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows),
-                              static_cast<cuuint64_t>(depth)};
-  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(cols * 2),
-                                 static_cast<cuuint64_t>(rows * cols * 2)};
-  const cuuint32_t box[3] = {64, static_cast<cuuint32_t>(kGemmBlockK), 1};
-  const cuuint32_t element_strides[3] = {1, 1, 1};
-  const CUresult result = encode_tiled()(
-      &map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(base), dims, strides, box,
-      element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (result != CUDA_SUCCESS)
-    throw std::runtime_error(std::string("megamoe: cuTensorMapEncodeTiled failed for ") + name +
-                             " (CUresult " + str(result) + ")");
-  return map;
-}
 
 const GroupedGemmKernels& select_variant(int block_m, int block_n, Epilogue epilogue,
                                          BMajor b_major, BFormat b_format = BFormat::BF16) {
@@ -107,32 +39,6 @@ const GroupedGemmKernels& select_variant(int block_m, int block_n, Epilogue epil
                          (b_major == BMajor::MN ? " with an MN-major B" : "") +
                          (b_format == BFormat::MXFP4 ? " with an MXFP4 B" : ""))
                             .c_str());
-}
-
-// A 2-D row-major uint8/uint16 view [rows, cols] loaded unswizzled in [box_rows,
-// box_cols] boxes (the MXFP4 codes and scales; the consumers read them, not wgmma).
-CUtensorMap tma_2d_plain(const char* name, const void* base, CUtensorMapDataType type,
-                         int element_bytes, int64_t rows, int64_t cols, int box_rows,
-                         int box_cols) {
-  if (reinterpret_cast<uintptr_t>(base) % 16 != 0 || (cols * element_bytes) % 16 != 0)
-    throw nb::value_error((std::string(name) +
-                           ": TMA needs a 16-byte aligned address and rows of a multiple of "
-                           "16 bytes, got rows of " +
-                           str(cols * element_bytes) + " bytes")
-                              .c_str());
-  CUtensorMap map{};
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols * element_bytes)};
-  const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows)};
-  const cuuint32_t element_strides[2] = {1, 1};
-  const CUresult result =
-      encode_tiled()(&map, type, 2, const_cast<void*>(base), dims, strides, box, element_strides,
-                     CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
-                     CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (result != CUDA_SUCCESS)
-    throw std::runtime_error(std::string("megamoe: cuTensorMapEncodeTiled failed for ") + name +
-                             " (CUresult " + str(result) + ")");
-  return map;
 }
 
 // The base B operand's tensor maps (kernels/grouped_gemm_params.h), for each storage
@@ -156,27 +62,6 @@ void set_b_operand(GroupedGemmParams& params, const Tensor& b,
     params.b_scales = tma_2d_plain("b_scales", b_scales->data(), CU_TENSOR_MAP_DATA_TYPE_UINT16, 2,
                                    experts * (k_base / kGemmBlockK), n_base, 1, block_n);
   }
-}
-
-void launch(const GroupedGemmKernels& kernels, const GroupedGemmParams& params, int device,
-            int num_sms, uintptr_t stream) {
-  int current_device = -1;
-  cuda_check(cudaGetDevice(&current_device), "cudaGetDevice");
-  if (current_device != device)
-    throw nb::value_error(
-        ("a: on cuda:" + str(device) + " but the current device is cuda:" + str(current_device))
-            .c_str());
-  if (num_sms < 1) throw nb::value_error("num_sms: expected >= 1");
-  // Not a stream operation: cheap, and allowed during CUDA-graph capture.
-  cuda_check(cudaFuncSetAttribute(reinterpret_cast<const void*>(kernels.kernel),
-                                  cudaFuncAttributeMaxDynamicSharedMemorySize, kernels.smem_bytes),
-             "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>(num_sms));
-  config.blockDim = dim3(static_cast<unsigned>(kernels.num_threads));
-  config.dynamicSmemBytes = static_cast<size_t>(kernels.smem_bytes);
-  config.stream = reinterpret_cast<cudaStream_t>(stream);
-  cuda_check(cudaLaunchKernelEx(&config, kernels.kernel, params), "grouped_gemm launch");
 }
 
 void grouped_gemm(const Tensor& a, int64_t k_base, const Tensor& b,
@@ -301,7 +186,8 @@ void grouped_gemm(const Tensor& a, int64_t k_base, const Tensor& b,
   params.activation = activation;
   params.activation_clamp = static_cast<float>(activation_clamp);
 
-  launch(kernels, params, device, num_sms, stream);
+  launch_persistent(kernels.kernel, params, kernels.num_threads, kernels.smem_bytes, device,
+                    num_sms, stream, "grouped_gemm launch");
 }
 
 // dgrad2 with the activation backward as its epilogue (Epilogue::ActivationBackward):
@@ -379,7 +265,8 @@ void grouped_gemm_activation_backward(const Tensor& a, const Tensor& b,
   params.dgrad_preact = dgrad_preact.data();
   params.weighted_h = weighted_h ? weighted_h->data() : nullptr;
   params.drouter_partials = static_cast<float*>(drouter_partials.data());
-  launch(kernels, params, device, num_sms, stream);
+  launch_persistent(kernels.kernel, params, kernels.num_threads, kernels.smem_bytes, device,
+                    num_sms, stream, "grouped_gemm_activation_backward launch");
 }
 
 }  // namespace

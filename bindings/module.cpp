@@ -10,6 +10,7 @@
 #include "activation_backward.h"
 #include "cuda_check.h"
 #include "grouped_gemm.h"
+#include "k_grouped_gemm.h"
 #include "mxfp4_decode.h"
 #include "pool_ops.h"
 #include "route_plan.h"
@@ -71,6 +72,7 @@ NB_MODULE(_C, m) {
 
   megamoe::register_pool_ops(m);
   megamoe::register_grouped_gemm(m);
+  megamoe::register_k_grouped_gemm(m);
   megamoe::register_activation_backward(m);
   megamoe::register_mxfp4_decode(m);
 }

@@ -23,20 +23,11 @@
 #include "gated_activation_math.cuh"
 #include "grouped_gemm_params.h"
 #include "mxfp4_tile_decode.cuh"
+#include "wgmma_smem.cuh"
 
 namespace megamoe::kernels {
 
 namespace gemm {
-
-using FullBarrier = cutlass::arch::ClusterTransactionBarrier;
-using EmptyBarrier = cutlass::arch::ClusterBarrier;
-
-constexpr int kWarpgroupThreads = 128;
-constexpr int kSwizzleBytes = 128;          // TMA + wgmma 128-byte swizzle
-constexpr int kRowBytes = kGemmBlockK * 2;  // one K-block row of BF16
-// TMA's L2 cache-policy operand must be a valid policy word (0 is not one).
-constexpr uint64_t kCacheHint = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_NORMAL);
-static_assert(kRowBytes == kSwizzleBytes, "a K-block row must be one swizzle span");
 
 // One pipeline stage: the A tile, the BF16 B tile and, for an MXFP4 B, the staging
 // area its codes and scales land in (decoded into the B tile by the consumers).
@@ -60,84 +51,6 @@ struct Tile {
   static constexpr int kSmemBytes = kStages * kStageBytes + kBarriers * kStages * 8 + 1024;
 };
 
-// wgmma shared-memory descriptor of a K-major, 128-byte-swizzled tile whose rows are
-// 128 bytes: 8-row swizzle atoms are 1024 bytes apart (stride byte offset).
-__device__ __forceinline__ uint64_t smem_descriptor(const void* smem) {
-  cute::GmmaDescriptor desc;
-  desc.bitfield.start_address_ = static_cast<uint16_t>(cute::cast_smem_ptr_to_uint(smem) >> 4);
-  desc.bitfield.leading_byte_offset_ = 1;  // unused for swizzled K-major layouts
-  desc.bitfield.stride_byte_offset_ = 1024 >> 4;
-  desc.bitfield.base_offset_ = 0;
-  desc.bitfield.layout_type_ = 1;  // SWIZZLE_128B
-  return desc.desc_;
-}
-
-// wgmma descriptor of an MN-major, 128-byte-swizzled B tile made of TMA boxes of
-// 64 K rows x 64 N columns (128-byte rows, 8 KB per box) placed side by side along N.
-// CuTe's canonical MN-major SW128 layout ((8,n),(8,k)):((1,LBO),(8,SBO)) in 16-byte
-// units: LBO = the 8 KB between 64-column chunks, SBO = the 1 KB between 8-row K groups.
-__device__ __forceinline__ uint64_t smem_descriptor_mn(const void* smem) {
-  cute::GmmaDescriptor desc;
-  desc.bitfield.start_address_ = static_cast<uint16_t>(cute::cast_smem_ptr_to_uint(smem) >> 4);
-  desc.bitfield.leading_byte_offset_ = (kGemmBlockK * kRowBytes) >> 4;
-  desc.bitfield.stride_byte_offset_ = 1024 >> 4;
-  desc.bitfield.base_offset_ = 0;
-  desc.bitfield.layout_type_ = 1;  // SWIZZLE_128B
-  return desc.desc_;
-}
-
-// Advance an MN-major descriptor along K by 16 rows (16 x 128 bytes).
-__device__ __forceinline__ uint64_t advance_k16_mn(uint64_t desc, int k16) {
-  return desc + static_cast<uint64_t>((k16 * 16 * kRowBytes) >> 4);
-}
-
-// Advance a descriptor along K by 16 elements (32 bytes) inside the swizzle span: the
-// hardware applies the swizzle to the computed address, so a plain offset is right.
-__device__ __forceinline__ uint64_t advance_k16(uint64_t desc, int k16) {
-  return desc + static_cast<uint64_t>((k16 * 32) >> 4);
-}
-
-// The wgmma instruction of an N-column tile (m64, K-major A, FP32 accumulate; B
-// K-major, or MN-major when kBMajorMN).
-template <int N, bool kBMajorMN>
-struct WgmmaOp;
-template <bool kBMajorMN>
-struct WgmmaOp<64, kBMajorMN> {
-  using type =
-      cute::SM90::GMMA::MMA_64x64x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,
-                                                    kBMajorMN ? cute::SM90::GMMA::Major::MN
-                                                              : cute::SM90::GMMA::Major::K>;
-};
-template <bool kBMajorMN>
-struct WgmmaOp<128, kBMajorMN> {
-  using type =
-      cute::SM90::GMMA::MMA_64x128x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,
-                                                     kBMajorMN ? cute::SM90::GMMA::Major::MN
-                                                               : cute::SM90::GMMA::Major::K>;
-};
-template <bool kBMajorMN>
-struct WgmmaOp<256, kBMajorMN> {
-  using type =
-      cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,
-                                                     kBMajorMN ? cute::SM90::GMMA::Major::MN
-                                                               : cute::SM90::GMMA::Major::K>;
-};
-
-// One m64xNx16 wgmma on N/2 accumulator registers per thread (d[0 .. N/2)).
-template <int N, bool kBMajorMN = false>
-struct Wgmma {
-  template <size_t... I>
-  __device__ __forceinline__ static void run(uint64_t a, uint64_t b, float* d, bool accumulate,
-                                             std::index_sequence<I...>) {
-    WgmmaOp<N, kBMajorMN>::type::fma(
-        a, b, d[I]...,
-        accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
-  }
-  __device__ __forceinline__ static void mma(uint64_t a, uint64_t b, float* d, bool accumulate) {
-    run(a, b, d, accumulate, std::make_index_sequence<N / 2>{});
-  }
-};
-
 // The expert owning pool row `row`: the last e with offsets[e] <= row (binary search;
 // empty experts have zero-length segments and are skipped by the `<=`).
 __device__ __forceinline__ int expert_of_row(const int32_t* offsets, int num_experts, int row) {
@@ -159,29 +72,12 @@ struct TileSchedule {
   __device__ __forceinline__ int total() const { return side_steps + base_steps; }
 };
 
-// Stage ring position shared by producer and consumers.
-struct RingState {
-  int stage = 0;
-  uint32_t phase = 0;
-  template <int Stages>
-  __device__ __forceinline__ void advance() {
-    if (++stage == Stages) {
-      stage = 0;
-      phase ^= 1u;
-    }
-  }
-};
-
 __device__ __forceinline__ float activate(float gate, int activation) {
   if (activation == static_cast<int>(Activation::GeGLU)) {
     const float inner = 0.7978845608028654f * (gate + 0.044715f * gate * gate * gate);
     return 0.5f * gate * (1.0f + tanhf(inner));
   }
   return gate / (1.0f + expf(-gate));
-}
-
-__device__ __forceinline__ float round_bf16(float v) {
-  return __bfloat162float(__float2bfloat16_rn(v));
 }
 
 }  // namespace gemm

@@ -6,6 +6,8 @@
 
 #include <cstdint>
 
+#include "gemm_tile_constants.h"
+
 namespace megamoe {
 
 // Epilogues are template parameters: they change the register use of the kernel.
@@ -33,9 +35,6 @@ enum class BFormat { BF16, MXFP4 };
 
 // Activations are runtime parameters (DESIGN §2: keep the variant count small).
 enum class Activation : int32_t { SwiGLU = 0, GeGLU = 1 };
-
-// K of one pipeline stage: one 128-byte swizzle row of BF16, the TMA box width.
-constexpr int kGemmBlockK = 64;
 
 // C[m, n] = sum_k A[m, k] * B_e[n, k] over the pool, e = the expert owning row m.
 //

@@ -52,7 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 import gen_variants  # noqa: E402
 
-GEMM_FAMILIES = {"grouped_gemm"}  # families whose kernels must issue HGMMA
+GEMM_FAMILIES = {"grouped_gemm", "k_grouped_gemm"}  # families whose kernels must issue HGMMA
 REGISTRY = ROOT / "python" / "megamoe" / "variants.toml"
 DEFAULT_BASELINE = ROOT / "tools" / "variant_resources.json"
 # One register allocation granule (registers are allocated per warp in units of 256,

@@ -41,6 +41,11 @@ FAMILIES = {
         "table_type": "Mxfp4DecodeKernels",
         "make": "megamoe::kernels::mxfp4_decode_kernels()",
     },
+    "k_grouped_gemm": {
+        "header": "k_grouped_gemm.cuh",
+        "table_type": "KGroupedGemmKernels",
+        "make": "megamoe::kernels::k_grouped_gemm_kernels<{block_m}, {block_n}>()",
+    },
     "grouped_gemm": {
         "header": "grouped_gemm.cuh",
         "table_type": "GroupedGemmKernels",

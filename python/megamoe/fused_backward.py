@@ -7,8 +7,9 @@ Pipeline, given ``dout [T, H]`` and the forward's :class:`ForwardState`:
    term as extra K rows).
 3. activation backward (one kernel): router grad ``<z, h>``, ``dg | du`` (interleaved
    like ``w13``), ``bf16(w h)``.
-4. K-grouped weight gradients over each expert's pool rows (tail rows are zeros,
-   empty experts exact zeros): ``da2``, ``dw2``, ``dw13`` (ordinary), ``db1``, ``db3``.
+4. K-grouped weight gradients over each expert's data rows (:mod:`megamoe.k_grouped_gemm`:
+   padding rows never read, empty experts exact zeros): ``da2``, ``dw2``, ``dw13``
+   (ordinary), ``db1``, ``db3``.
 5. dgrad1: ``dx_pool = (dg | du) @ w13_e``; the ``b1``/``b3`` shrinks
    ``(dg b1_e^T | du b3_e^T)`` as a second grouped GEMM.
 6. combine: ``dx = sum_k dx_pool + s (sg a1^T + su a3^T)`` (FP32, k in order), with
@@ -23,10 +24,12 @@ pre-activations (``[T*K, 2I]`` BF16; none with activation checkpointing, which
 recomputes them here). The backward frees each pool buffer as soon as its last reader
 ran (docs/PERFORMANCE.md has the bytes at ep4rank).
 
-The grouped GEMMs of steps 2, 4 and 5 run on ``torch._grouped_mm`` (cuBLAS/CUTLASS):
-our engine has no transposed-B or K-grouped mode yet, and at ep4rank it is slower
-than ``torch._grouped_mm`` for these shapes (docs/PERFORMANCE.md). Every other step
-is a megamoe kernel or a small per-token torch op. Deterministic: no atomics, fixed
+The K-grouped weight gradients of step 4 run on our K-grouped kernel
+(``MEGAMOE_WGRAD_ENGINE=0``: ``torch._grouped_mm`` over the whole segments, which relies
+on zero padding rows). The dgrads of steps 2 and 5 run on ``torch._grouped_mm``
+(cuBLAS/CUTLASS) unless ``MEGAMOE_DGRAD_ENGINE`` selects the engine's MN-major variants,
+which are slower at ep4rank (docs/PERFORMANCE.md). Every other step is a megamoe kernel
+or a small per-token torch op. Deterministic: no atomics, fixed
 summation orders. No host synchronisation.
 """
 
@@ -42,6 +45,7 @@ from .activation_backward import activation_backward, fused_dgrad2_activation_ba
 from .fused_forward import ForwardState, recompute_preact
 from .grouped_gemm import grouped_gemm
 from .heuristics import get_block_n
+from .k_grouped_gemm import k_grouped_gemm
 from .registry import registry
 from .routing import RoutePlan
 from .side_lora import SideLoRA
@@ -50,11 +54,13 @@ from .weights import BaseWeights, mxfp4_decode_mode
 __all__ = [
     "DGRAD_ENGINE_VAR",
     "GRAD_NAMES",
+    "WGRAD_ENGINE_VAR",
     "PoolBackward",
     "dgrad_engine_mode",
     "mm_fp32",
     "moe_backward",
     "pool_backward",
+    "wgrad_engine_enabled",
 ]
 
 GRAD_NAMES = ("x", "topk_weights", "w13", "w2", "a1", "b1", "a3", "b3", "a2", "b2")
@@ -77,6 +83,20 @@ def dgrad_engine_mode() -> str:
             f"{DGRAD_ENGINE_VAR}: expected one of {list(DGRAD_ENGINE_CHOICES)}, got {value!r}"
         )
     return value
+
+
+#: ``MEGAMOE_WGRAD_ENGINE``: ``1`` (default) runs the K-grouped weight gradients on
+#: :func:`~megamoe.k_grouped_gemm.k_grouped_gemm` (CUDA); ``0`` on ``torch._grouped_mm``
+#: over whole pool segments (the comparison baseline of docs/PERFORMANCE.md).
+WGRAD_ENGINE_VAR = "MEGAMOE_WGRAD_ENGINE"
+
+
+def wgrad_engine_enabled() -> bool:
+    """``MEGAMOE_WGRAD_ENGINE`` (``"1"`` unless set to ``"0"``)."""
+    value = os.environ.get(WGRAD_ENGINE_VAR, "1").strip() or "1"
+    if value not in ("0", "1"):
+        raise ValueError(f"{WGRAD_ENGINE_VAR}: expected '0' or '1', got {value!r}")
+    return value == "1"
 
 
 def _stack_k_rows(w2: torch.Tensor, a2_t: torch.Tensor) -> torch.Tensor:
@@ -207,10 +227,17 @@ def pool_backward(
             )
         return dgrad(a, base.w13_for_gemm())  # MXFP4: a transient decode
 
-    def k_grouped(a_t: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        # Padding rows are zero in both operands; experts without rows get exact zeros.
-        out = torch._grouped_mm(a_t, b, offs=offsets)
-        return out.masked_fill_((plan.expert_counts == 0).view(-1, 1, 1), 0.0)
+    wgrad_on_engine = preact.is_cuda and wgrad_engine_enabled()
+
+    def k_grouped(a: torch.Tensor, b: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        """``[E, M, N]`` BF16 ``scale * a_e^T b_e`` over each expert's rows."""
+        if wgrad_on_engine:
+            return k_grouped_gemm(a, b, plan, scale=scale)
+        # torch: whole segments (padding rows are zero in both operands; experts
+        # without rows get exact zeros), the scale after a first rounding.
+        out = torch._grouped_mm(a.T, b, offs=offsets)
+        out = out.masked_fill_((plan.expert_counts == 0).view(-1, 1, 1), 0.0)
+        return out if scale == 1.0 else (scale * out.float()).to(torch.bfloat16)
 
     local: dict[str, torch.Tensor | None] = dict.fromkeys(("b1", "b3", "a2", "w13", "w2"))
     # dgrad2 as one GEMM: z = [dout | s dout b2^T]_pool @ [w2_e ; a2_e^T], the adapter
@@ -255,27 +282,26 @@ def pool_backward(
 
     # The weight gradients that contract over w h, so it can be freed.
     if use_side and side_grads:
-        local["a2"] = k_grouped(db2_pool.T, weighted_h).transpose(1, 2).contiguous()
+        local["a2"] = k_grouped(weighted_h, db2_pool)  # [E, I, r]
         del db2_pool
     if base_grads:
-        local["w2"] = k_grouped(dout_pool[:, :hidden].T, weighted_h)  # [E, H, I]
+        local["w2"] = k_grouped(dout_pool[:, :hidden], weighted_h)  # [E, H, I]
         # dw2 was their last reader: free the [P, H] dout pool and w h before the
         # [P, H] x pool arrives (ordinary mode's peak is here).
         dout_pool = weighted_h = None
         x_pool = pool.gather_pool(x_rows, None, plan)
-        local["w13"] = k_grouped(dgrad_preact.T, x_pool)  # [E, 2I, H]
+        local["w13"] = k_grouped(dgrad_preact, x_pool)  # [E, 2I, H]
         del x_pool
     dout_pool = None  # drop the reference if it was kept
     del weighted_h
     if use_side and side_grads:
         rank = side.rank
         q13_pool = pool.gather_pool(q13_rows, None, plan)  # [P, 2r]
-        b13 = k_grouped(q13_pool.T, dgrad_preact)  # [E, 2r, 2I]
+        b13 = k_grouped(q13_pool, dgrad_preact, side.scale)  # [E, 2r, 2I], s applied
         del q13_pool
         gate_cols, up_cols = _deinterleave(b13, interleave)
-        s = side.scale
-        local["b1"] = (s * gate_cols[:, :rank].float()).to(torch.bfloat16)
-        local["b3"] = (s * up_cols[:, rank:].float()).to(torch.bfloat16)
+        local["b1"] = gate_cols[:, :rank].contiguous()
+        local["b3"] = up_cols[:, rank:].contiguous()
 
     # dgrad1 and the b1/b3 shrinks.
     dx_pool = dgrad1(dgrad_preact)  # [P, H]

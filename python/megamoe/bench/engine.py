@@ -1,8 +1,11 @@
 """``python -m megamoe.bench.engine``: the engine as a plain grouped GEMM vs
 ``torch._grouped_mm`` at the ep4rank GEMM1 and GEMM2 shapes and the backward's
-dgrad1/dgrad2 shapes (MN-major B), in one run. For GEMM1/GEMM2 also an MXFP4 B: the
-engine's in-kernel decode ("mxfp4 ...") and the transient path ("decode+engine ...":
-the BF16 decode of the whole weight, then the BF16 engine).
+dgrad1/dgrad2 shapes (MN-major B), in one run; and the K-grouped weight gradients
+(``wgrad13`` = dw13 ``[2I, H]``, ``wgrad2`` = dw2 ``[H, I]``, ``db13`` ``[2r, 2I]``,
+``da2`` ``[I, r]`` per expert) vs ``torch._grouped_mm`` on the transposed pool. For
+GEMM1/GEMM2 also an MXFP4 B: the engine's in-kernel decode ("mxfp4 ...") and the
+transient path ("decode+engine ...": the BF16 decode of the whole weight, then the BF16
+engine).
 
 Both compute the same products over the same routed rows (balanced routing: the
 pool has no padding at BLOCK_M 128, so FLOPs are equal). CUDA-event medians.
@@ -19,6 +22,7 @@ import torch
 
 import megamoe as mm
 from megamoe.grouped_gemm import gated_grouped_gemm, grouped_gemm
+from megamoe.k_grouped_gemm import k_grouped_gemm
 from megamoe.mxfp4_decode import decode_mxfp4_bf16
 from megamoe.testing.inputs import make_routing
 
@@ -32,6 +36,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top-k", type=int, default=6)
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--intermediate", type=int, default=2048)
+    parser.add_argument("--rank", type=int, default=128)
+    parser.add_argument(
+        "--gemms",
+        default="gemm1,gemm2,dgrad1,dgrad2,wgrad13,wgrad2,db13,da2",
+        help="comma-separated subset of the GEMMs to time",
+    )
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--json", type=Path)
@@ -59,7 +69,13 @@ def main(argv: list[str] | None = None) -> int:
         "dgrad1": (2 * i, h, "mn"),
         "dgrad2": (h, i, "mn"),
     }
+    selected = set(args.gemms.split(","))
+    unknown = selected - set(shapes) - {"wgrad13", "wgrad2", "db13", "da2"}
+    if unknown:
+        parser.error(f"--gemms: unknown {sorted(unknown)}")
     for name, (k, n, b_major) in shapes.items():
+        if name not in selected:
+            continue
         a = randn(plan.pool_capacity, k)
         b = randn(e, n, k, scale=k**-0.5) if b_major == "k" else randn(e, k, n, scale=k**-0.5)
         a_dense = a[:routes] if rows == routes else None
@@ -118,13 +134,42 @@ def main(argv: list[str] | None = None) -> int:
                 }
             )
         del a, b
+    # K-grouped weight gradients: out[e] = a_e^T b_e over each expert's rows.
+    wgrads = {
+        "wgrad13": (2 * i, h),
+        "wgrad2": (h, i),
+        "db13": (2 * args.rank, 2 * i),
+        "da2": (i, args.rank),
+    }
+    for name, (m, n) in wgrads.items():
+        if name not in selected:
+            continue
+        a = randn(plan.pool_capacity, m)
+        b = randn(plan.pool_capacity, n)
+        cases = {"k-grouped": lambda a=a, b=b: k_grouped_gemm(a, b, plan)}
+        if rows == routes:
+            cases["torch._grouped_mm"] = lambda a=a[:routes], b=b[:routes]: torch._grouped_mm(
+                a.T, b, offs=offs
+            )
+        flops = 2.0 * routes * m * n
+        for case, fn in cases.items():
+            timing = time_fn(fn, device=device, warmup=args.warmup, iters=args.iters)
+            results.append(
+                {
+                    "gemm": name,
+                    "case": case,
+                    "median_ms": timing.median_ms,
+                    "tflops": flops / timing.median_ms / 1e9,
+                }
+            )
+        del a, b
     base = {r["gemm"]: r["median_ms"] for r in results if r["case"] == "torch._grouped_mm"}
     print(f"T={args.tokens} E={e} K={args.top_k} H={h} I={i} BLOCK_M={block_m} rows={rows}")
-    print(f"{'gemm':<6} {'case':<26} {'median ms':>10} {'TFLOP/s':>8} {'vs torch':>9}")
+    print(f"{'gemm':<7} {'case':<26} {'median ms':>10} {'TFLOP/s':>8} {'vs torch':>9}")
     for r in results:
         ratio = f"{base[r['gemm']] / r['median_ms']:.2f}x" if r["gemm"] in base else "-"
         print(
-            f"{r['gemm']:<6} {r['case']:<26} {r['median_ms']:>10.3f} {r['tflops']:>8.1f} {ratio:>9}"
+            f"{r['gemm']:<7} {r['case']:<26} {r['median_ms']:>10.3f} {r['tflops']:>8.1f} {ratio:>9}"
         )
     if args.json:
         args.json.write_text(

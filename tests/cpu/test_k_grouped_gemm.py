@@ -1,0 +1,79 @@
+"""The K-grouped weight-gradient GEMM's CPU twin and argument checks (no GPU)."""
+
+import pytest
+import torch
+
+from megamoe.k_grouped_gemm import k_grouped_block_n, k_grouped_gemm, k_grouped_gemm_reference
+from megamoe.routing import RoutePlan
+
+
+def plan_of(counts, segments):
+    offsets = [0]
+    for length in segments:
+        offsets.append(offsets[-1] + length)
+    return RoutePlan(
+        expert_counts=torch.tensor(counts, dtype=torch.int32),
+        expert_pool_offsets=torch.tensor(offsets, dtype=torch.int32),
+        route_to_pool_row=torch.zeros(1, 1, dtype=torch.int32),
+        pool_row_to_route=torch.full((offsets[-1],), -1, dtype=torch.int32),
+        block_m=1,
+    )
+
+
+def test_twin_reads_only_data_rows():
+    plan = plan_of([3, 0, 5], [4, 2, 8])
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(14, 6, generator=gen).bfloat16()
+    b = torch.randn(14, 4, generator=gen).bfloat16()
+    data = torch.zeros(14, dtype=torch.bool)
+    data[0:3] = True
+    data[6:11] = True
+    a[~data] = float("nan")
+    out = k_grouped_gemm(a, b, plan, scale=0.5)
+    assert out.shape == (3, 6, 4) and out.dtype == torch.bfloat16
+    assert bool((out[1] == 0).all())
+    expected = k_grouped_gemm_reference(a, b, plan, scale=0.5)
+    assert torch.isfinite(expected).all()
+    torch.testing.assert_close(out.double(), expected, rtol=1e-2, atol=1e-2)
+    # Expert 0 by hand.
+    manual = 0.5 * a[0:3].double().T @ b[0:3].double()
+    torch.testing.assert_close(expected[0], manual)
+
+
+def test_block_n_choice():
+    assert k_grouped_block_n(128) == 128
+    assert k_grouped_block_n(16) == 128
+    assert k_grouped_block_n(256) == 256
+    assert k_grouped_block_n(4096) == 256
+
+
+@pytest.mark.parametrize(
+    "case,match",
+    [
+        ("a_dtype", "a: expected dtype"),
+        ("b_rows", "b: expected shape"),
+        ("odd_cols", "b: expected an even number"),
+        ("col_stride", "a: expected rows of unit column stride"),
+        ("scale", "scale: expected a finite"),
+        ("out", "out: expected shape"),
+    ],
+)
+def test_bad_arguments_name_themselves(case, match):
+    plan = plan_of([3, 5], [4, 8])
+    a = torch.zeros(12, 6, dtype=torch.bfloat16)
+    b = torch.zeros(12, 4, dtype=torch.bfloat16)
+    kwargs = {}
+    if case == "a_dtype":
+        a = a.float()
+    elif case == "b_rows":
+        b = b[:-1]
+    elif case == "odd_cols":
+        b = torch.zeros(12, 3, dtype=torch.bfloat16)
+    elif case == "col_stride":
+        a = torch.zeros(6, 12, dtype=torch.bfloat16).T
+    elif case == "scale":
+        kwargs["scale"] = float("nan")
+    else:
+        kwargs["out"] = torch.zeros(2, 6, 5, dtype=torch.bfloat16)
+    with pytest.raises((TypeError, ValueError), match=match):
+        k_grouped_gemm(a, b, plan, **kwargs)

@@ -1,0 +1,208 @@
+"""The K-grouped weight-gradient GEMM vs the float64 oracle (DESIGN §6 gates), with
+the tail masking checked directly: padding rows and the next expert's rows hold NaN or
+data that must not reach an expert's sum."""
+
+import math
+
+import pytest
+import torch
+
+import megamoe as mm
+from megamoe.k_grouped_gemm import k_grouped_gemm, k_grouped_gemm_reference
+from megamoe.routing import RoutePlan
+from megamoe.testing import assert_close_to_oracle
+from megamoe.testing.inputs import make_routing
+
+pytestmark = pytest.mark.gpu
+
+
+def bf16(rows, cols, seed, scale=1.0):
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    return (torch.randn(rows, cols, device="cuda", generator=generator) * scale).bfloat16()
+
+
+def routed_plan(tokens, experts, top_k, block_m, kind, seed=0):
+    ids, _ = make_routing(tokens, experts, top_k, kind=kind, seed=seed)
+    return mm.plan_routes(ids.cuda(), experts, block_m)
+
+
+def hand_plan(counts, segment_rows, capacity=None):
+    """A plan whose segments hold ``counts`` data rows each and are ``segment_rows``
+    long (any length: unaligned starts, or no padding at all)."""
+    offsets = [0]
+    for length in segment_rows:
+        offsets.append(offsets[-1] + length)
+    capacity = offsets[-1] if capacity is None else capacity
+    row_to_route = torch.full((capacity,), -1, dtype=torch.int32)
+    return RoutePlan(
+        expert_counts=torch.tensor(counts, dtype=torch.int32, device="cuda"),
+        expert_pool_offsets=torch.tensor(offsets, dtype=torch.int32, device="cuda"),
+        route_to_pool_row=torch.zeros(1, 1, dtype=torch.int32, device="cuda"),
+        pool_row_to_route=row_to_route.cuda(),
+        block_m=1,
+    )
+
+
+def data_row_mask(plan):
+    mask = torch.zeros(plan.pool_capacity, dtype=torch.bool)
+    offsets = plan.expert_pool_offsets.tolist()
+    for e, count in enumerate(plan.expert_counts.tolist()):
+        mask[offsets[e] : offsets[e] + count] = True
+    return mask.cuda()
+
+
+def check(out, a, b, plan, scale=1.0):
+    expected = k_grouped_gemm_reference(a, b, plan, scale=scale)
+    empty = plan.expert_counts == 0
+    if bool(empty.any()):
+        assert bool((out[empty] == 0).all()), "an expert without rows must get exact zeros"
+        assert not bool(torch.signbit(out[empty].float()).any()), "zeros must be +0"
+    if bool((~empty).any()):
+        assert_close_to_oracle("out", out[~empty], expected[~empty])
+
+
+@pytest.mark.parametrize("block_m", [64, 128])
+@pytest.mark.parametrize("kind", ["balanced", "skewed", "masked"])
+@pytest.mark.parametrize(
+    "m,n",
+    [
+        (32, 256),  # db1/db3: [2r, 2I]
+        (256, 16),  # da2: [I, r]
+        (512, 384),  # dw13: [2I, H]
+        (200, 136),  # M and N tails
+    ],
+)
+def test_matches_reference(m, n, kind, block_m):
+    plan = routed_plan(700, 8, 2, block_m, kind)
+    a = bf16(plan.pool_capacity, m, 1)
+    b = bf16(plan.pool_capacity, n, 2)
+    check(k_grouped_gemm(a, b, plan), a, b, plan)
+
+
+@pytest.mark.parametrize("n", [128, 512])
+def test_padding_rows_are_never_read(n):
+    """NaN in every row that is not an expert's data: the result stays the oracle's."""
+    plan = routed_plan(333, 8, 3, 128, "skewed", seed=4)
+    a = bf16(plan.pool_capacity, 256, 5)
+    b = bf16(plan.pool_capacity, n, 6)
+    padding = ~data_row_mask(plan)
+    assert bool(padding.any())
+    a[padding] = float("nan")
+    b[padding] = float("nan")
+    out = k_grouped_gemm(a, b, plan)
+    assert bool(torch.isfinite(out).all())
+    check(out, a, b, plan)
+
+
+def test_unaligned_segments_do_not_mix_experts():
+    """Segments back to back at any row: a K step's rows past one expert's data are the
+    next expert's data, and must not enter the first expert's sum."""
+    counts = [0, 1, 63, 64, 65, 200, 0, 129, 7]
+    plan = hand_plan(counts, counts, capacity=sum(counts) + 40)
+    a = bf16(plan.pool_capacity, 192, 7)
+    b = bf16(plan.pool_capacity, 256, 8)
+    a[sum(counts) :] = float("nan")  # rows past the last segment
+    b[sum(counts) :] = float("inf")
+    check(k_grouped_gemm(a, b, plan), a, b, plan)
+
+
+def test_counts_shorter_than_segments_and_gaps():
+    # Segments longer than their data, with odd lengths and starts.
+    counts = [5, 0, 130, 64, 1]
+    segments = [9, 3, 131, 100, 1]
+    plan = hand_plan(counts, segments)
+    a = bf16(plan.pool_capacity, 128, 9)
+    b = bf16(plan.pool_capacity, 130, 10)
+    padding = ~data_row_mask(plan)
+    a[padding] = float("nan")
+    b[padding] = -float("inf")
+    check(k_grouped_gemm(a, b, plan), a, b, plan)
+
+
+@pytest.mark.parametrize("scale", [0.5, 3.0, 0.0])
+def test_scale_is_applied_before_the_rounding(scale):
+    plan = routed_plan(400, 4, 2, 128, "balanced", seed=2)
+    a = bf16(plan.pool_capacity, 64, 11)
+    b = bf16(plan.pool_capacity, 256, 12)
+    out = k_grouped_gemm(a, b, plan, scale=scale)
+    if scale == 0.0:
+        assert bool((out == 0).all())
+    else:
+        check(out, a, b, plan, scale=scale)
+
+
+def test_column_slice_of_a_wider_pool():
+    """dout's columns of the ``[dout | s dout b2^T]`` pool: rows wider than the operand."""
+    plan = routed_plan(500, 8, 2, 128, "skewed", seed=3)
+    wide = bf16(plan.pool_capacity, 384 + 16, 13)
+    b = bf16(plan.pool_capacity, 256, 14)
+    for a in (wide[:, :384], wide[:, 384:]):
+        check(k_grouped_gemm(a, b, plan), a, b, plan)
+
+
+def test_every_value_is_the_rounded_fp32_sum():
+    """Elementwise: small integers make every partial sum exact in FP32, so each output
+    is exactly the rounded float64 result."""
+    plan = routed_plan(600, 8, 2, 128, "skewed", seed=5)
+    generator = torch.Generator(device="cuda").manual_seed(15)
+    a = torch.randint(-3, 4, (plan.pool_capacity, 128), device="cuda", generator=generator)
+    b = torch.randint(-3, 4, (plan.pool_capacity, 256), device="cuda", generator=generator)
+    a, b = a.bfloat16(), b.bfloat16()
+    out = k_grouped_gemm(a, b, plan)
+    expected = k_grouped_gemm_reference(a, b, plan).bfloat16()
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("num_sms", ["2", None], ids=["two-ctas", "all-sms"])
+def test_repeatable_bit_for_bit(num_sms, monkeypatch):
+    # Two CTAs wrap the stage ring and its phases many times.
+    if num_sms is not None:
+        monkeypatch.setenv("MEGAMOE_NUM_SMS", num_sms)
+        monkeypatch.delenv("MEGAMOE_SM_HEADROOM", raising=False)
+    plan = routed_plan(900, 8, 3, 128, "skewed", seed=6)
+    a = bf16(plan.pool_capacity, 256, 16)
+    b = bf16(plan.pool_capacity, 512, 17)
+    first = k_grouped_gemm(a, b, plan)
+    for _ in range(3):
+        assert torch.equal(k_grouped_gemm(a, b, plan), first)
+    check(first, a, b, plan)
+
+
+def test_matches_torch_grouped_mm_on_zero_padded_segments():
+    """Against torch._grouped_mm over whole segments (zero padding rows): the same sums."""
+    plan = routed_plan(2048, 16, 6, 128, "balanced", seed=7)
+    a = bf16(plan.pool_capacity, 256, 18)
+    b = bf16(plan.pool_capacity, 1024, 19)
+    padding = ~data_row_mask(plan)
+    a[padding] = 0
+    b[padding] = 0
+    ours = k_grouped_gemm(a, b, plan)
+    theirs = torch._grouped_mm(a.T, b, offs=plan.expert_pool_offsets[1:])
+    check(ours, a, b, plan)
+    assert_close_to_oracle("torch", theirs.double(), ours.double(), min_cosine=1 - 1e-4)
+
+
+@pytest.mark.parametrize("bad", ["dtype", "rows", "stride", "out_shape"])
+def test_bad_input_is_rejected_before_any_launch(bad):
+    plan = routed_plan(100, 4, 2, 128, "balanced")
+    a = bf16(plan.pool_capacity, 64, 1)
+    b = bf16(plan.pool_capacity, 128, 2)
+    kwargs = {}
+    if bad == "dtype":
+        a, match = a.float(), "a: expected dtype"
+    elif bad == "rows":
+        b, match = b[:-1], "b: expected shape"
+    elif bad == "stride":
+        a, match = bf16(plan.pool_capacity, 66, 3)[:, :64], "a: TMA needs"
+    else:
+        kwargs["out"] = torch.empty(4, 64, 64, dtype=torch.bfloat16, device="cuda")
+        match = "out: expected shape"
+    with pytest.raises((TypeError, ValueError), match=match):
+        k_grouped_gemm(a, b, plan, **kwargs)
+
+
+def test_non_finite_scale_is_rejected():
+    plan = routed_plan(100, 4, 2, 128, "balanced")
+    a = bf16(plan.pool_capacity, 64, 1)
+    with pytest.raises(ValueError, match="scale"):
+        k_grouped_gemm(a, a, plan, scale=math.inf)
