@@ -110,8 +110,8 @@ void grouped_gemm(const Tensor& a, int64_t k_base, const Tensor& b,
   if (rows % block_m != 0)
     throw nb::value_error(
         ("a: pool rows " + str(rows) + " are not a multiple of BLOCK_M " + str(block_m)).c_str());
-  if (b_major_mn && (gated || b_extra || side_b || preact_out))
-    throw nb::value_error("b: an MN-major B takes the Store epilogue without segments");
+  if (b_major_mn && (gated || side_b || preact_out))
+    throw nb::value_error("b: an MN-major B takes the Store epilogue (N extra segment allowed)");
   if (b_major_mn && n_base % 8 != 0)
     throw nb::value_error(
         ("b: an MN-major B needs N a multiple of 8 (16-byte rows), got " + str(n_base)).c_str());
@@ -160,7 +160,17 @@ void grouped_gemm(const Tensor& a, int64_t k_base, const Tensor& b,
   } else {
     if (preact_out) throw nb::value_error("preact_out: only the gated epilogue stores it");
     if (side_b) throw nb::value_error("side_b: the K side segment needs the gated epilogue");
-    if (b_extra) {
+    if (b_extra && b_major_mn) {
+      // [E, K, N_x], read as stored like b.
+      check_tensor("b_extra", *b_extra, bfloat16_dtype(), {experts, k_base, -1}, device);
+      n_extra = b_extra->shape(2);
+      if (n_extra % 8 != 0)
+        throw nb::value_error(
+            ("b_extra: an MN-major extra segment needs N a multiple of 8 (16-byte rows), got " +
+             str(n_extra))
+                .c_str());
+      params.b_extra = tma_3d("b_extra", b_extra->data(), experts, k_base, n_extra);
+    } else if (b_extra) {
       check_tensor("b_extra", *b_extra, bfloat16_dtype(), {experts, -1, k_base}, device);
       n_extra = b_extra->shape(1);
       params.b_extra =

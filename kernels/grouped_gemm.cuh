@@ -192,12 +192,15 @@ __global__ void __launch_bounds__(gemm::Tile<BlockM, BlockN, kBFormat>::kThreads
           cute::SM90_TMA_LOAD_2D::copy(&p.a, bar, kCacheHint, stage_a(ring.stage), k0, row0);
           if constexpr (kBMajorMN) {
             // BLOCK_N / 64 boxes of 64 K rows x 64 N columns, side by side along N; the
-            // 3-D map zero-fills K rows past this expert's k_base.
+            // 3-D map zero-fills K rows past this expert's k_base and columns past the
+            // segment's N.
+            const CUtensorMap* map = extra ? &p.b_extra : &p.b;
+            const int n0 = (extra ? n_block - n_base_blocks : n_block) * BlockN;
 #pragma unroll
             for (int chunk = 0; chunk < BlockN / 64; ++chunk)
-              cute::SM90_TMA_LOAD_3D::copy(&p.b, bar, kCacheHint,
+              cute::SM90_TMA_LOAD_3D::copy(map, bar, kCacheHint,
                                            stage_b(ring.stage) + chunk * kGemmBlockK * kRowBytes,
-                                           n_block * BlockN + 64 * chunk, k0, expert);
+                                           n0 + 64 * chunk, k0, expert);
           } else {
             cute::SM90_TMA_LOAD_2D::copy(extra ? &p.b_extra : &p.b, bar, kCacheHint,
                                          stage_b(ring.stage), k0, b_row);

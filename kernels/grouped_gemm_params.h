@@ -22,7 +22,8 @@ enum class Epilogue { Store, GatedActivation, ActivationBackward };
 // TMA boxes and the wgmma descriptor):
 //  - K: B_e is [N, K] K-major (nn.Linear layout: GEMM1's w13, GEMM2's w2);
 //  - MN: B_e is [K, N] N-major (the same weights read transposed: the dgrads'
-//    dx = dg w13_e and z = dout w2_e). Store epilogue, no side or extra segments.
+//    dx = dg w13_e and z = dout w2_e). Store (optionally with the N extra segment, read
+//    MN-major too: dgrad1's b1/b3 shrink columns) or ActivationBackward epilogue.
 enum class BMajor { K, MN };
 
 // Storage of the base B operand, a template parameter (it changes the stage layout):
@@ -55,7 +56,8 @@ struct GroupedGemmParams {
                         // MN: 3-D [E][k_base][n_base], box [1, 64, 64] (BF16)
   CUtensorMap a_side;   // [pool rows, side_k] BF16 ([q1 | q3] columns), box [BLOCK_M, 64]
   CUtensorMap b_side;   // [E * n_base, side_k] BF16 (block-diagonal), box [BLOCK_N, 64]
-  CUtensorMap b_extra;  // [E * n_extra, k_base] BF16 (a2 transposed), box [BLOCK_N, 64]
+  CUtensorMap b_extra;  // K: [E * n_extra, k_base] BF16 (a2 transposed), box [BLOCK_N, 64];
+                        // MN: 3-D [E][k_base][n_extra], box [1, 64, 64]
   // MXFP4 base B only (b is unused). K-major: the codes [E * n_base, k_base / 2] uint8,
   // box [BLOCK_N, 32] (two codes per byte, even K index in the low nibble), and the
   // scales [E * k_base / 64, n_base] uint16, box [1, BLOCK_N]: for expert e, K block kb

@@ -11,7 +11,8 @@ Pipeline, given ``dout [T, H]`` and the forward's :class:`ForwardState`:
    padding rows never read, empty experts exact zeros): ``da2``, ``dw2``, ``dw13``
    (ordinary), ``db1``, ``db3``.
 5. dgrad1: ``dx_pool = (dg | du) @ w13_e``; the ``b1``/``b3`` shrinks
-   ``(dg b1_e^T | du b3_e^T)`` as a second grouped GEMM.
+   ``(dg b1_e^T | du b3_e^T)`` as a second grouped GEMM (torch), or as ``2r`` extra N
+   columns of the same GEMM (the engine's dgrad1).
 6. combine: ``dx = sum_k dx_pool + s (sg a1^T + su a3^T)`` (FP32, k in order), with
    ``[sg | su]`` the per-token sums of the shrinks.
 7. dense shared ``da1``, ``da3``, ``db2`` once per token (FP32 sums, rounded once).
@@ -66,17 +67,17 @@ __all__ = [
 GRAD_NAMES = ("x", "topk_weights", "w13", "w2", "a1", "b1", "a3", "b3", "a2", "b2")
 
 #: Opt-in switch ``MEGAMOE_DGRAD_ENGINE``: ``1`` runs dgrad1 on the grouped GEMM engine
-#: (its MN-major B variants) and dgrad2 with the activation backward as its epilogue;
-#: ``dgrad2`` runs only the fused dgrad2 there; ``0`` (default) runs both on
-#: ``torch._grouped_mm`` plus the separate activation-backward pass. Pools of BLOCK_M 128
-#: only (the variants that exist). The default follows the measurements in
-#: docs/PERFORMANCE.md ("Engine dgrads").
+#: (its MN-major B variants, the ``b1``/``b3`` shrink as extra N columns) and dgrad2 with
+#: the activation backward as its epilogue; ``dgrad1`` / ``dgrad2`` run only that one
+#: there; ``0`` (default) runs both on ``torch._grouped_mm`` plus the separate
+#: activation-backward pass. Pools of BLOCK_M 128 only (the variants that exist). The
+#: default follows the measurements in docs/PERFORMANCE.md ("Engine dgrads").
 DGRAD_ENGINE_VAR = "MEGAMOE_DGRAD_ENGINE"
-DGRAD_ENGINE_CHOICES = ("0", "1", "dgrad2")
+DGRAD_ENGINE_CHOICES = ("0", "1", "dgrad1", "dgrad2")
 
 
 def dgrad_engine_mode() -> str:
-    """``MEGAMOE_DGRAD_ENGINE``: ``"0"`` (unset), ``"1"`` or ``"dgrad2"``."""
+    """``MEGAMOE_DGRAD_ENGINE``: ``"0"`` (unset), ``"1"``, ``"dgrad1"`` or ``"dgrad2"``."""
     value = os.environ.get(DGRAD_ENGINE_VAR, "0").strip() or "0"
     if value not in DGRAD_ENGINE_CHOICES:
         raise ValueError(
@@ -149,6 +150,8 @@ class PoolBackward:
 
     - ``dx_pool`` ``[P, H]`` BF16: each route's ``(dg | du) w13_e``.
     - ``shrink_pool`` ``[P, 2r]`` BF16 ``(dg b1_e^T | du b3_e^T)`` or None (no adapter).
+    - ``dx_shrink_pool``: ``[P, H + 2r]`` when one GEMM wrote both (the engine's dgrad1;
+      ``dx_pool`` and ``shrink_pool`` are then column views of it), else None.
     - ``drouter`` ``[P]`` float32: each route's ``<z, h>`` (0 on padding rows).
     - ``local``: the expert-local gradients ``b1, b3`` ``[E_l, r, I]``, ``a2``
       ``[E_l, I, r]``, ``w13`` ``[E_l, 2I, H]`` (kernel row order), ``w2`` ``[E_l, H, I]``
@@ -159,6 +162,7 @@ class PoolBackward:
     shrink_pool: torch.Tensor | None
     drouter: torch.Tensor
     local: dict[str, torch.Tensor | None]
+    dx_shrink_pool: torch.Tensor | None = None
 
 
 def pool_backward(
@@ -205,27 +209,29 @@ def pool_backward(
         return torch._grouped_mm(a, b, offs=offsets)
 
     mode = dgrad_engine_mode()
-    engine = mode != "0" and plan.block_m == 128 and preact.is_cuda
-    dgrad1_on_engine = engine and mode == "1"
+    engine_pool = plan.block_m == 128 and preact.is_cuda
+    engine = engine_pool and mode in ("1", "dgrad2")  # the fused dgrad2
+    dgrad1_on_engine = engine_pool and mode in ("1", "dgrad1")
     # An MXFP4 base read by engine dgrads is decoded inside them (MEGAMOE_MXFP4_DECODE=
     # engine), except dgrad2 with an adapter: its B is [w2 ; a2^T], of two formats.
     mxfp4_in_engine = base.format == "mxfp4" and mxfp4_decode_mode() == "engine"
 
-    def dgrad(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        """``out[rows of e] = a[rows of e] @ b[e]`` with ``b`` ``[E, K, N]`` as stored."""
-        if dgrad1_on_engine:
-            block_n = get_block_n(plan.block_m, b.shape[2])
-            return grouped_gemm(a, b.contiguous(), plan, block_n=block_n, b_major="mn")
-        return grouped(a, b)
-
-    def dgrad1(a: torch.Tensor) -> torch.Tensor:
-        """``a @ w13[e]`` (``[P, 2I] -> [P, H]``)."""
-        if dgrad1_on_engine and mxfp4_in_engine:
-            block_n = get_block_n(plan.block_m, hidden)
-            return grouped_gemm(
-                a, base.w13, plan, block_n=block_n, b_major="mn", b_scales=base.w13_scales
-            )
-        return dgrad(a, base.w13_for_gemm())  # MXFP4: a transient decode
+    def dgrad1(a: torch.Tensor, shrink_weights: torch.Tensor | None) -> torch.Tensor:
+        """``a @ [w13_e | shrink_weights_e]`` on the engine (``[P, 2I] -> [P, H (+ 2r)]``)."""
+        block_n = get_block_n(plan.block_m, hidden)
+        if mxfp4_in_engine:
+            w13, w13_scales = base.w13, base.w13_scales
+        else:
+            w13, w13_scales = base.w13_for_gemm(), None  # MXFP4: a transient decode
+        return grouped_gemm(
+            a,
+            w13,
+            plan,
+            block_n=block_n,
+            b_major="mn",
+            b_scales=w13_scales,
+            b_extra=shrink_weights,
+        )
 
     wgrad_on_engine = preact.is_cuda and wgrad_engine_enabled()
 
@@ -261,7 +267,7 @@ def pool_backward(
             dout_pool, w2, preact, route_weights, plan, w2_scales=w2_scales, **activation_args
         )
     else:
-        z = dgrad(dout_pool, w2)
+        z = grouped(dout_pool, w2)
     del w2
     db2_pool = None
     if use_side and side_grads:
@@ -304,10 +310,17 @@ def pool_backward(
         local["b3"] = up_cols[:, rank:].contiguous()
 
     # dgrad1 and the b1/b3 shrinks.
-    dx_pool = dgrad1(dgrad_preact)  # [P, H]
+    shrink_weights = _side_shrink_weights(side.b1, side.b3, interleave) if use_side else None
+    if dgrad1_on_engine:
+        # One GEMM: the shrinks are 2r extra N columns of dgrad1 (dg | du read once).
+        out = dgrad1(dgrad_preact, shrink_weights)  # [P, H (+ 2r)]
+        if not use_side:
+            return PoolBackward(out, None, drouter, local)
+        return PoolBackward(out[:, :hidden], out[:, hidden:], drouter, local, out)
+    dx_pool = grouped(dgrad_preact, base.w13_for_gemm())  # [P, H]; MXFP4: transient decode
     shrink_pool = None
     if use_side:
-        shrink_pool = grouped(dgrad_preact, _side_shrink_weights(side.b1, side.b3, interleave))
+        shrink_pool = grouped(dgrad_preact, shrink_weights)
     return PoolBackward(dx_pool, shrink_pool, drouter, local)
 
 
@@ -380,11 +393,16 @@ def moe_backward(
     # dx = sum_k dx_pool + s (sg a1^T + su a3^T), k in order, FP32.
     ones = torch.ones_like(topk_weights, dtype=torch.float32)
     side_expand = shrink = None
+    # One [P, H + 2r] pool when dgrad1 wrote the shrinks as its extra columns.
+    dx_pool, shrink_pool, shrink_col0 = stage.dx_pool, stage.shrink_pool, 0
+    if stage.dx_shrink_pool is not None:
+        dx_pool = shrink_pool = stage.dx_shrink_pool
+        shrink_col0 = hidden
     if use_side:
-        shrink = pool.side_sum(stage.shrink_pool, plan, ones, 0)  # [T, 2r] = [sg | su]
+        shrink = pool.side_sum(shrink_pool, plan, ones, shrink_col0)  # [T, 2r] = [sg | su]
         side_expand = shrink @ torch.cat([side.a1, side.a3], dim=1).T  # [T, H]
-    grads["x"] = pool.combine(stage.dx_pool, plan, ones, side_expand, scale=s, hidden=hidden)
-    del stage
+    grads["x"] = pool.combine(dx_pool, plan, ones, side_expand, scale=s, hidden=hidden)
+    del stage, dx_pool, shrink_pool
 
     # The dense shared-factor gradients, once per token, FP32 sums rounded once.
     if use_side and side_grads:

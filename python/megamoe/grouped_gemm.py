@@ -137,7 +137,8 @@ def grouped_gemm(
         block_n: output tile width, a registry choice (128, or 256 for BLOCK_M 128).
         b_major: ``"k"`` (``b`` is ``[E, N, k]``, nn.Linear layout) or ``"mn"``: ``b`` is
             ``[E, k, N]`` and read as stored (``out = a @ b[e]``: the dgrads' ``dg w13_e``
-            and ``dout w2_e``); BLOCK_M 128 only, no ``b_extra``.
+            and ``dout w2_e``), and ``b_extra`` likewise ``[E, k, N_x]`` (dgrad1's
+            ``b1``/``b3`` shrink columns); BLOCK_M 128 only.
         b_scales: MXFP4 B: ``b`` is then ``[E, N, k/2]`` uint8 E2M1 codes and this is
             ``[E, N, k/32]`` uint8 UE8M0 scales (:func:`~megamoe.mxfp4.quantize_mxfp4`
             along K); with ``b_major="mn"`` ``b`` is ``[E, k, N/2]`` and this
@@ -163,20 +164,28 @@ def grouped_gemm(
         check_tensor("b", b, ndim=3, dtypes=(torch.bfloat16,), device=a.device, contiguous=True)
     _check_pool_operand(a, plan)
     major_mn = b_major == "mn"
-    if major_mn and b_extra is not None:
-        raise ValueError("b_extra: not available with b_major='mn'")
     if major_mn:
         if k is not None and k != b.shape[1]:
             raise ValueError(f"k: expected b.shape[1] = {b.shape[1]} for b_major='mn', got {k}")
         k = b.shape[1]
         n_total = b.shape[2] * (2 if engine_scales is not None else 1)
+        if b_extra is not None:
+            check_tensor(
+                "b_extra",
+                b_extra,
+                shape=(b.shape[0], k, None),
+                dtypes=(torch.bfloat16,),
+                device=a.device,
+                contiguous=True,
+            )
+            n_total += b_extra.shape[2]
     else:
         k = b.shape[2] if k is None else k
         n_total = b.shape[1] + (0 if b_extra is None else b_extra.shape[1])
     if out is None:
         out = torch.empty(a.shape[0], n_total, dtype=torch.bfloat16, device=a.device)
     if not a.is_cuda:
-        weights = b if b_extra is None else torch.cat([b, b_extra], dim=1)
+        weights = b if b_extra is None else torch.cat([b, b_extra], dim=2 if major_mn else 1)
         for e, start, end in _expert_rows(plan):
             if end > start:
                 w = weights[e].float() if major_mn else weights[e].float().T

@@ -220,7 +220,15 @@ def test_backward_with_an_mxfp4_base(activation, clamp):
 
 @pytest.mark.parametrize(
     "value,mode",
-    [(None, "0"), ("0", "0"), ("1", "1"), (" ", "0"), ("dgrad2", "dgrad2"), (" dgrad2 ", "dgrad2")],
+    [
+        (None, "0"),
+        ("0", "0"),
+        ("1", "1"),
+        (" ", "0"),
+        ("dgrad1", "dgrad1"),
+        ("dgrad2", "dgrad2"),
+        (" dgrad2 ", "dgrad2"),
+    ],
 )
 def test_dgrad_engine_switch(monkeypatch, value, mode):
     from megamoe.fused_backward import DGRAD_ENGINE_VAR, dgrad_engine_mode

@@ -88,6 +88,25 @@ def test_store_with_an_mn_major_b(block_n, tokens, experts, top_k, k, n):
     assert_close_to_oracle("out", out[:rows], expected)
 
 
+@pytest.mark.parametrize("block_n", [128, 256])
+@pytest.mark.parametrize("n_extra", [32, 256, 264])
+def test_mn_major_b_with_extra_columns(block_n, n_extra):
+    """dgrad1 with the b1/b3 shrinks: b_extra [E, K, N_x] read as stored like b, its
+    columns after b's (a 3-D map per segment: N_x below a box, whole tiles, a tail)."""
+    experts, k, n = 8, 512, 384
+    plan, a = pool_for(1029, experts, 6, 128, k, kind="empty", empty_experts=(2,))
+    b = weights(experts, k, n)
+    b_extra = weights(experts, k, n_extra, seed=3)
+    out = grouped_gemm(a, b, plan, block_n=block_n, b_major="mn", b_extra=b_extra)
+    assert out.shape == (plan.pool_capacity, n + n_extra)
+    rows = int(plan.expert_pool_offsets[-1])
+    expected = grouped_gemm_reference(
+        a, b.transpose(1, 2), plan, b_extra=b_extra.transpose(1, 2).contiguous()
+    )
+    assert_close_to_oracle("out", out[:rows, :n], expected[:, :n])
+    assert_close_to_oracle("extra", out[:rows, n:], expected[:, n:])
+
+
 @pytest.mark.parametrize("block_m,block_n", TILES)
 @pytest.mark.parametrize("activation,clamp", [("swiglu", None), ("geglu", None), ("swiglu", 0.5)])
 @pytest.mark.parametrize("rank", [0, 16, 128, 256])

@@ -112,7 +112,7 @@ def test_counts_shorter_than_segments_and_gaps():
     segments = [9, 3, 131, 100, 1]
     plan = hand_plan(counts, segments)
     a = bf16(plan.pool_capacity, 128, 9)
-    b = bf16(plan.pool_capacity, 130, 10)
+    b = bf16(plan.pool_capacity, 136, 10)
     padding = ~data_row_mask(plan)
     a[padding] = float("nan")
     b[padding] = -float("inf")

@@ -390,11 +390,11 @@ def test_mxfp4_layer_with_wide_scale_range_and_zero_blocks():
     assert_close_to_oracle("out", out, expected)
 
 
-@pytest.mark.parametrize("mode", ["1", "dgrad2"])
+@pytest.mark.parametrize("mode", ["1", "dgrad1", "dgrad2"])
 def test_dgrads_on_the_engine_match_the_oracle(monkeypatch, mode):
-    """MEGAMOE_DGRAD_ENGINE=1: dgrad1/dgrad2 on the engine's MN-major variants (a BLOCK_M
-    128 pool); =dgrad2: only the fused dgrad2. Same gates as the default
-    torch._grouped_mm dgrads."""
+    """MEGAMOE_DGRAD_ENGINE=1: dgrad1 (with the b1/b3 shrinks as extra N columns) and
+    dgrad2 on the engine's MN-major variants (a BLOCK_M 128 pool); =dgrad1 / =dgrad2: only
+    that one. Same gates as the default torch._grouped_mm dgrads."""
     monkeypatch.setenv("MEGAMOE_DGRAD_ENGINE", mode)
     assert mm.get_block_m(2048, 2, 8) == 128
     run_case(512, 256, 8, 2, 32, 2048, seed=47, routing="skewed")

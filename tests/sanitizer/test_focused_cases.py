@@ -329,20 +329,28 @@ def test_grouped_gemm_mxfp4_b_mn_major(block_n, fused_dgrad2, num_sms, monkeypat
         assert_bitwise(out[:rows], want[:rows])
 
 
+@pytest.mark.parametrize("extra", [0, 32])
 @pytest.mark.parametrize("block_n", [128, 256])
 @pytest.mark.parametrize("tokens,top_k", [(1, 1), (150, 2)])
-def test_grouped_gemm_store_mn_major_b(block_n, tokens, top_k):
+def test_grouped_gemm_store_mn_major_b(block_n, tokens, top_k, extra):
     # B read transposed ([E, K, N], the dgrads' view of the weights): 64x64 TMA boxes
     # through a 3-D map, K = 200 leaves a partial K step per expert (zero-filled), N =
-    # 192 a partial N tile. BLOCK_M 128 pools: the MN-major variants that exist.
+    # 192 a partial N tile; the extra segment (dgrad1's shrink columns) is narrower than
+    # one box. BLOCK_M 128 pools: the MN-major variants that exist.
     experts, k, n = 8, 200, 192
     plan, _, _ = gpu_plan(tokens, experts, top_k, 128, kind="empty", seed=tokens)
     a = bf16((plan.pool_capacity, k), 15)
     b = bf16((experts, k, n), 16, k**-0.5)
-    out = grouped_gemm(a, b, plan, b_major="mn", block_n=block_n)
+    b_extra = bf16((experts, k, extra), 17, k**-0.5) if extra else None
+    out = grouped_gemm(a, b, plan, b_major="mn", block_n=block_n, b_extra=b_extra)
     rows = rows_used(plan)
     if rows:
-        expected = grouped_gemm_reference(a, b.transpose(1, 2).contiguous(), plan)
+        expected = grouped_gemm_reference(
+            a,
+            b.transpose(1, 2).contiguous(),
+            plan,
+            b_extra=None if b_extra is None else b_extra.transpose(1, 2).contiguous(),
+        )
         assert_close_to_oracle("out", out[:rows], expected)
 
 
