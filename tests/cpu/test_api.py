@@ -96,6 +96,25 @@ def test_bf16_interleave_round_trips():
     assert torch.equal(base.w13[:, 2 * group : 3 * group], w13[:, group : 2 * group])
 
 
+def test_kernel_row_order_is_the_documented_permutation_both_ways():
+    """to_kernel_rows (a block transpose) is w13[:, gate_up_interleave_index], its
+    inverse undoes it, and the gradient through it is the inverse permutation."""
+    from megamoe.weights import gate_up_interleave_index, to_kernel_rows, to_linear_rows
+
+    group = registry().gate_up_interleave
+    w13 = torch.randn(3, 2 * I, H, requires_grad=True)
+    perm = gate_up_interleave_index(I, group)
+    kernel = to_kernel_rows(w13, group)
+    assert kernel.is_contiguous()
+    assert torch.equal(kernel, w13[:, perm])
+    assert torch.equal(to_linear_rows(kernel, group), w13)
+    upstream = torch.randn(3, 2 * I, H)
+    kernel.backward(upstream)
+    expected = torch.empty_like(upstream)
+    expected[:, perm] = upstream
+    assert torch.equal(w13.grad, expected)
+
+
 def test_bf16_prepare_keeps_autograd_for_ordinary_mode():
     w13, w2 = base_tensors(dtype=torch.float32)
     w13.requires_grad_(True)

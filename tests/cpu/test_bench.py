@@ -108,3 +108,12 @@ def test_cli_ep_needs_the_gpus(capsys):
     # --ep P hands over to torchrun only when P local GPUs exist.
     assert cli.main(["--device", "cpu", "--ep", "2"]) == 2
     assert "--ep 2: needs 2 GPUs" in capsys.readouterr().err
+
+
+def test_memory_bench_watches_stages_that_exist():
+    """The memory bench wraps the pipeline's module-level calls by name: a renamed stage
+    must fail here, not on the GPU."""
+    from megamoe.bench.memory import STAGES
+
+    for module, name in STAGES:
+        assert callable(getattr(module, name, None)), f"{module.__name__}.{name}"

@@ -22,24 +22,28 @@ from .shapes import SHAPES
 
 GIB = 2**30
 
-# (module, attribute) of every stage to watch.
-_STAGES = [
+# (module, attribute) of every stage to watch: the pipeline's module-level calls, looked
+# up at call time (tests/cpu/test_bench.py checks that each still exists).
+STAGES = [
     (fused_forward, "plan_routes"),
     (fused_forward.pool, "gather_pool"),
     (fused_forward, "gated_grouped_gemm"),
     (fused_forward, "grouped_gemm"),
     (fused_forward.pool, "side_sum"),
     (fused_forward.pool, "combine"),
-    (fused_backward, "_grouped_mm"),
-    (fused_backward, "_k_grouped_mm"),
+    (torch, "_grouped_mm"),  # the backward's dgrads and shrinks
+    (fused_backward, "_stack_k_rows"),
+    (fused_backward, "grouped_gemm"),  # the engine dgrad1 (MEGAMOE_DGRAD_ENGINE)
+    (fused_backward, "k_grouped_gemm"),
     (fused_backward, "activation_backward"),
+    (fused_backward, "fused_dgrad2_activation_backward"),
     (fused_backward, "recompute_preact"),
 ]
 
 
 def _watch(rows: list[tuple[str, float, float]]) -> list[tuple[object, str, Callable]]:
     originals = []
-    for module, name in _STAGES:
+    for module, name in STAGES:
         original = getattr(module, name)
 
         def wrapped(*args, __original=original, __name=name, **kwargs):
