@@ -170,16 +170,19 @@ __global__ void __launch_bounds__(k_grouped::Tile<BlockM, BlockN>::kThreads, 1)
   // CUTLASS offsets user ids past its reserved ones.
   constexpr uint32_t kTailBarrier = 0;
   float acc[kAccRegs];
-  RingState ring;
+  // `ring` is the next stage to consume; `release` the oldest stage whose wgmma may still
+  // be reading it. One wgmma batch stays in flight: step k's MMAs are queued before the
+  // warpgroup waits for step k-1's, so the tensor cores never drain between K steps, and
+  // step k-1's stage is released as soon as its batch retires.
+  RingState ring, release;
   for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
     const k_grouped::TileCoord at = k_grouped::tile_coord(tile, m_blocks, n_blocks);
     const k_grouped::ExpertRows rows = k_grouped::expert_rows(p, at.expert);
     const int steps = rows.steps();
-    if (steps == 0) {
-      // An expert without rows: exact zeros.
+    // Zeros for an expert without rows (otherwise the first MMA overwrites them).
+    // Unconditional: accumulator writes in a branch make ptxas serialize the wgmma.
 #pragma unroll
-      for (int i = 0; i < kAccRegs; ++i) acc[i] = 0.0f;
-    }
+    for (int i = 0; i < kAccRegs; ++i) acc[i] = 0.0f;
     for (int step = 0; step < steps; ++step) {
       FullBarrier::wait(&full[ring.stage], ring.phase);
       const int data_rows = rows.rows_in_step(step);
@@ -201,9 +204,19 @@ __global__ void __launch_bounds__(k_grouped::Tile<BlockM, BlockN>::kThreads, 1)
         Wgmma<BlockN, true, true>::mma(advance_k16_mn(desc_a, k16), advance_k16_mn(desc_b, k16),
                                        acc, !(step == 0 && k16 == 0));
       cute::warpgroup_commit_batch();
-      cute::warpgroup_wait<0>();
-      if (lane == 0) EmptyBarrier::arrive(&empty[ring.stage]);
+      // Unconditional (a wait in a branch makes ptxas serialize every wgmma): at step 0
+      // no older batch exists and it returns at once.
+      cute::warpgroup_wait<1>();
+      if (step > 0) {  // step - 1's batch retired: its stage goes back to the producer
+        if (lane == 0) EmptyBarrier::arrive(&empty[release.stage]);
+        release.template advance<T::kStages>();
+      }
       ring.template advance<T::kStages>();
+    }
+    cute::warpgroup_wait<0>();  // the last batch, before the epilogue reads acc
+    if (steps > 0) {
+      if (lane == 0) EmptyBarrier::arrive(&empty[release.stage]);
+      release.template advance<T::kStages>();
     }
 
     // Accumulator layout of m64nNk16 (per warpgroup): register 4*j + {0,1} holds row
