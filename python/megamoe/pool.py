@@ -11,6 +11,8 @@ sorted by expert, each expert's segment padded to ``block_m``.
 - :func:`combine` reduces the pool output's hidden columns per token, plus an
   optional scaled side expansion:
   ``out[t] = bf16(sum_k w[t, k] * pool_output[row_tk, :H] + scale * side_expand[t])``.
+- :func:`gather_rows` is the same gather kernel as a plain row permutation
+  (``out[i] = src[rows[i]]``; the weights' gate/up interleave uses it).
 
 Sums run over the routes ``k = 0 .. K-1`` with ``row_tk >= 0``, in float32, in that
 fixed order, each product and each sum rounded separately; the CUDA kernels and the
@@ -39,6 +41,7 @@ __all__ = [
     "combine_reference",
     "gather_pool",
     "gather_pool_reference",
+    "gather_rows",
     "side_sum",
     "side_sum_reference",
 ]
@@ -208,6 +211,33 @@ def gather_pool(
             top_k,
             dl(out),
             _native.current_stream(x.device),
+        )
+    return out
+
+
+def gather_rows(src: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``out[i] = src[rows[i]]``: a row gather of BF16 rows on the pool-gather kernel.
+
+    Args:
+        src: ``[R, C]`` bfloat16, contiguous, ``C`` a multiple of 8.
+        rows: ``[R_out]`` int32 indices into ``src``'s rows (all in ``[0, R)``).
+
+    Returns:
+        ``[R_out, C]`` bfloat16. On CUDA one kernel at memory speed (a warp per row,
+        16-byte vectors) with no host synchronisation; elsewhere ``index_select``.
+    """
+    check_tensor("src", src, ndim=2, dtypes=(torch.bfloat16,), contiguous=True)
+    check_tensor("rows", rows, ndim=1, dtypes=(torch.int32,), device=src.device)
+    _check_vector_multiple("src", "its column count", src.shape[1])
+    if not src.is_cuda:
+        return src.index_select(0, rows)
+    out = torch.empty(rows.shape[0], src.shape[1], dtype=torch.bfloat16, device=src.device)
+    # The kernel reads its row count from the last entry of a device array (no sync).
+    rows_used = torch.full((2,), rows.shape[0], dtype=torch.int32, device=src.device)
+    dl = _native.dlpack
+    with torch.cuda.device(src.device):
+        _native.native().pool_gather(
+            dl(src), None, dl(rows), dl(rows_used), 1, dl(out), _native.current_stream(src.device)
         )
     return out
 

@@ -17,6 +17,7 @@ import torch
 from ._checks import check_choice, check_tensor
 from .mxfp4 import MXFP4_BLOCK, dequantize_mxfp4, quantize_mxfp4
 from .mxfp4_decode import decode_mxfp4_bf16
+from .pool import gather_rows
 from .registry import registry
 
 BASE_FORMATS = ("bf16", "mxfp4")
@@ -53,32 +54,59 @@ def gate_up_interleave_index(intermediate: int, interleave: int, device=None) ->
     return torch.cat([gate, up], dim=1).reshape(-1)
 
 
-def to_kernel_rows(w13: torch.Tensor, interleave: int) -> torch.Tensor:
-    """``[.., 2I, H]`` nn.Linear rows (gate then up) -> the kernels' interleaved rows.
+class _PermuteRows(torch.autograd.Function):
+    """``out = src[rows]`` for ``[R, C]`` BF16 on CUDA (:func:`~megamoe.pool.gather_rows`);
+    the backward gathers the gradient with the ``inverse`` permutation: a gather both
+    ways, never ``index_select``'s backward (a zero fill plus ``index_add``, 19 ms for
+    ``w13`` at ep4rank on an H200)."""
 
-    The same permutation as :func:`gate_up_interleave_index`, written as a block
-    transpose: a strided copy, whose autograd backward is a strided copy too (the
-    backward of ``index_select`` is a zero fill plus ``index_add``, 19 ms for w13 at
-    ep4rank on an H200 against ~1.5 ms for the copy).
-    """
+    @staticmethod
+    def forward(ctx, src: torch.Tensor, rows: torch.Tensor, inverse: torch.Tensor):
+        ctx.save_for_backward(inverse)
+        return gather_rows(src, rows)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        return gather_rows(grad.contiguous(), inverse), None, None
+
+
+def _permute_w13_rows(w13: torch.Tensor, interleave: int, to_kernel: bool) -> torch.Tensor:
     *lead, two_i, hidden = w13.shape
     blocks = two_i // (2 * interleave)
+    if w13.is_cuda and w13.dtype == torch.bfloat16 and hidden % 8 == 0:
+        perm = gate_up_interleave_index(two_i // 2, interleave, w13.device)
+        inverse = torch.argsort(perm)
+        rows, back = (perm, inverse) if to_kernel else (inverse, perm)
+        # Row indices into the flattened [.. * 2I, H] view, per leading index.
+        matrices = w13.numel() // (two_i * hidden)
+        first = torch.arange(matrices, device=w13.device).view(-1, 1) * two_i
+        rows = (first + rows).reshape(-1).to(torch.int32)
+        back = (first + back).reshape(-1).to(torch.int32)
+        flat = w13.contiguous().view(-1, hidden)
+        return _PermuteRows.apply(flat, rows, back).view(w13.shape)
+    # Elsewhere a block transpose (a strided copy both ways).
+    order = (2, blocks) if to_kernel else (blocks, 2)
     return (
-        w13.reshape(*lead, 2, blocks, interleave, hidden)
+        w13.reshape(*lead, *order, interleave, hidden)
         .transpose(-4, -3)
         .reshape(*lead, two_i, hidden)
     )
+
+
+def to_kernel_rows(w13: torch.Tensor, interleave: int) -> torch.Tensor:
+    """``[.., 2I, H]`` nn.Linear rows (gate then up) -> the kernels' interleaved rows.
+
+    The permutation of :func:`gate_up_interleave_index`, differentiable. A BF16 CUDA
+    tensor moves as a row gather both ways (forward and backward), elsewhere as a block
+    transpose.
+    """
+    return _permute_w13_rows(w13, interleave, to_kernel=True)
 
 
 def to_linear_rows(w13_kernel: torch.Tensor, interleave: int) -> torch.Tensor:
     """The inverse of :func:`to_kernel_rows` (kernel rows -> nn.Linear rows)."""
-    *lead, two_i, hidden = w13_kernel.shape
-    blocks = two_i // (2 * interleave)
-    return (
-        w13_kernel.reshape(*lead, blocks, 2, interleave, hidden)
-        .transpose(-4, -3)
-        .reshape(*lead, two_i, hidden)
-    )
+    return _permute_w13_rows(w13_kernel, interleave, to_kernel=False)
 
 
 @dataclass(frozen=True, eq=False)
