@@ -72,6 +72,7 @@ bench_lane() {
     --backend fused --json "$out/bench_mxfp4_engine.json"
   stage bench_ordinary 90 "${bench[@]}" --mode ordinary --backend fused,baseline --json "$out/bench_ordinary.json"
   stage breakdown 60 python3 -m megamoe.bench.breakdown --pass fwd+bwd
+  stage breakdown_ordinary 60 python3 -m megamoe.bench.breakdown --pass fwd+bwd --mode ordinary
   stage memory 60 python3 -m megamoe.bench.memory --shape ep4rank
   stage engine 60 python3 -m megamoe.bench.engine --json "$out/engine.json"
 }
