@@ -66,8 +66,17 @@ void k_grouped_gemm(const Tensor& a, const Tensor& b, const Tensor& expert_pool_
   check_tensor<int32_t>("expert_counts", expert_counts, {experts}, device);
   check_tensor("out", out, bfloat16_dtype(), {experts, m, n}, device);
   if (rows >= (int64_t{1} << 31)) throw nb::value_error("a: more than 2^31 - 1 pool rows");
-  if (!std::isfinite(scale)) throw nb::value_error("scale: expected a finite value");
+  if (!std::isfinite(static_cast<float>(scale)))
+    throw nb::value_error("scale: expected a value finite in float32");
+  if (reinterpret_cast<uintptr_t>(out.data()) % 4 != 0)
+    throw nb::value_error("out: expected a 4-byte aligned address (BF16 pairs are stored)");
   const KGroupedGemmKernels& kernels = select_variant(block_m, block_n);
+  if (rows == 0) {  // no rows, no data: exact zeros (TMA cannot map an empty tensor)
+    cuda_check(cudaMemsetAsync(out.data(), 0, static_cast<size_t>(experts * m * n) * 2,
+                               reinterpret_cast<cudaStream_t>(stream)),
+               "cudaMemsetAsync(out)");
+    return;
+  }
 
   KGroupedGemmParams params{};
   params.a = tma_2d("a", a.data(), rows, m, a.stride(0), kGemmBlockK);

@@ -49,7 +49,8 @@ struct Tile {
 };
 
 // The data rows of expert e: its segment start and row count, clamped to its segment
-// and to the pool so a corrupt plan cannot make the kernel read another expert's rows.
+// and to the pool, so a corrupt plan (negative or decreasing offsets, counts past the
+// segment) can neither read another expert's rows nor walk past the pool.
 struct ExpertRows {
   int start;
   int count;
@@ -61,10 +62,18 @@ struct ExpertRows {
 };
 
 __device__ __forceinline__ ExpertRows expert_rows(const KGroupedGemmParams& p, int expert) {
-  const int start = __ldg(p.expert_pool_offsets + expert);
-  const int end = min(__ldg(p.expert_pool_offsets + expert + 1), p.pool_rows);
+  const int start = min(max(__ldg(p.expert_pool_offsets + expert), 0), p.pool_rows);
+  const int end = min(max(__ldg(p.expert_pool_offsets + expert + 1), start), p.pool_rows);
   const int count = max(0, min(__ldg(p.expert_counts + expert), end - start));
   return ExpertRows{start, count};
+}
+
+// Keeps the compiler from moving accumulator reads or writes across the asynchronous
+// wgmma that own the registers (CUTLASS's warpgroup_fence_operand, per register).
+template <int N>
+__device__ __forceinline__ void fence_accumulators(float (&acc)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(acc[i])::"memory");
 }
 
 // Output tile `tile` in expert-major order: the CTAs working at one time share an
@@ -183,6 +192,7 @@ __global__ void __launch_bounds__(k_grouped::Tile<BlockM, BlockN>::kThreads, 1)
     // Unconditional: accumulator writes in a branch make ptxas serialize the wgmma.
 #pragma unroll
     for (int i = 0; i < kAccRegs; ++i) acc[i] = 0.0f;
+    k_grouped::fence_accumulators(acc);
     for (int step = 0; step < steps; ++step) {
       FullBarrier::wait(&full[ring.stage], ring.phase);
       const int data_rows = rows.rows_in_step(step);
@@ -214,6 +224,7 @@ __global__ void __launch_bounds__(k_grouped::Tile<BlockM, BlockN>::kThreads, 1)
       ring.template advance<T::kStages>();
     }
     cute::warpgroup_wait<0>();  // the last batch, before the epilogue reads acc
+    k_grouped::fence_accumulators(acc);
     if (steps > 0) {
       if (lane == 0) EmptyBarrier::arrive(&empty[release.stage]);
       release.template advance<T::kStages>();
@@ -231,9 +242,10 @@ __global__ void __launch_bounds__(k_grouped::Tile<BlockM, BlockN>::kThreads, 1)
       for (int half = 0; half < 2; ++half) {
         const int row = row0 + 8 * half;
         if (row >= p.m) continue;  // M tail
+        // + 0.0f: a negative scale times an empty sum is -0; the contract says +0.
         *reinterpret_cast<__nv_bfloat162*>(out + static_cast<int64_t>(row) * p.out_stride + col) =
-            __floats2bfloat162_rn(p.scale * acc[4 * j + 2 * half],
-                                  p.scale * acc[4 * j + 2 * half + 1]);
+            __floats2bfloat162_rn(p.scale * acc[4 * j + 2 * half] + 0.0f,
+                                  p.scale * acc[4 * j + 2 * half + 1] + 0.0f);
       }
     }
   }

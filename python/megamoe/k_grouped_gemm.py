@@ -26,6 +26,8 @@ from ._checks import check_tensor
 from .env import num_sms as resolve_device_sms
 from .routing import RoutePlan
 
+FLOAT32_MAX = 3.4028234663852886e38
+
 #: BLOCK_M of the K-grouped variants (output rows per tile; registry ``k_grouped_gemm``).
 BLOCK_M = 128
 
@@ -77,8 +79,8 @@ def k_grouped_gemm(
     rows = plan.pool_capacity
     _check_row_operand("a", a, rows, a.device)
     _check_row_operand("b", b, rows, a.device)
-    if not isinstance(scale, (int, float)) or not math.isfinite(scale):
-        raise ValueError(f"scale: expected a finite number, got {scale!r}")
+    if not isinstance(scale, (int, float)) or not math.isfinite(scale) or abs(scale) > FLOAT32_MAX:
+        raise ValueError(f"scale: expected a number finite in float32, got {scale!r}")
     experts = plan.expert_counts.shape[0]
     m, n = a.shape[1], b.shape[1]
     if out is None:
@@ -91,11 +93,12 @@ def k_grouped_gemm(
             dtypes=(torch.bfloat16,),
             device=a.device,
             contiguous=True,
+            alignment=4,
         )
     if not a.is_cuda:
         for e, start, count in _expert_data_rows(plan):
             product = a[start : start + count].float().T @ b[start : start + count].float()
-            out[e] = (float(scale) * product).bfloat16()
+            out[e] = (float(scale) * product + 0.0).bfloat16()  # + 0: no -0 (as the kernel)
         return out
     device_index = a.device.index if a.device.index is not None else None
     dl = _native.dlpack
@@ -116,10 +119,17 @@ def k_grouped_gemm(
 
 
 def _expert_data_rows(plan: RoutePlan) -> list[tuple[int, int, int]]:
-    """``(expert, first pool row, data rows)`` per expert (host reads)."""
+    """``(expert, first pool row, data rows)`` per expert (host reads), clamped like the
+    kernel's: to the expert's segment and to the pool."""
     offsets = plan.expert_pool_offsets.tolist()
     counts = plan.expert_counts.tolist()
-    return [(e, offsets[e], counts[e]) for e in range(len(counts))]
+    rows = plan.pool_capacity
+    result = []
+    for e, count in enumerate(counts):
+        start = min(max(offsets[e], 0), rows)
+        end = min(max(offsets[e + 1], start), rows)
+        result.append((e, start, max(0, min(count, end - start))))
+    return result
 
 
 def k_grouped_gemm_reference(

@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from ._checks import check_choice, check_tensor
 from .mxfp4 import MXFP4_BLOCK, dequantize_mxfp4, quantize_mxfp4
@@ -66,15 +67,26 @@ class _PermuteRows(torch.autograd.Function):
         return gather_rows(src, rows)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad: torch.Tensor):
         (inverse,) = ctx.saved_tensors
         return gather_rows(grad.contiguous(), inverse), None, None
 
 
+def _gather_rows_apply(w13: torch.Tensor, hidden: int) -> bool:
+    """Whether the row-gather kernel can permute ``w13``: BF16 on CUDA in eager mode
+    (under torch.compile the block transpose is traced instead), 16-byte vectors (a
+    contiguous view at an odd offset takes the block transpose; a non-contiguous one is
+    copied to fresh memory first)."""
+    if torch.compiler.is_compiling() or not w13.is_cuda or w13.dtype != torch.bfloat16:
+        return False
+    return hidden % 8 == 0 and (not w13.is_contiguous() or w13.data_ptr() % 16 == 0)
+
+
 def _permute_w13_rows(w13: torch.Tensor, interleave: int, to_kernel: bool) -> torch.Tensor:
     *lead, two_i, hidden = w13.shape
     blocks = two_i // (2 * interleave)
-    if w13.is_cuda and w13.dtype == torch.bfloat16 and hidden % 8 == 0:
+    if _gather_rows_apply(w13, hidden):
         perm = gate_up_interleave_index(two_i // 2, interleave, w13.device)
         inverse = torch.argsort(perm)
         rows, back = (perm, inverse) if to_kernel else (inverse, perm)

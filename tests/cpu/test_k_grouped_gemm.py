@@ -54,7 +54,7 @@ def test_block_n_choice():
         ("b_rows", "b: expected shape"),
         ("odd_cols", "b: expected an even number"),
         ("col_stride", "a: expected rows of unit column stride"),
-        ("scale", "scale: expected a finite"),
+        ("scale", "scale: expected a number finite"),
         ("out", "out: expected shape"),
     ],
 )
@@ -77,3 +77,45 @@ def test_bad_arguments_name_themselves(case, match):
         kwargs["out"] = torch.zeros(2, 6, 5, dtype=torch.bfloat16)
     with pytest.raises((TypeError, ValueError), match=match):
         k_grouped_gemm(a, b, plan, **kwargs)
+
+
+def test_twin_clamps_a_corrupt_plan_like_the_kernel():
+    counts = [500, 10, 40, 7, 64]
+    offsets = [-50, 100, 90, 200, 10_000, 10_100]
+    plan = RoutePlan(
+        expert_counts=torch.tensor(counts, dtype=torch.int32),
+        expert_pool_offsets=torch.tensor(offsets, dtype=torch.int32),
+        route_to_pool_row=torch.zeros(1, 1, dtype=torch.int32),
+        pool_row_to_route=torch.full((300,), -1, dtype=torch.int32),
+        block_m=1,
+    )
+    gen = torch.Generator().manual_seed(1)
+    a = torch.randn(300, 4, generator=gen).bfloat16()
+    b = torch.randn(300, 2, generator=gen).bfloat16()
+    expected = k_grouped_gemm_reference(a, b, plan)
+    torch.testing.assert_close(expected[0], a[0:100].double().T @ b[0:100].double())
+    torch.testing.assert_close(expected[2], a[90:130].double().T @ b[90:130].double())
+    torch.testing.assert_close(expected[3], a[200:207].double().T @ b[200:207].double())
+    assert bool((expected[1] == 0).all()) and bool((expected[4] == 0).all())
+    out = k_grouped_gemm(a, b, plan, scale=-2.0)
+    assert not bool(torch.signbit(out[1]).any()), "empty experts give +0, even for scale < 0"
+    torch.testing.assert_close(out.double(), -2.0 * expected, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("value,enabled", [(None, True), ("1", True), ("0", False), (" ", True)])
+def test_wgrad_engine_switch(monkeypatch, value, enabled):
+    from megamoe.fused_backward import WGRAD_ENGINE_VAR, wgrad_engine_enabled
+
+    if value is None:
+        monkeypatch.delenv(WGRAD_ENGINE_VAR, raising=False)
+    else:
+        monkeypatch.setenv(WGRAD_ENGINE_VAR, value)
+    assert wgrad_engine_enabled() is enabled
+
+
+def test_wgrad_engine_switch_rejects_other_values(monkeypatch):
+    from megamoe.fused_backward import WGRAD_ENGINE_VAR, wgrad_engine_enabled
+
+    monkeypatch.setenv(WGRAD_ENGINE_VAR, "torch")
+    with pytest.raises(ValueError, match=f"^{WGRAD_ENGINE_VAR}"):
+        wgrad_engine_enabled()

@@ -179,6 +179,24 @@ def test_mn_major_engine_decode_is_the_transient_decode(block_n, tokens, experts
     assert_close_to_oracle("out", out[:rows], expected)
 
 
+@pytest.mark.parametrize("block_n", [128, 256])
+def test_mn_major_engine_decode_with_bf16_extra_columns(block_n):
+    """dgrad1 with an adapter on an MXFP4 base: the base tiles decode codes, the BF16
+    extra segment (the b1/b3 shrink columns, MN-major) does not."""
+    plan, a = pool_for(900, 8, 3, 128, 512, seed=31)
+    codes, scales = mxfp4_operand(8, 512, 704, seed=32)
+    gen = torch.Generator(device="cuda").manual_seed(33)
+    extra = (torch.randn(8, 512, 96, device="cuda", generator=gen) * 0.05).bfloat16()
+    out = grouped_gemm(
+        a, codes, plan, b_major="mn", b_scales=scales, block_n=block_n, b_extra=extra
+    )
+    decoded = decode_mxfp4_bf16(codes, scales)
+    twin = grouped_gemm(a, decoded, plan, b_major="mn", block_n=block_n, b_extra=extra)
+    rows = int(plan.expert_pool_offsets[-1])
+    assert out.shape[1] == 704 + 96
+    assert same_bits(out[:rows], twin[:rows])
+
+
 @pytest.mark.parametrize("inter", [384, 512])  # BLOCK_N 128 and 256
 @pytest.mark.parametrize("weighted_h", [True, False])
 def test_fused_dgrad2_engine_decode_is_the_transient_decode(weighted_h, inter):

@@ -119,16 +119,65 @@ def test_counts_shorter_than_segments_and_gaps():
     check(k_grouped_gemm(a, b, plan), a, b, plan)
 
 
-@pytest.mark.parametrize("scale", [0.5, 3.0, 0.0])
-def test_scale_is_applied_before_the_rounding(scale):
-    plan = routed_plan(400, 4, 2, 128, "balanced", seed=2)
+@pytest.mark.parametrize("scale", [0.5, 3.0, -1.5, 0.0])
+def test_scale(scale):
+    plan = routed_plan(400, 4, 2, 128, "empty", seed=2)
     a = bf16(plan.pool_capacity, 64, 11)
     b = bf16(plan.pool_capacity, 256, 12)
     out = k_grouped_gemm(a, b, plan, scale=scale)
     if scale == 0.0:
-        assert bool((out == 0).all())
+        assert bool((out == 0).all()) and not bool(torch.signbit(out.float()).any())
     else:
-        check(out, a, b, plan, scale=scale)
+        check(out, a, b, plan, scale=scale)  # empty experts: +0 even for a negative scale
+
+
+def test_scale_is_applied_before_the_one_rounding():
+    """Small integers make the FP32 sums exact: the output must be bf16(3 * sum), which
+    differs from 3 * bf16(sum) wherever the sum needs more than 8 significant bits."""
+    plan = routed_plan(600, 4, 2, 128, "skewed", seed=8)
+    generator = torch.Generator(device="cuda").manual_seed(20)
+    a = torch.randint(-3, 4, (plan.pool_capacity, 64), device="cuda", generator=generator)
+    b = torch.randint(-3, 4, (plan.pool_capacity, 128), device="cuda", generator=generator)
+    a, b = a.bfloat16(), b.bfloat16()
+    out = k_grouped_gemm(a, b, plan, scale=3.0)
+    exact = k_grouped_gemm_reference(a, b, plan)
+    assert torch.equal(out, (3.0 * exact).bfloat16())
+    rounded_twice = (3.0 * exact.bfloat16().double()).bfloat16()
+    assert not torch.equal(out, rounded_twice), "the inputs must tell the two orders apart"
+
+
+def test_corrupt_plans_stay_in_bounds():
+    """Counts past their segment, negative and decreasing offsets, offsets past the
+    pool: the kernel clamps each expert to its segment and the pool (like the twin)."""
+    capacity = 300
+    plan = RoutePlan(
+        expert_counts=torch.tensor([500, 10, 40, 7, 64], dtype=torch.int32, device="cuda"),
+        expert_pool_offsets=torch.tensor(
+            [-50, 100, 90, 200, 10_000, 10_100], dtype=torch.int32, device="cuda"
+        ),
+        route_to_pool_row=torch.zeros(1, 1, dtype=torch.int32, device="cuda"),
+        pool_row_to_route=torch.full((capacity,), -1, dtype=torch.int32, device="cuda"),
+        block_m=1,
+    )
+    a = bf16(capacity, 64, 21)
+    b = bf16(capacity, 128, 22)
+    out = k_grouped_gemm(a, b, plan)
+    expected = k_grouped_gemm_reference(a, b, plan)
+    # Clamped: expert 0 rows [0, 100); 1 none (100 > 90); 2 rows [90, 130); 3 rows
+    # [200, 207); 4 none (past the pool).
+    assert bool((out[1] == 0).all()) and bool((out[4] == 0).all())
+    for e in (0, 2, 3):
+        assert_close_to_oracle(f"out[{e}]", out[e], expected[e])
+    manual = a[90:130].double().T @ b[90:130].double()
+    assert torch.allclose(expected[2], manual)
+
+
+def test_empty_pool_gives_zeros():
+    plan = hand_plan([0, 0, 0], [0, 0, 0])
+    a = torch.empty(0, 64, dtype=torch.bfloat16, device="cuda")
+    b = torch.empty(0, 128, dtype=torch.bfloat16, device="cuda")
+    out = k_grouped_gemm(a, b, plan, out=torch.full((3, 64, 128), 7.0, device="cuda").bfloat16())
+    assert bool((out == 0).all())
 
 
 def test_column_slice_of_a_wider_pool():
