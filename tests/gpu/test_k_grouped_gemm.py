@@ -121,7 +121,7 @@ def test_counts_shorter_than_segments_and_gaps():
 
 @pytest.mark.parametrize("scale", [0.5, 3.0, -1.5, 0.0])
 def test_scale(scale):
-    plan = routed_plan(400, 4, 2, 128, "empty", seed=2)
+    plan = routed_plan(400, 8, 2, 128, "empty", seed=2)
     a = bf16(plan.pool_capacity, 64, 11)
     b = bf16(plan.pool_capacity, 256, 12)
     out = k_grouped_gemm(a, b, plan, scale=scale)
