@@ -61,6 +61,20 @@ def main(argv: list[str] | None = None) -> int:
         return (torch.randn(*shape, device=device, generator=gen) * scale).bfloat16()
 
     results = []
+
+    def time_cases(name: str, cases: dict, flops: float) -> None:
+        """Time each case of one GEMM and append its row to ``results``."""
+        for case, fn in cases.items():
+            timing = time_fn(fn, device=device, warmup=args.warmup, iters=args.iters)
+            results.append(
+                {
+                    "gemm": name,
+                    "case": case,
+                    "median_ms": timing.median_ms,
+                    "tflops": flops / timing.median_ms / 1e9,
+                }
+            )
+
     # gemm1/gemm2: the forward (B K-major, [E, N, K]). dgrad1/dgrad2: the backward's
     # data grads, which read the same weights transposed (B MN-major, [E, K, N]).
     shapes = {
@@ -123,16 +137,7 @@ def main(argv: list[str] | None = None) -> int:
             cases["torch._grouped_mm"] = lambda a=a_dense, b=b_kn: torch._grouped_mm(
                 a, b, offs=offs
             )
-        for case, fn in cases.items():
-            timing = time_fn(fn, device=device, warmup=args.warmup, iters=args.iters)
-            results.append(
-                {
-                    "gemm": name,
-                    "case": case,
-                    "median_ms": timing.median_ms,
-                    "tflops": flops / timing.median_ms / 1e9,
-                }
-            )
+        time_cases(name, cases, flops)
         del a, b
     # K-grouped weight gradients: out[e] = a_e^T b_e over each expert's rows.
     wgrads = {
@@ -152,16 +157,7 @@ def main(argv: list[str] | None = None) -> int:
                 a.T, b, offs=offs
             )
         flops = 2.0 * routes * m * n
-        for case, fn in cases.items():
-            timing = time_fn(fn, device=device, warmup=args.warmup, iters=args.iters)
-            results.append(
-                {
-                    "gemm": name,
-                    "case": case,
-                    "median_ms": timing.median_ms,
-                    "tflops": flops / timing.median_ms / 1e9,
-                }
-            )
+        time_cases(name, cases, flops)
         del a, b
     base = {r["gemm"]: r["median_ms"] for r in results if r["case"] == "torch._grouped_mm"}
     print(f"T={args.tokens} E={e} K={args.top_k} H={h} I={i} BLOCK_M={block_m} rows={rows}")
