@@ -24,9 +24,8 @@ import torch.nn.functional as F
 
 from . import _native
 from ._checks import check_choice, check_tensor
-from .grouped_gemm import ACTIVATIONS, _device_sms, _mxfp4_operand, grouped_gemm
+from .grouped_gemm import ACTIVATIONS, _dequantized, _device_sms, _mxfp4_operand, grouped_gemm
 from .heuristics import get_block_n
-from .mxfp4 import dequantize_mxfp4
 from .registry import registry
 from .routing import RoutePlan
 
@@ -240,7 +239,7 @@ def fused_dgrad2_activation_backward(
     if w2_scales is not None:
         _, engine_scales = _mxfp4_operand("w2", w2, w2_scales, preact.device, "mn")
         if not preact.is_cuda:
-            w2 = dequantize_mxfp4(w2, w2_scales, axis=-1, dtype=torch.bfloat16)
+            w2 = _dequantized(w2, w2_scales)
     else:
         check_tensor("w2", w2, ndim=3, dtypes=(torch.bfloat16,), device=preact.device)
     capacity = plan.pool_capacity

@@ -44,7 +44,7 @@ import torch
 from . import pool
 from .activation_backward import activation_backward, fused_dgrad2_activation_backward
 from .fused_forward import ForwardState, recompute_preact
-from .grouped_gemm import grouped_gemm
+from .grouped_gemm import block_diagonal_side_weights, grouped_gemm
 from .heuristics import get_block_n
 from .k_grouped_gemm import k_grouped_gemm
 from .registry import registry
@@ -114,17 +114,6 @@ def _stack_k_rows(w2: torch.Tensor, a2_t: torch.Tensor) -> torch.Tensor:
     out[:, :hidden].copy_(w2)
     out[:, hidden:].copy_(a2_t)
     return out
-
-
-def _side_shrink_weights(b1: torch.Tensor, b3: torch.Tensor, interleave: int) -> torch.Tensor:
-    """``[E, 2I, 2r]``: ``(dg | du) @ this = (dg b1_e^T | du b3_e^T)`` with ``dg | du``
-    in ``w13``'s interleave (gate rows meet ``b1^T``, up rows ``b3^T``, zeros between)."""
-    experts, rank, intermediate = b1.shape
-    blocks = intermediate // interleave
-    weights = b1.new_zeros(experts, blocks, 2, interleave, 2 * rank)
-    weights[:, :, 0, :, :rank] = b1.transpose(1, 2).reshape(experts, blocks, interleave, rank)
-    weights[:, :, 1, :, rank:] = b3.transpose(1, 2).reshape(experts, blocks, interleave, rank)
-    return weights.view(experts, 2 * intermediate, 2 * rank)
 
 
 def _deinterleave(t: torch.Tensor, interleave: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -310,7 +299,12 @@ def pool_backward(
         local["b3"] = up_cols[:, rank:].contiguous()
 
     # dgrad1 and the b1/b3 shrinks.
-    shrink_weights = _side_shrink_weights(side.b1, side.b3, interleave) if use_side else None
+    # (dg | du) @ this = (dg b1_e^T | du b3_e^T): GEMM1's block-diagonal side weights.
+    shrink_weights = None
+    if use_side:
+        shrink_weights = block_diagonal_side_weights(
+            side.b1.transpose(1, 2), side.b3.transpose(1, 2), interleave
+        )
     if dgrad1_on_engine:
         # One GEMM: the shrinks are 2r extra N columns of dgrad1 (dg | du read once).
         out = dgrad1(dgrad_preact, shrink_weights)  # [P, H (+ 2r)]

@@ -93,15 +93,16 @@ def block_diagonal_side_weights(
     GEMM1 then runs the side segment as ordinary full-width K steps (the kernel has a
     single MMA path; the zero halves cost 2r/H more MMA work, 6% at r=128, H=4096).
     Built per call from ``side_b_gate``/``side_b_up`` (``[E, I, r]``; trainable adapters
-    change every step): 4r bytes per row of ``w13``. With finite ``q1``/``q3`` the zero
+    change every step): 4r bytes per row of ``w13``. The backward's ``b1``/``b3`` shrinks
+    ``(dg | du) @ this`` use the same matrix. With finite ``q1``/``q3`` the zero
     halves add exact zeros; a non-finite ``q3`` (``q1``) also makes the gate (up) sums
     NaN (0 x Inf), where the CPU twin's separate sums would not.
     """
     experts, intermediate, rank = side_b_gate.shape
     blocks = intermediate // interleave
     side = side_b_gate.new_zeros(experts, blocks, 2, interleave, 2 * rank)
-    side[:, :, 0, :, :rank] = side_b_gate.view(experts, blocks, interleave, rank)
-    side[:, :, 1, :, rank:] = side_b_up.view(experts, blocks, interleave, rank)
+    side[:, :, 0, :, :rank] = side_b_gate.reshape(experts, blocks, interleave, rank)
+    side[:, :, 1, :, rank:] = side_b_up.reshape(experts, blocks, interleave, rank)
     return side.view(experts, 2 * intermediate, 2 * rank)
 
 
