@@ -41,6 +41,8 @@ _ADAPTER_NAMES = ("a1", "b1", "a3", "b3", "a2", "b2")
 _BASE_NAMES = ("w13", "w2")
 # prepare_base_weights takes BF16 or FP32; FP32 keeps master weights for the optimizer.
 _PARAM_DTYPES = (torch.bfloat16, torch.float32)
+# Router weights: FP32, or BF16 as an HF router in a BF16 model returns them.
+_ROUTER_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
 
 
 class MegaMoE(nn.Module):
@@ -265,13 +267,24 @@ class MegaMoE(nn.Module):
             getattr(self, name).copy_(value)
         self.side_scale = side.scale
 
-    # The scale is a hyperparameter, not a tensor; keeping it in the state dict makes a
-    # checkpoint of converted adapters (whose scale came with them) self-contained.
-    def get_extra_state(self) -> dict:
-        return {"side_scale": self.side_scale}
+    # The scale is a hyperparameter; keeping it in the state dict makes a checkpoint of
+    # converted adapters (whose scale came with them) self-contained. It is stored as a
+    # 0-d float64 tensor because save_pretrained (huggingface_hub / safetensors) accepts
+    # tensors only; a dict from an older checkpoint is still read.
+    def get_extra_state(self) -> torch.Tensor:
+        return torch.tensor(self.side_scale, dtype=torch.float64)
 
-    def set_extra_state(self, state: dict) -> None:
-        self.side_scale = check_finite_float("side_scale", state["side_scale"])
+    def set_extra_state(self, state: torch.Tensor | dict) -> None:
+        if isinstance(state, dict):
+            state = state["side_scale"]
+        if isinstance(state, torch.Tensor):
+            if state.numel() != 1:
+                raise ValueError(
+                    f"_extra_state: expected the side scale as one value, got shape "
+                    f"{list(state.shape)}"
+                )
+            state = state.item()
+        self.side_scale = check_finite_float("side_scale", state)
 
     # ------------------------------------------------------------- base cache
 
@@ -288,6 +301,12 @@ class MegaMoE(nn.Module):
         if self.trainable_base:
             self._base_cache = None  # don't hold a stale frozen copy next to a live one
             return prepare_base_weights(self.w13, self.w2, format=self.base_format)
+        if torch.compiler.is_compiling():
+            # Traced: the cache key reads data_ptr and the version counter, which a
+            # compiled graph cannot; prepare inside the graph instead (for BF16 a view
+            # of the parameters once prepare_base_weights reads the user's layout).
+            with torch.no_grad():
+                return prepare_base_weights(self.w13, self.w2, format=self.base_format)
         key = self._base_key()
         if key is not None and self._base_cache is not None and self._base_cache[0] == key:
             return self._base_cache[1]
@@ -328,10 +347,19 @@ class MegaMoE(nn.Module):
                 the reference).
             topk_ids: ``[T, K]`` int32/int64 expert ids, ``-1`` = masked route;
                 ``K`` must equal ``top_k``.
-            topk_weights: ``[T, K]`` float32 router weights (differentiable).
+            topk_weights: ``[T, K]`` router weights, float32 or bfloat16 (an HF router
+                in a BF16 model returns BF16; cast to float32 here, differentiably, so
+                the router gradient comes back in the router's dtype).
 
         Returns:
             ``[T, H]`` in ``x.dtype`` (the reference computes in float32 and casts).
+
+        Raises:
+            ValueError: an expert id outside ``[-1, num_experts)``. Both backends reject
+                them (the fused op in its id check; here for the reference, which would
+                otherwise treat them as routes to another rank). Masking another rank's
+                routes is the caller's job (the HF integration maps HF's sentinel ids to
+                ``-1``: :func:`megamoe.integrations.transformers.mask_foreign_ids`).
         """
         check_tensor("x", x, ndim=2)
         if x.shape[1] != self.hidden:
@@ -344,6 +372,11 @@ class MegaMoE(nn.Module):
                 f"topk_ids: expected shape [T, {self.top_k}] (top_k={self.top_k}), got "
                 f"{list(topk_ids.shape)}"
             )
+        check_tensor("topk_weights", topk_weights, ndim=2, dtypes=_ROUTER_DTYPES)
+        if topk_weights.dtype == torch.bfloat16:
+            topk_weights = topk_weights.to(torch.float32)
+        if self.backend == "reference":
+            self._check_ids(topk_ids)
         base = self.base_weights()
         side = self.side_lora()
         kwargs = {"activation": self.activation, "activation_clamp": self.activation_clamp}
@@ -361,6 +394,20 @@ class MegaMoE(nn.Module):
             activation_checkpoint=self.activation_checkpoint,
             **kwargs,
         )
+
+    def _check_ids(self, topk_ids: torch.Tensor) -> None:
+        """Reject ids outside ``[-1, num_experts)`` (the fused op's rule; the reference
+        alone would take ids >= E_l as remote routes). Reads the extremes back to the
+        host, so the reference backend is not capturable in a CUDA graph."""
+        if topk_ids.numel() == 0 or topk_ids.dtype not in (torch.int32, torch.int64):
+            return  # empty; a wrong dtype is reported by the reference's own check
+        lowest, highest = int(topk_ids.min()), int(topk_ids.max())
+        if lowest < -1 or highest >= self.num_experts:
+            bad = highest if highest >= self.num_experts else lowest
+            raise ValueError(
+                f"topk_ids: expected expert ids in [0, {self.num_experts}) or -1 (masked "
+                f"route), got {bad}; map other ranks' experts to -1 before the call"
+            )
 
     def extra_repr(self) -> str:
         base = "trainable" if self.trainable_base else "frozen"

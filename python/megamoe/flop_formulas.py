@@ -1,0 +1,117 @@
+"""FLOP formulas for megamoe's custom ops, for ``torch.utils.flop_counter``.
+
+Registering them (importing this module, which the package does) lets
+``torch.utils.flop_counter.FlopCounterMode`` count ``mm.moe`` calls, which it would
+otherwise report as zero (an opaque custom op has no decomposition to count).
+
+What is counted: the multiply-adds of DESIGN §1's math, 2 FLOPs each, for every route
+``(t, k)`` as if none were masked. The formulas see shapes only (no values: they run on
+fake tensors too), so masked routes and the pool's padding rows cannot be told apart;
+for a router that masks nothing this is the exact model FLOP count, otherwise an upper
+bound. Elementwise work (activation, scaling, the combine) is not counted, as
+FlopCounterMode counts none for aten either. With ``T`` tokens, ``K`` routes per token,
+hidden ``H``, intermediate ``I`` and adapter rank ``r``:
+
+- forward: base ``6 T K H I`` (GEMM1 ``[x] w13^T`` and GEMM2 ``h w2^T``); side-LoRA
+  ``6 T H r`` (``x a1``, ``x a3``, ``(sum_k w p) b2``) plus ``6 T K I r`` (``q b1``,
+  ``q b3``, ``h a2``);
+- backward: the data gradients ``6 T K H I`` (dgrad2 and dgrad1) plus ``2 T K I`` (the
+  router gradient's dots); the base weight gradients another ``6 T K H I`` (ordinary
+  mode); side-LoRA data gradients ``6 T H r + 6 T K I r`` and side weight gradients
+  ``6 T H r + 6 T K I r``; with activation checkpointing the recomputed GEMM1 ``4 T K H
+  I`` (+ ``4 T K I r`` for its side segment).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch.utils.flop_counter import register_flop_formula
+
+from . import ops  # noqa: F401  (defines the torch.ops.megamoe.* ops registered below)
+
+__all__ = ["backward_flops", "forward_flops"]
+
+Shape = Sequence[int]
+
+
+def _dims(x: Shape, topk_ids: Shape, w13: Shape) -> tuple[int, int, int, int]:
+    """``(T, K, H, I)``; ``H`` from ``x`` (an MXFP4 ``w13`` holds ``H/2`` bytes a row)."""
+    tokens, hidden = x
+    top_k = topk_ids[1]
+    return tokens, top_k, hidden, w13[1] // 2
+
+
+def forward_flops(tokens: int, top_k: int, hidden: int, intermediate: int, rank: int) -> int:
+    """FLOPs of one forward (``rank`` 0: no adapters); see the module docstring."""
+    t, k, h, i, r = tokens, top_k, hidden, intermediate, rank
+    return 6 * t * k * h * i + 6 * t * h * r + 6 * t * k * i * r
+
+
+def backward_flops(
+    tokens: int,
+    top_k: int,
+    hidden: int,
+    intermediate: int,
+    rank: int,
+    *,
+    base_grads: bool,
+    side_grads: bool,
+    recompute: bool,
+) -> int:
+    """FLOPs of one backward; see the module docstring."""
+    t, k, h, i, r = tokens, top_k, hidden, intermediate, rank
+    flops = 6 * t * k * h * i + 2 * t * k * i
+    if base_grads:
+        flops += 6 * t * k * h * i
+    if r:
+        flops += 6 * t * h * r + 6 * t * k * i * r
+        if side_grads:
+            flops += 6 * t * h * r + 6 * t * k * i * r
+    if recompute:
+        flops += 4 * t * k * h * i + 4 * t * k * i * r
+    return flops
+
+
+def _rank(a1: Shape | None, scale: float) -> int:
+    # A zero scale runs the no-adapter path (bitwise equal to side=None).
+    return 0 if a1 is None or scale == 0.0 else a1[1]
+
+
+@register_flop_formula(torch.ops.megamoe.moe_forward)
+def _moe_forward_flops(x, topk_ids, topk_weights, w13, w2, w13_scales, w2_scales, side, scale,
+                       *args, out_shape=None, **kwargs) -> int:  # fmt: skip
+    a1 = side[0] if side else None
+    return forward_flops(*_dims(x, topk_ids, w13), _rank(a1, scale))
+
+
+@register_flop_formula(torch.ops.megamoe.moe_train_forward)
+def _moe_train_forward_flops(x, topk_ids, topk_weights, w13, w2, w13_scales, w2_scales,
+                             a1, b1, a3, b3, a2, b2, scale,
+                             *args, out_shape=None, **kwargs) -> int:  # fmt: skip
+    return forward_flops(*_dims(x, topk_ids, w13), _rank(a1, scale))
+
+
+@register_flop_formula(torch.ops.megamoe.moe_backward)
+def _moe_backward_flops(dout, x, topk_weights, w13, w2, w13_scales, w2_scales,
+                        a1, b1, a3, b3, a2, b2, scale, activation, activation_clamp,
+                        expert_counts, expert_pool_offsets, route_to_pool_row,
+                        pool_row_to_route, preact, q13, p_sum, base_grads, side_grads,
+                        *args, out_shape=None, **kwargs) -> int:  # fmt: skip
+    tokens, top_k = route_to_pool_row
+    hidden = x[1]
+    intermediate = w13[1] // 2
+    # The forward saved q13 = [x a1 | x a3] only when the side path ran.
+    rank = q13[1] // 2 if len(q13) == 2 and q13[0] > 0 else 0
+    recompute = preact[0] == 0 if len(preact) == 1 else False
+    return backward_flops(
+        tokens,
+        top_k,
+        hidden,
+        intermediate,
+        rank,
+        base_grads=bool(base_grads),
+        side_grads=bool(side_grads),
+        recompute=recompute,
+    )
