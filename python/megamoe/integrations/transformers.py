@@ -733,7 +733,7 @@ def load_side_lora(
             lora_alpha=config["lora_alpha"],
             use_rslora=bool(config.get("use_rslora", False)),
         )
-        side = _read_fused(state, prefix, options, split_gate_up)
+        side = _read_fused(state, prefix, options, split_gate_up, int(config["r"]))
         weight = module.gate_up_proj
         want = dtype or (weight.dtype if weight.dtype in _ADAPTER_DTYPES else torch.bfloat16)
         adapter = SideLoRAAdapter(
@@ -753,12 +753,24 @@ def load_side_lora(
     return names
 
 
-def _read_fused(state, prefix: str, options: dict, split_gate_up: bool | None) -> SideLoRA:
+def _split_rank(file_rank: int) -> int:
+    """megamoe's rank for a gate/up adapter of rank ``2r`` read split: ``r``, rounded
+    up to the kernels' rank multiple. Passing it trims the down pair's zero padding
+    (a stacked export pads down to ``2r``), which the converter would otherwise keep."""
+    half = max(file_rank // 2, 1)
+    return -(-half // SIDE_RANK_MULTIPLE) * SIDE_RANK_MULTIPLE
+
+
+def _read_fused(
+    state, prefix: str, options: dict, split_gate_up: bool | None, file_rank: int
+) -> SideLoRA:
+    split = {"split_gate_up": True, "rank": _split_rank(file_rank)}
     if split_gate_up is not None:
-        return side_lora_from_peft_fused(state, prefix, split_gate_up=split_gate_up, **options)
+        kwargs = split if split_gate_up else {"split_gate_up": False}
+        return side_lora_from_peft_fused(state, prefix, **kwargs, **options)
     try:
-        return side_lora_from_peft_fused(state, prefix, split_gate_up=True, **options)
-    except ValueError:  # not block-diagonal (or an odd rank): one shared A
+        return side_lora_from_peft_fused(state, prefix, **split, **options)
+    except ValueError:  # not block-diagonal, or down uses all 2r slots: one shared A
         return side_lora_from_peft_fused(state, prefix, split_gate_up=False, **options)
 
 
@@ -831,15 +843,16 @@ def load_megatron_state_dict(
             continue
         experts, _, _ = _dims(module)
         options = dict(alpha=alpha, num_experts=experts)
+        dim = state_dict[f"{prefix}.linear_fc1.adapter.linear_in.weight"].shape[-2]
+        split = {"split_gate_up": True, "rank": _split_rank(dim)}
         if split_gate_up is None:
             try:
-                side = side_lora_from_megatron(state_dict, prefix, split_gate_up=True, **options)
-            except ValueError:
+                side = side_lora_from_megatron(state_dict, prefix, **split, **options)
+            except ValueError:  # not block-diagonal: one shared A
                 side = side_lora_from_megatron(state_dict, prefix, split_gate_up=False, **options)
         else:
-            side = side_lora_from_megatron(
-                state_dict, prefix, split_gate_up=split_gate_up, **options
-            )
+            kwargs = split if split_gate_up else {"split_gate_up": False}
+            side = side_lora_from_megatron(state_dict, prefix, **kwargs, **options)
         weight = module.gate_up_proj
         want = dtype or (weight.dtype if weight.dtype in _ADAPTER_DTYPES else torch.bfloat16)
         adapter = SideLoRAAdapter(

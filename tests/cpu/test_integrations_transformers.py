@@ -1,0 +1,532 @@
+"""megamoe's HF transformers experts implementation, against transformers itself (CPU).
+
+Tiny Qwen3-MoE and DeepSeek-V3 models are built from a config and run with
+``experts_implementation="megamoe_reference"`` (megamoe's float32 reference behind the
+same integration code as ``"megamoe_fused"``: weight layout, activation, clamp, routing
+dtype, sentinel ids, adapters). The oracle is transformers' own ``grouped_mm`` experts
+path on the same float32 model; the weights are rounded to BF16 values first because
+megamoe's base is BF16 (``prepare_base_weights`` rounds), so both sides compute on the
+same values and differ only by float32 summation order.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+transformers = pytest.importorskip("transformers", minversion="5.0")
+from transformers.activations import ACT2FN  # noqa: E402
+from transformers.integrations.moe import (  # noqa: E402
+    ExpertsInterface,
+    grouped_mm_experts_forward,
+    use_experts_implementation,
+)
+
+import megamoe.integrations.transformers as mhf  # noqa: E402
+
+VOCAB, H, I, E, K = 128, 64, 64, 8, 2
+
+
+def qwen3_config(**overrides):
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=H,
+        intermediate_size=128,
+        moe_intermediate_size=I,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        num_experts=E,
+        num_experts_per_tok=K,
+        max_position_embeddings=64,
+    )
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return config
+
+
+def deepseek_v3_config():
+    return transformers.DeepseekV3Config(
+        vocab_size=VOCAB,
+        hidden_size=H,
+        intermediate_size=128,
+        moe_intermediate_size=I,
+        num_hidden_layers=2,
+        first_k_dense_replace=1,
+        n_routed_experts=E,
+        num_experts_per_tok=K,
+        n_group=2,
+        topk_group=1,
+        n_shared_experts=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        q_lora_rank=None,
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=16,
+        v_head_dim=16,
+        max_position_embeddings=64,
+    )
+
+
+MODELS = {
+    "qwen3_moe": (qwen3_config, transformers.Qwen3MoeForCausalLM),
+    "deepseek_v3": (deepseek_v3_config, transformers.DeepseekV3ForCausalLM),
+}
+
+
+def build(kind: str, seed: int = 0):
+    make_config, cls = MODELS[kind]
+    torch.manual_seed(seed)
+    model = cls(make_config())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)
+            p.copy_(p.to(torch.bfloat16))  # BF16 values (see the module docstring)
+    return model
+
+
+def tokens(seed: int = 1, batch: int = 2, length: int = 16) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def loss_and_grads(model, ids):
+    model.zero_grad(set_to_none=True)
+    out = model(ids, labels=ids)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.logits.detach(), out.loss.detach(), grads
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, what: str, rtol: float | None = None):
+    if rtol is None:
+        # The base's gradient passes prepare_base_weights' differentiable BF16 cast, so
+        # it arrives BF16-rounded (as from the fused kernels): one rounding, <= 2^-8.
+        rtol = 4e-3 if what.endswith(("gate_up_proj", "down_proj")) else 1e-4
+    got, want = got.double(), want.double()
+    rel = (got - want).norm() / want.norm().clamp_min(1e-30)
+    assert torch.isfinite(got).all(), what
+    assert rel <= rtol, f"{what}: relative L2 {rel.item():.3e} > {rtol}"
+
+
+# ----------------------------------------------------------------- registration
+
+
+def test_names_are_registered_and_collide_with_nothing_hf_registers():
+    interface = ExpertsInterface()
+    assert interface[mhf.FUSED] is mhf.fused_experts_forward
+    assert interface[mhf.REFERENCE] is mhf.reference_experts_forward
+    # HF's own names (experts interface, FP8 experts, tensor-parallel styles) are untouched.
+    assert mhf.FUSED not in ("deepgemm_megamoe", "megamoe_router", "megamoe_experts")
+    assert interface["grouped_mm"] is grouped_mm_experts_forward
+    mhf.register()  # idempotent
+
+
+def test_register_refuses_to_replace_a_foreign_implementation(monkeypatch):
+    monkeypatch.setitem(ExpertsInterface._global_mapping, mhf.FUSED, grouped_mm_experts_forward)
+    with pytest.raises(RuntimeError, match="already registers"):
+        mhf.register()
+
+
+# ------------------------------------------------------------ model vs grouped_mm
+
+
+@pytest.mark.parametrize("kind", sorted(MODELS))
+def test_logits_and_every_gradient_match_grouped_mm(kind):
+    model = build(kind)
+    ids = tokens()
+    model.set_experts_implementation("grouped_mm")
+    logits_hf, loss_hf, grads_hf = loss_and_grads(model, ids)
+    model.set_experts_implementation(mhf.REFERENCE)
+    logits, loss, grads = loss_and_grads(model, ids)
+    assert_close(logits, logits_hf, "logits", rtol=1e-5)
+    assert abs(loss.item() - loss_hf.item()) <= 1e-5 * abs(loss_hf.item())
+    assert grads.keys() == grads_hf.keys()
+    assert any("experts.gate_up_proj" in n for n in grads)  # trainable base reached
+    for name in grads_hf:
+        assert_close(grads[name], grads_hf[name], name)
+
+
+def test_from_pretrained_with_experts_implementation(tmp_path):
+    model = build("qwen3_moe")
+    model.save_pretrained(tmp_path)
+    ids = tokens()
+    cls = transformers.Qwen3MoeForCausalLM
+    ours = cls.from_pretrained(tmp_path, experts_implementation=mhf.REFERENCE)
+    hf = cls.from_pretrained(tmp_path, experts_implementation="grouped_mm")
+    assert ours.config._experts_implementation == mhf.REFERENCE
+    with torch.no_grad():  # inference
+        assert_close(ours(ids).logits, hf(ids).logits, "logits", rtol=1e-5)
+    fused = cls.from_pretrained(tmp_path, experts_implementation=mhf.FUSED)
+    with pytest.raises(RuntimeError, match=r"Hopper GPU \(sm_90"):
+        fused(ids)
+
+
+def test_twenty_adamw_steps_follow_grouped_mm():
+    curves = {}
+    for impl in ("grouped_mm", mhf.REFERENCE):
+        model = build("qwen3_moe", seed=3)
+        model.set_experts_implementation(impl)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        curve = []
+        for step in range(20):
+            ids = tokens(seed=100 + step)
+            loss = model(ids, labels=ids).loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            curve.append(loss.item())
+        curves[impl] = torch.tensor(curve)
+    ours, hf = curves[mhf.REFERENCE], curves["grouped_mm"]
+    assert ours[-1] < ours[0]
+    assert torch.allclose(ours, hf, rtol=1e-3, atol=0), (ours, hf)
+
+
+# ------------------------------------------------------------- experts module level
+
+
+def qwen3_experts(seed: int = 0, **config_overrides) -> nn.Module:
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    torch.manual_seed(seed)
+    module = Qwen3MoeExperts(qwen3_config(**config_overrides))
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(0.0, 0.2)
+            p.copy_(p.to(torch.bfloat16))
+    return module
+
+
+def routing(tokens_: int, experts: int, seed: int = 0, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens_, H, generator=gen)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:K] for _ in range(tokens_)])
+    weights = torch.rand(tokens_, K, generator=gen).to(dtype)
+    return x, ids, weights
+
+
+def run(forward, module, x, ids, weights):
+    module.zero_grad(set_to_none=True)
+    x = x.clone().requires_grad_(True)
+    weights = weights.clone().requires_grad_(True)
+    out = forward(module, x, ids, weights)
+    out.backward(torch.linspace(-1, 1, out.numel()).view_as(out))
+    grads = {"x": x.grad, "weights": weights.grad}
+    grads.update({n: p.grad for n, p in module.named_parameters()})
+    return out.detach(), grads
+
+
+def test_expert_parallel_sentinel_ids_are_masked_like_grouped_mm():
+    module = qwen3_experts()
+    x, ids, weights = routing(24, E)
+    # HF's EP router: routes to other ranks get the sentinel E_l and a zero weight.
+    foreign = torch.rand(ids.shape, generator=torch.Generator().manual_seed(5)) < 0.3
+    ids = torch.where(foreign, torch.full_like(ids, E), ids)
+    weights = torch.where(foreign, torch.zeros_like(weights), weights)
+    got, got_grads = run(mhf.reference_experts_forward, module, x, ids, weights)
+    want, want_grads = run(grouped_mm_experts_forward, module, x, ids, weights)
+    assert_close(got, want, "out", rtol=1e-5)
+    for name in want_grads:
+        assert_close(got_grads[name], want_grads[name], name)
+    # The masked slots' router gradient is exactly zero, as grouped_mm's.
+    assert torch.all(got_grads["weights"][foreign] == 0)
+    masked = mhf.mask_foreign_ids(ids, E)
+    assert torch.equal(masked, torch.where(foreign, torch.full_like(ids, -1), ids))
+    assert masked is not ids and int(ids.max()) == E  # the caller's routing is kept
+
+
+def test_bf16_router_weights_are_accepted_and_get_a_bf16_gradient():
+    module = qwen3_experts()
+    x, ids, weights = routing(16, E, dtype=torch.bfloat16)
+    got, grads = run(mhf.reference_experts_forward, module, x, ids, weights)
+    want, want_grads = run(mhf.reference_experts_forward, module, x, ids, weights.float())
+    assert grads["weights"].dtype == torch.bfloat16
+    assert torch.equal(got, want)
+    assert torch.equal(grads["weights"], want_grads["weights"].to(torch.bfloat16))
+
+
+def test_gelu_tanh_config_maps_to_geglu():
+    module = qwen3_experts(hidden_act="gelu_pytorch_tanh")
+    assert mhf.experts_spec(module) == mhf.ExpertsSpec("geglu", None)
+    x, ids, weights = routing(16, E)
+    got, _ = run(mhf.reference_experts_forward, module, x, ids, weights)
+    want, _ = run(grouped_mm_experts_forward, module, x, ids, weights)
+    assert_close(got, want, "out", rtol=1e-5)
+
+
+def test_swiglu_limit_maps_to_the_clamp_deepseek_v4():
+    v4 = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
+    config = transformers.DeepseekV4Config(
+        hidden_size=H, moe_intermediate_size=I, intermediate_size=I, num_local_experts=E,
+        n_routed_experts=E, swiglu_limit=0.5, hidden_act="silu",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    module = v4.DeepseekV4Experts(config)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(0.0, 0.5)
+            p.copy_(p.to(torch.bfloat16))
+    assert mhf.experts_spec(module) == mhf.ExpertsSpec("swiglu", 0.5)
+    x, ids, weights = routing(32, E)
+    got, got_grads = run(mhf.reference_experts_forward, module, x, ids, weights)
+    want, want_grads = run(grouped_mm_experts_forward, module, x, ids, weights)
+    assert_close(got, want, "out", rtol=1e-5)
+    for name in want_grads:
+        assert_close(got_grads[name], want_grads[name], name)
+
+
+@use_experts_implementation(is_transposed=True)
+class TransposedExperts(nn.Module):
+    """Experts stored ``[E, H, 2I]`` / ``[E, I, H]`` (``is_transposed=True``)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.num_experts = config.num_experts
+        self.gate_up_proj = nn.Parameter((torch.randn(E, H, 2 * I) * 0.2).bfloat16().float())
+        self.down_proj = nn.Parameter((torch.randn(E, I, H) * 0.2).bfloat16().float())
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):  # eager path unused here
+        raise NotImplementedError
+
+
+def test_transposed_experts_are_supported():
+    torch.manual_seed(0)
+    module = TransposedExperts(qwen3_config())
+    x, ids, weights = routing(16, E)
+    got, got_grads = run(mhf.reference_experts_forward, module, x, ids, weights)
+    want, want_grads = run(grouped_mm_experts_forward, module, x, ids, weights)
+    assert_close(got, want, "out", rtol=1e-5)
+    for name in want_grads:
+        assert got_grads[name].shape == want_grads[name].shape
+        assert_close(got_grads[name], want_grads[name], name)
+
+
+@use_experts_implementation
+class ClampAfterActivationExperts(nn.Module):
+    """A gate megamoe does not compute: the clamp after the activation (Step-3.7)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.num_experts = E
+        self.gate_up_proj = nn.Parameter(torch.zeros(E, 2 * I, H))
+        self.down_proj = nn.Parameter(torch.zeros(E, H, I))
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def _apply_gate(self, gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.act_fn(gate).clamp(max=2.0) * up
+
+
+def test_unsupported_experts_get_a_clear_error():
+    gpt_oss = pytest.importorskip("transformers.models.gpt_oss.modeling_gpt_oss")
+    module = gpt_oss.GptOssExperts(
+        transformers.GptOssConfig(hidden_size=H, intermediate_size=I, num_local_experts=E)
+    )
+    with pytest.raises(ValueError, match="has biases"):
+        mhf.experts_spec(module)
+    module.has_bias = False  # the next check in line: the interleaved layout
+    with pytest.raises(ValueError, match="is_concatenated=False"):
+        mhf.experts_spec(module)
+
+    nemotron = pytest.importorskip("transformers.models.nemotron_h.modeling_nemotron_h")
+    config = transformers.NemotronHConfig(
+        hidden_size=H, moe_intermediate_size=I, n_routed_experts=E, num_hidden_layers=1
+    )
+    with pytest.raises(ValueError, match="has_gate=False"):
+        mhf.experts_spec(nemotron.NemotronHExperts(config))
+
+    with pytest.raises(ValueError, match="computes a gate other than"):
+        mhf.experts_spec(ClampAfterActivationExperts(qwen3_config()))
+    with pytest.raises(ValueError, match="hidden_act='relu'"):
+        mhf.experts_spec(qwen3_experts(hidden_act="relu"))
+
+
+def test_fused_name_on_cpu_raises_one_clear_message():
+    module = qwen3_experts()
+    x, ids, weights = routing(4, E)
+    with pytest.raises(RuntimeError, match=r"Hopper GPU \(sm_90.*grouped_mm"):
+        mhf.fused_experts_forward(module, x, ids, weights)
+
+
+# ----------------------------------------------------------------------- side-LoRA
+
+
+def randomize_adapters(model, seed: int = 7):
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, adapter in mhf._adapters(model):
+            for p in adapter.parameters():
+                p.copy_((torch.randn(p.shape, generator=gen) * 0.3).to(p.dtype))
+
+
+def test_attached_adapters_start_at_zero_and_train_with_the_base_frozen():
+    model = build("qwen3_moe")
+    model.set_experts_implementation(mhf.REFERENCE)
+    ids = tokens()
+    with torch.no_grad():
+        before = model(ids).logits
+    names = mhf.attach_side_lora(model, rank=16, alpha=32.0, dtype=torch.float32)
+    assert names == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, before)  # b1, b3, b2 start at zero
+    params = mhf.mark_only_side_lora_as_trainable(model)
+    assert len(params) == 6 * len(names)
+    assert all(p.requires_grad == any(p is q for q in params) for p in model.parameters())
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    losses = []
+    for _ in range(8):
+        loss = model(ids, labels=ids).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 1e-3, losses
+    assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
+    side = mhf.side_lora_layers(model)[names[0]]
+    assert side.scale == 2.0 and side.b2.abs().sum() > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_saved_adapter_loads_in_peft_and_round_trips(tmp_path, dtype):
+    peft = pytest.importorskip("peft")
+    model = build("qwen3_moe")
+    model.set_experts_implementation(mhf.REFERENCE)
+    mhf.attach_side_lora(model, rank=16, alpha=32.0, dtype=dtype)
+    randomize_adapters(model)
+    ids = tokens()
+    with torch.no_grad():
+        ours = model(ids).logits
+    config = mhf.save_side_lora(model, tmp_path)
+    assert (tmp_path / "adapter_config.json").exists()
+    assert (tmp_path / "adapter_model.safetensors").exists()
+    assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    assert config["r"] == 32  # a1 != a3: the exact stacked export at rank 2r
+
+    # Oracle: PEFT's own LoRA on the experts' parameters, on transformers' grouped_mm.
+    plain = build("qwen3_moe")
+    plain.set_experts_implementation("grouped_mm")
+    peft_model = peft.PeftModel.from_pretrained(plain, str(tmp_path))
+    with torch.no_grad():
+        theirs = peft_model(ids).logits
+    assert_close(ours, theirs, "logits vs PEFT", rtol=1e-5 if dtype == torch.float32 else 2e-3)
+
+    # Back into megamoe: the same factors (bitwise for float32) and the same function.
+    again = build("qwen3_moe")
+    again.set_experts_implementation(mhf.REFERENCE)
+    assert mhf.load_side_lora(again, tmp_path, dtype=dtype) == list(mhf.side_lora_layers(model))
+    for name, side in mhf.side_lora_layers(model).items():
+        loaded = mhf.side_lora_layers(again)[name]
+        assert loaded.scale == side.scale and loaded.rank == side.rank
+        for a, b in zip(loaded.tensors(), side.tensors(), strict=True):
+            assert torch.equal(a, b)
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, ours)
+
+
+def test_adapter_trained_by_peft_with_shared_outer_factors_loads(tmp_path):
+    """A PEFT-trained ``target_parameters`` adapter whose gate_up ``A`` and down ``B``
+    are tied across experts is a shared-outer adapter: it loads and gives PEFT's output."""
+    peft = pytest.importorskip("peft")
+    plain = build("qwen3_moe")
+    plain.set_experts_implementation("grouped_mm")
+    config = peft.LoraConfig(
+        r=16,
+        lora_alpha=16,
+        target_modules=[],
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+        init_lora_weights=False,
+    )
+    peft_model = peft.get_peft_model(plain, config)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_A" in name and "base_layer" in name:  # gate_up A: [E*r, H]
+                p.copy_(p[:16].repeat(E, 1))
+            elif "lora_B" in name and "base_layer" not in name:  # down B: [H, r*E]
+                p.copy_(p.view(H, 16, E)[:, :, :1].expand(H, 16, E).reshape(H, 16 * E))
+    ids = tokens()
+    with torch.no_grad():
+        theirs = peft_model(ids).logits
+    peft_model.save_pretrained(tmp_path)
+    model = build("qwen3_moe")
+    model.set_experts_implementation(mhf.REFERENCE)
+    mhf.load_side_lora(model, tmp_path, dtype=torch.float32)
+    side = next(iter(mhf.side_lora_layers(model).values()))
+    assert torch.equal(side.a1, side.a3)  # one shared A for gate and up
+    with torch.no_grad():
+        assert_close(model(ids).logits, theirs, "logits vs PEFT", rtol=1e-5)
+
+
+def test_megatron_round_trip_is_exact():
+    model = build("qwen3_moe")
+    mhf.attach_side_lora(model, rank=16, scale=0.25, dtype=torch.float32)
+    randomize_adapters(model)
+    state, config = mhf.megatron_state_dict(model)
+    assert set(state) >= {
+        "decoder.layers.0.mlp.experts.linear_fc1.adapter.linear_in.weight",
+        "decoder.layers.1.mlp.experts.linear_fc2.adapter.linear_out.weight",
+    }
+    assert config["experts_shared_outer_loras"] is True
+    again = build("qwen3_moe")
+    mhf.load_megatron_state_dict(again, state, alpha=config["alpha"], dtype=torch.float32)
+    for name, side in mhf.side_lora_layers(model).items():
+        loaded = mhf.side_lora_layers(again)[name]
+        assert loaded.scale == side.scale
+        for a, b in zip(loaded.tensors(), side.tensors(), strict=True):
+            assert torch.equal(a, b)
+
+
+def test_peft_keeps_and_saves_the_adapters_with_modules_to_save(tmp_path):
+    """Under a PEFT model (LoRA on attention here) the side-LoRA factors stay trainable
+    and land in PEFT's adapter_model.safetensors when named in ``modules_to_save``."""
+    peft = pytest.importorskip("peft")
+    from safetensors.torch import load_file
+
+    model = build("qwen3_moe")
+    model.set_experts_implementation(mhf.REFERENCE)
+    mhf.attach_side_lora(model, rank=16, dtype=torch.float32)
+    config = peft.LoraConfig(
+        r=8, target_modules=["q_proj"], modules_to_save=mhf.PEFT_MODULES_TO_SAVE
+    )
+    peft_model = peft.get_peft_model(model, config)
+    trainable = {n for n, p in peft_model.named_parameters() if p.requires_grad}
+    assert sum("megamoe_side_lora" in n for n in trainable) == 2 * 6
+    assert not any("gate_up_proj" in n for n in trainable)
+    ids = tokens()
+    opt = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(2):  # the trainable copy is the one the experts use
+        loss = peft_model(ids, labels=ids).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    trained = {n: s.b2.detach().clone() for n, s in mhf.side_lora_layers(peft_model).items()}
+    assert all(b2.abs().sum() > 0 for b2 in trained.values())
+    peft_model.save_pretrained(tmp_path)
+    saved = load_file(str(tmp_path / "adapter_model.safetensors"))
+    assert sum("megamoe_side_lora" in k for k in saved) >= 2 * 6
+    with torch.no_grad():
+        want = peft_model(ids).logits
+
+    fresh = build("qwen3_moe")
+    fresh.set_experts_implementation(mhf.REFERENCE)
+    mhf.attach_side_lora(fresh, rank=16, dtype=torch.float32)
+    loaded = peft.PeftModel.from_pretrained(fresh, str(tmp_path))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, want)
+
+
+def test_save_pretrained_accepts_a_model_with_adapters(tmp_path):
+    model = build("qwen3_moe")
+    mhf.attach_side_lora(model, rank=16, scale=0.5)
+    model.save_pretrained(tmp_path)  # extra state is a tensor: safetensors accepts it
+    from safetensors.torch import load_file
+
+    state = load_file(str(tmp_path / "model.safetensors"))
+    key = "model.layers.0.mlp.experts.megamoe_side_lora._extra_state"
+    assert state[key].item() == 0.5
+    again = build("qwen3_moe")
+    mhf.attach_side_lora(again, rank=16, scale=1.0)
+    again.load_state_dict(state, strict=False)
+    assert next(iter(mhf.side_lora_layers(again).values())).scale == 0.5
