@@ -1,10 +1,19 @@
-"""megamoe: fused Mixture-of-Experts training kernels for NVIDIA Hopper.
+"""megamoe: fused Mixture-of-Experts training kernels for NVIDIA Hopper (sm_90a).
 
-Public API (DESIGN §5): ``moe`` (fused forward and backward, EP1, BF16 base; MXFP4
-and the fused EP path are later issues), the ``MegaMoE`` module, the weight/adapter
-containers and adapter-layout converters (``megamoe.adapter_convert``), the MXFP4
-quantizer, the host heuristics and the workspace, the route plan, the float64 oracle
-(``megamoe.reference``) and the testing helpers (``megamoe.testing``).
+Public API (docs/DESIGN.md §5):
+
+- ``moe``: the layer call on the fused kernels, forward and backward, BF16 or MXFP4
+  base, side-LoRA or ordinary mode (trainable base), EP1 or expert parallel over a
+  process group (``group=``); torch custom ops (torch.compile, CUDA graphs);
+- ``MegaMoE``: the module; ``prepare_base_weights`` / ``BaseWeights`` and ``SideLoRA``:
+  the weight and adapter containers; ``megamoe.adapter_convert``: PEFT and
+  Megatron-Bridge adapter layouts;
+- ``quantize_mxfp4`` / ``dequantize_mxfp4``: the MXFP4 quantizer;
+- ``plan_routes`` (and its float reference), ``get_block_m`` / ``get_block_n``, the
+  SM budget (``resolve_num_sms``) and the forward's scratch sizes
+  (``workspace_layout``): the host heuristics;
+- ``megamoe.ep``: the expert-parallel layer and its CPU twins; ``megamoe.reference``:
+  the float64 oracle; ``megamoe.testing``: inputs, metrics, the unfused baseline.
 """
 
 from . import adapter_convert, ep, reference
@@ -16,7 +25,7 @@ from .ops import moe
 from .routing import RoutePlan, plan_routes, plan_routes_reference, pool_capacity
 from .side_lora import SideLoRA
 from .weights import BaseWeights, prepare_base_weights
-from .workspace import Workspace, get_workspace_size, workspace_layout
+from .workspace import workspace_layout
 
 __version__ = "0.1.0"
 
@@ -26,14 +35,12 @@ __all__ = [
     "MegaMoE",
     "RoutePlan",
     "SideLoRA",
-    "Workspace",
     "__version__",
     "adapter_convert",
     "dequantize_mxfp4",
     "ep",
     "get_block_m",
     "get_block_n",
-    "get_workspace_size",
     "moe",
     "plan_routes",
     "plan_routes_reference",

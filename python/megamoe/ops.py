@@ -1,4 +1,4 @@
-"""``mm.moe``: the public fused MoE layer call (DESIGN §5), torch custom ops.
+"""``mm.moe``: the public fused MoE layer call (docs/DESIGN.md §5), torch custom ops.
 
 Three ops (EP1; BF16 or MXFP4 base, the MXFP4 one decoded to a transient BF16 buffer
 before each GEMM that reads it):
@@ -11,7 +11,10 @@ before each GEMM that reads it):
 
 All have fake implementations (shapes known without a sync), so ``torch.compile``
 traces them, and no host synchronisation (under CUDA-graph capture the id range check
-is skipped).
+is skipped). The real and the fake implementations run the same argument checks
+(:mod:`megamoe.validation`): a call with one tensor on ``meta`` (which dispatches to
+the fake) is rejected like any other mixed-device call, and an all-fake call (tracing,
+``FakeTensorMode``, a meta module) gets outputs of the right shapes.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ._checks import check_finite_float, check_tensor
 from .ep.fused_layer import moe as fused_moe
 from .fused_backward import moe_backward
 from .fused_forward import ForwardState, moe_forward
@@ -26,9 +30,56 @@ from .heuristics import get_block_m
 from .registry import registry
 from .routing import RoutePlan, pool_capacity
 from .side_lora import SideLoRA
+from .validation import check_backward_inputs, check_moe_inputs
 from .weights import BaseWeights
 
 _SIDE_NAMES = ("a1", "b1", "a3", "b3", "a2", "b2")
+_STATE_NAMES = (
+    "expert_counts",
+    "expert_pool_offsets",
+    "route_to_pool_row",
+    "pool_row_to_route",
+    "preact",
+    "q13",
+    "p_sum",
+)
+
+
+def _op_inputs(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scales: torch.Tensor | None,
+    w2_scales: torch.Tensor | None,
+    side: tuple[torch.Tensor | None, ...],
+    scale: float,
+    activation: str,
+    activation_clamp: float | None,
+    *,
+    fake: bool,
+) -> tuple[BaseWeights, SideLoRA | None]:
+    """The checked ``(base, side)`` of one forward op call.
+
+    The real implementation (``fake=False``) requires CUDA weights and checks the id
+    range of CPU ids (the device range check is the forward's ``check_ids``); the fake
+    one checks everything that needs no data, on any device.
+    """
+    base = _base_weights(w13, w2, w13_scales, w2_scales)
+    side_lora = _side(side, scale)
+    check_moe_inputs(
+        x,
+        topk_ids,
+        topk_weights,
+        base,
+        side_lora,
+        activation,
+        activation_clamp,
+        require_cuda=not fake,
+        expert_id_limit=base.num_experts,
+    )
+    return base, side_lora
 
 
 @torch.library.custom_op("megamoe::moe_forward", mutates_args=())
@@ -46,8 +97,10 @@ def _moe_forward_op(
     activation_clamp: float | None,
     check_ids: bool,
 ) -> torch.Tensor:
-    base = _base_weights(w13, w2, w13_scales, w2_scales)
-    side_lora = SideLoRA(*side, scale=scale) if side else None
+    base, side_lora = _op_inputs(
+        x, topk_ids, topk_weights, w13, w2, w13_scales, w2_scales, tuple(side), scale,
+        activation, activation_clamp, fake=False,
+    )  # fmt: skip
     return moe_forward(
         x,
         topk_ids,
@@ -75,6 +128,10 @@ def _(
     activation_clamp,
     check_ids,
 ):
+    _op_inputs(
+        x, topk_ids, topk_weights, w13, w2, w13_scales, w2_scales, tuple(side), scale,
+        activation, activation_clamp, fake=True,
+    )  # fmt: skip
     return x.new_empty(x.shape)
 
 
@@ -85,8 +142,9 @@ def _base_weights(
     w2_scales: torch.Tensor | None = None,
 ) -> BaseWeights:
     """The BaseWeights of the op's tensors: MXFP4 when scales are given (packed uint8
-    values, ``H/2`` bytes per w13 row), else BF16."""
-    experts, two_i, last = w13.shape
+    values, ``H/2`` bytes per w13 row), else BF16. Only unpacks ``w13``'s dims:
+    :func:`~megamoe.validation.check_base_weights` checks the rest."""
+    experts, two_i, last = check_tensor("w13", w13, ndim=3).shape
     interleave = registry().gate_up_interleave
     if w13_scales is not None:
         return BaseWeights(
@@ -96,7 +154,16 @@ def _base_weights(
 
 
 def _side(side: tuple[torch.Tensor | None, ...], scale: float) -> SideLoRA | None:
-    return None if side[0] is None else SideLoRA(*side, scale=scale)
+    """The :class:`SideLoRA` of the op's six adapter inputs, or None for none (an empty
+    tuple or six Nones); anything else names the adapters."""
+    if not side or all(t is None for t in side):
+        return None
+    if len(side) != len(_SIDE_NAMES) or any(t is None for t in side):
+        raise ValueError(
+            f"side: expected all six adapter tensors {_SIDE_NAMES} or none, got "
+            f"{[type(t).__name__ for t in side]}"
+        )
+    return SideLoRA(*side, scale=check_finite_float("side.scale", scale))
 
 
 def _empty(like: torch.Tensor) -> torch.Tensor:
@@ -135,12 +202,16 @@ def _moe_train_forward_op(
 ]:
     """``(out, expert_counts, expert_pool_offsets, route_to_pool_row, pool_row_to_route,
     preact, q13, p_sum)``; absent state tensors are empty."""
+    base, side = _op_inputs(
+        x, topk_ids, topk_weights, w13, w2, w13_scales, w2_scales, (a1, b1, a3, b3, a2, b2),
+        scale, activation, activation_clamp, fake=False,
+    )  # fmt: skip
     out, state = moe_forward(
         x,
         topk_ids,
         topk_weights,
-        _base_weights(w13, w2, w13_scales, w2_scales),
-        _side((a1, b1, a3, b3, a2, b2), scale),
+        base,
+        side,
         activation=activation,
         activation_clamp=activation_clamp,
         check_ids=check_ids,
@@ -180,12 +251,17 @@ def _(
     check_ids,
     activation_checkpoint,
 ):
+    base, side = _op_inputs(
+        x, topk_ids, topk_weights, w13, w2, w13_scales, w2_scales, (a1, b1, a3, b3, a2, b2),
+        scale, activation, activation_clamp, fake=True,
+    )  # fmt: skip
     tokens, top_k = topk_ids.shape
-    experts, two_i, _ = w13.shape
+    experts, two_i = base.num_experts, 2 * base.intermediate
+    # The same BLOCK_M and capacity as moe_forward's route plan.
     capacity = pool_capacity(tokens * top_k, experts, get_block_m(tokens, top_k, experts))
     index = dict(dtype=torch.int32, device=x.device)
-    use_side = a1 is not None and scale != 0.0
-    rank = a1.shape[1] if a1 is not None else 0
+    use_side = side is not None and side.scale != 0.0
+    rank = side.rank if side is not None else 0
     return (
         x.new_empty(x.shape),
         torch.empty(experts, **index),
@@ -228,8 +304,13 @@ def _moe_backward_op(
 ) -> list[torch.Tensor]:
     """``[dx, dtopk_weights, dw13, dw2, da1, db1, da3, db3, da2, db2]``; gradients not
     computed are empty tensors."""
+    base, side = _backward_inputs(
+        dout, x, topk_weights, w13, w2, w13_scales, w2_scales, (a1, b1, a3, b3, a2, b2), scale,
+        activation, activation_clamp, expert_counts, expert_pool_offsets, route_to_pool_row,
+        pool_row_to_route, preact, q13, p_sum,
+    )  # fmt: skip
     tokens, top_k = route_to_pool_row.shape
-    experts = w13.shape[0]
+    experts = base.num_experts
     plan = RoutePlan(
         expert_counts,
         expert_pool_offsets,
@@ -247,8 +328,8 @@ def _moe_backward_op(
         dout,
         x,
         topk_weights,
-        _base_weights(w13, w2, w13_scales, w2_scales),
-        _side((a1, b1, a3, b3, a2, b2), scale),
+        base,
+        side,
         state,
         activation=activation,
         activation_clamp=activation_clamp,
@@ -287,6 +368,11 @@ def _(
     base_grads,
     side_grads,
 ):
+    _backward_inputs(
+        dout, x, topk_weights, w13, w2, w13_scales, w2_scales, (a1, b1, a3, b3, a2, b2), scale,
+        activation, activation_clamp, expert_counts, expert_pool_offsets, route_to_pool_row,
+        pool_row_to_route, preact, q13, p_sum,
+    )  # fmt: skip
     use_side = q13.numel() > 0 and side_grads
     side = (a1, b1, a3, b3, a2, b2)
     return [
@@ -296,6 +382,43 @@ def _(
         w2.new_empty(w2.shape) if base_grads else x.new_empty(0),
         *[t.new_empty(t.shape) if use_side else x.new_empty(0) for t in side],
     ]
+
+
+def _backward_inputs(
+    dout: torch.Tensor,
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scales: torch.Tensor | None,
+    w2_scales: torch.Tensor | None,
+    side: tuple[torch.Tensor | None, ...],
+    scale: float,
+    activation: str,
+    activation_clamp: float | None,
+    *state: torch.Tensor,
+) -> tuple[BaseWeights, SideLoRA | None]:
+    """The checked ``(base, side)`` of one backward op call (real and fake alike: the
+    inputs are the forward's, already checked on their device, plus ``dout`` and the
+    saved state)."""
+    base = _base_weights(w13, w2, w13_scales, w2_scales)
+    side_lora = _side(side, scale)
+    # The forward's checks on its inputs; the route_to_pool_row map stands in for the
+    # ids (same [T, K]; the ids themselves are not saved).
+    route_to_pool_row = state[_STATE_NAMES.index("route_to_pool_row")]
+    check_tensor("route_to_pool_row", route_to_pool_row, ndim=2)
+    check_moe_inputs(
+        x,
+        route_to_pool_row,
+        topk_weights,
+        base,
+        side_lora,
+        activation,
+        activation_clamp,
+        require_cuda=False,
+    )
+    check_backward_inputs(dout, x, base, side_lora, dict(zip(_STATE_NAMES, state, strict=True)))
+    return base, side_lora
 
 
 # Input slots of megamoe::moe_train_forward (the order of its signature).
@@ -375,11 +498,10 @@ def moe(
     activation: str = "swiglu",
     activation_clamp: float | None = None,
     group: dist.ProcessGroup | None = None,
-    workspace: object = None,
     activation_checkpoint: bool = False,
     reduce_shared_grads: bool = True,
 ) -> torch.Tensor:
-    """The MoE layer on the fused kernels, differentiable (DESIGN §1, §5).
+    """The MoE layer on the fused kernels, differentiable (docs/DESIGN.md §1, §5).
 
     Differentiable in ``x``, ``topk_weights``, every adapter tensor and, when
     ``base.w13``/``base.w2`` require grad (ordinary mode, see
@@ -401,8 +523,6 @@ def moe(
             ``base``/``side`` then hold this rank's experts (global ids ``rank * E_l``
             ..) and the shared factors, ``topk_ids`` are global ids, and the call is a
             collective (:func:`megamoe.ep.fused_moe`). None: EP1.
-        workspace: must be None in this version (scratch comes from torch's caching
-            allocator).
         activation_checkpoint: keep only small per-token state for the backward
             (route plan, ``x a1|x a3``, ``sum_k w p``) and recompute GEMM1's
             pre-activations there, instead of saving them (``T*K*2I`` BF16).
@@ -410,29 +530,48 @@ def moe(
             over the group (results independent of the EP degree).
 
     Returns:
-        ``[T, H]`` bfloat16.
+        ``[T, H]`` bfloat16 (on the inputs' device: all-``meta`` or fake inputs give an
+        output of the right shape and dtype without running anything).
+
+    Raises:
+        TypeError, ValueError: bad arguments, named (:func:`megamoe.validation.
+            check_moe_inputs`), checked before the device: without a GPU a wrong call
+            reports what is wrong with it, and a valid one that CUDA weights are needed.
     """
-    if workspace is not None:
-        raise ValueError(
-            "workspace: this version allocates scratch through torch's caching allocator; pass None"
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            f"group: expected a torch.distributed.ProcessGroup or None, got {type(group).__name__}"
         )
-    if not isinstance(base, BaseWeights):
-        raise TypeError(f"base: expected megamoe.BaseWeights, got {type(base).__name__}")
-    # Ordinary mode on an MXFP4 base: the BF16 path on the exact decode, with the
-    # gradient passed straight through to the master (DESIGN §1).
-    base = base.for_call()
-    if side is not None and not isinstance(side, SideLoRA):
-        raise TypeError(f"side: expected megamoe.SideLoRA or None, got {type(side).__name__}")
     if not isinstance(activation_checkpoint, bool):
         raise TypeError(
             f"activation_checkpoint: expected a bool, got {type(activation_checkpoint).__name__}"
         )
+    if not isinstance(reduce_shared_grads, bool):
+        raise TypeError(
+            f"reduce_shared_grads: expected a bool, got {type(reduce_shared_grads).__name__}"
+        )
+    if not isinstance(base, BaseWeights):
+        raise TypeError(f"base: expected megamoe.BaseWeights, got {type(base).__name__}")
+    if not torch.compiler.is_compiling():
+        # Under torch.compile the ops' fake implementations run these checks at trace
+        # time (on fake tensors: no data pointers, no id values) and the real ones at
+        # run time. EP ids are global: the dispatch plan checks their range.
+        check_moe_inputs(
+            x,
+            topk_ids,
+            topk_weights,
+            base,
+            side,
+            activation,
+            activation_clamp,
+            require_cuda=False,
+            allow_no_tokens=group is not None,
+            expert_id_limit=None if group is not None else base.num_experts,
+        )
+    # Ordinary mode on an MXFP4 base: the BF16 path on the exact decode, with the
+    # gradient passed straight through to the master (docs/DESIGN.md §1).
+    base = base.for_call()
     if group is not None:
-        if not isinstance(group, dist.ProcessGroup):
-            raise TypeError(
-                f"group: expected a torch.distributed.ProcessGroup or None, got "
-                f"{type(group).__name__}"
-            )
         if base.device.type != "cuda":
             raise ValueError(
                 f"base: expected CUDA weights for the fused path, got {base.device} (the "

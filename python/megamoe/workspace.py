@@ -1,8 +1,11 @@
-"""Scratch memory of one MoE call: one buffer, sized up front, checked before launch.
+"""The scratch of one fused MoE forward, region by region: what the call allocates from
+torch's caching allocator (route plan, pool input, pool activations, pool output).
 
-The layout is a list of named regions (each 256-byte aligned, which covers TMA's
-16-byte and wgmma's 128-byte needs). ``get_workspace_size`` and ``Workspace`` use the
-same layout function, so a workspace sized by one is always accepted by the other.
+``mm.moe`` takes no caller-provided workspace: scratch comes from torch's caching
+allocator, which reuses it across calls. This layout sizes those buffers for memory
+estimates (``python -m megamoe.bench`` on a machine too small for a shape) and states
+the EP pool bound (``ep_size``: a rank's pool receives routes from every rank). Each
+region is rounded up to 256 bytes, as an allocator block would be.
 """
 
 from __future__ import annotations
@@ -16,11 +19,15 @@ from .heuristics import get_block_m
 from .registry import registry
 from .routing import pool_capacity, route_plan_num_tiles
 
+#: Each region's bytes are rounded up to this (the caching allocator's block granule;
+#: it also covers TMA's 16-byte and wgmma's 128-byte alignment).
 REGION_ALIGNMENT = 256
 
 
 @dataclass(frozen=True)
 class Region:
+    """One scratch buffer: ``shape`` of ``dtype`` at ``offset`` bytes of the layout."""
+
     name: str
     offset: int
     shape: tuple[int, ...]
@@ -36,7 +43,8 @@ class Region:
 
 @dataclass(frozen=True)
 class WorkspaceLayout:
-    """Named regions of one call's scratch; ``size`` is the total in bytes."""
+    """Named regions of one forward's scratch; ``size`` is the total in bytes (what the
+    call allocates, each region rounded up to :data:`REGION_ALIGNMENT`)."""
 
     regions: tuple[Region, ...]
     size: int
@@ -61,7 +69,8 @@ def workspace_layout(
     block_m: int | None = None,
     ep_size: int = 1,
 ) -> WorkspaceLayout:
-    """The forward layout for ``num_tokens`` tokens on this rank.
+    """The forward's scratch for ``num_tokens`` tokens on this rank (a size estimate: the
+    buffers come from torch's caching allocator, not from this layout).
 
     Regions: the route plan (per-tile scratch, counts, offsets, both index maps), the
     gathered pool input ``[x | s q1 | s q3]`` (``H + 2r`` columns), the pool
@@ -101,67 +110,3 @@ def workspace_layout(
         regions.append(region)
         offset += -(-region.nbytes // REGION_ALIGNMENT) * REGION_ALIGNMENT
     return WorkspaceLayout(tuple(regions), offset, block_m, capacity)
-
-
-def get_workspace_size(
-    num_tokens: int,
-    hidden: int,
-    intermediate: int,
-    num_local_experts: int,
-    top_k: int,
-    side_rank: int = 0,
-    *,
-    block_m: int | None = None,
-    ep_size: int = 1,
-) -> int:
-    """Bytes a :class:`Workspace` needs for these dims (see :func:`workspace_layout`)."""
-    return workspace_layout(
-        num_tokens,
-        hidden,
-        intermediate,
-        num_local_experts,
-        top_k,
-        side_rank,
-        block_m=block_m,
-        ep_size=ep_size,
-    ).size
-
-
-class Workspace:
-    """A reusable scratch buffer (uint8, ``REGION_ALIGNMENT``-aligned) on one device.
-
-    Pass the same workspace to every call of a training loop to avoid allocator
-    traffic; a call whose layout does not fit is rejected before any launch.
-    """
-
-    def __init__(self, size: int, device: torch.device | str | None = None) -> None:
-        check_int("size", size, minimum=0)
-        device = torch.device("cuda" if device is None else device)
-        self.buffer = torch.empty(size, dtype=torch.uint8, device=device)
-        if self.buffer.is_cuda and self.buffer.data_ptr() % REGION_ALIGNMENT != 0:
-            raise ValueError(
-                f"Workspace: allocator returned an address not aligned to {REGION_ALIGNMENT}"
-            )
-
-    @property
-    def size(self) -> int:
-        return self.buffer.numel()
-
-    @property
-    def device(self) -> torch.device:
-        return self.buffer.device
-
-    def check_fits(self, layout: WorkspaceLayout, device: torch.device) -> None:
-        """Raise ``ValueError`` naming ``workspace`` if it is too small or elsewhere."""
-        if self.device != device:
-            raise ValueError(f"workspace: expected device {device}, got {self.device}")
-        if self.size < layout.size:
-            raise ValueError(
-                f"workspace: expected at least {layout.size} bytes "
-                f"(get_workspace_size for this call), got {self.size}"
-            )
-
-    def view(self, region: Region) -> torch.Tensor:
-        """The typed tensor of one region."""
-        raw = self.buffer[region.offset : region.offset + region.nbytes]
-        return raw.view(region.dtype).view(region.shape)

@@ -1,7 +1,9 @@
 """Bad input is rejected with a TypeError/ValueError naming the argument, before any
-launch (DESIGN §5), on the CPU: no GPU and no compiled module needed.
+launch (docs/DESIGN.md §5), on the CPU: no GPU and no compiled module needed.
 
-These add to the cases already in test_api, test_routing, test_workspace,
+The argument checks of ``mm.moe`` itself (before the device check, mixed devices, the
+fake implementations) are in test_validation.py. These add to the cases already in
+test_api, test_routing, test_workspace,
 test_heuristics, test_env, test_pool, test_mxfp4 and test_reference (the inventory
 is docs/BAD-INPUT.md). Devices are exercised with the ``meta`` device: a tensor on
 another device than its partners must be named just as a CPU tensor beside CUDA ones.
@@ -60,7 +62,7 @@ def bf16(*shape: int) -> torch.Tensor:
 
 
 def moe(**overrides: object) -> torch.Tensor:
-    """mm.moe on CPU inputs with ``overrides``, under no_grad (forward only today)."""
+    """mm.moe on CPU inputs with ``overrides``, under no_grad (the inference op)."""
     ids, weights = routing()
     args = dict(
         x=bf16(T, H),
@@ -109,14 +111,9 @@ def plan_with(**changes: torch.Tensor) -> mm.RoutePlan:
 Case = tuple[Callable[[], object], type[Exception], str]
 
 CASES: dict[str, Case] = {
-    # ---- mm.moe: what the CPU can reach (the rest of its checks run on CUDA inputs,
+    # ---- mm.moe (most of its checks: test_validation.py; alignment needs CUDA inputs,
     # tests/gpu/test_bad_input_gpu.py)
     "moe-group": (lambda: moe(group=object()), TypeError, r"^group:"),
-    "moe-workspace": (
-        lambda: moe(workspace=mm.Workspace(16, device="cpu")),
-        ValueError,
-        r"^workspace:",
-    ),
     "moe-base-type": (lambda: moe(base=base_tensors()[0]), TypeError, r"^base: expected"),
     # ---- prepare_base_weights
     "prepare-w13-not-tensor": (
@@ -205,14 +202,14 @@ CASES: dict[str, Case] = {
         TypeError,
         r"^expert_begin: expected an int",
     ),
-    # ---- workspace and heuristics
+    # ---- scratch layout and heuristics
     "workspace-side-rank-negative": (
-        lambda: mm.get_workspace_size(T, H, I, E, K, -16),
+        lambda: mm.workspace_layout(T, H, I, E, K, -16),
         ValueError,
         r"^side_rank: expected an int >= 0",
     ),
     "workspace-ep-size-zero": (
-        lambda: mm.get_workspace_size(T, H, I, E, K, ep_size=0),
+        lambda: mm.workspace_layout(T, H, I, E, K, ep_size=0),
         ValueError,
         r"^ep_size: expected an int >= 1",
     ),
@@ -220,11 +217,6 @@ CASES: dict[str, Case] = {
         lambda: mm.workspace_layout(12.0, H, I, E, K),
         TypeError,
         r"^num_tokens: expected an int",
-    ),
-    "workspace-size-float": (
-        lambda: mm.Workspace(1.5, device="cpu"),
-        TypeError,
-        r"^size: expected an int",
     ),
     "block-m-ep-size-bool": (
         lambda: mm.get_block_m(T, K, E, ep_size=True),
@@ -456,7 +448,7 @@ def test_moe_cpu_weights_name_the_base() -> None:
 @pytest.mark.parametrize("block_m", [0, 96])
 def test_workspace_block_m_is_checked(block_m: int) -> None:
     with pytest.raises(ValueError, match=r"^block_m: expected"):
-        mm.get_workspace_size(T, H, I, E, K, block_m=block_m)
+        mm.workspace_layout(T, H, I, E, K, block_m=block_m)
 
 
 def test_block_m_config_type_is_checked() -> None:

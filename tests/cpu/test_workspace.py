@@ -1,4 +1,7 @@
-"""Workspace sizing and the undersized-workspace rejection."""
+"""The forward's scratch layout (a size estimate), and that no caller-provided workspace
+is part of the API: ``mm.moe`` allocates its scratch through torch's caching allocator."""
+
+import inspect
 
 import pytest
 import torch
@@ -7,9 +10,23 @@ import megamoe as mm
 from megamoe.workspace import REGION_ALIGNMENT
 
 
-def test_size_matches_layout_and_regions_do_not_overlap():
+def test_no_workspace_in_the_public_api():
+    for name in ("Workspace", "get_workspace_size"):
+        assert not hasattr(mm, name), name
+        assert name not in mm.__all__
+    assert "workspace" not in inspect.signature(mm.moe).parameters
+    x = torch.zeros(2, 64, dtype=torch.bfloat16)
+    ids = torch.zeros(2, 1, dtype=torch.int32)
+    base = mm.prepare_base_weights(torch.zeros(1, 128, 64), torch.zeros(1, 64, 64))
+    with pytest.raises(TypeError, match="workspace"):
+        mm.moe(x, ids, torch.ones(2, 1), base, workspace=object())
+
+
+def test_size_is_the_sum_of_aligned_regions_that_do_not_overlap():
     layout = mm.workspace_layout(1000, 256, 128, 8, 2, 32, block_m=64)
-    assert mm.get_workspace_size(1000, 256, 128, 8, 2, 32, block_m=64) == layout.size
+    assert layout.size == sum(
+        -(-r.nbytes // REGION_ALIGNMENT) * REGION_ALIGNMENT for r in layout.regions
+    )
     end = 0
     for region in layout.regions:
         assert region.offset % REGION_ALIGNMENT == 0
@@ -33,33 +50,21 @@ def test_default_block_m_comes_from_the_heuristic():
 
 
 def test_grows_with_tokens_and_rank():
-    small = mm.get_workspace_size(100, 256, 128, 8, 2, 16)
-    assert mm.get_workspace_size(200, 256, 128, 8, 2, 16) > small
-    assert mm.get_workspace_size(100, 256, 128, 8, 2, 64) > small
+    small = mm.workspace_layout(100, 256, 128, 8, 2, 16).size
+    assert mm.workspace_layout(200, 256, 128, 8, 2, 16).size > small
+    assert mm.workspace_layout(100, 256, 128, 8, 2, 64).size > small
 
 
-def test_views_are_typed_and_inside_the_buffer():
-    layout = mm.workspace_layout(17, 64, 64, 4, 2, 16)
-    workspace = mm.Workspace(layout.size, device="cpu")
-    workspace.check_fits(layout, torch.device("cpu"))
-    view = workspace.view(layout.region("pool_input"))
-    assert view.dtype == torch.bfloat16 and view.shape == (layout.pool_capacity, 96)
-    view.fill_(1)  # writable, and inside the buffer
-    assert workspace.view(layout.region("expert_counts")).dtype == torch.int32
-
-
-def test_undersized_workspace_is_rejected():
-    layout = mm.workspace_layout(17, 64, 64, 4, 2, 16)
-    workspace = mm.Workspace(layout.size - 1, device="cpu")
-    with pytest.raises(ValueError, match="workspace: expected at least"):
-        workspace.check_fits(layout, torch.device("cpu"))
-
-
-def test_workspace_on_another_device_is_rejected():
-    layout = mm.workspace_layout(17, 64, 64, 4, 2, 16)
-    workspace = mm.Workspace(layout.size, device="cpu")
-    with pytest.raises(ValueError, match="workspace: expected device"):
-        workspace.check_fits(layout, torch.device("meta"))
+def test_pool_regions_match_what_the_forward_allocates():
+    """The pool buffers of the layout are the shapes the fused forward's stages allocate
+    (pool input [x | q13], GEMM1's h, GEMM2's [y | p]), at the plan's capacity."""
+    tokens, hidden, inter, experts, top_k, rank = 300, 128, 64, 8, 2, 16
+    layout = mm.workspace_layout(tokens, hidden, inter, experts, top_k, rank)
+    ids = torch.arange(tokens * top_k, dtype=torch.int32).remainder(experts).view(tokens, top_k)
+    plan = mm.plan_routes(ids, experts, mm.get_block_m(tokens, top_k, experts))
+    assert layout.pool_capacity == plan.pool_capacity
+    assert layout.region("pool_row_to_route").shape == tuple(plan.pool_row_to_route.shape)
+    assert layout.region("route_to_pool_row").shape == (plan.route_to_pool_row.numel(),)
 
 
 @pytest.mark.parametrize(
@@ -69,9 +74,4 @@ def test_bad_dims_name_the_argument(argument):
     kwargs = dict(num_tokens=4, hidden=64, intermediate=64, num_local_experts=2, top_k=1)
     kwargs[argument] = 0
     with pytest.raises(ValueError, match=argument):
-        mm.get_workspace_size(**kwargs)
-
-
-def test_negative_size_is_rejected():
-    with pytest.raises(ValueError, match="size"):
-        mm.Workspace(-1, device="cpu")
+        mm.workspace_layout(**kwargs)

@@ -1,0 +1,278 @@
+"""Argument checks of the MoE layer call, shared by ``mm.moe``, the custom ops and their
+fake (meta) implementations, so every path rejects the same inputs with the same message.
+
+Order (docs/DESIGN.md §5): first what the arguments are (types, shapes, dtypes, ranks,
+layouts, the activation, id values where they can be read without a device
+synchronisation), then where they are (one device for all), and only then whether
+that device can run the fused kernels. A user on a machine without a GPU therefore
+learns what is wrong with the call itself, not just that there is no GPU.
+
+Each check raises ``TypeError`` (wrong kind or dtype) or ``ValueError`` (wrong shape,
+device, layout or value); the message starts with the argument's name.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._checks import check_choice, check_tensor
+from .grouped_gemm import ACTIVATIONS
+from .side_lora import SideLoRA
+from .weights import BASE_FORMATS, BaseWeights
+
+__all__ = ["check_backward_inputs", "check_base_weights", "check_devices", "check_moe_inputs"]
+
+# MXFP4 packs two E2M1 codes per byte and keeps one UE8M0 scale per 32 values.
+_CODES_PER_BYTE = 2
+_SCALE_BLOCK = 32
+_BF16 = (torch.bfloat16,)
+
+
+def _reads_data(t: torch.Tensor) -> bool:
+    """Whether ``t`` has data on the host: False for meta and fake tensors (what
+    torch.compile and FakeTensorMode trace with), for CUDA tensors (reading them
+    synchronises) and under torch.compile tracing."""
+    if torch.compiler.is_compiling() or t.device.type != "cpu":
+        return False
+    from torch._subclasses.fake_tensor import is_fake
+
+    return not is_fake(t)
+
+
+def check_base_weights(base: object) -> BaseWeights:
+    """Check that ``base`` is a :class:`~megamoe.BaseWeights` whose tensors agree with
+    its own ``format`` and dims (it may have been built by hand, or by the custom ops
+    from their raw tensor inputs). Devices are checked by :func:`check_devices`.
+
+    BF16: ``w13 [E_l, 2I, H]`` and ``w2 [E_l, H, I]`` bfloat16, no scales. MXFP4:
+    ``w13 [E_l, 2I, H/2]``, ``w2 [E_l, H, I/2]`` uint8 codes and ``w13_scales
+    [E_l, 2I, H/32]``, ``w2_scales [E_l, H, I/32]`` uint8 scales.
+    """
+    if not isinstance(base, BaseWeights):
+        raise TypeError(f"base: expected megamoe.BaseWeights, got {type(base).__name__}")
+    check_choice("base.format", base.format, BASE_FORMATS)
+    experts, hidden, inter = base.num_experts, base.hidden, base.intermediate
+    for name, value in (("num_experts", experts), ("hidden", hidden), ("intermediate", inter)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"base.{name}: expected an int >= 1, got {value!r}")
+    if base.format == "bf16":
+        check_tensor("base.w13", base.w13, shape=(experts, 2 * inter, hidden), dtypes=_BF16)
+        check_tensor("base.w2", base.w2, shape=(experts, hidden, inter), dtypes=_BF16)
+        for name in ("w13_scales", "w2_scales"):
+            if getattr(base, name) is not None:
+                raise ValueError(f"base.{name}: expected None for a bf16 base")
+        return base
+    if hidden % _SCALE_BLOCK or inter % _SCALE_BLOCK:
+        raise ValueError(
+            f"base: an mxfp4 base needs H and I multiples of {_SCALE_BLOCK}, got H={hidden}, "
+            f"I={inter}"
+        )
+    shapes = {
+        "w13": (experts, 2 * inter, hidden // _CODES_PER_BYTE),
+        "w13_scales": (experts, 2 * inter, hidden // _SCALE_BLOCK),
+        "w2": (experts, hidden, inter // _CODES_PER_BYTE),
+        "w2_scales": (experts, hidden, inter // _SCALE_BLOCK),
+    }
+    for name, shape in shapes.items():
+        check_tensor(f"base.{name}", getattr(base, name), shape=shape, dtypes=(torch.uint8,))
+    return base
+
+
+def _check_activation(activation: object, activation_clamp: object) -> None:
+    if not isinstance(activation, str):
+        raise TypeError(f"activation: expected a str, got {type(activation).__name__}")
+    check_choice("activation", activation, tuple(ACTIVATIONS))
+    if activation_clamp is None:
+        return
+    if isinstance(activation_clamp, bool) or not isinstance(activation_clamp, (int, float)):
+        raise TypeError(
+            f"activation_clamp: expected a positive finite float or None, got "
+            f"{type(activation_clamp).__name__}"
+        )
+    if not 0 < float(activation_clamp) < math.inf:  # also rejects NaN
+        raise ValueError(
+            f"activation_clamp: expected a positive finite float or None, got {activation_clamp!r}"
+        )
+
+
+def check_devices(named: list[tuple[str, torch.Tensor | None]], where: str) -> torch.device:
+    """All tensors of ``named`` on one device: the first's. ``None`` entries are skipped.
+
+    Raises ``ValueError`` starting with the first argument elsewhere and listing every
+    argument that is not on that device, e.g. ``x: expected device meta (where base
+    is), got cpu; the call's tensors must share one device, and these are elsewhere:
+    x (cpu), topk_ids (cpu)``. ``where`` names the reference (the first entry).
+    """
+    present = [(name, t) for name, t in named if t is not None]
+    device = present[0][1].device
+    off = [(name, t.device) for name, t in present if t.device != device]
+    if off:
+        first, got = off[0]
+        listing = ", ".join(f"{name} ({d})" for name, d in off)
+        raise ValueError(
+            f"{first}: expected device {device} (where {where} is), got {got}; the call's "
+            f"tensors must share one device, and these are elsewhere: {listing}"
+        )
+    return device
+
+
+def check_moe_inputs(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    base: BaseWeights,
+    side: SideLoRA | None,
+    activation: str,
+    activation_clamp: float | None,
+    *,
+    require_cuda: bool = True,
+    allow_no_tokens: bool = False,
+    expert_id_limit: int | None = None,
+) -> torch.device:
+    """Every argument check of the MoE layer call, before anything runs.
+
+    Args:
+        x: ``[T, H]`` bfloat16, contiguous (16-byte aligned on CUDA).
+        topk_ids: ``[T, K]`` int32/int64, contiguous, ``K >= 1``.
+        topk_weights: ``[T, K]`` float32, contiguous.
+        base: a :class:`~megamoe.BaseWeights` (see :func:`check_base_weights`).
+        side: a bfloat16 :class:`~megamoe.SideLoRA` with the base's ``H``, ``I``,
+            ``E_l``, or None.
+        activation: ``"swiglu"`` or ``"geglu"``; activation_clamp: ``c > 0`` or None.
+        require_cuda: reject weights that are not on a CUDA device (the fused kernels'
+            requirement), checked last. The fake implementations and the CPU twins of
+            the EP layer pass False.
+        allow_no_tokens: accept ``T = 0`` (an EP rank may hold no tokens).
+        expert_id_limit: reject ids outside ``[-1, expert_id_limit)``, where the ids can
+            be read without a device synchronisation (CPU tensors; never meta, fake or
+            CUDA tensors, whose range the fused forward checks on the device). None:
+            no value check (EP: global ids, checked by the dispatch plan).
+
+    Returns:
+        The one device of every tensor.
+
+    Raises:
+        TypeError: a tensor argument is not a tensor, or has the wrong dtype; ``base``
+            or ``side`` is of the wrong type.
+        ValueError: wrong shapes, layouts, activation, clamp or id values; tensors on
+            several devices (all of them named); a non-CUDA base with ``require_cuda``.
+    """
+    check_base_weights(base)
+    if side is not None and not isinstance(side, SideLoRA):
+        raise TypeError(f"side: expected megamoe.SideLoRA or None, got {type(side).__name__}")
+    # Kinds first, so a list or None is a TypeError naming it, whatever else is wrong.
+    for name, value in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+        check_tensor(name, value)
+    check_tensor("x", x, shape=(None, base.hidden), dtypes=_BF16, contiguous=True)
+    num_tokens = x.shape[0]
+    if num_tokens < 1 and not allow_no_tokens:
+        raise ValueError("x: expected at least one token")
+    check_tensor(
+        "topk_ids",
+        topk_ids,
+        shape=(num_tokens, None),
+        dtypes=(torch.int32, torch.int64),
+        contiguous=True,
+    )
+    if topk_ids.shape[1] < 1:
+        raise ValueError(
+            f"topk_ids: expected at least one route per token (K >= 1), got shape "
+            f"{list(topk_ids.shape)}"
+        )
+    check_tensor(
+        "topk_weights",
+        topk_weights,
+        shape=tuple(topk_ids.shape),
+        dtypes=(torch.float32,),
+        contiguous=True,
+    )
+    _check_activation(activation, activation_clamp)
+    if side is not None:
+        dims = (side.hidden, side.intermediate, side.num_experts)
+        if dims != (base.hidden, base.intermediate, base.num_experts):
+            raise ValueError(
+                f"side: (H, I, E_l) = {dims} does not match base "
+                f"{(base.hidden, base.intermediate, base.num_experts)}"
+            )
+        if side.dtype != torch.bfloat16:
+            raise TypeError(
+                f"side: expected bfloat16 tensors on {base.device}, got {side.dtype} on "
+                f"{side.device}"
+            )
+    if expert_id_limit is not None and topk_ids.numel() and _reads_data(topk_ids):
+        low, high = int(topk_ids.min()), int(topk_ids.max())
+        if low < -1 or high >= expert_id_limit:
+            raise ValueError(
+                f"topk_ids: expected expert ids in [-1, {expert_id_limit}), got values in "
+                f"[{low}, {high}]"
+            )
+
+    # Where: the weights decide (they are the large, long-lived tensors).
+    named = [
+        ("base.w13", base.w13),
+        ("x", x),
+        ("topk_ids", topk_ids),
+        ("topk_weights", topk_weights),
+        ("base.w2", base.w2),
+        ("base.w13_scales", base.w13_scales),
+        ("base.w2_scales", base.w2_scales),
+    ]
+    device = check_devices(named, "base")
+    if side is not None and side.device != device:
+        # (SideLoRA itself keeps its six tensors on one device.)
+        raise TypeError(
+            f"side: expected bfloat16 tensors on {device}, got {side.dtype} on {side.device}"
+        )
+    if device.type == "cuda":
+        check_tensor("x", x, alignment=16)
+    if require_cuda and device.type != "cuda":
+        raise ValueError(
+            f"base: expected CUDA weights for the fused path, got {device} (the arguments "
+            "are otherwise valid; megamoe.reference.moe runs the same math on the CPU)"
+        )
+    return device
+
+
+def check_backward_inputs(
+    dout: torch.Tensor,
+    x: torch.Tensor,
+    base: BaseWeights,
+    side: SideLoRA | None,
+    state: dict[str, torch.Tensor],
+) -> None:
+    """Checks of the fused backward's inputs beyond the forward's (which it was given).
+
+    Args:
+        dout: ``[T, H]`` bfloat16 gradient of the output, on ``x``'s device.
+        x: the forward's ``x`` ``[T, H]``.
+        base, side: the forward's weights (``side`` None without an active adapter).
+        state: the forward's saved tensors by name: ``expert_counts [E_l]``,
+            ``expert_pool_offsets [E_l + 1]``, ``route_to_pool_row [T, K]``,
+            ``pool_row_to_route [P]`` (int32), ``preact [P, 2I]`` bfloat16 or empty
+            (recomputed), ``q13 [T, 2r]`` and ``p_sum [T, r]`` bfloat16 or empty (no
+            active adapter).
+    """
+    check_tensor("dout", dout, shape=tuple(x.shape), dtypes=_BF16)
+    experts, inter = base.num_experts, base.intermediate
+    tokens = x.shape[0]
+    index = (torch.int32,)
+    check_tensor("expert_counts", state["expert_counts"], shape=(experts,), dtypes=index)
+    check_tensor(
+        "expert_pool_offsets", state["expert_pool_offsets"], shape=(experts + 1,), dtypes=index
+    )
+    check_tensor(
+        "route_to_pool_row", state["route_to_pool_row"], shape=(tokens, None), dtypes=index
+    )
+    check_tensor("pool_row_to_route", state["pool_row_to_route"], ndim=1, dtypes=index)
+    capacity = state["pool_row_to_route"].shape[0]
+    if state["preact"].numel():
+        check_tensor("preact", state["preact"], shape=(capacity, 2 * inter), dtypes=_BF16)
+    rank = 0 if side is None else side.rank
+    for name, width in (("q13", 2 * rank), ("p_sum", rank)):
+        if state[name].numel():
+            if side is None:
+                raise ValueError(f"{name}: saved adapter state given without adapters")
+            check_tensor(name, state[name], shape=(tokens, width), dtypes=_BF16)
+    check_devices([("x", x), ("dout", dout), *state.items()], "x")
