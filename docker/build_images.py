@@ -259,6 +259,18 @@ def source_copy(dest: Path) -> None:
             shutil.copy2(src, target)
 
 
+def source_commit() -> str:
+    """HEAD's commit, with ``-dirty`` when tracked files differ from it (what the
+    wheel's ``megamoe._build_info`` records); empty outside a git checkout."""
+    head = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True
+    )
+    if head.returncode != 0:
+        return ""
+    clean = subprocess.run(["git", "-C", str(ROOT), "diff", "--quiet", "HEAD", "--"]).returncode
+    return head.stdout.strip() + ("" if clean == 0 else "-dirty")
+
+
 def image_size(engine: str, image: str) -> int:
     out = run(
         [engine, "image", "inspect", "--format", "{{.Size}}", image],
@@ -347,6 +359,9 @@ def build() -> int:
                     args.engine,
                     "run",
                     "--rm",
+                    # The copy has no .git: CMake embeds the commit from here instead.
+                    "-e",
+                    f"MEGAMOE_COMMIT={source_commit()}",
                     "-v",
                     f"{src}:/src",
                     build_tag,

@@ -1,12 +1,20 @@
-"""The bench CLI on the CPU and its FLOP model."""
+"""The bench CLI on the CPU: its FLOP model, options, fused-backend skip line, memory
+refusal, token sweep with the weight-read floor, plots and the commit it reports."""
 
+import argparse
 import json
+import sys
+import types
 
 import pytest
 
 from megamoe.bench import cli
 from megamoe.bench.flops import backward_flops, forward_flops
-from megamoe.bench.shapes import SHAPES
+from megamoe.bench.shapes import SHAPES, estimate_peak_bytes
+from megamoe.bench.timing import copy_bandwidth, floor_ms
+
+GIB = 2**30
+QUICK = ["--device", "cpu", "--iters", "1", "--warmup", "0", "--quiet"]
 
 
 def test_flop_model_hand_counts():
@@ -17,75 +25,76 @@ def test_flop_model_hand_counts():
     assert backward_flops(1, 2, 4, 2, 0, base_grads=True) == 192
 
 
-def test_ordinary_ep4rank_matches_design_figure():
-    # DESIGN §7: ordinary F+B 139.9 ms is 424 TFLOP/s effective.
+def test_ordinary_ep4rank_matches_the_design_figure():
+    # docs/DESIGN.md §7: ordinary F+B at ep4rank, 110.9 ms, is 535 TFLOP/s.
     s = SHAPES["ep4rank"]
     total = forward_flops(s.num_tokens, s.num_routes, s.hidden, s.intermediate, 0)
     total += backward_flops(s.num_tokens, s.num_routes, s.hidden, s.intermediate, 0, True)
-    assert total / 0.1399 / 1e12 == pytest.approx(424, abs=1)
+    assert total / 0.1109 / 1e12 == pytest.approx(535, abs=1)
 
 
 def test_side_path_is_a_few_percent_of_the_base():
     s = SHAPES["ep4rank"]
     base = forward_flops(s.num_tokens, s.num_routes, s.hidden, s.intermediate, 0)
     side = forward_flops(s.num_tokens, s.num_routes, s.hidden, s.intermediate, s.side_rank)
-    assert 0.03 < side / base - 1 < 0.05  # DESIGN §1: ~4% of the base FLOPs
+    assert 0.03 < side / base - 1 < 0.05  # docs/DESIGN.md §1: ~4% of the base FLOPs
+
+
+def _run(tmp_path, *argv: str) -> dict:
+    out = tmp_path / "bench.json"
+    assert cli.main([*QUICK, *argv, "--json", str(out)]) == 0
+    return json.loads(out.read_text())
 
 
 @pytest.mark.parametrize("mode", ["side-lora", "ordinary"])
 def test_cli_runs_small_shape_on_cpu(tmp_path, capsys, mode):
-    out = tmp_path / "bench.json"
-    argv = [
-        "--shape",
-        "small",
-        "--device",
-        "cpu",
-        "--backend",
-        "fused,baseline,reference",
-        "--mode",
-        mode,
-        "--iters",
-        "2",
-        "--warmup",
-        "1",
-        "--json",
-        str(out),
-        "--quiet",
-    ]
-    assert cli.main(argv) == 0
-    report = json.loads(out.read_text())
+    report = _run(tmp_path, "--shape", "small", "--mode", mode, "--iters", "2", "--warmup", "1")
     rows = {(r["backend"], r["pass"]): r for r in report["results"]}
-    assert rows[("fused", "forward")]["status"] != "ok"  # no Hopper GPU here
     for backend in ("baseline", "reference"):
         for pass_name in ("forward", "fwd+bwd"):
             row = rows[(backend, pass_name)]
             assert row["status"] == "ok" and len(row["samples_ms"]) == 2
             assert row["median_ms"] > 0 and row["tflops"] > 0
+            assert row["mode"] == mode and row["dtype"] == "bf16" and row["tokens"] == 256
     assert rows[("baseline", "fwd+bwd")]["flops"] > rows[("baseline", "forward")]["flops"]
-    assert report["shape"]["name"] == "small" and report["mode"] == mode
+    assert report["shape"]["name"] == "small" and report["modes"] == [mode]
     table = capsys.readouterr().out
     assert "baseline" in table and "vs baseline" in table
 
 
-def test_cli_mxfp4_base(tmp_path):
-    argv = [
-        "--shape",
-        "small",
-        "--device",
-        "cpu",
-        "--backend",
-        "baseline",
-        "--dtype",
-        "mxfp4",
-        "--pass",
-        "forward",
-        "--iters",
-        "1",
-        "--warmup",
-        "0",
-        "--quiet",
-    ]
-    assert cli.main(argv) == 0
+def test_without_a_gpu_the_fused_backend_has_a_skipped_line(tmp_path, capsys):
+    """The default backends on a CPU include the fused one, which says why it did not run."""
+    args = cli.parse_args(["--device", "cpu"])
+    assert args.backends[0] == "fused"
+    report = _run(tmp_path, "--shape", "small", "--pass", "forward", "--backend", "fused")
+    (row,) = report["results"]
+    assert row["status"] == "skipped: needs a Hopper GPU"
+    lines = [line for line in capsys.readouterr().out.splitlines() if " fused " in line]
+    assert lines and lines[0].endswith("skipped: needs a Hopper GPU")
+    assert cli.fused_unavailable(cli.torch.device("cpu")) == "needs a Hopper GPU"
+
+
+def test_matrix_of_modes_and_formats(tmp_path):
+    report = _run(
+        tmp_path, "--shape", "small", "--mode", "side-lora,ordinary", "--dtype", "bf16,mxfp4",
+        "--backend", "baseline", "--pass", "forward",
+    )  # fmt: skip
+    kinds = {(r["mode"], r["dtype"]) for r in report["results"] if r["status"] == "ok"}
+    assert kinds == {(m, d) for m in ("side-lora", "ordinary") for d in ("bf16", "mxfp4")}
+    assert report["dtypes"] == ["bf16", "mxfp4"] and report["sweep"] is None
+
+
+def test_help_states_every_option_and_its_default(capsys):
+    parser = cli.build_parser()
+    for action in parser._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        assert action.help and "default" in action.help, action.option_strings
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--help"])
+    text = capsys.readouterr().out
+    for option in ("--shape", "--tokens", "--plot", "--json", "--ep", "weight-read floor"):
+        assert option in text
 
 
 @pytest.mark.parametrize(
@@ -94,8 +103,12 @@ def test_cli_mxfp4_base(tmp_path):
         (["--backend", "cublas"], "--backend"),
         (["--pass", "backward"], "--pass"),
         (["--dtype", "fp8"], "--dtype"),
+        (["--mode", "lora"], "--mode"),
         (["--iters", "0"], "--iters"),
         (["--ep", "0"], "--ep"),
+        (["--tokens", "128,many"], "--tokens"),
+        (["--tokens", "0,16"], "--tokens"),
+        (["--ep", "2", "--dtype", "bf16,mxfp4"], "--ep"),
     ],
 )
 def test_cli_rejects_bad_options(argv, match, capsys):
@@ -108,6 +121,154 @@ def test_cli_ep_needs_the_gpus(capsys):
     # --ep P hands over to torchrun only when P local GPUs exist.
     assert cli.main(["--device", "cpu", "--ep", "2"]) == 2
     assert "--ep 2: needs 2 GPUs" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------ memory estimate
+
+
+def test_memory_estimate_hand_count():
+    s = SHAPES["small"]  # T=256 H=256 I=128 E_l=8 K=2 r=16
+    weights = 8 * 3 * 256 * 128 * (4 + 2)  # float32 layer + its BF16 prepared base
+    adapters = 2 * (3 * 256 * 16 + 3 * 8 * 16 * 128) * 4
+    tokens = 4 * 256 * 256 * 4
+    routes = 2 * 512 * (2 * 256 + 3 * 128) * 4
+    want = weights + adapters + tokens + routes
+    assert estimate_peak_bytes(s, compute="float32", mode="side-lora", format="bf16") == want
+
+
+def test_memory_estimate_bounds_the_measured_ep4rank_peaks():
+    # docs/PERFORMANCE.md, H200: fused side-LoRA 14.6 GiB, BF16 baseline 22.5 GiB.
+    s = SHAPES["ep4rank"]
+    estimate = estimate_peak_bytes(s, compute="bf16", mode="side-lora", format="bf16") / GIB
+    assert 22.5 < estimate < 3 * 14.6
+
+
+def test_ep4rank_on_the_cpu_stops_with_a_memory_estimate(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "host_memory_available", lambda: 16 * GIB)
+    assert cli.main(["--device", "cpu", "--shape", "ep4rank"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("--shape ep4rank on the CPU: needs the baseline (float32) about 55 GiB")
+    assert "the reference (float64) about 108 GiB" in err
+    assert "16.0 GiB available" in err and "Hopper GPU" in err
+
+
+def test_a_shape_that_fits_is_not_refused(monkeypatch):
+    monkeypatch.setattr(cli, "host_memory_available", lambda: 16 * GIB)
+    assert cli.memory_refusal(cli.parse_args(["--device", "cpu"]), cli.torch.device("cpu")) is None
+
+
+# ----------------------------------------------------------------- token sweep
+
+
+def test_weight_read_floor_arithmetic():
+    s = SHAPES["ep4rank"]
+    assert s.weight_bytes("bf16") == 64 * 3 * 4096 * 2048 * 2
+    assert s.weight_bytes("mxfp4") / s.weight_bytes("bf16") == pytest.approx(4.25 / 16)
+    # issue 17: at 4.2 TB/s the floors are 0.77 ms (BF16) and 0.20 ms (MXFP4).
+    assert floor_ms(s.weight_bytes("bf16"), 4.2e12) == pytest.approx(0.767, abs=5e-4)
+    assert floor_ms(s.weight_bytes("mxfp4"), 4.2e12) == pytest.approx(0.2037, abs=5e-4)
+    with pytest.raises(ValueError, match="bandwidth"):
+        floor_ms(1, 0.0)
+    rows = [
+        {"status": "ok", "dtype": "bf16", "median_ms": 2.0},
+        {"status": "ok", "dtype": "mxfp4", "median_ms": 1.0},
+        {"status": "skipped: needs a Hopper GPU", "dtype": "bf16"},
+    ]
+    cli.add_floor_ratios(rows, {"bf16": 0.5, "mxfp4": 0.25})
+    assert [r.get("x_floor") for r in rows] == [4.0, 4.0, None]
+
+
+def test_copy_bandwidth_is_measured_on_the_device():
+    bandwidth = copy_bandwidth(cli.torch.device("cpu"), 8 * 2**20, warmup=1, iters=3)
+    assert 1e8 < bandwidth < 1e13  # bytes/s: anything a CPU's memory can do
+
+
+def test_token_sweep_reports_floors_and_ratios(tmp_path, capsys):
+    report = _run(
+        tmp_path, "--shape", "small", "--tokens", "8,32", "--backend", "fused,baseline",
+        "--pass", "forward,fwd+bwd",
+    )  # fmt: skip
+    sweep = report["sweep"]
+    assert sweep["tokens"] == [8, 32] and sweep["copy_bandwidth_gbs"] > 0
+    assert set(sweep["floors_ms"]) == {"bf16", "mxfp4"}  # both formats by default
+    for dtype, value in sweep["floors_ms"].items():
+        assert value == pytest.approx(
+            SHAPES["small"].weight_bytes(dtype) / (sweep["copy_bandwidth_gbs"] * 1e9) * 1e3
+        )
+    measured = [r for r in report["results"] if r["status"] == "ok"]
+    assert {(r["tokens"], r["dtype"], r["pass"]) for r in measured} == {
+        (t, d, p) for t in (8, 32) for d in ("bf16", "mxfp4") for p in ("forward", "fwd+bwd")
+    }
+    for row in measured:
+        assert row["x_floor"] == pytest.approx(row["median_ms"] / sweep["floors_ms"][row["dtype"]])
+    skipped = [r for r in report["results"] if r["backend"] == "fused"]
+    assert len(skipped) == 8 and all(r["status"].startswith("skipped") for r in skipped)
+    out = capsys.readouterr().out
+    assert "weight-read floor" in out and "x floor" in out
+
+
+# ----------------------------------------------------------------------- plots
+
+
+def _report(sweep: bool) -> dict:
+    rows = []
+    for tokens in (128, 512, 2048):
+        for dtype in ("bf16", "mxfp4"):
+            for backend in ("fused", "baseline"):
+                for pass_name in ("forward", "fwd+bwd"):
+                    ms = tokens / 100 * (2 if pass_name == "fwd+bwd" else 1)
+                    rows.append(
+                        {"mode": "side-lora", "dtype": dtype, "tokens": tokens, "backend": backend,
+                         "pass": pass_name, "status": "ok", "median_ms": ms}
+                    )  # fmt: skip
+    if not sweep:
+        rows = [r for r in rows if r["tokens"] == 128]
+    report = {"shape": {"name": "ep4rank"}, "device": "test", "results": rows, "sweep": None}
+    if sweep:
+        report["sweep"] = {"floors_ms": {"bf16": 0.77, "mxfp4": 0.2}, "copy_bandwidth_gbs": 4200}
+    return report
+
+
+@pytest.mark.parametrize("sweep", [True, False], ids=["sweep", "one-shape"])
+def test_plot_writes_a_png(tmp_path, sweep):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "nested" / "plot.png"
+    cli.plot(_report(sweep), path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+
+
+def test_plot_without_matplotlib_says_so(monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import raises ImportError
+    with pytest.raises(RuntimeError, match="--plot: needs matplotlib"):
+        cli.plot(_report(True), tmp_path / "p.png")
+    assert cli.main([*QUICK, "--shape", "small", "--plot", str(tmp_path / "p.png")]) == 2
+    assert "--plot: needs matplotlib" in capsys.readouterr().err
+
+
+def test_cli_mxfp4_base(tmp_path):
+    argv = ["--shape", "small", "--backend", "baseline", "--dtype", "mxfp4", "--pass", "forward"]
+    assert cli.main([*QUICK, *argv]) == 0
+
+
+# --------------------------------------------------------------------- commit
+
+
+def test_the_report_names_the_commit_from_git_in_a_checkout(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "megamoe._build_info", None)  # no wheel metadata
+    commit, source = cli.build_commit()
+    if source == "git":  # this test runs from a checkout (or an installed wheel)
+        assert len(commit) == 40 and int(commit, 16) >= 0
+
+
+def test_the_report_names_the_commit_a_wheel_was_built_from(tmp_path, monkeypatch):
+    info = types.ModuleType("megamoe._build_info")
+    info.COMMIT, info.DIRTY = "0123456789abcdef0123456789abcdef01234567", False
+    monkeypatch.setitem(sys.modules, "megamoe._build_info", info)
+    assert cli.build_commit() == (info.COMMIT, "build")
+    info.DIRTY = True
+    assert cli.build_commit() == (info.COMMIT + "-dirty", "build")
+    report = _run(tmp_path, "--shape", "small", "--backend", "fused", "--pass", "forward")
+    assert report["commit"] == info.COMMIT + "-dirty" and report["commit_source"] == "build"
 
 
 def test_memory_bench_watches_stages_that_exist():

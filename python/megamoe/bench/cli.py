@@ -1,12 +1,26 @@
 """``python -m megamoe.bench``: time the MoE layer per backend, in one run.
 
-Backends: ``fused`` (our kernels), ``baseline`` (the unfused torch._grouped_mm layer
-a trainer would write, megamoe.testing.baseline) and ``reference`` (the oracle:
-float64 on CPU, float32 with BF16 rounding points on GPU). Passes: the training
-forward (autograd on, activations saved) and forward+backward timed together.
-Medians of CUDA-event samples after warm-up; TFLOP/s from the useful FLOPs of
-megamoe.bench.flops; peak memory over the F+B runs. Without a GPU it runs the
-``small`` shape on the CPU, so the command always works.
+Backends: ``fused`` (our kernels; needs a Hopper GPU, else its rows read "skipped:
+needs a Hopper GPU"), ``baseline`` (the unfused torch._grouped_mm layer a trainer
+would write, megamoe.testing.baseline) and ``reference`` (the oracle: float64 on CPU,
+float32 with BF16 rounding points on GPU). Passes: the training forward (autograd on,
+activations saved) and forward+backward timed together. Medians of CUDA-event samples
+after warm-up; TFLOP/s from the useful FLOPs of megamoe.bench.flops; peak memory over
+each pass's runs. Without a GPU it runs the ``small`` shape on the CPU, so the command
+always works; a shape too large for the host stops with a memory estimate.
+
+Runs:
+  one shape        every --mode x --dtype x backend x pass at --shape (the default);
+  token sweep      --tokens 128,512,...: the same at the shape's dims for each token
+                   count, with the weight-read floor (w13 + w2 bytes over the device
+                   copy bandwidth, measured in the same run) and each time's ratio to
+                   it; --plot draws time against tokens with the floors;
+  expert parallel  --ep P: megamoe.bench.ep on P local GPUs under torchrun.
+
+Examples:
+  python -m megamoe.bench                                   # ep4rank on a GPU
+  python -m megamoe.bench --mode side-lora,ordinary --dtype bf16,mxfp4 --json t.json --plot t.png
+  python -m megamoe.bench --tokens 128,512,2048,8192,65536 --dtype bf16,mxfp4 --plot sweep.png
 """
 
 from __future__ import annotations
@@ -25,86 +39,136 @@ import torch
 import megamoe
 
 from .flops import backward_flops, forward_flops
-from .shapes import SHAPES, Shape
-from .timing import Progress, time_fn
+from .shapes import SHAPES, Shape, estimate_peak_bytes, host_memory_available
+from .timing import Progress, copy_bandwidth, floor_ms, time_fn
 
 BACKENDS = ("fused", "baseline", "reference")
 PASSES = ("forward", "fwd+bwd")
-UNAVAILABLE = {
-    ("fused", "cpu"): "needs a Hopper GPU",
-}
+MODES = ("side-lora", "ordinary")
+DTYPES = ("bf16", "mxfp4")
+GIB = 2**30
+#: Bytes of the copy that measures the device bandwidth: far beyond the H200's 50 MB
+#: L2 (GPU); smaller on a CPU, where the figure only serves the CPU's own sweep.
+COPY_BYTES = {"cuda": 2 * GIB, "cpu": 256 * 2**20}
 
 
-def _git_commit() -> str | None:
+def fused_unavailable(device: torch.device) -> str | None:
+    """Why the fused backend cannot run on ``device`` (None: it can)."""
+    if device.type != "cuda":
+        return "needs a Hopper GPU"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major != 9:
+        return f"needs a Hopper GPU (this one is sm_{major}{minor})"
+    try:
+        from megamoe import _C  # noqa: F401
+    except ImportError as error:
+        return f"needs the compiled module megamoe._C ({error})"
+    return None
+
+
+def build_commit() -> tuple[str | None, str]:
+    """``(commit, source)`` of the code that runs.
+
+    An installed wheel carries the commit it was built from (``megamoe._build_info``,
+    written by CMake at build time); a source checkout asks git. ``source`` is
+    ``"build"``, ``"git"`` or ``"unknown"``.
+    """
+    try:
+        from megamoe import _build_info  # generated into the wheel by CMakeLists.txt
+    except ImportError:
+        _build_info = None
+    if _build_info is not None and _build_info.COMMIT:
+        return _build_info.COMMIT + ("-dirty" if _build_info.DIRTY else ""), "build"
     try:
         out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
+            ["git", "rev-parse", "HEAD"],
             capture_output=True,
             text=True,
             cwd=Path(__file__).parent,
             timeout=5,
         )
     except (OSError, subprocess.TimeoutExpired):
-        return None
-    return out.stdout.strip() or None
+        return None, "unknown"
+    commit = out.stdout.strip() if out.returncode == 0 else ""
+    return (commit, "git") if commit else (None, "unknown")
 
 
-def _backend_fn(backend: str, device: torch.device):
-    if backend == "baseline":
-        from megamoe.testing import baseline
-
-        # BF16 is the trainer's dtype on the GPU; CPUs run BF16 matmuls very slowly.
-        return baseline.moe, torch.bfloat16 if device.type == "cuda" else torch.float32, {}
-    if backend == "reference":
-        if device.type == "cuda":
-            return (
-                megamoe.reference.moe,
-                torch.float32,
-                {"compute_dtype": torch.float32, "round_bf16": True},
-            )
-        return megamoe.reference.moe, torch.float64, {"compute_dtype": torch.float64}
+def compute_dtype(backend: str, device: torch.device) -> torch.dtype:
+    """The element type a backend runs in on ``device`` (the bench's choice)."""
     if backend == "fused":
-        return megamoe.moe, torch.bfloat16, {}
+        return torch.bfloat16
+    if backend == "baseline":
+        # BF16 is the trainer's dtype on the GPU; CPUs run BF16 matmuls very slowly.
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if backend == "reference":
+        return torch.float32 if device.type == "cuda" else torch.float64
     raise ValueError(f"backend: {backend!r} has no implementation")
 
 
-def run_backend(
-    backend: str, shape: Shape, args, device: torch.device, progress: Progress
-) -> list[dict]:
-    """Time one backend; one result row per pass."""
+def _backend_fn(backend: str, device: torch.device):
+    dtype = compute_dtype(backend, device)
+    if backend == "baseline":
+        from megamoe.testing import baseline
 
-    rows = []
-    for pass_name in args.passes:
-        for key in (pass_name, args.mode, args.dtype, device.type):
-            if (backend, key) in UNAVAILABLE:
-                rows.append(
-                    {"backend": backend, "pass": pass_name, "status": UNAVAILABLE[(backend, key)]}
-                )
-                break
-    if len(rows) == len(args.passes):
-        return rows
-    runnable = argparse.Namespace(**vars(args))
-    runnable.passes = [p for p in args.passes if p not in {r["pass"] for r in rows}]
-    rows += _measure(backend, shape, runnable, device, progress)
+        return baseline.moe, dtype, {}
+    if backend == "reference":
+        extra = {"compute_dtype": dtype}
+        if device.type == "cuda":
+            extra["round_bf16"] = True
+        return megamoe.reference.moe, dtype, extra
+    return megamoe.moe, dtype, {}
+
+
+def _row(shape: Shape, mode: str, dtype: str, backend: str, pass_name: str, **fields) -> dict:
+    return {
+        "mode": mode,
+        "dtype": dtype,
+        "tokens": shape.num_tokens,
+        "backend": backend,
+        "pass": pass_name,
+        **fields,
+    }
+
+
+def run_backend(
+    backend: str,
+    shape: Shape,
+    mode: str,
+    dtype: str,
+    args: argparse.Namespace,
+    device: torch.device,
+    progress: Progress,
+) -> list[dict]:
+    """Time one backend at one (shape, mode, dtype); one result row per pass."""
+    why = fused_unavailable(device) if backend == "fused" else None
+    if why is not None:
+        return [_row(shape, mode, dtype, backend, p, status=f"skipped: {why}") for p in args.passes]
+    rows = _measure(backend, shape, mode, dtype, args, device, progress)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the last layer is gone: free it before the next
     return rows
 
 
 def _measure(
-    backend: str, shape: Shape, args, device: torch.device, progress: Progress
+    backend: str,
+    shape: Shape,
+    mode: str,
+    dtype: str,
+    args: argparse.Namespace,
+    device: torch.device,
+    progress: Progress,
 ) -> list[dict]:
-    fn, dtype, extra = _backend_fn(backend, device)
+    fn, compute, extra = _backend_fn(backend, device)
     if backend == "fused" and args.activation_checkpoint:
         extra = {**extra, "activation_checkpoint": True}
-    ordinary = args.mode == "ordinary"
-    progress.update(f"{backend}: building inputs for {shape.name}")
+    ordinary = mode == "ordinary"
+    progress.update(f"{backend}: building inputs for {shape.name} T={shape.num_tokens}")
     layer = shape.make_layer(
         ordinary=ordinary,
         seed=args.seed,
         device=device,
-        dtype=dtype,
-        format=args.dtype,
+        dtype=compute,
+        format=dtype,
         requires_grad=True,
         trainable_base=ordinary,
     )
@@ -112,7 +176,7 @@ def _measure(
     # Hold only the weights this backend reads, as a trainer would: the baseline takes
     # the nn.Linear-layout pair, the fused layer the prepared base (for a frozen base the
     # original w13 can go; in ordinary mode it is the trainable master, kept).
-    if backend == "baseline" and args.dtype == "bf16":
+    if backend == "baseline" and dtype == "bf16":
         layer.base = None
     elif backend == "fused" and not ordinary:
         layer.w13 = layer.w2 = None
@@ -121,7 +185,7 @@ def _measure(
         shape.hidden,
         device=device,
         generator=torch.Generator(device).manual_seed(args.seed + 1),
-    ).to(dtype)
+    ).to(compute)
     routes = int((layer.topk_ids >= 0).sum())
     rank = 0 if ordinary else shape.side_rank
     flops = {
@@ -133,7 +197,7 @@ def _measure(
 
     # The baseline takes nn.Linear-layout BF16 weights as a trainer holds them; an
     # MXFP4 base goes in as BaseWeights (dequantized every call, as a trainer would).
-    use_pair = backend == "baseline" and args.dtype == "bf16"
+    use_pair = backend == "baseline" and dtype == "bf16"
 
     def setup() -> None:
         for leaf in leaves:
@@ -172,107 +236,301 @@ def _measure(
             warmup=args.warmup,
             iters=args.iters,
             setup=setup,
-            label=f"{backend} {pass_name}",
+            label=f"{backend} {mode} {dtype} T={shape.num_tokens} {pass_name}",
             progress=progress,
         )
-        row = {
-            "backend": backend,
-            "pass": pass_name,
-            "status": "ok",
-            "median_ms": timing.median_ms,
-            "min_ms": timing.min_ms,
-            "samples_ms": list(timing.samples_ms),
-            "flops": flops[pass_name],
-            "tflops": flops[pass_name] / (timing.median_ms * 1e-3) / 1e12,
-        }
+        row = _row(
+            shape,
+            mode,
+            dtype,
+            backend,
+            pass_name,
+            status="ok",
+            median_ms=timing.median_ms,
+            min_ms=timing.min_ms,
+            samples_ms=list(timing.samples_ms),
+            flops=flops[pass_name],
+            tflops=flops[pass_name] / (timing.median_ms * 1e-3) / 1e12,
+        )
         if device.type == "cuda":
-            row["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+            row["peak_gib"] = torch.cuda.max_memory_allocated(device) / GIB
         rows.append(row)
     setup()
     return rows
 
 
+def add_floor_ratios(rows: list[dict], floors: dict[str, float]) -> None:
+    """Set ``floor_ms`` and ``x_floor`` (time / floor) on every measured row: each pass
+    against its base format's forward weight-read floor."""
+    for row in rows:
+        if row["status"] == "ok" and row["dtype"] in floors:
+            row["floor_ms"] = floors[row["dtype"]]
+            row["x_floor"] = row["median_ms"] / floors[row["dtype"]]
+
+
 def format_table(rows: list[dict]) -> str:
-    by_pass = {}
+    """The results as a text table: one line per row; ``vs baseline`` is the baseline's
+    time over this row's at the same mode, format, tokens and pass; ``x floor`` (token
+    sweeps) the time over the weight-read floor."""
+    baseline = {
+        _key(row): row["median_ms"]
+        for row in rows
+        if row["status"] == "ok" and row["backend"] == "baseline"
+    }
+    floors = any("x_floor" in row for row in rows)
+    header = (
+        f"{'mode':<9} {'dtype':<5} {'tokens':>6} {'backend':<9} {'pass':<7} {'median ms':>10} "
+        f"{'TFLOP/s':>8} {'peak GiB':>9} {'vs baseline':>11}"
+    )
+    lines = [header + (f" {'x floor':>8}" if floors else "")]
     for row in rows:
-        if row["status"] == "ok" and row["backend"] == "baseline":
-            by_pass[row["pass"]] = row["median_ms"]
-    lines = [
-        f"{'backend':<10} {'pass':<8} {'median ms':>10} {'TFLOP/s':>8} {'peak GiB':>9} "
-        f"{'vs baseline':>11}"
-    ]
-    for row in rows:
+        lead = (
+            f"{row['mode']:<9} {row['dtype']:<5} {row['tokens']:>6} {row['backend']:<9} "
+            f"{row['pass']:<7}"
+        )
         if row["status"] != "ok":
-            lines.append(f"{row['backend']:<10} {row['pass']:<8} {row['status']}")
+            lines.append(f"{lead} {row['status']}")
             continue
-        base = by_pass.get(row["pass"])
+        base = baseline.get(_key(row))
         speedup = f"{base / row['median_ms']:.2f}x" if base else "-"
         peak = f"{row['peak_gib']:.1f}" if "peak_gib" in row else "-"
-        lines.append(
-            f"{row['backend']:<10} {row['pass']:<8} {row['median_ms']:>10.2f} "
-            f"{row['tflops']:>8.3g} {peak:>9} {speedup:>11}"
-        )
+        line = f"{lead} {row['median_ms']:>10.3f} {row['tflops']:>8.3g} {peak:>9} {speedup:>11}"
+        if floors:
+            line += f" {row['x_floor']:>7.2f}x" if "x_floor" in row else f" {'-':>8}"
+        lines.append(line)
     return "\n".join(lines)
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    gpu = torch.cuda.is_available()
+def _key(row: dict) -> tuple:
+    return row["mode"], row["dtype"], row["tokens"], row["pass"]
+
+
+def plot(report: dict, path: Path) -> None:
+    """Write a PNG of ``report``'s results (needs matplotlib).
+
+    A token sweep: median time against tokens per row kind (log-log), with each base
+    format's weight-read floor as a dashed line. One shape: grouped bars of the median
+    time per (mode, format, pass), one bar per backend.
+    """
+    try:
+        import matplotlib
+    except ImportError:
+        raise RuntimeError(
+            "--plot: needs matplotlib (python -m pip install matplotlib, or megamoe[plot])"
+        ) from None
+    matplotlib.use("Agg")  # no display needed
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in report["results"] if r["status"] == "ok"]
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
+    title = f"{report['shape']['name']} dims on {report['device']}"
+    if report.get("sweep"):
+        series: dict[tuple, list[tuple[int, float]]] = {}
+        for r in rows:
+            series.setdefault((r["backend"], r["mode"], r["dtype"], r["pass"]), []).append(
+                (r["tokens"], r["median_ms"])
+            )
+        for (backend, mode, dtype, pass_name), points in sorted(series.items()):
+            points.sort()
+            style = "-" if pass_name == "forward" else "--"
+            ax.plot(
+                [t for t, _ in points],
+                [ms for _, ms in points],
+                style,
+                marker="o",
+                label=f"{backend} {mode} {dtype} {pass_name}",
+            )
+        for dtype, value in sorted(report["sweep"]["floors_ms"].items()):
+            ax.axhline(value, linestyle=":", color="gray")
+            ax.annotate(
+                f"{dtype} weight-read floor {value:.3g} ms",
+                (0.01, value),
+                xycoords=("axes fraction", "data"),
+                va="bottom",
+                fontsize=8,
+            )
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("tokens per rank")
+        ax.set_ylabel("median time (ms)")
+        title += f", copy bandwidth {report['sweep']['copy_bandwidth_gbs']:.0f} GB/s"
+    else:
+        groups = sorted({(r["mode"], r["dtype"], r["pass"]) for r in rows})
+        backends = sorted({r["backend"] for r in rows}, key=BACKENDS.index)
+        width = 0.8 / max(len(backends), 1)
+        times = {(r["mode"], r["dtype"], r["pass"], r["backend"]): r["median_ms"] for r in rows}
+        for b, backend in enumerate(backends):
+            xs = [g + b * width for g in range(len(groups))]
+            ax.bar(xs, [times.get((*grp, backend), 0.0) for grp in groups], width, label=backend)
+        ax.set_xticks([g + width * (len(backends) - 1) / 2 for g in range(len(groups))])
+        ax.set_xticklabels(["\n".join(g) for g in groups], fontsize=8)
+        ax.set_ylabel("median time (ms)")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _comma_list(
+    parser: argparse.ArgumentParser, option: str, text: str, choices: tuple
+) -> list[str]:
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if not items:
+        parser.error(f"{option}: expected a comma-separated subset of {','.join(choices)}")
+    for item in items:
+        if item not in choices:
+            parser.error(f"{option}: expected a subset of {','.join(choices)}, got {item!r}")
+    return list(dict.fromkeys(items))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser; every option's help states its meaning and default."""
     parser = argparse.ArgumentParser(
         prog="python -m megamoe.bench",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="ep4rank" if gpu else "small")
-    parser.add_argument("--mode", choices=("side-lora", "ordinary"), default="side-lora")
-    parser.add_argument(
-        "--dtype", choices=("bf16", "mxfp4"), default="bf16", help="base weight format"
+    add = parser.add_argument
+    add(
+        "--shape",
+        choices=sorted(SHAPES),
+        help="layer dims per rank: "
+        + "; ".join(
+            f"{name}: T={s.num_tokens} H={s.hidden} I={s.intermediate} E_l={s.num_local_experts} "
+            f"K={s.top_k} r={s.side_rank}"
+            for name, s in sorted(SHAPES.items())
+        )
+        + " (default: ep4rank with a CUDA GPU, small without)",
     )
-    parser.add_argument(
+    add(
+        "--mode",
+        default="side-lora",
+        help="comma-separated subset of side-lora (frozen base, trainable adapters) and "
+        "ordinary (trainable base, no adapters) (default: side-lora)",
+    )
+    add(
+        "--dtype",
+        default=None,
+        help="base weight formats, comma-separated subset of bf16,mxfp4 (default: bf16; "
+        "bf16,mxfp4 with --tokens)",
+    )
+    add(
         "--backend",
-        default="fused,baseline" if gpu else "baseline,reference",
-        help=f"comma-separated subset of {','.join(BACKENDS)}",
+        help=f"comma-separated subset of {','.join(BACKENDS)} (default: fused,baseline with "
+        "a CUDA GPU, fused,baseline,reference without: the fused rows then read 'skipped')",
     )
-    parser.add_argument(
+    add(
         "--pass",
         dest="passes",
         default=",".join(PASSES),
-        help=f"comma-separated subset of {','.join(PASSES)}",
+        help="comma-separated subset of forward (the training forward) and fwd+bwd "
+        f"(default: {','.join(PASSES)})",
     )
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="cuda" if gpu else "cpu")
-    parser.add_argument("--json", type=Path, help="write the results here")
-    parser.add_argument("--quiet", action="store_true", help="no progress line")
-    parser.add_argument(
+    add(
+        "--tokens",
+        help="token sweep: comma-separated token counts per rank at the shape's dims, e.g. "
+        "128,512,2048,8192,65536; adds the weight-read floor and each time's ratio to it "
+        "(default: off, the shape's own T)",
+    )
+    add("--warmup", type=int, default=3, help="untimed runs before sampling (default: 3)")
+    add("--iters", type=int, default=10, help="timed samples; the median is reported (default: 10)")
+    add("--seed", type=int, default=0, help="seed of the inputs and routing (default: 0)")
+    add("--device", help="torch device to run on (default: cuda with a CUDA GPU, cpu without)")
+    add("--json", type=Path, help="write the report (rows, commit, device) here (default: none)")
+    add(
+        "--plot",
+        type=Path,
+        help="write a PNG here: time against tokens with the floors for a token sweep, "
+        "bars per mode/format/pass otherwise; needs matplotlib (default: none)",
+    )
+    add("--quiet", action="store_true", help="no progress line on stderr (default: off)")
+    add(
         "--activation-checkpoint",
         action="store_true",
-        help="fused backend: recompute GEMM1's pre-activations in the backward",
+        help="fused backend: recompute GEMM1's pre-activations in the backward instead of "
+        "saving them (default: off)",
     )
-    parser.add_argument(
+    add(
         "--ep",
         type=int,
         default=1,
-        help="expert-parallel degree: > 1 runs `megamoe.bench.ep` on that many local GPUs "
-        "under torchrun (65,536 tokens per rank, 256 experts; --mode, --dtype and --json "
-        "pass on)",
+        help="expert-parallel degree: > 1 runs megamoe.bench.ep on that many local GPUs "
+        "under torchrun (65,536 tokens per rank, 256 experts; one --mode and --dtype, "
+        "--warmup, --iters and --json pass on) (default: 1)",
     )
+    return parser
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    gpu = torch.cuda.is_available()
+    parser = build_parser()
     args = parser.parse_args(argv)
-    args.backends = [b.strip() for b in args.backend.split(",") if b.strip()]
-    args.passes = [p.strip() for p in args.passes.split(",") if p.strip()]
-    for backend in args.backends:
-        if backend not in BACKENDS:
-            parser.error(f"--backend: expected a subset of {BACKENDS}, got {backend!r}")
-    for pass_name in args.passes:
-        if pass_name not in PASSES:
-            parser.error(f"--pass: expected a subset of {PASSES}, got {pass_name!r}")
+    args.shape = args.shape or ("ep4rank" if gpu else "small")
+    args.device = args.device or ("cuda" if gpu else "cpu")
+    args.modes = _comma_list(parser, "--mode", args.mode, MODES)
+    dtypes = args.dtype or ("bf16,mxfp4" if args.tokens else "bf16")
+    args.dtypes = _comma_list(parser, "--dtype", dtypes, DTYPES)
+    backends = args.backend or ("fused,baseline" if gpu else "fused,baseline,reference")
+    args.backends = _comma_list(parser, "--backend", backends, BACKENDS)
+    args.passes = _comma_list(parser, "--pass", args.passes, PASSES)
+    args.token_counts = None
+    if args.tokens:
+        try:
+            args.token_counts = [int(t) for t in args.tokens.split(",") if t.strip()]
+        except ValueError:
+            parser.error(f"--tokens: expected comma-separated integers, got {args.tokens!r}")
+        if not args.token_counts or min(args.token_counts) < 1:
+            parser.error(f"--tokens: expected token counts >= 1, got {args.tokens!r}")
     if args.iters < 1 or args.warmup < 0:
         parser.error("--iters must be >= 1 and --warmup >= 0")
     if args.ep < 1:
         parser.error("--ep must be >= 1")
+    if args.ep > 1 and (len(args.modes) > 1 or len(args.dtypes) > 1 or args.tokens):
+        parser.error("--ep: takes one --mode and one --dtype, and no --tokens")
     if args.device.startswith("cuda") and not gpu:
         parser.error("--device cuda: no CUDA GPU is available")
     return args
+
+
+def memory_refusal(args: argparse.Namespace, device: torch.device) -> str | None:
+    """On a CPU: why the requested runs would not fit in host memory (None: they fit or
+    cannot be judged). The estimate is :func:`~megamoe.bench.shapes.estimate_peak_bytes`
+    for the largest runnable backend, mode, format and token count."""
+    if device.type != "cpu":
+        return None
+    available = host_memory_available()
+    if available is None:
+        return None
+    shape = SHAPES[args.shape]
+    tokens = args.token_counts or [shape.num_tokens]
+    need: dict[str, tuple[str, int]] = {}
+    for backend in args.backends:
+        if backend == "fused" and fused_unavailable(device):
+            continue
+        compute = {torch.bfloat16: "bf16", torch.float32: "float32", torch.float64: "float64"}[
+            compute_dtype(backend, device)
+        ]
+        peak = max(
+            estimate_peak_bytes(shape.with_tokens(t), compute=compute, mode=m, format=f)
+            for t in tokens
+            for m in args.modes
+            for f in args.dtypes
+        )
+        need[backend] = (compute, peak)
+    if not need or max(peak for _, peak in need.values()) <= 0.8 * available:
+        return None
+    estimates = " and ".join(
+        f"the {backend} ({compute}) about {peak / GIB:.0f} GiB"
+        for backend, (compute, peak) in need.items()
+    )
+    return (
+        f"--shape {args.shape} on the CPU: needs {estimates} of host memory (an upper "
+        "estimate), "
+        f"and this machine has {available / GIB:.1f} GiB available. Run it on a Hopper GPU "
+        "(the fused backend needs one), or use --shape small here."
+    )
 
 
 def _run_ep(args: argparse.Namespace) -> int:
@@ -292,9 +550,9 @@ def _run_ep(args: argparse.Namespace) -> int:
         "-m",
         "megamoe.bench.ep",
         "--mode",
-        args.mode,
+        args.modes[0],
         "--dtype",
-        args.dtype,
+        args.dtypes[0],
         "--warmup",
         str(args.warmup),
         "--iters",
@@ -311,12 +569,41 @@ def main(argv: list[str] | None = None) -> int:
     if args.ep > 1:
         return _run_ep(args)
     device = torch.device(args.device)
+    refusal = memory_refusal(args, device)
+    if refusal:
+        print(refusal, file=sys.stderr)
+        return 2
+    if args.plot is not None:
+        try:
+            import matplotlib  # noqa: F401  (fail before hours of timing, not after)
+        except ImportError:
+            print("--plot: needs matplotlib (python -m pip install matplotlib)", file=sys.stderr)
+            return 2
     shape = SHAPES[args.shape]
     progress = Progress(enabled=not args.quiet)
+    sweep = None
+    if args.token_counts:
+        progress.update("measuring the device copy bandwidth")
+        bandwidth = copy_bandwidth(device, COPY_BYTES[device.type])
+        floors = {f: floor_ms(shape.weight_bytes(f), bandwidth) for f in args.dtypes}
+        sweep = {
+            "tokens": args.token_counts,
+            "copy_bytes": COPY_BYTES[device.type],
+            "copy_bandwidth_gbs": bandwidth / 1e9,
+            "weight_bytes": {f: shape.weight_bytes(f) for f in args.dtypes},
+            "floors_ms": floors,
+        }
     rows = []
-    for backend in args.backends:
-        rows.extend(run_backend(backend, shape, args, device, progress))
+    for tokens in args.token_counts or [shape.num_tokens]:
+        point = shape.with_tokens(tokens)
+        for mode in args.modes:
+            for dtype in args.dtypes:
+                for backend in args.backends:
+                    rows.extend(run_backend(backend, point, mode, dtype, args, device, progress))
     progress.done()
+    if sweep:
+        add_floor_ratios(rows, sweep["floors_ms"])
+    commit, commit_source = build_commit()
     report = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(device)
@@ -324,24 +611,38 @@ def main(argv: list[str] | None = None) -> int:
         else platform.processor() or platform.machine(),
         "torch": torch.__version__,
         "megamoe": megamoe.__version__,
-        "commit": _git_commit(),
+        "commit": commit,
+        "commit_source": commit_source,
         "command": " ".join(
             ["python -m megamoe.bench", *(argv if argv is not None else sys.argv[1:])]
         ),
         "shape": vars(shape) | {"num_routes": shape.num_routes},
-        "mode": args.mode,
-        "dtype": args.dtype,
+        "modes": args.modes,
+        "dtypes": args.dtypes,
         "warmup": args.warmup,
         "iters": args.iters,
+        "sweep": sweep,
         "results": rows,
     }
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=1))
+    if args.plot:
+        plot(report, args.plot)
+    tokens = ",".join(map(str, args.token_counts)) if args.token_counts else shape.num_tokens
     print(
-        f"{shape.name}: T={shape.num_tokens} H={shape.hidden} I={shape.intermediate} "
-        f"E_l={shape.num_local_experts} K={shape.top_k} r={shape.side_rank} mode={args.mode} "
-        f"dtype={args.dtype} device={report['device']}"
+        f"{shape.name}: T={tokens} H={shape.hidden} I={shape.intermediate} "
+        f"E_l={shape.num_local_experts} K={shape.top_k} r={shape.side_rank} "
+        f"device={report['device']} commit={commit or 'unknown'}"
     )
+    if sweep:
+        floors_text = ", ".join(
+            f"{f} {sweep['weight_bytes'][f] / 1e6:.1f} MB -> {ms:.3f} ms"
+            for f, ms in sweep["floors_ms"].items()
+        )
+        print(
+            f"weight-read floor (w13 + w2 once at the measured copy bandwidth "
+            f"{sweep['copy_bandwidth_gbs']:.0f} GB/s): {floors_text}"
+        )
     print(format_table(rows))
     return 0
