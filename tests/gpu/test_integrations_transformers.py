@@ -1,0 +1,192 @@
+"""``experts_implementation="megamoe_fused"`` in HF transformers models, on a Hopper GPU.
+
+Tiny Qwen3-MoE and DeepSeek-V3 models are built from a config in BF16. Oracle: the same
+weights in float64 on HF's eager experts path. The DESIGN §6 gates apply to the MoE
+block (router + experts), where the experts are the only difference; HF's own BF16
+``grouped_mm`` is measured against the same oracle, and where it cannot reach a gate
+itself (the router-weight gradient: the BF16 routing weights HF's router returns are
+rounded before the experts see them) megamoe must be at least as close as it.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from megamoe.testing import GRAD_MIN_COSINE, assert_close_to_oracle
+from megamoe.testing.metrics import compare
+
+transformers = pytest.importorskip("transformers", minversion="5.0")
+import megamoe.integrations.transformers as mhf  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+VOCAB, H, I, E, K = 512, 256, 128, 16, 4
+
+
+def qwen3_config():
+    return transformers.Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=H, intermediate_size=512, moe_intermediate_size=I,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        num_experts=E, num_experts_per_tok=K, max_position_embeddings=256,
+    )  # fmt: skip
+
+
+def deepseek_v3_config():
+    return transformers.DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=H, intermediate_size=512, moe_intermediate_size=I,
+        num_hidden_layers=2, first_k_dense_replace=1, n_routed_experts=E,
+        num_experts_per_tok=K, n_group=4, topk_group=2, n_shared_experts=1,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=64,
+        qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32, max_position_embeddings=256,
+    )  # fmt: skip
+
+
+MODELS = {
+    "qwen3_moe": (qwen3_config, "Qwen3MoeForCausalLM"),
+    "deepseek_v3": (deepseek_v3_config, "DeepseekV3ForCausalLM"),
+}
+
+
+def build(kind: str, implementation: str, seed: int = 0, dtype=torch.bfloat16):
+    make_config, cls_name = MODELS[kind]
+    config = make_config()
+    torch.manual_seed(seed)
+    model = getattr(transformers, cls_name)(config).to("cuda", dtype)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.05)
+    model.set_experts_implementation(implementation)
+    return model
+
+
+def moe_block(model):
+    return next(m for n, m in model.named_modules() if n.endswith("mlp") and hasattr(m, "experts"))
+
+
+def block_run(block, x, dout):
+    block.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_(True)
+    out = block(x)
+    out.backward(dout.to(out.dtype))
+    grads = {"x": x.grad}
+    grads.update({n: p.grad for n, p in block.named_parameters() if p.grad is not None})
+    return out.detach(), grads
+
+
+@pytest.mark.parametrize("kind", sorted(MODELS))
+def test_moe_block_output_and_every_gradient_within_the_oracle_gates(kind):
+    ours = build(kind, mhf.FUSED)
+    hf = copy.deepcopy(ours)
+    hf.set_experts_implementation("grouped_mm")
+    exact = copy.deepcopy(ours).double()
+    exact.set_experts_implementation("eager")
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(1, 512, H, generator=gen, device="cuda").to(torch.bfloat16)
+    dout = torch.randn(1, 512, H, generator=gen, device="cuda").to(torch.bfloat16)
+    out, grads = block_run(moe_block(ours), x, dout)
+    out_hf, grads_hf = block_run(moe_block(hf), x, dout)
+    out64, grads64 = block_run(moe_block(exact), x.double(), dout.double())
+    assert_close_to_oracle("out", out, out64)
+    assert grads.keys() == grads64.keys()
+    for name, want in grads64.items():
+        hf_metrics = compare(grads_hf[name], want)
+        min_cosine = min(GRAD_MIN_COSINE, hf_metrics.cosine)
+        assert_close_to_oracle(f"d{name}", grads[name], want, min_cosine=min_cosine)
+    # HF's own path passes the output gate too (the comparison is fair).
+    assert_close_to_oracle("out (grouped_mm)", out_hf, out64)
+
+
+@pytest.mark.parametrize("kind", sorted(MODELS))
+def test_logits_as_close_to_float64_as_grouped_mm(kind):
+    ours = build(kind, mhf.FUSED)
+    hf = copy.deepcopy(ours)
+    hf.set_experts_implementation("grouped_mm")
+    exact = copy.deepcopy(ours).double()
+    exact.set_experts_implementation("eager")
+    ids = torch.randint(0, VOCAB, (2, 128), device="cuda", generator=torch.Generator("cuda"))
+    with torch.no_grad():
+        want = exact(ids).logits
+        m_ours, m_hf = compare(ours(ids).logits, want), compare(hf(ids).logits, want)
+    assert m_ours.rel_l2 <= 1.1 * m_hf.rel_l2 + 1e-4, (m_ours, m_hf)
+
+
+def test_twenty_adamw_steps_follow_grouped_mm():
+    curves = {}
+    for impl in ("grouped_mm", mhf.FUSED):
+        model = build("qwen3_moe", impl, seed=3)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        gen = torch.Generator(device="cuda").manual_seed(5)
+        curve = []
+        for _ in range(20):
+            ids = torch.randint(0, VOCAB, (4, 128), device="cuda", generator=gen)
+            loss = model(ids, labels=ids).loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            curve.append(loss.item())
+        curves[impl] = torch.tensor(curve)
+    ours, hf = curves[mhf.FUSED], curves["grouped_mm"]
+    assert ours[-1] < ours[0]
+    assert torch.allclose(ours, hf, rtol=1e-2, atol=0), (ours, hf)
+
+
+def test_side_lora_trains_saves_and_loads(tmp_path):
+    peft = pytest.importorskip("peft")
+    model = build("qwen3_moe", mhf.FUSED)
+    mhf.attach_side_lora(model, rank=16, alpha=32.0, dtype=torch.float32)
+    params = mhf.mark_only_side_lora_as_trainable(model)
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    ids = torch.randint(0, VOCAB, (2, 128), device="cuda", generator=torch.Generator("cuda"))
+    losses = []
+    for _ in range(10):
+        loss = model(ids, labels=ids).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+    assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
+    with torch.no_grad():
+        want = model(ids).logits
+    mhf.save_side_lora(model, tmp_path)
+    again = build("qwen3_moe", mhf.FUSED)
+    mhf.load_side_lora(again, tmp_path, dtype=torch.float32)
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, want)
+    plain = build("qwen3_moe", "grouped_mm")
+    theirs = peft.PeftModel.from_pretrained(plain, str(tmp_path))
+    with torch.no_grad():
+        metrics = compare(theirs(ids).logits, want)
+    assert metrics.cosine >= 0.9999, metrics
+
+
+def test_compiled_model_matches_eager():
+    model = build("qwen3_moe", mhf.FUSED)
+    ids = torch.randint(0, VOCAB, (2, 128), device="cuda", generator=torch.Generator("cuda"))
+    eager_loss = model(ids, labels=ids).loss
+    eager_loss.backward()
+    eager_grad = model.model.layers[0].mlp.experts.gate_up_proj.grad.clone()
+    model.zero_grad(set_to_none=True)
+    compiled = torch.compile(model)
+    loss = compiled(ids, labels=ids).loss
+    loss.backward()
+    assert abs(loss.item() - eager_loss.item()) <= 1e-2 * abs(eager_loss.item())
+    got = model.model.layers[0].mlp.experts.gate_up_proj.grad
+    assert_close_to_oracle("dgate_up_proj", got, eager_grad, min_cosine=0.999)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=torch._dynamo.exc.Unsupported,
+    reason="registry() (registry.py) is traced inside prepare_base_weights; passes once it "
+    "returns a module-level value",
+)
+def test_moe_block_fullgraph_compile():
+    block = moe_block(build("qwen3_moe", mhf.FUSED))
+    x = torch.randn(1, 256, H, device="cuda", dtype=torch.bfloat16)
+    mhf.experts_spec(block.experts)  # the eager probe, as a first eager call would do
+    compiled = torch.compile(block, fullgraph=True)
+    assert_close_to_oracle("out", compiled(x), block(x))
