@@ -1,10 +1,11 @@
-// TMA tensor maps of the GEMM operands (declared in gemm_launch.h).
+// TMA tensor maps of the engine's operands (declared in gemm_launch.h).
 #include "gemm_launch.h"
 
 #include <cudaTypedefs.h>
 
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "gemm_tile_constants.h"
 
@@ -30,24 +31,37 @@ PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
 
 }  // namespace
 
-CUtensorMap tma_2d(const char* name, const void* base, int64_t rows, int64_t cols,
-                   int64_t row_stride, int box_rows) {
+CUtensorMap tensor_map(const char* name, const void* base, CUtensorMapDataType type,
+                       std::initializer_list<int64_t> dims,
+                       std::initializer_list<int64_t> strides, std::initializer_list<int> box,
+                       bool swizzle_128b) {
+  const int rank = static_cast<int>(dims.size());
+  if (rank < 1 || rank > 5 || static_cast<int>(box.size()) != rank ||
+      static_cast<int>(strides.size()) != rank - 1)
+    throw std::logic_error(std::string("megamoe: bad tensor map rank for ") + name);
   if (reinterpret_cast<uintptr_t>(base) % 16 != 0)
     throw nb::value_error((std::string(name) + ": TMA needs a 16-byte aligned address").c_str());
-  if ((row_stride * 2) % 16 != 0)
-    throw nb::value_error((std::string(name) +
-                           ": TMA needs a row stride that is a multiple of 16 bytes, got " +
-                           str(row_stride * 2))
-                              .c_str());
+  std::vector<cuuint64_t> global_dims, global_strides;
+  std::vector<cuuint32_t> box_dims, element_strides(rank, 1);
+  for (int64_t d : dims) {
+    if (d < 1)
+      throw nb::value_error((std::string(name) + ": TMA needs non-empty dimensions").c_str());
+    global_dims.push_back(static_cast<cuuint64_t>(d));
+  }
+  for (int64_t s : strides) {
+    if (s % 16 != 0)
+      throw nb::value_error((std::string(name) +
+                             ": TMA needs strides that are multiples of 16 bytes, got " + str(s))
+                                .c_str());
+    global_strides.push_back(static_cast<cuuint64_t>(s));
+  }
+  for (int b : box) box_dims.push_back(static_cast<cuuint32_t>(b));
   CUtensorMap map{};
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(row_stride * 2)};
-  const cuuint32_t box[2] = {static_cast<cuuint32_t>(kGemmBlockK),
-                             static_cast<cuuint32_t>(box_rows)};
-  const cuuint32_t element_strides[2] = {1, 1};
   const CUresult result = encode_tiled()(
-      &map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides, box,
-      element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+      &map, type, static_cast<cuuint32_t>(rank), const_cast<void*>(base), global_dims.data(),
+      global_strides.data(), box_dims.data(), element_strides.data(),
+      CU_TENSOR_MAP_INTERLEAVE_NONE,
+      swizzle_128b ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_NONE,
       CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (result != CUDA_SUCCESS)
     throw std::runtime_error(std::string("megamoe: cuTensorMapEncodeTiled failed for ") + name +
@@ -55,51 +69,10 @@ CUtensorMap tma_2d(const char* name, const void* base, int64_t rows, int64_t col
   return map;
 }
 
-CUtensorMap tma_3d(const char* name, const void* base, int64_t depth, int64_t rows, int64_t cols) {
-  if (reinterpret_cast<uintptr_t>(base) % 16 != 0 || (cols * 2) % 16 != 0)
-    throw nb::value_error((std::string(name) +
-                           ": TMA needs a 16-byte aligned address and rows of a multiple of "
-                           "16 bytes")
-                              .c_str());
-  CUtensorMap map{};
-  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows),
-                              static_cast<cuuint64_t>(depth)};
-  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(cols * 2),
-                                 static_cast<cuuint64_t>(rows * cols * 2)};
-  const cuuint32_t box[3] = {64, static_cast<cuuint32_t>(kGemmBlockK), 1};
-  const cuuint32_t element_strides[3] = {1, 1, 1};
-  const CUresult result = encode_tiled()(
-      &map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(base), dims, strides, box,
-      element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (result != CUDA_SUCCESS)
-    throw std::runtime_error(std::string("megamoe: cuTensorMapEncodeTiled failed for ") + name +
-                             " (CUresult " + str(result) + ")");
-  return map;
-}
-
-CUtensorMap tma_2d_plain(const char* name, const void* base, CUtensorMapDataType type,
-                         int element_bytes, int64_t rows, int64_t cols, int box_rows,
-                         int box_cols) {
-  if (reinterpret_cast<uintptr_t>(base) % 16 != 0 || (cols * element_bytes) % 16 != 0)
-    throw nb::value_error((std::string(name) +
-                           ": TMA needs a 16-byte aligned address and rows of a multiple of "
-                           "16 bytes, got rows of " +
-                           str(cols * element_bytes) + " bytes")
-                              .c_str());
-  CUtensorMap map{};
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols * element_bytes)};
-  const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows)};
-  const cuuint32_t element_strides[2] = {1, 1};
-  const CUresult result =
-      encode_tiled()(&map, type, 2, const_cast<void*>(base), dims, strides, box, element_strides,
-                     CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
-                     CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (result != CUDA_SUCCESS)
-    throw std::runtime_error(std::string("megamoe: cuTensorMapEncodeTiled failed for ") + name +
-                             " (CUresult " + str(result) + ")");
-  return map;
+CUtensorMap bf16_rows(const char* name, const void* base, int64_t rows, int64_t cols,
+                      int64_t row_stride, int box_rows) {
+  return tensor_map(name, base, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, {cols, rows},
+                    {row_stride * 2}, {kGemmBlockK, box_rows}, true);
 }
 
 }  // namespace megamoe

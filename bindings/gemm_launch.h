@@ -1,5 +1,4 @@
-// TMA tensor maps of the GEMM operands and the persistent launch, shared by the grouped
-// GEMM launchers (grouped_gemm.cpp, k_grouped_gemm.cpp).
+// TMA tensor maps of the engine's operands and the persistent launch (engine_launch.cpp).
 #pragma once
 
 #include <cuda.h>
@@ -7,6 +6,7 @@
 #include <nanobind/nanobind.h>
 
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 
 #include "cuda_check.h"
@@ -15,21 +15,20 @@ namespace megamoe {
 
 namespace nb = nanobind;
 
-// A 2-D row-major BF16 view [rows, cols] with `row_stride` elements between rows,
-// loaded in [box_rows, 64] boxes with the 128-byte swizzle wgmma reads. Reads past
-// `rows`/`cols` are zero-filled by the TMA unit.
-CUtensorMap tma_2d(const char* name, const void* base, int64_t rows, int64_t cols,
-                   int64_t row_stride, int box_rows);
+// A tensor map over `base`: `dims` innermost first (elements), `strides` the byte
+// strides of dims 1.. (dim 0 is contiguous), `box` the elements one TMA copy moves per
+// dim. BF16 operands wgmma reads use the 128-byte swizzle (their box is 64 elements wide);
+// MXFP4 codes and scales are plain bytes. Reads past `dims` are zero-filled and stores
+// past them clipped by the TMA unit. Raises ValueError naming `name` on addresses or
+// strides TMA cannot take.
+CUtensorMap tensor_map(const char* name, const void* base, CUtensorMapDataType type,
+                       std::initializer_list<int64_t> dims,
+                       std::initializer_list<int64_t> strides, std::initializer_list<int> box,
+                       bool swizzle_128b);
 
-// A 3-D BF16 view [depth][rows][cols] (row-major, contiguous), loaded in [1, 64, 64]
-// boxes with the 128-byte swizzle: an MN-major B, one expert per depth slice, so K rows
-// past an expert's k_base are zero-filled rather than read from the next expert.
-CUtensorMap tma_3d(const char* name, const void* base, int64_t depth, int64_t rows, int64_t cols);
-
-// A 2-D row-major uint8/uint16 view [rows, cols] loaded unswizzled in [box_rows,
-// box_cols] boxes (the MXFP4 codes and scales; the consumers read them, not wgmma).
-CUtensorMap tma_2d_plain(const char* name, const void* base, CUtensorMapDataType type,
-                         int element_bytes, int64_t rows, int64_t cols, int box_rows, int box_cols);
+// BF16 [rows, cols] with `row_stride` elements between rows, box [box_rows, 64], swizzled.
+CUtensorMap bf16_rows(const char* name, const void* base, int64_t rows, int64_t cols,
+                      int64_t row_stride, int box_rows);
 
 // Launch a persistent kernel taking one parameter block: one CTA per SM (`num_sms`),
 // `threads` threads and `smem_bytes` of dynamic shared memory, on `stream`. Checks that

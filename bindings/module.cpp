@@ -7,10 +7,8 @@
 #include <string>
 #include <vector>
 
-#include "activation_backward.h"
 #include "cuda_check.h"
-#include "grouped_gemm.h"
-#include "k_grouped_gemm.h"
+#include "engine_launch.h"
 #include "mxfp4_decode.h"
 #include "pool_ops.h"
 #include "route_plan.h"
@@ -31,7 +29,6 @@ NB_MODULE(_C, m) {
     for (int choice : megamoe::variants::kBlockMChoices) choices.push_back(choice);
     return choices;
   });
-  m.def("gate_up_interleave", [] { return megamoe::variants::kGateUpInterleave; });
   m.def(
       "cuda_runtime_version",
       [] {
@@ -71,8 +68,6 @@ NB_MODULE(_C, m) {
         "Stable counting sort of routes by local expert (three launches on `stream`).");
 
   megamoe::register_pool_ops(m);
-  megamoe::register_grouped_gemm(m);
-  megamoe::register_k_grouped_gemm(m);
-  megamoe::register_activation_backward(m);
+  megamoe::register_engine(m);
   megamoe::register_mxfp4_decode(m);
 }

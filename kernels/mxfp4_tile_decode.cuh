@@ -1,10 +1,9 @@
 // MXFP4 -> BF16 decode of one K block of a grouped-GEMM B tile, in shared memory.
 //
-// The producer's TMA puts a K block's codes (BLOCK_N rows x 32 bytes, unswizzled) and
-// scales (BLOCK_N x uint16: the two UE8M0 bytes of the block's two 32-column halves)
-// into the stage's staging area; the consumer threads decode them into the stage's B
-// tile in the layout TMA writes for a BF16 B (K-major, 128-byte swizzle), so the wgmma
-// descriptors stay those of the BF16 engine. Values are those of the transient decode
+// The producer's TMA puts a K block's codes (unswizzled) and scales into the stage;
+// the consumer threads decode them into the stage's B tile in the layout TMA writes for
+// a BF16 B (K-major or MN-major, 128-byte swizzle), so the wgmma descriptors stay those
+// of the BF16 engine. Values are those of the transient decode
 // kernel (kernels/mxfp4_decode.cuh) bit for bit: E2M1 x 2^(scale - 127), exact in FP32,
 // then rounded (exactly) to BF16.
 #pragma once
@@ -153,81 +152,110 @@ __device__ __forceinline__ void store_chunk(uint32_t address, const uint4& chunk
                : "memory");
 }
 
-// Decode one K block of a B tile: `codes` [BlockN][32] bytes and `scales` [BlockN]
-// uint16 (staging) -> `b_tile` [BlockN][64] BF16, swizzled. `thread` is this thread's
-// index among the `Threads` decoding threads. Units are (row, 32-column half), in
-// order, so a warp reads 512 contiguous code bytes and a quarter warp's 16-byte
-// stores hit 8 different bank groups (conflict-free).
-template <int BlockN, int Threads>
-__device__ __forceinline__ void decode_b_block(const uint8_t* codes, const uint16_t* scales,
-                                               uint8_t* b_tile, int thread) {
-  constexpr int kUnits = BlockN * kUnitsPerRow;
-  static_assert(kUnits % Threads == 0, "every thread decodes the same number of units");
-  const uint32_t codes_base = shared_address(codes), scales_base = shared_address(scales);
-  const uint32_t tile_base = shared_address(b_tile);
-#pragma unroll
-  for (int i = 0; i < kUnits / Threads; ++i) {
-    const int unit = thread + i * Threads;
-    const int row = unit / kUnitsPerRow, half = unit % kUnitsPerRow;
-    uint32_t words[4];
-    uint16_t scale_pair;
-    load_unit_codes(codes_base + unit * kUnitBytes, words);
-    asm volatile("ld.shared.u16 %0, [%1];" : "=h"(scale_pair) : "r"(scales_base + row * 2));
-    uint4 chunks[4];
-    decode_unit(words, (static_cast<uint32_t>(scale_pair) >> (8 * half)) & 0xFFu, chunks);
-#pragma unroll
-    for (int w = 0; w < 4; ++w)
-      store_chunk(tile_base + swizzled_chunk_offset(row, 4 * half + w), chunks[w]);
-  }
-}
+// The decode of one stage's B tile in two phases, so the codes may land inside the
+// B tile itself (its last quarter: a stage holds no separate staging area): every
+// decoding thread first loads its units' codes and scales into registers (`load`),
+// the threads synchronise, then each decodes and stores (`store`).
 
-// Decode one K block of an MN-major B tile (the dgrads' view of the weights: K rows
-// of the stored matrix, N along its packed axis): `codes` [64][BlockN / 2] bytes (K
-// row, then N) and `scales` [BlockN / 32][64] bytes (N block of 32, then K row) ->
-// `b_tile`, BlockN / 64 boxes of [64 K rows][64 N] BF16 side by side, each 128-byte
-// swizzled (the layout TMA writes for a BF16 MN-major B). Units are (K row, 32-column N
-// block), in order: a warp reads contiguous code bytes, and a unit's four chunks land
-// in one 128-byte row of one box, as in the K-major case.
+// K-major B (the forward GEMMs): codes [BlockN][32] bytes and scales [BlockN] uint16 (the
+// two UE8M0 bytes of the block's 32-column halves) -> [BlockN][64] BF16, 128-byte
+// swizzled. Units are (row, 32-column half), in order, so a warp reads 512 contiguous
+// code bytes and a quarter warp's 16-byte stores hit 8 different bank groups.
 template <int BlockN, int Threads>
-__device__ __forceinline__ void decode_b_block_mn(const uint8_t* codes, const uint8_t* scales,
-                                                  uint8_t* b_tile, int thread) {
-  constexpr int kBlockK = 64, kBoxBytes = kBlockK * 128;
-  constexpr int kUnitsPerRow = BlockN / 32;
-  constexpr int kUnits = kBlockK * kUnitsPerRow;
+struct KMajorTileDecode {
+  static constexpr int kUnits = BlockN * kUnitsPerRow;
+  static constexpr int kPerThread = kUnits / Threads;
   static_assert(kUnits % Threads == 0, "every thread decodes the same number of units");
-  const uint32_t codes_base = shared_address(codes), scales_base = shared_address(scales);
-  const uint32_t tile_base = shared_address(b_tile);
+  uint32_t words[kPerThread][4];
+  uint32_t scale[kPerThread];
+
+  __device__ __forceinline__ void load(const uint8_t* codes, const uint16_t* scales, int thread) {
+    const uint32_t codes_base = shared_address(codes), scales_base = shared_address(scales);
 #pragma unroll
-  for (int i = 0; i < kUnits / Threads; ++i) {
-    const int unit = thread + i * Threads;
-    const int k_row = unit / kUnitsPerRow, n_block = unit % kUnitsPerRow;
-    uint32_t words[4], scale;
-    load_unit_codes(codes_base + unit * kUnitBytes, words);
-    asm volatile("ld.shared.u8 %0, [%1];"
-                 : "=r"(scale)
-                 : "r"(scales_base + n_block * kBlockK + k_row));
-    // A quarter warp (8 units of one K row) stores to up to 4 boxes 8 KB apart, i.e. the
-    // same banks: each unit starts at chunk `rotation` of its four so the 8 stores of a
-    // round hit 8 different 16-byte bank groups. Rotating the 4 input words (selects,
-    // no dynamically indexed registers) puts chunk (w + rotation) % 4 in slot w.
-    const int rotation = (n_block / 2) % 4;
-    if (rotation & 1) {
-      const uint32_t first = words[0];
-      words[0] = words[1], words[1] = words[2], words[2] = words[3], words[3] = first;
+    for (int i = 0; i < kPerThread; ++i) {
+      const int unit = thread + i * Threads;
+      const int row = unit / kUnitsPerRow, half = unit % kUnitsPerRow;
+      load_unit_codes(codes_base + unit * kUnitBytes, words[i]);
+      uint16_t pair;
+      asm volatile("ld.shared.u16 %0, [%1];" : "=h"(pair) : "r"(scales_base + row * 2));
+      scale[i] = (static_cast<uint32_t>(pair) >> (8 * half)) & 0xFFu;
     }
-    if (rotation & 2) {
-      uint32_t t = words[0];
-      words[0] = words[2], words[2] = t;
-      t = words[1], words[1] = words[3], words[3] = t;
-    }
-    uint4 chunks[4];
-    decode_unit(words, scale, chunks);
-    const uint32_t box = tile_base + (n_block / 2) * kBoxBytes;
-#pragma unroll
-    for (int w = 0; w < 4; ++w)
-      store_chunk(box + swizzled_chunk_offset(k_row, 4 * (n_block % 2) + (w + rotation) % 4),
-                  chunks[w]);
   }
-}
+
+  __device__ __forceinline__ void store(uint8_t* b_tile, int thread) const {
+    const uint32_t tile_base = shared_address(b_tile);
+#pragma unroll
+    for (int i = 0; i < kPerThread; ++i) {
+      const int unit = thread + i * Threads;
+      const int row = unit / kUnitsPerRow, half = unit % kUnitsPerRow;
+      uint4 chunks[4];
+      decode_unit(words[i], scale[i], chunks);
+#pragma unroll
+      for (int w = 0; w < 4; ++w)
+        store_chunk(tile_base + swizzled_chunk_offset(row, 4 * half + w), chunks[w]);
+    }
+  }
+};
+
+// MN-major B (the dgrads' view of the weights as stored: K rows, N along the packed
+// axis): codes [64][BlockN / 2] bytes (K row, then N) and scales [BlockN / 32][64] bytes
+// (N block of 32, then K row) -> BlockN / 64 boxes of [64 K rows][64 N] BF16 side by
+// side, each 128-byte swizzled (the layout TMA writes for a BF16 MN-major B). Units are
+// (K row, 32-column N block), in order: a warp reads contiguous code bytes, and a unit's
+// four chunks land in one 128-byte row of one box.
+template <int BlockN, int Threads>
+struct MNMajorTileDecode {
+  static constexpr int kBlockK = 64, kBoxBytes = kBlockK * 128;
+  static constexpr int kUnitsPerKRow = BlockN / 32;
+  static constexpr int kUnits = kBlockK * kUnitsPerKRow;
+  static constexpr int kPerThread = kUnits / Threads;
+  static_assert(kUnits % Threads == 0, "every thread decodes the same number of units");
+  uint32_t words[kPerThread][4];
+  uint32_t scale[kPerThread];
+
+  __device__ __forceinline__ void load(const uint8_t* codes, const uint8_t* scales, int thread) {
+    const uint32_t codes_base = shared_address(codes), scales_base = shared_address(scales);
+#pragma unroll
+    for (int i = 0; i < kPerThread; ++i) {
+      const int unit = thread + i * Threads;
+      const int k_row = unit / kUnitsPerKRow, n_block = unit % kUnitsPerKRow;
+      load_unit_codes(codes_base + unit * kUnitBytes, words[i]);
+      asm volatile("ld.shared.u8 %0, [%1];"
+                   : "=r"(scale[i])
+                   : "r"(scales_base + n_block * kBlockK + k_row));
+    }
+  }
+
+  __device__ __forceinline__ void store(uint8_t* b_tile, int thread) const {
+    const uint32_t tile_base = shared_address(b_tile);
+#pragma unroll
+    for (int i = 0; i < kPerThread; ++i) {
+      const int unit = thread + i * Threads;
+      const int k_row = unit / kUnitsPerKRow, n_block = unit % kUnitsPerKRow;
+      // A quarter warp (8 units of one K row) stores to up to 4 boxes 8 KB apart, i.e.
+      // the same banks: each unit starts at chunk `rotation` of its four so the 8 stores
+      // of a round hit 8 different 16-byte bank groups. Rotating the 4 input words
+      // (selects, no dynamically indexed registers) puts chunk (w + rotation) % 4 in slot w.
+      const int rotation = (n_block / 2) % 4;
+      uint32_t w4[4] = {words[i][0], words[i][1], words[i][2], words[i][3]};
+      if (rotation & 1) {
+        const uint32_t first = w4[0];
+        w4[0] = w4[1], w4[1] = w4[2], w4[2] = w4[3], w4[3] = first;
+      }
+      if (rotation & 2) {
+        uint32_t t = w4[0];
+        w4[0] = w4[2], w4[2] = t;
+        t = w4[1], w4[1] = w4[3], w4[3] = t;
+      }
+      uint4 chunks[4];
+      decode_unit(w4, scale[i], chunks);
+      const uint32_t box = tile_base + (n_block / 2) * kBoxBytes;
+#pragma unroll
+      for (int w = 0; w < 4; ++w)
+        store_chunk(box + swizzled_chunk_offset(k_row, 4 * (n_block % 2) + (w + rotation) % 4),
+                    chunks[w]);
+    }
+  }
+};
 
 }  // namespace megamoe::kernels::mxfp4

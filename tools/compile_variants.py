@@ -52,7 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 import gen_variants  # noqa: E402
 
-GEMM_FAMILIES = {"grouped_gemm", "k_grouped_gemm"}  # families whose kernels must issue HGMMA
+GEMM_FAMILIES = {"engine"}  # families whose kernels must issue HGMMA
 REGISTRY = ROOT / "python" / "megamoe" / "variants.toml"
 DEFAULT_BASELINE = ROOT / "tools" / "variant_resources.json"
 # One register allocation granule (registers are allocated per warp in units of 256,
@@ -226,10 +226,16 @@ def local_headers(source: Path, include_dirs: list[Path]) -> list[Path]:
     seen: dict[Path, None] = {}
     pending = [source]
     while pending:
-        text = pending.pop().read_text()
+        current = pending.pop()
+        text = current.read_text()
         for name in LOCAL_INCLUDE.findall(text):
-            for folder in include_dirs:
+            # A quoted include is found next to the including file first (as nvcc does).
+            for folder in [current.parent, *include_dirs]:
                 candidate = (folder / name).resolve()
+                if folder == current.parent and not any(
+                    candidate.is_relative_to(d.resolve()) for d in include_dirs
+                ):
+                    continue
                 if candidate.is_file():
                     if candidate not in seen:
                         seen[candidate] = None

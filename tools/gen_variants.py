@@ -31,27 +31,17 @@ FAMILIES = {
         "table_type": "PoolCombineKernels",
         "make": "megamoe::kernels::pool_combine_kernels()",
     },
-    "activation_backward": {
-        "header": "activation_backward.cuh",
-        "table_type": "ActivationBackwardKernels",
-        "make": "megamoe::kernels::activation_backward_kernels()",
-    },
     "mxfp4_decode": {
         "header": "mxfp4_decode.cuh",
         "table_type": "Mxfp4DecodeKernels",
         "make": "megamoe::kernels::mxfp4_decode_kernels()",
     },
-    "k_grouped_gemm": {
-        "header": "k_grouped_gemm.cuh",
-        "table_type": "KGroupedGemmKernels",
-        "make": "megamoe::kernels::k_grouped_gemm_kernels<{block_m}, {block_n}>()",
-    },
-    "grouped_gemm": {
-        "header": "grouped_gemm.cuh",
-        "table_type": "GroupedGemmKernels",
-        "make": "megamoe::kernels::grouped_gemm_kernels<{block_m}, {block_n}, "
-        "megamoe::Epilogue::{epilogue}, megamoe::BMajor::{b_major}, "
-        "megamoe::BFormat::{b_format}>()",
+    "engine": {
+        "header": "engine/engine_kernel.cuh",
+        "params_header": "engine/engine_params.h",
+        "table_type": "EngineKernels",
+        "make": "megamoe::kernels::engine_kernels<megamoe::EngineKind::{kind}, "
+        "megamoe::BFormat::{b_format}, {block_m}, {block_n}>()",
     },
 }
 
@@ -115,10 +105,13 @@ def generate(registry_path: Path, out_dir: Path) -> list[Path]:
     _write_if_changed(out_dir / "registry_constants.h", "".join(constants))
 
     lines = [BANNER, "#pragma once\n", "#include <cstddef>\n"]
-    for name in sorted({FAMILIES[f]["header"].replace(".cuh", "_params.h") for f in by_family}):
+    params_headers = {
+        FAMILIES[f].get("params_header", FAMILIES[f]["header"].replace(".cuh", "_params.h"))
+        for f in by_family
+    }
+    for name in sorted(params_headers):
         lines.append(f'#include "{name}"\n')
     lines.append("\nnamespace megamoe::variants {\n\n")
-    lines.append(f"inline constexpr int kGateUpInterleave = {layout['gate_up_interleave']};\n")
     choices = ", ".join(str(b) for b in layout["block_m_choices"])
     lines.append(f"inline constexpr int kBlockMChoices[] = {{{choices}}};\n\n")
     for family_name, entries in by_family.items():

@@ -17,7 +17,7 @@ import torch
 from . import pool
 from ._checks import check_choice, check_tensor
 from .grouped_gemm import ACTIVATIONS, gated_grouped_gemm, grouped_gemm
-from .heuristics import get_block_m, get_block_n
+from .heuristics import get_block_m
 from .routing import RoutePlan, plan_routes
 from .side_lora import SideLoRA
 from .weights import BaseWeights
@@ -31,8 +31,8 @@ class ForwardState:
     """What the fused backward needs beyond the call's inputs (DESIGN §3 memory policy).
 
     - ``plan``: the route plan (int32 index maps, ~12 bytes per route).
-    - ``preact``: ``[pool_capacity, 2I]`` BF16 GEMM1 pre-activations ``g``, ``u`` in
-      ``w13``'s interleave, or None under activation checkpointing.
+    - ``preact``: ``[pool_capacity, 2I]`` BF16 GEMM1 pre-activations ``g | u``, or None
+      under activation checkpointing.
     - ``q13``: ``[T, 2r]`` BF16 ``[x a1 | x a3]`` (None without an active adapter).
     - ``p_sum``: ``[T, r]`` BF16 ``sum_k w p`` (None without an active adapter).
     """
@@ -214,19 +214,16 @@ def gemm1(
             side_b_up=side.b3.transpose(1, 2).contiguous(),
             side_scale=side.scale,
         )
-    # MXFP4: a transient BF16 decode dropped after GEMM1, or (MEGAMOE_MXFP4_DECODE=
-    # engine) the codes and scales, decoded inside the engine.
-    w13, w13_scales = base.w13_operand()
+    # MXFP4: the codes and scales, decoded inside the GEMM pipeline.
     return gated_grouped_gemm(
         pool_input,
-        w13,
+        base.w13,
         plan,
         k=base.hidden,
         activation=activation,
         activation_clamp=activation_clamp,
         preact_out=preact,
-        block_n=get_block_n(plan.block_m, 2 * base.intermediate),
-        w13_scales=w13_scales,
+        w13_scales=base.w13_scales,
         **side_args,
     )
 
@@ -261,15 +258,7 @@ def expert_stage(
     )
     del pool_input
     b_extra = None if side is None else side.a2.transpose(1, 2).contiguous()  # [E, r, I]
-    w2, w2_scales = base.w2_operand()
-    return grouped_gemm(
-        hidden_pool,
-        w2,
-        plan,
-        b_extra=b_extra,
-        b_scales=w2_scales,
-        block_n=get_block_n(plan.block_m, base.hidden),
-    )
+    return grouped_gemm(hidden_pool, base.w2, plan, b_extra=b_extra, b_scales=base.w2_scales)
 
 
 def recompute_preact(

@@ -1,4 +1,5 @@
-"""K-grouped weight gradients over the expert pool (kernels/k_grouped_gemm.cuh).
+"""K-grouped weight gradients over the expert pool (the engine's KGrouped kind,
+kernels/engine/: its expert-rows tile scheduler and scaled-store epilogue).
 
 ``out[e] = scale * a_e^T b_e``, where ``a_e``/``b_e`` are expert ``e``'s data rows of
 two pool-shaped operands: rows ``offsets[e] .. offsets[e] + counts[e] - 1``. This is
@@ -28,7 +29,7 @@ from .routing import RoutePlan
 
 FLOAT32_MAX = 3.4028234663852886e38
 
-#: BLOCK_M of the K-grouped variants (output rows per tile; registry ``k_grouped_gemm``).
+#: BLOCK_M of the K-grouped variants (output rows per tile; registry ``engine_k_grouped_*``).
 BLOCK_M = 128
 
 
@@ -40,8 +41,10 @@ def k_grouped_block_n(out_columns: int) -> int:
 
 def _check_row_operand(name: str, t: torch.Tensor, rows: int, device: torch.device) -> None:
     check_tensor(name, t, shape=(rows, None), dtypes=(torch.bfloat16,), device=device)
-    if t.shape[1] < 2 or t.shape[1] % 2 != 0:
-        raise ValueError(f"{name}: expected an even number of columns >= 2, got {t.shape[1]}")
+    if t.shape[1] < 8 or t.shape[1] % 8 != 0:
+        raise ValueError(
+            f"{name}: expected a multiple of 8 columns (16-byte rows for TMA), got {t.shape[1]}"
+        )
     if t.stride(1) != 1 or t.stride(0) < t.shape[1]:
         raise ValueError(
             f"{name}: expected rows of unit column stride (a column slice of a pool is fine), "
@@ -93,7 +96,7 @@ def k_grouped_gemm(
             dtypes=(torch.bfloat16,),
             device=a.device,
             contiguous=True,
-            alignment=4,
+            alignment=16,
         )
     if not a.is_cuda:
         for e, start, count in _expert_data_rows(plan):
@@ -103,13 +106,12 @@ def k_grouped_gemm(
     device_index = a.device.index if a.device.index is not None else None
     dl = _native.dlpack
     with torch.cuda.device(a.device):
-        _native.native().k_grouped_gemm(
+        _native.native().engine_k_grouped(
             dl(a),
             dl(b),
             dl(plan.expert_pool_offsets),
             dl(plan.expert_counts),
             dl(out),
-            BLOCK_M,
             k_grouped_block_n(n),
             float(scale),
             resolve_device_sms(device_index),

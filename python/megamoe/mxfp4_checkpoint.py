@@ -39,7 +39,7 @@ import torch
 from ._checks import check_choice, check_tensor
 from .mxfp4 import MXFP4_BLOCK
 from .registry import registry
-from .weights import BaseWeights, to_kernel_rows
+from .weights import BaseWeights
 
 __all__ = ["GATE_UP_ORDERS", "base_weights_from_gpt_oss", "base_weights_from_mxfp4"]
 
@@ -128,9 +128,9 @@ def base_weights_from_mxfp4(
             )
     if gate_up == "interleaved":
         w13_codes, w13_scales = _deinterleave_rows(w13_codes), _deinterleave_rows(w13_scales)
-    interleave = reg.gate_up_interleave
-    w13_codes = to_kernel_rows(_positive_zero(w13_codes), interleave).contiguous()
-    w13_scales = to_kernel_rows(w13_scales, interleave).contiguous()
+    # The kernels read w13 in this concatenated (nn.Linear) row order as it is.
+    w13_codes = _positive_zero(w13_codes).contiguous()
+    w13_scales = w13_scales.contiguous()
     return BaseWeights(
         "mxfp4",
         w13_codes,
@@ -140,7 +140,6 @@ def base_weights_from_mxfp4(
         experts,
         hidden,
         intermediate,
-        interleave,
     )
 
 

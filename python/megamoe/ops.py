@@ -27,7 +27,6 @@ from .ep.fused_layer import moe as fused_moe
 from .fused_backward import moe_backward
 from .fused_forward import ForwardState, moe_forward
 from .heuristics import get_block_m
-from .registry import registry
 from .routing import RoutePlan, pool_capacity
 from .side_lora import SideLoRA
 from .validation import check_backward_inputs, check_moe_inputs
@@ -145,12 +144,9 @@ def _base_weights(
     values, ``H/2`` bytes per w13 row), else BF16. Only unpacks ``w13``'s dims:
     :func:`~megamoe.validation.check_base_weights` checks the rest."""
     experts, two_i, last = check_tensor("w13", w13, ndim=3).shape
-    interleave = registry().gate_up_interleave
     if w13_scales is not None:
-        return BaseWeights(
-            "mxfp4", w13, w2, w13_scales, w2_scales, experts, 2 * last, two_i // 2, interleave
-        )
-    return BaseWeights("bf16", w13, w2, None, None, experts, last, two_i // 2, interleave)
+        return BaseWeights("mxfp4", w13, w2, w13_scales, w2_scales, experts, 2 * last, two_i // 2)
+    return BaseWeights("bf16", w13, w2, None, None, experts, last, two_i // 2)
 
 
 def _side(side: tuple[torch.Tensor | None, ...], scale: float) -> SideLoRA | None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import tomllib
 from dataclasses import dataclass
 from importlib import resources
@@ -20,7 +19,6 @@ class Variant:
 
 @dataclass(frozen=True)
 class Registry:
-    gate_up_interleave: int
     block_m_choices: tuple[int, ...]
     hidden_multiple: int
     intermediate_multiple: int
@@ -48,7 +46,6 @@ def parse_registry(text: str) -> Registry:
     if list(block_m_choices) != sorted(set(block_m_choices)):
         raise ValueError("variants.toml: block_m_choices must be strictly increasing")
     return Registry(
-        gate_up_interleave=int(layout["gate_up_interleave"]),
         block_m_choices=block_m_choices,
         hidden_multiple=int(layout["hidden_multiple"]),
         intermediate_multiple=int(layout["intermediate_multiple"]),
@@ -57,8 +54,11 @@ def parse_registry(text: str) -> Registry:
     )
 
 
-@functools.cache
+# Parsed once at import: registry() is then a plain read that torch.compile traces
+# (dynamo refuses importlib.resources inside a compiled region).
+_REGISTRY = parse_registry(resources.files("megamoe").joinpath("variants.toml").read_text())
+
+
 def registry() -> Registry:
     """The registry shipped with this package."""
-    text = resources.files("megamoe").joinpath("variants.toml").read_text()
-    return parse_registry(text)
+    return _REGISTRY

@@ -4,7 +4,6 @@ import pytest
 import torch
 
 import megamoe as mm
-from megamoe.registry import registry
 
 H, I, E, R = 128, 128, 4, 16
 
@@ -83,36 +82,18 @@ def base_tensors(experts=E, hidden=H, intermediate=I, dtype=torch.bfloat16):
     return w13, w2
 
 
-def test_bf16_interleave_round_trips():
+def test_bf16_base_is_the_callers_tensors():
+    """The kernels read the user's layout: a contiguous BF16 base is used as given, with
+    no copy (gate rows 0..I-1, up rows I..2I-1)."""
     w13, w2 = base_tensors()
     base = mm.prepare_base_weights(w13, w2)
-    assert base.format == "bf16" and base.w13.shape == w13.shape
+    assert base.format == "bf16"
+    assert base.w13 is w13 and base.w2 is w2
     assert torch.equal(base.w13_linear(), w13)
     assert torch.equal(base.w2_linear(), w2)
-    group = registry().gate_up_interleave
-    # Kernel rows: a block of gate rows, then the matching up rows.
-    assert torch.equal(base.w13[:, :group], w13[:, :group])
-    assert torch.equal(base.w13[:, group : 2 * group], w13[:, I : I + group])
-    assert torch.equal(base.w13[:, 2 * group : 3 * group], w13[:, group : 2 * group])
-
-
-def test_kernel_row_order_is_the_documented_permutation_both_ways():
-    """to_kernel_rows (a block transpose) is w13[:, gate_up_interleave_index], its
-    inverse undoes it, and the gradient through it is the inverse permutation."""
-    from megamoe.weights import gate_up_interleave_index, to_kernel_rows, to_linear_rows
-
-    group = registry().gate_up_interleave
-    w13 = torch.randn(3, 2 * I, H, requires_grad=True)
-    perm = gate_up_interleave_index(I, group)
-    kernel = to_kernel_rows(w13, group)
-    assert kernel.is_contiguous()
-    assert torch.equal(kernel, w13[:, perm])
-    assert torch.equal(to_linear_rows(kernel, group), w13)
-    upstream = torch.randn(3, 2 * I, H)
-    kernel.backward(upstream)
-    expected = torch.empty_like(upstream)
-    expected[:, perm] = upstream
-    assert torch.equal(w13.grad, expected)
+    # A non-contiguous or FP32 input gets one contiguous BF16 copy, same values.
+    t13 = w13.transpose(1, 2).contiguous().transpose(1, 2)
+    assert torch.equal(mm.prepare_base_weights(t13, w2).w13, w13)
 
 
 def test_bf16_prepare_keeps_autograd_for_ordinary_mode():

@@ -109,9 +109,7 @@ def run_fused(name: str, rank: int, world: int, group) -> dict:
     scales = (None, None)
     if base.format == "mxfp4":
         scales = (base.w13_scales[experts].clone(), base.w2_scales[experts].clone())
-    local_base = type(base)(
-        base.format, w13, w2, *scales, w13.shape[0], H, INTER, base.gate_up_interleave
-    )
+    local_base = type(base)(base.format, w13, w2, *scales, w13.shape[0], H, INTER)
     named = {"x": x, "topk_weights": weights}
     if trainable:
         named.update(w13=w13, w2=w2)

@@ -1,9 +1,9 @@
 """The fused backward's orchestration on CPU, against the float64 closed-form oracle.
 
 On CPU every stage of :func:`megamoe.fused_backward.moe_backward` runs its torch twin
-(pool gather/combine references, the activation-backward reference,
-``torch._grouped_mm``'s CPU path), so the index maps, the interleave handling, the
-K-grouped weight gradients and the per-token sums are checked here without a GPU. The
+(pool gather/combine references, the engine GEMMs' CPU twins, the activation-backward
+reference), so the index maps, the ``g | u`` layout, the K-grouped weight gradients and
+the per-token sums are checked here without a GPU. The
 forward state is built independently of the fused forward (per expert, in torch).
 """
 
@@ -15,14 +15,12 @@ import torch.nn.functional as F
 
 import megamoe as mm
 from megamoe import pool
-from megamoe.activation_backward import activation_backward
+from megamoe.activation_backward import activation_backward_reference
 from megamoe.fused_backward import GRAD_NAMES, moe_backward
 from megamoe.fused_forward import ForwardState
 from megamoe.routing import plan_routes_reference
 from megamoe.testing import GRAD_MIN_COSINE, make_layer
 from megamoe.testing.metrics import assert_close_to_oracle
-
-INTERLEAVE = 64
 
 
 def _state(layer, block_m: int) -> ForwardState:
@@ -46,18 +44,16 @@ def _state(layer, block_m: int) -> ForwardState:
         rows = route[begin:end]
         tok = torch.where(rows >= 0, rows // top_k, 0)
         xe = torch.where((rows >= 0)[:, None], x.float()[tok], 0.0)
-        gu = xe @ base.w13_for_gemm()[e].float().T  # kernel (interleaved) row order
+        gu = xe @ base.w13_for_gemm()[e].float().T  # [rows, 2I]: g | u
+        inter = base.intermediate
         if use_side:
             r = side.rank
             q = torch.where((rows >= 0)[:, None], q13.float()[tok], 0.0)
-            blocks = gu.view(end - begin, -1, 2, INTERLEAVE)
-            g_side = (q[:, :r] @ side.b1[e].float()).view(end - begin, -1, INTERLEAVE)
-            u_side = (q[:, r:] @ side.b3[e].float()).view(end - begin, -1, INTERLEAVE)
-            blocks[:, :, 0] += side.scale * g_side
-            blocks[:, :, 1] += side.scale * u_side
+            gu[:, :inter] += side.scale * (q[:, :r] @ side.b1[e].float())
+            gu[:, inter:] += side.scale * (q[:, r:] @ side.b3[e].float())
         preact[begin:end] = gu.bfloat16()
         if use_side:
-            g, u = preact[begin:end].float().view(end - begin, -1, 2, INTERLEAVE).unbind(2)
+            g, u = preact[begin:end].float().split(inter, dim=1)
             c = layer.activation_clamp
             if c is not None:
                 g, u = g.clamp(max=c), u.clamp(-c, c)
@@ -146,11 +142,7 @@ def test_backward_matches_oracle(
         names += ["a1", "b1", "a3", "b3", "a2", "b2"]
     actual = dict(grads)
     if trainable_base:
-        # The fused w13 grad comes in the kernel's interleaved row order.
-        actual["w13"] = mm.BaseWeights(
-            "bf16", grads["w13"], grads["w2"], None, None, experts, 64, 128, INTERLEAVE
-        ).w13_linear(torch.float64)
-        names += ["w13", "w2"]
+        names += ["w13", "w2"]  # in the user's layout, like base.w13
     else:
         assert grads["w13"] is None and grads["w2"] is None
     for name in names:
@@ -171,11 +163,11 @@ def test_activation_backward_rejects_bad_shapes():
     capacity = state.plan.pool_capacity
     z = torch.zeros(capacity, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="^z:"):
-        activation_backward(state.preact, z, layer.topk_weights, state.plan)
+        activation_backward_reference(state.preact, z, layer.topk_weights, state.plan)
     with pytest.raises(ValueError, match="preact"):
-        activation_backward(state.preact[:, :96], z, layer.topk_weights, state.plan)
+        activation_backward_reference(state.preact[:, :96], z, layer.topk_weights, state.plan)
     with pytest.raises(ValueError, match="activation"):
-        activation_backward(
+        activation_backward_reference(
             state.preact,
             torch.zeros(capacity, 128, dtype=torch.bfloat16),
             layer.topk_weights,
@@ -186,8 +178,8 @@ def test_activation_backward_rejects_bad_shapes():
 
 @pytest.mark.parametrize("activation,clamp", [("swiglu", None), ("geglu", 0.75)])
 def test_backward_with_an_mxfp4_base(activation, clamp):
-    """An MXFP4 base goes through the transient BF16 decode: gradients match the
-    oracle run on the dequantized weights."""
+    """An MXFP4 base (the CPU twins dequantize it exactly): gradients match the oracle
+    run on the dequantized weights."""
     layer = make_layer(
         64,
         128,
@@ -218,36 +210,6 @@ def test_backward_with_an_mxfp4_base(activation, clamp):
         assert_close_to_oracle(name, grads[name], expected[name], min_cosine=GRAD_MIN_COSINE)
 
 
-@pytest.mark.parametrize(
-    "value,mode",
-    [
-        (None, "0"),
-        ("0", "0"),
-        ("1", "1"),
-        (" ", "0"),
-        ("dgrad1", "dgrad1"),
-        ("dgrad2", "dgrad2"),
-        (" dgrad2 ", "dgrad2"),
-    ],
-)
-def test_dgrad_engine_switch(monkeypatch, value, mode):
-    from megamoe.fused_backward import DGRAD_ENGINE_VAR, dgrad_engine_mode
-
-    if value is None:
-        monkeypatch.delenv(DGRAD_ENGINE_VAR, raising=False)
-    else:
-        monkeypatch.setenv(DGRAD_ENGINE_VAR, value)
-    assert dgrad_engine_mode() == mode
-
-
-def test_dgrad_engine_switch_rejects_other_values(monkeypatch):
-    from megamoe.fused_backward import DGRAD_ENGINE_VAR, dgrad_engine_mode
-
-    monkeypatch.setenv(DGRAD_ENGINE_VAR, "yes")
-    with pytest.raises(ValueError, match=f"^{DGRAD_ENGINE_VAR}"):
-        dgrad_engine_mode()
-
-
 def test_mn_major_cpu_twin_matches_a_plain_product():
     from megamoe.grouped_gemm import grouped_gemm, grouped_gemm_reference
 
@@ -259,17 +221,6 @@ def test_mn_major_cpu_twin_matches_a_plain_product():
     out = grouped_gemm(a, b, plan, b_major="mn")
     rows = int(plan.expert_pool_offsets[-1])
     assert_close_to_oracle("out", out[:rows], grouped_gemm_reference(a, b.transpose(1, 2), plan))
-
-
-def test_stack_k_rows_is_the_concatenation():
-    from megamoe.fused_backward import _stack_k_rows
-
-    gen = torch.Generator().manual_seed(3)
-    w2 = torch.randn(3, 64, 32, generator=gen).bfloat16()
-    a2 = torch.randn(3, 32, 16, generator=gen).bfloat16()  # [E, I, r]
-    got = _stack_k_rows(w2, a2.transpose(1, 2))
-    assert got.is_contiguous()
-    assert torch.equal(got, torch.cat([w2, a2.transpose(1, 2)], dim=1))
 
 
 def test_ep_entry_trains_an_mxfp4_master_straight_through():

@@ -430,12 +430,6 @@ def _trace_only(gm, example_inputs):
     return run
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=torch._dynamo.exc.Unsupported,
-    reason="registry() (registry.py) reads variants.toml through importlib.resources "
-    "inside the traced prepare_base_weights; passes once it returns a module-level value",
-)
 def test_fullgraph_compile_with_the_base_prepared_inside():
     layer = MegaMoE(H, I, E, K, side_rank=R, backend="fused")
     x = torch.randn(T, H, dtype=torch.bfloat16, requires_grad=True)

@@ -36,7 +36,6 @@ def test_generator_writes_one_source_per_variant(tmp_path):
         assert f'"{variant.name}"' in table
     constants = (tmp_path / "registry_constants.h").read_text()
     assert f"kRoutePlanRoutesPerTile = {registry().route_plan_routes_per_tile}" in constants
-    assert f"kGateUpInterleave = {registry().gate_up_interleave}" in constants
 
 
 def test_generator_rewrites_nothing_when_unchanged(tmp_path):
@@ -78,7 +77,6 @@ def test_compiled_module_agrees_with_registry():
     reg = registry()
     assert list(_C.variant_names()) == [v.name for v in reg.variants]
     assert tuple(_C.block_m_choices()) == reg.block_m_choices
-    assert _C.gate_up_interleave() == reg.gate_up_interleave
     from megamoe.routing import route_plan_num_tiles
 
     for routes in (1, 2047, 2048, 2049, 393216):

@@ -178,12 +178,6 @@ def test_compiled_model_matches_eager():
     assert_close_to_oracle("dgate_up_proj", got, eager_grad, min_cosine=0.999)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=torch._dynamo.exc.Unsupported,
-    reason="registry() (registry.py) is traced inside prepare_base_weights; passes once it "
-    "returns a module-level value",
-)
 def test_moe_block_fullgraph_compile():
     block = moe_block(build("qwen3_moe", mhf.FUSED))
     x = torch.randn(1, 256, H, device="cuda", dtype=torch.bfloat16)

@@ -1,176 +1,395 @@
-"""``python -m megamoe.bench.engine``: the engine as a plain grouped GEMM vs
-``torch._grouped_mm`` at the ep4rank GEMM1 and GEMM2 shapes and the backward's
-dgrad1/dgrad2 shapes (MN-major B), in one run; and the K-grouped weight gradients
-(``wgrad13`` = dw13 ``[2I, H]``, ``wgrad2`` = dw2 ``[H, I]``, ``db13`` ``[2r, 2I]``,
-``da2`` ``[I, r]`` per expert) vs ``torch._grouped_mm`` on the transposed pool. For
-GEMM1/GEMM2 also an MXFP4 B: the engine's in-kernel decode ("mxfp4 ...") and the
-transient path ("decode+engine ...": the BF16 decode of the whole weight, then the BF16
-engine).
+"""``python -m megamoe.bench.engine``: every GEMM of the layer on the engine, beside
+``torch._grouped_mm`` and QuACK (when importable) in the same process.
 
-Both compute the same products over the same routed rows (balanced routing: the
-pool has no padding at BLOCK_M 128, so FLOPs are equal). CUDA-event medians.
+GEMMs at the ep4rank shape (balanced routing: the pool has no padding at BLOCK_M 128,
+so every case computes the same FLOPs over the same routed rows):
+
+- ``gemm1`` (plain, the store epilogue), ``gemm1+act`` (the gated epilogue, the layer's
+  GEMM1), ``gemm2`` (+ the ``a2`` shrink columns), ``dgrad1`` (+ the ``b1``/``b3`` shrink
+  columns), ``dgrad2`` (plain) and ``dgrad2+act`` (the activation-backward epilogue, the
+  layer's dgrad2), and the K-grouped weight gradients ``wgrad13`` (dw13 ``[2I, H]``),
+  ``wgrad2`` (dw2 ``[H, I]``), ``db13`` (``[2r, 2I]``), ``da2`` (``[I, r]``);
+- for each weight GEMM also the MXFP4 base (decoded inside the pipeline);
+- peers: ``torch._grouped_mm`` of the same product (the epilogue-free GEMM; the fused
+  cases' ratio is against it), QuACK's varlen grouped GEMM (``quack.gemm_interface.gemm``,
+  default config).
+
+Timing: CUDA-event medians. ``--sustained N`` times N back-to-back launches per sample
+(the H200 runs at its power cap under sustained GEMMs) and logs the SM clock and power
+drawn meanwhile (``nvidia-smi``). ``--ncu`` re-runs every case once under Nsight Compute
+and adds the DRAM and L2 bytes of that launch to the table and the JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
+import io
 import json
+import os
+import shutil
+import statistics
+import subprocess
 import sys
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 import megamoe as mm
-from megamoe.grouped_gemm import gated_grouped_gemm, grouped_gemm
+from megamoe.activation_backward import fused_dgrad2_activation_backward
+from megamoe.grouped_gemm import block_diagonal_side_weights, gated_grouped_gemm, grouped_gemm
 from megamoe.k_grouped_gemm import k_grouped_gemm
-from megamoe.mxfp4_decode import decode_mxfp4_bf16
 from megamoe.testing.inputs import make_routing
 
 from .timing import time_fn
 
+GEMMS = (
+    "gemm1",
+    "gemm1+act",
+    "gemm2",
+    "dgrad1",
+    "dgrad2",
+    "dgrad2+act",
+    "wgrad13",
+    "wgrad2",
+    "db13",
+    "da2",
+)
+NCU_METRICS = ("dram__bytes_read.sum", "dram__bytes_write.sum", "lts__t_bytes.sum")
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--tokens", type=int, default=65536)
-    parser.add_argument("--experts", type=int, default=64)
-    parser.add_argument("--top-k", type=int, default=6)
-    parser.add_argument("--hidden", type=int, default=4096)
-    parser.add_argument("--intermediate", type=int, default=2048)
-    parser.add_argument("--rank", type=int, default=128)
-    parser.add_argument(
-        "--gemms",
-        default="gemm1,gemm2,dgrad1,dgrad2,wgrad13,wgrad2,db13,da2",
-        help="comma-separated subset of the GEMMs to time",
-    )
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--json", type=Path)
-    args = parser.parse_args(argv)
-    device = torch.device("cuda")
-    ids, _ = make_routing(args.tokens, args.experts, args.top_k, kind="balanced", seed=0)
-    block_m = mm.get_block_m(args.tokens, args.top_k, args.experts)
-    plan = mm.plan_routes(ids.to(device), args.experts, block_m)
-    rows = int(plan.expert_pool_offsets[-1])
-    routes = args.tokens * args.top_k
-    counts = plan.expert_counts.to(torch.int64)
-    offs = torch.cumsum(counts, 0).to(torch.int32)
+
+class PowerLog:
+    """``nvidia-smi`` sampled every 100 ms in the background: (time, SM MHz, watts)."""
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, float, float]] = []
+        self.process = None
+        if shutil.which("nvidia-smi") is None:
+            return
+        index = torch.cuda.current_device()
+        self.process = subprocess.Popen(
+            ["nvidia-smi", f"--id={index}", "--query-gpu=clocks.sm,power.draw",
+             "--format=csv,noheader,nounits", "-lms", "100"],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        )  # fmt: skip
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            try:
+                clock, power = (float(v) for v in line.split(","))
+            except ValueError:
+                continue
+            self.samples.append((time.monotonic(), clock, power))
+
+    def between(self, start: float, end: float) -> tuple[float | None, float | None]:
+        window = [s for s in self.samples if start <= s[0] <= end]
+        if not window:
+            return None, None
+        return statistics.mean(s[1] for s in window), statistics.mean(s[2] for s in window)
+
+    def close(self) -> None:
+        if self.process is not None:
+            self.process.terminate()
+
+
+def quack_gemm() -> tuple[Callable | None, str]:
+    """QuACK's grouped GEMM, or None and why not."""
+    try:
+        from quack.gemm_interface import gemm
+    except Exception as error:  # any import failure means no peer
+        return None, f"{type(error).__name__}: {error}"
+    return gemm, "quack-kernels"
+
+
+def build_cases(args, plan, device) -> dict[str, dict[str, tuple[Callable[[], object], float]]]:
+    """``{gemm: {case: (fn, flops)}}`` for the selected GEMMs (inputs built once)."""
     gen = torch.Generator(device=device).manual_seed(0)
-    h, i, e = args.hidden, args.intermediate, args.experts
+    h, i, e, r = args.hidden, args.intermediate, args.experts, args.rank
+    routes = args.tokens * args.top_k
+    rows = int(plan.expert_pool_offsets[-1])
+    dense = rows == routes  # torch and QuACK take the routed rows without padding
+    offs = torch.cumsum(plan.expert_counts.to(torch.int64), 0).to(torch.int32)
+    cu = torch.cat([offs.new_zeros(1), offs])
+    quack, _ = quack_gemm() if args.quack else (None, "")
+    selected = set(args.gemms.split(","))
+    capacity = plan.pool_capacity
 
     def randn(*shape, scale=1.0):
         return (torch.randn(*shape, device=device, generator=gen) * scale).bfloat16()
 
-    results = []
+    cases: dict[str, dict[str, tuple[Callable[[], object], float]]] = {}
 
-    def time_cases(name: str, cases: dict, flops: float) -> None:
-        """Time each case of one GEMM and append its row to ``results``."""
-        for case, fn in cases.items():
-            timing = time_fn(fn, device=device, warmup=args.warmup, iters=args.iters)
-            results.append(
-                {
-                    "gemm": name,
-                    "case": case,
-                    "median_ms": timing.median_ms,
-                    "tflops": flops / timing.median_ms / 1e9,
-                }
+    def peers(name, a, b_kn, flops, cols=None):
+        """torch._grouped_mm and QuACK of a [rows, K] x [E, K, N] product."""
+        if not dense:
+            return
+        a_rows = (a[:routes] if cols is None else a[:routes, :cols]).contiguous()
+        cases[name]["torch._grouped_mm"] = (
+            lambda: torch._grouped_mm(a_rows, b_kn, offs=offs),
+            flops,
+        )
+        if quack is not None:
+            cases[name]["quack"] = (
+                lambda: quack(a_rows, b_kn, cu_seqlens_m=cu, tuned=False),
+                flops,
             )
 
-    # gemm1/gemm2: the forward (B K-major, [E, N, K]). dgrad1/dgrad2: the backward's
-    # data grads, which read the same weights transposed (B MN-major, [E, K, N]).
-    shapes = {
-        "gemm1": (h, 2 * i, "k"),
-        "gemm2": (i, h, "k"),
-        "dgrad1": (2 * i, h, "mn"),
-        "dgrad2": (h, i, "mn"),
-    }
-    selected = set(args.gemms.split(","))
-    unknown = selected - set(shapes) - {"wgrad13", "wgrad2", "db13", "da2"}
-    if unknown:
-        parser.error(f"--gemms: unknown {sorted(unknown)}")
-    for name, (k, n, b_major) in shapes.items():
-        if name not in selected:
-            continue
-        a = randn(plan.pool_capacity, k)
-        b = randn(e, n, k, scale=k**-0.5) if b_major == "k" else randn(e, k, n, scale=k**-0.5)
-        a_dense = a[:routes] if rows == routes else None
-        flops = 2.0 * routes * k * n
-        cases = {"engine": lambda a=a, b=b, m=b_major: grouped_gemm(a, b, plan, b_major=m)}
-        if block_m == 128:
-            cases["engine n256"] = lambda a=a, b=b, m=b_major: grouped_gemm(
-                a, b, plan, block_n=256, b_major=m
-            )
-        if name == "gemm1":
-            cases["engine+act"] = lambda a=a, b=b, k=k: gated_grouped_gemm(a, b, plan, k=k)
-            if block_m == 128:
-                cases["engine+act n256"] = lambda a=a, b=b, k=k: gated_grouped_gemm(
-                    a, b, plan, k=k, block_n=256
+    w13 = randn(e, 2 * i, h, scale=h**-0.5)
+    w2 = randn(e, h, i, scale=i**-0.5)
+    q13 = {n: mm.quantize_mxfp4(w, axis=-1) for n, w in (("w13", w13), ("w2", w2))}
+    if selected & {"gemm1", "gemm1+act"}:
+        x = randn(capacity, h + 2 * r)
+        b1t, b3t = randn(e, i, r, scale=r**-0.5), randn(e, i, r, scale=r**-0.5)
+        preact = torch.empty(capacity, 2 * i, dtype=torch.bfloat16, device=device)
+        flops = 2.0 * routes * h * 2 * i
+        codes, scales = q13["w13"]
+        if "gemm1" in selected:
+            cases["gemm1"] = {
+                "engine": (lambda: grouped_gemm(x, w13, plan, k=h), flops),
+                "engine mxfp4": (lambda: grouped_gemm(x, codes, plan, b_scales=scales), flops),
+            }
+            peers("gemm1", x, w13.transpose(1, 2), flops, cols=h)
+        if "gemm1+act" in selected:
+            side = dict(side_b_gate=b1t, side_b_up=b3t, side_scale=0.25)
+            side_flops = flops * (1 + 2 * r / h)
+            cases["gemm1+act"] = {
+                "engine": (lambda: gated_grouped_gemm(x, w13, plan, k=h, preact_out=preact), flops),
+                "engine +side": (
+                    lambda: gated_grouped_gemm(x, w13, plan, k=h, preact_out=preact, **side),
+                    side_flops,
+                ),
+                "engine mxfp4 +side": (
+                    lambda: gated_grouped_gemm(
+                        x, codes, plan, k=h, preact_out=preact, w13_scales=scales, **side
+                    ),
+                    side_flops,
+                ),
+            }
+            peers("gemm1+act", x, w13.transpose(1, 2), flops, cols=h)
+        del x
+    if "gemm2" in selected:
+        hp = randn(capacity, i)
+        a2t = randn(e, r, i, scale=i**-0.5)
+        codes, scales = q13["w2"]
+        flops = 2.0 * routes * i * h
+        cases["gemm2"] = {
+            "engine": (lambda: grouped_gemm(hp, w2, plan), flops),
+            "engine +a2": (lambda: grouped_gemm(hp, w2, plan, b_extra=a2t), flops * (1 + r / h)),
+            "engine mxfp4 +a2": (
+                lambda: grouped_gemm(hp, codes, plan, b_extra=a2t, b_scales=scales),
+                flops * (1 + r / h),
+            ),
+        }
+        peers("gemm2", hp, w2.transpose(1, 2), flops)
+    if "dgrad1" in selected:
+        dgu = randn(capacity, 2 * i)
+        shrink = block_diagonal_side_weights(randn(e, i, r), randn(e, i, r))
+        # MXFP4 w13 as stored, read MN-major: quantized along H (its N here).
+        codes, scales = q13["w13"]
+        flops = 2.0 * routes * 2 * i * h
+        cases["dgrad1"] = {
+            "engine": (lambda: grouped_gemm(dgu, w13, plan, b_major="mn"), flops),
+            "engine +shrink": (
+                lambda: grouped_gemm(dgu, w13, plan, b_major="mn", b_extra=shrink),
+                flops * (1 + 2 * r / h),
+            ),
+            "engine mxfp4 +shrink": (
+                lambda: grouped_gemm(
+                    dgu, codes, plan, b_major="mn", b_scales=scales, b_extra=shrink
+                ),
+                flops * (1 + 2 * r / h),
+            ),
+        }
+        peers("dgrad1", dgu, w13, flops)
+    if selected & {"dgrad2", "dgrad2+act"}:
+        dout = randn(capacity, h + r)
+        a2t = randn(e, r, i, scale=i**-0.5)
+        preact = randn(capacity, 2 * i)
+        weights = torch.rand(args.tokens, args.top_k, device=device, generator=gen)
+        codes, scales = q13["w2"]
+        flops = 2.0 * routes * h * i
+        if "dgrad2" in selected:
+            cases["dgrad2"] = {
+                "engine": (lambda: grouped_gemm(dout, w2, plan, k=h, b_major="mn"), flops),
+            }
+            peers("dgrad2", dout, w2, flops, cols=h)
+        if "dgrad2+act" in selected:
+
+            def fused(b=w2, s=None, side=a2t):
+                return fused_dgrad2_activation_backward(
+                    dout, b, preact, weights, plan, side_a2=side, w2_scales=s
                 )
-        if b_major == "mn" and block_m == 128:
-            # The dgrads on MXFP4 weights as stored ([E, K, N/2], quantized along N).
-            codes, scales = mm.quantize_mxfp4(b, axis=-1)
-            cases["mxfp4 n256"] = lambda a=a, c=codes, s=scales: grouped_gemm(
-                a, c, plan, block_n=256, b_major="mn", b_scales=s
-            )
-            cases["decode+engine n256"] = lambda a=a, c=codes, s=scales: grouped_gemm(
-                a, decode_mxfp4_bf16(c, s), plan, block_n=256, b_major="mn"
-            )
-        if b_major == "k":
-            codes, scales = mm.quantize_mxfp4(b, axis=-1)
-            block_n = 256 if block_m == 128 else 128
-            if name == "gemm1":
-                cases[f"mxfp4+act n{block_n}"] = lambda a=a, c=codes, s=scales, k=k, bn=block_n: (
-                    gated_grouped_gemm(a, c, plan, k=k, block_n=bn, w13_scales=s)
-                )
-                cases[f"decode+engine+act n{block_n}"] = (
-                    lambda a=a, c=codes, s=scales, k=k, bn=block_n: gated_grouped_gemm(
-                        a, decode_mxfp4_bf16(c, s), plan, k=k, block_n=bn
-                    )
-                )
-            cases[f"mxfp4 n{block_n}"] = lambda a=a, c=codes, s=scales, bn=block_n: grouped_gemm(
-                a, c, plan, block_n=bn, b_scales=s
-            )
-            cases[f"decode+engine n{block_n}"] = lambda a=a, c=codes, s=scales, bn=block_n: (
-                grouped_gemm(a, decode_mxfp4_bf16(c, s), plan, block_n=bn)
-            )
-        if a_dense is not None:
-            b_kn = b.transpose(1, 2) if b_major == "k" else b
-            cases["torch._grouped_mm"] = lambda a=a_dense, b=b_kn: torch._grouped_mm(
-                a, b, offs=offs
-            )
-        time_cases(name, cases, flops)
-        del a, b
-    # K-grouped weight gradients: out[e] = a_e^T b_e over each expert's rows.
-    wgrads = {
-        "wgrad13": (2 * i, h),
-        "wgrad2": (h, i),
-        "db13": (2 * args.rank, 2 * i),
-        "da2": (i, args.rank),
-    }
+
+            cases["dgrad2+act"] = {
+                "engine": (lambda: fused(side=None), flops),
+                "engine +a2": (lambda: fused(), flops * (1 + r / h)),
+                "engine mxfp4 +a2": (lambda: fused(codes, scales), flops * (1 + r / h)),
+            }
+            peers("dgrad2+act", dout, w2, flops, cols=h)
+        del dout
+    wgrads = {"wgrad13": (2 * i, h), "wgrad2": (h, i), "db13": (2 * r, 2 * i), "da2": (i, r)}
     for name, (m, n) in wgrads.items():
         if name not in selected:
             continue
-        a = randn(plan.pool_capacity, m)
-        b = randn(plan.pool_capacity, n)
-        cases = {"k-grouped": lambda a=a, b=b: k_grouped_gemm(a, b, plan)}
-        if rows == routes:
-            cases["torch._grouped_mm"] = lambda a=a[:routes], b=b[:routes]: torch._grouped_mm(
-                a.T, b, offs=offs
-            )
+        a, b = randn(capacity, m), randn(capacity, n)
         flops = 2.0 * routes * m * n
-        time_cases(name, cases, flops)
-        del a, b
-    base = {r["gemm"]: r["median_ms"] for r in results if r["case"] == "torch._grouped_mm"}
-    print(f"T={args.tokens} E={e} K={args.top_k} H={h} I={i} BLOCK_M={block_m} rows={rows}")
-    print(f"{'gemm':<7} {'case':<26} {'median ms':>10} {'TFLOP/s':>8} {'vs torch':>9}")
+        cases[name] = {"engine": (lambda a=a, b=b: k_grouped_gemm(a, b, plan), flops)}
+        if dense:
+            at, bt = a[:routes], b[:routes]
+            cases[name]["torch._grouped_mm"] = (
+                lambda at=at, bt=bt: torch._grouped_mm(at.T, bt, offs=offs),
+                flops,
+            )
+            if quack is not None:
+                cases[name]["quack"] = (
+                    lambda at=at, bt=bt: quack(at.T, bt, cu_seqlens_k=cu, tuned=False),
+                    flops,
+                )
+    return cases
+
+
+def run_ncu(argv: list[str]) -> dict[tuple[str, str], dict[str, float]]:
+    """Every case once under Nsight Compute (a child process); bytes per case, summed over
+    the kernels of its NVTX range."""
+    ncu = shutil.which("ncu")
+    if ncu is None:
+        print("ncu: not found, no byte counts", file=sys.stderr)
+        return {}
+    cmd = [ncu, "--csv", "--page", "raw", "--clock-control", "none", "--nvtx",
+           "--metrics", ",".join(NCU_METRICS), sys.executable, "-m", "megamoe.bench.engine",
+           *argv, "--ncu-child"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith('"')]
+    if done.returncode != 0 or not lines:
+        print(f"ncu failed ({done.returncode}): {done.stderr[-2000:]}", file=sys.stderr)
+        return {}
+    rows = list(csv.DictReader(io.StringIO("\n".join(lines))))
+    totals: dict[tuple[str, str], dict[str, float]] = {}
+    range_key = next((k for k in rows[0] if "push_pop_ranges" in k.lower()), None)
+    for row in rows[1:]:  # the first data row holds the units
+        label = (row.get(range_key) or "") if range_key else ""
+        label = label.split(":")[-1].strip('[]" ')
+        if "|" not in label:
+            continue
+        gemm, case = label.split("|", 1)
+        entry = totals.setdefault((gemm, case), dict.fromkeys(NCU_METRICS, 0.0))
+        for metric in NCU_METRICS:
+            value = row.get(metric, "0").replace(",", "")
+            entry[metric] += float(value) if value else 0.0
+    return totals
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--tokens", type=int, default=65536, help="tokens T (default 65536)")
+    parser.add_argument("--experts", type=int, default=64, help="local experts E (default 64)")
+    parser.add_argument("--top-k", type=int, default=6, help="routes per token K (default 6)")
+    parser.add_argument("--hidden", type=int, default=4096, help="H (default 4096)")
+    parser.add_argument("--intermediate", type=int, default=2048, help="I (default 2048)")
+    parser.add_argument("--rank", type=int, default=128, help="adapter rank r (default 128)")
+    parser.add_argument(
+        "--gemms", default=",".join(GEMMS), help=f"comma-separated subset of {', '.join(GEMMS)}"
+    )
+    parser.add_argument("--warmup", type=int, default=3, help="untimed runs per case (3)")
+    parser.add_argument("--iters", type=int, default=10, help="timed samples per case (10)")
+    parser.add_argument(
+        "--sustained",
+        type=int,
+        default=1,
+        help="back-to-back launches per timed sample (default 1; >= 10 for sustained "
+        "numbers at the power cap)",
+    )
+    parser.add_argument("--no-quack", dest="quack", action="store_false", help="skip QuACK")
+    parser.add_argument("--ncu", action="store_true", help="add DRAM/L2 bytes per case (ncu)")
+    parser.add_argument("--ncu-child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--json", type=Path, help="write the results here")
+    args = parser.parse_args(argv)
+    unknown = set(args.gemms.split(",")) - set(GEMMS)
+    if unknown:
+        parser.error(f"--gemms: unknown {sorted(unknown)}")
+    if not torch.cuda.is_available():
+        print("megamoe.bench.engine: needs a CUDA GPU (Hopper)", file=sys.stderr)
+        return 2
+    device = torch.device("cuda")
+    ids, _ = make_routing(args.tokens, args.experts, args.top_k, kind="balanced", seed=0)
+    block_m = mm.get_block_m(args.tokens, args.top_k, args.experts)
+    plan = mm.plan_routes(ids.to(device), args.experts, block_m)
+    cases = build_cases(args, plan, device)
+
+    if args.ncu_child:  # one launch per case, each inside an NVTX range "gemm|case"
+        for gemm, by_case in cases.items():
+            for case, (fn, _) in by_case.items():
+                fn()
+                torch.cuda.synchronize()
+                torch.cuda.nvtx.range_push(f"{gemm}|{case}")
+                fn()
+                torch.cuda.synchronize()
+                torch.cuda.nvtx.range_pop()
+        return 0
+
+    log = PowerLog()
+    results = []
+    for gemm, by_case in cases.items():
+        for case, (fn, flops) in by_case.items():
+
+            def repeated(fn=fn):
+                for _ in range(args.sustained):
+                    fn()
+
+            start = time.monotonic()
+            timing = time_fn(repeated, device=device, warmup=args.warmup, iters=args.iters)
+            clock, power = log.between(start, time.monotonic())
+            median = timing.median_ms / args.sustained
+            results.append(
+                {"gemm": gemm, "case": case, "median_ms": median, "tflops": flops / median / 1e9,
+                 "sm_mhz": clock, "watts": power}
+            )  # fmt: skip
+    log.close()
+    if args.ncu:
+        own = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--ncu"]
+        counts = run_ncu([*own, "--no-quack"] if "--no-quack" not in own else own)
+        for row in results:
+            got = counts.get((row["gemm"], row["case"]))
+            if got:
+                row["dram_read_gb"] = got["dram__bytes_read.sum"] / 1e9
+                row["dram_write_gb"] = got["dram__bytes_write.sum"] / 1e9
+                row["l2_gb"] = got["lts__t_bytes.sum"] / 1e9
+
+    torch_ms = {r["gemm"]: r["median_ms"] for r in results if r["case"] == "torch._grouped_mm"}
+    quack_ms = {r["gemm"]: r["median_ms"] for r in results if r["case"] == "quack"}
+    _, quack_note = quack_gemm() if args.quack else (None, "skipped (--no-quack)")
+    print(
+        f"T={args.tokens} E={args.experts} K={args.top_k} H={args.hidden} I={args.intermediate} "
+        f"r={args.rank} BLOCK_M={block_m} sustained={args.sustained} "
+        f"GPU={torch.cuda.get_device_name()} QuACK: {quack_note}"
+    )
+    print(
+        f"{'gemm':<11} {'case':<21} {'ms':>8} {'TFLOP/s':>8} {'/torch':>7} {'/quack':>7} "
+        f"{'MHz':>5} {'W':>4} {'DRAM GB':>8} {'L2 GB':>7}"
+    )
     for r in results:
-        ratio = f"{base[r['gemm']] / r['median_ms']:.2f}x" if r["gemm"] in base else "-"
+        ratio_t = f"{torch_ms[r['gemm']] / r['median_ms']:.3f}" if r["gemm"] in torch_ms else "-"
+        ratio_q = f"{quack_ms[r['gemm']] / r['median_ms']:.3f}" if r["gemm"] in quack_ms else "-"
+        r["vs_torch"] = torch_ms[r["gemm"]] / r["median_ms"] if r["gemm"] in torch_ms else None
+        r["vs_quack"] = quack_ms[r["gemm"]] / r["median_ms"] if r["gemm"] in quack_ms else None
+        dram = r.get("dram_read_gb", 0) + r.get("dram_write_gb", 0) if "l2_gb" in r else None
         print(
-            f"{r['gemm']:<7} {r['case']:<26} {r['median_ms']:>10.3f} {r['tflops']:>8.1f} {ratio:>9}"
+            f"{r['gemm']:<11} {r['case']:<21} {r['median_ms']:>8.3f} {r['tflops']:>8.1f} "
+            f"{ratio_t:>7} {ratio_q:>7} {r['sm_mhz'] or 0:>5.0f} {r['watts'] or 0:>4.0f} "
+            f"{dram if dram is not None else float('nan'):>8.1f} "
+            f"{r.get('l2_gb', float('nan')):>7.1f}"
         )
     if args.json:
-        args.json.write_text(
-            json.dumps({"args": vars(args) | {"json": None}, "results": results}, indent=1)
-        )
+        meta = vars(args) | {"json": None, "block_m": block_m, "quack": quack_note,
+                             "gpu": torch.cuda.get_device_name(),
+                             "commit": os.environ.get("MEGAMOE_COMMIT")}  # fmt: skip
+        args.json.write_text(json.dumps({"args": meta, "results": results}, indent=1))
     return 0
 
 

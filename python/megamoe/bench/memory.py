@@ -1,7 +1,7 @@
 """``python -m megamoe.bench.memory``: where the fused layer's memory goes, stage by stage.
 
 Runs one fused forward + backward at a bench shape and prints, after every pipeline
-stage (route plan, gathers, GEMMs, activation backward, combines), the bytes allocated
+stage (route plan, gathers, GEMMs, combines), the bytes allocated
 and the peak reached during that stage, from torch's caching-allocator counters. The
 stages are found by wrapping the pipeline's module-level functions for the duration of
 the run, so the layer itself runs unchanged.
@@ -31,12 +31,9 @@ STAGES = [
     (fused_forward, "grouped_gemm"),
     (fused_forward.pool, "side_sum"),
     (fused_forward.pool, "combine"),
-    (torch, "_grouped_mm"),  # the backward's dgrads and shrinks
-    (fused_backward, "_stack_k_rows"),
-    (fused_backward, "grouped_gemm"),  # the engine dgrad1 (MEGAMOE_DGRAD_ENGINE)
-    (fused_backward, "k_grouped_gemm"),
-    (fused_backward, "activation_backward"),
     (fused_backward, "fused_dgrad2_activation_backward"),
+    (fused_backward, "k_grouped_gemm"),
+    (fused_backward, "grouped_gemm"),  # dgrad1 with the b1/b3 shrink columns
     (fused_backward, "recompute_preact"),
 ]
 

@@ -37,7 +37,6 @@ from .. import pool
 from ..fused_backward import GRAD_NAMES, mm_fp32, pool_backward
 from ..fused_forward import check_forward_inputs, expert_stage
 from ..grouped_gemm import ACTIVATIONS
-from ..registry import registry
 from ..side_lora import SideLoRA
 from ..weights import BaseWeights
 from .exchange import reduce_shared_grads
@@ -75,10 +74,9 @@ def _local_weights(
 ) -> BaseWeights:
     """This rank's experts: BF16, or MXFP4 (packed values + the UE8M0 ``scales``)."""
     experts, two_i, last = w13.shape
-    interleave = registry().gate_up_interleave
     if scales is not None:
-        return BaseWeights("mxfp4", w13, w2, *scales, experts, 2 * last, two_i // 2, interleave)
-    return BaseWeights("bf16", w13, w2, None, None, experts, last, two_i // 2, interleave)
+        return BaseWeights("mxfp4", w13, w2, *scales, experts, 2 * last, two_i // 2)
+    return BaseWeights("bf16", w13, w2, None, None, experts, last, two_i // 2)
 
 
 def _float_bits(value: float) -> int:
@@ -226,10 +224,10 @@ class _FusedEPMoE(torch.autograd.Function):
             )
             del recv
             grads.update({k: v for k, v in stage.local.items() if v is not None})
-            pieces = [stage.dx_pool] + ([stage.shrink_pool] if use_side else [])
-            back_rows = torch.cat([p.index_select(0, row_of_recv) for p in pieces], dim=1)
+            # [dx | shrinks] per received row, in one gather.
+            back_rows = stage.dx_shrink_pool.index_select(0, row_of_recv)
             back_dw = stage.drouter.index_select(0, row_of_recv)
-            del stage, pieces
+            del stage
         else:  # no rank holds a token: the local grads are zeros, the exchanges run
             back_rows = dout.new_empty(0, width)
             back_dw = recv_w.new_empty(0)
@@ -302,7 +300,7 @@ def fused_ep_moe(
     Args:
         x: ``[T, H]`` BF16 (``T`` may be 0 on a rank).
         topk_weights: ``[T, K]`` float32.
-        w13: ``[E_l, 2I, H]`` BF16 in the kernels' gate/up interleave (``base.w13``), or
+        w13: ``[E_l, 2I, H]`` BF16 (``base.w13``, nn.Linear layout), or
             its MXFP4 packing ``[E_l, 2I, H/2]`` uint8.
         w2: ``[E_l, H, I]`` BF16, or ``[E_l, H, I/2]`` uint8 (MXFP4).
         side_tensors: ``(a1, b1, a3, b3, a2, b2)`` BF16 (shared factors replicated,
@@ -311,7 +309,7 @@ def fused_ep_moe(
         scale, activation, activation_clamp: as in ``mm.moe``.
         reduce_shared_grads: all-reduce the ``a1, a3, b2`` gradients over the group.
         scales: the UE8M0 scales ``(w13_scales, w2_scales)`` of an MXFP4 base (decoded
-            to transient BF16 before each GEMM, as in EP1), or None for BF16.
+            inside the GEMM pipeline, as in EP1), or None for BF16.
 
     Returns:
         ``[T, H]`` BF16; differentiable like ``mm.moe``.

@@ -1,0 +1,449 @@
+// Host launchers of the GEMM engine (kernels/engine/): one per GEMM kind of the layer.
+// Each checks its operands once, builds the tensor maps and parameter blocks
+// (kernels/engine/engine_params.h), selects the registry variant and launches
+// persistently on the caller's stream.
+#include "engine_launch.h"
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <nanobind/stl/optional.h>
+
+#include <cmath>
+#include <optional>
+#include <string>
+
+#include "cuda_check.h"
+#include "gemm_launch.h"
+#include "tensor_checks.h"
+#include "variant_table.h"
+
+namespace megamoe {
+
+namespace {
+
+constexpr int kBlockN = 256;  // every pool kind's tile width
+constexpr int kBlockK = kGemmBlockK;
+
+std::string str(int64_t v) { return std::to_string(v); }
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+const EngineKernels& select_variant(EngineKind kind, BFormat format, int block_m, int block_n) {
+  for (const auto& variant : variants::kEngineVariants) {
+    const EngineKernels& k = *variant.kernels;
+    if (k.kind == kind && k.b_format == format && k.block_m == block_m && k.block_n == block_n)
+      return k;
+  }
+  throw nb::value_error(("block_m: no engine variant for BLOCK_M " + str(block_m) + ", BLOCK_N " +
+                         str(block_n) + (format == BFormat::MXFP4 ? " with an MXFP4 B" : ""))
+                            .c_str());
+}
+
+// A BF16 [rows, cols] operand whose rows may be spaced wider than its columns.
+void check_rows(const char* name, const Tensor& t, int64_t rows, int device) {
+  if (t.dtype() != bfloat16_dtype())
+    throw nb::type_error(
+        (std::string(name) + ": expected dtype bfloat16, got " + dtype_name(t.dtype())).c_str());
+  if (t.ndim() != 2 || (rows >= 0 && static_cast<int64_t>(t.shape(0)) != rows))
+    throw nb::value_error((std::string(name) + ": expected shape [" +
+                           (rows >= 0 ? str(rows) : std::string("*")) + ", *], got " +
+                           shape_string(t))
+                              .c_str());
+  if (t.stride(1) != 1 || t.stride(0) < static_cast<int64_t>(t.shape(1)))
+    throw nb::value_error(
+        (std::string(name) + ": expected unit column stride and a row stride >= the columns")
+            .c_str());
+  if (t.device_id() != device)
+    throw nb::value_error((std::string(name) + ": expected cuda:" + std::to_string(device) +
+                           ", got cuda:" + std::to_string(t.device_id()))
+                              .c_str());
+}
+
+void check_activation(int activation, double clamp) {
+  if (activation != 0 && activation != 1)
+    throw nb::value_error(
+        ("activation: expected 0 (swiglu) or 1 (geglu), got " + str(activation)).c_str());
+  if (std::isnan(clamp) || clamp <= 0)
+    throw nb::value_error("activation_clamp: expected a positive value (inf = no clamp)");
+}
+
+// The pool schedule shared by the pool kinds: the plan's offsets, the rows in use
+// clamped to the pool on the device.
+ScheduleParams pool_schedule(const Tensor& offsets, int64_t experts, int64_t pool_rows,
+                             int block_m, int group_m, int64_t n_base, int64_t n_extra,
+                             int64_t side_k, int64_t k_base, int device) {
+  check_tensor<int32_t>("expert_pool_offsets", offsets, {experts + 1}, device);
+  if (pool_rows % block_m != 0)
+    throw nb::value_error(
+        ("a: pool rows " + str(pool_rows) + " are not a multiple of BLOCK_M " + str(block_m))
+            .c_str());
+  if (pool_rows >= (int64_t{1} << 31)) throw nb::value_error("a: more than 2^31 - 1 pool rows");
+  if (group_m < 1) throw nb::value_error("group_m: expected >= 1");
+  ScheduleParams s{};
+  s.expert_pool_offsets = static_cast<const int32_t*>(offsets.data());
+  s.num_experts = static_cast<int32_t>(experts);
+  s.pool_rows = static_cast<int32_t>(pool_rows);
+  s.n_base_blocks = static_cast<int32_t>(ceil_div(n_base, kBlockN));
+  s.n_extra_blocks = static_cast<int32_t>(ceil_div(n_extra, kBlockN));
+  s.group_m = group_m;
+  s.side_steps = static_cast<int32_t>(ceil_div(side_k, kBlockK));
+  s.base_steps = static_cast<int32_t>(ceil_div(k_base, kBlockK));
+  return s;
+}
+
+// The output [P, n_base (+ n_extra)]: its base columns and its extra columns as two maps.
+void set_store_outputs(EpilogueParams& e, const Tensor& out, int64_t rows, int64_t n_base,
+                       int64_t n_extra, int block_m, int device) {
+  check_tensor("out", out, bfloat16_dtype(), {rows, n_base + n_extra}, device);
+  const int64_t stride = n_base + n_extra;
+  e.out = bf16_rows("out", out.data(), rows, n_base, stride, block_m);
+  if (n_extra > 0) {
+    if (n_base % 8 != 0)
+      throw nb::value_error(
+          ("b: N extra columns need N a multiple of 8 (16-byte aligned), got " + str(n_base))
+              .c_str());
+    e.out_extra = bf16_rows("out (extra columns)", static_cast<const uint16_t*>(out.data()) + n_base,
+                            rows, n_extra, stride, block_m);
+  }
+}
+
+// The BF16 weights as stored [E, K, N], read MN-major in [64 N, 64 K] boxes.
+CUtensorMap mn_major_map(const char* name, const Tensor& w, int device) {
+  check_tensor(name, w, bfloat16_dtype(), {-1, -1, -1}, device);
+  const int64_t e = w.shape(0), k = w.shape(1), n = w.shape(2);
+  return tensor_map(name, w.data(), CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, {n, k, e},
+                    {n * 2, k * n * 2}, {64, kBlockK, 1}, true);
+}
+
+// MXFP4 weights as stored (codes [E, K, N/2], scales transposed to [E, N/32, K]), read
+// MN-major: per K step the codes box [64 K rows, BLOCK_N / 2 bytes] and the scales box
+// [BLOCK_N / 32, 64 K].
+void set_mn_major_mxfp4(OperandParams& o, const Tensor& codes, const Tensor& scales, int64_t experts,
+                        int64_t k, int64_t n, int device) {
+  check_tensor<uint8_t>("b", codes, {experts, k, n / 2}, device);
+  check_tensor<uint8_t>("b_scales", scales, {experts, n / 32, k}, device);
+  if (k % kBlockK != 0 || n % 32 != 0)
+    throw nb::value_error(("b: an MN-major MXFP4 B needs K a multiple of 64 and N of 32, got K=" +
+                           str(k) + ", N=" + str(n))
+                              .c_str());
+  o.codes = tensor_map("b", codes.data(), CU_TENSOR_MAP_DATA_TYPE_UINT8, {n / 2, experts * k},
+                       {n / 2}, {kBlockN / 2, kBlockK}, false);
+  o.scales = tensor_map("b_scales", scales.data(), CU_TENSOR_MAP_DATA_TYPE_UINT8,
+                        {k, experts * (n / 32)}, {k}, {kBlockK, kBlockN / 32}, false);
+}
+
+void launch(const EngineKernels& k, const EngineParams& params, int device, int num_sms,
+            uintptr_t stream, const char* what) {
+  launch_persistent(k.kernel, params, k.num_threads, k.smem_bytes, device, num_sms, stream, what);
+}
+
+// GEMM1: h = act(g) * u, g | u = [x | q1 | q3] . [w13_e ; side] (EngineKind::Gated).
+void engine_gated(const Tensor& a, int64_t k_base, const Tensor& w13,
+                  std::optional<Tensor> w13_scales, const Tensor& offsets, const Tensor& h,
+                  std::optional<Tensor> preact, std::optional<Tensor> side_gate,
+                  std::optional<Tensor> side_up, double side_scale, int activation,
+                  double activation_clamp, int block_m, int group_m, int num_sms,
+                  uintptr_t stream) {
+  const int device = a.device_id();
+  check_rows("a", a, -1, device);
+  const int64_t rows = a.shape(0);
+  const bool mxfp4 = w13_scales.has_value();
+  if (mxfp4)
+    check_tensor<uint8_t>("w13", w13, {-1, -1, k_base / 2}, device);
+  else
+    check_tensor("w13", w13, bfloat16_dtype(), {-1, -1, k_base}, device);
+  const int64_t experts = w13.shape(0), two_i = w13.shape(1), inter = two_i / 2;
+  if (k_base < kBlockK || k_base % kBlockK != 0)
+    throw nb::value_error(("k_base: expected a multiple of 64, got " + str(k_base)).c_str());
+  if (two_i % 2 != 0 || inter % 64 != 0)
+    throw nb::value_error(("w13: expected 2I rows with I a multiple of 64, got " + str(two_i)).c_str());
+  check_activation(activation, activation_clamp);
+  if (side_gate.has_value() != side_up.has_value())
+    throw nb::value_error("side_gate/side_up: give both or neither");
+  int64_t rank = 0;
+  if (side_gate) {
+    // b1^T and b3^T [E, I, r], K-major.
+    check_tensor("side_gate", *side_gate, bfloat16_dtype(), {experts, inter, -1}, device);
+    rank = side_gate->shape(2);
+    check_tensor("side_up", *side_up, bfloat16_dtype(), {experts, inter, rank}, device);
+    if (rank < 8 || rank % 8 != 0)
+      throw nb::value_error(("side_gate: rank must be a multiple of 8, got " + str(rank)).c_str());
+    if (!std::isfinite(side_scale)) throw nb::value_error("side_scale: expected a finite value");
+  }
+  const int64_t side_k = 2 * rank;
+  if (k_base + side_k > static_cast<int64_t>(a.shape(1)))
+    throw nb::value_error(("a: expected at least k_base + 2r = " + str(k_base + side_k) +
+                           " columns, got " + str(a.shape(1)))
+                              .c_str());
+  check_tensor("h", h, bfloat16_dtype(), {rows, inter}, device);
+  const EngineKernels& kernels =
+      select_variant(EngineKind::Gated, mxfp4 ? BFormat::MXFP4 : BFormat::BF16, block_m, kBlockN);
+
+  EngineParams p{};
+  // A gated tile is BLOCK_N / 2 gate and as many up rows of w13: 2I / BLOCK_N tiles.
+  p.schedule = pool_schedule(offsets, experts, rows, block_m, group_m, 2 * inter, 0, side_k,
+                             k_base, device);
+  OperandParams& o = p.operands;
+  o.a = bf16_rows("a", a.data(), rows, k_base + side_k, a.stride(0), block_m);
+  if (mxfp4) {
+    check_tensor<int16_t>("w13_scales", *w13_scales, {experts, k_base / kBlockK, two_i}, device);
+    o.codes = tensor_map("w13", w13.data(), CU_TENSOR_MAP_DATA_TYPE_UINT8,
+                         {k_base / 2, inter, 2, experts},
+                         {k_base / 2, inter * k_base / 2, two_i * k_base / 2},
+                         {kBlockK / 2, kBlockN / 2, 1, 1}, false);
+    o.scales = tensor_map("w13_scales", w13_scales->data(), CU_TENSOR_MAP_DATA_TYPE_UINT16,
+                          {two_i, experts * (k_base / kBlockK)}, {two_i * 2}, {kBlockN / 2, 1},
+                          false);
+  } else {
+    o.b = tensor_map("w13", w13.data(), CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                     {k_base, inter, 2, experts}, {k_base * 2, inter * k_base * 2, two_i * k_base * 2},
+                     {kBlockK, kBlockN / 2, 1, 1}, true);
+  }
+  if (side_gate) {
+    o.side_gate = tensor_map("side_gate", side_gate->data(), CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                             {rank, inter, experts}, {rank * 2, inter * rank * 2},
+                             {kBlockK, kBlockN / 2, 1}, true);
+    o.side_up = tensor_map("side_up", side_up->data(), CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                           {rank, inter, experts}, {rank * 2, inter * rank * 2},
+                           {kBlockK, kBlockN / 2, 1}, true);
+  }
+  o.k_base = static_cast<int32_t>(k_base);
+  o.side_rank = static_cast<int32_t>(rank);
+  o.n_base = static_cast<int32_t>(inter);
+  o.side_scale = static_cast<float>(side_scale);
+
+  EpilogueParams& e = p.epilogue;
+  e.out = bf16_rows("h", h.data(), rows, inter, inter, block_m);
+  if (preact) {
+    check_tensor("preact_out", *preact, bfloat16_dtype(), {rows, two_i}, device);
+    e.preact_gate = bf16_rows("preact_out", preact->data(), rows, inter, two_i, block_m);
+    e.preact_up = bf16_rows("preact_out", static_cast<const uint16_t*>(preact->data()) + inter,
+                            rows, inter, two_i, block_m);
+    e.store_preact = 1;
+  }
+  e.activation = activation;
+  e.activation_clamp = static_cast<float>(activation_clamp);
+  launch(kernels, p, device, num_sms, stream, "engine_gated launch");
+}
+
+// out = a . b_e^T (K-major b [E, N, K]) or a . b_e (MN-major b [E, K, N]), plus N extra
+// columns from b_extra (same major), Store epilogue (EngineKind::StoreKMajor/MNMajor).
+void engine_store(const Tensor& a, int64_t k_base, const Tensor& b, std::optional<Tensor> b_scales,
+                  bool b_major_mn, std::optional<Tensor> b_extra, const Tensor& offsets,
+                  const Tensor& out, int block_m, int group_m, int num_sms, uintptr_t stream) {
+  const int device = a.device_id();
+  check_rows("a", a, -1, device);
+  const int64_t rows = a.shape(0);
+  const bool mxfp4 = b_scales.has_value();
+  if (k_base < 8 || k_base % 8 != 0 || k_base > static_cast<int64_t>(a.shape(1)))
+    throw nb::value_error(("k_base: expected a multiple of 8 in [8, " + str(a.shape(1)) +
+                           "] (a's columns), got " + str(k_base))
+                              .c_str());
+  if (mxfp4 && k_base % kBlockK != 0)
+    throw nb::value_error(("k_base: an MXFP4 B needs K a multiple of 64, got " + str(k_base)).c_str());
+  const int64_t experts = b.shape(0);
+  int64_t n_base = 0;
+  if (b_major_mn) n_base = b.shape(2) * (mxfp4 ? 2 : 1);
+  else n_base = b.shape(1);
+  int64_t n_extra = 0;
+  if (b_extra) {
+    if (b_major_mn) {
+      check_tensor("b_extra", *b_extra, bfloat16_dtype(), {experts, k_base, -1}, device);
+      n_extra = b_extra->shape(2);
+    } else {
+      check_tensor("b_extra", *b_extra, bfloat16_dtype(), {experts, -1, k_base}, device);
+      n_extra = b_extra->shape(1);
+    }
+    if (n_extra % 8 != 0)
+      throw nb::value_error(
+          ("b_extra: expected N a multiple of 8 (16-byte rows), got " + str(n_extra)).c_str());
+  }
+  if (n_base % 8 != 0)
+    throw nb::value_error(("b: expected N a multiple of 8, got " + str(n_base)).c_str());
+  const EngineKind kind = b_major_mn ? EngineKind::StoreMNMajor : EngineKind::StoreKMajor;
+  const EngineKernels& kernels =
+      select_variant(kind, mxfp4 ? BFormat::MXFP4 : BFormat::BF16, block_m, kBlockN);
+
+  EngineParams p{};
+  p.schedule =
+      pool_schedule(offsets, experts, rows, block_m, group_m, n_base, n_extra, 0, k_base, device);
+  OperandParams& o = p.operands;
+  o.a = bf16_rows("a", a.data(), rows, k_base, a.stride(0), block_m);
+  o.k_base = static_cast<int32_t>(k_base);
+  o.n_base = static_cast<int32_t>(n_base);
+  o.side_scale = 1.0f;
+  if (b_major_mn) {
+    if (mxfp4)
+      set_mn_major_mxfp4(o, b, *b_scales, experts, k_base, n_base, device);
+    else {
+      check_tensor("b", b, bfloat16_dtype(), {experts, k_base, n_base}, device);
+      o.b = mn_major_map("b", b, device);
+    }
+    if (b_extra) o.extra = mn_major_map("b_extra", *b_extra, device);
+  } else {
+    if (mxfp4) {
+      check_tensor<uint8_t>("b", b, {experts, n_base, k_base / 2}, device);
+      check_tensor<int16_t>("b_scales", *b_scales, {experts, k_base / kBlockK, n_base}, device);
+      o.codes = tensor_map("b", b.data(), CU_TENSOR_MAP_DATA_TYPE_UINT8,
+                           {k_base / 2, n_base, experts}, {k_base / 2, n_base * k_base / 2},
+                           {kBlockK / 2, kBlockN, 1}, false);
+      o.scales = tensor_map("b_scales", b_scales->data(), CU_TENSOR_MAP_DATA_TYPE_UINT16,
+                            {n_base, experts * (k_base / kBlockK)}, {n_base * 2}, {kBlockN, 1},
+                            false);
+    } else {
+      check_tensor("b", b, bfloat16_dtype(), {experts, n_base, k_base}, device);
+      o.b = tensor_map("b", b.data(), CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, {k_base, n_base, experts},
+                       {k_base * 2, n_base * k_base * 2}, {kBlockK, kBlockN, 1}, true);
+    }
+    if (b_extra)
+      o.extra = tensor_map("b_extra", b_extra->data(), CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                           {k_base, n_extra, experts}, {k_base * 2, n_extra * k_base * 2},
+                           {kBlockK, kBlockN, 1}, true);
+  }
+  set_store_outputs(p.epilogue, out, rows, n_base, n_extra, block_m, device);
+  launch(kernels, p, device, num_sms, stream, "engine_store launch");
+}
+
+// dgrad2 + activation backward (EngineKind::ActivationBackward): z = a . [b_e ; side_e]
+// with b the weights as stored [E, K, I] (BF16 or MXFP4 codes [E, K, I/2]) and side a2^T
+// [E, r, I] over a's columns K.. K + r; consumed by the epilogue.
+void engine_activation_backward(const Tensor& a, int64_t k_base, const Tensor& b,
+                                std::optional<Tensor> b_scales, std::optional<Tensor> side,
+                                const Tensor& offsets, const Tensor& preact,
+                                const Tensor& route_weights, const Tensor& pool_row_to_route,
+                                const Tensor& dgrad_preact, std::optional<Tensor> weighted_h,
+                                const Tensor& drouter_partials, int activation,
+                                double activation_clamp, int block_m, int group_m, int num_sms,
+                                uintptr_t stream) {
+  const int device = a.device_id();
+  check_rows("a", a, -1, device);
+  const int64_t rows = a.shape(0);
+  const bool mxfp4 = b_scales.has_value();
+  const int64_t experts = b.shape(0);
+  const int64_t inter = mxfp4 ? b.shape(2) * 2 : b.shape(2);
+  if (k_base < kBlockK || k_base % kBlockK != 0)
+    throw nb::value_error(("k_base: expected a multiple of 64, got " + str(k_base)).c_str());
+  if (inter % 64 != 0)
+    throw nb::value_error(("b: expected I a multiple of 64, got " + str(inter)).c_str());
+  int64_t rank = 0;
+  if (side) {
+    check_tensor("side_b", *side, bfloat16_dtype(), {experts, -1, inter}, device);
+    rank = side->shape(1);
+  }
+  if (k_base + rank > static_cast<int64_t>(a.shape(1)))
+    throw nb::value_error(("a: expected at least K + r = " + str(k_base + rank) + " columns, got " +
+                           str(a.shape(1)))
+                              .c_str());
+  check_activation(activation, activation_clamp);
+  check_tensor("preact", preact, bfloat16_dtype(), {rows, 2 * inter}, device);
+  check_tensor<float>("route_weights", route_weights, {-1}, device);
+  check_tensor<int32_t>("pool_row_to_route", pool_row_to_route, {rows}, device);
+  check_tensor("dgrad_preact", dgrad_preact, bfloat16_dtype(), {rows, 2 * inter}, device);
+  if (weighted_h) check_tensor("weighted_h", *weighted_h, bfloat16_dtype(), {rows, inter}, device);
+  check_tensor<float>("drouter_partials", drouter_partials, {rows, ceil_div(inter, kBlockN)}, device);
+  const EngineKernels& kernels = select_variant(
+      EngineKind::ActivationBackward, mxfp4 ? BFormat::MXFP4 : BFormat::BF16, block_m, kBlockN);
+
+  EngineParams p{};
+  p.schedule =
+      pool_schedule(offsets, experts, rows, block_m, group_m, inter, 0, rank, k_base, device);
+  OperandParams& o = p.operands;
+  o.a = bf16_rows("a", a.data(), rows, k_base + rank, a.stride(0), block_m);
+  if (mxfp4) {
+    set_mn_major_mxfp4(o, b, *b_scales, experts, k_base, inter, device);
+  } else {
+    check_tensor("b", b, bfloat16_dtype(), {experts, k_base, inter}, device);
+    o.b = mn_major_map("b", b, device);
+  }
+  if (side) o.side_gate = mn_major_map("side_b", *side, device);
+  o.k_base = static_cast<int32_t>(k_base);
+  o.n_base = static_cast<int32_t>(inter);
+  o.side_scale = 1.0f;  // the side columns of a carry the adapter scale already
+
+  EpilogueParams& e = p.epilogue;
+  e.preact = preact.data();
+  e.route_weights = static_cast<const float*>(route_weights.data());
+  e.pool_row_to_route = static_cast<const int32_t*>(pool_row_to_route.data());
+  e.num_routes = route_weights.shape(0);
+  e.dgrad_preact = dgrad_preact.data();
+  e.weighted_h = weighted_h ? weighted_h->data() : nullptr;
+  e.drouter_partials = static_cast<float*>(drouter_partials.data());
+  e.intermediate = static_cast<int32_t>(inter);
+  e.activation = activation;
+  e.activation_clamp = static_cast<float>(activation_clamp);
+  launch(kernels, p, device, num_sms, stream, "engine_activation_backward launch");
+}
+
+// out[e] = scale * a_e^T b_e over each expert's data rows (EngineKind::KGrouped).
+void engine_k_grouped(const Tensor& a, const Tensor& b, const Tensor& offsets,
+                      const Tensor& counts, const Tensor& out, int block_n, double scale,
+                      int num_sms, uintptr_t stream) {
+  const int device = a.device_id();
+  check_rows("a", a, -1, device);
+  const int64_t rows = a.shape(0);
+  check_rows("b", b, rows, device);
+  const int64_t m = a.shape(1), n = b.shape(1);
+  if (m % 8 != 0 || n % 8 != 0)
+    throw nb::value_error(("a, b: expected columns that are multiples of 8, got " + str(m) +
+                           " and " + str(n))
+                              .c_str());
+  check_tensor<int32_t>("expert_pool_offsets", offsets, {-1}, device);
+  const int64_t experts = static_cast<int64_t>(offsets.shape(0)) - 1;
+  if (experts < 1) throw nb::value_error("expert_pool_offsets: expected E + 1 >= 2 entries");
+  check_tensor<int32_t>("expert_counts", counts, {experts}, device);
+  check_tensor("out", out, bfloat16_dtype(), {experts, m, n}, device);
+  if (rows >= (int64_t{1} << 31)) throw nb::value_error("a: more than 2^31 - 1 pool rows");
+  if (!std::isfinite(static_cast<float>(scale)))
+    throw nb::value_error("scale: expected a value finite in float32");
+  constexpr int kBlockM = 128;
+  const EngineKernels& kernels =
+      select_variant(EngineKind::KGrouped, BFormat::BF16, kBlockM, block_n);
+  if (rows == 0) {  // no rows, no data: exact zeros (TMA cannot map an empty tensor)
+    cuda_check(cudaMemsetAsync(out.data(), 0, static_cast<size_t>(experts * m * n) * 2,
+                               reinterpret_cast<cudaStream_t>(stream)),
+               "cudaMemsetAsync(out)");
+    return;
+  }
+  EngineParams p{};
+  ScheduleParams& s = p.schedule;
+  s.expert_pool_offsets = static_cast<const int32_t*>(offsets.data());
+  s.expert_counts = static_cast<const int32_t*>(counts.data());
+  s.num_experts = static_cast<int32_t>(experts);
+  s.pool_rows = static_cast<int32_t>(rows);
+  s.m_blocks = static_cast<int32_t>(ceil_div(m, kBlockM));
+  s.n_base_blocks = static_cast<int32_t>(ceil_div(n, block_n));
+  p.operands.a = bf16_rows("a", a.data(), rows, m, a.stride(0), kBlockK);
+  p.operands.b = bf16_rows("b", b.data(), rows, n, b.stride(0), kBlockK);
+  p.epilogue.out = tensor_map("out", out.data(), CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, {n, m, experts},
+                              {n * 2, m * n * 2}, {64, kBlockM, 1}, true);
+  p.epilogue.scale = static_cast<float>(scale);
+  launch(kernels, p, device, num_sms, stream, "engine_k_grouped launch");
+}
+
+}  // namespace
+
+void register_engine(nb::module_& m) {
+  m.def("engine_gated", &engine_gated, nb::arg("a"), nb::arg("k_base"), nb::arg("w13"),
+        nb::arg("w13_scales").none(), nb::arg("expert_pool_offsets"), nb::arg("h"),
+        nb::arg("preact_out").none(), nb::arg("side_gate").none(), nb::arg("side_up").none(),
+        nb::arg("side_scale"), nb::arg("activation"), nb::arg("activation_clamp"),
+        nb::arg("block_m"), nb::arg("group_m"), nb::arg("num_sms"), nb::arg("stream"),
+        "GEMM1 + side K segment + gated activation over the pool (kernels/engine).");
+  m.def("engine_store", &engine_store, nb::arg("a"), nb::arg("k_base"), nb::arg("b"),
+        nb::arg("b_scales").none(), nb::arg("b_major_mn"), nb::arg("b_extra").none(),
+        nb::arg("expert_pool_offsets"), nb::arg("out"), nb::arg("block_m"), nb::arg("group_m"),
+        nb::arg("num_sms"), nb::arg("stream"),
+        "Pool GEMM with the store epilogue (+ N extra columns).");
+  m.def("engine_activation_backward", &engine_activation_backward, nb::arg("a"), nb::arg("k_base"),
+        nb::arg("b"), nb::arg("b_scales").none(), nb::arg("side_b").none(),
+        nb::arg("expert_pool_offsets"), nb::arg("preact"), nb::arg("route_weights"),
+        nb::arg("pool_row_to_route"), nb::arg("dgrad_preact"), nb::arg("weighted_h").none(),
+        nb::arg("drouter_partials"), nb::arg("activation"), nb::arg("activation_clamp"),
+        nb::arg("block_m"), nb::arg("group_m"), nb::arg("num_sms"), nb::arg("stream"),
+        "dgrad2 with the activation backward as its epilogue.");
+  m.def("engine_k_grouped", &engine_k_grouped, nb::arg("a"), nb::arg("b"),
+        nb::arg("expert_pool_offsets"), nb::arg("expert_counts"), nb::arg("out"),
+        nb::arg("block_n"), nb::arg("scale"), nb::arg("num_sms"), nb::arg("stream"),
+        "K-grouped weight gradients out[e] = scale * a_e^T b_e over each expert's data rows.");
+}
+
+}  // namespace megamoe

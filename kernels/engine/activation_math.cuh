@@ -1,0 +1,48 @@
+// The gated activation act(g) and act'(g) in FP32 with the fast exponential and
+// reciprocal (MUFU ex2 and rcp: no IEEE division, no slow paths), shared by GEMM1's
+// epilogue and dgrad2's activation-backward epilogue so that the backward's recomputed
+// h is bit for bit the forward's. docs/ENGINE.md gives the error against the FP32
+// formula.
+#pragma once
+
+#include "engine_params.h"
+
+namespace megamoe::kernels::engine {
+
+// 1 / (1 + e^-g): __expf is ex2.approx of g log2(e); saturates to exactly 0 and 1.
+__device__ __forceinline__ float fast_sigmoid(float g) {
+  return __fdividef(1.0f, 1.0f + __expf(-g));
+}
+
+// tanh(x) = 1 - 2 / (1 + e^2x): exact limits +-1, absolute error ~1e-7 near 0.
+__device__ __forceinline__ float fast_tanh(float x) {
+  return 1.0f - __fdividef(2.0f, 1.0f + __expf(2.0f * x));
+}
+
+constexpr float kGeluK0 = 0.7978845608028654f;  // sqrt(2 / pi)
+constexpr float kGeluK1 = 0.044715f;
+
+__device__ __forceinline__ float activation(float g, int kind) {
+  if (kind == static_cast<int>(Activation::GeGLU))
+    return 0.5f * g * (1.0f + fast_tanh(kGeluK0 * (g + kGeluK1 * g * g * g)));
+  return g * fast_sigmoid(g);
+}
+
+__device__ __forceinline__ void activation_and_derivative(float g, int kind, float& act,
+                                                          float& derivative) {
+  if (kind == static_cast<int>(Activation::GeGLU)) {
+    const float t = fast_tanh(kGeluK0 * (g + kGeluK1 * g * g * g));
+    act = 0.5f * g * (1.0f + t);
+    const float sech2 = 1.0f - t * t;
+    // Where tanh saturates sech2 is exactly 0 but g^2 may overflow: keep 0, not NaN.
+    const float tail =
+        sech2 == 0.0f ? 0.0f : 0.5f * g * sech2 * kGeluK0 * (1.0f + 3.0f * kGeluK1 * g * g);
+    derivative = 0.5f * (1.0f + t) + tail;
+  } else {
+    const float sig = fast_sigmoid(g);
+    act = g * sig;
+    derivative = sig * (1.0f + g * (1.0f - sig));
+  }
+}
+
+}  // namespace megamoe::kernels::engine

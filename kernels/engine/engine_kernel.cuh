@@ -1,0 +1,340 @@
+// The GEMM engine (DESIGN §3): one persistent, warp-specialized TMA + wgmma kernel,
+// assembled from a tile scheduler, A and B operand policies and an epilogue functor.
+//
+// Warp roles (pipeline.cuh):
+//  - producer (warp 0, one thread): streams each tile's K steps of A and B into a ring of
+//    shared-memory stages with TMA;
+//  - consumers (warpgroups 1..BLOCK_M/64, 64 output rows each): wgmma over the ring, one
+//    batch in flight (step k's MMAs are queued before step k-1's are waited for, and
+//    k-1's stage is released then), then leave the tile's accumulators as BF16 in the
+//    staging tile and go on to the next tile;
+//  - epilogue warps (warps 1-3): finish the staged tile (activation math, TMA stores)
+//    while the consumers run the next tile's MMAs.
+// Contracts: `full`/`empty` per stage (pipeline.cuh); `staged` completes when every
+// consumer thread wrote its part of the staging tile, `drained` when the epilogue warps
+// no longer read it (their TMA stores included).
+#pragma once
+
+#include <cuda.h>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+
+#include <cute/arch/mma_sm90_gmma.hpp>
+#include <type_traits>
+
+#include "engine_params.h"
+#include "epilogue_activation_backward.cuh"
+#include "epilogue_gated.cuh"
+#include "epilogue_scaled_store.cuh"
+#include "epilogue_store.cuh"
+#include "operand_a.cuh"
+#include "operand_b.cuh"
+#include "pipeline.cuh"
+#include "staging_tile.cuh"
+#include "tile_scheduler.cuh"
+#include "wgmma.cuh"
+
+namespace megamoe::kernels::engine {
+
+// The parts of each kind (the registry line of a variant picks one).
+template <EngineKind kKind, BFormat kFormat, int BlockM, int BlockN>
+struct EngineParts;
+template <BFormat kFormat, int BlockM, int BlockN>
+struct EngineParts<EngineKind::Gated, kFormat, BlockM, BlockN> {
+  using Schedule = PoolTiles<BlockM>;
+  using A = PoolOperandA<BlockM>;
+  using B = GatedOperandB<BlockN, kFormat>;
+  using Epilogue = GatedEpilogue<BlockM, BlockN>;
+};
+template <BFormat kFormat, int BlockM, int BlockN>
+struct EngineParts<EngineKind::StoreKMajor, kFormat, BlockM, BlockN> {
+  using Schedule = PoolTiles<BlockM>;
+  using A = PoolOperandA<BlockM>;
+  using B = KMajorOperandB<BlockN, kFormat>;
+  using Epilogue = StoreEpilogue<BlockM, BlockN>;
+};
+template <BFormat kFormat, int BlockM, int BlockN>
+struct EngineParts<EngineKind::StoreMNMajor, kFormat, BlockM, BlockN> {
+  using Schedule = PoolTiles<BlockM>;
+  using A = PoolOperandA<BlockM>;
+  using B = MNMajorOperandB<BlockN, kFormat>;
+  using Epilogue = StoreEpilogue<BlockM, BlockN>;
+};
+template <BFormat kFormat, int BlockM, int BlockN>
+struct EngineParts<EngineKind::ActivationBackward, kFormat, BlockM, BlockN> {
+  using Schedule = PoolTiles<BlockM>;
+  using A = PoolOperandA<BlockM>;
+  using B = MNMajorOperandB<BlockN, kFormat>;
+  using Epilogue = ActivationBackwardEpilogue<BlockM, BlockN>;
+};
+template <BFormat kFormat, int BlockM, int BlockN>
+struct EngineParts<EngineKind::KGrouped, kFormat, BlockM, BlockN> {
+  static_assert(kFormat == BFormat::BF16, "the weight gradients' operands are activations");
+  using Schedule = ExpertRowTiles<BlockM, BlockN>;
+  using A = RowsOperandA<BlockM>;
+  using B = RowsOperandB<BlockN>;
+  using Epilogue = ScaledStoreEpilogue<BlockM, BlockN>;
+};
+
+template <EngineKind kKind, BFormat kFormat, int BlockM, int BlockN>
+struct EngineConfig : EngineParts<kKind, kFormat, BlockM, BlockN> {
+  using Parts = EngineParts<kKind, kFormat, BlockM, BlockN>;
+  using Staging = StagingTile<BlockM, BlockN>;
+  static_assert(BlockM == 64 || BlockM == 128, "64 rows per consumer warpgroup");
+  static_assert(BlockN == 128 || BlockN == 256, "wgmma N");
+  static constexpr int kBlockM = BlockM, kBlockN = BlockN;
+  static constexpr bool kMxfp4 = kFormat == BFormat::MXFP4;
+  static constexpr bool kTailMask = kKind == EngineKind::KGrouped;
+  static constexpr int kConsumers = BlockM / 64;
+  static constexpr int kConsumerThreads = kConsumers * kWarpgroupThreads;
+  static constexpr int kThreads = kConsumerThreads + kWarpgroupThreads;
+  static constexpr int kAccumulators = BlockN / 2;
+  static constexpr int kABytes = Parts::A::kBytes;
+  static constexpr int kStageBytes = (kABytes + Parts::B::kBytes + 1023) / 1024 * 1024;
+  // 227 KB per CTA, less the 1024-byte alignment slack and the barriers.
+  static constexpr int kSmemLimit = 232448;
+  static constexpr int kBarrierBytes = 256;
+  static constexpr int kStagesFit =
+      (kSmemLimit - 1024 - kBarrierBytes - Staging::kBytes) / kStageBytes;
+  static constexpr int kStages = kStagesFit > 8 ? 8 : kStagesFit;
+  // MXFP4 decodes step k + 1 while step k - 1's batch may still read its stage.
+  static_assert(kStages >= (kMxfp4 ? 3 : 2), "stages in flight");
+  static_assert(2 * kStages + 2 <= kBarrierBytes / 8, "barrier area");
+  static constexpr int kSmemBytes = 1024 + kStages * kStageBytes + Staging::kBytes + kBarrierBytes;
+  // 384 threads: the consumers' 128-register accumulators need registers from warpgroup
+  // 0 (setmaxnreg; 128 x 88 + 256 x 208 = the 384 x 168 the launch grants).
+  static constexpr bool kReallocate = kConsumers == 2;
+  static constexpr int kProducerRegisters = 88;
+  static constexpr int kConsumerRegisters = 208;
+};
+
+template <class C>
+struct SharedStorage {
+  uint8_t* stages;
+  uint8_t* staging;
+  uint64_t* full;
+  uint64_t* empty;
+  uint64_t* staged;
+  uint64_t* drained;
+
+  __device__ __forceinline__ explicit SharedStorage(uint8_t* raw) {
+    // 1024-byte alignment: the 128-byte swizzle pattern repeats every 8 rows of 128 bytes.
+    stages = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) &
+                                        ~uintptr_t{1023});
+    staging = stages + C::kStages * C::kStageBytes;
+    full = reinterpret_cast<uint64_t*>(staging + C::Staging::kBytes);
+    empty = full + C::kStages;
+    staged = empty + C::kStages;
+    drained = staged + 1;
+  }
+  __device__ __forceinline__ uint8_t* a(int s) const { return stages + s * C::kStageBytes; }
+  __device__ __forceinline__ uint8_t* b(int s) const { return a(s) + C::kABytes; }
+  __device__ __forceinline__ uint8_t* scales(int s) const { return b(s) + C::B::kTileBytes; }
+};
+
+// ---- producer: one thread streams every tile's K steps into the ring ----
+template <class C>
+__device__ __forceinline__ void produce(const EngineParams& p, const SharedStorage<C>& smem) {
+  const typename C::Schedule schedule(p.schedule);
+  RingState<C::kStages> ring;
+  for (int t = blockIdx.x; t < schedule.num_tiles(); t += gridDim.x) {
+    const TileInfo tile = schedule.tile(t);
+    for (int step = 0; step < tile.k_steps; ++step) {
+      Barrier::wait(&smem.empty[ring.stage], ring.phase ^ 1u);
+      uint64_t* bar = &smem.full[ring.stage];
+      TransactionBarrier::arrive_and_expect_tx(bar, C::kABytes + C::B::bytes(tile, step));
+      C::A::load(p.operands, tile, step, smem.a(ring.stage), bar);
+      C::B::load(p.operands, tile, step, smem.b(ring.stage), smem.scales(ring.stage), bar);
+      ring.advance();
+    }
+  }
+}
+
+// Consumer-side preparation of a landed stage before any wgmma reads it (all consumer
+// threads, in step with each other): the MXFP4 decode of the codes into the B tile, or
+// the K-grouped weight gradient's masking of the rows past an expert's data.
+template <class C>
+__device__ __forceinline__ void prepare_stage(const EngineParams& p, const SharedStorage<C>& smem,
+                                              const TileInfo& tile, int step, int stage,
+                                              int consumer_thread) {
+  if constexpr (C::kMxfp4) {
+    if (!C::B::decodes(tile, step)) return;
+    uint8_t* b = smem.b(stage);
+    using Decode = std::conditional_t<C::B::kMNMajor,
+                                      mxfp4::MNMajorTileDecode<C::kBlockN, C::kConsumerThreads>,
+                                      mxfp4::KMajorTileDecode<C::kBlockN, C::kConsumerThreads>>;
+    Decode decode;
+    if constexpr (C::B::kMNMajor)
+      decode.load(b + C::B::kCodeOffset, smem.scales(stage), consumer_thread);
+    else
+      decode.load(b + C::B::kCodeOffset, reinterpret_cast<const uint16_t*>(smem.scales(stage)),
+                  consumer_thread);
+    // The codes sit inside the tile being written: every thread has its codes first.
+    named_barrier_sync(kConsumerBarrier, C::kConsumerThreads);
+    decode.store(b, consumer_thread);
+    fence_generic_to_async();  // the decoded tile is read by wgmma (async proxy)
+    named_barrier_sync(kConsumerBarrier, C::kConsumerThreads);
+  } else if constexpr (C::kTailMask) {
+    const int data_rows = C::Schedule::rows_in_step(tile, step);
+    if (data_rows >= kBlockK) return;
+    // Rows [data_rows, 64) of every box of A and B: 128 contiguous bytes per row whatever
+    // the swizzle (it permutes 16-byte units inside a row), so the byte range is exact.
+    constexpr int kBoxes = (C::kABytes + C::B::kTileBytes) / kBoxBytes;
+    const int units_per_box = (kBlockK - data_rows) * (kRowBytes / 16);
+    uint8_t* stage_base = smem.a(stage);
+    for (int unit = consumer_thread; unit < kBoxes * units_per_box; unit += C::kConsumerThreads) {
+      const int box = unit / units_per_box, in_box = unit % units_per_box;
+      // A's boxes, then B's: the B tile starts right after A (whole boxes).
+      uint8_t* at = stage_base + box * kBoxBytes + data_rows * kRowBytes + 16 * in_box;
+      *reinterpret_cast<uint4*>(at) = make_uint4(0u, 0u, 0u, 0u);
+    }
+    fence_generic_to_async();
+    named_barrier_sync(kConsumerBarrier, C::kConsumerThreads);
+  }
+}
+
+// ---- consumers: wgmma over the ring, then the accumulators into the staging tile ----
+template <class C>
+__device__ __forceinline__ void consume(const EngineParams& p, const SharedStorage<C>& smem,
+                                       int consumer) {
+  using Mma = Wgmma<C::kBlockN, C::A::kMNMajor, C::B::kMNMajor>;
+  const typename C::Schedule schedule(p.schedule);
+  const int consumer_thread = threadIdx.x - kWarpgroupThreads;
+  const int lane = threadIdx.x % 32;
+  float acc[C::kAccumulators];
+  // `ring`: the next stage to consume; `release`: the oldest stage still being read.
+  RingState<C::kStages> ring, release;
+  uint32_t epilogue_phase = 0;
+  for (int t = blockIdx.x; t < schedule.num_tiles(); t += gridDim.x) {
+    const TileInfo tile = schedule.tile(t);
+#pragma unroll
+    for (int i = 0; i < C::kAccumulators; ++i) acc[i] = 0.0f;
+    fence_accumulators(acc);
+    // MXFP4: step k + 1's stage is prepared (waited for and decoded) while step k's
+    // MMAs run; the tile's first step here.
+    if constexpr (C::kMxfp4) {
+      if (tile.k_steps > 0) {
+        TransactionBarrier::wait(&smem.full[ring.stage], ring.phase);
+        prepare_stage(p, smem, tile, 0, ring.stage, consumer_thread);
+      }
+    }
+    for (int step = 0; step < tile.k_steps; ++step) {
+      if constexpr (!C::kMxfp4) {
+        TransactionBarrier::wait(&smem.full[ring.stage], ring.phase);
+        prepare_stage(p, smem, tile, step, ring.stage, consumer_thread);
+      }
+      const uint64_t desc_a = C::A::descriptor(smem.a(ring.stage), consumer);
+      const uint64_t desc_b = C::B::descriptor(smem.b(ring.stage));
+      cute::warpgroup_arrive();
+      Mma::step(desc_a, desc_b, acc);
+      cute::warpgroup_commit_batch();
+      if constexpr (C::kMxfp4) {
+        if (step + 1 < tile.k_steps) {
+          RingState<C::kStages> next = ring;
+          next.advance();
+          TransactionBarrier::wait(&smem.full[next.stage], next.phase);
+          prepare_stage(p, smem, tile, step + 1, next.stage, consumer_thread);
+        }
+      }
+      // Unconditional (a wait in a branch makes ptxas serialize every wgmma): at step 0
+      // no older batch exists and it returns at once.
+      cute::warpgroup_wait<1>();
+      if (step > 0) {  // step - 1's batch retired: its stage goes back to the producer
+        if (lane == 0) Barrier::arrive(&smem.empty[release.stage]);
+        release.advance();
+      }
+      ring.advance();
+      if (step + 1 == tile.side_steps) {
+        // The side sum is complete: scale it before the base K loop adds on, so the scale
+        // multiplies exactly the adapter term (FP32, no extra rounding).
+        cute::warpgroup_wait<0>();
+        fence_accumulators(acc);
+#pragma unroll
+        for (int i = 0; i < C::kAccumulators; ++i) acc[i] *= p.operands.side_scale;
+        fence_accumulators(acc);
+      }
+    }
+    cute::warpgroup_wait<0>();  // the last batch, before the accumulators are read
+    fence_accumulators(acc);
+    if (tile.k_steps > 0) {
+      if (lane == 0) Barrier::arrive(&smem.empty[release.stage]);
+      release.advance();
+    }
+    // Hand the tile to the epilogue warps once they drained the previous one.
+    Barrier::wait(smem.drained, epilogue_phase ^ 1u);
+    const EpilogueParams& ep = p.epilogue;
+    stage_accumulators<C::kBlockM, C::kBlockN>(
+        acc, smem.staging, consumer,
+        [&](float v) { return C::Epilogue::transform(v, ep); });
+    fence_generic_to_async();  // TMA stores read the staged tile
+    Barrier::arrive(smem.staged);
+    epilogue_phase ^= 1u;
+  }
+}
+
+// ---- epilogue warps: finish each staged tile ----
+template <class C>
+__device__ __forceinline__ void finish_tiles(const EngineParams& p, const SharedStorage<C>& smem,
+                                             int thread) {
+  const typename C::Schedule schedule(p.schedule);
+  uint32_t phase = 0;
+  for (int t = blockIdx.x; t < schedule.num_tiles(); t += gridDim.x) {
+    const TileInfo tile = schedule.tile(t);
+    Barrier::wait(smem.staged, phase);
+    C::Epilogue::finish(p.epilogue, tile, smem.staging, thread);
+    named_barrier_sync(kEpilogueBarrier, kEpilogueThreads);
+    if (thread == 0) Barrier::arrive(smem.drained);
+    phase ^= 1u;
+  }
+  if (thread == 0) wait_stores();
+}
+
+}  // namespace megamoe::kernels::engine
+
+namespace megamoe::kernels {
+
+template <EngineKind kKind, BFormat kFormat, int BlockM, int BlockN>
+__global__ void __launch_bounds__(engine::EngineConfig<kKind, kFormat, BlockM, BlockN>::kThreads, 1)
+    engine_kernel(const __grid_constant__ EngineParams p) {
+  using namespace engine;
+  using C = EngineConfig<kKind, kFormat, BlockM, BlockN>;
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  const SharedStorage<C> smem(smem_raw);
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < C::kStages; ++s) {
+      TransactionBarrier::init(&smem.full[s], 1);
+      Barrier::init(&smem.empty[s], C::kConsumers * 4);  // one arrival per consumer warp
+    }
+    Barrier::init(smem.staged, C::kConsumerThreads);
+    Barrier::init(smem.drained, 1);
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+
+  const int warpgroup = threadIdx.x / kWarpgroupThreads;
+  if (warpgroup == 0) {
+    if constexpr (C::kReallocate) cutlass::arch::warpgroup_reg_dealloc<C::kProducerRegisters>();
+    if (threadIdx.x < 32) {
+      if (threadIdx.x == 0) produce<C>(p, smem);
+    } else {
+      finish_tiles<C>(p, smem, threadIdx.x - 32);
+    }
+    return;
+  }
+  if constexpr (C::kReallocate) cutlass::arch::warpgroup_reg_alloc<C::kConsumerRegisters>();
+  consume<C>(p, smem, warpgroup - 1);
+}
+
+template <EngineKind kKind, BFormat kFormat, int BlockM, int BlockN>
+EngineKernels engine_kernels() {
+  using C = engine::EngineConfig<kKind, kFormat, BlockM, BlockN>;
+  return EngineKernels{&engine_kernel<kKind, kFormat, BlockM, BlockN>,
+                       kKind,
+                       kFormat,
+                       BlockM,
+                       BlockN,
+                       C::kThreads,
+                       C::kSmemBytes};
+}
+
+}  // namespace megamoe::kernels

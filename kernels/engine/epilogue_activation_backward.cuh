@@ -1,0 +1,120 @@
+// Activation-backward epilogue of dgrad2: the staged tile is z (columns i0 .. of I, the
+// unweighted dL/dh of each route, rounded once to BF16). Per pool row (one route,
+// weight w) and column i, with g, u the forward's BF16 pre-activations and gc, uc their
+// clamped values:
+//   h = bf16(act(gc) uc)                    (the forward's h, bit for bit)
+//   dg = w z uc act'(gc), du = w z act(gc)   (0 where the clamp cut; boundaries pass)
+//   w h (optional), and the router dot sum_i z_i h_i over the tile's columns (FP32,
+//   fixed order), which the host sums over the column blocks in order.
+// Padding rows (route -1) give zeros whatever their inputs hold. One warp walks a row:
+// its lanes take consecutive 8-column vectors, so g, u loads and dg, du, w h stores are
+// 512-byte coalesced, and the row's dot is a fixed butterfly over the warp.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include "activation_math.cuh"
+#include "engine_params.h"
+#include "pipeline.cuh"
+#include "staging_tile.cuh"
+#include "tile_scheduler.cuh"
+
+namespace megamoe::kernels::engine {
+
+template <int BlockM, int BlockN>
+struct ActivationBackwardEpilogue {
+  using Tile = StagingTile<BlockM, BlockN>;
+  static constexpr int kVectors = BlockN / 8;  // 8-column vectors per row of the tile
+  static_assert(kVectors == 32 || kVectors == 16, "a warp covers whole rows");
+  static constexpr int kRowsPerPass = 32 / kVectors;
+  static constexpr int kPasses = BlockM / kRowsPerPass;
+  // Rows in flight per warp: their g, u loads are issued before any of their math.
+  static constexpr int kUnroll = 2;
+
+  __device__ __forceinline__ static float transform(float v, const EpilogueParams&) { return v; }
+
+  __device__ __forceinline__ static uint4 load_global_16(const void* at) {
+    uint4 v;
+    asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(at));
+    return v;
+  }
+  __device__ __forceinline__ static void store_global_16(void* at, const uint4& v) {
+    asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(at), "r"(v.x), "r"(v.y),
+                 "r"(v.z), "r"(v.w)
+                 : "memory");
+  }
+
+  __device__ __forceinline__ static void finish(const EpilogueParams& p, const TileInfo& tile,
+                                                uint8_t* staging, int thread) {
+    const int warp = thread / 32, lane = thread % 32;
+    const int64_t inter = p.intermediate, two_i = 2 * inter;
+    const int vector = lane % kVectors;
+    const int col = tile.n_block * BlockN + 8 * vector;
+    const bool in_n = col < inter;  // N tail (I is a multiple of 64)
+    const int n_blocks = (p.intermediate + BlockN - 1) / BlockN;
+    const float clamp = p.activation_clamp;
+    const uint32_t base = shared_address(staging);
+    const __nv_bfloat16* preact = static_cast<const __nv_bfloat16*>(p.preact);
+    __nv_bfloat16* dgrad = static_cast<__nv_bfloat16*>(p.dgrad_preact);
+    __nv_bfloat16* weighted = static_cast<__nv_bfloat16*>(p.weighted_h);
+
+    for (int pass0 = warp; pass0 < kPasses; pass0 += kEpilogueWarps * kUnroll) {
+      int row[kUnroll];
+      bool live[kUnroll];
+      uint4 z8[kUnroll], g8[kUnroll], u8[kUnroll];
+#pragma unroll
+      for (int k = 0; k < kUnroll; ++k) {
+        const int pass = pass0 + k * kEpilogueWarps;
+        live[k] = pass < kPasses;  // uniform over the warp
+        const int r = (live[k] ? pass : 0) * kRowsPerPass + lane / kVectors;
+        row[k] = tile.row0 + r;
+        z8[k] = load_shared_16(base + Tile::offset(r, 8 * vector));
+        const __nv_bfloat16* at = preact + row[k] * two_i + col;
+        g8[k] = live[k] && in_n ? load_global_16(at) : make_uint4(0, 0, 0, 0);
+        u8[k] = live[k] && in_n ? load_global_16(at + inter) : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int k = 0; k < kUnroll; ++k) {
+        if (!live[k]) continue;
+        const int32_t route = __ldg(p.pool_row_to_route + row[k]);
+        const bool routed = route >= 0 && route < p.num_routes;
+        const float weight = routed ? __ldg(p.route_weights + route) : 0.0f;
+        float z[8], g[8], u[8], dg[8], du[8], wh[8];
+        unpack8(z8[k], z);
+        unpack8(g8[k], g);
+        unpack8(u8[k], u);
+        float dot = 0.0f;
+#pragma unroll
+        for (int c = 0; c < 8; ++c) {
+          const float gc = fminf(g[c], clamp);
+          const float uc = fminf(fmaxf(u[c], -clamp), clamp);
+          float act, derivative;
+          activation_and_derivative(gc, p.activation, act, derivative);
+          const float h = __bfloat162float(__float2bfloat16_rn(act * uc));
+          dot += z[c] * h;
+          const float dh = weight * z[c];
+          // Boundary values pass the gradient, like torch.clamp's.
+          dg[c] = routed && g[c] <= clamp ? dh * uc * derivative : 0.0f;
+          du[c] = routed && u[c] >= -clamp && u[c] <= clamp ? dh * act : 0.0f;
+          wh[c] = routed ? weight * h : 0.0f;
+        }
+        if (in_n) {
+          store_global_16(dgrad + row[k] * two_i + col, pack8(dg));
+          store_global_16(dgrad + row[k] * two_i + inter + col, pack8(du));
+          if (weighted != nullptr) store_global_16(weighted + row[k] * inter + col, pack8(wh));
+        }
+        // The row's dot over its kVectors lanes, in a fixed butterfly.
+#pragma unroll
+        for (int offset = kVectors / 2; offset > 0; offset /= 2)
+          dot += __shfl_xor_sync(0xffffffffu, dot, offset);
+        if (vector == 0)
+          p.drouter_partials[static_cast<int64_t>(row[k]) * n_blocks + tile.n_block] =
+              routed ? dot : 0.0f;
+      }
+    }
+  }
+};
+
+}  // namespace megamoe::kernels::engine

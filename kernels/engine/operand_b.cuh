@@ -1,0 +1,206 @@
+// B-operand policies: what the producer loads into a stage's B tile for a K step, how
+// the consumers turn it into the BF16 tile wgmma reads (the MXFP4 decode), and its
+// wgmma descriptor.
+//
+// Stage layout of the B part: the BF16 tile [BLOCK_N x 64] (K-major rows, or MN-major
+// boxes of [64 K][64 N]), then a small area for MXFP4 scales. An MXFP4 step's codes land
+// in the BF16 tile's last quarter and are decoded over it in place (two phases with a
+// barrier between: kernels/mxfp4_tile_decode.cuh), which keeps a stage at its BF16 size.
+// Side and extra segments are BF16 in every format.
+#pragma once
+
+#include <cute/arch/copy_sm90_tma.hpp>
+
+#include "engine_params.h"
+#include "mxfp4_tile_decode.cuh"
+#include "pipeline.cuh"
+#include "tile_scheduler.cuh"
+#include "wgmma.cuh"
+
+namespace megamoe::kernels::engine {
+
+template <int BlockN, BFormat kFormat>
+struct OperandBLayout {
+  static constexpr bool kMxfp4 = kFormat == BFormat::MXFP4;
+  static constexpr int kTileBytes = BlockN * kRowBytes;
+  // Codes of one K step: 32 bytes per row (K-major) = 32 K rows x 128 bytes (MN-major).
+  static constexpr int kCodeBytes = BlockN * mxfp4::kCodeBytesPerRow;
+  static constexpr int kCodeOffset = kTileBytes - kCodeBytes;
+  // K-major: BlockN uint16; MN-major: BlockN / 32 x 64 bytes: both BlockN * 2 bytes.
+  static constexpr int kScaleBytes = kMxfp4 ? (BlockN * 2 + 1023) / 1024 * 1024 : 0;
+  static constexpr int kBytes = kTileBytes + kScaleBytes;
+};
+
+// GEMM1's w13 [E, 2I, H] as given: a tile's BLOCK_N rows are BLOCK_N / 2 gate rows
+// (i0 ..) then the matching up rows (I + i0 ..), two boxes of one 4-D map
+// [E][gate|up][I][H] (rows past I zero-fill). Side steps: the gate half reads b1^T
+// [E][I][r] at K = k', the up half b3^T at K = k' - r, both through TMA's zero fill
+// outside [0, r): the [q1 | q3] side columns meet [b1^T | 0] and [0 | b3^T].
+template <int BlockN, BFormat kFormat>
+struct GatedOperandB : OperandBLayout<BlockN, kFormat> {
+  using L = OperandBLayout<BlockN, kFormat>;
+  static constexpr bool kMNMajor = false;
+  static constexpr int kHalf = BlockN / 2;
+
+  __device__ __forceinline__ static bool decodes(const TileInfo& tile, int step) {
+    return L::kMxfp4 && step >= tile.side_steps;
+  }
+  __device__ __forceinline__ static int bytes(const TileInfo& tile, int step) {
+    return decodes(tile, step) ? L::kCodeBytes + BlockN * 2 : L::kTileBytes;
+  }
+
+  __device__ __forceinline__ static void load(const OperandParams& p, const TileInfo& tile,
+                                              int step, uint8_t* dst, uint8_t* scales,
+                                              uint64_t* bar) {
+    const int i0 = tile.n_block * kHalf;
+    if (step < tile.side_steps) {
+      const int k = step * kBlockK;
+      cute::SM90_TMA_LOAD_3D::copy(&p.side_gate, bar, kCacheHint, dst, k, i0, tile.expert);
+      cute::SM90_TMA_LOAD_3D::copy(&p.side_up, bar, kCacheHint, dst + kHalf * kRowBytes,
+                                   k - p.side_rank, i0, tile.expert);
+      return;
+    }
+    const int k0 = (step - tile.side_steps) * kBlockK;
+    if constexpr (L::kMxfp4) {
+      uint8_t* codes = dst + L::kCodeOffset;
+      const int scale_row = tile.expert * (p.k_base / kBlockK) + k0 / kBlockK;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        cute::SM90_TMA_LOAD_4D::copy(&p.codes, bar, kCacheHint,
+                                     codes + half * kHalf * mxfp4::kCodeBytesPerRow, k0 / 2, i0,
+                                     half, tile.expert);
+        cute::SM90_TMA_LOAD_2D::copy(&p.scales, bar, kCacheHint, scales + half * kHalf * 2,
+                                     half * p.n_base + i0, scale_row);
+      }
+    } else {
+#pragma unroll
+      for (int half = 0; half < 2; ++half)
+        cute::SM90_TMA_LOAD_4D::copy(&p.b, bar, kCacheHint, dst + half * kHalf * kRowBytes, k0,
+                                     i0, half, tile.expert);
+    }
+  }
+
+  __device__ __forceinline__ static uint64_t descriptor(const uint8_t* tile) {
+    return descriptor_k_major(tile);
+  }
+};
+
+// GEMM2's w2 [E, H, I] (nn.Linear, K-major): one [BLOCK_N rows][64] box of a 3-D map
+// [E][N][K]; N extra tiles read the extra segment's map (a2^T [E][r][I]) likewise.
+template <int BlockN, BFormat kFormat>
+struct KMajorOperandB : OperandBLayout<BlockN, kFormat> {
+  using L = OperandBLayout<BlockN, kFormat>;
+  static constexpr bool kMNMajor = false;
+
+  __device__ __forceinline__ static bool decodes(const TileInfo& tile, int) {
+    return L::kMxfp4 && !tile.extra;
+  }
+  __device__ __forceinline__ static int bytes(const TileInfo& tile, int step) {
+    return decodes(tile, step) ? L::kCodeBytes + BlockN * 2 : L::kTileBytes;
+  }
+
+  __device__ __forceinline__ static void load(const OperandParams& p, const TileInfo& tile,
+                                              int step, uint8_t* dst, uint8_t* scales,
+                                              uint64_t* bar) {
+    const int k0 = step * kBlockK;
+    if (tile.extra) {
+      cute::SM90_TMA_LOAD_3D::copy(&p.extra, bar, kCacheHint, dst, k0, tile.n_local * BlockN,
+                                   tile.expert);
+      return;
+    }
+    const int n0 = tile.n_block * BlockN;
+    if constexpr (L::kMxfp4) {
+      cute::SM90_TMA_LOAD_3D::copy(&p.codes, bar, kCacheHint, dst + L::kCodeOffset, k0 / 2, n0,
+                                   tile.expert);
+      cute::SM90_TMA_LOAD_2D::copy(&p.scales, bar, kCacheHint, scales, n0,
+                                   tile.expert * (p.k_base / kBlockK) + k0 / kBlockK);
+    } else {
+      cute::SM90_TMA_LOAD_3D::copy(&p.b, bar, kCacheHint, dst, k0, n0, tile.expert);
+    }
+  }
+
+  __device__ __forceinline__ static uint64_t descriptor(const uint8_t* tile) {
+    return descriptor_k_major(tile);
+  }
+};
+
+// The weights as stored, read MN-major (the dgrads: dgrad1's w13 [E, 2I, H], dgrad2's w2
+// [E, H, I]): BLOCK_N / 64 boxes of [64 K rows][64 N] from a 3-D map [E][K][N] (K rows
+// past an expert's end zero-fill). N extra tiles (dgrad1's b1/b3 shrink columns) read
+// the extra map likewise; side steps (dgrad2's a2^T [E][r][I]) read the side map.
+template <int BlockN, BFormat kFormat>
+struct MNMajorOperandB : OperandBLayout<BlockN, kFormat> {
+  using L = OperandBLayout<BlockN, kFormat>;
+  static constexpr bool kMNMajor = true;
+  static constexpr int kBoxes = BlockN / 64;
+
+  __device__ __forceinline__ static bool decodes(const TileInfo& tile, int step) {
+    return L::kMxfp4 && !tile.extra && step >= tile.side_steps;
+  }
+  __device__ __forceinline__ static int bytes(const TileInfo& tile, int step) {
+    return decodes(tile, step) ? L::kCodeBytes + BlockN * 2 : L::kTileBytes;
+  }
+
+  __device__ __forceinline__ static void load_boxes(const CUtensorMap* map, uint64_t* bar,
+                                                    uint8_t* dst, int n0, int k0, int expert) {
+#pragma unroll
+    for (int box = 0; box < kBoxes; ++box)
+      cute::SM90_TMA_LOAD_3D::copy(map, bar, kCacheHint, dst + box * kBoxBytes, n0 + 64 * box, k0,
+                                   expert);
+  }
+
+  __device__ __forceinline__ static void load(const OperandParams& p, const TileInfo& tile,
+                                              int step, uint8_t* dst, uint8_t* scales,
+                                              uint64_t* bar) {
+    if (step < tile.side_steps) {
+      load_boxes(&p.side_gate, bar, dst, tile.n_block * BlockN, step * kBlockK, tile.expert);
+      return;
+    }
+    const int k0 = (step - tile.side_steps) * kBlockK;
+    if (tile.extra) {
+      load_boxes(&p.extra, bar, dst, tile.n_local * BlockN, k0, tile.expert);
+      return;
+    }
+    const int n0 = tile.n_block * BlockN;
+    if constexpr (L::kMxfp4) {
+      // Codes [E * K, N / 2]: this expert's 64 K rows (K is a multiple of 64); scales
+      // [E * N / 32, K]: this tile's N blocks of 32, 64 K columns.
+      cute::SM90_TMA_LOAD_2D::copy(&p.codes, bar, kCacheHint, dst + L::kCodeOffset, n0 / 2,
+                                   tile.expert * p.k_base + k0);
+      cute::SM90_TMA_LOAD_2D::copy(&p.scales, bar, kCacheHint, scales, k0,
+                                   tile.expert * (p.n_base / 32) + n0 / 32);
+    } else {
+      load_boxes(&p.b, bar, dst, n0, k0, tile.expert);
+    }
+  }
+
+  __device__ __forceinline__ static uint64_t descriptor(const uint8_t* tile) {
+    return descriptor_mn_major(tile);
+  }
+};
+
+// The K-grouped weight gradient's B: 64 pool rows of BLOCK_N columns per K step,
+// BLOCK_N / 64 boxes of [64 rows][64 columns], read MN-major.
+template <int BlockN>
+struct RowsOperandB : OperandBLayout<BlockN, BFormat::BF16> {
+  using L = OperandBLayout<BlockN, BFormat::BF16>;
+  static constexpr bool kMNMajor = true;
+  static constexpr int kBoxes = BlockN / 64;
+
+  __device__ __forceinline__ static bool decodes(const TileInfo&, int) { return false; }
+  __device__ __forceinline__ static int bytes(const TileInfo&, int) { return L::kTileBytes; }
+
+  __device__ __forceinline__ static void load(const OperandParams& p, const TileInfo& tile,
+                                              int step, uint8_t* dst, uint8_t*, uint64_t* bar) {
+#pragma unroll
+    for (int box = 0; box < kBoxes; ++box)
+      cute::SM90_TMA_LOAD_2D::copy(&p.b, bar, kCacheHint, dst + box * kBoxBytes,
+                                   tile.n_block * BlockN + 64 * box, tile.row0 + step * kBlockK);
+  }
+
+  __device__ __forceinline__ static uint64_t descriptor(const uint8_t* tile) {
+    return descriptor_mn_major(tile);
+  }
+};
+
+}  // namespace megamoe::kernels::engine

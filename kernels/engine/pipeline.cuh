@@ -1,0 +1,65 @@
+// The engine's synchronisation pieces: the stage ring's mbarriers and position, named
+// barriers, proxy fences and the TMA store group.
+//
+// Ring contract: `full[s]` completes when the TMA bytes of stage s land (the producer
+// arms it with the byte count); `empty[s]` completes when every consumer warp's wgmma
+// that read stage s retired. Producer and consumers walk the same tile and K-step
+// sequence, so stage index and phase stay in lock step without messages.
+#pragma once
+
+#include <cuda.h>
+#include <cutlass/arch/barrier.h>
+
+#include <cute/arch/copy_sm90_tma.hpp>
+
+namespace megamoe::kernels::engine {
+
+using TransactionBarrier = cutlass::arch::ClusterTransactionBarrier;
+using Barrier = cutlass::arch::ClusterBarrier;
+
+// TMA's L2 cache-policy operand must be a valid policy word (0 is not one).
+constexpr uint64_t kCacheHint = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_NORMAL);
+
+template <int Stages>
+struct RingState {
+  int stage = 0;
+  uint32_t phase = 0;
+  __device__ __forceinline__ void advance() {
+    if (++stage == Stages) {
+      stage = 0;
+      phase ^= 1u;
+    }
+  }
+};
+
+// Warp roles of a CTA: warpgroup 0 is the producer warp (one thread issues TMA loads)
+// and three epilogue warps; the other warpgroups are the consumers (wgmma).
+constexpr int kEpilogueWarps = 3;
+constexpr int kEpilogueThreads = kEpilogueWarps * 32;
+
+// Hardware named barriers (0 is __syncthreads): one among the consumer warpgroups (the
+// MXFP4 decode and the K-grouped tail masking share a stage), one among the epilogue
+// warps (a staged tile is read and rewritten in place).
+enum NamedBarrierId : int { kConsumerBarrier = 1, kEpilogueBarrier = 2 };
+
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+// Generic-proxy shared-memory writes become visible to the async proxy (TMA stores,
+// wgmma operand reads) once the writer fences and then synchronises with the reader.
+__device__ __forceinline__ void fence_generic_to_async() { cutlass::arch::fence_view_async_shared(); }
+
+// TMA stores: issued by one thread, committed as a group; `wait_store_reads` returns
+// when the group no longer reads shared memory, `wait_stores` when its writes are done.
+__device__ __forceinline__ void commit_stores() { cute::tma_store_arrive(); }
+__device__ __forceinline__ void wait_store_reads() { cute::tma_store_wait<0>(); }
+__device__ __forceinline__ void wait_stores() {
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+
+__device__ __forceinline__ uint32_t shared_address(const void* pointer) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(pointer));
+}
+
+}  // namespace megamoe::kernels::engine
