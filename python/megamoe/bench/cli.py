@@ -419,7 +419,8 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--backend",
         help=f"comma-separated subset of {','.join(BACKENDS)} (default: fused,baseline with "
-        "a CUDA GPU, fused,baseline,reference without: the fused rows then read 'skipped')",
+        "a CUDA GPU, fused,baseline,reference without: the fused rows then read 'skipped'; "
+        "with --tokens: fused with a GPU, fused,baseline without)",
     )
     add(
         "--pass",
@@ -472,7 +473,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.modes = _comma_list(parser, "--mode", args.mode, MODES)
     dtypes = args.dtype or ("bf16,mxfp4" if args.tokens else "bf16")
     args.dtypes = _comma_list(parser, "--dtype", dtypes, DTYPES)
-    backends = args.backend or ("fused,baseline" if gpu else "fused,baseline,reference")
+    if args.backend:
+        backends = args.backend
+    elif args.tokens:  # the sweep is about the fused layer against its floor
+        backends = "fused" if gpu else "fused,baseline"
+    else:
+        backends = "fused,baseline" if gpu else "fused,baseline,reference"
     args.backends = _comma_list(parser, "--backend", backends, BACKENDS)
     args.passes = _comma_list(parser, "--pass", args.passes, PASSES)
     args.token_counts = None
