@@ -89,7 +89,10 @@ def setup(install: bool, engine: str) -> None:
         run(["apt-get", "install", "-y", "-q", "--no-install-recommends", *APT], env=env)
         missing = [t for t in need if not shutil.which(t)]
     if missing:
-        raise SystemExit(f"missing {missing}: apt-get install {' '.join(APT)} (or --setup)")
+        raise SystemExit(
+            f"missing {missing}: apt-get install {' '.join(APT)}, or let this script do it "
+            "as root with --setup (python3 -m nox -s images -- --setup)"
+        )
 
 
 # --------------------------------------------------------------------------- local base

@@ -1,9 +1,10 @@
-"""The SM budget policy for persistent launches (DESIGN §3).
+"""The SM budget policy for persistent launches (docs/DESIGN.md §3).
 
 ``MEGAMOE_NUM_SMS``: an absolute SM count; it wins over the headroom.
 ``MEGAMOE_SM_HEADROOM``: SMs left free (for NCCL kernels running beside ours),
-rounded up to an even number because SMs come in pairs per TPC and a cluster of two
-CTAs must fit on one.
+rounded up to an even number: Hopper SMs come in pairs (two per TPC), and an even
+budget keeps room for 2-CTA clusters, which the engine may use later. Today every
+launch is a 1x1 cluster, so the rounding costs at most one SM.
 """
 
 from __future__ import annotations
