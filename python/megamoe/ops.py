@@ -401,17 +401,16 @@ def _backward_inputs(
     side_lora = _side(side, scale)
     # The forward's checks on its inputs; the route_to_pool_row map stands in for the
     # ids (same [T, K]; the ids themselves are not saved).
-    route_to_pool_row = state[_STATE_NAMES.index("route_to_pool_row")]
-    check_tensor("route_to_pool_row", route_to_pool_row, ndim=2)
     check_moe_inputs(
         x,
-        route_to_pool_row,
+        state[_STATE_NAMES.index("route_to_pool_row")],
         topk_weights,
         base,
         side_lora,
         activation,
         activation_clamp,
         require_cuda=False,
+        ids_name="route_to_pool_row",
     )
     check_backward_inputs(dout, x, base, side_lora, dict(zip(_STATE_NAMES, state, strict=True)))
     return base, side_lora

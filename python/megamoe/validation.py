@@ -130,6 +130,7 @@ def check_moe_inputs(
     require_cuda: bool = True,
     allow_no_tokens: bool = False,
     expert_id_limit: int | None = None,
+    ids_name: str = "topk_ids",
 ) -> torch.device:
     """Every argument check of the MoE layer call, before anything runs.
 
@@ -149,6 +150,8 @@ def check_moe_inputs(
             be read without a device synchronisation (CPU tensors; never meta, fake or
             CUDA tensors, whose range the fused forward checks on the device). None:
             no value check (EP: global ids, checked by the dispatch plan).
+        ids_name: the name ``topk_ids`` goes by in messages (the backward passes the
+            saved ``route_to_pool_row`` map, which has the ids' shape, in its place).
 
     Returns:
         The one device of every tensor.
@@ -163,14 +166,14 @@ def check_moe_inputs(
     if side is not None and not isinstance(side, SideLoRA):
         raise TypeError(f"side: expected megamoe.SideLoRA or None, got {type(side).__name__}")
     # Kinds first, so a list or None is a TypeError naming it, whatever else is wrong.
-    for name, value in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+    for name, value in (("x", x), (ids_name, topk_ids), ("topk_weights", topk_weights)):
         check_tensor(name, value)
     check_tensor("x", x, shape=(None, base.hidden), dtypes=_BF16, contiguous=True)
     num_tokens = x.shape[0]
     if num_tokens < 1 and not allow_no_tokens:
         raise ValueError("x: expected at least one token")
     check_tensor(
-        "topk_ids",
+        ids_name,
         topk_ids,
         shape=(num_tokens, None),
         dtypes=(torch.int32, torch.int64),
@@ -178,7 +181,7 @@ def check_moe_inputs(
     )
     if topk_ids.shape[1] < 1:
         raise ValueError(
-            f"topk_ids: expected at least one route per token (K >= 1), got shape "
+            f"{ids_name}: expected at least one route per token (K >= 1), got shape "
             f"{list(topk_ids.shape)}"
         )
     check_tensor(
@@ -205,7 +208,7 @@ def check_moe_inputs(
         low, high = int(topk_ids.min()), int(topk_ids.max())
         if low < -1 or high >= expert_id_limit:
             raise ValueError(
-                f"topk_ids: expected expert ids in [-1, {expert_id_limit}), got values in "
+                f"{ids_name}: expected expert ids in [-1, {expert_id_limit}), got values in "
                 f"[{low}, {high}]"
             )
 
@@ -213,7 +216,7 @@ def check_moe_inputs(
     named = [
         ("base.w13", base.w13),
         ("x", x),
-        ("topk_ids", topk_ids),
+        (ids_name, topk_ids),
         ("topk_weights", topk_weights),
         ("base.w2", base.w2),
         ("base.w13_scales", base.w13_scales),

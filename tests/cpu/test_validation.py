@@ -315,9 +315,9 @@ def test_the_backward_op_rejects_a_dout_elsewhere_or_misshapen() -> None:
     x, _, weights, w13, w2, s13, s2, *adapters = args
     rest = (0.5, "swiglu", None)
 
-    def backward(dout: torch.Tensor) -> list[torch.Tensor]:
+    def backward(dout: torch.Tensor, saved: list[torch.Tensor] = state) -> list[torch.Tensor]:
         return torch.ops.megamoe.moe_backward(
-            dout, x, weights, w13, w2, s13, s2, *adapters, *rest, *state, False, True
+            dout, x, weights, w13, w2, s13, s2, *adapters, *rest, *saved, False, True
         )
 
     assert [tuple(g.shape) for g in backward(out)][:2] == [(T, H), (T, K)]
@@ -327,6 +327,10 @@ def test_the_backward_op_rejects_a_dout_elsewhere_or_misshapen() -> None:
         backward(out[:-1])
     with pytest.raises(TypeError, match=r"^dout: expected dtype bfloat16"):
         backward(out.float())
+    # The saved state is named too (route_to_pool_row stands in for the ids' [T, K]).
+    short = [*state[:2], state[2][:-1], *state[3:]]
+    with pytest.raises(ValueError, match=r"^route_to_pool_row: expected shape \[12, \*\]"):
+        backward(out, short)
 
 
 # ---------------------------------------------------------------- all-fake inputs
