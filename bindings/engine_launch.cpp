@@ -309,7 +309,8 @@ void engine_store(const Tensor& a, int64_t k_base, const Tensor& b, std::optiona
 void engine_activation_backward(const Tensor& a, int64_t k_base, const Tensor& b,
                                 std::optional<Tensor> b_scales, std::optional<Tensor> side,
                                 const Tensor& offsets, const Tensor& preact,
-                                const Tensor& route_weights, const Tensor& pool_row_to_route,
+                                const Tensor& row_weights, int64_t num_routes,
+                                const Tensor& pool_row_to_route,
                                 const Tensor& dgrad_preact, std::optional<Tensor> weighted_h,
                                 const Tensor& drouter_partials, int activation,
                                 double activation_clamp, int block_m, int group_m, int num_sms,
@@ -335,8 +336,9 @@ void engine_activation_backward(const Tensor& a, int64_t k_base, const Tensor& b
                               .c_str());
   check_activation(activation, activation_clamp);
   check_tensor("preact", preact, bfloat16_dtype(), {rows, 2 * inter}, device);
-  check_tensor<float>("route_weights", route_weights, {-1}, device);
+  check_tensor<float>("row_weights", row_weights, {rows}, device);
   check_tensor<int32_t>("pool_row_to_route", pool_row_to_route, {rows}, device);
+  if (num_routes < 0) throw nb::value_error("num_routes: expected >= 0");
   check_tensor("dgrad_preact", dgrad_preact, bfloat16_dtype(), {rows, 2 * inter}, device);
   if (weighted_h) check_tensor("weighted_h", *weighted_h, bfloat16_dtype(), {rows, inter}, device);
   check_tensor<float>("drouter_partials", drouter_partials, {rows, ceil_div(inter, kBlockN)}, device);
@@ -361,9 +363,9 @@ void engine_activation_backward(const Tensor& a, int64_t k_base, const Tensor& b
 
   EpilogueParams& e = p.epilogue;
   e.preact = preact.data();
-  e.route_weights = static_cast<const float*>(route_weights.data());
+  e.row_weights = static_cast<const float*>(row_weights.data());
   e.pool_row_to_route = static_cast<const int32_t*>(pool_row_to_route.data());
-  e.num_routes = route_weights.shape(0);
+  e.num_routes = num_routes;
   e.dgrad_preact = dgrad_preact.data();
   e.weighted_h = weighted_h ? weighted_h->data() : nullptr;
   e.drouter_partials = static_cast<float*>(drouter_partials.data());
@@ -435,8 +437,8 @@ void register_engine(nb::module_& m) {
         "Pool GEMM with the store epilogue (+ N extra columns).");
   m.def("engine_activation_backward", &engine_activation_backward, nb::arg("a"), nb::arg("k_base"),
         nb::arg("b"), nb::arg("b_scales").none(), nb::arg("side_b").none(),
-        nb::arg("expert_pool_offsets"), nb::arg("preact"), nb::arg("route_weights"),
-        nb::arg("pool_row_to_route"), nb::arg("dgrad_preact"), nb::arg("weighted_h").none(),
+        nb::arg("expert_pool_offsets"), nb::arg("preact"), nb::arg("row_weights"),
+        nb::arg("num_routes"), nb::arg("pool_row_to_route"), nb::arg("dgrad_preact"), nb::arg("weighted_h").none(),
         nb::arg("drouter_partials"), nb::arg("activation"), nb::arg("activation_clamp"),
         nb::arg("block_m"), nb::arg("group_m"), nb::arg("num_sms"), nb::arg("stream"),
         "dgrad2 with the activation backward as its epilogue.");

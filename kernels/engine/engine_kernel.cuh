@@ -97,15 +97,16 @@ struct EngineConfig : EngineParts<kKind, kFormat, BlockM, BlockN> {
   static constexpr int kStagesFit =
       (kSmemLimit - 1024 - kBarrierBytes - Staging::kBytes) / kStageBytes;
   static constexpr int kStages = kStagesFit > 8 ? 8 : kStagesFit;
-  // MXFP4 decodes step k + 1 while step k - 1's batch may still read its stage.
-  static_assert(kStages >= (kMxfp4 ? 3 : 2), "stages in flight");
+  static_assert(kStages >= 2, "a ring needs two stages");
   static_assert(2 * kStages + 2 <= kBarrierBytes / 8, "barrier area");
   static constexpr int kSmemBytes = 1024 + kStages * kStageBytes + Staging::kBytes + kBarrierBytes;
   // 384 threads: the consumers' 128-register accumulators need registers from warpgroup
-  // 0 (setmaxnreg; 128 x 88 + 256 x 208 = the 384 x 168 the launch grants).
+  // 0 (setmaxnreg; 128 P + 256 C = the 384 x 168 the launch grants). The activation
+  // backward's epilogue keeps four rows' loads in flight and gets more of them.
   static constexpr bool kReallocate = kConsumers == 2;
-  static constexpr int kProducerRegisters = 88;
-  static constexpr int kConsumerRegisters = 208;
+  static constexpr int kProducerRegisters = kKind == EngineKind::ActivationBackward ? 120 : 88;
+  static constexpr int kConsumerRegisters = kKind == EngineKind::ActivationBackward ? 192 : 208;
+  static_assert(128 * kProducerRegisters + 256 * kConsumerRegisters == 384 * 168, "registers");
 };
 
 template <class C>
@@ -210,32 +211,15 @@ __device__ __forceinline__ void consume(const EngineParams& p, const SharedStora
 #pragma unroll
     for (int i = 0; i < C::kAccumulators; ++i) acc[i] = 0.0f;
     fence_accumulators(acc);
-    // MXFP4: step k + 1's stage is prepared (waited for and decoded) while step k's
-    // MMAs run; the tile's first step here.
-    if constexpr (C::kMxfp4) {
-      if (tile.k_steps > 0) {
-        TransactionBarrier::wait(&smem.full[ring.stage], ring.phase);
-        prepare_stage(p, smem, tile, 0, ring.stage, consumer_thread);
-      }
-    }
     for (int step = 0; step < tile.k_steps; ++step) {
-      if constexpr (!C::kMxfp4) {
-        TransactionBarrier::wait(&smem.full[ring.stage], ring.phase);
-        prepare_stage(p, smem, tile, step, ring.stage, consumer_thread);
-      }
+      // The MXFP4 decode of step k (or the tail mask) runs while step k - 1's MMAs do.
+      TransactionBarrier::wait(&smem.full[ring.stage], ring.phase);
+      prepare_stage(p, smem, tile, step, ring.stage, consumer_thread);
       const uint64_t desc_a = C::A::descriptor(smem.a(ring.stage), consumer);
       const uint64_t desc_b = C::B::descriptor(smem.b(ring.stage));
       cute::warpgroup_arrive();
       Mma::step(desc_a, desc_b, acc);
       cute::warpgroup_commit_batch();
-      if constexpr (C::kMxfp4) {
-        if (step + 1 < tile.k_steps) {
-          RingState<C::kStages> next = ring;
-          next.advance();
-          TransactionBarrier::wait(&smem.full[next.stage], next.phase);
-          prepare_stage(p, smem, tile, step + 1, next.stage, consumer_thread);
-        }
-      }
       // Unconditional (a wait in a branch makes ptxas serialize every wgmma): at step 0
       // no older batch exists and it returns at once.
       cute::warpgroup_wait<1>();

@@ -101,8 +101,8 @@ struct EpilogueParams {
   int32_t store_preact;
   // ActivationBackward (columns i < I = intermediate of z):
   const void* preact;                // [P, 2I] bf16 g | u from GEMM1
-  const float* route_weights;        // [num_routes] float32
-  const int32_t* pool_row_to_route;  // [P]
+  const float* row_weights;          // [P] float32: each pool row's route weight (0: none)
+  const int32_t* pool_row_to_route;  // [P]: the row's route, or -1 (padding)
   int64_t num_routes;
   void* dgrad_preact;       // [P, 2I] bf16 out: dg | du
   void* weighted_h;         // [P, I] bf16 out: w h, or nullptr

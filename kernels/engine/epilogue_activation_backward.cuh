@@ -28,8 +28,9 @@ struct ActivationBackwardEpilogue {
   static_assert(kVectors == 32 || kVectors == 16, "a warp covers whole rows");
   static constexpr int kRowsPerPass = 32 / kVectors;
   static constexpr int kPasses = BlockM / kRowsPerPass;
-  // Rows in flight per warp: their g, u loads are issued before any of their math.
-  static constexpr int kUnroll = 2;
+  // Rows in flight per warp: their route, weight, g and u loads are all issued before
+  // any of their math (the epilogue is latency-bound otherwise).
+  static constexpr int kUnroll = 4;
 
   __device__ __forceinline__ static float transform(float v, const EpilogueParams&) { return v; }
 
@@ -61,16 +62,18 @@ struct ActivationBackwardEpilogue {
     __nv_bfloat16* weighted = static_cast<__nv_bfloat16*>(p.weighted_h);
 
     for (int pass0 = warp; pass0 < kPasses; pass0 += kEpilogueWarps * kUnroll) {
-      int row[kUnroll];
+      int row[kUnroll], route[kUnroll];
       bool live[kUnroll];
-      uint4 z8[kUnroll], g8[kUnroll], u8[kUnroll];
+      float weight[kUnroll];
+      uint4 g8[kUnroll], u8[kUnroll];
 #pragma unroll
       for (int k = 0; k < kUnroll; ++k) {
         const int pass = pass0 + k * kEpilogueWarps;
         live[k] = pass < kPasses;  // uniform over the warp
         const int r = (live[k] ? pass : 0) * kRowsPerPass + lane / kVectors;
         row[k] = tile.row0 + r;
-        z8[k] = load_shared_16(base + Tile::offset(r, 8 * vector));
+        route[k] = __ldg(p.pool_row_to_route + row[k]);
+        weight[k] = __ldg(p.row_weights + row[k]);
         const __nv_bfloat16* at = preact + row[k] * two_i + col;
         g8[k] = live[k] && in_n ? load_global_16(at) : make_uint4(0, 0, 0, 0);
         u8[k] = live[k] && in_n ? load_global_16(at + inter) : make_uint4(0, 0, 0, 0);
@@ -78,32 +81,47 @@ struct ActivationBackwardEpilogue {
 #pragma unroll
       for (int k = 0; k < kUnroll; ++k) {
         if (!live[k]) continue;
-        const int32_t route = __ldg(p.pool_row_to_route + row[k]);
-        const bool routed = route >= 0 && route < p.num_routes;
-        const float weight = routed ? __ldg(p.route_weights + route) : 0.0f;
-        float z[8], g[8], u[8], dg[8], du[8], wh[8];
-        unpack8(z8[k], z);
-        unpack8(g8[k], g);
-        unpack8(u8[k], u);
+        const bool routed = route[k] >= 0 && route[k] < p.num_routes;
+        const float w = routed ? weight[k] : 0.0f;
+        const int r = row[k] - tile.row0;
+        const uint4 z8 = load_shared_16(base + Tile::offset(r, 8 * vector));
+        const uint32_t zw[4] = {z8.x, z8.y, z8.z, z8.w};
+        const uint32_t gw[4] = {g8[k].x, g8[k].y, g8[k].z, g8[k].w};
+        const uint32_t uw[4] = {u8[k].x, u8[k].y, u8[k].z, u8[k].w};
+        uint32_t dg[4], du[4], wh[4];
         float dot = 0.0f;
+        // Two columns (one BF16 pair) at a time, packed as they come: few live registers.
 #pragma unroll
-        for (int c = 0; c < 8; ++c) {
-          const float gc = fminf(g[c], clamp);
-          const float uc = fminf(fmaxf(u[c], -clamp), clamp);
-          float act, derivative;
-          activation_and_derivative(gc, p.activation, act, derivative);
-          const float h = __bfloat162float(__float2bfloat16_rn(act * uc));
-          dot += z[c] * h;
-          const float dh = weight * z[c];
-          // Boundary values pass the gradient, like torch.clamp's.
-          dg[c] = routed && g[c] <= clamp ? dh * uc * derivative : 0.0f;
-          du[c] = routed && u[c] >= -clamp && u[c] <= clamp ? dh * act : 0.0f;
-          wh[c] = routed ? weight * h : 0.0f;
+        for (int pair = 0; pair < 4; ++pair) {
+          float dg2[2], du2[2], wh2[2];
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const float z = bf16_bits_to_float(zw[pair], c);
+            const float g = bf16_bits_to_float(gw[pair], c);
+            const float u = bf16_bits_to_float(uw[pair], c);
+            const float gc = fminf(g, clamp);
+            const float uc = fminf(fmaxf(u, -clamp), clamp);
+            float act, derivative;
+            activation_and_derivative(gc, p.activation, act, derivative);
+            const float h = __bfloat162float(__float2bfloat16_rn(act * uc));
+            dot += z * h;
+            const float dh = w * z;
+            // Boundary values pass the gradient, like torch.clamp's.
+            dg2[c] = routed && g <= clamp ? dh * uc * derivative : 0.0f;
+            du2[c] = routed && u >= -clamp && u <= clamp ? dh * act : 0.0f;
+            wh2[c] = routed ? w * h : 0.0f;
+          }
+          dg[pair] = pack_bf16(dg2[0], dg2[1]);
+          du[pair] = pack_bf16(du2[0], du2[1]);
+          wh[pair] = pack_bf16(wh2[0], wh2[1]);
         }
         if (in_n) {
-          store_global_16(dgrad + row[k] * two_i + col, pack8(dg));
-          store_global_16(dgrad + row[k] * two_i + inter + col, pack8(du));
-          if (weighted != nullptr) store_global_16(weighted + row[k] * inter + col, pack8(wh));
+          store_global_16(dgrad + row[k] * two_i + col, make_uint4(dg[0], dg[1], dg[2], dg[3]));
+          store_global_16(dgrad + row[k] * two_i + inter + col,
+                          make_uint4(du[0], du[1], du[2], du[3]));
+          if (weighted != nullptr)
+            store_global_16(weighted + row[k] * inter + col,
+                            make_uint4(wh[0], wh[1], wh[2], wh[3]));
         }
         // The row's dot over its kVectors lanes, in a fixed butterfly.
 #pragma unroll

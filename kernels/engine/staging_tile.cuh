@@ -74,6 +74,11 @@ __device__ __forceinline__ void stage_accumulators(const float (&acc)[BlockN / 2
   }
 }
 
+// Element `index` (0: low half) of a BF16 pair, as FP32.
+__device__ __forceinline__ float bf16_bits_to_float(uint32_t pair, int index) {
+  return __uint_as_float(index == 0 ? pair << 16 : pair & 0xFFFF0000u);
+}
+
 // Eight BF16 of a 16-byte chunk to FP32 and back.
 __device__ __forceinline__ void unpack8(const uint4& v, float (&out)[8]) {
   const uint32_t words[4] = {v.x, v.y, v.z, v.w};

@@ -169,6 +169,11 @@ def fused_dgrad2_activation_backward(
     # memory even when no row is in use (compute-sanitizer initcheck).
     partials = torch.zeros(capacity, n_blocks, dtype=torch.float32, device=device)
     clamp = math.inf if activation_clamp is None else float(activation_clamp)
+    # Each pool row's route weight (0 for padding), gathered here so that the epilogue
+    # loads it beside the row's route instead of after it.
+    flat_weights = topk_weights.reshape(-1)
+    route = plan.pool_row_to_route.long()
+    row_weights = torch.where(route >= 0, flat_weights[route.clamp(min=0)], 0.0)
     dl = _native.dlpack
     with torch.cuda.device(device):
         _native.native().engine_activation_backward(
@@ -179,7 +184,8 @@ def fused_dgrad2_activation_backward(
             None if side_a2 is None else dl(side_a2),
             dl(plan.expert_pool_offsets),
             dl(preact),
-            dl(topk_weights.reshape(-1)),
+            dl(row_weights),
+            flat_weights.numel(),
             dl(plan.pool_row_to_route),
             dl(dgrad_preact),
             None if weighted is None else dl(weighted),

@@ -44,7 +44,7 @@ ptxas info    : Used 50 registers, used 1 barriers, 4256 bytes smem
 """  # noqa: E501
 
 
-def row(variant="gemm_v", family="grouped_gemm", symbol="_Zk", **values):
+def row(variant="gemm_v", family="engine", symbol="_Zk", **values):
     base = {
         "variant": variant,
         "family": family,

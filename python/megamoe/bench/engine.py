@@ -140,47 +140,49 @@ def build_cases(args, plan, device) -> dict[str, dict[str, tuple[Callable[[], ob
 
     w13 = randn(e, 2 * i, h, scale=h**-0.5)
     w2 = randn(e, h, i, scale=i**-0.5)
-    q13 = {n: mm.quantize_mxfp4(w, axis=-1) for n, w in (("w13", w13), ("w2", w2))}
+    # MXFP4 of the same weights (quantized along each one's forward reduction). Every
+    # name below is bound once: the cases' closures read them when they run.
+    c13, s13 = mm.quantize_mxfp4(w13, axis=-1)
+    c2, s2 = mm.quantize_mxfp4(w2, axis=-1)
     if selected & {"gemm1", "gemm1+act"}:
         x = randn(capacity, h + 2 * r)
         b1t, b3t = randn(e, i, r, scale=r**-0.5), randn(e, i, r, scale=r**-0.5)
-        preact = torch.empty(capacity, 2 * i, dtype=torch.bfloat16, device=device)
+        preact_out = torch.empty(capacity, 2 * i, dtype=torch.bfloat16, device=device)
         flops = 2.0 * routes * h * 2 * i
-        codes, scales = q13["w13"]
         if "gemm1" in selected:
             cases["gemm1"] = {
                 "engine": (lambda: grouped_gemm(x, w13, plan, k=h), flops),
-                "engine mxfp4": (lambda: grouped_gemm(x, codes, plan, b_scales=scales), flops),
+                "engine mxfp4": (lambda: grouped_gemm(x, c13, plan, b_scales=s13), flops),
             }
             peers("gemm1", x, w13.transpose(1, 2), flops, cols=h)
         if "gemm1+act" in selected:
             side = dict(side_b_gate=b1t, side_b_up=b3t, side_scale=0.25)
             side_flops = flops * (1 + 2 * r / h)
             cases["gemm1+act"] = {
-                "engine": (lambda: gated_grouped_gemm(x, w13, plan, k=h, preact_out=preact), flops),
+                "engine": (
+                    lambda: gated_grouped_gemm(x, w13, plan, k=h, preact_out=preact_out), flops
+                ),
                 "engine +side": (
-                    lambda: gated_grouped_gemm(x, w13, plan, k=h, preact_out=preact, **side),
+                    lambda: gated_grouped_gemm(x, w13, plan, k=h, preact_out=preact_out, **side),
                     side_flops,
                 ),
                 "engine mxfp4 +side": (
                     lambda: gated_grouped_gemm(
-                        x, codes, plan, k=h, preact_out=preact, w13_scales=scales, **side
+                        x, c13, plan, k=h, preact_out=preact_out, w13_scales=s13, **side
                     ),
                     side_flops,
                 ),
             }
             peers("gemm1+act", x, w13.transpose(1, 2), flops, cols=h)
-        del x
     if "gemm2" in selected:
         hp = randn(capacity, i)
         a2t = randn(e, r, i, scale=i**-0.5)
-        codes, scales = q13["w2"]
         flops = 2.0 * routes * i * h
         cases["gemm2"] = {
             "engine": (lambda: grouped_gemm(hp, w2, plan), flops),
             "engine +a2": (lambda: grouped_gemm(hp, w2, plan, b_extra=a2t), flops * (1 + r / h)),
             "engine mxfp4 +a2": (
-                lambda: grouped_gemm(hp, codes, plan, b_extra=a2t, b_scales=scales),
+                lambda: grouped_gemm(hp, c2, plan, b_extra=a2t, b_scales=s2),
                 flops * (1 + r / h),
             ),
         }
@@ -189,7 +191,6 @@ def build_cases(args, plan, device) -> dict[str, dict[str, tuple[Callable[[], ob
         dgu = randn(capacity, 2 * i)
         shrink = block_diagonal_side_weights(randn(e, i, r), randn(e, i, r))
         # MXFP4 w13 as stored, read MN-major: quantized along H (its N here).
-        codes, scales = q13["w13"]
         flops = 2.0 * routes * 2 * i * h
         cases["dgrad1"] = {
             "engine": (lambda: grouped_gemm(dgu, w13, plan, b_major="mn"), flops),
@@ -199,7 +200,7 @@ def build_cases(args, plan, device) -> dict[str, dict[str, tuple[Callable[[], ob
             ),
             "engine mxfp4 +shrink": (
                 lambda: grouped_gemm(
-                    dgu, codes, plan, b_major="mn", b_scales=scales, b_extra=shrink
+                    dgu, c13, plan, b_major="mn", b_scales=s13, b_extra=shrink
                 ),
                 flops * (1 + 2 * r / h),
             ),
@@ -207,10 +208,9 @@ def build_cases(args, plan, device) -> dict[str, dict[str, tuple[Callable[[], ob
         peers("dgrad1", dgu, w13, flops)
     if selected & {"dgrad2", "dgrad2+act"}:
         dout = randn(capacity, h + r)
-        a2t = randn(e, r, i, scale=i**-0.5)
+        a2t_mn = randn(e, r, i, scale=i**-0.5)
         preact = randn(capacity, 2 * i)
         weights = torch.rand(args.tokens, args.top_k, device=device, generator=gen)
-        codes, scales = q13["w2"]
         flops = 2.0 * routes * h * i
         if "dgrad2" in selected:
             cases["dgrad2"] = {
@@ -219,7 +219,7 @@ def build_cases(args, plan, device) -> dict[str, dict[str, tuple[Callable[[], ob
             peers("dgrad2", dout, w2, flops, cols=h)
         if "dgrad2+act" in selected:
 
-            def fused(b=w2, s=None, side=a2t):
+            def fused(b=w2, s=None, side=a2t_mn):
                 return fused_dgrad2_activation_backward(
                     dout, b, preact, weights, plan, side_a2=side, w2_scales=s
                 )
@@ -227,10 +227,9 @@ def build_cases(args, plan, device) -> dict[str, dict[str, tuple[Callable[[], ob
             cases["dgrad2+act"] = {
                 "engine": (lambda: fused(side=None), flops),
                 "engine +a2": (lambda: fused(), flops * (1 + r / h)),
-                "engine mxfp4 +a2": (lambda: fused(codes, scales), flops * (1 + r / h)),
+                "engine mxfp4 +a2": (lambda: fused(c2, s2), flops * (1 + r / h)),
             }
             peers("dgrad2+act", dout, w2, flops, cols=h)
-        del dout
     wgrads = {"wgrad13": (2 * i, h), "wgrad2": (h, i), "db13": (2 * r, 2 * i), "da2": (i, r)}
     for name, (m, n) in wgrads.items():
         if name not in selected:
