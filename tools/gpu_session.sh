@@ -67,9 +67,8 @@ bench_lane() {
   export CUDA_VISIBLE_DEVICES=$1
   local bench=(python3 -m megamoe.bench --quiet --shape ep4rank)
   stage bench_side 90 "${bench[@]}" --backend fused,baseline --json "$out/bench_side.json"
+  # MXFP4: every GEMM decodes the codes inside its pipeline (there is no other mode).
   stage bench_mxfp4 60 "${bench[@]}" --dtype mxfp4 --backend fused --json "$out/bench_mxfp4.json"
-  MEGAMOE_MXFP4_DECODE=engine stage bench_mxfp4_engine 60 "${bench[@]}" --dtype mxfp4 \
-    --backend fused --json "$out/bench_mxfp4_engine.json"
   stage bench_ordinary 90 "${bench[@]}" --mode ordinary --backend fused,baseline --json "$out/bench_ordinary.json"
   stage breakdown 60 python3 -m megamoe.bench.breakdown --pass fwd+bwd
   stage breakdown_ordinary 60 python3 -m megamoe.bench.breakdown --pass fwd+bwd --mode ordinary

@@ -4,8 +4,9 @@ Runs a few torch-only phases under ``compute-sanitizer --tool initcheck`` and co
 the "Uninitialized __global__ memory read" records per phase. Every phase writes a
 tensor and then reads all of it with ``.clone()``, so a correct tool reports nothing.
 Phases: ``fill`` (an elementwise fill, the control), ``bf16-mm`` (cuBLAS), ``fp32-mm``,
-``bf16-grouped-mm`` (``torch._grouped_mm``, CUTLASS), and megamoe's fused forward
-without adapters (our kernels only).
+``bf16-grouped-mm`` (``torch._grouped_mm``, CUTLASS), and megamoe's fused forward and
+forward + backward without adapters (our kernels only: since the GEMM engine runs the
+dgrads and weight gradients too, no torch GEMM is left in that backward).
 
     python tools/initcheck_tma_probe.py            # starts compute-sanitizer itself
 
@@ -14,7 +15,9 @@ two runs: fill 0/0, bf16-mm 6144/0, fp32-mm 0/0, bf16-grouped-mm 6400/256, megam
 forward 0/0. The clones read values that are right, so initcheck misses some GEMM
 kernels' output stores: torch's CUTLASS grouped GEMM every time, cuBLAS's BF16 GEMM
 when its heuristic picks such a kernel (likely the TMA bulk stores of Hopper kernels;
-the FP32 kernel and ours store from registers).
+the FP32 kernel and the engine v1 kernels stored from registers). The engine v2 kernels
+store their tiles with TMA from shared memory: the forward and forward + backward
+phases tell whether initcheck sees those stores (not measured yet).
 """
 
 from __future__ import annotations
@@ -47,12 +50,21 @@ def phases() -> None:
         with torch.no_grad():
             layer.call(mm.moe).clone()
 
+    def moe_forward_backward() -> None:
+        x = layer.x.detach().clone().requires_grad_(True)
+        weights = layer.topk_weights.detach().clone().requires_grad_(True)
+        out = mm.moe(x, layer.topk_ids, weights, layer.base)
+        dx, dweights = torch.autograd.grad(out, [x, weights], torch.ones_like(out))
+        dx.clone()
+        dweights.clone()
+
     cases = {
         "fill": fill,
         "bf16-mm": lambda: (a @ b).clone(),
         "fp32-mm": lambda: (a.float() @ b.float()).clone(),
         "bf16-grouped-mm": lambda: torch._grouped_mm(a, grouped_b, offs=offsets).clone(),
         "megamoe-forward-no-side": moe_forward,
+        "megamoe-fwd+bwd-no-side": moe_forward_backward,
     }
     for name, run in cases.items():
         torch.cuda.synchronize()

@@ -113,9 +113,7 @@ def run(layer, dout, rows, experts, group):
     scales = (None, None)
     if base.format == "mxfp4":
         scales = (base.w13_scales[experts].clone(), base.w2_scales[experts].clone())
-    local = mm.BaseWeights(
-        base.format, w13, w2, *scales, w13.shape[0], H, INTER, base.gate_up_interleave
-    )
+    local = mm.BaseWeights(base.format, w13, w2, *scales, w13.shape[0], H, INTER)
     named = {"x": x, "topk_weights": weights}
     if trainable:
         named.update(w13=w13, w2=w2)
@@ -187,12 +185,7 @@ def check(name: str, spec: dict, rank: int, world: int, failures: list[str]) -> 
             want, ep1_want = oracle[key][rows], ep1[key][rows]
         elif key in SHARED:
             want, ep1_want = oracle[key], ep1[key]
-        elif key == "w13":
-            # Kernel row order: compared with EP1's (tests/gpu/test_moe_backward.py's
-            # ordinary-mode cases hold EP1's dw13 to the oracle).
-            gate("dw13 vs EP1", grad, ep1[key][experts], GRAD_MIN_COSINE)
-            continue
-        else:
+        else:  # expert-local (w13 and w2 in the caller's nn.Linear layout)
             want, ep1_want = oracle[key][experts], ep1[key][experts]
         if spec.get("scale") == 0.0 and key in SIDE:
             if torch.count_nonzero(grad):

@@ -1,9 +1,12 @@
-"""The grouped GEMM engine's in-kernel MXFP4 decode (kernels/mxfp4_tile_decode.cuh).
+"""The GEMM engine's MXFP4 B, decoded inside the pipeline (kernels/mxfp4_tile_decode.cuh),
+for every kind that reads the base weights: GEMM1 (gated), GEMM2 (store, K-major),
+dgrad1 (store, MN-major) and dgrad2 (activation backward, MN-major).
 
-Two oracles: the engine on the transient BF16 decode of the same codes (the decoded
-shared-memory tile must be the same bits, so the outputs must be too, NaN and Inf
-included), and the float64 per-expert reference on :func:`mm.dequantize_mxfp4`'s values
-at the DESIGN §6 gates.
+Two oracles: the same engine GEMM on the BF16 decode of the same codes
+(:func:`~megamoe.mxfp4_decode.decode_mxfp4_bf16`): the decoded shared-memory tile must
+be the same bits and the summation order is the same, so the outputs must be too, NaN
+and Inf included; and the float64 per-expert reference on the decoded values at the
+DESIGN §6 gates.
 """
 
 import pytest
@@ -22,7 +25,8 @@ from megamoe.testing.inputs import make_routing
 
 pytestmark = pytest.mark.gpu
 
-TILES = [(64, 128), (128, 128), (128, 256)]
+# BLOCK_M of the pool variants: every kind exists at both, in BF16 and MXFP4.
+BLOCK_MS = [64, 128]
 
 
 def pool_for(num_tokens, experts, top_k, block_m, cols, *, kind="skewed", seed=0):
@@ -55,36 +59,38 @@ def same_bits(actual, expected):
     return torch.equal(actual.view(torch.int16), expected.view(torch.int16))
 
 
-@pytest.mark.parametrize("block_m,block_n", TILES)
+@pytest.mark.parametrize("block_m", BLOCK_MS)
 @pytest.mark.parametrize(
     "tokens,experts,top_k,hidden,inter",
     [(1, 8, 1, 256, 128), (517, 8, 2, 704, 640), (2048, 16, 6, 2048, 1024)],
 )
 @pytest.mark.parametrize("extra", [0, 64])
-def test_store_engine_decode_is_the_transient_decode(
-    block_m, block_n, tokens, experts, top_k, hidden, inter, extra
+def test_store_decode_is_the_engine_on_the_decoded_weights(
+    block_m, tokens, experts, top_k, hidden, inter, extra
 ):
-    """GEMM2's shape: [pool, I] x [E, H, I]^T (H = 704: an N tail at both widths),
+    """GEMM2's shape: [pool, I] x [E, H, I]^T (H = 704: a partial 256-wide N tile),
     with the BF16 a2 segment as extra columns."""
     plan, a = pool_for(tokens, experts, top_k, block_m, inter, seed=tokens)
     codes, scales = mxfp4_operand(experts, hidden, inter, seed=tokens + 1)
     b_extra = None
     if extra:
         b_extra = torch.randn(experts, extra, inter, device="cuda").bfloat16()
-    out = grouped_gemm(a, codes, plan, b_scales=scales, b_extra=b_extra, block_n=block_n)
+    out = grouped_gemm(a, codes, plan, b_scales=scales, b_extra=b_extra)
     decoded = decode_mxfp4_bf16(codes, scales)
-    twin = grouped_gemm(a, decoded, plan, b_extra=b_extra, block_n=block_n)
+    twin = grouped_gemm(a, decoded, plan, b_extra=b_extra)
     rows = int(plan.expert_pool_offsets[-1])
+    assert out.shape == (plan.pool_capacity, hidden + extra)
     assert same_bits(out[:rows], twin[:rows])
     expected = grouped_gemm_reference(a, decoded, plan, b_extra=b_extra)
     assert_close_to_oracle("out", out[:rows], expected)
 
 
-@pytest.mark.parametrize("block_m,block_n", TILES)
+@pytest.mark.parametrize("block_m", BLOCK_MS)
 @pytest.mark.parametrize("rank", [0, 64])
 @pytest.mark.parametrize("activation,clamp", [("swiglu", None), ("geglu", 7.0)])
-def test_gated_engine_decode_is_the_transient_decode(block_m, block_n, rank, activation, clamp):
-    """GEMM1 with the gate/up interleave, the BF16 side segment, the pre-activations."""
+def test_gated_decode_is_the_engine_on_the_decoded_weights(block_m, rank, activation, clamp):
+    """GEMM1 on w13 in the user's layout (a tile's gate rows and up rows: two boxes of
+    codes and scales), the BF16 side segment, the pre-activations g | u."""
     tokens, experts, top_k, hidden, inter = 1100, 8, 3, 1024, 512
     plan, a = pool_for(tokens, experts, top_k, block_m, hidden + 2 * rank, seed=rank + 3)
     codes, scales = mxfp4_operand(experts, 2 * inter, hidden, seed=rank + 4, scale_high=124)
@@ -95,7 +101,7 @@ def test_gated_engine_decode_is_the_transient_decode(block_m, block_n, rank, act
             side_b_up=torch.randn(experts, inter, rank, device="cuda").bfloat16(),
             side_scale=0.75,
         )
-    kwargs = dict(k=hidden, activation=activation, activation_clamp=clamp, block_n=block_n)
+    kwargs = dict(k=hidden, activation=activation, activation_clamp=clamp)
     preact = torch.empty(a.shape[0], 2 * inter, dtype=torch.bfloat16, device="cuda")
     h = gated_grouped_gemm(a, codes, plan, w13_scales=scales, preact_out=preact, **kwargs, **side)
     decoded = decode_mxfp4_bf16(codes, scales)
@@ -110,11 +116,11 @@ def test_gated_engine_decode_is_the_transient_decode(block_m, block_n, rank, act
     assert_close_to_oracle("h", h[:rows], expected)
 
 
-@pytest.mark.parametrize("block_m,block_n", TILES)
-def test_every_code_and_scale_byte(block_m, block_n):
+@pytest.mark.parametrize("block_m", BLOCK_MS)
+def test_every_code_and_scale_byte(block_m):
     """Scale bytes 0..255 (0 = 2^-127, subnormal products, 0xFF = NaN, overflow to Inf)
-    with every code, -0 codes and all-zero blocks: the same bits as the transient
-    decode, NaN and Inf outputs included."""
+    with every code, -0 codes and all-zero blocks: the same bits as the engine on the
+    decoded weights, NaN and Inf outputs included."""
     experts, hidden, inter = 4, 256, 512
     plan, a = pool_for(300, experts, 2, block_m, inter, seed=9)
     codes, _ = mxfp4_operand(experts, hidden, inter, seed=10)
@@ -122,25 +128,26 @@ def test_every_code_and_scale_byte(block_m, block_n):
     scales = scales.to(torch.uint8).view(experts, hidden, inter // 32)
     codes[0, :4] = 0  # all-zero blocks
     codes[1, :4] = 0x88  # -0 codes
-    out = grouped_gemm(a, codes, plan, b_scales=scales, block_n=block_n)
-    twin = grouped_gemm(a, decode_mxfp4_bf16(codes, scales), plan, block_n=block_n)
+    out = grouped_gemm(a, codes, plan, b_scales=scales)
+    twin = grouped_gemm(a, decode_mxfp4_bf16(codes, scales), plan)
     rows = int(plan.expert_pool_offsets[-1])
     assert bool(torch.isnan(out[:rows]).any())
     assert same_bits(out[:rows], twin[:rows])
     # Tiny scales only (0 .. 8): subnormal decoded values, finite results.
     small = scales % 9
-    out = grouped_gemm(a, codes, plan, b_scales=small, block_n=block_n)
-    twin = grouped_gemm(a, decode_mxfp4_bf16(codes, small), plan, block_n=block_n)
+    out = grouped_gemm(a, codes, plan, b_scales=small)
+    twin = grouped_gemm(a, decode_mxfp4_bf16(codes, small), plan)
     assert same_bits(out[:rows], twin[:rows])
 
 
-def test_engine_decode_is_deterministic():
-    plan, a = pool_for(3000, 16, 4, 128, 1024, seed=21)
+@pytest.mark.parametrize("block_m", BLOCK_MS)
+def test_engine_decode_is_deterministic(block_m):
+    plan, a = pool_for(3000, 16, 4, block_m, 1024, seed=21)
     codes, scales = mxfp4_operand(16, 2048, 1024, seed=22)
     rows = int(plan.expert_pool_offsets[-1])  # rows past it are not written
-    first = grouped_gemm(a, codes, plan, b_scales=scales, block_n=256)[:rows]
+    first = grouped_gemm(a, codes, plan, b_scales=scales)[:rows]
     for _ in range(3):
-        again = grouped_gemm(a, codes, plan, b_scales=scales, block_n=256)[:rows]
+        again = grouped_gemm(a, codes, plan, b_scales=scales)[:rows]
         assert torch.equal(again, first)
 
 
@@ -158,62 +165,81 @@ def test_mxfp4_operand_is_checked():
         grouped_gemm(a, short_codes, plan, b_scales=short_scales)
     with pytest.raises(ValueError, match="k"):
         grouped_gemm(a, codes, plan, b_scales=scales, k=128)
+    # MN-major (the dgrads): N is quantized in blocks of 32.
+    narrow_codes, narrow_scales = codes[:, :, :8].contiguous(), scales[:, :, :1].contiguous()
+    with pytest.raises(ValueError, match="N a multiple of 32"):
+        grouped_gemm(a, narrow_codes, plan, b_scales=narrow_scales, b_major="mn")
 
 
-@pytest.mark.parametrize("block_n", [128, 256])
+@pytest.mark.parametrize("block_m", BLOCK_MS)
 @pytest.mark.parametrize(
     "tokens,experts,top_k,k,n",
     [(1, 8, 1, 256, 128), (700, 8, 2, 512, 704), (3000, 16, 4, 2048, 1024)],
 )
-def test_mn_major_engine_decode_is_the_transient_decode(block_n, tokens, experts, top_k, k, n):
+def test_mn_major_decode_is_the_engine_on_the_decoded_weights(
+    block_m, tokens, experts, top_k, k, n
+):
     """The dgrads' view: codes [E, K, N/2] as stored (quantized along N), decoded into the
-    MN-major tile (N = 704: a partial N tile at both widths)."""
-    plan, a = pool_for(tokens, experts, top_k, 128, k, seed=tokens + 5)
+    MN-major tile (N = 704: a partial 256-wide N tile)."""
+    plan, a = pool_for(tokens, experts, top_k, block_m, k, seed=tokens + 5)
     codes, scales = mxfp4_operand(experts, k, n, seed=tokens + 6)
-    out = grouped_gemm(a, codes, plan, b_major="mn", b_scales=scales, block_n=block_n)
+    out = grouped_gemm(a, codes, plan, b_major="mn", b_scales=scales)
     decoded = decode_mxfp4_bf16(codes, scales)  # [E, K, N]
-    twin = grouped_gemm(a, decoded, plan, b_major="mn", block_n=block_n)
+    twin = grouped_gemm(a, decoded, plan, b_major="mn")
     rows = int(plan.expert_pool_offsets[-1])
     assert same_bits(out[:rows], twin[:rows])
     expected = grouped_gemm_reference(a, decoded.transpose(1, 2).contiguous(), plan)
     assert_close_to_oracle("out", out[:rows], expected)
 
 
-@pytest.mark.parametrize("block_n", [128, 256])
-def test_mn_major_engine_decode_with_bf16_extra_columns(block_n):
+@pytest.mark.parametrize("block_m", BLOCK_MS)
+def test_mn_major_decode_with_bf16_extra_columns(block_m):
     """dgrad1 with an adapter on an MXFP4 base: the base tiles decode codes, the BF16
     extra segment (the b1/b3 shrink columns, MN-major) does not."""
-    plan, a = pool_for(900, 8, 3, 128, 512, seed=31)
+    plan, a = pool_for(900, 8, 3, block_m, 512, seed=31)
     codes, scales = mxfp4_operand(8, 512, 704, seed=32)
     gen = torch.Generator(device="cuda").manual_seed(33)
     extra = (torch.randn(8, 512, 96, device="cuda", generator=gen) * 0.05).bfloat16()
-    out = grouped_gemm(
-        a, codes, plan, b_major="mn", b_scales=scales, block_n=block_n, b_extra=extra
-    )
+    out = grouped_gemm(a, codes, plan, b_major="mn", b_scales=scales, b_extra=extra)
     decoded = decode_mxfp4_bf16(codes, scales)
-    twin = grouped_gemm(a, decoded, plan, b_major="mn", block_n=block_n, b_extra=extra)
+    twin = grouped_gemm(a, decoded, plan, b_major="mn", b_extra=extra)
     rows = int(plan.expert_pool_offsets[-1])
     assert out.shape[1] == 704 + 96
     assert same_bits(out[:rows], twin[:rows])
+    expected = grouped_gemm_reference(
+        a,
+        decoded.transpose(1, 2).contiguous(),
+        plan,
+        b_extra=extra.transpose(1, 2).contiguous(),
+    )
+    assert_close_to_oracle("out", out[:rows], expected)
 
 
-@pytest.mark.parametrize("inter", [384, 512])  # BLOCK_N 128 and 256
+@pytest.mark.parametrize("block_m", BLOCK_MS)
+@pytest.mark.parametrize("rank", [0, 16])
+@pytest.mark.parametrize("inter", [384, 512])  # a partial 256-wide tile; whole tiles
 @pytest.mark.parametrize("weighted_h", [True, False])
-def test_fused_dgrad2_engine_decode_is_the_transient_decode(weighted_h, inter):
-    """dgrad2 + activation backward on MXFP4 w2 ([E, H, I/2] codes): the transient decode's
-    dg | du, w h and router partials bit for bit."""
+def test_fused_dgrad2_decode_is_the_engine_on_the_decoded_weights(weighted_h, inter, rank, block_m):
+    """dgrad2 + activation backward on MXFP4 w2 ([E, H, I/2] codes), with the BF16 a2^T
+    side K segment or without: dg | du, w h and the router dot of the same engine on
+    the BF16 decode, bit for bit."""
     from megamoe.activation_backward import fused_dgrad2_activation_backward
 
     tokens, top_k, experts, hidden = 2048, 2, 8, 512
     ids, weights = make_routing(tokens, experts, top_k, kind="masked", seed=3)
-    plan = mm.plan_routes(ids.cuda(), experts, 128)
+    plan = mm.plan_routes(ids.cuda(), experts, block_m)
     gen = torch.Generator(device="cuda").manual_seed(4)
     preact = (
         torch.randn(plan.pool_capacity, 2 * inter, device="cuda", generator=gen) * 2
     ).bfloat16()
-    dout_pool = torch.randn(plan.pool_capacity, hidden, device="cuda", generator=gen).bfloat16()
+    dout_pool = torch.randn(
+        plan.pool_capacity, hidden + rank, device="cuda", generator=gen
+    ).bfloat16()
+    side_a2 = None
+    if rank:
+        side_a2 = (torch.randn(experts, rank, inter, device="cuda", generator=gen) / 8).bfloat16()
     codes, scales = mxfp4_operand(experts, hidden, inter, seed=5, scale_high=124)
-    args = dict(activation="swiglu", weighted_h=weighted_h)
+    args = dict(activation="swiglu", weighted_h=weighted_h, side_a2=side_a2)
     fused = fused_dgrad2_activation_backward(
         dout_pool, codes, preact, weights.cuda(), plan, w2_scales=scales, **args
     )
@@ -222,34 +248,33 @@ def test_fused_dgrad2_engine_decode_is_the_transient_decode(weighted_h, inter):
     )
     rows = int(plan.expert_pool_offsets[-1])
     assert same_bits(fused[0][:rows], twin[0][:rows])
+    assert (fused[1] is None) == (not weighted_h)
     if weighted_h:
         assert same_bits(fused[1][:rows], twin[1][:rows])
     assert torch.equal(fused[2][:rows], twin[2][:rows])
 
 
-@pytest.mark.parametrize("dgrad_engine", ["0", "1"])
-@pytest.mark.parametrize("ordinary", [False, True])
-def test_layer_forward_engine_decode_is_the_transient_decode(monkeypatch, ordinary, dgrad_engine):
-    """mm.moe on an MXFP4 base (side-LoRA, or a frozen base without adapters): the
-    in-engine decode gives the transient decode's output and gradients bit for bit,
-    with torch's dgrads or the engine's (MEGAMOE_DGRAD_ENGINE=1: dgrad1 and, without an
-    adapter, the fused dgrad2 decode MXFP4 inside)."""
+@pytest.mark.parametrize("tokens", [300, 3000])  # BLOCK_M 64 and 128 pools
+@pytest.mark.parametrize("with_side", [True, False])
+def test_layer_on_mxfp4_is_the_layer_on_the_decoded_weights(tokens, with_side):
+    """mm.moe on an MXFP4 base (frozen; side-LoRA, or no adapters): output and every
+    gradient are those of mm.moe on a BF16 base holding the decoded values, bit for bit
+    (every GEMM decodes inside its pipeline: GEMM1, GEMM2, dgrad2, dgrad1)."""
     from megamoe.testing import make_layer
 
-    monkeypatch.setenv("MEGAMOE_DGRAD_ENGINE", dgrad_engine)
-
     layer = make_layer(
-        1024, 512, 16, 4, 32, num_tokens=3000, seed=5, device="cuda", requires_grad=True,
+        1024, 512, 16, 4, 32, num_tokens=tokens, seed=5, device="cuda", requires_grad=True,
         format="mxfp4",
     )  # fmt: skip
-    assert mm.get_block_m(3000, 4, 16) == 128  # the engine dgrads need BLOCK_M 128
-    side = None if ordinary else layer.side
-    dout = torch.randn(3000, 1024, device="cuda").bfloat16()
+    assert mm.get_block_m(tokens, 4, 16) == (64 if tokens == 300 else 128)
+    decoded = mm.prepare_base_weights(layer.base.w13_for_gemm(), layer.base.w2_for_gemm())
+    assert decoded.format == "bf16"
+    side = layer.side if with_side else None
+    dout = torch.randn(tokens, 1024, device="cuda").bfloat16()
+    leaves = [layer.x, layer.topk_weights] + ([] if side is None else list(side.tensors()))
     results = []
-    for mode in ("engine", "transient"):
-        monkeypatch.setenv("MEGAMOE_MXFP4_DECODE", mode)
-        out = mm.moe(layer.x, layer.topk_ids, layer.topk_weights, layer.base, side)
-        leaves = [layer.x, layer.topk_weights] + ([] if side is None else list(side.tensors()))
+    for base in (layer.base, decoded):
+        out = mm.moe(layer.x, layer.topk_ids, layer.topk_weights, base, side)
         results.append((out, torch.autograd.grad(out, leaves, dout)))
     (out, grads), (twin_out, twin_grads) = results
     assert torch.equal(out, twin_out)

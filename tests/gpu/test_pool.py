@@ -484,22 +484,3 @@ def test_gather_rows_is_index_select():
     src = torch.randn(1000, 264, device="cuda", generator=gen).bfloat16()
     rows = torch.randint(0, 1000, (1500,), device="cuda", generator=gen).to(torch.int32)
     assert torch.equal(pool.gather_rows(src, rows), src.index_select(0, rows.long()))
-
-
-def test_kernel_row_order_on_the_gpu_is_the_permutation_both_ways():
-    """w13's gate/up interleave as row gathers: forward and gradient are the documented
-    permutation (bit for bit, BF16), like the CPU block transpose."""
-    from megamoe.weights import gate_up_interleave_index, to_kernel_rows, to_linear_rows
-
-    gen = torch.Generator(device="cuda").manual_seed(4)
-    w13 = torch.randn(5, 512, 192, device="cuda", generator=gen).bfloat16().requires_grad_(True)
-    perm = gate_up_interleave_index(256, 64, "cuda")
-    kernel = to_kernel_rows(w13, 64)
-    assert torch.equal(kernel, w13[:, perm])
-    assert torch.equal(to_linear_rows(kernel, 64), w13)
-    assert torch.equal(to_kernel_rows(w13.detach().cpu(), 64), kernel.detach().cpu())
-    upstream = torch.randn(5, 512, 192, device="cuda", generator=gen).bfloat16()
-    kernel.backward(upstream)
-    expected = torch.empty_like(upstream)
-    expected[:, perm] = upstream
-    assert torch.equal(w13.grad, expected)

@@ -1,10 +1,13 @@
 """Every kernel family at small shapes, for compute-sanitizer (memcheck, racecheck,
-initcheck, synccheck): route plan, pool gather / side sum / combine, grouped GEMM
-(Store with the N extra segment, GatedActivation with the K side segment and the
-pre-activation store), the K-grouped weight gradients, the activation backward, and the
-fused forward and backward of ``mm.moe``, at the edges where indexing goes wrong: one token, BLOCK_M
-boundaries, empty experts, masked and remote routes, tile tails, persistent CTAs that
-walk several tiles, and the rejection of undersized buffers before any launch.
+initcheck, synccheck): route plan, pool gather / side sum / combine, every kind of the
+GEMM engine (gated GEMM1 with the K side segment and the pre-activation store, store
+with a K-major B and with an MN-major B, each with the N extra segment, dgrad2 with the
+activation-backward epilogue and the K side segment, in BF16 and with the MXFP4 B
+decoded in the pipeline; the K-grouped weight gradients), the MXFP4 decode kernel, and
+the fused forward and backward of ``mm.moe``, at the edges where indexing goes wrong:
+one token, both BLOCK_M, empty experts, masked and remote routes, tile tails,
+persistent CTAs that walk several tiles, and the rejection of undersized buffers before
+any launch.
 
 Shapes are small because racecheck and initcheck slow kernels down by orders of
 magnitude. Each case also checks its result (bitwise where the kernel and reference
@@ -24,7 +27,6 @@ import torch
 import megamoe as mm
 from megamoe import pool
 from megamoe.activation_backward import (
-    activation_backward,
     activation_backward_reference,
     fused_dgrad2_activation_backward,
 )
@@ -42,12 +44,8 @@ from megamoe.testing.sanitizer import UNDER_SANITIZER_ENV
 
 pytestmark = pytest.mark.gpu
 
-REG = registry()
-BLOCK_MS = REG.block_m_choices
-# (BLOCK_M, BLOCK_N) of every grouped GEMM variant in the registry.
-GEMM_TILES = sorted(
-    {(v.params["block_m"], v.params["block_n"]) for v in REG.family("grouped_gemm")}
-)
+# Every engine kind of the pool exists at each BLOCK_M choice (256-wide tiles).
+BLOCK_MS = registry().block_m_choices
 PLAN_FIELDS = ("expert_counts", "expert_pool_offsets", "route_to_pool_row", "pool_row_to_route")
 
 
@@ -191,219 +189,195 @@ def test_pool_side_sum_and_combine(tokens, top_k, rank, scale):
     assert_bitwise(out, expected)
 
 
-# ------------------------------------------------------------------ grouped GEMM
+# ------------------------------------------------------------------ GEMM engine
+#
+# One case per engine kind (kernels/engine/), each at both BLOCK_M, in BF16 and (where
+# the kind reads base weights) MXFP4, whose codes and scales land in a staging area by
+# TMA and are decoded into the swizzled B tile by the consumers. Token cases: one token;
+# 150 tokens over 8 experts with empty experts (expert tails, partial M tiles); the same
+# on two CTAs (MEGAMOE_NUM_SMS=2: each CTA walks many tiles, wrapping the stage ring and
+# the mbarrier phases several times, where a persistent pipeline's races hide). BF16
+# results against the float64 oracle; MXFP4 results bit for bit the same kind on the
+# BF16 decode of the codes (same tile bits, same summation order), so a wrong staging
+# read or a decode race shows as a mismatch even where a gate would pass.
+
+GEMM_CASES = [
+    pytest.param(1, 1, None, id="one-token"),
+    pytest.param(150, 2, None, id="150-tokens"),
+    pytest.param(150, 2, "2", id="150-tokens-two-ctas"),
+]
 
 
-@pytest.mark.parametrize("extra", [0, 16])
-@pytest.mark.parametrize("tokens,top_k", [(1, 1), (100, 2)])
-@pytest.mark.parametrize("block_m,block_n", GEMM_TILES)
-def test_grouped_gemm_store(block_m, block_n, tokens, top_k, extra):
-    # N = 192: a partial last tile for both BLOCK_N 128 and 256 (TMA reads past an
-    # expert's N land in the next expert's rows or are zero-filled; never stored).
-    # 8 experts: kind="empty" leaves three without routes and top-2 needs two more.
-    experts, k, n = 8, 128, 192
+def use_sms(num_sms: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    if num_sms is not None:
+        monkeypatch.setenv("MEGAMOE_NUM_SMS", num_sms)
+        monkeypatch.delenv("MEGAMOE_SM_HEADROOM", raising=False)
+
+
+def mxfp4_b(shape: tuple[int, ...], seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(codes, scales, decoded)`` of a random BF16 B quantized along its last dim."""
+    codes, scales = mm.quantize_mxfp4(bf16(shape, seed, shape[-1] ** -0.5), axis=-1)
+    return codes, scales, decode_mxfp4_bf16(codes, scales)
+
+
+@pytest.mark.parametrize("b_format", ["bf16", "mxfp4"])
+@pytest.mark.parametrize("tokens,top_k,num_sms", GEMM_CASES)
+@pytest.mark.parametrize("block_m", BLOCK_MS)
+def test_engine_gated(block_m, tokens, top_k, num_sms, b_format, monkeypatch):
+    # GEMM1: w13 in the user's layout (a tile's 128 gate and 128 up rows as two boxes);
+    # I = 192: the second tile's boxes run past I (zero-filled, never stored). The K
+    # side segment r = 16 reads 16 of its step's 64 columns; the pre-activations g | u
+    # are stored. GeGLU with a clamp on one token case.
+    use_sms(num_sms, monkeypatch)
+    experts, hidden, inter, rank = 8, 128, 192, 16
+    activation, clamp = ("geglu", 0.5) if tokens == 1 else ("swiglu", None)
+    plan, _, _ = gpu_plan(tokens, experts, top_k, block_m, kind="empty", seed=tokens)
+    a = bf16((plan.pool_capacity, hidden + 2 * rank), 8)
+    side = dict(
+        side_b_gate=bf16((experts, inter, rank), 10, rank**-0.5),
+        side_b_up=bf16((experts, inter, rank), 11, rank**-0.5),
+        side_scale=0.25,
+    )
+    args = dict(k=hidden, activation=activation, activation_clamp=clamp, **side)
+    rows = rows_used(plan)
+    preact = torch.empty(plan.pool_capacity, 2 * inter, dtype=torch.bfloat16, device="cuda")
+    if b_format == "mxfp4":
+        codes, scales, decoded = mxfp4_b((experts, 2 * inter, hidden), 9)
+        h = gated_grouped_gemm(a, codes, plan, w13_scales=scales, preact_out=preact, **args)
+        twin_preact = torch.empty_like(preact)
+        twin = gated_grouped_gemm(a, decoded, plan, preact_out=twin_preact, **args)
+        assert_bitwise(h[:rows], twin[:rows])
+        assert_bitwise(preact[:rows], twin_preact[:rows])
+        return
+    w13 = bf16((experts, 2 * inter, hidden), 9, hidden**-0.5)
+    h = gated_grouped_gemm(a, w13, plan, preact_out=preact, **args)
+    if rows:
+        expected = gated_grouped_gemm_reference(a, w13, plan, **args)
+        assert_close_to_oracle("h", h[:rows], expected)
+        # g | u: the gate rows' then the up rows' sums with their side terms.
+        x = a[:rows, :hidden].double()
+        q1, q3 = a[:rows, hidden : hidden + rank].double(), a[:rows, hidden + rank :].double()
+        gu = torch.zeros(rows, 2 * inter, dtype=torch.float64, device="cuda")
+        offsets = plan.expert_pool_offsets.tolist()
+        for e in range(experts):
+            lo, hi = offsets[e], offsets[e + 1]
+            gate = x[lo:hi] @ w13[e, :inter].double().T
+            up = x[lo:hi] @ w13[e, inter:].double().T
+            gate += 0.25 * (q1[lo:hi] @ side["side_b_gate"][e].double().T)
+            up += 0.25 * (q3[lo:hi] @ side["side_b_up"][e].double().T)
+            gu[lo:hi] = torch.cat([gate, up], dim=1)
+        assert_close_to_oracle("preact", preact[:rows], gu)
+
+
+@pytest.mark.parametrize("b_format", ["bf16", "mxfp4"])
+@pytest.mark.parametrize("tokens,top_k,num_sms", GEMM_CASES)
+@pytest.mark.parametrize("block_m", BLOCK_MS)
+def test_engine_store_k_major(block_m, tokens, top_k, num_sms, b_format, monkeypatch):
+    # GEMM2: B K-major [E, N, K] with the BF16 N extra segment (the a2 shrink, 16
+    # columns: one narrow extra tile). N = 192: a partial 256-wide tile whose B rows
+    # past the expert read the next expert's or are zero-filled (never stored). BF16 K
+    # = 200: a partial last K step (zero-filled); MXFP4 K = 192 (whole 64-wide blocks).
+    use_sms(num_sms, monkeypatch)
+    experts, n, extra = 8, 192, 16
+    k = 192 if b_format == "mxfp4" else 200
     plan, _, _ = gpu_plan(tokens, experts, top_k, block_m, kind="empty", seed=tokens)
     a = bf16((plan.pool_capacity, k), 5)
-    b = bf16((experts, n, k), 6, k**-0.5)
-    b_extra = bf16((experts, extra, k), 7, k**-0.5) if extra else None
-    out = grouped_gemm(a, b, plan, b_extra=b_extra, block_n=block_n)
+    b_extra = bf16((experts, extra, k), 7, k**-0.5)
     rows = rows_used(plan)
+    if b_format == "mxfp4":
+        codes, scales, decoded = mxfp4_b((experts, n, k), 6)
+        out = grouped_gemm(a, codes, plan, b_scales=scales, b_extra=b_extra)
+        assert_bitwise(out[:rows], grouped_gemm(a, decoded, plan, b_extra=b_extra)[:rows])
+        return
+    b = bf16((experts, n, k), 6, k**-0.5)
+    out = grouped_gemm(a, b, plan, b_extra=b_extra)
     assert out.shape == (plan.pool_capacity, n + extra)
     if rows:
         expected = grouped_gemm_reference(a, b, plan, b_extra=b_extra)
         assert_close_to_oracle("out", out[:rows], expected)
 
 
-@pytest.mark.parametrize(
-    "activation,clamp,rank",
-    [("swiglu", None, 0), ("swiglu", None, 16), ("geglu", 0.5, 16)],
-)
-@pytest.mark.parametrize("tokens,top_k", [(1, 1), (100, 2)])
-@pytest.mark.parametrize("block_m,block_n", GEMM_TILES)
-def test_grouped_gemm_gated(block_m, block_n, tokens, top_k, activation, clamp, rank):
-    # 2I = 256: one N tile of 256 or two of 128; r = 16: the K side segment's only
-    # step reads 16 of 64 TMA columns (the rest is zero-filled past r).
-    experts, hidden, inter = 4, 128, 128
-    plan, _, _ = gpu_plan(tokens, experts, top_k, block_m, kind="masked", seed=tokens)
-    a = bf16((plan.pool_capacity, hidden + 2 * rank), 8)
-    w13 = bf16((experts, 2 * inter, hidden), 9, hidden**-0.5)
-    side = {}
-    if rank:
-        side = dict(
-            side_b_gate=bf16((experts, inter, rank), 10, rank**-0.5),
-            side_b_up=bf16((experts, inter, rank), 11, rank**-0.5),
-            side_scale=0.25,
-        )
-    h = gated_grouped_gemm(
-        a,
-        w13,
-        plan,
-        k=hidden,
-        activation=activation,
-        activation_clamp=clamp,
-        block_n=block_n,
-        **side,
-    )
-    rows = rows_used(plan)
-    if rows:
-        expected = gated_grouped_gemm_reference(
-            a, w13, plan, k=hidden, activation=activation, activation_clamp=clamp, **side
-        )
-        assert_close_to_oracle("h", h[:rows], expected)
-
-
-@pytest.mark.parametrize("block_m,block_n", GEMM_TILES)
-def test_grouped_gemm_persistent_ctas_walk_many_tiles(block_m, block_n, monkeypatch):
-    # Two CTAs for a few dozen tiles: every CTA wraps the stage ring and the mbarrier
-    # phases several times, the part of a persistent pipeline races hide in.
-    monkeypatch.setenv("MEGAMOE_NUM_SMS", "2")
-    monkeypatch.delenv("MEGAMOE_SM_HEADROOM", raising=False)
-    experts, k, n = 4, 256, 256
-    plan, _, _ = gpu_plan(600, experts, 2, block_m, kind="skewed", seed=12)
-    a = bf16((plan.pool_capacity, k), 13)
-    b = bf16((experts, n, k), 14, k**-0.5)
-    out = grouped_gemm(a, b, plan, block_n=block_n)
-    rows = rows_used(plan)
-    assert_close_to_oracle("out", out[:rows], grouped_gemm_reference(a, b, plan))
-
-
-@pytest.mark.parametrize("num_sms", [None, "2"], ids=["all-sms", "two-ctas"])
-@pytest.mark.parametrize("gated", [False, True], ids=["store", "gated"])
-@pytest.mark.parametrize("tokens,top_k", [(1, 1), (150, 2)])
-@pytest.mark.parametrize("block_m,block_n", GEMM_TILES)
-def test_grouped_gemm_mxfp4_b(block_m, block_n, tokens, top_k, gated, num_sms, monkeypatch):
-    # MXFP4 B: codes and scales land in a staging area by TMA, the consumers decode a K
-    # block into the swizzled B tile one step ahead of the wgmma, behind a named barrier
-    # and a proxy fence. K = 192: three K steps; N = 192 (Store): a partial N tile whose
-    # code rows past the expert read the next expert's or are zero-filled. Two CTAs:
-    # each wraps the ring (3 to 7 stages) many times. Bitwise the BF16 engine on the
-    # transient decode.
-    if num_sms:
-        monkeypatch.setenv("MEGAMOE_NUM_SMS", num_sms)
-        monkeypatch.delenv("MEGAMOE_SM_HEADROOM", raising=False)
-    experts, k = 8, 192
-    n = 256 if gated else 192
-    plan, _, _ = gpu_plan(tokens, experts, top_k, block_m, kind="empty", seed=tokens)
-    a = bf16((plan.pool_capacity, k), 17)
-    codes, scales = mm.quantize_mxfp4(bf16((experts, n, k), 18, k**-0.5), axis=-1)
-    decoded = decode_mxfp4_bf16(codes, scales)
-    if gated:
-        out = gated_grouped_gemm(a, codes, plan, k=k, block_n=block_n, w13_scales=scales)
-        want = gated_grouped_gemm(a, decoded, plan, k=k, block_n=block_n)
-    else:
-        out = grouped_gemm(a, codes, plan, block_n=block_n, b_scales=scales)
-        want = grouped_gemm(a, decoded, plan, block_n=block_n)
-    rows = rows_used(plan)
-    assert_bitwise(out[:rows], want[:rows])
-
-
-@pytest.mark.parametrize("num_sms", [None, "2"], ids=["all-sms", "two-ctas"])
-@pytest.mark.parametrize("fused_dgrad2", [False, True], ids=["store", "actbwd"])
-@pytest.mark.parametrize("block_n", [128, 256])
-def test_grouped_gemm_mxfp4_b_mn_major(block_n, fused_dgrad2, num_sms, monkeypatch):
-    # MXFP4 weights read MN-major (the dgrads): codes [E, K, N/2] by 64-row TMA boxes,
-    # scales transposed, decoded into 64-column swizzled boxes. N = 192: a partial tile
-    # at BLOCK_N 256. The Store and the ActivationBackward epilogue (dgrad2), bitwise
-    # the BF16 engine on the transient decode.
-    from megamoe.activation_backward import fused_dgrad2_activation_backward
-
-    if num_sms:
-        monkeypatch.setenv("MEGAMOE_NUM_SMS", num_sms)
-        monkeypatch.delenv("MEGAMOE_SM_HEADROOM", raising=False)
-    # The fused dgrad2 picks its own BLOCK_N from I: I = block_n selects that width.
-    experts, k, n = 8, 192, block_n if fused_dgrad2 else 192
-    plan, _, weights = gpu_plan(150, experts, 2, 128, kind="empty", seed=19)
-    a = bf16((plan.pool_capacity, k), 20)
-    codes, scales = mm.quantize_mxfp4(bf16((experts, k, n), 21, k**-0.5), axis=-1)
-    decoded = decode_mxfp4_bf16(codes, scales)
-    rows = rows_used(plan)
-    if fused_dgrad2:
-        preact = bf16((plan.pool_capacity, 2 * n), 22)
-        got = fused_dgrad2_activation_backward(a, codes, preact, weights, plan, w2_scales=scales)
-        want = fused_dgrad2_activation_backward(a, decoded, preact, weights, plan)
-        for got_t, want_t in zip(got, want, strict=True):
-            assert_bitwise(got_t[:rows], want_t[:rows])
-    else:
-        out = grouped_gemm(a, codes, plan, b_major="mn", b_scales=scales, block_n=block_n)
-        want = grouped_gemm(a, decoded, plan, b_major="mn", block_n=block_n)
-        assert_bitwise(out[:rows], want[:rows])
-
-
-@pytest.mark.parametrize("extra", [0, 32])
-@pytest.mark.parametrize("block_n", [128, 256])
-@pytest.mark.parametrize("tokens,top_k", [(1, 1), (150, 2)])
-def test_grouped_gemm_store_mn_major_b(block_n, tokens, top_k, extra):
-    # B read transposed ([E, K, N], the dgrads' view of the weights): 64x64 TMA boxes
-    # through a 3-D map, K = 200 leaves a partial K step per expert (zero-filled), N =
-    # 192 a partial N tile; the extra segment (dgrad1's shrink columns) is narrower than
-    # one box. BLOCK_M 128 pools: the MN-major variants that exist.
-    experts, k, n = 8, 200, 192
-    plan, _, _ = gpu_plan(tokens, experts, top_k, 128, kind="empty", seed=tokens)
+@pytest.mark.parametrize("b_format", ["bf16", "mxfp4"])
+@pytest.mark.parametrize("tokens,top_k,num_sms", GEMM_CASES)
+@pytest.mark.parametrize("block_m", BLOCK_MS)
+def test_engine_store_mn_major(block_m, tokens, top_k, num_sms, b_format, monkeypatch):
+    # dgrad1: B as stored [E, K, N], read MN-major in [64 K, 64 N] boxes (MXFP4: codes
+    # [E, K, N/2] by 64-row boxes, scales transposed), with the BF16 extra segment (the
+    # b1/b3 shrink columns, 32: narrower than one box). N = 192: a partial tile; BF16 K =
+    # 200: a partial K step per expert (zero-filled past the expert's rows).
+    use_sms(num_sms, monkeypatch)
+    experts, n, extra = 8, 192, 32
+    k = 192 if b_format == "mxfp4" else 200
+    plan, _, _ = gpu_plan(tokens, experts, top_k, block_m, kind="empty", seed=tokens + 1)
     a = bf16((plan.pool_capacity, k), 15)
-    b = bf16((experts, k, n), 16, k**-0.5)
-    b_extra = bf16((experts, k, extra), 17, k**-0.5) if extra else None
-    out = grouped_gemm(a, b, plan, b_major="mn", block_n=block_n, b_extra=b_extra)
+    b_extra = bf16((experts, k, extra), 17, k**-0.5)
     rows = rows_used(plan)
+    if b_format == "mxfp4":
+        codes, scales, decoded = mxfp4_b((experts, k, n), 16)
+        out = grouped_gemm(a, codes, plan, b_major="mn", b_scales=scales, b_extra=b_extra)
+        twin = grouped_gemm(a, decoded, plan, b_major="mn", b_extra=b_extra)
+        assert_bitwise(out[:rows], twin[:rows])
+        return
+    b = bf16((experts, k, n), 16, k**-0.5)
+    out = grouped_gemm(a, b, plan, b_major="mn", b_extra=b_extra)
+    assert out.shape == (plan.pool_capacity, n + extra)
     if rows:
         expected = grouped_gemm_reference(
             a,
             b.transpose(1, 2).contiguous(),
             plan,
-            b_extra=None if b_extra is None else b_extra.transpose(1, 2).contiguous(),
+            b_extra=b_extra.transpose(1, 2).contiguous(),
         )
         assert_close_to_oracle("out", out[:rows], expected)
 
 
-@pytest.mark.parametrize("weighted_h", [True, False])
-@pytest.mark.parametrize(
-    "activation,clamp", [("swiglu", None), ("geglu", 1.0)], ids=["swiglu", "geglu-clamp"]
-)
-@pytest.mark.parametrize("tokens,top_k", [(1, 1), (150, 6)])
-def test_activation_backward(tokens, top_k, activation, clamp, weighted_h):
-    experts, inter = 8, 192
-    plan, _, weights = gpu_plan(tokens, experts, top_k, BLOCK_MS[-1], kind="masked", seed=tokens)
-    preact = bf16((plan.pool_capacity, 2 * inter), 17, 2.0)
-    z = bf16((plan.pool_capacity, inter), 18)
-    args = dict(activation=activation, activation_clamp=clamp, weighted_h=weighted_h)
-    dgu, weighted, drouter = activation_backward(preact, z, weights, plan, **args)
-    rows = rows_used(plan)
-    want_dgu, want_weighted, want_router = activation_backward_reference(
-        preact.cpu(), z.cpu(), weights.cpu(), on_cpu(plan), **args
-    )
-    # Same FP32 math, tanhf/expf vs torch's: the GPU test file bounds the last ulps;
-    # here a loose check that the right rows were written.
-    assert_close_to_oracle("dgu", dgu[:rows], want_dgu[:rows].double())
-    assert (weighted is None) == (not weighted_h)
-    if weighted is not None:
-        assert_close_to_oracle("weighted_h", weighted[:rows], want_weighted[:rows].double())
-    assert torch.allclose(drouter[:rows].cpu(), want_router[:rows], rtol=1e-4, atol=1e-4)
-
-
-@pytest.mark.parametrize("weighted_h", [True, False])
-@pytest.mark.parametrize(
-    "tokens,top_k,k,inter", [(1, 1, 128, 128), (150, 6, 144, 320), (150, 6, 144, 512)]
-)
-def test_fused_dgrad2_activation_backward(tokens, top_k, k, inter, weighted_h):
-    """dgrad2 with the activation backward as the engine's epilogue (z never stored);
-    I = 320 leaves an N tail (128-wide tiles), I = 512 takes the 128x256 variant."""
-    experts = 8
-    plan, _, weights = gpu_plan(tokens, experts, top_k, 128, kind="masked", seed=tokens)
+@pytest.mark.parametrize("b_format", ["bf16", "mxfp4"])
+@pytest.mark.parametrize("tokens,top_k,num_sms", GEMM_CASES)
+@pytest.mark.parametrize("block_m", BLOCK_MS)
+def test_engine_fused_dgrad2(block_m, tokens, top_k, num_sms, b_format, monkeypatch):
+    """dgrad2 with the activation backward as its epilogue (z never stored): w2 as stored,
+    read MN-major, the BF16 a2^T side K segment (r = 16: 16 of its step's 64 rows); the
+    epilogue warps read g | u, write dg | du and w h, and one router-dot partial per
+    256-wide tile: I = 320 leaves a second, partial tile. Masked routes and padding rows
+    (given values here: they must come out zero)."""
+    use_sms(num_sms, monkeypatch)
+    experts, hidden, inter, rank = 8, 128, 320, 16
+    plan, _, weights = gpu_plan(tokens, experts, top_k, block_m, kind="masked", seed=tokens)
     preact = bf16((plan.pool_capacity, 2 * inter), 19, 2.0)
-    dout_pool = bf16((plan.pool_capacity, k), 20)
-    w2 = bf16((experts, k, inter), 23, k**-0.5)
-    args = dict(activation="swiglu", activation_clamp=None, weighted_h=weighted_h)
+    dout_pool = bf16((plan.pool_capacity, hidden + rank), 20)
+    side_a2 = bf16((experts, rank, inter), 24, rank**-0.5)
+    args = dict(activation="geglu", activation_clamp=1.0, side_a2=side_a2)
+    rows = rows_used(plan)
+    if b_format == "mxfp4":
+        codes, scales, decoded = mxfp4_b((experts, hidden, inter), 23)
+        got = fused_dgrad2_activation_backward(
+            dout_pool, codes, preact, weights, plan, w2_scales=scales, **args
+        )
+        want = fused_dgrad2_activation_backward(dout_pool, decoded, preact, weights, plan, **args)
+        for got_t, want_t in zip(got, want, strict=True):
+            assert_bitwise(got_t[:rows], want_t[:rows])
+        return
+    w2 = bf16((experts, hidden, inter), 23, hidden**-0.5)
     dgu, weighted, drouter = fused_dgrad2_activation_backward(
         dout_pool, w2, preact, weights, plan, **args
     )
-    z = grouped_gemm(dout_pool, w2, plan, b_major="mn", block_n=mm.get_block_n(128, inter))
-    want_dgu, want_weighted, want_router = activation_backward(preact, z, weights, plan, **args)
-    rows = rows_used(plan)
+    if not rows:
+        return
+    # z in float64 per expert, rounded to BF16 as the kernel does, through the float32
+    # reference: the GPU tests bound the last ulps; here the gates, that the right rows
+    # and columns were written.
+    b = torch.cat([w2, side_a2], dim=1).transpose(1, 2)  # [E, I, H + r]
+    z = torch.zeros(plan.pool_capacity, inter, dtype=torch.bfloat16, device="cuda")
+    z[:rows] = grouped_gemm_reference(dout_pool, b, plan, k=hidden + rank).to(torch.bfloat16)
+    want_dgu, want_weighted, want_router = activation_backward_reference(
+        preact, z, weights, plan, activation="geglu", activation_clamp=1.0
+    )
     assert_close_to_oracle("dgu", dgu[:rows], want_dgu[:rows].double())
-    if weighted_h:
-        assert_close_to_oracle("weighted_h", weighted[:rows], want_weighted[:rows].double())
-    else:
-        assert weighted is None
-    assert torch.allclose(drouter[:rows], want_router[:rows], rtol=1e-3, atol=1e-3)
+    assert_close_to_oracle("weighted_h", weighted[:rows], want_weighted[:rows].double())
+    assert_close_to_oracle("drouter", drouter[:rows], want_router[:rows].double())
+    padding = plan.pool_row_to_route[:rows] < 0
+    assert torch.count_nonzero(dgu[:rows][padding]) == 0
+    assert torch.count_nonzero(drouter[:rows][padding]) == 0
 
 
 @pytest.mark.parametrize("num_sms", [None, "2"], ids=["all-sms", "two-ctas"])
@@ -446,7 +420,7 @@ def block_m_transition(top_k: int, experts: int) -> int:
 
 TRANSITION = block_m_transition(2, 8)
 # The smallest token count whose pool has BLOCK_M 128 at top-2 and top-6 (8 experts).
-ENGINE_TOKENS = next(
+BLOCK_M_128_TOKENS = next(
     t for t in range(TRANSITION, 1 << 16) if all(mm.get_block_m(t, k, 8) == 128 for k in (2, 6))
 )
 
@@ -502,34 +476,28 @@ def test_moe_forward(tokens, top_k, rank, kwargs):
         pytest.param(64, 2, 16, {"scale": 0.0}, id="zero-scale"),
         pytest.param(90, 2, None, {"trainable_base": True}, id="ordinary"),
         pytest.param(90, 2, 16, {"checkpoint": True}, id="activation-checkpoint"),
-        # The engine dgrads (MEGAMOE_DGRAD_ENGINE=1, BLOCK_M 128 pools): dgrad2 with the
-        # activation backward as its epilogue and dgrad1 on the MN-major Store variant.
-        pytest.param(ENGINE_TOKENS, 2, None, {"engine": True}, id="engine-dgrads-no-side"),
-        pytest.param(ENGINE_TOKENS, 2, 16, {"engine": True}, id="engine-dgrads-side"),
+        pytest.param(90, 2, None, {"checkpoint": True}, id="activation-checkpoint-no-side"),
+        pytest.param(BLOCK_M_128_TOKENS, 2, None, {}, id="block-m-128-no-side"),
         pytest.param(
-            ENGINE_TOKENS,
+            BLOCK_M_128_TOKENS,
             6,
             None,
-            {"engine": True, "routing": "masked", "activation": "geglu", "activation_clamp": 1.0},
-            id="engine-dgrads-masked-geglu-clamp",
+            {"routing": "masked", "activation": "geglu", "activation_clamp": 1.0},
+            id="block-m-128-masked-geglu-clamp",
         ),
     ],
 )
-def test_moe_forward_backward(tokens, top_k, rank, kwargs, monkeypatch):
-    """The fused backward (activation backward, pre-activation store, gathers, the
-    whole-row side sum, combines) and the torch grouped GEMMs it drives, or the
-    engine dgrads."""
+def test_moe_forward_backward(tokens, top_k, rank, kwargs):
+    """The fused backward: the pre-activation store (or its recompute), gathers, the
+    fused dgrad2 + activation backward, the K-grouped weight gradients, dgrad1 with the
+    shrink columns, the whole-row side sum, combines."""
     kwargs = dict(kwargs)
     checkpoint = kwargs.pop("checkpoint", False)
-    engine = kwargs.pop("engine", False)
-    monkeypatch.setenv("MEGAMOE_DGRAD_ENGINE", "1" if engine else "0")
-    if engine:
+    if tokens == BLOCK_M_128_TOKENS:
         assert mm.get_block_m(tokens, top_k, 8) == 128
-    # Without the engine dgrads z and dx come from torch._grouped_mm; adapters and an
-    # ordinary base add torch GEMMs (q13, the side expand, the wgrads).
-    skip_if_torch_gemm_under_init_or_race(
-        not engine or rank is not None or kwargs.get("trainable_base", False)
-    )
+    # Every GEMM of the layer is ours; the adapters add torch GEMMs (q13, the side
+    # expand, db2 and the dense a1/a3/b2 gradients).
+    skip_if_torch_gemm_under_init_or_race(rank is not None)
     shape = dict(hidden=128, intermediate=128, num_experts=8, top_k=top_k, side_rank=rank)
     common = dict(num_tokens=tokens, device="cuda", seed=tokens, requires_grad=True, **kwargs)
     fast = make_layer(**shape, **common)
@@ -561,7 +529,7 @@ def test_mxfp4_decode(rows, blocks):
 
 @pytest.mark.parametrize("tokens,top_k", [(1, 2), (150, 6)])
 def test_moe_mxfp4_forward_backward(tokens, top_k):
-    skip_if_torch_gemm_under_init_or_race(True)  # adapters and the torch dgrads
+    skip_if_torch_gemm_under_init_or_race(True)  # the adapters' torch GEMMs
     shape = dict(hidden=128, intermediate=128, num_experts=8, top_k=top_k, side_rank=16)
     common = dict(num_tokens=tokens, device="cuda", seed=tokens, requires_grad=True)
     fast = make_layer(**shape, format="mxfp4", routing="masked", **common)
@@ -576,17 +544,21 @@ def test_moe_mxfp4_forward_backward(tokens, top_k):
 
 
 @pytest.mark.parametrize("tokens,top_k", [(1, 2), (150, 6)])
-def test_moe_mxfp4_forward_no_side(tokens, top_k):
-    """The decode kernel feeding the fused forward (our kernels only: runs under all
-    four tools)."""
+def test_moe_mxfp4_forward_backward_no_side(tokens, top_k):
+    """Forward and backward on an MXFP4 base, every GEMM decoding in its pipeline (our
+    kernels only: runs under all four tools)."""
     shape = dict(hidden=128, intermediate=128, num_experts=8, top_k=top_k, side_rank=None)
-    common = dict(num_tokens=tokens, device="cuda", seed=tokens, format="mxfp4")
+    common = dict(num_tokens=tokens, device="cuda", seed=tokens, format="mxfp4", requires_grad=True)
     fast = make_layer(**shape, routing="masked", **common)
     exact = make_layer(**shape, routing="masked", dtype=torch.float64, **common)
-    with torch.no_grad():
-        out = fast.call(mm.moe)
-        expected = exact.call(mm.reference.moe)
-    assert_close_to_oracle("out", out, expected)
+    dout = bf16((tokens, 128), 23)
+    out = fast.call(mm.moe)
+    dx, drouter = torch.autograd.grad(out, [fast.x, fast.topk_weights], dout)
+    expected = exact.call(mm.reference.moe)
+    ex, erouter = torch.autograd.grad(expected, [exact.x, exact.topk_weights], dout.double())
+    assert_close_to_oracle("out", out, expected.detach())
+    assert_close_to_oracle("dx", dx, ex, min_cosine=GRAD_MIN_COSINE)
+    assert_close_to_oracle("dtopk_weights", drouter, erouter, min_cosine=GRAD_MIN_COSINE)
 
 
 def test_mxfp4_quantizer_on_the_gpu():
@@ -603,18 +575,6 @@ def test_mxfp4_quantizer_on_the_gpu():
 
 
 # ------------------------------------------------------- rejection before launch
-
-
-def test_undersized_workspace_is_rejected_before_any_launch():
-    device = torch.device("cuda", torch.cuda.current_device())
-    layout = mm.workspace_layout(17, 128, 128, 8, 2, 16)
-    small = mm.Workspace(layout.size - 1)
-    with pytest.raises(ValueError, match="workspace: expected at least"):
-        small.check_fits(layout, device)
-    layer = make_layer(128, 128, 8, 2, 16, num_tokens=17, device="cuda")
-    with torch.no_grad(), pytest.raises(ValueError, match="workspace"):
-        layer.call(mm.moe, workspace=small)
-    mm.Workspace(layout.size).check_fits(layout, device)
 
 
 def test_undersized_buffers_are_rejected_by_the_launchers():
