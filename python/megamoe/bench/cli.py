@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import json
 import os
 import platform
@@ -74,7 +75,9 @@ def build_commit() -> tuple[str | None, str]:
     ``"build"``, ``"git"`` or ``"unknown"``.
     """
     try:
-        from megamoe import _build_info  # generated into the wheel by CMakeLists.txt
+        # Generated into the wheel by CMakeLists.txt. import_module (not `from megamoe
+        # import`) so that sys.modules decides, which is what the tests replace.
+        _build_info = importlib.import_module("megamoe._build_info")
     except ImportError:
         _build_info = None
     if _build_info is not None and _build_info.COMMIT:
