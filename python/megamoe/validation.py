@@ -30,15 +30,21 @@ _SCALE_BLOCK = 32
 _BF16 = (torch.bfloat16,)
 
 
-def _reads_data(t: torch.Tensor) -> bool:
-    """Whether ``t`` has data on the host: False for meta and fake tensors (what
-    torch.compile and FakeTensorMode trace with), for CUDA tensors (reading them
-    synchronises) and under torch.compile tracing."""
-    if torch.compiler.is_compiling() or t.device.type != "cpu":
+def _has_data(t: torch.Tensor) -> bool:
+    """Whether ``t`` has real memory behind it: False for meta and fake tensors (what
+    torch.compile and FakeTensorMode trace with) and under torch.compile tracing, where
+    neither values nor data pointers may be read."""
+    if torch.compiler.is_compiling() or t.device.type == "meta":
         return False
     from torch._subclasses.fake_tensor import is_fake
 
     return not is_fake(t)
+
+
+def _reads_data(t: torch.Tensor) -> bool:
+    """Whether ``t``'s values can be read on the host without a device synchronisation:
+    a CPU tensor with data (:func:`_has_data`)."""
+    return t.device.type == "cpu" and _has_data(t)
 
 
 def check_base_weights(base: object) -> BaseWeights:
@@ -228,7 +234,7 @@ def check_moe_inputs(
         raise TypeError(
             f"side: expected bfloat16 tensors on {device}, got {side.dtype} on {side.device}"
         )
-    if device.type == "cuda":
+    if device.type == "cuda" and _has_data(x):  # (a fake tensor has no data pointer)
         check_tensor("x", x, alignment=16)
     if require_cuda and device.type != "cuda":
         raise ValueError(

@@ -385,6 +385,33 @@ def test_fake_tensor_mode_gives_shapes_and_runs_the_checks() -> None:
             )  # fmt: skip
 
 
+def test_fake_cuda_inputs_read_no_data_pointer() -> None:
+    """Fake CUDA tensors (what torch.compile traces a GPU call with) pass the checks
+    without a data-pointer read (deprecated on fake tensors, an error under compile),
+    through mm.moe and each op, and get the right shapes. (No autograd here: a CPU-only
+    torch cannot record autograd metadata for CUDA tensors, fake or not.)"""
+    import warnings
+
+    cuda = torch.device("cuda")
+    with FakeTensorMode(allow_non_fake_inputs=True), warnings.catch_warnings():
+        warnings.simplefilter("error")  # "Accessing the data pointer of FakeTensor"
+        x = torch.empty(T, H, dtype=torch.bfloat16, device=cuda)
+        ids = torch.empty(T, K, dtype=torch.int32, device=cuda)
+        weights = torch.empty(T, K, device=cuda)
+        b = base()
+        b = dataclasses.replace(b, w13=torch.empty_like(b.w13, device=cuda),
+                                w2=torch.empty_like(b.w2, device=cuda))  # fmt: skip
+        adapters = [torch.empty(s, dtype=torch.bfloat16, device=cuda) for s in SIDE_SHAPES.values()]
+        with torch.no_grad():
+            out = mm.moe(x, ids, weights, b, mm.SideLoRA(*adapters, scale=0.5))
+        assert out.shape == (T, H) and out.device.type == "cuda"
+        args = (x, ids, weights, b.w13, b.w2, None, None, *adapters, 0.5, "swiglu", None)
+        out, *state = torch.ops.megamoe.moe_train_forward(*args, True, False)
+        rest = (x, weights, b.w13, b.w2, None, None, *adapters, 0.5, "swiglu", None)
+        grads = torch.ops.megamoe.moe_backward(out, *rest, *state, False, True)
+        assert [tuple(g.shape) for g in grads[4:]] == list(SIDE_SHAPES.values())
+
+
 def test_torch_compile_traces_through_the_fakes() -> None:
     """torch.compile (fullgraph) traces mm.moe through the ops' fake implementations:
     the traced output has the layer's shape; running it on the CPU reaches the real
