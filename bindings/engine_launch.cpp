@@ -27,7 +27,10 @@ constexpr int kBlockK = kGemmBlockK;
 std::string str(int64_t v) { return std::to_string(v); }
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// The variant for a pool padded to `block_m` rows. An MXFP4 B runs 64-row tiles (a
+// warpgroup decodes it: kernels/engine/engine_kernel.cuh), which tile any pool.
 const EngineKernels& select_variant(EngineKind kind, BFormat format, int block_m, int block_n) {
+  if (format == BFormat::MXFP4 && block_m % 64 == 0) block_m = 64;
   for (const auto& variant : variants::kEngineVariants) {
     const EngineKernels& k = *variant.kernels;
     if (k.kind == kind && k.b_format == format && k.block_m == block_m && k.block_n == block_n)
@@ -180,10 +183,10 @@ void engine_gated(const Tensor& a, int64_t k_base, const Tensor& w13,
 
   EngineParams p{};
   // A gated tile is BLOCK_N / 2 gate and as many up rows of w13: 2I / BLOCK_N tiles.
-  p.schedule = pool_schedule(offsets, experts, rows, block_m, group_m, 2 * inter, 0, side_k,
-                             k_base, device);
+  p.schedule = pool_schedule(offsets, experts, rows, kernels.block_m, group_m, 2 * inter, 0,
+                             side_k, k_base, device);
   OperandParams& o = p.operands;
-  o.a = bf16_rows("a", a.data(), rows, k_base + side_k, a.stride(0), block_m);
+  o.a = bf16_rows("a", a.data(), rows, k_base + side_k, a.stride(0), kernels.block_m);
   if (mxfp4) {
     check_tensor<int16_t>("w13_scales", *w13_scales, {experts, k_base / kBlockK, two_i}, device);
     o.codes = tensor_map("w13", w13.data(), CU_TENSOR_MAP_DATA_TYPE_UINT8,
@@ -212,12 +215,13 @@ void engine_gated(const Tensor& a, int64_t k_base, const Tensor& w13,
   o.side_scale = static_cast<float>(side_scale);
 
   EpilogueParams& e = p.epilogue;
-  e.out = bf16_rows("h", h.data(), rows, inter, inter, block_m);
+  const int tile_m = kernels.block_m;
+  e.out = bf16_rows("h", h.data(), rows, inter, inter, tile_m);
   if (preact) {
     check_tensor("preact_out", *preact, bfloat16_dtype(), {rows, two_i}, device);
-    e.preact_gate = bf16_rows("preact_out", preact->data(), rows, inter, two_i, block_m);
+    e.preact_gate = bf16_rows("preact_out", preact->data(), rows, inter, two_i, tile_m);
     e.preact_up = bf16_rows("preact_out", static_cast<const uint16_t*>(preact->data()) + inter,
-                            rows, inter, two_i, block_m);
+                            rows, inter, two_i, tile_m);
     e.store_preact = 1;
   }
   e.activation = activation;
@@ -264,10 +268,10 @@ void engine_store(const Tensor& a, int64_t k_base, const Tensor& b, std::optiona
       select_variant(kind, mxfp4 ? BFormat::MXFP4 : BFormat::BF16, block_m, kBlockN);
 
   EngineParams p{};
-  p.schedule =
-      pool_schedule(offsets, experts, rows, block_m, group_m, n_base, n_extra, 0, k_base, device);
+  p.schedule = pool_schedule(offsets, experts, rows, kernels.block_m, group_m, n_base, n_extra, 0,
+                             k_base, device);
   OperandParams& o = p.operands;
-  o.a = bf16_rows("a", a.data(), rows, k_base, a.stride(0), block_m);
+  o.a = bf16_rows("a", a.data(), rows, k_base, a.stride(0), kernels.block_m);
   o.k_base = static_cast<int32_t>(k_base);
   o.n_base = static_cast<int32_t>(n_base);
   o.side_scale = 1.0f;
@@ -299,7 +303,7 @@ void engine_store(const Tensor& a, int64_t k_base, const Tensor& b, std::optiona
                            {k_base, n_extra, experts}, {k_base * 2, n_extra * k_base * 2},
                            {kBlockK, kBlockN, 1}, true);
   }
-  set_store_outputs(p.epilogue, out, rows, n_base, n_extra, block_m, device);
+  set_store_outputs(p.epilogue, out, rows, n_base, n_extra, kernels.block_m, device);
   launch(kernels, p, device, num_sms, stream, "engine_store launch");
 }
 
@@ -346,10 +350,10 @@ void engine_activation_backward(const Tensor& a, int64_t k_base, const Tensor& b
       EngineKind::ActivationBackward, mxfp4 ? BFormat::MXFP4 : BFormat::BF16, block_m, kBlockN);
 
   EngineParams p{};
-  p.schedule =
-      pool_schedule(offsets, experts, rows, block_m, group_m, inter, 0, rank, k_base, device);
+  p.schedule = pool_schedule(offsets, experts, rows, kernels.block_m, group_m, inter, 0, rank,
+                             k_base, device);
   OperandParams& o = p.operands;
-  o.a = bf16_rows("a", a.data(), rows, k_base + rank, a.stride(0), block_m);
+  o.a = bf16_rows("a", a.data(), rows, k_base + rank, a.stride(0), kernels.block_m);
   if (mxfp4) {
     set_mn_major_mxfp4(o, b, *b_scales, experts, k_base, inter, device);
   } else {

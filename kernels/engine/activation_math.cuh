@@ -22,15 +22,16 @@ __device__ __forceinline__ float fast_tanh(float x) {
 constexpr float kGeluK0 = 0.7978845608028654f;  // sqrt(2 / pi)
 constexpr float kGeluK1 = 0.044715f;
 
-__device__ __forceinline__ float activation(float g, int kind) {
-  if (kind == static_cast<int>(Activation::GeGLU))
-    return 0.5f * g * (1.0f + fast_tanh(kGeluK0 * (g + kGeluK1 * g * g * g)));
+// act(g) of a compile-time kind (the epilogues dispatch once per tile).
+template <bool kGeGLU>
+__device__ __forceinline__ float activation(float g) {
+  if constexpr (kGeGLU) return 0.5f * g * (1.0f + fast_tanh(kGeluK0 * (g + kGeluK1 * g * g * g)));
   return g * fast_sigmoid(g);
 }
 
-__device__ __forceinline__ void activation_and_derivative(float g, int kind, float& act,
-                                                          float& derivative) {
-  if (kind == static_cast<int>(Activation::GeGLU)) {
+template <bool kGeGLU>
+__device__ __forceinline__ void activation_and_derivative(float g, float& act, float& derivative) {
+  if constexpr (kGeGLU) {
     const float t = fast_tanh(kGeluK0 * (g + kGeluK1 * g * g * g));
     act = 0.5f * g * (1.0f + t);
     const float sech2 = 1.0f - t * t;
@@ -40,9 +41,14 @@ __device__ __forceinline__ void activation_and_derivative(float g, int kind, flo
     derivative = 0.5f * (1.0f + t) + tail;
   } else {
     const float sig = fast_sigmoid(g);
-    act = g * sig;
-    derivative = sig * (1.0f + g * (1.0f - sig));
+    act = g * sig;                           // the forward's h uses this very product
+    derivative = sig + act * (1.0f - sig);   // sig (1 + g (1 - sig))
   }
+}
+
+// Whether a clamp is set (+inf: none).
+__device__ __forceinline__ bool is_clamped(float clamp) {
+  return clamp < __int_as_float(0x7f800000);
 }
 
 }  // namespace megamoe::kernels::engine

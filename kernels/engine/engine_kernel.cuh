@@ -1,18 +1,23 @@
 // The GEMM engine (DESIGN §3): one persistent, warp-specialized TMA + wgmma kernel,
 // assembled from a tile scheduler, A and B operand policies and an epilogue functor.
 //
-// Warp roles (pipeline.cuh):
+// Warp roles (EngineRoles):
 //  - producer (warp 0, one thread): streams each tile's K steps of A and B into a ring of
 //    shared-memory stages with TMA;
 //  - consumers (warpgroups 1..BLOCK_M/64, 64 output rows each): wgmma over the ring, one
 //    batch in flight (step k's MMAs are queued before step k-1's are waited for, and
 //    k-1's stage is released then), then leave the tile's accumulators as BF16 in the
 //    staging tile and go on to the next tile;
+//  - decode warps (MXFP4 B: one more warpgroup): decode each landed stage's codes into
+//    its BF16 B tile. Not the consumers: a proxy fence after the decode's shared-memory
+//    stores would wait for the consumer's own in-flight wgmma and serialize the MMAs;
 //  - epilogue warps (warps 1-3): finish the staged tile (activation math, TMA stores)
 //    while the consumers run the next tile's MMAs.
-// Contracts: `full`/`empty` per stage (pipeline.cuh); `staged` completes when every
-// consumer thread wrote its part of the staging tile, `drained` when the epilogue warps
-// no longer read it (their TMA stores included).
+// Contracts: `full`/`empty` per stage (pipeline.cuh); MXFP4: `decoded` per stage
+// completes when every decode thread wrote its part of the stage's B tile (consumers
+// wait for it instead of `full`); `staged` completes when every consumer thread wrote its
+// part of the staging tile, `drained` when the epilogue warps no longer read it (their
+// TMA stores included).
 #pragma once
 
 #include <cuda.h>
@@ -36,58 +41,84 @@
 
 namespace megamoe::kernels::engine {
 
+// Which warps do what, per kind and format, in at most three warpgroups (ptxas compiles
+// every role within the launch's 65536 / threads registers, and two consumer warpgroups'
+// 128 accumulators need 168 of them). Warpgroup 0: the producer warp and three epilogue
+// warps; then the consumers; for an MXFP4 B (BLOCK_M 64: one consumer warpgroup) a
+// decode warpgroup.
+template <EngineKind kKind, BFormat kFormat, int BlockM>
+struct EngineRoles {
+  static constexpr int kConsumers = BlockM / 64;
+  static constexpr bool kDecodeWarps = kFormat == BFormat::MXFP4;
+  static_assert(!kDecodeWarps || kConsumers == 1, "MXFP4 tiles are 64 rows (3 warpgroups)");
+  static constexpr int kEpilogueWarps = 3;
+  static constexpr int kWarpgroups = 1 + kConsumers + (kDecodeWarps ? 1 : 0);
+  static constexpr int kThreads = kWarpgroups * kWarpgroupThreads;
+  static constexpr int kConsumerThreads = kConsumers * kWarpgroupThreads;
+  static constexpr int kDecodeThreads = kWarpgroupThreads;
+  // Two consumer warpgroups: setmaxnreg moves registers to them from warpgroup 0 (128 P +
+  // 256 C = the 384 x 168 the launch grants); the activation backward's epilogue keeps
+  // four rows' loads in flight and gets more.
+  static constexpr bool kReallocate = kConsumers == 2;
+  static constexpr bool kHeavyEpilogue = kKind == EngineKind::ActivationBackward;
+  static constexpr int kOtherRegisters = kHeavyEpilogue ? 136 : 88;
+  static constexpr int kConsumerRegisters = kHeavyEpilogue ? 184 : 208;
+  static_assert(!kReallocate || kOtherRegisters + 2 * kConsumerRegisters == 3 * 168,
+                "setmaxnreg must hand out exactly the launch's registers");
+};
+
 // The parts of each kind (the registry line of a variant picks one).
-template <EngineKind kKind, BFormat kFormat, int BlockM, int BlockN>
+template <EngineKind kKind, BFormat kFormat, int BlockM, int BlockN,
+          int kEpilogueWarps = EngineRoles<kKind, kFormat, BlockM>::kEpilogueWarps>
 struct EngineParts;
-template <BFormat kFormat, int BlockM, int BlockN>
-struct EngineParts<EngineKind::Gated, kFormat, BlockM, BlockN> {
+template <BFormat kFormat, int BlockM, int BlockN, int W>
+struct EngineParts<EngineKind::Gated, kFormat, BlockM, BlockN, W> {
   using Schedule = PoolTiles<BlockM>;
   using A = PoolOperandA<BlockM>;
   using B = GatedOperandB<BlockN, kFormat>;
-  using Epilogue = GatedEpilogue<BlockM, BlockN>;
+  using Epilogue = GatedEpilogue<BlockM, BlockN, W>;
 };
-template <BFormat kFormat, int BlockM, int BlockN>
-struct EngineParts<EngineKind::StoreKMajor, kFormat, BlockM, BlockN> {
+template <BFormat kFormat, int BlockM, int BlockN, int W>
+struct EngineParts<EngineKind::StoreKMajor, kFormat, BlockM, BlockN, W> {
   using Schedule = PoolTiles<BlockM>;
   using A = PoolOperandA<BlockM>;
   using B = KMajorOperandB<BlockN, kFormat>;
-  using Epilogue = StoreEpilogue<BlockM, BlockN>;
+  using Epilogue = StoreEpilogue<BlockM, BlockN, W>;
 };
-template <BFormat kFormat, int BlockM, int BlockN>
-struct EngineParts<EngineKind::StoreMNMajor, kFormat, BlockM, BlockN> {
+template <BFormat kFormat, int BlockM, int BlockN, int W>
+struct EngineParts<EngineKind::StoreMNMajor, kFormat, BlockM, BlockN, W> {
   using Schedule = PoolTiles<BlockM>;
   using A = PoolOperandA<BlockM>;
   using B = MNMajorOperandB<BlockN, kFormat>;
-  using Epilogue = StoreEpilogue<BlockM, BlockN>;
+  using Epilogue = StoreEpilogue<BlockM, BlockN, W>;
 };
-template <BFormat kFormat, int BlockM, int BlockN>
-struct EngineParts<EngineKind::ActivationBackward, kFormat, BlockM, BlockN> {
+template <BFormat kFormat, int BlockM, int BlockN, int W>
+struct EngineParts<EngineKind::ActivationBackward, kFormat, BlockM, BlockN, W> {
   using Schedule = PoolTiles<BlockM>;
   using A = PoolOperandA<BlockM>;
   using B = MNMajorOperandB<BlockN, kFormat>;
-  using Epilogue = ActivationBackwardEpilogue<BlockM, BlockN>;
+  using Epilogue = ActivationBackwardEpilogue<BlockM, BlockN, W>;
 };
-template <BFormat kFormat, int BlockM, int BlockN>
-struct EngineParts<EngineKind::KGrouped, kFormat, BlockM, BlockN> {
+template <BFormat kFormat, int BlockM, int BlockN, int W>
+struct EngineParts<EngineKind::KGrouped, kFormat, BlockM, BlockN, W> {
   static_assert(kFormat == BFormat::BF16, "the weight gradients' operands are activations");
   using Schedule = ExpertRowTiles<BlockM, BlockN>;
   using A = RowsOperandA<BlockM>;
   using B = RowsOperandB<BlockN>;
-  using Epilogue = ScaledStoreEpilogue<BlockM, BlockN>;
+  using Epilogue = ScaledStoreEpilogue<BlockM, BlockN, W>;
 };
 
 template <EngineKind kKind, BFormat kFormat, int BlockM, int BlockN>
-struct EngineConfig : EngineParts<kKind, kFormat, BlockM, BlockN> {
+struct EngineConfig : EngineParts<kKind, kFormat, BlockM, BlockN>,
+                      EngineRoles<kKind, kFormat, BlockM> {
   using Parts = EngineParts<kKind, kFormat, BlockM, BlockN>;
+  using Roles = EngineRoles<kKind, kFormat, BlockM>;
   using Staging = StagingTile<BlockM, BlockN>;
   static_assert(BlockM == 64 || BlockM == 128, "64 rows per consumer warpgroup");
   static_assert(BlockN == 128 || BlockN == 256, "wgmma N");
   static constexpr int kBlockM = BlockM, kBlockN = BlockN;
   static constexpr bool kMxfp4 = kFormat == BFormat::MXFP4;
   static constexpr bool kTailMask = kKind == EngineKind::KGrouped;
-  static constexpr int kConsumers = BlockM / 64;
-  static constexpr int kConsumerThreads = kConsumers * kWarpgroupThreads;
-  static constexpr int kThreads = kConsumerThreads + kWarpgroupThreads;
   static constexpr int kAccumulators = BlockN / 2;
   static constexpr int kABytes = Parts::A::kBytes;
   static constexpr int kStageBytes = (kABytes + Parts::B::kBytes + 1023) / 1024 * 1024;
@@ -98,15 +129,8 @@ struct EngineConfig : EngineParts<kKind, kFormat, BlockM, BlockN> {
       (kSmemLimit - 1024 - kBarrierBytes - Staging::kBytes) / kStageBytes;
   static constexpr int kStages = kStagesFit > 8 ? 8 : kStagesFit;
   static_assert(kStages >= 2, "a ring needs two stages");
-  static_assert(2 * kStages + 2 <= kBarrierBytes / 8, "barrier area");
+  static_assert(3 * kStages + 2 <= kBarrierBytes / 8, "barrier area");
   static constexpr int kSmemBytes = 1024 + kStages * kStageBytes + Staging::kBytes + kBarrierBytes;
-  // 384 threads: the consumers' 128-register accumulators need registers from warpgroup
-  // 0 (setmaxnreg; 128 P + 256 C = the 384 x 168 the launch grants). The activation
-  // backward's epilogue keeps four rows' loads in flight and gets more of them.
-  static constexpr bool kReallocate = kConsumers == 2;
-  static constexpr int kProducerRegisters = kKind == EngineKind::ActivationBackward ? 120 : 88;
-  static constexpr int kConsumerRegisters = kKind == EngineKind::ActivationBackward ? 192 : 208;
-  static_assert(128 * kProducerRegisters + 256 * kConsumerRegisters == 384 * 168, "registers");
 };
 
 template <class C>
@@ -115,6 +139,7 @@ struct SharedStorage {
   uint8_t* staging;
   uint64_t* full;
   uint64_t* empty;
+  uint64_t* decoded;
   uint64_t* staged;
   uint64_t* drained;
 
@@ -125,7 +150,8 @@ struct SharedStorage {
     staging = stages + C::kStages * C::kStageBytes;
     full = reinterpret_cast<uint64_t*>(staging + C::Staging::kBytes);
     empty = full + C::kStages;
-    staged = empty + C::kStages;
+    decoded = empty + C::kStages;
+    staged = decoded + C::kStages;
     drained = staged + 1;
   }
   __device__ __forceinline__ uint8_t* a(int s) const { return stages + s * C::kStageBytes; }
@@ -151,47 +177,58 @@ __device__ __forceinline__ void produce(const EngineParams& p, const SharedStora
   }
 }
 
-// Consumer-side preparation of a landed stage before any wgmma reads it (all consumer
-// threads, in step with each other): the MXFP4 decode of the codes into the B tile, or
-// the K-grouped weight gradient's masking of the rows past an expert's data.
+// ---- decode warps (MXFP4): each landed stage's codes into its BF16 B tile ----
 template <class C>
-__device__ __forceinline__ void prepare_stage(const EngineParams& p, const SharedStorage<C>& smem,
-                                              const TileInfo& tile, int step, int stage,
-                                              int consumer_thread) {
-  if constexpr (C::kMxfp4) {
-    if (!C::B::decodes(tile, step)) return;
-    uint8_t* b = smem.b(stage);
-    using Decode = std::conditional_t<C::B::kMNMajor,
-                                      mxfp4::MNMajorTileDecode<C::kBlockN, C::kConsumerThreads>,
-                                      mxfp4::KMajorTileDecode<C::kBlockN, C::kConsumerThreads>>;
-    Decode decode;
-    if constexpr (C::B::kMNMajor)
-      decode.load(b + C::B::kCodeOffset, smem.scales(stage), consumer_thread);
-    else
-      decode.load(b + C::B::kCodeOffset, reinterpret_cast<const uint16_t*>(smem.scales(stage)),
-                  consumer_thread);
-    // The codes sit inside the tile being written: every thread has its codes first.
-    named_barrier_sync(kConsumerBarrier, C::kConsumerThreads);
-    decode.store(b, consumer_thread);
-    fence_generic_to_async();  // the decoded tile is read by wgmma (async proxy)
-    named_barrier_sync(kConsumerBarrier, C::kConsumerThreads);
-  } else if constexpr (C::kTailMask) {
-    const int data_rows = C::Schedule::rows_in_step(tile, step);
-    if (data_rows >= kBlockK) return;
-    // Rows [data_rows, 64) of every box of A and B: 128 contiguous bytes per row whatever
-    // the swizzle (it permutes 16-byte units inside a row), so the byte range is exact.
-    constexpr int kBoxes = (C::kABytes + C::B::kTileBytes) / kBoxBytes;
-    const int units_per_box = (kBlockK - data_rows) * (kRowBytes / 16);
-    uint8_t* stage_base = smem.a(stage);
-    for (int unit = consumer_thread; unit < kBoxes * units_per_box; unit += C::kConsumerThreads) {
-      const int box = unit / units_per_box, in_box = unit % units_per_box;
-      // A's boxes, then B's: the B tile starts right after A (whole boxes).
-      uint8_t* at = stage_base + box * kBoxBytes + data_rows * kRowBytes + 16 * in_box;
-      *reinterpret_cast<uint4*>(at) = make_uint4(0u, 0u, 0u, 0u);
+__device__ __forceinline__ void decode_stages(const EngineParams& p, const SharedStorage<C>& smem,
+                                              int thread) {
+  using Decode = std::conditional_t<C::B::kMNMajor,
+                                    mxfp4::MNMajorTileDecode<C::kBlockN, C::kDecodeThreads>,
+                                    mxfp4::KMajorTileDecode<C::kBlockN, C::kDecodeThreads>>;
+  const typename C::Schedule schedule(p.schedule);
+  RingState<C::kStages> ring;
+  for (int t = blockIdx.x; t < schedule.num_tiles(); t += gridDim.x) {
+    const TileInfo tile = schedule.tile(t);
+    for (int step = 0; step < tile.k_steps; ++step) {
+      TransactionBarrier::wait(&smem.full[ring.stage], ring.phase);
+      if (C::B::decodes(tile, step)) {
+        uint8_t* b = smem.b(ring.stage);
+        Decode decode;
+        if constexpr (C::B::kMNMajor)
+          decode.load(b + C::B::kCodeOffset, smem.scales(ring.stage), thread);
+        else
+          decode.load(b + C::B::kCodeOffset,
+                      reinterpret_cast<const uint16_t*>(smem.scales(ring.stage)), thread);
+        // The codes sit inside the tile being written: every thread has its codes first.
+        named_barrier_sync(kDecodeBarrier, C::kDecodeThreads);
+        decode.store(b, thread);
+        fence_generic_to_async();  // the decoded tile is read by wgmma (async proxy)
+      }
+      Barrier::arrive(&smem.decoded[ring.stage]);
+      ring.advance();
     }
-    fence_generic_to_async();
-    named_barrier_sync(kConsumerBarrier, C::kConsumerThreads);
   }
+}
+
+// The K-grouped weight gradient's masking of a landed stage's rows past an expert's data
+// (all consumer threads, before any wgmma reads the stage).
+template <class C>
+__device__ __forceinline__ void mask_tail_rows(const SharedStorage<C>& smem, const TileInfo& tile,
+                                               int step, int stage, int consumer_thread) {
+  const int data_rows = C::Schedule::rows_in_step(tile, step);
+  if (data_rows >= kBlockK) return;
+  // Rows [data_rows, 64) of every box of A and B: 128 contiguous bytes per row whatever
+  // the swizzle (it permutes 16-byte units inside a row), so the byte range is exact.
+  constexpr int kBoxes = (C::kABytes + C::B::kTileBytes) / kBoxBytes;
+  const int units_per_box = (kBlockK - data_rows) * (kRowBytes / 16);
+  uint8_t* stage_base = smem.a(stage);
+  for (int unit = consumer_thread; unit < kBoxes * units_per_box; unit += C::kConsumerThreads) {
+    const int box = unit / units_per_box, in_box = unit % units_per_box;
+    // A's boxes, then B's: the B tile starts right after A (whole boxes).
+    uint8_t* at = stage_base + box * kBoxBytes + data_rows * kRowBytes + 16 * in_box;
+    *reinterpret_cast<uint4*>(at) = make_uint4(0u, 0u, 0u, 0u);
+  }
+  fence_generic_to_async();
+  named_barrier_sync(kConsumerBarrier, C::kConsumerThreads);
 }
 
 // ---- consumers: wgmma over the ring, then the accumulators into the staging tile ----
@@ -212,9 +249,12 @@ __device__ __forceinline__ void consume(const EngineParams& p, const SharedStora
     for (int i = 0; i < C::kAccumulators; ++i) acc[i] = 0.0f;
     fence_accumulators(acc);
     for (int step = 0; step < tile.k_steps; ++step) {
-      // The MXFP4 decode of step k (or the tail mask) runs while step k - 1's MMAs do.
-      TransactionBarrier::wait(&smem.full[ring.stage], ring.phase);
-      prepare_stage(p, smem, tile, step, ring.stage, consumer_thread);
+      if constexpr (C::kMxfp4) {
+        Barrier::wait(&smem.decoded[ring.stage], ring.phase);
+      } else {
+        TransactionBarrier::wait(&smem.full[ring.stage], ring.phase);
+        if constexpr (C::kTailMask) mask_tail_rows(smem, tile, step, ring.stage, consumer_thread);
+      }
       const uint64_t desc_a = C::A::descriptor(smem.a(ring.stage), consumer);
       const uint64_t desc_b = C::B::descriptor(smem.b(ring.stage));
       cute::warpgroup_arrive();
@@ -266,7 +306,7 @@ __device__ __forceinline__ void finish_tiles(const EngineParams& p, const Shared
     const TileInfo tile = schedule.tile(t);
     Barrier::wait(smem.staged, phase);
     C::Epilogue::finish(p.epilogue, tile, smem.staging, thread);
-    named_barrier_sync(kEpilogueBarrier, kEpilogueThreads);
+    named_barrier_sync(kEpilogueBarrier, C::Epilogue::kThreads);
     if (thread == 0) Barrier::arrive(smem.drained);
     phase ^= 1u;
   }
@@ -288,6 +328,7 @@ __global__ void __launch_bounds__(engine::EngineConfig<kKind, kFormat, BlockM, B
     for (int s = 0; s < C::kStages; ++s) {
       TransactionBarrier::init(&smem.full[s], 1);
       Barrier::init(&smem.empty[s], C::kConsumers * 4);  // one arrival per consumer warp
+      Barrier::init(&smem.decoded[s], C::kDecodeThreads);
     }
     Barrier::init(smem.staged, C::kConsumerThreads);
     Barrier::init(smem.drained, 1);
@@ -296,12 +337,17 @@ __global__ void __launch_bounds__(engine::EngineConfig<kKind, kFormat, BlockM, B
   __syncthreads();
 
   const int warpgroup = threadIdx.x / kWarpgroupThreads;
-  if (warpgroup == 0) {
-    if constexpr (C::kReallocate) cutlass::arch::warpgroup_reg_dealloc<C::kProducerRegisters>();
-    if (threadIdx.x < 32) {
-      if (threadIdx.x == 0) produce<C>(p, smem);
-    } else {
-      finish_tiles<C>(p, smem, threadIdx.x - 32);
+  const bool consumer = warpgroup >= 1 && warpgroup <= C::kConsumers;
+  if (!consumer) {
+    if constexpr (C::kReallocate) cutlass::arch::warpgroup_reg_dealloc<C::kOtherRegisters>();
+    if (warpgroup == 0) {
+      if (threadIdx.x < 32) {
+        if (threadIdx.x == 0) produce<C>(p, smem);
+      } else {
+        finish_tiles<C>(p, smem, threadIdx.x - 32);
+      }
+    } else if constexpr (C::kDecodeWarps) {
+      decode_stages<C>(p, smem, threadIdx.x % kWarpgroupThreads);
     }
     return;
   }

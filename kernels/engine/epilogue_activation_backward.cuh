@@ -21,8 +21,9 @@
 
 namespace megamoe::kernels::engine {
 
-template <int BlockM, int BlockN>
+template <int BlockM, int BlockN, int EpilogueWarps>
 struct ActivationBackwardEpilogue {
+  static constexpr int kThreads = EpilogueWarps * 32;
   using Tile = StagingTile<BlockM, BlockN>;
   static constexpr int kVectors = BlockN / 8;  // 8-column vectors per row of the tile
   static_assert(kVectors == 32 || kVectors == 16, "a warp covers whole rows");
@@ -49,6 +50,24 @@ struct ActivationBackwardEpilogue {
 
   __device__ __forceinline__ static void finish(const EpilogueParams& p, const TileInfo& tile,
                                                 uint8_t* staging, int thread) {
+    // One branch per tile: the per-element math below has none.
+    const bool clamped = is_clamped(p.activation_clamp);
+    if (p.activation == static_cast<int>(Activation::GeGLU)) {
+      if (clamped)
+        finish_rows<true, true>(p, tile, staging, thread);
+      else
+        finish_rows<true, false>(p, tile, staging, thread);
+    } else if (clamped) {
+      finish_rows<false, true>(p, tile, staging, thread);
+    } else {
+      finish_rows<false, false>(p, tile, staging, thread);
+    }
+  }
+
+  template <bool kGeGLU, bool kClamp>
+  __device__ __forceinline__ static void finish_rows(const EpilogueParams& p,
+                                                     const TileInfo& tile, uint8_t* staging,
+                                                     int thread) {
     const int warp = thread / 32, lane = thread % 32;
     const int64_t inter = p.intermediate, two_i = 2 * inter;
     const int vector = lane % kVectors;
@@ -61,14 +80,14 @@ struct ActivationBackwardEpilogue {
     __nv_bfloat16* dgrad = static_cast<__nv_bfloat16*>(p.dgrad_preact);
     __nv_bfloat16* weighted = static_cast<__nv_bfloat16*>(p.weighted_h);
 
-    for (int pass0 = warp; pass0 < kPasses; pass0 += kEpilogueWarps * kUnroll) {
+    for (int pass0 = warp; pass0 < kPasses; pass0 += EpilogueWarps * kUnroll) {
       int row[kUnroll], route[kUnroll];
       bool live[kUnroll];
       float weight[kUnroll];
       uint4 g8[kUnroll], u8[kUnroll];
 #pragma unroll
       for (int k = 0; k < kUnroll; ++k) {
-        const int pass = pass0 + k * kEpilogueWarps;
+        const int pass = pass0 + k * EpilogueWarps;
         live[k] = pass < kPasses;  // uniform over the warp
         const int r = (live[k] ? pass : 0) * kRowsPerPass + lane / kVectors;
         row[k] = tile.row0 + r;
@@ -81,39 +100,44 @@ struct ActivationBackwardEpilogue {
 #pragma unroll
       for (int k = 0; k < kUnroll; ++k) {
         if (!live[k]) continue;
+        // Padding rows (route -1) give zeros whatever their inputs hold.
         const bool routed = route[k] >= 0 && route[k] < p.num_routes;
-        const float w = routed ? weight[k] : 0.0f;
-        const int r = row[k] - tile.row0;
-        const uint4 z8 = load_shared_16(base + Tile::offset(r, 8 * vector));
-        const uint32_t zw[4] = {z8.x, z8.y, z8.z, z8.w};
-        const uint32_t gw[4] = {g8[k].x, g8[k].y, g8[k].z, g8[k].w};
-        const uint32_t uw[4] = {u8[k].x, u8[k].y, u8[k].z, u8[k].w};
-        uint32_t dg[4], du[4], wh[4];
+        const float w = weight[k];
+        uint32_t dg[4] = {0u, 0u, 0u, 0u}, du[4] = {0u, 0u, 0u, 0u}, wh[4] = {0u, 0u, 0u, 0u};
         float dot = 0.0f;
-        // Two columns (one BF16 pair) at a time, packed as they come: few live registers.
+        if (routed) {
+          const uint4 z8 = load_shared_16(base + Tile::offset(row[k] - tile.row0, 8 * vector));
+          const uint32_t zw[4] = {z8.x, z8.y, z8.z, z8.w};
+          const uint32_t gw[4] = {g8[k].x, g8[k].y, g8[k].z, g8[k].w};
+          const uint32_t uw[4] = {u8[k].x, u8[k].y, u8[k].z, u8[k].w};
+          // Two columns (one BF16 pair) at a time, packed as they come.
 #pragma unroll
-        for (int pair = 0; pair < 4; ++pair) {
-          float dg2[2], du2[2], wh2[2];
+          for (int pair = 0; pair < 4; ++pair) {
+            float dg2[2], du2[2], prod2[2];
 #pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            const float z = bf16_bits_to_float(zw[pair], c);
-            const float g = bf16_bits_to_float(gw[pair], c);
-            const float u = bf16_bits_to_float(uw[pair], c);
-            const float gc = fminf(g, clamp);
-            const float uc = fminf(fmaxf(u, -clamp), clamp);
-            float act, derivative;
-            activation_and_derivative(gc, p.activation, act, derivative);
-            const float h = __bfloat162float(__float2bfloat16_rn(act * uc));
-            dot += z * h;
-            const float dh = w * z;
-            // Boundary values pass the gradient, like torch.clamp's.
-            dg2[c] = routed && g <= clamp ? dh * uc * derivative : 0.0f;
-            du2[c] = routed && u >= -clamp && u <= clamp ? dh * act : 0.0f;
-            wh2[c] = routed ? w * h : 0.0f;
+            for (int c = 0; c < 2; ++c) {
+              const float z = bf16_bits_to_float(zw[pair], c);
+              const float g = bf16_bits_to_float(gw[pair], c);
+              const float u = bf16_bits_to_float(uw[pair], c);
+              const float gc = kClamp ? fminf(g, clamp) : g;
+              const float uc = kClamp ? fminf(fmaxf(u, -clamp), clamp) : u;
+              float act, derivative;
+              activation_and_derivative<kGeGLU>(gc, act, derivative);
+              const float dh = w * z;
+              // Boundary values pass the gradient, like torch.clamp's.
+              dg2[c] = !kClamp || g <= clamp ? dh * uc * derivative : 0.0f;
+              du2[c] = !kClamp || (u >= -clamp && u <= clamp) ? dh * act : 0.0f;
+              prod2[c] = act * uc;
+            }
+            // h = bf16(act(gc) uc), the forward's h bit for bit; both of the pair at once.
+            const uint32_t h_pair = pack_bf16(prod2[0], prod2[1]);
+            const float h0 = bf16_bits_to_float(h_pair, 0), h1 = bf16_bits_to_float(h_pair, 1);
+            dot += bf16_bits_to_float(zw[pair], 0) * h0;
+            dot += bf16_bits_to_float(zw[pair], 1) * h1;
+            dg[pair] = pack_bf16(dg2[0], dg2[1]);
+            du[pair] = pack_bf16(du2[0], du2[1]);
+            wh[pair] = pack_bf16(w * h0, w * h1);
           }
-          dg[pair] = pack_bf16(dg2[0], dg2[1]);
-          du[pair] = pack_bf16(du2[0], du2[1]);
-          wh[pair] = pack_bf16(wh2[0], wh2[1]);
         }
         if (in_n) {
           store_global_16(dgrad + row[k] * two_i + col, make_uint4(dg[0], dg[1], dg[2], dg[3]));
@@ -128,8 +152,7 @@ struct ActivationBackwardEpilogue {
         for (int offset = kVectors / 2; offset > 0; offset /= 2)
           dot += __shfl_xor_sync(0xffffffffu, dot, offset);
         if (vector == 0)
-          p.drouter_partials[static_cast<int64_t>(row[k]) * n_blocks + tile.n_block] =
-              routed ? dot : 0.0f;
+          p.drouter_partials[static_cast<int64_t>(row[k]) * n_blocks + tile.n_block] = dot;
       }
     }
   }

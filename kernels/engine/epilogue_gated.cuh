@@ -15,8 +15,9 @@
 
 namespace megamoe::kernels::engine {
 
-template <int BlockM, int BlockN>
+template <int BlockM, int BlockN, int EpilogueWarps>
 struct GatedEpilogue {
+  static constexpr int kThreads = EpilogueWarps * 32;
   using Tile = StagingTile<BlockM, BlockN>;
   static constexpr int kHalf = BlockN / 2;        // h columns of a tile
   static constexpr int kHalfBoxes = kHalf / 64;   // boxes of g (then of u)
@@ -31,6 +32,28 @@ struct GatedEpilogue {
       cute::SM90_TMA_STORE_2D::copy(map, from + box * Tile::kBoxBytes, col0 + 64 * box, row0);
   }
 
+  // h = act(min(g, c)) * clamp(u, -c, c) over the staged tile, written over g.
+  template <bool kGeGLU, bool kClamp>
+  __device__ __forceinline__ static void activate_in_place(const EpilogueParams& p,
+                                                           uint8_t* staging, int thread) {
+    const uint32_t base = shared_address(staging);
+    const float clamp = p.activation_clamp;
+    for (int unit = thread; unit < BlockM * kVectorsPerRow; unit += kThreads) {
+      const int row = unit / kVectorsPerRow, col = 8 * (unit % kVectorsPerRow);
+      const uint32_t at_g = base + Tile::offset(row, col);
+      float g[8], u[8], h[8];
+      unpack8(load_shared_16(at_g), g);
+      unpack8(load_shared_16(base + Tile::offset(row, col + kHalf)), u);
+#pragma unroll
+      for (int c = 0; c < 8; ++c) {
+        const float gc = kClamp ? fminf(g[c], clamp) : g[c];
+        const float uc = kClamp ? fminf(fmaxf(u[c], -clamp), clamp) : u[c];
+        h[c] = activation<kGeGLU>(gc) * uc;
+      }
+      store_shared_16(at_g, pack8(h));
+    }
+  }
+
   __device__ __forceinline__ static void finish(const EpilogueParams& p, const TileInfo& tile,
                                                 uint8_t* staging, int thread) {
     const int i0 = tile.n_block * kHalf;
@@ -40,22 +63,21 @@ struct GatedEpilogue {
       commit_stores();
       wait_store_reads();  // g may be overwritten from here on
     }
-    named_barrier_sync(kEpilogueBarrier, kEpilogueThreads);
-    const uint32_t base = shared_address(staging);
-    const float clamp = p.activation_clamp;
-    for (int unit = thread; unit < BlockM * kVectorsPerRow; unit += kEpilogueThreads) {
-      const int row = unit / kVectorsPerRow, col = 8 * (unit % kVectorsPerRow);
-      const uint32_t at_g = base + Tile::offset(row, col);
-      float g[8], u[8], h[8];
-      unpack8(load_shared_16(at_g), g);
-      unpack8(load_shared_16(base + Tile::offset(row, col + kHalf)), u);
-#pragma unroll
-      for (int c = 0; c < 8; ++c)
-        h[c] = activation(fminf(g[c], clamp), p.activation) * fminf(fmaxf(u[c], -clamp), clamp);
-      store_shared_16(at_g, pack8(h));
+    named_barrier_sync(kEpilogueBarrier, kThreads);
+    // One branch per tile: the per-element math below has none.
+    const bool clamped = is_clamped(p.activation_clamp);
+    if (p.activation == static_cast<int>(Activation::GeGLU)) {
+      if (clamped)
+        activate_in_place<true, true>(p, staging, thread);
+      else
+        activate_in_place<true, false>(p, staging, thread);
+    } else if (clamped) {
+      activate_in_place<false, true>(p, staging, thread);
+    } else {
+      activate_in_place<false, false>(p, staging, thread);
     }
     fence_generic_to_async();
-    named_barrier_sync(kEpilogueBarrier, kEpilogueThreads);
+    named_barrier_sync(kEpilogueBarrier, kThreads);
     if (thread == 0) {
       store_boxes(&p.out, staging, i0, tile.row0);
       commit_stores();

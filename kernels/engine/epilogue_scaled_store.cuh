@@ -12,8 +12,9 @@
 
 namespace megamoe::kernels::engine {
 
-template <int BlockM, int BlockN>
+template <int BlockM, int BlockN, int EpilogueWarps>
 struct ScaledStoreEpilogue {
+  static constexpr int kThreads = EpilogueWarps * 32;
   using Tile = StagingTile<BlockM, BlockN>;
 
   // + 0.0f: a negative scale times an empty sum is -0; the contract says +0.

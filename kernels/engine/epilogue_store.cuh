@@ -11,13 +11,14 @@
 
 namespace megamoe::kernels::engine {
 
-template <int BlockM, int BlockN>
+template <int BlockM, int BlockN, int EpilogueWarps>
 struct StoreEpilogue {
+  static constexpr int kThreads = EpilogueWarps * 32;
   using Tile = StagingTile<BlockM, BlockN>;
 
   __device__ __forceinline__ static float transform(float v, const EpilogueParams&) { return v; }
 
-  // `thread`: this epilogue thread's index (0 .. kEpilogueThreads - 1).
+  // `thread`: this epilogue thread's index (0 .. kThreads - 1).
   __device__ __forceinline__ static void finish(const EpilogueParams& p, const TileInfo& tile,
                                                 uint8_t* staging, int thread) {
     if (thread != 0) return;

@@ -32,15 +32,10 @@ struct RingState {
   }
 };
 
-// Warp roles of a CTA: warpgroup 0 is the producer warp (one thread issues TMA loads)
-// and three epilogue warps; the other warpgroups are the consumers (wgmma).
-constexpr int kEpilogueWarps = 3;
-constexpr int kEpilogueThreads = kEpilogueWarps * 32;
-
-// Hardware named barriers (0 is __syncthreads): one among the consumer warpgroups (the
-// MXFP4 decode and the K-grouped tail masking share a stage), one among the epilogue
-// warps (a staged tile is read and rewritten in place).
-enum NamedBarrierId : int { kConsumerBarrier = 1, kEpilogueBarrier = 2 };
+// Hardware named barriers (0 is __syncthreads): among the consumer warpgroups (the
+// K-grouped tail masking shares a stage), among the epilogue warps (a staged tile is
+// read and rewritten in place), among the decode warps (codes are decoded in place).
+enum NamedBarrierId : int { kConsumerBarrier = 1, kEpilogueBarrier = 2, kDecodeBarrier = 3 };
 
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");

@@ -270,6 +270,11 @@ def gated_grouped_gemm(
         _check_side(side_b_gate, side_b_up, w13.shape[0], two_i // 2, k, a)
     if out is None:
         out = torch.empty(a.shape[0], two_i // 2, dtype=torch.bfloat16, device=a.device)
+    else:
+        check_tensor(
+            "out", out, shape=(a.shape[0], two_i // 2), dtypes=(torch.bfloat16,),
+            device=a.device, contiguous=True,
+        )  # fmt: skip
     clamp = math.inf if activation_clamp is None else float(activation_clamp)
     if not a.is_cuda:
         _gated_cpu(

@@ -355,26 +355,8 @@ CASES: dict[str, Case] = {
     ),
 }
 
-# The checks the new engine's wrappers lost: the case stays, expecting the argument's
-# name, until the wrapper names it again (strict: a fix turns this into a failure, so
-# the mark goes with it).
-NOT_NAMED_YET = {
-    "gated-out-columns": "gated_grouped_gemm does not check `out`; the launcher calls it `h`",
-}
 
-
-@pytest.mark.parametrize(
-    "case",
-    [
-        pytest.param(
-            name,
-            marks=[pytest.mark.xfail(reason=NOT_NAMED_YET[name], strict=True)]
-            if name in NOT_NAMED_YET
-            else [],
-        )
-        for name in CASES
-    ],
-)
+@pytest.mark.parametrize("case", list(CASES))
 def test_bad_input_names_the_argument(case: str, layer: LayerInputs, gemm: GemmInputs) -> None:
     call, error, match = CASES[case]
     with pytest.raises(error, match=match):
