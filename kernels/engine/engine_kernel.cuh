@@ -14,7 +14,7 @@
 //  - epilogue warps (warps 1-3): finish the staged tile (activation math, TMA stores)
 //    while the consumers run the next tile's MMAs.
 // Contracts: `full`/`empty` per stage (pipeline.cuh); MXFP4: `decoded` per stage
-// completes when every decode thread wrote its part of the stage's B tile (consumers
+// completes when every decode warp wrote its part of the stage's B tile (consumers
 // wait for it instead of `full`); `staged` completes when every consumer thread wrote its
 // part of the staging tile, `drained` when the epilogue warps no longer read it (their
 // TMA stores included).
@@ -203,7 +203,10 @@ __device__ __forceinline__ void decode_stages(const EngineParams& p, const Share
         decode.store(b, thread);
         fence_generic_to_async();  // the decoded tile is read by wgmma (async proxy)
       }
-      Barrier::arrive(&smem.decoded[ring.stage]);
+      // One arrival per warp (an arrival per thread serializes on the barrier word); the
+      // warp's stores are ordered before its lane 0's release by __syncwarp.
+      __syncwarp();
+      if (thread % 32 == 0) Barrier::arrive(&smem.decoded[ring.stage]);
       ring.advance();
     }
   }
@@ -328,7 +331,7 @@ __global__ void __launch_bounds__(engine::EngineConfig<kKind, kFormat, BlockM, B
     for (int s = 0; s < C::kStages; ++s) {
       TransactionBarrier::init(&smem.full[s], 1);
       Barrier::init(&smem.empty[s], C::kConsumers * 4);  // one arrival per consumer warp
-      Barrier::init(&smem.decoded[s], C::kDecodeThreads);
+      Barrier::init(&smem.decoded[s], C::kDecodeThreads / 32);
     }
     Barrier::init(smem.staged, C::kConsumerThreads);
     Barrier::init(smem.drained, 1);

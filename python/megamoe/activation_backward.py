@@ -25,14 +25,7 @@ import torch.nn.functional as F
 
 from . import _native
 from ._checks import check_choice, check_tensor
-from .grouped_gemm import (
-    ACTIVATIONS,
-    GROUP_M,
-    _dequantized,
-    _device_sms,
-    _mxfp4_operand,
-    grouped_gemm,
-)
+from .grouped_gemm import ACTIVATIONS, GROUP_M, _device_sms, grouped_gemm, mxfp4_b
 from .routing import RoutePlan
 
 __all__ = ["activation_backward_reference", "fused_dgrad2_activation_backward"]
@@ -113,9 +106,7 @@ def fused_dgrad2_activation_backward(
     device = preact.device
     engine_scales = None
     if w2_scales is not None:
-        _, engine_scales = _mxfp4_operand("w2", w2, w2_scales, device, "mn")
-        if not preact.is_cuda:
-            w2, engine_scales = _dequantized(w2, w2_scales), None
+        _, w2, engine_scales = mxfp4_b("w2", w2, w2_scales, plan, device, "mn")
     else:
         check_tensor("w2", w2, ndim=3, dtypes=(torch.bfloat16,), device=device, contiguous=True)
     experts, hidden = w2.shape[0], w2.shape[1]

@@ -29,6 +29,7 @@ import torch
 from . import _native
 from ._checks import check_choice, check_tensor
 from .env import num_sms as resolve_device_sms
+from .heuristics import mxfp4_decodes_in_pipeline
 from .routing import RoutePlan
 
 ACTIVATIONS = {"swiglu": 0, "geglu": 1}
@@ -87,6 +88,25 @@ def _mxfp4_operand(
     return k, scales.view(torch.int16).transpose(1, 2).contiguous()
 
 
+def mxfp4_b(
+    name: str,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    plan: RoutePlan,
+    device: torch.device,
+    b_major: str = "k",
+) -> tuple[int, torch.Tensor, torch.Tensor | None]:
+    """An MXFP4 B for one GEMM: ``(K, values, engine scales)``. The codes and the
+    engine-layout scales where the pipeline decodes them
+    (:func:`~megamoe.heuristics.mxfp4_decodes_in_pipeline`), else an exact BF16 decode
+    (the same values bit for bit) and None; on the CPU the decode."""
+    k, engine_scales = _mxfp4_operand(name, codes, scales, device, b_major)
+    in_pipeline = codes.is_cuda and mxfp4_decodes_in_pipeline(plan.pool_capacity, codes.shape[0])
+    if in_pipeline:
+        return k, codes, engine_scales
+    return k, _dequantized(codes, scales), None
+
+
 def block_diagonal_side_weights(side_b_gate: torch.Tensor, side_b_up: torch.Tensor) -> torch.Tensor:
     """``[E, 2I, 2r]`` BF16 ``[[b1^T, 0], [0, b3^T]]`` (gate rows, then up rows): dgrad1's
     extra N columns, ``(dg | du) @ this = (dg b1_e^T | du b3_e^T)``, the ``b1``/``b3``
@@ -105,10 +125,10 @@ def block_diagonal_side_weights(side_b_gate: torch.Tensor, side_b_up: torch.Tens
 
 
 def _dequantized(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """The CPU twins' BF16 view of an MXFP4 B (the engine decodes to the same values)."""
-    from .mxfp4 import dequantize_mxfp4
+    """The exact BF16 values of an MXFP4 B (one decode kernel on CUDA)."""
+    from .mxfp4_decode import decode_mxfp4_bf16
 
-    return dequantize_mxfp4(codes, scales, axis=-1, dtype=torch.bfloat16)
+    return decode_mxfp4_bf16(codes, scales)
 
 
 def grouped_gemm(
@@ -149,12 +169,10 @@ def grouped_gemm(
     check_tensor("a", a, ndim=2, dtypes=(torch.bfloat16,), contiguous=True)
     engine_scales = None
     if b_scales is not None:
-        b_k, engine_scales = _mxfp4_operand("b", b, b_scales, a.device, b_major)
+        b_k, b, engine_scales = mxfp4_b("b", b, b_scales, plan, a.device, b_major)
         if k is not None and k != b_k:
             raise ValueError(f"k: an MXFP4 B reduces over all its K={b_k} columns, got k={k}")
         k = b_k
-        if not a.is_cuda:
-            b, engine_scales = _dequantized(b, b_scales), None
     else:
         check_tensor("b", b, ndim=3, dtypes=(torch.bfloat16,), device=a.device, contiguous=True)
     _check_pool_operand(a, plan)
@@ -244,11 +262,9 @@ def gated_grouped_gemm(
     check_tensor("a", a, ndim=2, dtypes=(torch.bfloat16,), contiguous=True)
     engine_scales = None
     if w13_scales is not None:
-        w13_k, engine_scales = _mxfp4_operand("w13", w13, w13_scales, a.device)
+        w13_k, w13, engine_scales = mxfp4_b("w13", w13, w13_scales, plan, a.device)
         if w13_k != k:
             raise ValueError(f"k: expected the MXFP4 w13's K={w13_k}, got {k}")
-        if not a.is_cuda:
-            w13, engine_scales = _dequantized(w13, w13_scales), None
     else:
         check_tensor("w13", w13, ndim=3, dtypes=(torch.bfloat16,), device=a.device, contiguous=True)
     two_i = w13.shape[1]

@@ -83,3 +83,22 @@ def get_block_n(block_m: int, out_columns: int) -> int:
     check_int("block_m", block_m, minimum=1)
     check_int("out_columns", out_columns, minimum=1)
     return 256 if block_m == 128 and out_columns % 256 == 0 else 128
+
+
+#: Pool rows per expert up to which the GEMMs decode an MXFP4 base inside their pipeline
+#: (64-row tiles, a warpgroup decoding each K step's codes in shared memory). Above it
+#: each GEMM first decodes its weight into a transient BF16 buffer, dropped after it:
+#: with many row tiles per expert the in-pipeline decode rewrites the same weight tile
+#: once per row tile and, with the MMA's operand reads, exceeds the shared-memory
+#: bandwidth, while one decode pass per call is amortised (docs/PERFORMANCE.md,
+#: "MXFP4 in the pipeline").
+MXFP4_PIPELINE_MAX_ROWS_PER_EXPERT = 1024
+
+
+def mxfp4_decodes_in_pipeline(pool_rows: int, num_experts: int) -> bool:
+    """Whether an MXFP4 GEMM over a pool of ``pool_rows`` rows and ``num_experts``
+    experts decodes in its pipeline (True) or from a transient BF16 decode (False); see
+    :data:`MXFP4_PIPELINE_MAX_ROWS_PER_EXPERT`. Host values only: no synchronisation."""
+    check_int("pool_rows", pool_rows, minimum=0)
+    check_int("num_experts", num_experts, minimum=1)
+    return pool_rows <= MXFP4_PIPELINE_MAX_ROWS_PER_EXPERT * num_experts
