@@ -15,11 +15,12 @@ from dataclasses import dataclass
 import torch
 
 from . import pool
-from ._checks import check_choice, check_tensor
-from .grouped_gemm import ACTIVATIONS, gated_grouped_gemm, grouped_gemm
+from ._checks import check_choice
+from .grouped_gemm import gated_grouped_gemm, grouped_gemm
 from .heuristics import get_block_m
 from .routing import RoutePlan, plan_routes
 from .side_lora import SideLoRA
+from .validation import check_moe_inputs
 from .weights import BaseWeights
 
 #: What the forward keeps for the backward (see :func:`moe_forward`).
@@ -55,66 +56,24 @@ def check_forward_inputs(
     require_cuda: bool = True,
     allow_no_tokens: bool = False,
 ) -> None:
-    """Every argument check of the fused forward, before any launch.
+    """Every argument check of the fused forward, before any launch
+    (:func:`megamoe.validation.check_moe_inputs`: types, shapes and dtypes first, then one
+    device for all, then CUDA).
 
     The EP layer passes ``require_cuda=False`` (CPU twins, for tests) and
     ``allow_no_tokens=True`` (a rank may hold no tokens and still serve its experts).
     """
-    if not isinstance(base, BaseWeights):
-        raise TypeError(f"base: expected megamoe.BaseWeights, got {type(base).__name__}")
-    device = base.device
-    if require_cuda and device.type != "cuda":
-        raise ValueError(f"base: expected CUDA weights for the fused path, got {device}")
-    check_tensor(
-        "x",
+    check_moe_inputs(
         x,
-        shape=(None, base.hidden),
-        dtypes=(torch.bfloat16,),
-        device=device,
-        contiguous=True,
-        alignment=16,
-    )
-    num_tokens = x.shape[0]
-    if num_tokens < 1 and not allow_no_tokens:
-        raise ValueError("x: expected at least one token")
-    check_tensor(
-        "topk_ids",
         topk_ids,
-        shape=(num_tokens, None),
-        dtypes=(torch.int32, torch.int64),
-        device=device,
-        contiguous=True,
-    )
-    check_tensor(
-        "topk_weights",
         topk_weights,
-        shape=tuple(topk_ids.shape),
-        dtypes=(torch.float32,),
-        device=device,
-        contiguous=True,
+        base,
+        side,
+        activation,
+        activation_clamp,
+        require_cuda=require_cuda,
+        allow_no_tokens=allow_no_tokens,
     )
-    check_choice("activation", activation, tuple(ACTIVATIONS))
-    if activation_clamp is not None and not (
-        isinstance(activation_clamp, (int, float))
-        and not isinstance(activation_clamp, bool)
-        and 0 < float(activation_clamp) < float("inf")
-    ):
-        raise ValueError(
-            f"activation_clamp: expected a positive finite float or None, got {activation_clamp!r}"
-        )
-    if side is not None:
-        if not isinstance(side, SideLoRA):
-            raise TypeError(f"side: expected megamoe.SideLoRA or None, got {type(side).__name__}")
-        if side.dtype != torch.bfloat16 or side.device != device:
-            raise TypeError(
-                f"side: expected bfloat16 tensors on {device}, got {side.dtype} on {side.device}"
-            )
-        dims = (side.hidden, side.intermediate, side.num_experts)
-        if dims != (base.hidden, base.intermediate, base.num_experts):
-            raise ValueError(
-                f"side: (H, I, E_l) = {dims} does not match base "
-                f"{(base.hidden, base.intermediate, base.num_experts)}"
-            )
 
 
 def moe_forward(
