@@ -92,7 +92,7 @@ def get_block_n(block_m: int, out_columns: int) -> int:
 #: once per row tile and, with the MMA's operand reads, exceeds the shared-memory
 #: bandwidth, while one decode pass per call is amortised (docs/PERFORMANCE.md,
 #: "MXFP4 in the pipeline").
-MXFP4_PIPELINE_MAX_ROWS_PER_EXPERT = 1024
+MXFP4_PIPELINE_MAX_ROWS_PER_EXPERT = 320
 
 
 def mxfp4_decodes_in_pipeline(pool_rows: int, num_experts: int) -> bool:
