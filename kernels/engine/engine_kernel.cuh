@@ -192,6 +192,11 @@ __device__ __forceinline__ void decode_stages(const EngineParams& p, const Share
       TransactionBarrier::wait(&smem.full[ring.stage], ring.phase);
       if (C::B::decodes(tile, step)) {
         uint8_t* b = smem.b(ring.stage);
+        // The codes land where an earlier fill of this stage was decoded: every decode
+        // thread's stores of that fill are ordered before any thread reads the new codes
+        // (they already are through the ring's mbarriers and the TMA fill; this barrier
+        // makes it a thread-level order, which racecheck follows).
+        named_barrier_sync(kDecodeBarrier, C::kDecodeThreads);
         Decode decode;
         if constexpr (C::B::kMNMajor)
           decode.load(b + C::B::kCodeOffset, smem.scales(ring.stage), thread);
