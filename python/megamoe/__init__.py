@@ -9,16 +9,21 @@ Public API (docs/DESIGN.md §5):
   the weight and adapter containers; ``megamoe.adapter_convert``: PEFT and
   Megatron-Bridge adapter layouts;
 - ``quantize_mxfp4`` / ``dequantize_mxfp4``: the MXFP4 quantizer;
-- ``plan_routes`` (and its float reference), ``get_block_m`` / ``get_block_n``, the
+- ``plan_routes`` (and its float reference), ``get_block_m``, the
   SM budget (``resolve_num_sms``) and the forward's scratch sizes
   (``workspace_layout``): the host heuristics;
 - ``megamoe.ep``: the expert-parallel layer and its CPU twins; ``megamoe.reference``:
   the float64 oracle; ``megamoe.testing``: inputs, metrics, the unfused baseline.
 """
 
-from . import adapter_convert, ep, reference
+from . import (
+    adapter_convert,
+    ep,
+    flop_formulas,  # noqa: F401  (FlopCounterMode counts the megamoe ops)
+    reference,
+)
 from .env import resolve_num_sms
-from .heuristics import BlockMConfig, get_block_m, get_block_n
+from .heuristics import BlockMConfig, get_block_m
 from .module import MegaMoE
 from .mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from .ops import moe
@@ -40,7 +45,6 @@ __all__ = [
     "dequantize_mxfp4",
     "ep",
     "get_block_m",
-    "get_block_n",
     "moe",
     "plan_routes",
     "plan_routes_reference",

@@ -1,4 +1,4 @@
-"""Host heuristics: the pool's BLOCK_M (DESIGN §3).
+"""Host heuristics: the pool's BLOCK_M and where an MXFP4 base is decoded (DESIGN §3).
 
 Tests and EP code query :func:`get_block_m` instead of copying its thresholds.
 """
@@ -66,23 +66,6 @@ def get_block_m(
     rows_per_expert = num_tokens * ep_size * top_k / num_experts
     fitting = [b for b in choices if rows_per_expert >= config.min_blocks_per_expert * b]
     return fitting[-1] if fitting else choices[0]
-
-
-def get_block_n(block_m: int, out_columns: int) -> int:
-    """Output tile width of the grouped GEMM engine for a pool GEMM.
-
-    128x256 tiles deliver ~1.3x the FLOP per shared-memory byte of 128x128, and the
-    engine is bound by operand delivery: measured at ep4rank on an H200, GEMM1 21.7 ms
-    vs 25.2 ms, GEMM2 11.9 vs 13.1 (docs/PERFORMANCE.md). They exist for BLOCK_M 128
-    only (two consumer warpgroups hold the 128x256 accumulator) and need whole 256-wide
-    tiles of the base columns (``out_columns``: ``2I`` for GEMM1, ``H`` for GEMM2).
-
-    Returns:
-        256 or 128.
-    """
-    check_int("block_m", block_m, minimum=1)
-    check_int("out_columns", out_columns, minimum=1)
-    return 256 if block_m == 128 and out_columns % 256 == 0 else 128
 
 
 #: Pool rows per expert up to which the GEMMs decode an MXFP4 base inside their pipeline

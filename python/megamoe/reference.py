@@ -531,7 +531,6 @@ def moe(
     activation: str = "swiglu",
     activation_clamp: float | None = None,
     group=None,
-    workspace=None,
     compute_dtype: torch.dtype = torch.float64,
     round_bf16: bool = False,
 ) -> torch.Tensor:
@@ -550,7 +549,6 @@ def moe(
         activation: ``"swiglu"`` or ``"geglu"``.
         activation_clamp: ``None`` or a positive finite float.
         group: must be ``None``: the reference runs on one process.
-        workspace: ignored (the reference allocates what it needs).
         compute_dtype: float64 (default) or float32.
         round_bf16: model the kernels' BF16 rounding points (module docstring).
 
@@ -558,7 +556,6 @@ def moe(
         ``out`` ``[T, H]`` in ``compute_dtype`` (the oracle keeps its precision).
         Gradients flowing back to the inputs come in each input's own dtype.
     """
-    del workspace  # the reference needs no scratch
     if group is not None:
         raise ValueError("group: the reference runs on one process; pass group=None")
     if not isinstance(base, BaseWeights):

@@ -157,6 +157,13 @@ class _StraightThrough(torch.autograd.Function):
         return None, grad.to(ctx.master_dtype)
 
 
+def _without_data(t: torch.Tensor) -> bool:
+    """A meta or fake tensor: shapes and dtypes only."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return t.device.type == "meta" or is_fake(t)
+
+
 def prepare_base_weights(w13: torch.Tensor, w2: torch.Tensor, format: str = "bf16") -> BaseWeights:
     """The base expert weights as the kernels read them (no copy for BF16).
 
@@ -206,13 +213,30 @@ def prepare_base_weights(w13: torch.Tensor, w2: torch.Tensor, format: str = "bf1
     # Ordinary mode: the caller's w13/w2 are the straight-through gradient sink (kept by
     # reference, no copy); the packed values are quantized from their BF16 rounding.
     trains = torch.is_grad_enabled() and (w13.requires_grad or w2.requires_grad)
-    for name, value in (("w13", w13), ("w2", w2)):
-        if not torch.isfinite(value).all():
-            raise ValueError(f"{name}: MXFP4 quantization needs finite weights, found NaN or Inf")
     assert hidden % MXFP4_BLOCK == 0 and intermediate % MXFP4_BLOCK == 0
-    with torch.no_grad():
-        w13_packed, w13_scales = quantize_mxfp4(w13_bf16.detach(), axis=-1)
-        w2_packed, w2_scales = quantize_mxfp4(w2_bf16.detach(), axis=-1)
+    if _without_data(w13) or _without_data(w2):
+        # Meta or fake tensors (a module built on meta, torch.compile tracing): the packed
+        # layout's shapes, no values to check or quantize.
+        def packed(w: torch.Tensor, inner: int) -> tuple[torch.Tensor, torch.Tensor]:
+            lead = tuple(w.shape[:-1])
+            return (
+                w.new_empty(*lead, inner // 2, dtype=torch.uint8),
+                w.new_empty(*lead, inner // MXFP4_BLOCK, dtype=torch.uint8),
+            )
+
+        (w13_packed, w13_scales), (w2_packed, w2_scales) = (
+            packed(w13, hidden),
+            packed(w2, intermediate),
+        )
+    else:
+        for name, value in (("w13", w13), ("w2", w2)):
+            if not torch.isfinite(value).all():
+                raise ValueError(
+                    f"{name}: MXFP4 quantization needs finite weights, found NaN or Inf"
+                )
+        with torch.no_grad():
+            w13_packed, w13_scales = quantize_mxfp4(w13_bf16.detach(), axis=-1)
+            w2_packed, w2_scales = quantize_mxfp4(w2_bf16.detach(), axis=-1)
     return BaseWeights(
         "mxfp4",
         w13_packed,

@@ -153,3 +153,19 @@ def test_prepare_rejects_bad_format_and_dtypes():
         mm.prepare_base_weights(w13.half(), w2.half())
     with pytest.raises(TypeError, match="w2: expected dtype"):
         mm.prepare_base_weights(w13, w2.float())
+
+
+def test_mxfp4_base_on_meta_has_the_packed_shapes_and_runs_a_meta_call():
+    """A module built on meta (or traced with fake tensors) prepares an MXFP4 base of the
+    packed shapes without reading values, and mm.moe on it gives the output's shape."""
+    w13 = torch.empty(4, 2 * I, H, device="meta", dtype=torch.bfloat16)
+    w2 = torch.empty(4, H, I, device="meta", dtype=torch.bfloat16)
+    base = mm.prepare_base_weights(w13, w2, format="mxfp4")
+    assert base.format == "mxfp4" and base.w13.device.type == "meta"
+    assert tuple(base.w13.shape) == (4, 2 * I, H // 2) and base.w13.dtype == torch.uint8
+    assert tuple(base.w13_scales.shape) == (4, 2 * I, H // 32)
+    assert tuple(base.w2.shape) == (4, H, I // 2) and tuple(base.w2_scales.shape) == (4, H, I // 32)
+    x = torch.empty(5, H, device="meta", dtype=torch.bfloat16)
+    ids = torch.zeros(5, 2, device="meta", dtype=torch.int32)
+    out = mm.moe(x, ids, torch.empty(5, 2, device="meta"), base)
+    assert out.shape == x.shape and out.device.type == "meta"

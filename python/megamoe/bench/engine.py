@@ -160,7 +160,8 @@ def build_cases(args, plan, device) -> dict[str, dict[str, tuple[Callable[[], ob
             side_flops = flops * (1 + 2 * r / h)
             cases["gemm1+act"] = {
                 "engine": (
-                    lambda: gated_grouped_gemm(x, w13, plan, k=h, preact_out=preact_out), flops
+                    lambda: gated_grouped_gemm(x, w13, plan, k=h, preact_out=preact_out),
+                    flops,
                 ),
                 "engine +side": (
                     lambda: gated_grouped_gemm(x, w13, plan, k=h, preact_out=preact_out, **side),
@@ -199,9 +200,7 @@ def build_cases(args, plan, device) -> dict[str, dict[str, tuple[Callable[[], ob
                 flops * (1 + 2 * r / h),
             ),
             "engine mxfp4 +shrink": (
-                lambda: grouped_gemm(
-                    dgu, c13, plan, b_major="mn", b_scales=s13, b_extra=shrink
-                ),
+                lambda: grouped_gemm(dgu, c13, plan, b_major="mn", b_scales=s13, b_extra=shrink),
                 flops * (1 + 2 * r / h),
             ),
         }

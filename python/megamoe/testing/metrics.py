@@ -20,8 +20,9 @@ ORACLE_MAX_REL_L2 = 1e-2
 #: rounding points of the contract (DESIGN §1: q, h, p, every GEMM output); measured,
 #: the float64 reference that rounds exactly there (``round_bf16=True``) is itself only
 #: at cosine 0.99999 +- 0.00001 against the unrounded oracle (rel. L2 4e-3 to 7e-3 on
-#: small tensors such as one token's a1/a3 gradient), so DESIGN §6's 0.99999 cannot be
-#: met by any implementation of the contract. docs/DESIGN-NOTES.md has the numbers.
+#: small tensors such as one token's a1/a3 gradient), so 0.99999 cannot be met by any
+#: implementation of the contract: docs/DESIGN.md §6 gates gradients at this value, and
+#: docs/DESIGN-NOTES.md has the numbers.
 GRAD_MIN_COSINE = 0.99995
 
 
