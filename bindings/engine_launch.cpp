@@ -71,9 +71,9 @@ void check_activation(int activation, double clamp) {
 
 // The pool schedule shared by the pool kinds: the plan's offsets, the rows in use
 // clamped to the pool on the device.
-ScheduleParams pool_schedule(const Tensor& offsets, int64_t experts, int64_t pool_rows,
-                             int block_m, int group_m, int64_t n_base, int64_t n_extra,
-                             int64_t side_k, int64_t k_base, int device) {
+ScheduleParams pool_schedule(const Tensor& offsets, int64_t experts, int64_t pool_rows, int block_m,
+                             int group_m, int64_t n_base, int64_t n_extra, int64_t side_k,
+                             int64_t k_base, int device) {
   check_tensor<int32_t>("expert_pool_offsets", offsets, {experts + 1}, device);
   if (pool_rows % block_m != 0)
     throw nb::value_error(
@@ -104,8 +104,9 @@ void set_store_outputs(EpilogueParams& e, const Tensor& out, int64_t rows, int64
       throw nb::value_error(
           ("b: N extra columns need N a multiple of 8 (16-byte aligned), got " + str(n_base))
               .c_str());
-    e.out_extra = bf16_rows("out (extra columns)", static_cast<const uint16_t*>(out.data()) + n_base,
-                            rows, n_extra, stride, block_m);
+    e.out_extra =
+        bf16_rows("out (extra columns)", static_cast<const uint16_t*>(out.data()) + n_base, rows,
+                  n_extra, stride, block_m);
   }
 }
 
@@ -113,15 +114,15 @@ void set_store_outputs(EpilogueParams& e, const Tensor& out, int64_t rows, int64
 CUtensorMap mn_major_map(const char* name, const Tensor& w, int device) {
   check_tensor(name, w, bfloat16_dtype(), {-1, -1, -1}, device);
   const int64_t e = w.shape(0), k = w.shape(1), n = w.shape(2);
-  return tensor_map(name, w.data(), CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, {n, k, e},
-                    {n * 2, k * n * 2}, {64, kBlockK, 1}, true);
+  return tensor_map(name, w.data(), CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, {n, k, e}, {n * 2, k * n * 2},
+                    {64, kBlockK, 1}, true);
 }
 
 // MXFP4 weights as stored (codes [E, K, N/2], scales transposed to [E, N/32, K]), read
 // MN-major: per K step the codes box [64 K rows, BLOCK_N / 2 bytes] and the scales box
 // [BLOCK_N / 32, 64 K].
-void set_mn_major_mxfp4(OperandParams& o, const Tensor& codes, const Tensor& scales, int64_t experts,
-                        int64_t k, int64_t n, int device) {
+void set_mn_major_mxfp4(OperandParams& o, const Tensor& codes, const Tensor& scales,
+                        int64_t experts, int64_t k, int64_t n, int device) {
   check_tensor<uint8_t>("b", codes, {experts, k, n / 2}, device);
   check_tensor<uint8_t>("b_scales", scales, {experts, n / 32, k}, device);
   if (k % kBlockK != 0 || n % 32 != 0)
@@ -158,7 +159,8 @@ void engine_gated(const Tensor& a, int64_t k_base, const Tensor& w13,
   if (k_base < kBlockK || k_base % kBlockK != 0)
     throw nb::value_error(("k_base: expected a multiple of 64, got " + str(k_base)).c_str());
   if (two_i % 2 != 0 || inter % 64 != 0)
-    throw nb::value_error(("w13: expected 2I rows with I a multiple of 64, got " + str(two_i)).c_str());
+    throw nb::value_error(
+        ("w13: expected 2I rows with I a multiple of 64, got " + str(two_i)).c_str());
   check_activation(activation, activation_clamp);
   if (side_gate.has_value() != side_up.has_value())
     throw nb::value_error("side_gate/side_up: give both or neither");
@@ -183,8 +185,8 @@ void engine_gated(const Tensor& a, int64_t k_base, const Tensor& w13,
 
   EngineParams p{};
   // A gated tile is BLOCK_N / 2 gate and as many up rows of w13: 2I / BLOCK_N tiles.
-  p.schedule = pool_schedule(offsets, experts, rows, kernels.block_m, group_m, 2 * inter, 0,
-                             side_k, k_base, device);
+  p.schedule = pool_schedule(offsets, experts, rows, kernels.block_m, group_m, 2 * inter, 0, side_k,
+                             k_base, device);
   OperandParams& o = p.operands;
   o.a = bf16_rows("a", a.data(), rows, k_base + side_k, a.stride(0), kernels.block_m);
   if (mxfp4) {
@@ -193,13 +195,13 @@ void engine_gated(const Tensor& a, int64_t k_base, const Tensor& w13,
                          {k_base / 2, inter, 2, experts},
                          {k_base / 2, inter * k_base / 2, two_i * k_base / 2},
                          {kBlockK / 2, kBlockN / 2, 1, 1}, false);
-    o.scales = tensor_map("w13_scales", w13_scales->data(), CU_TENSOR_MAP_DATA_TYPE_UINT16,
-                          {two_i, experts * (k_base / kBlockK)}, {two_i * 2}, {kBlockN / 2, 1},
-                          false);
+    o.scales =
+        tensor_map("w13_scales", w13_scales->data(), CU_TENSOR_MAP_DATA_TYPE_UINT16,
+                   {two_i, experts * (k_base / kBlockK)}, {two_i * 2}, {kBlockN / 2, 1}, false);
   } else {
-    o.b = tensor_map("w13", w13.data(), CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-                     {k_base, inter, 2, experts}, {k_base * 2, inter * k_base * 2, two_i * k_base * 2},
-                     {kBlockK, kBlockN / 2, 1, 1}, true);
+    o.b = tensor_map(
+        "w13", w13.data(), CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, {k_base, inter, 2, experts},
+        {k_base * 2, inter * k_base * 2, two_i * k_base * 2}, {kBlockK, kBlockN / 2, 1, 1}, true);
   }
   if (side_gate) {
     o.side_gate = tensor_map("side_gate", side_gate->data(), CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
@@ -243,11 +245,14 @@ void engine_store(const Tensor& a, int64_t k_base, const Tensor& b, std::optiona
                            "] (a's columns), got " + str(k_base))
                               .c_str());
   if (mxfp4 && k_base % kBlockK != 0)
-    throw nb::value_error(("k_base: an MXFP4 B needs K a multiple of 64, got " + str(k_base)).c_str());
+    throw nb::value_error(
+        ("k_base: an MXFP4 B needs K a multiple of 64, got " + str(k_base)).c_str());
   const int64_t experts = b.shape(0);
   int64_t n_base = 0;
-  if (b_major_mn) n_base = b.shape(2) * (mxfp4 ? 2 : 1);
-  else n_base = b.shape(1);
+  if (b_major_mn)
+    n_base = b.shape(2) * (mxfp4 ? 2 : 1);
+  else
+    n_base = b.shape(1);
   int64_t n_extra = 0;
   if (b_extra) {
     if (b_major_mn) {
@@ -287,12 +292,12 @@ void engine_store(const Tensor& a, int64_t k_base, const Tensor& b, std::optiona
     if (mxfp4) {
       check_tensor<uint8_t>("b", b, {experts, n_base, k_base / 2}, device);
       check_tensor<int16_t>("b_scales", *b_scales, {experts, k_base / kBlockK, n_base}, device);
-      o.codes = tensor_map("b", b.data(), CU_TENSOR_MAP_DATA_TYPE_UINT8,
-                           {k_base / 2, n_base, experts}, {k_base / 2, n_base * k_base / 2},
-                           {kBlockK / 2, kBlockN, 1}, false);
-      o.scales = tensor_map("b_scales", b_scales->data(), CU_TENSOR_MAP_DATA_TYPE_UINT16,
-                            {n_base, experts * (k_base / kBlockK)}, {n_base * 2}, {kBlockN, 1},
-                            false);
+      o.codes =
+          tensor_map("b", b.data(), CU_TENSOR_MAP_DATA_TYPE_UINT8, {k_base / 2, n_base, experts},
+                     {k_base / 2, n_base * k_base / 2}, {kBlockK / 2, kBlockN, 1}, false);
+      o.scales =
+          tensor_map("b_scales", b_scales->data(), CU_TENSOR_MAP_DATA_TYPE_UINT16,
+                     {n_base, experts * (k_base / kBlockK)}, {n_base * 2}, {kBlockN, 1}, false);
     } else {
       check_tensor("b", b, bfloat16_dtype(), {experts, n_base, k_base}, device);
       o.b = tensor_map("b", b.data(), CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, {k_base, n_base, experts},
@@ -314,11 +319,10 @@ void engine_activation_backward(const Tensor& a, int64_t k_base, const Tensor& b
                                 std::optional<Tensor> b_scales, std::optional<Tensor> side,
                                 const Tensor& offsets, const Tensor& preact,
                                 const Tensor& row_weights, int64_t num_routes,
-                                const Tensor& pool_row_to_route,
-                                const Tensor& dgrad_preact, std::optional<Tensor> weighted_h,
-                                const Tensor& drouter_partials, int activation,
-                                double activation_clamp, int block_m, int group_m, int num_sms,
-                                uintptr_t stream) {
+                                const Tensor& pool_row_to_route, const Tensor& dgrad_preact,
+                                std::optional<Tensor> weighted_h, const Tensor& drouter_partials,
+                                int activation, double activation_clamp, int block_m, int group_m,
+                                int num_sms, uintptr_t stream) {
   const int device = a.device_id();
   check_rows("a", a, -1, device);
   const int64_t rows = a.shape(0);
@@ -335,9 +339,9 @@ void engine_activation_backward(const Tensor& a, int64_t k_base, const Tensor& b
     rank = side->shape(1);
   }
   if (k_base + rank > static_cast<int64_t>(a.shape(1)))
-    throw nb::value_error(("a: expected at least K + r = " + str(k_base + rank) + " columns, got " +
-                           str(a.shape(1)))
-                              .c_str());
+    throw nb::value_error(
+        ("a: expected at least K + r = " + str(k_base + rank) + " columns, got " + str(a.shape(1)))
+            .c_str());
   check_activation(activation, activation_clamp);
   check_tensor("preact", preact, bfloat16_dtype(), {rows, 2 * inter}, device);
   check_tensor<float>("row_weights", row_weights, {rows}, device);
@@ -345,7 +349,8 @@ void engine_activation_backward(const Tensor& a, int64_t k_base, const Tensor& b
   if (num_routes < 0) throw nb::value_error("num_routes: expected >= 0");
   check_tensor("dgrad_preact", dgrad_preact, bfloat16_dtype(), {rows, 2 * inter}, device);
   if (weighted_h) check_tensor("weighted_h", *weighted_h, bfloat16_dtype(), {rows, inter}, device);
-  check_tensor<float>("drouter_partials", drouter_partials, {rows, ceil_div(inter, kBlockN)}, device);
+  check_tensor<float>("drouter_partials", drouter_partials, {rows, ceil_div(inter, kBlockN)},
+                      device);
   const EngineKernels& kernels = select_variant(
       EngineKind::ActivationBackward, mxfp4 ? BFormat::MXFP4 : BFormat::BF16, block_m, kBlockN);
 
@@ -380,18 +385,17 @@ void engine_activation_backward(const Tensor& a, int64_t k_base, const Tensor& b
 }
 
 // out[e] = scale * a_e^T b_e over each expert's data rows (EngineKind::KGrouped).
-void engine_k_grouped(const Tensor& a, const Tensor& b, const Tensor& offsets,
-                      const Tensor& counts, const Tensor& out, int block_n, double scale,
-                      int num_sms, uintptr_t stream) {
+void engine_k_grouped(const Tensor& a, const Tensor& b, const Tensor& offsets, const Tensor& counts,
+                      const Tensor& out, int block_n, double scale, int num_sms, uintptr_t stream) {
   const int device = a.device_id();
   check_rows("a", a, -1, device);
   const int64_t rows = a.shape(0);
   check_rows("b", b, rows, device);
   const int64_t m = a.shape(1), n = b.shape(1);
   if (m % 8 != 0 || n % 8 != 0)
-    throw nb::value_error(("a, b: expected columns that are multiples of 8, got " + str(m) +
-                           " and " + str(n))
-                              .c_str());
+    throw nb::value_error(
+        ("a, b: expected columns that are multiples of 8, got " + str(m) + " and " + str(n))
+            .c_str());
   check_tensor<int32_t>("expert_pool_offsets", offsets, {-1}, device);
   const int64_t experts = static_cast<int64_t>(offsets.shape(0)) - 1;
   if (experts < 1) throw nb::value_error("expert_pool_offsets: expected E + 1 >= 2 entries");
@@ -442,10 +446,10 @@ void register_engine(nb::module_& m) {
   m.def("engine_activation_backward", &engine_activation_backward, nb::arg("a"), nb::arg("k_base"),
         nb::arg("b"), nb::arg("b_scales").none(), nb::arg("side_b").none(),
         nb::arg("expert_pool_offsets"), nb::arg("preact"), nb::arg("row_weights"),
-        nb::arg("num_routes"), nb::arg("pool_row_to_route"), nb::arg("dgrad_preact"), nb::arg("weighted_h").none(),
-        nb::arg("drouter_partials"), nb::arg("activation"), nb::arg("activation_clamp"),
-        nb::arg("block_m"), nb::arg("group_m"), nb::arg("num_sms"), nb::arg("stream"),
-        "dgrad2 with the activation backward as its epilogue.");
+        nb::arg("num_routes"), nb::arg("pool_row_to_route"), nb::arg("dgrad_preact"),
+        nb::arg("weighted_h").none(), nb::arg("drouter_partials"), nb::arg("activation"),
+        nb::arg("activation_clamp"), nb::arg("block_m"), nb::arg("group_m"), nb::arg("num_sms"),
+        nb::arg("stream"), "dgrad2 with the activation backward as its epilogue.");
   m.def("engine_k_grouped", &engine_k_grouped, nb::arg("a"), nb::arg("b"),
         nb::arg("expert_pool_offsets"), nb::arg("expert_counts"), nb::arg("out"),
         nb::arg("block_n"), nb::arg("scale"), nb::arg("num_sms"), nb::arg("stream"),

@@ -32,9 +32,8 @@ PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
 }  // namespace
 
 CUtensorMap tensor_map(const char* name, const void* base, CUtensorMapDataType type,
-                       std::initializer_list<int64_t> dims,
-                       std::initializer_list<int64_t> strides, std::initializer_list<int> box,
-                       bool swizzle_128b) {
+                       std::initializer_list<int64_t> dims, std::initializer_list<int64_t> strides,
+                       std::initializer_list<int> box, bool swizzle_128b) {
   const int rank = static_cast<int>(dims.size());
   if (rank < 1 || rank > 5 || static_cast<int>(box.size()) != rank ||
       static_cast<int>(strides.size()) != rank - 1)
@@ -50,17 +49,16 @@ CUtensorMap tensor_map(const char* name, const void* base, CUtensorMapDataType t
   }
   for (int64_t s : strides) {
     if (s % 16 != 0)
-      throw nb::value_error((std::string(name) +
-                             ": TMA needs strides that are multiples of 16 bytes, got " + str(s))
-                                .c_str());
+      throw nb::value_error(
+          (std::string(name) + ": TMA needs strides that are multiples of 16 bytes, got " + str(s))
+              .c_str());
     global_strides.push_back(static_cast<cuuint64_t>(s));
   }
   for (int b : box) box_dims.push_back(static_cast<cuuint32_t>(b));
   CUtensorMap map{};
   const CUresult result = encode_tiled()(
       &map, type, static_cast<cuuint32_t>(rank), const_cast<void*>(base), global_dims.data(),
-      global_strides.data(), box_dims.data(), element_strides.data(),
-      CU_TENSOR_MAP_INTERLEAVE_NONE,
+      global_strides.data(), box_dims.data(), element_strides.data(), CU_TENSOR_MAP_INTERLEAVE_NONE,
       swizzle_128b ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_NONE,
       CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (result != CUDA_SUCCESS)
@@ -71,8 +69,8 @@ CUtensorMap tensor_map(const char* name, const void* base, CUtensorMapDataType t
 
 CUtensorMap bf16_rows(const char* name, const void* base, int64_t rows, int64_t cols,
                       int64_t row_stride, int box_rows) {
-  return tensor_map(name, base, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, {cols, rows},
-                    {row_stride * 2}, {kGemmBlockK, box_rows}, true);
+  return tensor_map(name, base, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, {cols, rows}, {row_stride * 2},
+                    {kGemmBlockK, box_rows}, true);
 }
 
 }  // namespace megamoe

@@ -22,9 +22,8 @@ namespace nb = nanobind;
 // past them clipped by the TMA unit. Raises ValueError naming `name` on addresses or
 // strides TMA cannot take.
 CUtensorMap tensor_map(const char* name, const void* base, CUtensorMapDataType type,
-                       std::initializer_list<int64_t> dims,
-                       std::initializer_list<int64_t> strides, std::initializer_list<int> box,
-                       bool swizzle_128b);
+                       std::initializer_list<int64_t> dims, std::initializer_list<int64_t> strides,
+                       std::initializer_list<int> box, bool swizzle_128b);
 
 // BF16 [rows, cols] with `row_stride` elements between rows, box [box_rows, 64], swizzled.
 CUtensorMap bf16_rows(const char* name, const void* base, int64_t rows, int64_t cols,

@@ -41,8 +41,8 @@ __device__ __forceinline__ void activation_and_derivative(float g, float& act, f
     derivative = 0.5f * (1.0f + t) + tail;
   } else {
     const float sig = fast_sigmoid(g);
-    act = g * sig;                           // the forward's h uses this very product
-    derivative = sig + act * (1.0f - sig);   // sig (1 + g (1 - sig))
+    act = g * sig;                          // the forward's h uses this very product
+    derivative = sig + act * (1.0f - sig);  // sig (1 + g (1 - sig))
   }
 }
 

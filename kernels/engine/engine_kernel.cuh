@@ -145,8 +145,8 @@ struct SharedStorage {
 
   __device__ __forceinline__ explicit SharedStorage(uint8_t* raw) {
     // 1024-byte alignment: the 128-byte swizzle pattern repeats every 8 rows of 128 bytes.
-    stages = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) &
-                                        ~uintptr_t{1023});
+    stages =
+        reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t{1023});
     staging = stages + C::kStages * C::kStageBytes;
     full = reinterpret_cast<uint64_t*>(staging + C::Staging::kBytes);
     empty = full + C::kStages;
@@ -181,9 +181,9 @@ __device__ __forceinline__ void produce(const EngineParams& p, const SharedStora
 template <class C>
 __device__ __forceinline__ void decode_stages(const EngineParams& p, const SharedStorage<C>& smem,
                                               int thread) {
-  using Decode = std::conditional_t<C::B::kMNMajor,
-                                    mxfp4::MNMajorTileDecode<C::kBlockN, C::kDecodeThreads>,
-                                    mxfp4::KMajorTileDecode<C::kBlockN, C::kDecodeThreads>>;
+  using Decode =
+      std::conditional_t<C::B::kMNMajor, mxfp4::MNMajorTileDecode<C::kBlockN, C::kDecodeThreads>,
+                         mxfp4::KMajorTileDecode<C::kBlockN, C::kDecodeThreads>>;
   const typename C::Schedule schedule(p.schedule);
   RingState<C::kStages> ring;
   for (int t = blockIdx.x; t < schedule.num_tiles(); t += gridDim.x) {
@@ -242,7 +242,7 @@ __device__ __forceinline__ void mask_tail_rows(const SharedStorage<C>& smem, con
 // ---- consumers: wgmma over the ring, then the accumulators into the staging tile ----
 template <class C>
 __device__ __forceinline__ void consume(const EngineParams& p, const SharedStorage<C>& smem,
-                                       int consumer) {
+                                        int consumer) {
   using Mma = Wgmma<C::kBlockN, C::A::kMNMajor, C::B::kMNMajor>;
   const typename C::Schedule schedule(p.schedule);
   const int consumer_thread = threadIdx.x - kWarpgroupThreads;
@@ -296,8 +296,7 @@ __device__ __forceinline__ void consume(const EngineParams& p, const SharedStora
     Barrier::wait(smem.drained, epilogue_phase ^ 1u);
     const EpilogueParams& ep = p.epilogue;
     stage_accumulators<C::kBlockM, C::kBlockN>(
-        acc, smem.staging, consumer,
-        [&](float v) { return C::Epilogue::transform(v, ep); });
+        acc, smem.staging, consumer, [&](float v) { return C::Epilogue::transform(v, ep); });
     fence_generic_to_async();  // TMA stores read the staged tile
     Barrier::arrive(smem.staged);
     epilogue_phase ^= 1u;

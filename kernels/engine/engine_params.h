@@ -82,10 +82,10 @@ struct OperandParams {
   // box [64, BLOCK_N / 2]; scales [E * N / 32, K] uint8, box [BLOCK_N / 32, 64].
   CUtensorMap codes;
   CUtensorMap scales;
-  int32_t k_base;       // base reduction length (a multiple of 64 for MXFP4)
-  int32_t side_rank;    // Gated: r (q1 | q3 boundary of the side columns); else 0
-  int32_t n_base;       // output columns of the base segment (Gated: I)
-  float side_scale;     // the side segment's sum is scaled by this before the base adds on
+  int32_t k_base;     // base reduction length (a multiple of 64 for MXFP4)
+  int32_t side_rank;  // Gated: r (q1 | q3 boundary of the side columns); else 0
+  int32_t n_base;     // output columns of the base segment (Gated: I)
+  float side_scale;   // the side segment's sum is scaled by this before the base adds on
 };
 
 // Epilogue functors (kernels/engine/epilogue_*.cuh).

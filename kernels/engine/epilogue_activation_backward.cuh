@@ -43,8 +43,8 @@ struct ActivationBackwardEpilogue {
     return v;
   }
   __device__ __forceinline__ static void store_global_16(void* at, const uint4& v) {
-    asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(at), "r"(v.x), "r"(v.y),
-                 "r"(v.z), "r"(v.w)
+    asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(at), "r"(v.x), "r"(v.y), "r"(v.z),
+                 "r"(v.w)
                  : "memory");
   }
 
@@ -65,9 +65,8 @@ struct ActivationBackwardEpilogue {
   }
 
   template <bool kGeGLU, bool kClamp>
-  __device__ __forceinline__ static void finish_rows(const EpilogueParams& p,
-                                                     const TileInfo& tile, uint8_t* staging,
-                                                     int thread) {
+  __device__ __forceinline__ static void finish_rows(const EpilogueParams& p, const TileInfo& tile,
+                                                     uint8_t* staging, int thread) {
     const int warp = thread / 32, lane = thread % 32;
     const int64_t inter = p.intermediate, two_i = 2 * inter;
     const int vector = lane % kVectors;

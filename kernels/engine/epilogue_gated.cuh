@@ -19,8 +19,8 @@ template <int BlockM, int BlockN, int EpilogueWarps>
 struct GatedEpilogue {
   static constexpr int kThreads = EpilogueWarps * 32;
   using Tile = StagingTile<BlockM, BlockN>;
-  static constexpr int kHalf = BlockN / 2;        // h columns of a tile
-  static constexpr int kHalfBoxes = kHalf / 64;   // boxes of g (then of u)
+  static constexpr int kHalf = BlockN / 2;       // h columns of a tile
+  static constexpr int kHalfBoxes = kHalf / 64;  // boxes of g (then of u)
   static constexpr int kVectorsPerRow = kHalf / 8;
 
   __device__ __forceinline__ static float transform(float v, const EpilogueParams&) { return v; }

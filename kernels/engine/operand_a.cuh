@@ -21,8 +21,8 @@ struct PoolOperandA {
 
   __device__ __forceinline__ static void load(const OperandParams& p, const TileInfo& tile,
                                               int step, uint8_t* dst, uint64_t* bar) {
-    const int col = step < tile.side_steps ? p.k_base + step * kBlockK
-                                           : (step - tile.side_steps) * kBlockK;
+    const int col =
+        step < tile.side_steps ? p.k_base + step * kBlockK : (step - tile.side_steps) * kBlockK;
     cute::SM90_TMA_LOAD_2D::copy(&p.a, bar, kCacheHint, dst, col, tile.row0);
   }
 

@@ -75,8 +75,8 @@ struct GatedOperandB : OperandBLayout<BlockN, kFormat> {
     } else {
 #pragma unroll
       for (int half = 0; half < 2; ++half)
-        cute::SM90_TMA_LOAD_4D::copy(&p.b, bar, kCacheHint, dst + half * kHalf * kRowBytes, k0,
-                                     i0, half, tile.expert);
+        cute::SM90_TMA_LOAD_4D::copy(&p.b, bar, kCacheHint, dst + half * kHalf * kRowBytes, k0, i0,
+                                     half, tile.expert);
     }
   }
 

@@ -43,7 +43,9 @@ __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
 
 // Generic-proxy shared-memory writes become visible to the async proxy (TMA stores,
 // wgmma operand reads) once the writer fences and then synchronises with the reader.
-__device__ __forceinline__ void fence_generic_to_async() { cutlass::arch::fence_view_async_shared(); }
+__device__ __forceinline__ void fence_generic_to_async() {
+  cutlass::arch::fence_view_async_shared();
+}
 
 // TMA stores: issued by one thread, committed as a group; `wait_store_reads` returns
 // when the group no longer reads shared memory, `wait_stores` when its writes are done.

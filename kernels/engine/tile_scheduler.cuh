@@ -36,8 +36,8 @@ struct PoolTiles {
 
   __device__ __forceinline__ explicit PoolTiles(const ScheduleParams& params)
       : p(params),
-        rows_used(min(max(__ldg(params.expert_pool_offsets + params.num_experts), 0),
-                      params.pool_rows)),
+        rows_used(
+            min(max(__ldg(params.expert_pool_offsets + params.num_experts), 0), params.pool_rows)),
         m_blocks(rows_used / BlockM),
         n_blocks(params.n_base_blocks + params.n_extra_blocks) {}
 

@@ -13,8 +13,8 @@
 namespace megamoe::kernels::engine {
 
 constexpr int kWarpgroupThreads = 128;
-constexpr int kBlockK = kGemmBlockK;     // K of one pipeline stage
-constexpr int kRowBytes = kBlockK * 2;   // one K-block row of BF16: one 128-byte swizzle span
+constexpr int kBlockK = kGemmBlockK;       // K of one pipeline stage
+constexpr int kRowBytes = kBlockK * 2;     // one K-block row of BF16: one 128-byte swizzle span
 constexpr int kBoxBytes = 64 * kRowBytes;  // a [64 rows][64 BF16] box: 8 KB
 static_assert(kRowBytes == 128, "a K-block row must be one 128-byte swizzle span");
 
@@ -68,8 +68,10 @@ struct WgmmaOp<256, A, B> {
 // could make ptxas serialize the batch).
 template <int N, bool kAMajorMN, bool kBMajorMN>
 struct Wgmma {
-  static constexpr auto kMajorA = kAMajorMN ? cute::SM90::GMMA::Major::MN : cute::SM90::GMMA::Major::K;
-  static constexpr auto kMajorB = kBMajorMN ? cute::SM90::GMMA::Major::MN : cute::SM90::GMMA::Major::K;
+  static constexpr auto kMajorA =
+      kAMajorMN ? cute::SM90::GMMA::Major::MN : cute::SM90::GMMA::Major::K;
+  static constexpr auto kMajorB =
+      kBMajorMN ? cute::SM90::GMMA::Major::MN : cute::SM90::GMMA::Major::K;
   template <size_t... I>
   __device__ __forceinline__ static void run(uint64_t a, uint64_t b, float* d,
                                              std::index_sequence<I...>) {
