@@ -9,8 +9,8 @@
 //    k-1's stage is released then), then leave the tile's accumulators as BF16 in the
 //    staging tile and go on to the next tile;
 //  - decode warps (MXFP4 B: one more warpgroup): decode each landed stage's codes into
-//    its BF16 B tile. Not the consumers: a proxy fence after the decode's shared-memory
-//    stores would wait for the consumer's own in-flight wgmma and serialize the MMAs;
+//    its BF16 B tile, so the consumers only issue MMAs (docs/ENGINE.md has what the
+//    consumer-side decode and this one measured);
 //  - epilogue warps (warps 1-3): finish the staged tile (activation math, TMA stores)
 //    while the consumers run the next tile's MMAs.
 // Contracts: `full`/`empty` per stage (pipeline.cuh); MXFP4: `decoded` per stage
@@ -51,7 +51,6 @@ struct EngineRoles {
   static constexpr int kConsumers = BlockM / 64;
   static constexpr bool kDecodeWarps = kFormat == BFormat::MXFP4;
   static_assert(!kDecodeWarps || kConsumers == 1, "MXFP4 tiles are 64 rows (3 warpgroups)");
-  static constexpr int kEpilogueWarps = 3;
   static constexpr int kWarpgroups = 1 + kConsumers + (kDecodeWarps ? 1 : 0);
   static constexpr int kThreads = kWarpgroups * kWarpgroupThreads;
   static constexpr int kConsumerThreads = kConsumers * kWarpgroupThreads;
@@ -67,45 +66,40 @@ struct EngineRoles {
                 "setmaxnreg must hand out exactly the launch's registers");
 };
 
-// The parts of each kind (the registry line of a variant picks one).
-template <EngineKind kKind, BFormat kFormat, int BlockM, int BlockN,
-          int kEpilogueWarps = EngineRoles<kKind, kFormat, BlockM>::kEpilogueWarps>
+// The parts of each kind (the registry line of a variant picks one). The pool kinds
+// share the pool schedule and A operand.
+template <int BlockM, class BOperand, class EpilogueFunctor>
+struct PoolParts {
+  using Schedule = PoolTiles<BlockM>;
+  using A = PoolOperandA<BlockM>;
+  using B = BOperand;
+  using Epilogue = EpilogueFunctor;
+};
+template <EngineKind kKind, BFormat kFormat, int BlockM, int BlockN>
 struct EngineParts;
-template <BFormat kFormat, int BlockM, int BlockN, int W>
-struct EngineParts<EngineKind::Gated, kFormat, BlockM, BlockN, W> {
-  using Schedule = PoolTiles<BlockM>;
-  using A = PoolOperandA<BlockM>;
-  using B = GatedOperandB<BlockN, kFormat>;
-  using Epilogue = GatedEpilogue<BlockM, BlockN, W>;
-};
-template <BFormat kFormat, int BlockM, int BlockN, int W>
-struct EngineParts<EngineKind::StoreKMajor, kFormat, BlockM, BlockN, W> {
-  using Schedule = PoolTiles<BlockM>;
-  using A = PoolOperandA<BlockM>;
-  using B = KMajorOperandB<BlockN, kFormat>;
-  using Epilogue = StoreEpilogue<BlockM, BlockN, W>;
-};
-template <BFormat kFormat, int BlockM, int BlockN, int W>
-struct EngineParts<EngineKind::StoreMNMajor, kFormat, BlockM, BlockN, W> {
-  using Schedule = PoolTiles<BlockM>;
-  using A = PoolOperandA<BlockM>;
-  using B = MNMajorOperandB<BlockN, kFormat>;
-  using Epilogue = StoreEpilogue<BlockM, BlockN, W>;
-};
-template <BFormat kFormat, int BlockM, int BlockN, int W>
-struct EngineParts<EngineKind::ActivationBackward, kFormat, BlockM, BlockN, W> {
-  using Schedule = PoolTiles<BlockM>;
-  using A = PoolOperandA<BlockM>;
-  using B = MNMajorOperandB<BlockN, kFormat>;
-  using Epilogue = ActivationBackwardEpilogue<BlockM, BlockN, W>;
-};
-template <BFormat kFormat, int BlockM, int BlockN, int W>
-struct EngineParts<EngineKind::KGrouped, kFormat, BlockM, BlockN, W> {
+template <BFormat kFormat, int BlockM, int BlockN>
+struct EngineParts<EngineKind::Gated, kFormat, BlockM, BlockN>
+    : PoolParts<BlockM, GatedOperandB<BlockN, kFormat>,
+                GatedEpilogue<BlockM, BlockN, kEpilogueWarps>> {};
+template <BFormat kFormat, int BlockM, int BlockN>
+struct EngineParts<EngineKind::StoreKMajor, kFormat, BlockM, BlockN>
+    : PoolParts<BlockM, KMajorOperandB<BlockN, kFormat>,
+                StoreEpilogue<BlockM, BlockN, kEpilogueWarps>> {};
+template <BFormat kFormat, int BlockM, int BlockN>
+struct EngineParts<EngineKind::StoreMNMajor, kFormat, BlockM, BlockN>
+    : PoolParts<BlockM, MNMajorOperandB<BlockN, kFormat>,
+                StoreEpilogue<BlockM, BlockN, kEpilogueWarps>> {};
+template <BFormat kFormat, int BlockM, int BlockN>
+struct EngineParts<EngineKind::ActivationBackward, kFormat, BlockM, BlockN>
+    : PoolParts<BlockM, MNMajorOperandB<BlockN, kFormat>,
+                ActivationBackwardEpilogue<BlockM, BlockN, kEpilogueWarps>> {};
+template <BFormat kFormat, int BlockM, int BlockN>
+struct EngineParts<EngineKind::KGrouped, kFormat, BlockM, BlockN> {
   static_assert(kFormat == BFormat::BF16, "the weight gradients' operands are activations");
   using Schedule = ExpertRowTiles<BlockM, BlockN>;
   using A = RowsOperandA<BlockM>;
   using B = RowsOperandB<BlockN>;
-  using Epilogue = ScaledStoreEpilogue<BlockM, BlockN, W>;
+  using Epilogue = ScaledStoreEpilogue<BlockM, BlockN, kEpilogueWarps>;
 };
 
 template <EngineKind kKind, BFormat kFormat, int BlockM, int BlockN>
@@ -169,7 +163,8 @@ __device__ __forceinline__ void produce(const EngineParams& p, const SharedStora
     for (int step = 0; step < tile.k_steps; ++step) {
       Barrier::wait(&smem.empty[ring.stage], ring.phase ^ 1u);
       uint64_t* bar = &smem.full[ring.stage];
-      TransactionBarrier::arrive_and_expect_tx(bar, C::kABytes + C::B::bytes(tile, step));
+      TransactionBarrier::arrive_and_expect_tx(
+          bar, C::kABytes + C::B::step_bytes(C::B::decodes(tile, step)));
       C::A::load(p.operands, tile, step, smem.a(ring.stage), bar);
       C::B::load(p.operands, tile, step, smem.b(ring.stage), smem.scales(ring.stage), bar);
       ring.advance();

@@ -27,8 +27,14 @@ struct OperandBLayout {
   static constexpr int kCodeBytes = BlockN * mxfp4::kCodeBytesPerRow;
   static constexpr int kCodeOffset = kTileBytes - kCodeBytes;
   // K-major: BlockN uint16; MN-major: BlockN / 32 x 64 bytes: both BlockN * 2 bytes.
-  static constexpr int kScaleBytes = kMxfp4 ? (BlockN * 2 + 1023) / 1024 * 1024 : 0;
+  static constexpr int kScaleLoadBytes = BlockN * 2;
+  static constexpr int kScaleBytes = kMxfp4 ? (kScaleLoadBytes + 1023) / 1024 * 1024 : 0;
   static constexpr int kBytes = kTileBytes + kScaleBytes;
+  // What TMA delivers for one K step's B: codes and scales if the step decodes, else a
+  // BF16 tile.
+  __device__ __forceinline__ static constexpr int step_bytes(bool decodes) {
+    return decodes ? kCodeBytes + kScaleLoadBytes : kTileBytes;
+  }
 };
 
 // GEMM1's w13 [E, 2I, H] as given: a tile's BLOCK_N rows are BLOCK_N / 2 gate rows
@@ -44,9 +50,6 @@ struct GatedOperandB : OperandBLayout<BlockN, kFormat> {
 
   __device__ __forceinline__ static bool decodes(const TileInfo& tile, int step) {
     return L::kMxfp4 && step >= tile.side_steps;
-  }
-  __device__ __forceinline__ static int bytes(const TileInfo& tile, int step) {
-    return decodes(tile, step) ? L::kCodeBytes + BlockN * 2 : L::kTileBytes;
   }
 
   __device__ __forceinline__ static void load(const OperandParams& p, const TileInfo& tile,
@@ -95,9 +98,6 @@ struct KMajorOperandB : OperandBLayout<BlockN, kFormat> {
   __device__ __forceinline__ static bool decodes(const TileInfo& tile, int) {
     return L::kMxfp4 && !tile.extra;
   }
-  __device__ __forceinline__ static int bytes(const TileInfo& tile, int step) {
-    return decodes(tile, step) ? L::kCodeBytes + BlockN * 2 : L::kTileBytes;
-  }
 
   __device__ __forceinline__ static void load(const OperandParams& p, const TileInfo& tile,
                                               int step, uint8_t* dst, uint8_t* scales,
@@ -136,9 +136,6 @@ struct MNMajorOperandB : OperandBLayout<BlockN, kFormat> {
 
   __device__ __forceinline__ static bool decodes(const TileInfo& tile, int step) {
     return L::kMxfp4 && !tile.extra && step >= tile.side_steps;
-  }
-  __device__ __forceinline__ static int bytes(const TileInfo& tile, int step) {
-    return decodes(tile, step) ? L::kCodeBytes + BlockN * 2 : L::kTileBytes;
   }
 
   __device__ __forceinline__ static void load_boxes(const CUtensorMap* map, uint64_t* bar,
@@ -188,7 +185,6 @@ struct RowsOperandB : OperandBLayout<BlockN, BFormat::BF16> {
   static constexpr int kBoxes = BlockN / 64;
 
   __device__ __forceinline__ static bool decodes(const TileInfo&, int) { return false; }
-  __device__ __forceinline__ static int bytes(const TileInfo&, int) { return L::kTileBytes; }
 
   __device__ __forceinline__ static void load(const OperandParams& p, const TileInfo& tile,
                                               int step, uint8_t* dst, uint8_t*, uint64_t* bar) {

@@ -32,6 +32,9 @@ struct RingState {
   }
 };
 
+// Warpgroup 0's warps 1-3 finish the staged tiles (kernels/engine/engine_kernel.cuh).
+constexpr int kEpilogueWarps = 3;
+
 // Hardware named barriers (0 is __syncthreads): among the consumer warpgroups (the
 // K-grouped tail masking shares a stage), among the epilogue warps (a staged tile is
 // read and rewritten in place), among the decode warps (codes are decoded in place).

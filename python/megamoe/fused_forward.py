@@ -20,7 +20,6 @@ from .grouped_gemm import gated_grouped_gemm, grouped_gemm
 from .heuristics import get_block_m
 from .routing import RoutePlan, plan_routes
 from .side_lora import SideLoRA
-from .validation import check_moe_inputs
 from .weights import BaseWeights
 
 #: What the forward keeps for the backward (see :func:`moe_forward`).
@@ -44,38 +43,6 @@ class ForwardState:
     p_sum: torch.Tensor | None
 
 
-def check_forward_inputs(
-    x: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    base: BaseWeights,
-    side: SideLoRA | None,
-    activation: str,
-    activation_clamp: float | None,
-    *,
-    require_cuda: bool = True,
-    allow_no_tokens: bool = False,
-) -> None:
-    """Every argument check of the fused forward, before any launch
-    (:func:`megamoe.validation.check_moe_inputs`: types, shapes and dtypes first, then one
-    device for all, then CUDA).
-
-    The EP layer passes ``require_cuda=False`` (CPU twins, for tests) and
-    ``allow_no_tokens=True`` (a rank may hold no tokens and still serve its experts).
-    """
-    check_moe_inputs(
-        x,
-        topk_ids,
-        topk_weights,
-        base,
-        side,
-        activation,
-        activation_clamp,
-        require_cuda=require_cuda,
-        allow_no_tokens=allow_no_tokens,
-    )
-
-
 def moe_forward(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -90,7 +57,9 @@ def moe_forward(
 ) -> torch.Tensor | tuple[torch.Tensor, ForwardState]:
     """``out [T, H]`` BF16 of DESIGN §1 on the fused kernels (see module docstring).
 
-    ``check_ids`` rejects expert ids outside ``[-1, E_l)`` with a ``ValueError``; it
+    The arguments are the ones the calling custom op checked
+    (:func:`megamoe.validation.check_moe_inputs`); this function does not check them
+    again. ``check_ids`` rejects expert ids outside ``[-1, E_l)`` with a ``ValueError``; it
     reads two values back to the host, so pass ``False`` under CUDA-graph capture
     (out-of-range ids then count as masked).
 
@@ -100,7 +69,6 @@ def moe_forward(
     activation checkpointing).
     """
     check_choice("save", save, SAVE_MODES)
-    check_forward_inputs(x, topk_ids, topk_weights, base, side, activation, activation_clamp)
     num_tokens, top_k = topk_ids.shape
     experts = base.num_experts
     if check_ids and topk_ids.numel():

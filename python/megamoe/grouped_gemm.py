@@ -51,22 +51,19 @@ def _device_sms(device: torch.device) -> int:
     return resolve_device_sms(device.index if device.index is not None else None)
 
 
-def _mxfp4_operand(
+def _check_mxfp4(
     name: str,
     codes: torch.Tensor,
     scales: torch.Tensor,
     device: torch.device,
     b_major: str = "k",
-) -> tuple[int, torch.Tensor]:
-    """Check an MXFP4 B and return its ``K`` and its scales in the engine's layout.
+) -> int:
+    """Check an MXFP4 B and return its ``K``.
 
     K-major (``b_major="k"``): ``codes`` ``[E, N, K/2]``, ``scales`` ``[E, N, K/32]``
-    (uint8, quantized along K, K a multiple of 64); engine scales ``[E, K/64, N]`` int16:
-    the two scale bytes of a 64-column K block side by side, a block's rows contiguous.
-    MN-major (``"mn"``, the dgrads reading the weights as stored): ``codes``
-    ``[E, K, N/2]``, ``scales`` ``[E, K, N/32]`` (quantized along N); engine scales
-    ``[E, N/32, K]`` uint8. Either way one TMA box per K step loads them; the transposed
-    copy (1/16 of the codes' bytes) is made per call.
+    (uint8, quantized along K, K a multiple of 64). MN-major (``"mn"``, the dgrads
+    reading the weights as stored): ``codes`` ``[E, K, N/2]``, ``scales`` ``[E, K, N/32]``
+    (quantized along N, N a multiple of 32).
     """
     check_tensor(name, codes, ndim=3, dtypes=(torch.uint8,), device=device, contiguous=True)
     experts, rows, half_cols = codes.shape
@@ -83,9 +80,17 @@ def _mxfp4_operand(
         device=device,
         contiguous=True,
     )
+    return k
+
+
+def _engine_scales(scales: torch.Tensor, b_major: str = "k") -> torch.Tensor:
+    """The scales in the layout one TMA box per K step loads: K-major ``[E, K/64, N]``
+    int16 (the two scale bytes of a 64-column K block side by side, a block's rows
+    contiguous); MN-major ``[E, N/32, K]`` uint8. A per-call transpose of 1/16 of the
+    codes' bytes."""
     if b_major == "mn":
-        return k, scales.transpose(1, 2).contiguous()
-    return k, scales.view(torch.int16).transpose(1, 2).contiguous()
+        return scales.transpose(1, 2).contiguous()
+    return scales.view(torch.int16).transpose(1, 2).contiguous()
 
 
 def mxfp4_b(
@@ -100,10 +105,9 @@ def mxfp4_b(
     engine-layout scales where the pipeline decodes them
     (:func:`~megamoe.heuristics.mxfp4_decodes_in_pipeline`), else an exact BF16 decode
     (the same values bit for bit) and None; on the CPU the decode."""
-    k, engine_scales = _mxfp4_operand(name, codes, scales, device, b_major)
-    in_pipeline = codes.is_cuda and mxfp4_decodes_in_pipeline(plan.pool_capacity, codes.shape[0])
-    if in_pipeline:
-        return k, codes, engine_scales
+    k = _check_mxfp4(name, codes, scales, device, b_major)
+    if codes.is_cuda and mxfp4_decodes_in_pipeline(plan.pool_capacity, codes.shape[0]):
+        return k, codes, _engine_scales(scales, b_major)
     return k, _dequantized(codes, scales), None
 
 

@@ -104,24 +104,6 @@ class BaseWeights:
             return decode_mxfp4_bf16(self.w2, self.w2_scales)
         return self.w2
 
-    def operand(self, name: str, major: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The GEMM engine's B operand ``(values, scales)`` of ``w13`` or ``w2``.
-
-        ``major="k"``: read along its rows' reduction dim (the forward GEMMs: ``w13`` for
-        GEMM1, ``w2`` for GEMM2); ``"mn"``: read as stored with its rows as the reduction
-        (the dgrads). BF16: the stored tensor and None. MXFP4: the packed codes as stored
-        and the scales in the engine's layout for that major (K-major: ``[E, K/64, N]``
-        int16, the two UE8M0 bytes of a 64-wide K block side by side; MN-major:
-        ``[E, N/32, K]`` uint8), a per-call transpose of 1/16 of the codes' bytes.
-        """
-        values = self.w13 if name == "w13" else self.w2
-        if self.format != "mxfp4":
-            return values, None
-        scales = self.w13_scales if name == "w13" else self.w2_scales
-        if major == "k":
-            return values, scales.view(torch.int16).transpose(1, 2).contiguous()
-        return values, scales.transpose(1, 2).contiguous()
-
     def w13_linear(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """``[E_l, 2I, H]`` in nn.Linear row order (gate rows then up rows), dequantized.
 

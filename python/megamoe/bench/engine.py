@@ -26,7 +26,6 @@ import argparse
 import csv
 import io
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -44,6 +43,7 @@ from megamoe.grouped_gemm import block_diagonal_side_weights, gated_grouped_gemm
 from megamoe.k_grouped_gemm import k_grouped_gemm
 from megamoe.testing.inputs import make_routing
 
+from .cli import build_commit
 from .timing import time_fn
 
 GEMMS = (
@@ -372,10 +372,10 @@ def main(argv: list[str] | None = None) -> int:
         f"{'MHz':>5} {'W':>4} {'DRAM GB':>8} {'L2 GB':>7}"
     )
     for r in results:
-        ratio_t = f"{torch_ms[r['gemm']] / r['median_ms']:.3f}" if r["gemm"] in torch_ms else "-"
-        ratio_q = f"{quack_ms[r['gemm']] / r['median_ms']:.3f}" if r["gemm"] in quack_ms else "-"
         r["vs_torch"] = torch_ms[r["gemm"]] / r["median_ms"] if r["gemm"] in torch_ms else None
         r["vs_quack"] = quack_ms[r["gemm"]] / r["median_ms"] if r["gemm"] in quack_ms else None
+        ratio_t = "-" if r["vs_torch"] is None else f"{r['vs_torch']:.3f}"
+        ratio_q = "-" if r["vs_quack"] is None else f"{r['vs_quack']:.3f}"
         dram = r.get("dram_read_gb", 0) + r.get("dram_write_gb", 0) if "l2_gb" in r else None
         print(
             f"{r['gemm']:<11} {r['case']:<21} {r['median_ms']:>8.3f} {r['tflops']:>8.1f} "
@@ -386,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         meta = vars(args) | {"json": None, "block_m": block_m, "quack": quack_note,
                              "gpu": torch.cuda.get_device_name(),
-                             "commit": os.environ.get("MEGAMOE_COMMIT")}  # fmt: skip
+                             "commit": build_commit()[0]}  # fmt: skip
         args.json.write_text(json.dumps({"args": meta, "results": results}, indent=1))
     return 0
 

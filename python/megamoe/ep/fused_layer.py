@@ -35,9 +35,10 @@ from torch.autograd.function import once_differentiable
 
 from .. import pool
 from ..fused_backward import GRAD_NAMES, mm_fp32, pool_backward
-from ..fused_forward import check_forward_inputs, expert_stage
+from ..fused_forward import expert_stage
 from ..grouped_gemm import ACTIVATIONS
 from ..side_lora import SideLoRA
+from ..validation import check_moe_inputs
 from ..weights import BaseWeights
 from .exchange import reduce_shared_grads
 from .plan import DispatchPlan, group_size, plan_dispatch
@@ -365,7 +366,7 @@ def moe(
     if isinstance(base, BaseWeights):
         # MXFP4 ordinary mode, as mm.moe (a no-op if mm.moe already converted it).
         base = base.for_call()
-    check_forward_inputs(
+    check_moe_inputs(
         x,
         topk_ids,
         topk_weights,

@@ -734,23 +734,30 @@ def load_side_lora(
             use_rslora=bool(config.get("use_rslora", False)),
         )
         side = _read_fused(state, prefix, options, split_gate_up, int(config["r"]))
-        weight = module.gate_up_proj
-        want = dtype or (weight.dtype if weight.dtype in _ADAPTER_DTYPES else torch.bfloat16)
-        adapter = SideLoRAAdapter(
-            side.hidden,
-            side.intermediate,
-            side.num_experts,
-            side.rank,
-            scale=side.scale,
-            dtype=want,
-            device=weight.device,
-        )
-        adapter.load(side)
-        setattr(module, ADAPTER_ATTR, adapter)
+        _install_adapter(module, side, dtype)
         names.append(name)
     if not names:
         raise ValueError(f"{path / ADAPTER_WEIGHTS}: no keys for any experts module of the model")
     return names
+
+
+def _install_adapter(module, side: SideLoRA, dtype: torch.dtype | None) -> None:
+    """Attach ``side`` to an experts module as its :class:`SideLoRAAdapter`, in ``dtype``
+    (default: the module's weight dtype where adapters support it, else BF16), on the
+    weights' device."""
+    weight = module.gate_up_proj
+    want = dtype or (weight.dtype if weight.dtype in _ADAPTER_DTYPES else torch.bfloat16)
+    adapter = SideLoRAAdapter(
+        side.hidden,
+        side.intermediate,
+        side.num_experts,
+        side.rank,
+        scale=side.scale,
+        dtype=want,
+        device=weight.device,
+    )
+    adapter.load(side)
+    setattr(module, ADAPTER_ATTR, adapter)
 
 
 def _split_rank(file_rank: int) -> int:
@@ -853,19 +860,7 @@ def load_megatron_state_dict(
         else:
             kwargs = split if split_gate_up else {"split_gate_up": False}
             side = side_lora_from_megatron(state_dict, prefix, **kwargs, **options)
-        weight = module.gate_up_proj
-        want = dtype or (weight.dtype if weight.dtype in _ADAPTER_DTYPES else torch.bfloat16)
-        adapter = SideLoRAAdapter(
-            side.hidden,
-            side.intermediate,
-            side.num_experts,
-            side.rank,
-            scale=side.scale,
-            dtype=want,
-            device=weight.device,
-        )
-        adapter.load(side)
-        setattr(module, ADAPTER_ATTR, adapter)
+        _install_adapter(module, side, dtype)
         names.append(name)
     if not names:
         raise ValueError("state_dict: no Megatron keys for any experts module of the model")
