@@ -4,7 +4,8 @@ route plan -> q13 = x [a1|a3] once per token -> gather [x | q13] into the pool -
 GEMM1 + side K segment + gated activation -> GEMM2 + a2 N segment -> per-token
 side sum -> b2 expand once per token -> combine (k summed in order, FP32).
 
-No host synchronisation except the optional id check. A zero adapter scale takes the
+No host synchronisation: the id range check runs on the device and is reported by a
+later call (:func:`megamoe.routing.check_expert_ids`). A zero adapter scale takes the
 no-adapter path, so its output is bitwise the no-adapter output.
 """
 
@@ -18,7 +19,7 @@ from . import pool
 from ._checks import check_choice
 from .grouped_gemm import gated_grouped_gemm, grouped_gemm
 from .heuristics import get_block_m
-from .routing import RoutePlan, plan_routes
+from .routing import RoutePlan, check_expert_ids, plan_routes
 from .side_lora import SideLoRA
 from .weights import BaseWeights
 
@@ -52,16 +53,16 @@ def moe_forward(
     *,
     activation: str = "swiglu",
     activation_clamp: float | None = None,
-    check_ids: bool = True,
     save: str = "none",
 ) -> torch.Tensor | tuple[torch.Tensor, ForwardState]:
     """``out [T, H]`` BF16 of DESIGN §1 on the fused kernels (see module docstring).
 
     The arguments are the ones the calling custom op checked
     (:func:`megamoe.validation.check_moe_inputs`); this function does not check them
-    again. ``check_ids`` rejects expert ids outside ``[-1, E_l)`` with a ``ValueError``; it
-    reads two values back to the host, so pass ``False`` under CUDA-graph capture
-    (out-of-range ids then count as masked).
+    again, except the expert ids' range ``[-1, E_l)``, which it checks on the device
+    without a host synchronisation (:func:`~megamoe.routing.check_expert_ids`: a
+    ``ValueError`` from a later call or :func:`~megamoe.routing.check_errors`; the
+    kernels treat such ids as masked).
 
     ``save``: ``"none"`` returns ``out``; ``"preact"`` also keeps GEMM1's pre-activations
     and returns ``(out, ForwardState)`` for :mod:`megamoe.fused_backward`;
@@ -71,12 +72,7 @@ def moe_forward(
     check_choice("save", save, SAVE_MODES)
     num_tokens, top_k = topk_ids.shape
     experts = base.num_experts
-    if check_ids and topk_ids.numel():
-        low, high = int(topk_ids.min()), int(topk_ids.max())
-        if low < -1 or high >= experts:
-            raise ValueError(
-                f"topk_ids: expected expert ids in [-1, {experts}), got values in [{low}, {high}]"
-            )
+    check_expert_ids(topk_ids, experts)
     block_m = get_block_m(num_tokens, top_k, experts)
     plan = plan_routes(topk_ids, experts, block_m, check_ids=False)
 

@@ -10,11 +10,12 @@ before each GEMM that reads it):
 - ``megamoe::moe_backward``: :func:`megamoe.fused_backward.moe_backward`.
 
 All have fake implementations (shapes known without a sync), so ``torch.compile``
-traces them, and no host synchronisation (under CUDA-graph capture the id range check
-is skipped). The real and the fake implementations run the same argument checks
-(:mod:`megamoe.validation`): a call with one tensor on ``meta`` (which dispatches to
-the fake) is rejected like any other mixed-device call, and an all-fake call (tracing,
-``FakeTensorMode``, a meta module) gets outputs of the right shapes.
+traces them, and none synchronises with the host: the id range check runs on the device
+and a later call (or :func:`megamoe.routing.check_errors`) reports it. The real and the
+fake implementations run the same argument checks (:mod:`megamoe.validation`): a call
+with one tensor on ``meta`` (which dispatches to the fake) is rejected like any other
+mixed-device call, and an all-fake call (tracing, ``FakeTensorMode``, a meta module)
+gets outputs of the right shapes.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def _op_inputs(
     """The checked ``(base, side)`` of one forward op call.
 
     The real implementation (``fake=False``) requires CUDA weights and checks the id
-    range of CPU ids (the device range check is the forward's ``check_ids``); the fake
+    range of CPU ids (CUDA ids: the forward's device-side check); the fake
     one checks everything that needs no data, on any device.
     """
     base = _base_weights(w13, w2, w13_scales, w2_scales)
@@ -94,7 +95,6 @@ def _moe_forward_op(
     scale: float,
     activation: str,
     activation_clamp: float | None,
-    check_ids: bool,
 ) -> torch.Tensor:
     base, side_lora = _op_inputs(
         x, topk_ids, topk_weights, w13, w2, w13_scales, w2_scales, tuple(side), scale,
@@ -108,7 +108,6 @@ def _moe_forward_op(
         side_lora,
         activation=activation,
         activation_clamp=activation_clamp,
-        check_ids=check_ids,
     )
 
 
@@ -125,7 +124,6 @@ def _(
     scale,
     activation,
     activation_clamp,
-    check_ids,
 ):
     _op_inputs(
         x, topk_ids, topk_weights, w13, w2, w13_scales, w2_scales, tuple(side), scale,
@@ -184,7 +182,6 @@ def _moe_train_forward_op(
     scale: float,
     activation: str,
     activation_clamp: float | None,
-    check_ids: bool,
     activation_checkpoint: bool,
 ) -> tuple[
     torch.Tensor,
@@ -210,7 +207,6 @@ def _moe_train_forward_op(
         side,
         activation=activation,
         activation_clamp=activation_clamp,
-        check_ids=check_ids,
         save="recompute" if activation_checkpoint else "preact",
     )
     plan = state.plan
@@ -244,7 +240,6 @@ def _(
     scale,
     activation,
     activation_clamp,
-    check_ids,
     activation_checkpoint,
 ):
     base, side = _op_inputs(
@@ -420,7 +415,7 @@ def _backward_inputs(
 _X, _TOPK_WEIGHTS, _W13, _W2, _W13_SCALES, _W2_SCALES = 0, 2, 3, 4, 5, 6
 _SIDE_SLOTS = range(7, 13)
 _SCALE, _ACTIVATION, _CLAMP = 13, 14, 15
-_NUM_INPUTS = 18
+_NUM_INPUTS = 17
 
 
 def _train_setup_context(ctx, inputs, output) -> None:
@@ -595,11 +590,6 @@ def moe(
         t.requires_grad for t in [x, topk_weights, base.w13, base.w2, *side_tensors]
     )
     scale = 0.0 if side is None else side.scale
-    # The id check reads back to the host, which graph capture forbids.
-    # (Under torch.compile the op is opaque: the check runs inside it, at run time.)
-    check_ids = torch.compiler.is_compiling() or not (
-        torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-    )
     if needs_grad:
         side_args = side_tensors if side_tensors else [None] * 6
         return _moe_train_forward_op(
@@ -614,7 +604,6 @@ def moe(
             scale,
             activation,
             activation_clamp,
-            check_ids,
             activation_checkpoint,
         )[0]
     return _moe_forward_op(
@@ -629,5 +618,4 @@ def moe(
         scale,
         activation,
         activation_clamp,
-        check_ids,
     )

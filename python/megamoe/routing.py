@@ -4,10 +4,17 @@ Every route ``(t, k)`` whose expert is local gets one pool row. Experts own
 contiguous segments, each starting at a multiple of ``block_m``; inside a segment
 rows follow ascending route index ``t * K + k`` (a stable sort), so the plan and
 everything gathered through it are deterministic. Padding rows map to -1.
+
+Expert ids outside the valid range (:func:`check_expert_ids`) are found without a
+host synchronisation: ids on the CPU are read at once; on a GPU one reduction records
+their extremes, copied without blocking into pinned host memory, and the host reads
+that copy once the GPU has passed it, at the next planning call or in
+:func:`check_errors` (which waits for it). The kernels treat such ids as masked.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +61,112 @@ def route_plan_num_tiles(num_routes: int) -> int:
     """Tiles of the route-plan kernels (rows of their per-tile scratch)."""
     per_tile = registry().route_plan_routes_per_tile
     return -(-num_routes // per_tile)
+
+
+@dataclass(frozen=True, eq=False)
+class _IdExtremes:
+    """One GPU call's ``(min, max)`` of its ids, on its way to the host."""
+
+    host: torch.Tensor  # [2] pinned: (min, max), valid once ``copied`` has completed
+    copied: torch.cuda.Event
+    limit: int | None  # ids must lie in [-1, limit) (None: no upper bound)
+    device: torch.device
+
+
+_pending: list[_IdExtremes] = []
+_pending_lock = threading.Lock()
+
+
+def _id_range_error(low: int, high: int, limit: int | None, where: str = "") -> ValueError:
+    if limit is None:
+        return ValueError(f"topk_ids: expected expert ids >= -1 (-1 = masked), got {low}{where}")
+    return ValueError(
+        f"topk_ids: expected expert ids in [-1, {limit}), got values in [{low}, {high}]{where}"
+    )
+
+
+def _is_bad(low: int, high: int, limit: int | None) -> bool:
+    return low < -1 or (limit is not None and high >= limit)
+
+
+def _raise_checked(snapshots: list[_IdExtremes]) -> None:
+    """Raise for the first of ``snapshots`` (all copied) whose ids were out of range."""
+    bad = [s for s in snapshots if _is_bad(*s.host.tolist(), s.limit)]
+    if not bad:
+        return
+    first = bad[0]
+    low, high = first.host.tolist()
+    more = f"; {len(bad) - 1} later call(s) too" if len(bad) > 1 else ""
+    raise _id_range_error(
+        low,
+        high,
+        first.limit,
+        f" in an earlier call on {first.device} (checked on the device after it was "
+        f"launched: its routes with these ids were computed as masked{more}). Map other "
+        "ranks' experts to -1 before the call",
+    )
+
+
+def _take_copied() -> list[_IdExtremes]:
+    """Remove and return the pending checks whose copy has reached the host (no wait)."""
+    with _pending_lock:
+        done = [s for s in _pending if s.copied.query()]
+        _pending[:] = [s for s in _pending if s not in done]
+    return done
+
+
+def check_errors() -> None:
+    """Wait for every pending device-side id check and raise the first error.
+
+    The fused calls check ``topk_ids`` on the GPU without synchronising
+    (:func:`check_expert_ids`); their result is read at the next planning call, once
+    the GPU has passed it. This waits for all of them instead (a synchronisation).
+    Calls captured in a CUDA graph are not checked (the host cannot read a replay's
+    ids without a synchronisation): check the ids of a captured step eagerly.
+
+    Raises:
+        ValueError: starting with ``topk_ids:``, the range and the values of the first
+            call whose ids were outside it.
+    """
+    with _pending_lock:
+        snapshots = list(_pending)
+    for snapshot in snapshots:
+        snapshot.copied.synchronize()
+    _raise_checked(_take_copied())
+
+
+def check_expert_ids(topk_ids: torch.Tensor, limit: int | None) -> None:
+    """Check that every id of ``topk_ids`` lies in ``[-1, limit)`` (``limit`` None: ``>= -1``).
+
+    Without a host synchronisation: CPU ids are read at once (``ValueError`` now); CUDA
+    ids get one reduction and a non-blocking copy of their extremes to pinned host
+    memory, read by a later call or :func:`check_errors` (the kernels meanwhile treat
+    out-of-range ids as masked). A later call first raises the errors of the earlier
+    calls that the GPU has finished. Under CUDA-graph capture nothing is checked (an
+    event query is not allowed there). Meta and fake tensors have no values to check.
+    """
+    if topk_ids.numel() == 0 or torch.compiler.is_compiling():
+        return
+    from torch._subclasses.fake_tensor import is_fake
+
+    if topk_ids.device.type == "meta" or is_fake(topk_ids):
+        return
+    if not topk_ids.is_cuda:
+        low, high = (int(v) for v in torch.aminmax(topk_ids))
+        if _is_bad(low, high, limit):
+            raise _id_range_error(low, high, limit)
+        return
+    if torch.cuda.is_current_stream_capturing():
+        return
+    _raise_checked(_take_copied())
+    extremes = topk_ids.new_empty(2)
+    torch.aminmax(topk_ids, out=(extremes[0], extremes[1]))  # one reduction
+    host = torch.empty(2, dtype=topk_ids.dtype, pin_memory=True)
+    host.copy_(extremes, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record(torch.cuda.current_stream(topk_ids.device))
+    with _pending_lock:
+        _pending.append(_IdExtremes(host, copied, limit, topk_ids.device))
 
 
 def _check_plan_args(
@@ -120,17 +233,16 @@ def plan_routes(
     """Plan ``topk_ids`` ``[T, K]`` (int32/int64, -1 = masked) for local experts
     ``expert_begin .. expert_begin + num_local_experts - 1``.
 
-    On CUDA this runs the route-plan kernels on the current stream (no host sync
-    unless ``check_ids``); on CPU it runs :func:`plan_routes_reference`.
+    On CUDA this runs the route-plan kernels on the current stream, with no host
+    synchronisation; on CPU it runs :func:`plan_routes_reference`.
 
-    ``check_ids=True`` rejects ids below -1 with a ``ValueError`` before any launch;
-    it reads one value back to the host, so pass ``False`` inside CUDA-graph capture.
+    ``check_ids=True`` rejects ids below -1 (:func:`check_expert_ids`: a ``ValueError``
+    now for CPU ids, from a later call or :func:`check_errors` for CUDA ids, which the
+    kernels meanwhile treat as masked). ``False``: the caller has checked them.
     """
     _check_plan_args(topk_ids, num_local_experts, block_m, expert_begin)
-    if check_ids and int(topk_ids.min()) < -1:
-        raise ValueError(
-            f"topk_ids: expected expert ids >= -1 (-1 = masked), got {int(topk_ids.min())}"
-        )
+    if check_ids:
+        check_expert_ids(topk_ids, None)
     if not topk_ids.is_cuda:
         return plan_routes_reference(
             topk_ids, num_local_experts, block_m, expert_begin=expert_begin

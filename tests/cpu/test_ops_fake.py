@@ -39,7 +39,7 @@ def test_train_forward_and_backward_fakes(side, checkpoint):
     with FakeTensorMode():
         x, ids, weights, w13, w2, adapters = _inputs(side)
         outputs = torch.ops.megamoe.moe_train_forward(
-            x, ids, weights, w13, w2, None, None, *adapters, 0.5, "swiglu", None, True, checkpoint
+            x, ids, weights, w13, w2, None, None, *adapters, 0.5, "swiglu", None, checkpoint
         )
         out, counts, offsets, r2p, p2r, preact, q13, p_sum = outputs
         assert out.shape == (T, H) and out.dtype == torch.bfloat16
@@ -64,6 +64,6 @@ def test_inference_fake():
     with FakeTensorMode():
         x, ids, weights, w13, w2, _ = _inputs(False)
         out = torch.ops.megamoe.moe_forward(
-            x, ids, weights, w13, w2, None, None, [], 0.0, "swiglu", None, True
+            x, ids, weights, w13, w2, None, None, [], 0.0, "swiglu", None
         )
         assert out.shape == (T, H) and out.dtype == torch.bfloat16

@@ -20,6 +20,7 @@ import torch
 import megamoe as mm
 from megamoe.activation_backward import fused_dgrad2_activation_backward
 from megamoe.grouped_gemm import gated_grouped_gemm, grouped_gemm
+from megamoe.routing import check_errors
 from megamoe.testing import LayerInputs, make_layer, make_routing
 
 pytestmark = pytest.mark.gpu
@@ -168,8 +169,9 @@ CASES: dict[str, Case] = {
         ValueError,
         r"^topk_ids: expected a contiguous tensor",
     ),
+    # Checked on the device; check_errors waits for the result (no sync in the call).
     "ids-below-minus-one": (
-        lambda L, g: moe(L, topk_ids=with_id(L, -5)),
+        lambda L, g: (moe(L, topk_ids=with_id(L, -5)), check_errors()),
         ValueError,
         r"^topk_ids: expected expert ids in \[-1, 8\), got values in \[-5, ",
     ),

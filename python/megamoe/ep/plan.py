@@ -310,7 +310,8 @@ def plan_dispatch(
         max_tokens: the group's ``T_max`` if the caller knows it (a static bound, e.g.
             under CUDA-graph capture): skips the all-reduce and with it the cross-rank
             checks. Must be the same on every rank and ``>= T`` everywhere.
-        check_ids: reject ids outside ``[-1, E)`` (reads the ids' min/max on the host).
+        check_ids: reject ids outside ``[-1, E)`` (reads the ids' extremes to the host
+            in one read; the EP step synchronises for its split sizes anyway).
         uniform: extra ints that must be equal on every rank (e.g. ``{"hidden": H}``);
             checked in the same all-reduce, a mismatch raises ``ValueError`` on every
             rank (so no rank is left waiting in a later collective).
@@ -329,7 +330,7 @@ def plan_dispatch(
         raise ValueError(f"topk_ids: expected at least one route per token, got {top_k}")
     bad_ids = 0
     if check_ids and topk_ids.numel():
-        low, high = int(topk_ids.min()), int(topk_ids.max())
+        low, high = torch.stack(torch.aminmax(topk_ids)).tolist()  # one host read
         if low < -1 or high >= num_experts:
             bad_ids = rank + 1
             if max_tokens is not None or group is None:
