@@ -278,3 +278,35 @@ def test_memory_bench_watches_stages_that_exist():
 
     for module, name in STAGES:
         assert callable(getattr(module, name, None)), f"{module.__name__}.{name}"
+
+
+# ------------------------------------------------------------------- launches
+
+
+def test_device_work_counts_kernels_and_copies_only():
+    """Kernels and memcpy/memset by their Kineto activity type; the GPU side of a
+    record_function range and the CPU operators are not launches."""
+    from types import SimpleNamespace
+
+    from megamoe.bench.timing import DeviceWork, count_device_work
+
+    kinds = ["cpu_op", "kernel", "gpu_user_annotation", "kernel", "gpu_memcpy", "user_annotation"]
+    kinds += ["gpu_memset", "cuda_runtime", "kernel"]
+    events = [SimpleNamespace(activity_type=kind, name=f"e{i}") for i, kind in enumerate(kinds)]
+    assert count_device_work(events) == DeviceWork(kernels=3, copies=2)
+    assert count_device_work([]) == DeviceWork(kernels=0, copies=0)
+
+
+def test_table_shows_the_launches_of_fused_rows():
+    rows = [
+        {"mode": "side-lora", "dtype": "bf16", "tokens": 128, "backend": backend,
+         "pass": "fwd+bwd", "status": "ok", "median_ms": ms, "tflops": 1.0, **extra}
+        for backend, ms, extra in (
+            ("fused", 2.0, {"launches": 37, "copies": 1, "peak_gib": 1.0}),
+            ("baseline", 4.0, {"peak_gib": 2.0}),
+        )
+    ]  # fmt: skip
+    header, fused, baseline = cli.format_table(rows).splitlines()
+    assert header.split()[-3:] == ["launches", "vs", "baseline"]
+    assert fused.split()[-2:] == ["37", "2.00x"]
+    assert baseline.split()[-2:] == ["-", "1.00x"]

@@ -6,8 +6,10 @@ would write, megamoe.testing.baseline) and ``reference`` (the oracle: float64 on
 float32 with BF16 rounding points on GPU). Passes: the training forward (autograd on,
 activations saved) and forward+backward timed together. Medians of CUDA-event samples
 after warm-up; TFLOP/s from the useful FLOPs of megamoe.bench.flops; peak memory over
-each pass's runs. Without a GPU it runs the ``small`` shape on the CPU, so the command
-always works; a shape too large for the host stops with a memory estimate.
+each pass's runs; for the fused backend on a GPU the kernel launches (and memcpy/memset
+copies) of one pass, counted by torch.profiler in one extra untimed call. Without a
+GPU it runs the ``small`` shape on the CPU, so the command always works; a shape too
+large for the host stops with a memory estimate.
 
 Runs:
   one shape        every --mode x --dtype x backend x pass at --shape (the default);
@@ -41,7 +43,7 @@ import megamoe
 
 from .flops import backward_flops, forward_flops
 from .shapes import SHAPES, Shape, estimate_peak_bytes, host_memory_available
-from .timing import Progress, copy_bandwidth, floor_ms, time_fn
+from .timing import Progress, copy_bandwidth, floor_ms, profile_device_work, time_fn
 
 BACKENDS = ("fused", "baseline", "reference")
 PASSES = ("forward", "fwd+bwd")
@@ -257,6 +259,9 @@ def _measure(
         )
         if device.type == "cuda":
             row["peak_gib"] = torch.cuda.max_memory_allocated(device) / GIB
+            if backend == "fused":  # the launches per pass, in one extra untimed call
+                work = profile_device_work(body, setup=setup)
+                row["launches"], row["copies"] = work.kernels, work.copies
         rows.append(row)
     setup()
     return rows
@@ -272,9 +277,10 @@ def add_floor_ratios(rows: list[dict], floors: dict[str, float]) -> None:
 
 
 def format_table(rows: list[dict]) -> str:
-    """The results as a text table: one line per row; ``vs baseline`` is the baseline's
-    time over this row's at the same mode, format, tokens and pass; ``x floor`` (token
-    sweeps) the time over the weight-read floor."""
+    """The results as a text table: one line per row; ``launches`` the kernels one pass
+    launched (fused rows on a GPU); ``vs baseline`` is the baseline's time over this
+    row's at the same mode, format, tokens and pass; ``x floor`` (token sweeps) the time
+    over the weight-read floor."""
     baseline = {
         _key(row): row["median_ms"]
         for row in rows
@@ -283,7 +289,7 @@ def format_table(rows: list[dict]) -> str:
     floors = any("x_floor" in row for row in rows)
     header = (
         f"{'mode':<9} {'dtype':<5} {'tokens':>6} {'backend':<9} {'pass':<7} {'median ms':>10} "
-        f"{'TFLOP/s':>8} {'peak GiB':>9} {'vs baseline':>11}"
+        f"{'TFLOP/s':>8} {'peak GiB':>9} {'launches':>8} {'vs baseline':>11}"
     )
     lines = [header + (f" {'x floor':>8}" if floors else "")]
     for row in rows:
@@ -297,7 +303,11 @@ def format_table(rows: list[dict]) -> str:
         base = baseline.get(_key(row))
         speedup = f"{base / row['median_ms']:.2f}x" if base else "-"
         peak = f"{row['peak_gib']:.1f}" if "peak_gib" in row else "-"
-        line = f"{lead} {row['median_ms']:>10.3f} {row['tflops']:>8.3g} {peak:>9} {speedup:>11}"
+        launches = str(row.get("launches", "-"))
+        line = (
+            f"{lead} {row['median_ms']:>10.3f} {row['tflops']:>8.3g} {peak:>9} {launches:>8} "
+            f"{speedup:>11}"
+        )
         if floors:
             line += f" {row['x_floor']:>7.2f}x" if "x_floor" in row else f" {'-':>8}"
         lines.append(line)

@@ -1,12 +1,13 @@
 """Timing with CUDA events (GPU) or perf_counter (CPU): warm-up, then median of samples;
-and the device copy bandwidth behind the weight-read floor."""
+the device copy bandwidth behind the weight-read floor; and the device work one call
+issues (kernel launches and copies, from torch.profiler)."""
 
 from __future__ import annotations
 
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -113,3 +114,42 @@ def floor_ms(weight_bytes: int, bandwidth: float) -> float:
     if bandwidth <= 0:
         raise ValueError(f"bandwidth: expected > 0 bytes/s, got {bandwidth}")
     return weight_bytes / bandwidth * 1e3
+
+
+@dataclass(frozen=True)
+class DeviceWork:
+    """What one call puts on the GPU's streams: ``kernels`` launched and ``copies``
+    (memcpy and memset operations). Each is a node a CUDA graph of the call holds."""
+
+    kernels: int
+    copies: int
+
+
+def count_device_work(events: Iterable[object]) -> DeviceWork:
+    """Kernels and copies among torch.profiler events (``prof.events()``).
+
+    Counted by the Kineto activity type (``"kernel"``, ``"gpu_memcpy"``,
+    ``"gpu_memset"``), so the GPU side of ``record_function`` ranges
+    (``"gpu_user_annotation"``) and the CPU-side operators do not count.
+    """
+    kinds = [getattr(event, "activity_type", None) for event in events]
+    return DeviceWork(
+        kernels=kinds.count("kernel"),
+        copies=kinds.count("gpu_memcpy") + kinds.count("gpu_memset"),
+    )
+
+
+def profile_device_work(
+    fn: Callable[[], None], *, setup: Callable[[], None] | None = None
+) -> DeviceWork:
+    """The :class:`DeviceWork` of one untimed ``fn()`` on the current CUDA device, under
+    torch.profiler (CUDA activity only). ``setup`` runs first, outside the profile."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if setup:
+        setup()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return count_device_work(prof.events())
