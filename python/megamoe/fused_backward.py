@@ -26,7 +26,8 @@ recomputes them here). The backward frees each pool buffer as soon as its last r
 ran (docs/PERFORMANCE.md has the bytes at ep4rank). Every GEMM reads the weights in the
 user's layout (MXFP4: decoded inside the GEMM pipeline) and a trainable base's
 gradients land in that layout. Deterministic: no atomics, fixed summation orders. No
-host synchronisation.
+host synchronisation. Each stage runs in a profiler range ``megamoe::<stage>``
+(:func:`megamoe.fused_forward.stage`).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import torch
 
 from . import pool
 from .activation_backward import fused_dgrad2_activation_backward
-from .fused_forward import ForwardState, recompute_preact
+from .fused_forward import ForwardState, recompute_preact, stage
 from .grouped_gemm import block_diagonal_side_weights, grouped_gemm
 from .k_grouped_gemm import k_grouped_gemm
 from .routing import RoutePlan
@@ -119,55 +120,62 @@ def pool_backward(
     local: dict[str, torch.Tensor | None] = dict.fromkeys(("b1", "b3", "a2", "w13", "w2"))
 
     # dgrad2 + activation backward: z = [dout | s dout b2^T]_pool @ [w2_e ; a2_e^T].
-    dout_pool = pool.gather_pool(dout_rows, db2_rows, plan)  # [P, H (+ r)]
-    dgrad_preact, weighted_h, drouter = fused_dgrad2_activation_backward(
-        dout_pool,
-        base.w2,
-        preact,
-        route_weights,
-        plan,
-        side_a2=side.a2.transpose(1, 2).contiguous() if use_side else None,  # [E, r, I]
-        activation=activation,
-        activation_clamp=activation_clamp,
-        weighted_h=(use_side and side_grads) or base_grads,
-        w2_scales=base.w2_scales,
-    )
+    with stage("gather_dout"):
+        dout_pool = pool.gather_pool(dout_rows, db2_rows, plan)  # [P, H (+ r)]
+    with stage("dgrad2"):
+        dgrad_preact, weighted_h, drouter = fused_dgrad2_activation_backward(
+            dout_pool,
+            base.w2,
+            preact,
+            route_weights,
+            plan,
+            side_a2=side.a2.transpose(1, 2).contiguous() if use_side else None,  # [E, r, I]
+            activation=activation,
+            activation_clamp=activation_clamp,
+            weighted_h=(use_side and side_grads) or base_grads,
+            w2_scales=base.w2_scales,
+        )
 
     # The weight gradients that contract over w h, then free it.
     if use_side and side_grads:
-        # s is already in the db2 columns.
-        local["a2"] = k_grouped_gemm(weighted_h, dout_pool[:, hidden:], plan)  # [E, I, r]
+        with stage("grad_a2"):
+            # s is already in the db2 columns.
+            local["a2"] = k_grouped_gemm(weighted_h, dout_pool[:, hidden:], plan)  # [E, I, r]
     if base_grads:
-        local["w2"] = k_grouped_gemm(dout_pool[:, :hidden], weighted_h, plan)  # [E, H, I]
+        with stage("grad_w2"):
+            local["w2"] = k_grouped_gemm(dout_pool[:, :hidden], weighted_h, plan)  # [E, H, I]
     # dw2 and da2 were their last readers: free the [P, H (+ r)] dout pool and w h before
     # the [P, H] x pool arrives (ordinary mode's peak is here).
     del dout_pool, weighted_h
     if base_grads:
-        x_pool = pool.gather_pool(x_rows, None, plan)
-        local["w13"] = k_grouped_gemm(dgrad_preact, x_pool, plan)  # [E, 2I, H]
-        del x_pool
+        with stage("grad_w13"):
+            x_pool = pool.gather_pool(x_rows, None, plan)
+            local["w13"] = k_grouped_gemm(dgrad_preact, x_pool, plan)  # [E, 2I, H]
+            del x_pool
     if use_side and side_grads:
-        rank = side.rank
-        q13_pool = pool.gather_pool(q13_rows, None, plan)  # [P, 2r]
-        b13 = k_grouped_gemm(q13_pool, dgrad_preact, plan, scale=side.scale)  # [E, 2r, 2I]
-        del q13_pool
-        local["b1"] = b13[:, :rank, :inter].contiguous()
-        local["b3"] = b13[:, rank:, inter:].contiguous()
+        with stage("grad_b13"):
+            rank = side.rank
+            q13_pool = pool.gather_pool(q13_rows, None, plan)  # [P, 2r]
+            b13 = k_grouped_gemm(q13_pool, dgrad_preact, plan, scale=side.scale)  # [E, 2r, 2I]
+            del q13_pool
+            local["b1"] = b13[:, :rank, :inter].contiguous()
+            local["b3"] = b13[:, rank:, inter:].contiguous()
 
     # dgrad1 with the b1/b3 shrinks as extra columns: (dg | du) read once.
-    shrink_weights = None
-    if use_side:
-        shrink_weights = block_diagonal_side_weights(
-            side.b1.transpose(1, 2), side.b3.transpose(1, 2)
-        )  # [E, 2I, 2r]
-    dx_shrink_pool = grouped_gemm(
-        dgrad_preact,
-        base.w13,
-        plan,
-        b_major="mn",
-        b_scales=base.w13_scales,
-        b_extra=shrink_weights,
-    )  # [P, H (+ 2r)]
+    with stage("dgrad1"):
+        shrink_weights = None
+        if use_side:
+            shrink_weights = block_diagonal_side_weights(
+                side.b1.transpose(1, 2), side.b3.transpose(1, 2)
+            )  # [E, 2I, 2r]
+        dx_shrink_pool = grouped_gemm(
+            dgrad_preact,
+            base.w13,
+            plan,
+            b_major="mn",
+            b_scales=base.w13_scales,
+            b_extra=shrink_weights,
+        )  # [P, H (+ 2r)]
     return PoolBackward(dx_shrink_pool, drouter, local)
 
 
@@ -209,13 +217,15 @@ def moe_backward(
 
     preact = state.preact
     if preact is None:
-        preact = recompute_preact(
-            x, state, base, side, activation=activation, activation_clamp=activation_clamp
-        )
+        with stage("recompute_gemm1"):
+            preact = recompute_preact(
+                x, state, base, side, activation=activation, activation_clamp=activation_clamp
+            )
     db2 = None
     if use_side:
-        db2 = (s * mm_fp32(dout, side.b2.T)).to(torch.bfloat16)  # [T, r], once per token
-    stage = pool_backward(
+        with stage("adapter_dout"):
+            db2 = (s * mm_fp32(dout, side.b2.T)).to(torch.bfloat16)  # [T, r], once per token
+    stage_grads = pool_backward(
         dout,
         db2,
         preact,
@@ -231,27 +241,30 @@ def moe_backward(
         side_grads=side_grads,
     )
     del preact
-    row_of_route = plan.route_to_pool_row.long()
-    grads["topk_weights"] = torch.where(
-        row_of_route >= 0, stage.drouter[row_of_route.clamp(min=0)], 0.0
-    ).to(topk_weights.dtype)
-    grads.update({k: v for k, v in stage.local.items() if v is not None})
+    with stage("grad_router"):
+        row_of_route = plan.route_to_pool_row.long()
+        grads["topk_weights"] = torch.where(
+            row_of_route >= 0, stage_grads.drouter[row_of_route.clamp(min=0)], 0.0
+        ).to(topk_weights.dtype)
+    grads.update({k: v for k, v in stage_grads.local.items() if v is not None})
 
     # dx = sum_k dx_pool + s (sg a1^T + su a3^T), k in order, FP32.
-    ones = torch.ones_like(topk_weights, dtype=torch.float32)
-    side_expand = shrink = None
-    dx_pool = stage.dx_shrink_pool  # [P, H (+ 2r)]: dx, then the shrinks
-    if use_side:
-        shrink = pool.side_sum(dx_pool, plan, ones, hidden)  # [T, 2r] = [sg | su]
-        side_expand = shrink @ torch.cat([side.a1, side.a3], dim=1).T  # [T, H]
-    grads["x"] = pool.combine(dx_pool, plan, ones, side_expand, scale=s, hidden=hidden)
-    del stage, dx_pool
+    with stage("combine_dx"):
+        ones = torch.ones_like(topk_weights, dtype=torch.float32)
+        side_expand = shrink = None
+        dx_pool = stage_grads.dx_shrink_pool  # [P, H (+ 2r)]: dx, then the shrinks
+        if use_side:
+            shrink = pool.side_sum(dx_pool, plan, ones, hidden)  # [T, 2r] = [sg | su]
+            side_expand = shrink @ torch.cat([side.a1, side.a3], dim=1).T  # [T, H]
+        grads["x"] = pool.combine(dx_pool, plan, ones, side_expand, scale=s, hidden=hidden)
+    del stage_grads, dx_pool
 
     # The dense shared-factor gradients, once per token, FP32 sums rounded once.
     if use_side and side_grads:
-        rank = side.rank
-        a13_grad = (s * mm_fp32(x.T, shrink)).to(torch.bfloat16)  # [H, 2r]
-        grads["a1"] = a13_grad[:, :rank].contiguous()
-        grads["a3"] = a13_grad[:, rank:].contiguous()
-        grads["b2"] = (s * mm_fp32(state.p_sum.T, dout)).to(torch.bfloat16)
+        with stage("grad_shared"):
+            rank = side.rank
+            a13_grad = (s * mm_fp32(x.T, shrink)).to(torch.bfloat16)  # [H, 2r]
+            grads["a1"] = a13_grad[:, :rank].contiguous()
+            grads["a3"] = a13_grad[:, rank:].contiguous()
+            grads["b2"] = (s * mm_fp32(state.p_sum.T, dout)).to(torch.bfloat16)
     return grads

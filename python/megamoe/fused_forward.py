@@ -4,6 +4,10 @@ route plan -> q13 = x [a1|a3] once per token -> gather [x | q13] into the pool -
 GEMM1 + side K segment + gated activation -> GEMM2 + a2 N segment -> per-token
 side sum -> b2 expand once per token -> combine (k summed in order, FP32).
 
+Each stage runs in a ``torch.profiler.record_function`` range ``megamoe::<stage>``
+(:func:`stage`), so profiles and traces show the pipeline; the ranges sit in the custom
+ops' real implementations, which torch.compile does not trace.
+
 No host synchronisation: the id range check runs on the device and is reported by a
 later call (:func:`megamoe.routing.check_expert_ids`). A zero adapter scale takes the
 no-adapter path, so its output is bitwise the no-adapter output.
@@ -11,9 +15,12 @@ no-adapter path, so its output is bitwise the no-adapter output.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
+from torch.autograd import _profiler_enabled
+from torch.profiler import record_function
 
 from . import pool
 from ._checks import check_choice
@@ -25,6 +32,12 @@ from .weights import BaseWeights
 
 #: What the forward keeps for the backward (see :func:`moe_forward`).
 SAVE_MODES = ("none", "preact", "recompute")
+
+
+def stage(name: str) -> contextlib.AbstractContextManager:
+    """The profiler range ``megamoe::<name>`` of one pipeline stage while a profiler runs;
+    otherwise no range (an idle ``record_function`` still costs ~4 us of host time)."""
+    return record_function(f"megamoe::{name}") if _profiler_enabled() else contextlib.nullcontext()
 
 
 @dataclass(frozen=True, eq=False)
@@ -72,15 +85,17 @@ def moe_forward(
     check_choice("save", save, SAVE_MODES)
     num_tokens, top_k = topk_ids.shape
     experts = base.num_experts
-    check_expert_ids(topk_ids, experts)
-    block_m = get_block_m(num_tokens, top_k, experts)
-    plan = plan_routes(topk_ids, experts, block_m, check_ids=False)
+    with stage("route_plan"):
+        check_expert_ids(topk_ids, experts)
+        block_m = get_block_m(num_tokens, top_k, experts)
+        plan = plan_routes(topk_ids, experts, block_m, check_ids=False)
 
     # A zero scale contributes exact zeros: take the no-adapter path (bitwise equal).
     use_side = side is not None and side.scale != 0.0
     q13 = None
     if use_side:
-        q13 = torch.cat([x @ side.a1, x @ side.a3], dim=1)  # [T, 2r], once per token
+        with stage("adapter_shrink"):
+            q13 = torch.cat([x @ side.a1, x @ side.a3], dim=1)  # [T, 2r], once per token
     preact = None
     if save == "preact":
         preact = torch.empty(
@@ -99,16 +114,18 @@ def moe_forward(
     side_expand = None
     p_sum = None
     if use_side:
-        p_sum = pool.side_sum(pool_output, plan, topk_weights, base.hidden)  # [T, r]
-        side_expand = p_sum @ side.b2  # [T, H], once per token
-    out = pool.combine(
-        pool_output,
-        plan,
-        topk_weights,
-        side_expand,
-        scale=side.scale if use_side else 0.0,
-        hidden=base.hidden,
-    )
+        with stage("adapter_expand"):
+            p_sum = pool.side_sum(pool_output, plan, topk_weights, base.hidden)  # [T, r]
+            side_expand = p_sum @ side.b2  # [T, H], once per token
+    with stage("combine"):
+        out = pool.combine(
+            pool_output,
+            plan,
+            topk_weights,
+            side_expand,
+            scale=side.scale if use_side else 0.0,
+            hidden=base.hidden,
+        )
     if save == "none":
         return out
     return out, ForwardState(plan=plan, preact=preact, q13=q13, p_sum=p_sum)
@@ -130,25 +147,26 @@ def gemm1(
     their pre-activations are bitwise equal. ``side``: None for no active adapter;
     ``preact``: optional ``[P, 2I]`` BF16 output of ``g``, ``u``.
     """
-    side_args = {}
-    if side is not None:
-        side_args = dict(
-            side_b_gate=side.b1.transpose(1, 2).contiguous(),  # [E, I, r]
-            side_b_up=side.b3.transpose(1, 2).contiguous(),
-            side_scale=side.scale,
+    with stage("gemm1"):
+        side_args = {}
+        if side is not None:
+            side_args = dict(
+                side_b_gate=side.b1.transpose(1, 2).contiguous(),  # [E, I, r]
+                side_b_up=side.b3.transpose(1, 2).contiguous(),
+                side_scale=side.scale,
+            )
+        # MXFP4: the codes and scales, decoded inside the GEMM pipeline.
+        return gated_grouped_gemm(
+            pool_input,
+            base.w13,
+            plan,
+            k=base.hidden,
+            activation=activation,
+            activation_clamp=activation_clamp,
+            preact_out=preact,
+            w13_scales=base.w13_scales,
+            **side_args,
         )
-    # MXFP4: the codes and scales, decoded inside the GEMM pipeline.
-    return gated_grouped_gemm(
-        pool_input,
-        base.w13,
-        plan,
-        k=base.hidden,
-        activation=activation,
-        activation_clamp=activation_clamp,
-        preact_out=preact,
-        w13_scales=base.w13_scales,
-        **side_args,
-    )
 
 
 def expert_stage(
@@ -169,7 +187,8 @@ def expert_stage(
     (``rows`` = received ``[x | q13]`` rows, ``side_rows`` None). The pool input, the
     largest forward buffer, is freed before GEMM2.
     """
-    pool_input = pool.gather_pool(rows, side_rows, plan)
+    with stage("gather"):
+        pool_input = pool.gather_pool(rows, side_rows, plan)
     hidden_pool = gemm1(
         pool_input,
         plan,
@@ -180,8 +199,9 @@ def expert_stage(
         preact=preact,
     )
     del pool_input
-    b_extra = None if side is None else side.a2.transpose(1, 2).contiguous()  # [E, r, I]
-    return grouped_gemm(hidden_pool, base.w2, plan, b_extra=b_extra, b_scales=base.w2_scales)
+    with stage("gemm2"):
+        b_extra = None if side is None else side.a2.transpose(1, 2).contiguous()  # [E, r, I]
+        return grouped_gemm(hidden_pool, base.w2, plan, b_extra=b_extra, b_scales=base.w2_scales)
 
 
 def recompute_preact(
@@ -197,7 +217,8 @@ def recompute_preact(
     the same gather and :func:`gemm1` launch as the forward, so bitwise the same values."""
     plan = state.plan
     use_side = state.q13 is not None
-    pool_input = pool.gather_pool(x, state.q13, plan)
+    with stage("gather"):
+        pool_input = pool.gather_pool(x, state.q13, plan)
     preact = torch.empty(
         plan.pool_capacity, 2 * base.intermediate, dtype=torch.bfloat16, device=x.device
     )

@@ -35,7 +35,7 @@ from torch.autograd.function import once_differentiable
 
 from .. import pool
 from ..fused_backward import GRAD_NAMES, mm_fp32, pool_backward
-from ..fused_forward import expert_stage
+from ..fused_forward import expert_stage, stage
 from ..grouped_gemm import ACTIVATIONS
 from ..side_lora import SideLoRA
 from ..validation import check_moe_inputs
@@ -61,12 +61,13 @@ def _exchange_into(
     """
     received = sum(recv_splits)
     out = send.new_empty((out_rows, *send.shape[1:]))
-    if group is None:
-        out[:received].copy_(send)
-    else:
-        dist.all_to_all_single(
-            out[:received], send.contiguous(), list(recv_splits), list(send_splits), group=group
-        )
+    with stage("exchange"):
+        if group is None:
+            out[:received].copy_(send)
+        else:
+            dist.all_to_all_single(
+                out[:received], send.contiguous(), list(recv_splits), list(send_splits), group=group
+            )
     return out
 
 
@@ -141,11 +142,14 @@ class _FusedEPMoE(torch.autograd.Function):
         back = plan.return_plan
         side_expand = p_sum = None
         if use_side:
-            p_sum = pool.side_sum(returned, back, topk_weights, hidden)  # [T, r]
-            side_expand = p_sum @ side_lora.b2
-        out = pool.combine(
-            returned, back, topk_weights, side_expand, scale=s if use_side else 0.0, hidden=hidden
-        )
+            with stage("adapter_expand"):
+                p_sum = pool.side_sum(returned, back, topk_weights, hidden)  # [T, r]
+                side_expand = p_sum @ side_lora.b2
+        with stage("combine"):
+            out = pool.combine(
+                returned, back, topk_weights, side_expand, scale=s if use_side else 0.0,
+                hidden=hidden,
+            )  # fmt: skip
         ctx.plan = plan
         ctx.options = options
         ctx.use_side = use_side
