@@ -166,10 +166,10 @@ void engine_gated(const Tensor& a, int64_t k_base, const Tensor& w13,
     throw nb::value_error("side_gate/side_up: give both or neither");
   int64_t rank = 0;
   if (side_gate) {
-    // b1^T and b3^T [E, I, r], K-major.
-    check_tensor("side_gate", *side_gate, bfloat16_dtype(), {experts, inter, -1}, device);
-    rank = side_gate->shape(2);
-    check_tensor("side_up", *side_up, bfloat16_dtype(), {experts, inter, rank}, device);
+    // b1 and b3 as given [E, r, I], read MN-major.
+    check_tensor("side_gate", *side_gate, bfloat16_dtype(), {experts, -1, inter}, device);
+    rank = side_gate->shape(1);
+    check_tensor("side_up", *side_up, bfloat16_dtype(), {experts, rank, inter}, device);
     if (rank < 8 || rank % 8 != 0)
       throw nb::value_error(("side_gate: rank must be a multiple of 8, got " + str(rank)).c_str());
     if (!std::isfinite(side_scale)) throw nb::value_error("side_scale: expected a finite value");
@@ -204,12 +204,8 @@ void engine_gated(const Tensor& a, int64_t k_base, const Tensor& w13,
         {k_base * 2, inter * k_base * 2, two_i * k_base * 2}, {kBlockK, kBlockN / 2, 1, 1}, true);
   }
   if (side_gate) {
-    o.side_gate = tensor_map("side_gate", side_gate->data(), CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-                             {rank, inter, experts}, {rank * 2, inter * rank * 2},
-                             {kBlockK, kBlockN / 2, 1}, true);
-    o.side_up = tensor_map("side_up", side_up->data(), CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-                           {rank, inter, experts}, {rank * 2, inter * rank * 2},
-                           {kBlockK, kBlockN / 2, 1}, true);
+    o.side_gate = mn_major_map("side_gate", *side_gate, device);
+    o.side_up = mn_major_map("side_up", *side_up, device);
   }
   o.k_base = static_cast<int32_t>(k_base);
   o.side_rank = static_cast<int32_t>(rank);
@@ -232,7 +228,8 @@ void engine_gated(const Tensor& a, int64_t k_base, const Tensor& w13,
 }
 
 // out = a . b_e^T (K-major b [E, N, K]) or a . b_e (MN-major b [E, K, N]), plus N extra
-// columns from b_extra (same major), Store epilogue (EngineKind::StoreKMajor/MNMajor).
+// columns a . b_extra_e (b_extra [E, K, N_x]), Store epilogue (EngineKind::StoreKMajor/
+// MNMajor).
 void engine_store(const Tensor& a, int64_t k_base, const Tensor& b, std::optional<Tensor> b_scales,
                   bool b_major_mn, std::optional<Tensor> b_extra, const Tensor& offsets,
                   const Tensor& out, int block_m, int group_m, int num_sms, uintptr_t stream) {
@@ -255,13 +252,9 @@ void engine_store(const Tensor& a, int64_t k_base, const Tensor& b, std::optiona
     n_base = b.shape(1);
   int64_t n_extra = 0;
   if (b_extra) {
-    if (b_major_mn) {
-      check_tensor("b_extra", *b_extra, bfloat16_dtype(), {experts, k_base, -1}, device);
-      n_extra = b_extra->shape(2);
-    } else {
-      check_tensor("b_extra", *b_extra, bfloat16_dtype(), {experts, -1, k_base}, device);
-      n_extra = b_extra->shape(1);
-    }
+    // [E, K, N_x] for either base major, read MN-major.
+    check_tensor("b_extra", *b_extra, bfloat16_dtype(), {experts, k_base, -1}, device);
+    n_extra = b_extra->shape(2);
     if (n_extra % 8 != 0)
       throw nb::value_error(
           ("b_extra: expected N a multiple of 8 (16-byte rows), got " + str(n_extra)).c_str());
@@ -287,7 +280,6 @@ void engine_store(const Tensor& a, int64_t k_base, const Tensor& b, std::optiona
       check_tensor("b", b, bfloat16_dtype(), {experts, k_base, n_base}, device);
       o.b = mn_major_map("b", b, device);
     }
-    if (b_extra) o.extra = mn_major_map("b_extra", *b_extra, device);
   } else {
     if (mxfp4) {
       check_tensor<uint8_t>("b", b, {experts, n_base, k_base / 2}, device);
@@ -303,18 +295,15 @@ void engine_store(const Tensor& a, int64_t k_base, const Tensor& b, std::optiona
       o.b = tensor_map("b", b.data(), CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, {k_base, n_base, experts},
                        {k_base * 2, n_base * k_base * 2}, {kBlockK, kBlockN, 1}, true);
     }
-    if (b_extra)
-      o.extra = tensor_map("b_extra", b_extra->data(), CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-                           {k_base, n_extra, experts}, {k_base * 2, n_extra * k_base * 2},
-                           {kBlockK, kBlockN, 1}, true);
   }
+  if (b_extra) o.extra = mn_major_map("b_extra", *b_extra, device);
   set_store_outputs(p.epilogue, out, rows, n_base, n_extra, kernels.block_m, device);
   launch(kernels, p, device, num_sms, stream, "engine_store launch");
 }
 
-// dgrad2 + activation backward (EngineKind::ActivationBackward): z = a . [b_e ; side_e]
-// with b the weights as stored [E, K, I] (BF16 or MXFP4 codes [E, K, I/2]) and side a2^T
-// [E, r, I] over a's columns K.. K + r; consumed by the epilogue.
+// dgrad2 + activation backward (EngineKind::ActivationBackward): z = a . [b_e ; side_e^T]
+// with b the weights as stored [E, K, I] (BF16 or MXFP4 codes [E, K, I/2]) and side a2
+// as given [E, I, r] over a's columns K.. K + r; consumed by the epilogue.
 void engine_activation_backward(const Tensor& a, int64_t k_base, const Tensor& b,
                                 std::optional<Tensor> b_scales, std::optional<Tensor> side,
                                 const Tensor& offsets, const Tensor& preact,
@@ -335,8 +324,10 @@ void engine_activation_backward(const Tensor& a, int64_t k_base, const Tensor& b
     throw nb::value_error(("b: expected I a multiple of 64, got " + str(inter)).c_str());
   int64_t rank = 0;
   if (side) {
-    check_tensor("side_b", *side, bfloat16_dtype(), {experts, -1, inter}, device);
-    rank = side->shape(1);
+    check_tensor("side_b", *side, bfloat16_dtype(), {experts, inter, -1}, device);
+    rank = side->shape(2);
+    if (rank < 8 || rank % 8 != 0)
+      throw nb::value_error(("side_b: rank must be a multiple of 8, got " + str(rank)).c_str());
   }
   if (k_base + rank > static_cast<int64_t>(a.shape(1)))
     throw nb::value_error(
@@ -365,7 +356,10 @@ void engine_activation_backward(const Tensor& a, int64_t k_base, const Tensor& b
     check_tensor("b", b, bfloat16_dtype(), {experts, k_base, inter}, device);
     o.b = mn_major_map("b", b, device);
   }
-  if (side) o.side_gate = mn_major_map("side_b", *side, device);
+  if (side)  // K-major: [BLOCK_N rows of I][64 of r] boxes
+    o.side_gate = tensor_map("side_b", side->data(), CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                             {rank, inter, experts}, {rank * 2, inter * rank * 2},
+                             {kBlockK, kBlockN, 1}, true);
   o.k_base = static_cast<int32_t>(k_base);
   o.n_base = static_cast<int32_t>(inter);
   o.side_scale = 1.0f;  // the side columns of a carry the adapter scale already

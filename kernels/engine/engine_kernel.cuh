@@ -235,10 +235,15 @@ __device__ __forceinline__ void mask_tail_rows(const SharedStorage<C>& smem, con
 }
 
 // ---- consumers: wgmma over the ring, then the accumulators into the staging tile ----
+// A tile's K steps run in segments (side steps, then base steps; an N extra tile is one
+// segment), each with the wgmma flavour of its B major (operand_b.cuh): one loop per
+// segment, so no branch sits between a batch's MMAs.
 template <class C>
 __device__ __forceinline__ void consume(const EngineParams& p, const SharedStorage<C>& smem,
                                         int consumer) {
-  using Mma = Wgmma<C::kBlockN, C::A::kMNMajor, C::B::kMNMajor>;
+  using BaseMma = Wgmma<C::kBlockN, C::A::kMNMajor, C::B::kMNMajor>;
+  using SideMma = Wgmma<C::kBlockN, C::A::kMNMajor, C::B::kSideMNMajor>;
+  using ExtraMma = Wgmma<C::kBlockN, C::A::kMNMajor, C::B::kExtraMNMajor>;
   const typename C::Schedule schedule(p.schedule);
   const int consumer_thread = threadIdx.x - kWarpgroupThreads;
   const int lane = threadIdx.x % 32;
@@ -251,36 +256,46 @@ __device__ __forceinline__ void consume(const EngineParams& p, const SharedStora
 #pragma unroll
     for (int i = 0; i < C::kAccumulators; ++i) acc[i] = 0.0f;
     fence_accumulators(acc);
-    for (int step = 0; step < tile.k_steps; ++step) {
-      if constexpr (C::kMxfp4) {
-        Barrier::wait(&smem.decoded[ring.stage], ring.phase);
-      } else {
-        TransactionBarrier::wait(&smem.full[ring.stage], ring.phase);
-        if constexpr (C::kTailMask) mask_tail_rows(smem, tile, step, ring.stage, consumer_thread);
+    // K steps [first, last) with the MMA flavour `Mma` (a tag object).
+    auto run_steps = [&](auto mma, int first, int last) {
+      using Mma = decltype(mma);
+      for (int step = first; step < last; ++step) {
+        if constexpr (C::kMxfp4) {
+          Barrier::wait(&smem.decoded[ring.stage], ring.phase);
+        } else {
+          TransactionBarrier::wait(&smem.full[ring.stage], ring.phase);
+          if constexpr (C::kTailMask)
+            mask_tail_rows(smem, tile, step, ring.stage, consumer_thread);
+        }
+        const uint64_t desc_a = C::A::descriptor(smem.a(ring.stage), consumer);
+        const uint64_t desc_b = tile_descriptor<Mma::kReadsBMNMajor>(smem.b(ring.stage));
+        cute::warpgroup_arrive();
+        Mma::step(desc_a, desc_b, acc);
+        cute::warpgroup_commit_batch();
+        // Unconditional (a wait in a branch makes ptxas serialize every wgmma): at step 0
+        // no older batch exists and it returns at once.
+        cute::warpgroup_wait<1>();
+        if (step > 0) {  // step - 1's batch retired: its stage goes back to the producer
+          if (lane == 0) Barrier::arrive(&smem.empty[release.stage]);
+          release.advance();
+        }
+        ring.advance();
       }
-      const uint64_t desc_a = C::A::descriptor(smem.a(ring.stage), consumer);
-      const uint64_t desc_b = C::B::descriptor(smem.b(ring.stage));
-      cute::warpgroup_arrive();
-      Mma::step(desc_a, desc_b, acc);
-      cute::warpgroup_commit_batch();
-      // Unconditional (a wait in a branch makes ptxas serialize every wgmma): at step 0
-      // no older batch exists and it returns at once.
-      cute::warpgroup_wait<1>();
-      if (step > 0) {  // step - 1's batch retired: its stage goes back to the producer
-        if (lane == 0) Barrier::arrive(&smem.empty[release.stage]);
-        release.advance();
-      }
-      ring.advance();
-      if (step + 1 == tile.side_steps) {
-        // The side sum is complete: scale it before the base K loop adds on, so the scale
-        // multiplies exactly the adapter term (FP32, no extra rounding).
-        cute::warpgroup_wait<0>();
-        fence_accumulators(acc);
+    };
+    if (tile.side_steps > 0) {
+      run_steps(SideMma{}, 0, tile.side_steps);
+      // The side sum is complete: scale it before the base K loop adds on, so the scale
+      // multiplies exactly the adapter term (FP32, no extra rounding).
+      cute::warpgroup_wait<0>();
+      fence_accumulators(acc);
 #pragma unroll
-        for (int i = 0; i < C::kAccumulators; ++i) acc[i] *= p.operands.side_scale;
-        fence_accumulators(acc);
-      }
+      for (int i = 0; i < C::kAccumulators; ++i) acc[i] *= p.operands.side_scale;
+      fence_accumulators(acc);
     }
+    if (tile.extra)
+      run_steps(ExtraMma{}, 0, tile.k_steps);
+    else
+      run_steps(BaseMma{}, tile.side_steps, tile.k_steps);
     cute::warpgroup_wait<0>();  // the last batch, before the accumulators are read
     fence_accumulators(acc);
     if (tile.k_steps > 0) {

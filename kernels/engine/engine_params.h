@@ -19,18 +19,18 @@ namespace megamoe {
 enum class EngineKind : int32_t {
   // GEMM1: h = act([x | q1 | q3] . [w13_e ; side]) over the pool. B = w13 [E, 2I, H] as
   // given (gate rows 0..I-1, up rows I..2I-1): a tile's gate and up rows are two TMA
-  // boxes. Side K segment: q1 against b1_e^T for the gate half, q3 against b3_e^T for
-  // the up half. Epilogue: the pre-activations g | u and h.
+  // boxes. Side K segment: q1 against b1_e (as given, MN-major) for the gate half, q3
+  // against b3_e for the up half. Epilogue: the pre-activations g | u and h.
   Gated,
   // out = pool . w_e^T (B K-major, nn.Linear [E, N, K]: GEMM2's w2) + an N extra segment
-  // (GEMM2's a2 shrink). Epilogue: store.
+  // (GEMM2's a2 shrink, a2 as given, MN-major). Epilogue: store.
   StoreKMajor,
   // out = pool . w_e (B MN-major, the weights as stored [E, K, N]: dgrad1's w13) + an N
   // extra segment (dgrad1's b1/b3 shrink). Epilogue: store.
   StoreMNMajor,
   // z = [dout | s dout b2^T]_pool . [w2_e ; a2_e^T] (MN-major; the adapter term as a K
-  // side segment), consumed by the activation backward epilogue: dg | du, w h and the
-  // router-dot partials (dgrad2; z never reaches memory).
+  // side segment, a2 as given, K-major), consumed by the activation backward epilogue:
+  // dg | du, w h and the router-dot partials (dgrad2; z never reaches memory).
   ActivationBackward,
   // out[e] = s A_e^T B_e over each expert's data rows of two pool-shaped operands (both
   // read MN-major; the weight gradients). Epilogue: scaled store.
@@ -69,12 +69,13 @@ struct OperandParams {
   // [E][N][K], box [64, BLOCK_N, 1]; StoreMNMajor / ActivationBackward: 3-D [E][K][N],
   // box [64 N, 64 K, 1]; KGrouped: B [P, N], box [64, 64].
   CUtensorMap b;
-  // K side segment. Gated: b1^T and b3^T, 3-D [E][I][r] K-major, box [64, BLOCK_N / 2, 1];
-  // ActivationBackward: a2^T 3-D [E][r][I] MN-major (side_up unused).
+  // K side segment, the adapter factors as given. Gated: b1 and b3, 3-D [E][r][I] read
+  // MN-major, box [64 N, 64 K, 1]; ActivationBackward: a2 3-D [E][I][r] read K-major, box
+  // [64 K, BLOCK_N, 1] (side_up unused).
   CUtensorMap side_gate;
   CUtensorMap side_up;
-  // N extra segment. StoreKMajor: 3-D [E][N_x][K], box [64, BLOCK_N, 1]; StoreMNMajor:
-  // 3-D [E][K][N_x], box [64, 64, 1].
+  // N extra segment, 3-D [E][K][N_x] read MN-major, box [64 N, 64 K, 1] (StoreKMajor:
+  // GEMM2's a2 as given; StoreMNMajor: dgrad1's shrink weights).
   CUtensorMap extra;
   // MXFP4 base (b unused). K-major (Gated, StoreKMajor): codes 4-D [E][2][I][K / 2]
   // (Gated) or 3-D [E][N][K / 2] uint8, scales [E * K / 64, N] uint16 (the two UE8M0

@@ -1,12 +1,15 @@
 // B-operand policies: what the producer loads into a stage's B tile for a K step, how
-// the consumers turn it into the BF16 tile wgmma reads (the MXFP4 decode), and its
-// wgmma descriptor.
+// the consumers turn it into the BF16 tile wgmma reads (the MXFP4 decode), and the
+// major of each segment's tile (which wgmma descriptor reads it).
 //
 // Stage layout of the B part: the BF16 tile [BLOCK_N x 64] (K-major rows, or MN-major
 // boxes of [64 K][64 N]), then a small area for MXFP4 scales. An MXFP4 step's codes land
 // in the BF16 tile's last quarter and are decoded over it in place (two phases with a
 // barrier between: kernels/mxfp4_tile_decode.cuh), which keeps a stage at its BF16 size.
-// Side and extra segments are BF16 in every format.
+// Side and extra segments are BF16 in every format and are read in the layout the caller
+// holds them in (the adapter factors as given, no transposed copy), which is the other
+// major from the base's in GEMM1, GEMM2 and dgrad2: each policy names the major of each
+// segment and the consumers pick the wgmma flavour per segment (engine_kernel.cuh).
 #pragma once
 
 #include <cute/arch/copy_sm90_tma.hpp>
@@ -35,17 +38,28 @@ struct OperandBLayout {
   __device__ __forceinline__ static constexpr int step_bytes(bool decodes) {
     return decodes ? kCodeBytes + kScaleLoadBytes : kTileBytes;
   }
+  // `boxes` [64 K rows][64 N] boxes of a 3-D map [E][K][N], side by side along N from
+  // box `first` of the tile (the MN-major tile layout).
+  __device__ __forceinline__ static void load_mn_boxes(const CUtensorMap* map, uint64_t* bar,
+                                                       uint8_t* dst, int first, int boxes, int n0,
+                                                       int k0, int expert) {
+    for (int box = 0; box < boxes; ++box)
+      cute::SM90_TMA_LOAD_3D::copy(map, bar, kCacheHint, dst + (first + box) * kBoxBytes,
+                                   n0 + 64 * box, k0, expert);
+  }
 };
 
 // GEMM1's w13 [E, 2I, H] as given: a tile's BLOCK_N rows are BLOCK_N / 2 gate rows
 // (i0 ..) then the matching up rows (I + i0 ..), two boxes of one 4-D map
-// [E][gate|up][I][H] (rows past I zero-fill). Side steps: the gate half reads b1^T
-// [E][I][r] at K = k', the up half b3^T at K = k' - r, both through TMA's zero fill
-// outside [0, r): the [q1 | q3] side columns meet [b1^T | 0] and [0 | b3^T].
+// [E][gate|up][I][H] (rows past I zero-fill). Side steps, MN-major: the gate half reads
+// b1 [E][r][I] as given at K = k', the up half b3 at K = k' - r, both through TMA's zero
+// fill outside [0, r): the [q1 | q3] side columns meet [b1 | 0] and [0 | b3].
 template <int BlockN, BFormat kFormat>
 struct GatedOperandB : OperandBLayout<BlockN, kFormat> {
   using L = OperandBLayout<BlockN, kFormat>;
   static constexpr bool kMNMajor = false;
+  static constexpr bool kSideMNMajor = true;
+  static constexpr bool kExtraMNMajor = false;  // no extra segment
   static constexpr int kHalf = BlockN / 2;
 
   __device__ __forceinline__ static bool decodes(const TileInfo& tile, int step) {
@@ -58,9 +72,9 @@ struct GatedOperandB : OperandBLayout<BlockN, kFormat> {
     const int i0 = tile.n_block * kHalf;
     if (step < tile.side_steps) {
       const int k = step * kBlockK;
-      cute::SM90_TMA_LOAD_3D::copy(&p.side_gate, bar, kCacheHint, dst, k, i0, tile.expert);
-      cute::SM90_TMA_LOAD_3D::copy(&p.side_up, bar, kCacheHint, dst + kHalf * kRowBytes,
-                                   k - p.side_rank, i0, tile.expert);
+      L::load_mn_boxes(&p.side_gate, bar, dst, 0, kHalf / 64, i0, k, tile.expert);
+      L::load_mn_boxes(&p.side_up, bar, dst, kHalf / 64, kHalf / 64, i0, k - p.side_rank,
+                       tile.expert);
       return;
     }
     const int k0 = (step - tile.side_steps) * kBlockK;
@@ -83,17 +97,17 @@ struct GatedOperandB : OperandBLayout<BlockN, kFormat> {
     }
   }
 
-  __device__ __forceinline__ static uint64_t descriptor(const uint8_t* tile) {
-    return descriptor_k_major(tile);
-  }
 };
 
 // GEMM2's w2 [E, H, I] (nn.Linear, K-major): one [BLOCK_N rows][64] box of a 3-D map
-// [E][N][K]; N extra tiles read the extra segment's map (a2^T [E][r][I]) likewise.
+// [E][N][K]. N extra tiles, MN-major: the extra segment as given (a2 [E][I][r] = [E][K]
+// [N_x]) in [64 K][64 N] boxes.
 template <int BlockN, BFormat kFormat>
 struct KMajorOperandB : OperandBLayout<BlockN, kFormat> {
   using L = OperandBLayout<BlockN, kFormat>;
   static constexpr bool kMNMajor = false;
+  static constexpr bool kSideMNMajor = false;  // no side segment
+  static constexpr bool kExtraMNMajor = true;
 
   __device__ __forceinline__ static bool decodes(const TileInfo& tile, int) {
     return L::kMxfp4 && !tile.extra;
@@ -104,8 +118,8 @@ struct KMajorOperandB : OperandBLayout<BlockN, kFormat> {
                                               uint64_t* bar) {
     const int k0 = step * kBlockK;
     if (tile.extra) {
-      cute::SM90_TMA_LOAD_3D::copy(&p.extra, bar, kCacheHint, dst, k0, tile.n_local * BlockN,
-                                   tile.expert);
+      L::load_mn_boxes(&p.extra, bar, dst, 0, BlockN / 64, tile.n_local * BlockN, k0,
+                       tile.expert);
       return;
     }
     const int n0 = tile.n_block * BlockN;
@@ -119,43 +133,36 @@ struct KMajorOperandB : OperandBLayout<BlockN, kFormat> {
     }
   }
 
-  __device__ __forceinline__ static uint64_t descriptor(const uint8_t* tile) {
-    return descriptor_k_major(tile);
-  }
 };
 
 // The weights as stored, read MN-major (the dgrads: dgrad1's w13 [E, 2I, H], dgrad2's w2
 // [E, H, I]): BLOCK_N / 64 boxes of [64 K rows][64 N] from a 3-D map [E][K][N] (K rows
 // past an expert's end zero-fill). N extra tiles (dgrad1's b1/b3 shrink columns) read
-// the extra map likewise; side steps (dgrad2's a2^T [E][r][I]) read the side map.
+// the extra map likewise. Side steps, K-major: dgrad2's a2 as given ([E][I][r] = [E][N]
+// [K]) in one [BLOCK_N rows][64] box.
 template <int BlockN, BFormat kFormat>
 struct MNMajorOperandB : OperandBLayout<BlockN, kFormat> {
   using L = OperandBLayout<BlockN, kFormat>;
   static constexpr bool kMNMajor = true;
+  static constexpr bool kSideMNMajor = false;
+  static constexpr bool kExtraMNMajor = true;
   static constexpr int kBoxes = BlockN / 64;
 
   __device__ __forceinline__ static bool decodes(const TileInfo& tile, int step) {
     return L::kMxfp4 && !tile.extra && step >= tile.side_steps;
   }
 
-  __device__ __forceinline__ static void load_boxes(const CUtensorMap* map, uint64_t* bar,
-                                                    uint8_t* dst, int n0, int k0, int expert) {
-#pragma unroll
-    for (int box = 0; box < kBoxes; ++box)
-      cute::SM90_TMA_LOAD_3D::copy(map, bar, kCacheHint, dst + box * kBoxBytes, n0 + 64 * box, k0,
-                                   expert);
-  }
-
   __device__ __forceinline__ static void load(const OperandParams& p, const TileInfo& tile,
                                               int step, uint8_t* dst, uint8_t* scales,
                                               uint64_t* bar) {
     if (step < tile.side_steps) {
-      load_boxes(&p.side_gate, bar, dst, tile.n_block * BlockN, step * kBlockK, tile.expert);
+      cute::SM90_TMA_LOAD_3D::copy(&p.side_gate, bar, kCacheHint, dst, step * kBlockK,
+                                   tile.n_block * BlockN, tile.expert);
       return;
     }
     const int k0 = (step - tile.side_steps) * kBlockK;
     if (tile.extra) {
-      load_boxes(&p.extra, bar, dst, tile.n_local * BlockN, k0, tile.expert);
+      L::load_mn_boxes(&p.extra, bar, dst, 0, kBoxes, tile.n_local * BlockN, k0, tile.expert);
       return;
     }
     const int n0 = tile.n_block * BlockN;
@@ -167,12 +174,8 @@ struct MNMajorOperandB : OperandBLayout<BlockN, kFormat> {
       cute::SM90_TMA_LOAD_2D::copy(&p.scales, bar, kCacheHint, scales, k0,
                                    tile.expert * (p.n_base / 32) + n0 / 32);
     } else {
-      load_boxes(&p.b, bar, dst, n0, k0, tile.expert);
+      L::load_mn_boxes(&p.b, bar, dst, 0, kBoxes, n0, k0, tile.expert);
     }
-  }
-
-  __device__ __forceinline__ static uint64_t descriptor(const uint8_t* tile) {
-    return descriptor_mn_major(tile);
   }
 };
 
@@ -182,6 +185,8 @@ template <int BlockN>
 struct RowsOperandB : OperandBLayout<BlockN, BFormat::BF16> {
   using L = OperandBLayout<BlockN, BFormat::BF16>;
   static constexpr bool kMNMajor = true;
+  static constexpr bool kSideMNMajor = true;  // no side or extra segment
+  static constexpr bool kExtraMNMajor = true;
   static constexpr int kBoxes = BlockN / 64;
 
   __device__ __forceinline__ static bool decodes(const TileInfo&, int) { return false; }
@@ -192,10 +197,6 @@ struct RowsOperandB : OperandBLayout<BlockN, BFormat::BF16> {
     for (int box = 0; box < kBoxes; ++box)
       cute::SM90_TMA_LOAD_2D::copy(&p.b, bar, kCacheHint, dst + box * kBoxBytes,
                                    tile.n_block * BlockN + 64 * box, tile.row0 + step * kBlockK);
-  }
-
-  __device__ __forceinline__ static uint64_t descriptor(const uint8_t* tile) {
-    return descriptor_mn_major(tile);
   }
 };
 

@@ -43,6 +43,11 @@ __device__ __forceinline__ uint64_t descriptor_mn_major(const void* smem) {
   return desc.desc_;
 }
 
+template <bool kMNMajor>
+__device__ __forceinline__ uint64_t tile_descriptor(const void* smem) {
+  return kMNMajor ? descriptor_mn_major(smem) : descriptor_k_major(smem);
+}
+
 // The descriptor of K sub-step k16 (16 elements) of a stage: inside the swizzle span for
 // K-major (the hardware swizzles the computed address, so a plain 32-byte offset is
 // right), 16 rows of 128 bytes further for MN-major.
@@ -72,6 +77,7 @@ struct Wgmma {
       kAMajorMN ? cute::SM90::GMMA::Major::MN : cute::SM90::GMMA::Major::K;
   static constexpr auto kMajorB =
       kBMajorMN ? cute::SM90::GMMA::Major::MN : cute::SM90::GMMA::Major::K;
+  static constexpr bool kReadsBMNMajor = kBMajorMN;
   template <size_t... I>
   __device__ __forceinline__ static void run(uint64_t a, uint64_t b, float* d,
                                              std::index_sequence<I...>) {

@@ -92,8 +92,8 @@ def fused_dgrad2_activation_backward(
         preact: ``[pool_capacity, 2I]`` BF16 ``g | u`` from the forward's GEMM1.
         topk_weights: ``[T, K]`` float32 router weights (the weights of the plan's routes).
         plan: the forward's route plan.
-        side_a2: ``[E, r, I]`` BF16 ``a2`` transposed: the adapter term over the pool's
-            columns ``H .. H + r`` (None: no adapter).
+        side_a2: ``[E, I, r]`` BF16 ``a2`` as given (read K-major): the adapter term
+            over the pool's columns ``H .. H + r`` (None: no adapter).
         activation, activation_clamp: as in the forward.
         weighted_h: also return ``bf16(w h)``.
 
@@ -115,10 +115,10 @@ def fused_dgrad2_activation_backward(
     rank = 0
     if side_a2 is not None:
         check_tensor(
-            "side_a2", side_a2, shape=(experts, None, intermediate), dtypes=(torch.bfloat16,),
+            "side_a2", side_a2, shape=(experts, intermediate, None), dtypes=(torch.bfloat16,),
             device=device, contiguous=True,
         )  # fmt: skip
-        rank = side_a2.shape[1]
+        rank = side_a2.shape[2]
     check_tensor(
         "dout_pool", dout_pool, shape=(capacity, None), dtypes=(torch.bfloat16,), device=device,
         contiguous=True,
@@ -137,7 +137,7 @@ def fused_dgrad2_activation_backward(
         dtypes=(torch.float32,), device=device, contiguous=True,
     )  # fmt: skip
     if not preact.is_cuda:
-        b = w2 if side_a2 is None else torch.cat([w2, side_a2], dim=1)  # [E, H + r, I]
+        b = w2 if side_a2 is None else torch.cat([w2, side_a2.transpose(1, 2)], dim=1)
         z = grouped_gemm(dout_pool, b, plan, b_major="mn")
         return activation_backward_reference(
             preact,

@@ -129,7 +129,7 @@ def pool_backward(
             preact,
             route_weights,
             plan,
-            side_a2=side.a2.transpose(1, 2).contiguous() if use_side else None,  # [E, r, I]
+            side_a2=side.a2 if use_side else None,  # [E, I, r] as given, read K-major
             activation=activation,
             activation_clamp=activation_clamp,
             weighted_h=(use_side and side_grads) or base_grads,

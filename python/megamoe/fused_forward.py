@@ -151,8 +151,8 @@ def gemm1(
         side_args = {}
         if side is not None:
             side_args = dict(
-                side_b_gate=side.b1.transpose(1, 2).contiguous(),  # [E, I, r]
-                side_b_up=side.b3.transpose(1, 2).contiguous(),
+                side_b_gate=side.b1,  # [E, r, I] as given, read MN-major
+                side_b_up=side.b3,
                 side_scale=side.scale,
             )
         # MXFP4: the codes and scales, decoded inside the GEMM pipeline.
@@ -200,7 +200,7 @@ def expert_stage(
     )
     del pool_input
     with stage("gemm2"):
-        b_extra = None if side is None else side.a2.transpose(1, 2).contiguous()  # [E, r, I]
+        b_extra = None if side is None else side.a2  # [E, I, r] as given, read MN-major
         return grouped_gemm(hidden_pool, base.w2, plan, b_extra=b_extra, b_scales=base.w2_scales)
 
 

@@ -153,8 +153,9 @@ def grouped_gemm(
         b: ``[E, N, k]`` BF16 expert weights, K-major (nn.Linear layout).
         plan: the route plan (only ``expert_pool_offsets`` and ``block_m`` are read).
         k: reduction length (defaults to ``b``'s); columns of ``a`` past it are ignored.
-        b_extra: optional ``[E, N_x, k]`` BF16 (``[E, k, N_x]`` for ``b_major="mn"``):
-            ``N_x`` more output columns.
+        b_extra: optional ``[E, k, N_x]`` BF16 for either ``b_major`` (read as it is,
+            MN-major): ``N_x`` more output columns ``a @ b_extra[e]`` (GEMM2's ``a2``
+            as given, dgrad1's shrink weights).
         out: optional ``[pool rows, N + N_x]`` BF16 output.
         b_major: ``"k"`` (``b`` is ``[E, N, k]``) or ``"mn"``: ``b`` is ``[E, k, N]`` and
             read as stored (``out = a @ b[e]``: the dgrads' ``(dg | du) w13_e``).
@@ -192,19 +193,19 @@ def grouped_gemm(
         n_base = b.shape[1]
     n_extra = 0
     if b_extra is not None:
-        shape = (b.shape[0], k, None) if major_mn else (b.shape[0], None, k)
         check_tensor(
-            "b_extra", b_extra, shape=shape, dtypes=(torch.bfloat16,), device=a.device,
-            contiguous=True,
+            "b_extra", b_extra, shape=(b.shape[0], k, None), dtypes=(torch.bfloat16,),
+            device=a.device, contiguous=True,
         )  # fmt: skip
-        n_extra = b_extra.shape[2] if major_mn else b_extra.shape[1]
+        n_extra = b_extra.shape[2]
     if out is None:
         out = torch.empty(a.shape[0], n_base + n_extra, dtype=torch.bfloat16, device=a.device)
     if not a.is_cuda:
-        weights = b if b_extra is None else torch.cat([b, b_extra], dim=2 if major_mn else 1)
         for e, start, end in _expert_rows(plan):
             if end > start:
-                w = weights[e].float() if major_mn else weights[e].float().T
+                w = b[e].float() if major_mn else b[e].float().T  # [k, N]
+                if b_extra is not None:
+                    w = torch.cat([w, b_extra[e].float()], dim=1)
                 out[start:end] = (a[start:end, :k].float() @ w).bfloat16()
         return out
     dl = _native.dlpack
@@ -250,7 +251,8 @@ def gated_grouped_gemm(
         plan: the route plan.
         k: hidden size ``H`` (the base reduction, a multiple of 64).
         activation: ``"swiglu"`` or ``"geglu"``; ``activation_clamp``: ``c`` or None.
-        side_b_gate, side_b_up: ``[E, I, r]`` BF16 (``b1``, ``b3`` transposed), or None.
+        side_b_gate, side_b_up: ``[E, r, I]`` BF16, the adapters' ``b1``, ``b3`` as given
+            (read MN-major), or None.
         side_scale: the adapter scale ``s``.
         out: optional ``[pool rows, I]`` BF16.
         preact_out: optional ``[pool rows, 2I]`` BF16: also store the pre-activations
@@ -325,7 +327,7 @@ def gated_grouped_gemm(
 
 
 def _check_side(side_b_gate, side_b_up, experts: int, intermediate: int, k: int, a) -> None:
-    """``side_b_gate``/``side_b_up``: ``[E, I, r]`` BF16 each, ``a`` holding ``[x | q1 | q3]``."""
+    """``side_b_gate``/``side_b_up``: ``[E, r, I]`` BF16 each, ``a`` holding ``[x | q1 | q3]``."""
     check_tensor(
         "side_b_gate",
         side_b_gate,
@@ -334,8 +336,8 @@ def _check_side(side_b_gate, side_b_up, experts: int, intermediate: int, k: int,
         device=a.device,
         contiguous=True,
     )
-    rank = side_b_gate.shape[2]
-    expected = (experts, intermediate, rank)
+    rank = side_b_gate.shape[1]
+    expected = (experts, rank, intermediate)
     if tuple(side_b_gate.shape) != expected:
         raise ValueError(
             f"side_b_gate: expected shape {list(expected)}, got {list(side_b_gate.shape)}"
@@ -354,7 +356,7 @@ def _check_side(side_b_gate, side_b_up, experts: int, intermediate: int, k: int,
 def _gated_cpu(a, w13, plan, k, activation, clamp, side_b_gate, side_b_up, side_scale, out, preact):
     """The CPU twin of the gated launch (module docstring): per expert in float32."""
     intermediate = w13.shape[1] // 2
-    rank = 0 if side_b_gate is None else side_b_gate.shape[2]
+    rank = 0 if side_b_gate is None else side_b_gate.shape[1]
     for e, start, end in _expert_rows(plan):
         if end == start:
             continue
@@ -362,8 +364,8 @@ def _gated_cpu(a, w13, plan, k, activation, clamp, side_b_gate, side_b_up, side_
         if rank:
             q1 = a[start:end, k : k + rank].float()
             q3 = a[start:end, k + rank : k + 2 * rank].float()
-            gu[:, :intermediate] += side_scale * (q1 @ side_b_gate[e].float().T)
-            gu[:, intermediate:] += side_scale * (q3 @ side_b_up[e].float().T)
+            gu[:, :intermediate] += side_scale * (q1 @ side_b_gate[e].float())
+            gu[:, intermediate:] += side_scale * (q3 @ side_b_up[e].float())
         gu = gu.bfloat16()
         if preact is not None:
             preact[start:end] = gu
@@ -390,17 +392,20 @@ def grouped_gemm_reference(
     k: int | None = None,
     b_extra: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Float64 ``[rows in use, N + N_x]`` of :func:`grouped_gemm` (not rounded)."""
+    """Float64 ``[rows in use, N + N_x]`` of :func:`grouped_gemm` with a K-major ``b``
+    ``[E, N, k]`` and ``b_extra`` ``[E, k, N_x]`` (not rounded)."""
     k = b.shape[2] if k is None else k
     rows = int(plan.expert_pool_offsets[-1])
-    cols = b.shape[1] + (0 if b_extra is None else b_extra.shape[1])
+    cols = b.shape[1] + (0 if b_extra is None else b_extra.shape[2])
     out = torch.zeros(rows, cols, dtype=torch.float64, device=a.device)
     for e, start, end in _expert_rows(plan):
         if end == start:
             continue
         x = a[start:end, :k].double()
-        weights = b[e] if b_extra is None else torch.cat([b[e], b_extra[e]], 0)
-        out[start:end] = x @ weights.double().T
+        weights = b[e].double().T
+        if b_extra is not None:
+            weights = torch.cat([weights, b_extra[e].double()], dim=1)
+        out[start:end] = x @ weights
     return out
 
 
@@ -421,7 +426,7 @@ def gated_grouped_gemm_reference(
     rows = int(plan.expert_pool_offsets[-1])
     intermediate = w13.shape[1] // 2
     h = torch.zeros(rows, intermediate, dtype=torch.float64, device=a.device)
-    rank = 0 if side_b_gate is None else side_b_gate.shape[2]
+    rank = 0 if side_b_gate is None else side_b_gate.shape[1]
     for e, start, end in _expert_rows(plan):
         if end == start:
             continue
@@ -431,8 +436,8 @@ def gated_grouped_gemm_reference(
         if rank:
             q1 = a[start:end, k : k + rank].double()
             q3 = a[start:end, k + rank : k + 2 * rank].double()
-            g = g + side_scale * (q1 @ side_b_gate[e].double().T)
-            u = u + side_scale * (q3 @ side_b_up[e].double().T)
+            g = g + side_scale * (q1 @ side_b_gate[e].double())
+            u = u + side_scale * (q3 @ side_b_up[e].double())
         g = g.to(torch.bfloat16).double()
         u = u.to(torch.bfloat16).double()
         if activation_clamp is not None:
