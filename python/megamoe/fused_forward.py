@@ -25,7 +25,6 @@ from torch.profiler import record_function
 from . import pool
 from ._checks import check_choice
 from .grouped_gemm import gated_grouped_gemm, grouped_gemm
-from .heuristics import get_block_m
 from .routing import RoutePlan, check_expert_ids, plan_routes
 from .side_lora import SideLoRA
 from .weights import BaseWeights
@@ -66,6 +65,7 @@ def moe_forward(
     *,
     activation: str = "swiglu",
     activation_clamp: float | None = None,
+    block_m: int,
     save: str = "none",
 ) -> torch.Tensor | tuple[torch.Tensor, ForwardState]:
     """``out [T, H]`` BF16 of DESIGN §1 on the fused kernels (see module docstring).
@@ -77,17 +77,17 @@ def moe_forward(
     ``ValueError`` from a later call or :func:`~megamoe.routing.check_errors`; the
     kernels treat such ids as masked).
 
-    ``save``: ``"none"`` returns ``out``; ``"preact"`` also keeps GEMM1's pre-activations
+    ``block_m``: the pool's segment padding, :func:`~megamoe.get_block_m` of the call's
+    ``T``, ``K``, ``E_l`` (the caller decides once, and the backward reuses it with the
+    plan). ``save``: ``"none"`` returns ``out``; ``"preact"`` also keeps GEMM1's pre-activations
     and returns ``(out, ForwardState)`` for :mod:`megamoe.fused_backward`;
     ``"recompute"`` returns a state without them (the backward recomputes GEMM1:
     activation checkpointing).
     """
     check_choice("save", save, SAVE_MODES)
-    num_tokens, top_k = topk_ids.shape
     experts = base.num_experts
     with stage("route_plan"):
         check_expert_ids(topk_ids, experts)
-        block_m = get_block_m(num_tokens, top_k, experts)
         plan = plan_routes(topk_ids, experts, block_m, check_ids=False)
 
     # A zero scale contributes exact zeros: take the no-adapter path (bitwise equal).

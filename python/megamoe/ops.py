@@ -23,17 +23,20 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ._checks import check_finite_float, check_tensor
+from ._checks import check_finite_float, check_int, check_tensor
 from .ep.fused_layer import moe as fused_moe
 from .fused_backward import moe_backward
 from .fused_forward import ForwardState, moe_forward
 from .heuristics import get_block_m
+from .registry import registry
 from .routing import RoutePlan, pool_capacity
 from .side_lora import SideLoRA
 from .validation import check_backward_inputs, check_moe_inputs
 from .weights import BaseWeights
 
 _SIDE_NAMES = ("a1", "b1", "a3", "b3", "a2", "b2")
+#: The gradients megamoe::moe_backward returns, in order (named like the inputs).
+_GRAD_NAMES = ("x", "topk_weights", "w13", "w2", *_SIDE_NAMES)
 _STATE_NAMES = (
     "expert_counts",
     "expert_pool_offsets",
@@ -57,10 +60,12 @@ def _op_inputs(
     scale: float,
     activation: str,
     activation_clamp: float | None,
+    block_m: int,
     *,
     fake: bool,
 ) -> tuple[BaseWeights, SideLoRA | None]:
-    """The checked ``(base, side)`` of one forward op call.
+    """The checked ``(base, side)`` of one forward op call (``block_m``: a registry
+    BLOCK_M, :func:`~megamoe.get_block_m` of the call).
 
     The real implementation (``fake=False``) requires CUDA weights and checks the id
     range of CPU ids (CUDA ids: the forward's device-side check); the fake
@@ -79,7 +84,17 @@ def _op_inputs(
         require_cuda=not fake,
         expert_id_limit=base.num_experts,
     )
+    _check_block_m(block_m)
     return base, side_lora
+
+
+def _check_block_m(block_m: object) -> int:
+    check_int("block_m", block_m, minimum=1)
+    if block_m not in registry().block_m_choices:
+        raise ValueError(
+            f"block_m: expected one of {list(registry().block_m_choices)}, got {block_m}"
+        )
+    return block_m
 
 
 @torch.library.custom_op("megamoe::moe_forward", mutates_args=())
@@ -95,10 +110,11 @@ def _moe_forward_op(
     scale: float,
     activation: str,
     activation_clamp: float | None,
+    block_m: int,
 ) -> torch.Tensor:
     base, side_lora = _op_inputs(
         x, topk_ids, topk_weights, w13, w2, w13_scales, w2_scales, tuple(side), scale,
-        activation, activation_clamp, fake=False,
+        activation, activation_clamp, block_m, fake=False,
     )  # fmt: skip
     return moe_forward(
         x,
@@ -108,6 +124,7 @@ def _moe_forward_op(
         side_lora,
         activation=activation,
         activation_clamp=activation_clamp,
+        block_m=block_m,
     )
 
 
@@ -124,10 +141,11 @@ def _(
     scale,
     activation,
     activation_clamp,
+    block_m,
 ):
     _op_inputs(
         x, topk_ids, topk_weights, w13, w2, w13_scales, w2_scales, tuple(side), scale,
-        activation, activation_clamp, fake=True,
+        activation, activation_clamp, block_m, fake=True,
     )  # fmt: skip
     return x.new_empty(x.shape)
 
@@ -182,6 +200,7 @@ def _moe_train_forward_op(
     scale: float,
     activation: str,
     activation_clamp: float | None,
+    block_m: int,
     activation_checkpoint: bool,
 ) -> tuple[
     torch.Tensor,
@@ -197,7 +216,7 @@ def _moe_train_forward_op(
     preact, q13, p_sum)``; absent state tensors are empty."""
     base, side = _op_inputs(
         x, topk_ids, topk_weights, w13, w2, w13_scales, w2_scales, (a1, b1, a3, b3, a2, b2),
-        scale, activation, activation_clamp, fake=False,
+        scale, activation, activation_clamp, block_m, fake=False,
     )  # fmt: skip
     out, state = moe_forward(
         x,
@@ -207,6 +226,7 @@ def _moe_train_forward_op(
         side,
         activation=activation,
         activation_clamp=activation_clamp,
+        block_m=block_m,
         save="recompute" if activation_checkpoint else "preact",
     )
     plan = state.plan
@@ -240,16 +260,16 @@ def _(
     scale,
     activation,
     activation_clamp,
+    block_m,
     activation_checkpoint,
 ):
     base, side = _op_inputs(
         x, topk_ids, topk_weights, w13, w2, w13_scales, w2_scales, (a1, b1, a3, b3, a2, b2),
-        scale, activation, activation_clamp, fake=True,
+        scale, activation, activation_clamp, block_m, fake=True,
     )  # fmt: skip
     tokens, top_k = topk_ids.shape
     experts, two_i = base.num_experts, 2 * base.intermediate
-    # The same BLOCK_M and capacity as moe_forward's route plan.
-    capacity = pool_capacity(tokens * top_k, experts, get_block_m(tokens, top_k, experts))
+    capacity = pool_capacity(tokens * top_k, experts, block_m)  # moe_forward's route plan
     index = dict(dtype=torch.int32, device=x.device)
     use_side = side is not None and side.scale != 0.0
     rank = side.rank if side is not None else 0
@@ -292,22 +312,19 @@ def _moe_backward_op(
     p_sum: torch.Tensor,
     base_grads: bool,
     side_grads: bool,
+    block_m: int,
 ) -> list[torch.Tensor]:
     """``[dx, dtopk_weights, dw13, dw2, da1, db1, da3, db3, da2, db2]``; gradients not
-    computed are empty tensors."""
+    computed are empty tensors. The plan (``expert_counts`` .. ``pool_row_to_route``)
+    and ``block_m`` are the forward's."""
     base, side = _backward_inputs(
         dout, x, topk_weights, w13, w2, w13_scales, w2_scales, (a1, b1, a3, b3, a2, b2), scale,
         activation, activation_clamp, expert_counts, expert_pool_offsets, route_to_pool_row,
         pool_row_to_route, preact, q13, p_sum,
     )  # fmt: skip
-    tokens, top_k = route_to_pool_row.shape
-    experts = base.num_experts
+    _check_block_m(block_m)
     plan = RoutePlan(
-        expert_counts,
-        expert_pool_offsets,
-        route_to_pool_row,
-        pool_row_to_route,
-        get_block_m(tokens, top_k, experts),
+        expert_counts, expert_pool_offsets, route_to_pool_row, pool_row_to_route, block_m
     )
     state = ForwardState(
         plan=plan,
@@ -327,8 +344,7 @@ def _moe_backward_op(
         base_grads=base_grads,
         side_grads=side_grads,
     )
-    order = ("x", "topk_weights", "w13", "w2", *_SIDE_NAMES)
-    return [_empty(x) if grads[name] is None else grads[name] for name in order]
+    return [_empty(x) if grads[name] is None else grads[name] for name in _GRAD_NAMES]
 
 
 @_moe_backward_op.register_fake
@@ -358,12 +374,14 @@ def _(
     p_sum,
     base_grads,
     side_grads,
+    block_m,
 ):
     _backward_inputs(
         dout, x, topk_weights, w13, w2, w13_scales, w2_scales, (a1, b1, a3, b3, a2, b2), scale,
         activation, activation_clamp, expert_counts, expert_pool_offsets, route_to_pool_row,
         pool_row_to_route, preact, q13, p_sum,
     )  # fmt: skip
+    _check_block_m(block_m)
     use_side = q13.numel() > 0 and side_grads
     side = (a1, b1, a3, b3, a2, b2)
     return [
@@ -411,25 +429,22 @@ def _backward_inputs(
     return base, side_lora
 
 
-# Input slots of megamoe::moe_train_forward (the order of its signature).
-_X, _TOPK_WEIGHTS, _W13, _W2, _W13_SCALES, _W2_SCALES = 0, 2, 3, 4, 5, 6
-_SIDE_SLOTS = range(7, 13)
-_SCALE, _ACTIVATION, _CLAMP = 13, 14, 15
-_NUM_INPUTS = 17
+def _input_names(op: object) -> tuple[str, ...]:
+    """The names of a custom op's inputs, in its schema's order."""
+    return tuple(arg.name for arg in op._opoverload._schema.arguments)
+
+
+_TRAIN_INPUTS = _input_names(_moe_train_forward_op)
+#: What the training forward saves for its backward: these inputs, then its state outputs.
+_SAVED_INPUTS = ("x", "topk_weights", "w13", "w2", "w13_scales", "w2_scales", *_SIDE_NAMES)
 
 
 def _train_setup_context(ctx, inputs, output) -> None:
-    side = tuple(inputs[slot] for slot in _SIDE_SLOTS)
-    ctx.has_side = side[0] is not None
-    ctx.scale = inputs[_SCALE]
-    ctx.activation = inputs[_ACTIVATION]
-    ctx.activation_clamp = inputs[_CLAMP]
-    side_tensors = side if ctx.has_side else ()
-    ctx.save_for_backward(
-        *(inputs[slot] for slot in (_X, _TOPK_WEIGHTS, _W13, _W2, _W13_SCALES, _W2_SCALES)),
-        *side_tensors,
-        *output[1:],
-    )
+    args = dict(zip(_TRAIN_INPUTS, inputs, strict=True))
+    ctx.options = {name: args[name] for name in ("scale", "activation", "activation_clamp")}
+    ctx.block_m = args["block_m"]  # the forward's plan is padded to it
+    ctx.has_side = args["a1"] is not None
+    ctx.save_for_backward(*(args[name] for name in _SAVED_INPUTS), *output[1:])
     # The state outputs are not differentiable: without this autograd would hand the
     # backward a materialized zero gradient for each ([T*K, 2I] for the pre-activations).
     ctx.mark_non_differentiable(*output[1:])
@@ -438,41 +453,30 @@ def _train_setup_context(ctx, inputs, output) -> None:
 
 def _train_backward(ctx, dout, *_state_grads):
     if dout is None:  # no gradient reached the output (grads are not materialized)
-        return (None,) * _NUM_INPUTS
+        return (None,) * len(_TRAIN_INPUTS)
     saved = ctx.saved_tensors
-    x, topk_weights, w13, w2, w13_scales, w2_scales = saved[:6]
-    side = tuple(saved[6:12]) if ctx.has_side else (None,) * 6
-    state = saved[12:] if ctx.has_side else saved[6:]
-    needs = ctx.needs_input_grad
-    base_grads = bool(needs[_W13] or needs[_W2])
-    side_grads = ctx.has_side and any(needs[slot] for slot in _SIDE_SLOTS)
+    inputs = dict(zip(_SAVED_INPUTS, saved[: len(_SAVED_INPUTS)], strict=True))
+    state = dict(zip(_STATE_NAMES, saved[len(_SAVED_INPUTS) :], strict=True))
+    needs = dict(zip(_TRAIN_INPUTS, ctx.needs_input_grad, strict=True))
     grads = _moe_backward_op(
-        dout.contiguous(),
-        x,
-        topk_weights,
-        w13,
-        w2,
-        w13_scales,
-        w2_scales,
-        *side,
-        ctx.scale,
-        ctx.activation,
-        ctx.activation_clamp,
-        *state,
-        base_grads,
-        side_grads,
+        dout=dout.contiguous(),
+        **inputs,
+        **ctx.options,
+        **state,
+        base_grads=needs["w13"] or needs["w2"],
+        side_grads=ctx.has_side and any(needs[name] for name in _SIDE_NAMES),
+        block_m=ctx.block_m,
     )
-    result = [None] * _NUM_INPUTS
-    slots = (_X, _TOPK_WEIGHTS, _W13, _W2, *_SIDE_SLOTS)
-    for slot, grad in zip(slots, grads, strict=True):
-        if needs[slot] and grad.numel() > 0:
-            result[slot] = grad
-    if ctx.has_side and ctx.scale == 0.0:
+    result = dict.fromkeys(_TRAIN_INPUTS)
+    for name, grad in zip(_GRAD_NAMES, grads, strict=True):
+        if needs[name] and grad.numel() > 0:
+            result[name] = grad
+    if ctx.has_side and ctx.options["scale"] == 0.0:
         # A zero scale took the no-adapter path; the adapters' gradient is exactly 0.
-        for slot, tensor in zip(_SIDE_SLOTS, side, strict=True):
-            if needs[slot]:
-                result[slot] = torch.zeros_like(tensor)
-    return tuple(result)
+        for name in _SIDE_NAMES:
+            if needs[name]:
+                result[name] = torch.zeros_like(inputs[name])
+    return tuple(result.values())
 
 
 _moe_train_forward_op.register_autograd(_train_backward, setup_context=_train_setup_context)
@@ -589,33 +593,24 @@ def moe(
     needs_grad = torch.is_grad_enabled() and any(
         t.requires_grad for t in [x, topk_weights, base.w13, base.w2, *side_tensors]
     )
-    scale = 0.0 if side is None else side.scale
-    if needs_grad:
-        side_args = side_tensors if side_tensors else [None] * 6
-        return _moe_train_forward_op(
-            x,
-            topk_ids,
-            topk_weights,
-            base.w13,
-            base.w2,
-            base.w13_scales,
-            base.w2_scales,
-            *side_args,
-            scale,
-            activation,
-            activation_clamp,
-            activation_checkpoint,
-        )[0]
-    return _moe_forward_op(
-        x,
-        topk_ids,
-        topk_weights,
-        base.w13,
-        base.w2,
-        base.w13_scales,
-        base.w2_scales,
-        side_tensors,
-        scale,
-        activation,
-        activation_clamp,
+    # One BLOCK_M decision per call: the forward plans with it, the backward reuses it.
+    block_m = get_block_m(topk_ids.shape[0], topk_ids.shape[1], base.num_experts)
+    common = dict(
+        x=x,
+        topk_ids=topk_ids,
+        topk_weights=topk_weights,
+        w13=base.w13,
+        w2=base.w2,
+        w13_scales=base.w13_scales,
+        w2_scales=base.w2_scales,
+        scale=0.0 if side is None else side.scale,
+        activation=activation,
+        activation_clamp=activation_clamp,
+        block_m=block_m,
     )
+    if needs_grad:
+        adapters = dict(zip(_SIDE_NAMES, side_tensors or [None] * len(_SIDE_NAMES), strict=True))
+        return _moe_train_forward_op(
+            **common, **adapters, activation_checkpoint=activation_checkpoint
+        )[0]
+    return _moe_forward_op(**common, side=side_tensors)

@@ -11,6 +11,7 @@ import megamoe as mm  # also registers the megamoe:: ops
 from megamoe.routing import pool_capacity
 
 T, H, I, E, K, R = 37, 128, 64, 8, 2, 16
+BLOCK_M = mm.get_block_m(T, K, E)  # what mm.moe passes both ops
 
 
 def _inputs(side: bool):
@@ -35,12 +36,13 @@ def _inputs(side: bool):
 @pytest.mark.parametrize("side", [False, True])
 @pytest.mark.parametrize("checkpoint", [False, True])
 def test_train_forward_and_backward_fakes(side, checkpoint):
-    capacity = pool_capacity(T * K, E, mm.get_block_m(T, K, E))
+    capacity = pool_capacity(T * K, E, BLOCK_M)
     with FakeTensorMode():
         x, ids, weights, w13, w2, adapters = _inputs(side)
         outputs = torch.ops.megamoe.moe_train_forward(
-            x, ids, weights, w13, w2, None, None, *adapters, 0.5, "swiglu", None, checkpoint
-        )
+            x, ids, weights, w13, w2, None, None, *adapters, 0.5, "swiglu", None, BLOCK_M,
+            checkpoint,
+        )  # fmt: skip
         out, counts, offsets, r2p, p2r, preact, q13, p_sum = outputs
         assert out.shape == (T, H) and out.dtype == torch.bfloat16
         assert counts.shape == (E,) and offsets.shape == (E + 1,)
@@ -50,7 +52,7 @@ def test_train_forward_and_backward_fakes(side, checkpoint):
         assert p_sum.shape == ((T, R) if side else (0,))
         grads = torch.ops.megamoe.moe_backward(
             out, x, weights, w13, w2, None, None, *adapters, 0.5, "swiglu", None,
-            counts, offsets, r2p, p2r, preact, q13, p_sum, True, side,
+            counts, offsets, r2p, p2r, preact, q13, p_sum, True, side, BLOCK_M,
         )  # fmt: skip
         assert [tuple(g.shape) for g in grads[:4]] == [(T, H), (T, K), tuple(w13.shape), (E, H, I)]
         side_shapes = [tuple(g.shape) for g in grads[4:]]
@@ -64,6 +66,6 @@ def test_inference_fake():
     with FakeTensorMode():
         x, ids, weights, w13, w2, _ = _inputs(False)
         out = torch.ops.megamoe.moe_forward(
-            x, ids, weights, w13, w2, None, None, [], 0.0, "swiglu", None
+            x, ids, weights, w13, w2, None, None, [], 0.0, "swiglu", None, BLOCK_M
         )
         assert out.shape == (T, H) and out.dtype == torch.bfloat16

@@ -28,8 +28,9 @@ def _ranges(prof) -> list[str]:
 def _run(layer, *, checkpoint: bool, base_grads: bool) -> tuple[list[str], list[str]]:
     kwargs = dict(activation=layer.activation, activation_clamp=layer.activation_clamp)
     args = (layer.x, layer.topk_ids, layer.topk_weights, layer.base, layer.side)
+    save = "recompute" if checkpoint else "preact"
     with profile(activities=[ProfilerActivity.CPU]) as forward:
-        out, state = moe_forward(*args, save="recompute" if checkpoint else "preact", **kwargs)
+        out, state = moe_forward(*args, block_m=64, save=save, **kwargs)
     dout = torch.ones_like(out)
     with profile(activities=[ProfilerActivity.CPU]) as backward:
         moe_backward(

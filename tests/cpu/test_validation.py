@@ -298,15 +298,15 @@ def test_the_ops_called_directly_reject_mixed_devices() -> None:
     args = _op_args(torch.device("cpu"), side_list=True)
     args[0] = args[0].to(META)
     with pytest.raises(ValueError, match=r"^x: expected device cpu \(where base is\), got meta"):
-        torch.ops.megamoe.moe_forward(*args, 0.5, "swiglu", None)
+        torch.ops.megamoe.moe_forward(*args, 0.5, "swiglu", None, 64)
     args = _op_args(torch.device("cpu"), side_list=False)
     args[1] = args[1].to(META)
     with pytest.raises(ValueError, match=r"^topk_ids: expected device cpu"):
-        torch.ops.megamoe.moe_train_forward(*args, 0.5, "swiglu", None, False)
+        torch.ops.megamoe.moe_train_forward(*args, 0.5, "swiglu", None, 64, False)
 
 
 def _train_outputs(args: list[object]) -> tuple:
-    return torch.ops.megamoe.moe_train_forward(*args, 0.5, "swiglu", None, False)
+    return torch.ops.megamoe.moe_train_forward(*args, 0.5, "swiglu", None, 64, False)
 
 
 def test_the_backward_op_rejects_a_dout_elsewhere_or_misshapen() -> None:
@@ -317,7 +317,7 @@ def test_the_backward_op_rejects_a_dout_elsewhere_or_misshapen() -> None:
 
     def backward(dout: torch.Tensor, saved: list[torch.Tensor] = state) -> list[torch.Tensor]:
         return torch.ops.megamoe.moe_backward(
-            dout, x, weights, w13, w2, s13, s2, *adapters, *rest, *saved, False, True
+            dout, x, weights, w13, w2, s13, s2, *adapters, *rest, *saved, False, True, 64
         )
 
     assert [tuple(g.shape) for g in backward(out)][:2] == [(T, H), (T, K)]
@@ -381,7 +381,7 @@ def test_fake_tensor_mode_gives_shapes_and_runs_the_checks() -> None:
         with pytest.raises(ValueError, match=r"^x: expected shape \[\*, 64\]"):
             torch.ops.megamoe.moe_forward(
                 mode.from_tensor(bf16(T, 128)), ids, weights, b.w13, b.w2, None, None,
-                [], 0.0, "swiglu", None,
+                [], 0.0, "swiglu", None, 64,
             )  # fmt: skip
 
 
@@ -406,9 +406,9 @@ def test_fake_cuda_inputs_read_no_data_pointer() -> None:
             out = mm.moe(x, ids, weights, b, mm.SideLoRA(*adapters, scale=0.5))
         assert out.shape == (T, H) and out.device.type == "cuda"
         args = (x, ids, weights, b.w13, b.w2, None, None, *adapters, 0.5, "swiglu", None)
-        out, *state = torch.ops.megamoe.moe_train_forward(*args, False)
+        out, *state = torch.ops.megamoe.moe_train_forward(*args, 64, False)
         rest = (x, weights, b.w13, b.w2, None, None, *adapters, 0.5, "swiglu", None)
-        grads = torch.ops.megamoe.moe_backward(out, *rest, *state, False, True)
+        grads = torch.ops.megamoe.moe_backward(out, *rest, *state, False, True, 64)
         assert [tuple(g.shape) for g in grads[4:]] == list(SIDE_SHAPES.values())
 
 
