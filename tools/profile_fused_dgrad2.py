@@ -1,6 +1,6 @@
 """Profile the engine's dgrad2 kernels under Nsight Compute: the plain MN-major Store
-GEMM and the fused dgrad2 + activation-backward epilogue (with the a2^T side K segment),
-on the same pool.
+GEMM and the fused dgrad2 + activation-backward epilogue (with the a2 side K segment,
+a2 as given, read K-major), on the same pool.
 
     ncu --target-processes all -k regex:engine_kernel --launch-skip 2 \\
         --launch-count 2 --section SpeedOfLight --section WarpStateStats \\
@@ -39,7 +39,8 @@ def main() -> None:
     preact = (torch.randn(rows, 2 * INTER, device="cuda", generator=gen) * 2).bfloat16()
     dout_pool = torch.randn(rows, HIDDEN + RANK, device="cuda", generator=gen).bfloat16()
     w2 = (torch.randn(EXPERTS, HIDDEN, INTER, device="cuda", generator=gen) / 64).bfloat16()
-    side_a2 = (torch.randn(EXPERTS, RANK, INTER, device="cuda", generator=gen) / 16).bfloat16()
+    # a2 as given [E, I, r]
+    side_a2 = (torch.randn(EXPERTS, INTER, RANK, device="cuda", generator=gen) / 16).bfloat16()
     w2_scales = None
     if args.mxfp4:
         w2, w2_scales = mm.quantize_mxfp4(w2, axis=-1)  # codes [E, H, I/2], scales [E, H, I/32]

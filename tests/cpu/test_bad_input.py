@@ -469,7 +469,7 @@ def test_gemm_cpu_twins_match_the_float64_references() -> None:
 
     p = plan()
     rows = int(p.expert_pool_offsets[-1])
-    a, b, extra = bf16(p.pool_capacity, I), bf16(E, H, I), bf16(E, 16, I)
+    a, b, extra = bf16(p.pool_capacity, I), bf16(E, H, I), bf16(E, I, 16)  # extra [E, k, N_x]
     out = gemm(a=a, b=b, b_extra=extra)
     want = grouped_gemm_reference(a, b, p, b_extra=extra)
     assert torch.allclose(out[:rows].double(), want, rtol=2e-2, atol=2e-2)
@@ -478,4 +478,10 @@ def test_gemm_cpu_twins_match_the_float64_references() -> None:
     preact = torch.empty(p.pool_capacity, 2 * I, dtype=torch.bfloat16)
     h = gated(a=a1, w13=w13, preact_out=preact)
     want_h = gated_grouped_gemm_reference(a1, w13, p, k=H)
+    assert torch.allclose(h[:rows].double(), want_h, rtol=3e-2, atol=3e-2)
+    # The side segment: b1, b3 as given [E, r, I] over a's columns H .. H + 2r.
+    a1 = bf16(p.pool_capacity, H + 2 * R)
+    side = dict(side_b_gate=bf16(E, R, I), side_b_up=bf16(E, R, I), side_scale=0.5)
+    h = gated(a=a1, w13=w13, **side)
+    want_h = gated_grouped_gemm_reference(a1, w13, p, k=H, **side)
     assert torch.allclose(h[:rows].double(), want_h, rtol=3e-2, atol=3e-2)

@@ -227,7 +227,7 @@ CASES: dict[str, Case] = {
         r"^b: expected device cuda",
     ),
     "gemm-b-extra-k": (
-        lambda L, g: grouped_gemm(g.a, g.b, g.plan, b_extra=bf16(4, 16, 64)),
+        lambda L, g: grouped_gemm(g.a, g.b, g.plan, b_extra=bf16(4, 64, 16)),
         ValueError,
         r"^b_extra: expected shape",
     ),
@@ -252,7 +252,7 @@ CASES: dict[str, Case] = {
         r"^b: expected N a multiple of 8, got 100",
     ),
     "gemm-b-extra-n-not-multiple-of-8": (
-        lambda L, g: grouped_gemm(g.a, g.b, g.plan, b_extra=bf16(4, 12, 128)),
+        lambda L, g: grouped_gemm(g.a, g.b, g.plan, b_extra=bf16(4, 128, 12)),
         ValueError,
         r"^b_extra: expected N a multiple of 8",
     ),
@@ -273,7 +273,7 @@ CASES: dict[str, Case] = {
     ),
     "gated-side-half-given": (
         lambda L, g: gated_grouped_gemm(
-            g.a_gated, g.w13, g.plan, k=128, side_b_gate=bf16(4, 128, 16), side_scale=1.0
+            g.a_gated, g.w13, g.plan, k=128, side_b_gate=bf16(4, 16, 128), side_scale=1.0
         ),
         ValueError,
         r"^side_b_gate/side_b_up: give both or neither",
@@ -284,8 +284,8 @@ CASES: dict[str, Case] = {
             g.w13,
             g.plan,
             k=128,
-            side_b_gate=bf16(4, 128, 12),
-            side_b_up=bf16(4, 128, 12),
+            side_b_gate=bf16(4, 12, 128),
+            side_b_up=bf16(4, 12, 128),
             side_scale=1.0,
         ),
         ValueError,
@@ -297,8 +297,8 @@ CASES: dict[str, Case] = {
             g.w13,
             g.plan,
             k=128,
-            side_b_gate=bf16(4, 128, 16),
-            side_b_up=bf16(4, 128, 16),
+            side_b_gate=bf16(4, 16, 128),
+            side_b_up=bf16(4, 16, 128),
             side_scale=1.0,
         ),
         ValueError,
@@ -310,8 +310,8 @@ CASES: dict[str, Case] = {
             g.w13,
             g.plan,
             k=128,
-            side_b_gate=bf16(4, 128, 16),
-            side_b_up=bf16(4, 128, 16),
+            side_b_gate=bf16(4, 16, 128),
+            side_b_up=bf16(4, 16, 128),
             side_scale=float("nan"),
         ),
         ValueError,
@@ -336,14 +336,14 @@ CASES: dict[str, Case] = {
         r"^k_base: expected a multiple of 64, got 96",
     ),
     "dgrad2-pool-too-narrow-for-side": (
-        lambda L, g: dgrad2(g, side_a2=bf16(4, 16, 128)),
+        lambda L, g: dgrad2(g, side_a2=bf16(4, 128, 16)),
         ValueError,
         r"^dout_pool: expected at least H \+ r = 144 columns, got 128",
     ),
     "dgrad2-side-a2-intermediate": (
-        lambda L, g: dgrad2(g, dout_pool=bf16(g.plan.pool_capacity, 144), side_a2=bf16(4, 16, 64)),
+        lambda L, g: dgrad2(g, dout_pool=bf16(g.plan.pool_capacity, 144), side_a2=bf16(4, 64, 16)),
         ValueError,
-        r"^side_a2: expected shape \[4, \*, 128\]",
+        r"^side_a2: expected shape \[4, 128, \*\]",
     ),
     "dgrad2-preact-width": (
         lambda L, g: dgrad2(g, preact=bf16(g.plan.pool_capacity, 128)),
@@ -374,7 +374,7 @@ def test_the_valid_calls_run(layer: LayerInputs, gemm: GemmInputs) -> None:
     dgu, weighted, drouter = dgrad2(gemm)
     assert dgu.shape == gemm.preact.shape and weighted.shape == (gemm.plan.pool_capacity, 128)
     assert drouter.shape == (gemm.plan.pool_capacity,)
-    side = dgrad2(gemm, dout_pool=bf16(gemm.plan.pool_capacity, 144), side_a2=bf16(4, 16, 128))
+    side = dgrad2(gemm, dout_pool=bf16(gemm.plan.pool_capacity, 144), side_a2=bf16(4, 128, 16))
     assert side[0].shape == gemm.preact.shape
 
 

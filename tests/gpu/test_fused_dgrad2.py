@@ -42,8 +42,9 @@ K_STEP = 64
 
 def make_case(tokens, top_k, experts, hidden, inter, rank, block_m, *, seed, kind="masked"):
     """Pool operands of dgrad2: ``(plan, weights, dout_pool [P, H + r], w2 [E, H, I],
-    side_a2 [E, r, I] or None, preact [P, 2I])``, all on the GPU. Every pool row holds
-    values (padding rows too: the kernel must give them zeros whatever they hold)."""
+    side_a2 [E, I, r] (a2 as given) or None, preact [P, 2I])``, all on the GPU. Every
+    pool row holds values (padding rows too: the kernel must give them zeros whatever
+    they hold)."""
     ids, weights = make_routing(tokens, experts, top_k, kind=kind, seed=seed)
     plan = mm.plan_routes(ids.cuda(), experts, block_m)
     gen = torch.Generator(device="cuda").manual_seed(seed)
@@ -54,7 +55,7 @@ def make_case(tokens, top_k, experts, hidden, inter, rank, block_m, *, seed, kin
     rows = plan.pool_capacity
     dout_pool = randn(rows, hidden + rank)
     w2 = randn(experts, hidden, inter, scale=hidden**-0.5)
-    side_a2 = randn(experts, rank, inter, scale=0.5 * rank**-0.5) if rank else None
+    side_a2 = randn(experts, inter, rank, scale=0.5 * rank**-0.5) if rank else None
     preact = randn(rows, 2 * inter, scale=2.0)
     return plan, weights.cuda(), dout_pool, w2, side_a2, preact
 
@@ -64,8 +65,9 @@ def rows_used(plan):
 
 
 def stacked_b(w2, side_a2):
-    """``[w2_e ; a2_e^T]`` ``[E, H + r, I]``: dgrad2's whole B as stored."""
-    return w2 if side_a2 is None else torch.cat([w2, side_a2], dim=1)
+    """``[w2_e ; a2_e^T]`` ``[E, H + r, I]``: dgrad2's whole B, MN-major (``side_a2`` is
+    ``a2`` as given ``[E, I, r]``)."""
+    return w2 if side_a2 is None else torch.cat([w2, side_a2.transpose(1, 2)], dim=1)
 
 
 def z_float64(dout_pool, w2, side_a2, plan):
@@ -82,15 +84,18 @@ def engine_z(dout_pool, w2, side_a2, plan):
     """The fused kernel's ``z`` bit for bit, from the Store MN-major kind.
 
     Both kinds share the pool schedule, the A operand and the MN-major B operand; only
-    the epilogue differs. The fused kernel runs the side K steps first (the ``a2^T``
-    segment, zero-filled past ``r`` to a whole 64-column step), scales that sum by 1
-    (exact), then the base steps: so does this GEMM over ``[side | 0 | dout]`` against
-    ``[a2^T ; 0 ; w2]``, with the zeros in the places TMA zero-fills.
+    the epilogue differs, and the side segment's major: the fused kernel reads ``a2`` as
+    given, K-major, this GEMM a copy ``a2^T`` MN-major (the same wgmma products over the
+    same K steps, only the shared-memory layout differs). The fused kernel runs the side
+    K steps first (the ``a2`` segment, zero-filled past ``r`` to a whole 64-column step),
+    scales that sum by 1 (exact), then the base steps: so does this GEMM over
+    ``[side | 0 | dout]`` against ``[a2^T ; 0 ; w2]``, with the zeros in the places TMA
+    zero-fills.
     """
     hidden = w2.shape[1]
     if side_a2 is None:
         return grouped_gemm(dout_pool, w2, plan, b_major="mn")
-    rank = side_a2.shape[1]
+    rank = side_a2.shape[2]
     pad = -rank % K_STEP
     rows, experts, inter = dout_pool.shape[0], w2.shape[0], w2.shape[2]
     a = torch.cat(
@@ -101,7 +106,7 @@ def engine_z(dout_pool, w2, side_a2, plan):
         ],
         dim=1,
     )
-    b = torch.cat([side_a2, w2.new_zeros(experts, pad, inter), w2], dim=1)
+    b = torch.cat([side_a2.transpose(1, 2), w2.new_zeros(experts, pad, inter), w2], dim=1)
     return grouped_gemm(a, b, plan, b_major="mn")
 
 
@@ -294,8 +299,9 @@ def test_fused_dgrad2_is_deterministic():
 @pytest.mark.parametrize("inter", [256, 320])
 def test_gemm1_stores_the_pre_activations(block_m, rank, inter):
     """``preact`` is ``g | u``: columns ``0..I-1`` from ``w13``'s gate rows, ``I..2I-1``
-    from its up rows (+ ``s q1 b1^T`` / ``s q3 b3^T``), each the BF16 rounding of the
-    float64 value. I = 320: a gated tile (128 gate + 128 up rows) with a tail."""
+    from its up rows (+ ``s q1 b1`` / ``s q3 b3``, ``b1``/``b3`` as given ``[E, r, I]``),
+    each the BF16 rounding of the float64 value. I = 320: a gated tile (128 gate + 128 up
+    rows) with a tail."""
     tokens, top_k, experts, hidden = 600, 2, 8, 256
     ids, _ = make_routing(tokens, experts, top_k, seed=1)
     plan = mm.plan_routes(ids.cuda(), experts, block_m)
@@ -305,8 +311,8 @@ def test_gemm1_stores_the_pre_activations(block_m, rank, inter):
     w13 = (torch.randn(experts, 2 * inter, hidden, device="cuda", generator=gen) / 16).bfloat16()
     side = {}
     if rank:
-        b_gate = (torch.randn(experts, inter, rank, device="cuda", generator=gen) / 4).bfloat16()
-        b_up = (torch.randn(experts, inter, rank, device="cuda", generator=gen) / 4).bfloat16()
+        b_gate = (torch.randn(experts, rank, inter, device="cuda", generator=gen) / 4).bfloat16()
+        b_up = (torch.randn(experts, rank, inter, device="cuda", generator=gen) / 4).bfloat16()
         side = dict(side_b_gate=b_gate, side_b_up=b_up, side_scale=0.5)
     preact = torch.empty(plan.pool_capacity, 2 * inter, dtype=torch.bfloat16, device="cuda")
     gated_grouped_gemm(a, w13, plan, k=hidden, preact_out=preact, **side)
@@ -321,8 +327,8 @@ def test_gemm1_stores_the_pre_activations(block_m, rank, inter):
         up = x @ w13[e, inter:].double().T
         if rank:
             q1, q3 = a[lo:hi, hidden : hidden + rank], a[lo:hi, hidden + rank :]
-            gate += 0.5 * (q1.double() @ b_gate[e].double().T)
-            up += 0.5 * (q3.double() @ b_up[e].double().T)
+            gate += 0.5 * (q1.double() @ b_gate[e].double())
+            up += 0.5 * (q3.double() @ b_up[e].double())
         want = torch.cat([gate, up], dim=1)
         got = preact[lo:hi].double()
         # One BF16 rounding of the FP32 sum (2^-8, doubled where it lands on the other

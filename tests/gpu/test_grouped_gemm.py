@@ -57,9 +57,11 @@ def test_store_matches_reference(block_m, tokens, experts, top_k, hidden, inter)
 @pytest.mark.parametrize("block_m", BLOCK_MS)
 @pytest.mark.parametrize("rank", [16, 64, 128, 256, 264])
 def test_store_with_extra_columns(rank, block_m):
+    """GEMM2 with the a2 shrink: b_extra as given [E, K, N_x], read MN-major (N_x below
+    a box, whole tiles, a tail), its columns after b's."""
     plan, a = pool_for(600, 8, 2, block_m, 768, kind="masked")
     b = weights(8, 1536, 768)
-    b_extra = weights(8, rank, 768, seed=2)
+    b_extra = weights(8, 768, rank, seed=2, scale=768**-0.5)
     out = grouped_gemm(a, b, plan, b_extra=b_extra)
     rows = int(plan.expert_pool_offsets[-1])
     assert out.shape[1] == 1536 + rank
@@ -100,9 +102,7 @@ def test_mn_major_b_with_extra_columns(block_m, n_extra):
     out = grouped_gemm(a, b, plan, b_major="mn", b_extra=b_extra)
     assert out.shape == (plan.pool_capacity, n + n_extra)
     rows = int(plan.expert_pool_offsets[-1])
-    expected = grouped_gemm_reference(
-        a, b.transpose(1, 2), plan, b_extra=b_extra.transpose(1, 2).contiguous()
-    )
+    expected = grouped_gemm_reference(a, b.transpose(1, 2), plan, b_extra=b_extra)
     assert_close_to_oracle("out", out[:rows, :n], expected[:, :n])
     assert_close_to_oracle("extra", out[:rows, n:], expected[:, n:])
 
@@ -120,8 +120,8 @@ def test_gated_matches_reference(block_m, activation, clamp, rank, inter):
     side = {}
     if rank:
         side = dict(
-            side_b_gate=weights(experts, inter, rank, seed=3),
-            side_b_up=weights(experts, inter, rank, seed=4),
+            side_b_gate=weights(experts, rank, inter, seed=3, scale=rank**-0.5),  # b1 [E, r, I]
+            side_b_up=weights(experts, rank, inter, seed=4, scale=rank**-0.5),
             side_scale=0.25,
         )
     h = gated_grouped_gemm(
@@ -149,8 +149,8 @@ def test_gated_zero_scale_is_bitwise_the_no_side_result():
         w13,
         plan,
         k=256,
-        side_b_gate=weights(8, 128, 64),
-        side_b_up=weights(8, 128, 64),
+        side_b_gate=weights(8, 64, 128, scale=64**-0.5),
+        side_b_up=weights(8, 64, 128, scale=64**-0.5),
         side_scale=0.0,
     )
     rows = int(plan.expert_pool_offsets[-1])

@@ -69,12 +69,12 @@ def test_store_decode_is_the_engine_on_the_decoded_weights(
     block_m, tokens, experts, top_k, hidden, inter, extra
 ):
     """GEMM2's shape: [pool, I] x [E, H, I]^T (H = 704: a partial 256-wide N tile),
-    with the BF16 a2 segment as extra columns."""
+    with the BF16 a2 segment as extra columns (a2 as given [E, I, N_x], read MN-major)."""
     plan, a = pool_for(tokens, experts, top_k, block_m, inter, seed=tokens)
     codes, scales = mxfp4_operand(experts, hidden, inter, seed=tokens + 1)
     b_extra = None
     if extra:
-        b_extra = torch.randn(experts, extra, inter, device="cuda").bfloat16()
+        b_extra = torch.randn(experts, inter, extra, device="cuda").bfloat16()
     out = grouped_gemm(a, codes, plan, b_scales=scales, b_extra=b_extra)
     decoded = decode_mxfp4_bf16(codes, scales)
     twin = grouped_gemm(a, decoded, plan, b_extra=b_extra)
@@ -97,8 +97,8 @@ def test_gated_decode_is_the_engine_on_the_decoded_weights(block_m, rank, activa
     side = {}
     if rank:
         side = dict(
-            side_b_gate=torch.randn(experts, inter, rank, device="cuda").bfloat16(),
-            side_b_up=torch.randn(experts, inter, rank, device="cuda").bfloat16(),
+            side_b_gate=torch.randn(experts, rank, inter, device="cuda").bfloat16(),  # b1 [E, r, I]
+            side_b_up=torch.randn(experts, rank, inter, device="cuda").bfloat16(),
             side_scale=0.75,
         )
     kwargs = dict(k=hidden, activation=activation, activation_clamp=clamp)
@@ -206,12 +206,7 @@ def test_mn_major_decode_with_bf16_extra_columns(block_m):
     rows = int(plan.expert_pool_offsets[-1])
     assert out.shape[1] == 704 + 96
     assert same_bits(out[:rows], twin[:rows])
-    expected = grouped_gemm_reference(
-        a,
-        decoded.transpose(1, 2).contiguous(),
-        plan,
-        b_extra=extra.transpose(1, 2).contiguous(),
-    )
+    expected = grouped_gemm_reference(a, decoded.transpose(1, 2).contiguous(), plan, b_extra=extra)
     assert_close_to_oracle("out", out[:rows], expected)
 
 
@@ -220,9 +215,9 @@ def test_mn_major_decode_with_bf16_extra_columns(block_m):
 @pytest.mark.parametrize("inter", [384, 512])  # a partial 256-wide tile; whole tiles
 @pytest.mark.parametrize("weighted_h", [True, False])
 def test_fused_dgrad2_decode_is_the_engine_on_the_decoded_weights(weighted_h, inter, rank, block_m):
-    """dgrad2 + activation backward on MXFP4 w2 ([E, H, I/2] codes), with the BF16 a2^T
-    side K segment or without: dg | du, w h and the router dot of the same engine on
-    the BF16 decode, bit for bit."""
+    """dgrad2 + activation backward on MXFP4 w2 ([E, H, I/2] codes), with the BF16 a2
+    side K segment (as given [E, I, r], read K-major) or without: dg | du, w h and the
+    router dot of the same engine on the BF16 decode, bit for bit."""
     from megamoe.activation_backward import fused_dgrad2_activation_backward
 
     tokens, top_k, experts, hidden = 2048, 2, 8, 512
@@ -237,7 +232,7 @@ def test_fused_dgrad2_decode_is_the_engine_on_the_decoded_weights(weighted_h, in
     ).bfloat16()
     side_a2 = None
     if rank:
-        side_a2 = (torch.randn(experts, rank, inter, device="cuda", generator=gen) / 8).bfloat16()
+        side_a2 = (torch.randn(experts, inter, rank, device="cuda", generator=gen) / 8).bfloat16()
     codes, scales = mxfp4_operand(experts, hidden, inter, seed=5, scale_high=124)
     args = dict(activation="swiglu", weighted_h=weighted_h, side_a2=side_a2)
     fused = fused_dgrad2_activation_backward(

@@ -234,8 +234,8 @@ def test_engine_gated(block_m, tokens, top_k, num_sms, b_format, monkeypatch):
     plan, _, _ = gpu_plan(tokens, experts, top_k, block_m, kind="empty", seed=tokens)
     a = bf16((plan.pool_capacity, hidden + 2 * rank), 8)
     side = dict(
-        side_b_gate=bf16((experts, inter, rank), 10, rank**-0.5),
-        side_b_up=bf16((experts, inter, rank), 11, rank**-0.5),
+        side_b_gate=bf16((experts, rank, inter), 10, rank**-0.5),  # b1 as given [E, r, I]
+        side_b_up=bf16((experts, rank, inter), 11, rank**-0.5),
         side_scale=0.25,
     )
     args = dict(k=hidden, activation=activation, activation_clamp=clamp, **side)
@@ -263,8 +263,8 @@ def test_engine_gated(block_m, tokens, top_k, num_sms, b_format, monkeypatch):
             lo, hi = offsets[e], offsets[e + 1]
             gate = x[lo:hi] @ w13[e, :inter].double().T
             up = x[lo:hi] @ w13[e, inter:].double().T
-            gate += 0.25 * (q1[lo:hi] @ side["side_b_gate"][e].double().T)
-            up += 0.25 * (q3[lo:hi] @ side["side_b_up"][e].double().T)
+            gate += 0.25 * (q1[lo:hi] @ side["side_b_gate"][e].double())
+            up += 0.25 * (q3[lo:hi] @ side["side_b_up"][e].double())
             gu[lo:hi] = torch.cat([gate, up], dim=1)
         assert_close_to_oracle("preact", preact[:rows], gu)
 
@@ -273,8 +273,8 @@ def test_engine_gated(block_m, tokens, top_k, num_sms, b_format, monkeypatch):
 @pytest.mark.parametrize("tokens,top_k,num_sms", GEMM_CASES)
 @pytest.mark.parametrize("block_m", BLOCK_MS)
 def test_engine_store_k_major(block_m, tokens, top_k, num_sms, b_format, monkeypatch):
-    # GEMM2: B K-major [E, N, K] with the BF16 N extra segment (the a2 shrink, 16
-    # columns: one narrow extra tile). N = 192: a partial 256-wide tile whose B rows
+    # GEMM2: B K-major [E, N, K] with the BF16 N extra segment (a2 as given [E, K, 16],
+    # read MN-major: one narrow extra tile). N = 192: a partial 256-wide tile whose B rows
     # past the expert read the next expert's or are zero-filled (never stored). BF16 K
     # = 200: a partial last K step (zero-filled); MXFP4 K = 192 (whole 64-wide blocks).
     use_sms(num_sms, monkeypatch)
@@ -282,7 +282,7 @@ def test_engine_store_k_major(block_m, tokens, top_k, num_sms, b_format, monkeyp
     k = 192 if b_format == "mxfp4" else 200
     plan, _, _ = gpu_plan(tokens, experts, top_k, block_m, kind="empty", seed=tokens)
     a = bf16((plan.pool_capacity, k), 5)
-    b_extra = bf16((experts, extra, k), 7, k**-0.5)
+    b_extra = bf16((experts, k, extra), 7, k**-0.5)  # a2 as given [E, K, N_x], read MN-major
     rows = rows_used(plan)
     if b_format == "mxfp4":
         codes, scales, decoded = mxfp4_b((experts, n, k), 6)
@@ -322,12 +322,7 @@ def test_engine_store_mn_major(block_m, tokens, top_k, num_sms, b_format, monkey
     out = grouped_gemm(a, b, plan, b_major="mn", b_extra=b_extra)
     assert out.shape == (plan.pool_capacity, n + extra)
     if rows:
-        expected = grouped_gemm_reference(
-            a,
-            b.transpose(1, 2).contiguous(),
-            plan,
-            b_extra=b_extra.transpose(1, 2).contiguous(),
-        )
+        expected = grouped_gemm_reference(a, b.transpose(1, 2).contiguous(), plan, b_extra=b_extra)
         assert_close_to_oracle("out", out[:rows], expected)
 
 
@@ -336,16 +331,16 @@ def test_engine_store_mn_major(block_m, tokens, top_k, num_sms, b_format, monkey
 @pytest.mark.parametrize("block_m", BLOCK_MS)
 def test_engine_fused_dgrad2(block_m, tokens, top_k, num_sms, b_format, monkeypatch):
     """dgrad2 with the activation backward as its epilogue (z never stored): w2 as stored,
-    read MN-major, the BF16 a2^T side K segment (r = 16: 16 of its step's 64 rows); the
-    epilogue warps read g | u, write dg | du and w h, and one router-dot partial per
-    256-wide tile: I = 320 leaves a second, partial tile. Masked routes and padding rows
-    (given values here: they must come out zero)."""
+    read MN-major, the BF16 a2 side K segment as given [E, I, r], read K-major (r = 16:
+    16 of its step's 64 columns); the epilogue warps read g | u, write dg | du and w h,
+    and one router-dot partial per 256-wide tile: I = 320 leaves a second, partial tile.
+    Masked routes and padding rows (given values here: they must come out zero)."""
     use_sms(num_sms, monkeypatch)
     experts, hidden, inter, rank = 8, 128, 320, 16
     plan, _, weights = gpu_plan(tokens, experts, top_k, block_m, kind="masked", seed=tokens)
     preact = bf16((plan.pool_capacity, 2 * inter), 19, 2.0)
     dout_pool = bf16((plan.pool_capacity, hidden + rank), 20)
-    side_a2 = bf16((experts, rank, inter), 24, rank**-0.5)
+    side_a2 = bf16((experts, inter, rank), 24, rank**-0.5)  # a2 as given [E, I, r]
     args = dict(activation="geglu", activation_clamp=1.0, side_a2=side_a2)
     rows = rows_used(plan)
     if b_format == "mxfp4":
@@ -366,7 +361,7 @@ def test_engine_fused_dgrad2(block_m, tokens, top_k, num_sms, b_format, monkeypa
     # z in float64 per expert, rounded to BF16 as the kernel does, through the float32
     # reference: the GPU tests bound the last ulps; here the gates, that the right rows
     # and columns were written.
-    b = torch.cat([w2, side_a2], dim=1).transpose(1, 2)  # [E, I, H + r]
+    b = torch.cat([w2.transpose(1, 2), side_a2], dim=2)  # [E, I, H + r]
     z = torch.zeros(plan.pool_capacity, inter, dtype=torch.bfloat16, device="cuda")
     z[:rows] = grouped_gemm_reference(dout_pool, b, plan, k=hidden + rank).to(torch.bfloat16)
     want_dgu, want_weighted, want_router = activation_backward_reference(

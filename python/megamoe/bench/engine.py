@@ -146,7 +146,7 @@ def build_cases(args, plan, device) -> dict[str, dict[str, tuple[Callable[[], ob
     c2, s2 = mm.quantize_mxfp4(w2, axis=-1)
     if selected & {"gemm1", "gemm1+act"}:
         x = randn(capacity, h + 2 * r)
-        b1t, b3t = randn(e, i, r, scale=r**-0.5), randn(e, i, r, scale=r**-0.5)
+        b1, b3 = randn(e, r, i, scale=r**-0.5), randn(e, r, i, scale=r**-0.5)  # as given
         preact_out = torch.empty(capacity, 2 * i, dtype=torch.bfloat16, device=device)
         flops = 2.0 * routes * h * 2 * i
         if "gemm1" in selected:
@@ -156,7 +156,7 @@ def build_cases(args, plan, device) -> dict[str, dict[str, tuple[Callable[[], ob
             }
             peers("gemm1", x, w13.transpose(1, 2), flops, cols=h)
         if "gemm1+act" in selected:
-            side = dict(side_b_gate=b1t, side_b_up=b3t, side_scale=0.25)
+            side = dict(side_b_gate=b1, side_b_up=b3, side_scale=0.25)
             side_flops = flops * (1 + 2 * r / h)
             cases["gemm1+act"] = {
                 "engine": (
@@ -177,13 +177,13 @@ def build_cases(args, plan, device) -> dict[str, dict[str, tuple[Callable[[], ob
             peers("gemm1+act", x, w13.transpose(1, 2), flops, cols=h)
     if "gemm2" in selected:
         hp = randn(capacity, i)
-        a2t = randn(e, r, i, scale=i**-0.5)
+        a2 = randn(e, i, r, scale=i**-0.5)  # as given [E, I, r]: the extra N columns
         flops = 2.0 * routes * i * h
         cases["gemm2"] = {
             "engine": (lambda: grouped_gemm(hp, w2, plan), flops),
-            "engine +a2": (lambda: grouped_gemm(hp, w2, plan, b_extra=a2t), flops * (1 + r / h)),
+            "engine +a2": (lambda: grouped_gemm(hp, w2, plan, b_extra=a2), flops * (1 + r / h)),
             "engine mxfp4 +a2": (
-                lambda: grouped_gemm(hp, c2, plan, b_extra=a2t, b_scales=s2),
+                lambda: grouped_gemm(hp, c2, plan, b_extra=a2, b_scales=s2),
                 flops * (1 + r / h),
             ),
         }
@@ -207,7 +207,7 @@ def build_cases(args, plan, device) -> dict[str, dict[str, tuple[Callable[[], ob
         peers("dgrad1", dgu, w13, flops)
     if selected & {"dgrad2", "dgrad2+act"}:
         dout = randn(capacity, h + r)
-        a2t_mn = randn(e, r, i, scale=i**-0.5)
+        a2_side = randn(e, i, r, scale=i**-0.5)  # a2 as given [E, I, r]: the side K segment
         preact = randn(capacity, 2 * i)
         weights = torch.rand(args.tokens, args.top_k, device=device, generator=gen)
         flops = 2.0 * routes * h * i
@@ -218,7 +218,7 @@ def build_cases(args, plan, device) -> dict[str, dict[str, tuple[Callable[[], ob
             peers("dgrad2", dout, w2, flops, cols=h)
         if "dgrad2+act" in selected:
 
-            def fused(b=w2, s=None, side=a2t_mn):
+            def fused(b=w2, s=None, side=a2_side):
                 return fused_dgrad2_activation_backward(
                     dout, b, preact, weights, plan, side_a2=side, w2_scales=s
                 )
