@@ -41,20 +41,24 @@
 
 namespace megamoe::kernels::engine {
 
-// Which warps do what, per kind and format, in at most three warpgroups (ptxas compiles
-// every role within the launch's 65536 / threads registers, and two consumer warpgroups'
-// 128 accumulators need 168 of them). Warpgroup 0: the producer warp and three epilogue
-// warps; then the consumers; for an MXFP4 B (BLOCK_M 64: one consumer warpgroup) a
-// decode warpgroup.
-template <EngineKind kKind, BFormat kFormat, int BlockM>
+// Which warps do what, per kind and format (ptxas compiles every role within the
+// launch's 65536 / threads registers: two consumer warpgroups' 128 accumulators each need
+// 168 of them, so at most three warpgroups there). Warpgroup 0: the producer warp and
+// three epilogue warps; then the consumers; for an MXFP4 B (BLOCK_M 64: one consumer
+// warpgroup) the decode warpgroups: one for 256-wide tiles, two for 128-wide tiles, whose
+// 64 accumulators fit the 128 registers of four warpgroups (the decode is what bounds an
+// MXFP4 GEMM at few rows per expert).
+template <EngineKind kKind, BFormat kFormat, int BlockM, int BlockN>
 struct EngineRoles {
   static constexpr int kConsumers = BlockM / 64;
   static constexpr bool kDecodeWarps = kFormat == BFormat::MXFP4;
-  static_assert(!kDecodeWarps || kConsumers == 1, "MXFP4 tiles are 64 rows (3 warpgroups)");
-  static constexpr int kWarpgroups = 1 + kConsumers + (kDecodeWarps ? 1 : 0);
+  static_assert(!kDecodeWarps || kConsumers == 1, "MXFP4 tiles are 64 rows");
+  static constexpr int kDecodeWarpgroups = !kDecodeWarps ? 0 : BlockN == 128 ? 2 : 1;
+  static constexpr int kWarpgroups = 1 + kConsumers + kDecodeWarpgroups;
+  static_assert(kWarpgroups <= 4, "at most 512 threads");
   static constexpr int kThreads = kWarpgroups * kWarpgroupThreads;
   static constexpr int kConsumerThreads = kConsumers * kWarpgroupThreads;
-  static constexpr int kDecodeThreads = kWarpgroupThreads;
+  static constexpr int kDecodeThreads = kDecodeWarpgroups * kWarpgroupThreads;
   // Two consumer warpgroups: setmaxnreg moves registers to them from warpgroup 0 (128 P +
   // 256 C = the 384 x 168 the launch grants); the activation backward's epilogue keeps
   // four rows' loads in flight and gets more.
@@ -104,9 +108,9 @@ struct EngineParts<EngineKind::KGrouped, kFormat, BlockM, BlockN> {
 
 template <EngineKind kKind, BFormat kFormat, int BlockM, int BlockN>
 struct EngineConfig : EngineParts<kKind, kFormat, BlockM, BlockN>,
-                      EngineRoles<kKind, kFormat, BlockM> {
+                      EngineRoles<kKind, kFormat, BlockM, BlockN> {
   using Parts = EngineParts<kKind, kFormat, BlockM, BlockN>;
-  using Roles = EngineRoles<kKind, kFormat, BlockM>;
+  using Roles = EngineRoles<kKind, kFormat, BlockM, BlockN>;
   using Staging = StagingTile<BlockM, BlockN>;
   static_assert(BlockM == 64 || BlockM == 128, "64 rows per consumer warpgroup");
   static_assert(BlockN == 128 || BlockN == 256, "wgmma N");
@@ -264,8 +268,7 @@ __device__ __forceinline__ void consume(const EngineParams& p, const SharedStora
           Barrier::wait(&smem.decoded[ring.stage], ring.phase);
         } else {
           TransactionBarrier::wait(&smem.full[ring.stage], ring.phase);
-          if constexpr (C::kTailMask)
-            mask_tail_rows(smem, tile, step, ring.stage, consumer_thread);
+          if constexpr (C::kTailMask) mask_tail_rows(smem, tile, step, ring.stage, consumer_thread);
         }
         const uint64_t desc_a = C::A::descriptor(smem.a(ring.stage), consumer);
         const uint64_t desc_b = tile_descriptor<Mma::kReadsBMNMajor>(smem.b(ring.stage));
@@ -345,7 +348,7 @@ __global__ void __launch_bounds__(engine::EngineConfig<kKind, kFormat, BlockM, B
     for (int s = 0; s < C::kStages; ++s) {
       TransactionBarrier::init(&smem.full[s], 1);
       Barrier::init(&smem.empty[s], C::kConsumers * 4);  // one arrival per consumer warp
-      Barrier::init(&smem.decoded[s], C::kDecodeThreads / 32);
+      if constexpr (C::kDecodeWarps) Barrier::init(&smem.decoded[s], C::kDecodeThreads / 32);
     }
     Barrier::init(smem.staged, C::kConsumerThreads);
     Barrier::init(smem.drained, 1);
@@ -364,7 +367,7 @@ __global__ void __launch_bounds__(engine::EngineConfig<kKind, kFormat, BlockM, B
         finish_tiles<C>(p, smem, threadIdx.x - 32);
       }
     } else if constexpr (C::kDecodeWarps) {
-      decode_stages<C>(p, smem, threadIdx.x % kWarpgroupThreads);
+      decode_stages<C>(p, smem, threadIdx.x - (1 + C::kConsumers) * kWarpgroupThreads);
     }
     return;
   }

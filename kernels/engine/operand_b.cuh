@@ -96,7 +96,6 @@ struct GatedOperandB : OperandBLayout<BlockN, kFormat> {
                                      half, tile.expert);
     }
   }
-
 };
 
 // GEMM2's w2 [E, H, I] (nn.Linear, K-major): one [BLOCK_N rows][64] box of a 3-D map
@@ -118,8 +117,7 @@ struct KMajorOperandB : OperandBLayout<BlockN, kFormat> {
                                               uint64_t* bar) {
     const int k0 = step * kBlockK;
     if (tile.extra) {
-      L::load_mn_boxes(&p.extra, bar, dst, 0, BlockN / 64, tile.n_local * BlockN, k0,
-                       tile.expert);
+      L::load_mn_boxes(&p.extra, bar, dst, 0, BlockN / 64, tile.n_local * BlockN, k0, tile.expert);
       return;
     }
     const int n0 = tile.n_block * BlockN;
@@ -132,7 +130,6 @@ struct KMajorOperandB : OperandBLayout<BlockN, kFormat> {
       cute::SM90_TMA_LOAD_3D::copy(&p.b, bar, kCacheHint, dst, k0, n0, tile.expert);
     }
   }
-
 };
 
 // The weights as stored, read MN-major (the dgrads: dgrad1's w13 [E, 2I, H], dgrad2's w2
