@@ -3,7 +3,8 @@
 Runs the fused forward (``--pass forward``, inference) or forward + backward
 (``--pass fwd+bwd``, side-LoRA or ``--mode ordinary``) at a bench shape under
 torch.profiler (after warm-up) and prints each kernel's total CUDA time over
-``--iters`` calls, divided by ``--iters``.
+``--iters`` calls, divided by ``--iters``, and the launches per call. ``--tokens N``
+runs the shape's dims with N tokens (the weight-bound regime).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 import megamoe as mm
 
 from .shapes import SHAPES
+from .timing import count_device_work
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,8 +28,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pass", dest="pass_name", choices=("forward", "fwd+bwd"))
     parser.add_argument("--mode", choices=("side-lora", "ordinary"), default="side-lora")
     parser.add_argument("--dtype", choices=("bf16", "mxfp4"), default="bf16", help="base format")
+    parser.add_argument(
+        "--tokens", type=int, default=None, help="tokens per rank (default: the shape's)"
+    )
     args = parser.parse_args(argv)
     s = SHAPES[args.shape]
+    if args.tokens is not None:
+        if args.tokens < 1:
+            parser.error(f"--tokens must be >= 1, got {args.tokens}")
+        s = s.with_tokens(args.tokens)
     ordinary = args.mode == "ordinary"
     training = args.pass_name == "fwd+bwd"
     layer = s.make_layer(
@@ -56,16 +65,26 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.iters):
             step()
         torch.cuda.synchronize()
-    rows = []
-    for event in prof.key_averages():
-        device_us = event.device_time_total
-        if device_us > 0:
-            rows.append((device_us / args.iters / 1e3, event.count // args.iters, event.key))
+    # Kernels and copies only (the megamoe::<stage> ranges' GPU spans would count twice).
+    device_kinds = ("kernel", "gpu_memcpy", "gpu_memset")
+    per_name: dict[str, list[float]] = {}
+    for event in prof.events():
+        if getattr(event, "activity_type", None) in device_kinds:
+            per_name.setdefault(event.name, []).append(event.device_time_total)
+    rows = [
+        (sum(times) / args.iters / 1e3, len(times) // args.iters, name)
+        for name, times in per_name.items()
+    ]
     rows.sort(reverse=True)
     total = sum(r[0] for r in rows)
     what = f"{args.pass_name or 'forward'} {args.mode if training else ''} {args.dtype}"
     what = " ".join(what.split())
-    print(f"{args.shape}: per {what} call, {total:.2f} ms of kernel time")
+    work = count_device_work(prof.events())
+    launches = work.kernels // args.iters
+    print(
+        f"{args.shape} T={s.num_tokens}: per {what} call, {total:.3f} ms of kernel time"
+        f" in {launches} launches"
+    )
     print(f"{'ms':>8} {'share':>6} {'calls':>5}  kernel")
     for ms, calls, name in rows:
         print(f"{ms:8.3f} {ms / total:6.1%} {calls:5d}  {name[:90]}")
