@@ -15,6 +15,10 @@ from megamoe.integrations import torchtitan as mtt  # noqa: E402
 pytestmark = pytest.mark.gpu
 
 D, FF, E, K, T = 256, 128, 8, 2, 512
+# The reduction dim of each parameter (w1/w3 [E, F, D], w2 [E, D, F], a1/a3 [D, r],
+# b1/b3 [E, r, F], a2 [E, F, r], b2 [r, D]).
+FAN_IN_DIM = {"w1_EFD": 2, "w3_EFD": 2, "w2_EDF": 2, "a1": 0, "a3": 0, "b1": 1, "b3": 1,
+              "a2": 1, "b2": 0}  # fmt: skip
 
 
 def oracle(params, scale, x, scores, ids):
@@ -46,8 +50,11 @@ def test_converted_routed_experts_within_the_oracle_gates(rank):
     module = converted.build().cuda()
     torch.manual_seed(0)
     with torch.no_grad():
-        for p in module.parameters():
-            p.copy_((torch.randn_like(p) * 0.05).to(torch.bfloat16))
+        # The oracle gates hold at realistic magnitudes (megamoe.testing.make_layer's
+        # rule): every factor ~ N(0, 1/fan_in), so each stage is O(1).
+        for name, p in module.named_parameters():
+            fan_in = p.shape[FAN_IN_DIM[name.rsplit(".", 1)[-1]]]
+            p.copy_((torch.randn_like(p) / fan_in**0.5).to(torch.bfloat16))
     gen = torch.Generator(device="cuda").manual_seed(1)
     x = torch.randn(1, T, D, generator=gen, device="cuda").to(torch.bfloat16)
     ids = torch.stack([torch.randperm(E, device="cuda", generator=gen)[:K] for _ in range(T)])
