@@ -21,22 +21,19 @@ namespace megamoe {
 
 namespace {
 
-constexpr int kBlockN = 256;  // the BF16 pool kinds' tile width (MXFP4: the variant's)
+constexpr int kBlockN = 256;  // every pool kind's tile width
 constexpr int kBlockK = kGemmBlockK;
 
 std::string str(int64_t v) { return std::to_string(v); }
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// The variant for a pool padded to `block_m` rows. An MXFP4 B runs 64-row tiles (decode
-// warpgroups decode it: kernels/engine/engine_kernel.cuh), which tile any pool, at the
-// one tile width its kind has; the caller reads that width from the variant.
+// The variant for a pool padded to `block_m` rows. An MXFP4 B runs 64-row tiles (a
+// warpgroup decodes it: kernels/engine/engine_kernel.cuh), which tile any pool.
 const EngineKernels& select_variant(EngineKind kind, BFormat format, int block_m, int block_n) {
-  const bool mxfp4 = format == BFormat::MXFP4;
-  if (mxfp4 && block_m % 64 == 0) block_m = 64;
+  if (format == BFormat::MXFP4 && block_m % 64 == 0) block_m = 64;
   for (const auto& variant : variants::kEngineVariants) {
     const EngineKernels& k = *variant.kernels;
-    if (k.kind == kind && k.b_format == format && k.block_m == block_m &&
-        (mxfp4 || k.block_n == block_n))
+    if (k.kind == kind && k.b_format == format && k.block_m == block_m && k.block_n == block_n)
       return k;
   }
   throw nb::value_error(("block_m: no engine variant for BLOCK_M " + str(block_m) + ", BLOCK_N " +
@@ -75,8 +72,8 @@ void check_activation(int activation, double clamp) {
 // The pool schedule shared by the pool kinds: the plan's offsets, the rows in use
 // clamped to the pool on the device.
 ScheduleParams pool_schedule(const Tensor& offsets, int64_t experts, int64_t pool_rows, int block_m,
-                             int block_n, int group_m, int64_t n_base, int64_t n_extra,
-                             int64_t side_k, int64_t k_base, int device) {
+                             int group_m, int64_t n_base, int64_t n_extra, int64_t side_k,
+                             int64_t k_base, int device) {
   check_tensor<int32_t>("expert_pool_offsets", offsets, {experts + 1}, device);
   if (pool_rows % block_m != 0)
     throw nb::value_error(
@@ -88,8 +85,8 @@ ScheduleParams pool_schedule(const Tensor& offsets, int64_t experts, int64_t poo
   s.expert_pool_offsets = static_cast<const int32_t*>(offsets.data());
   s.num_experts = static_cast<int32_t>(experts);
   s.pool_rows = static_cast<int32_t>(pool_rows);
-  s.n_base_blocks = static_cast<int32_t>(ceil_div(n_base, block_n));
-  s.n_extra_blocks = static_cast<int32_t>(ceil_div(n_extra, block_n));
+  s.n_base_blocks = static_cast<int32_t>(ceil_div(n_base, kBlockN));
+  s.n_extra_blocks = static_cast<int32_t>(ceil_div(n_extra, kBlockN));
   s.group_m = group_m;
   s.side_steps = static_cast<int32_t>(ceil_div(side_k, kBlockK));
   s.base_steps = static_cast<int32_t>(ceil_div(k_base, kBlockK));
@@ -125,7 +122,7 @@ CUtensorMap mn_major_map(const char* name, const Tensor& w, int device) {
 // MN-major: per K step the codes box [64 K rows, BLOCK_N / 2 bytes] and the scales box
 // [BLOCK_N / 32, 64 K].
 void set_mn_major_mxfp4(OperandParams& o, const Tensor& codes, const Tensor& scales,
-                        int64_t experts, int64_t k, int64_t n, int block_n, int device) {
+                        int64_t experts, int64_t k, int64_t n, int device) {
   check_tensor<uint8_t>("b", codes, {experts, k, n / 2}, device);
   check_tensor<uint8_t>("b_scales", scales, {experts, n / 32, k}, device);
   if (k % kBlockK != 0 || n % 32 != 0)
@@ -133,9 +130,9 @@ void set_mn_major_mxfp4(OperandParams& o, const Tensor& codes, const Tensor& sca
                            str(k) + ", N=" + str(n))
                               .c_str());
   o.codes = tensor_map("b", codes.data(), CU_TENSOR_MAP_DATA_TYPE_UINT8, {n / 2, experts * k},
-                       {n / 2}, {block_n / 2, kBlockK}, false);
+                       {n / 2}, {kBlockN / 2, kBlockK}, false);
   o.scales = tensor_map("b_scales", scales.data(), CU_TENSOR_MAP_DATA_TYPE_UINT8,
-                        {k, experts * (n / 32)}, {k}, {kBlockK, block_n / 32}, false);
+                        {k, experts * (n / 32)}, {k}, {kBlockK, kBlockN / 32}, false);
 }
 
 void launch(const EngineKernels& k, const EngineParams& params, int device, int num_sms,
@@ -185,25 +182,26 @@ void engine_gated(const Tensor& a, int64_t k_base, const Tensor& w13,
   check_tensor("h", h, bfloat16_dtype(), {rows, inter}, device);
   const EngineKernels& kernels =
       select_variant(EngineKind::Gated, mxfp4 ? BFormat::MXFP4 : BFormat::BF16, block_m, kBlockN);
-  const int bn = kernels.block_n;
 
   EngineParams p{};
   // A gated tile is BLOCK_N / 2 gate and as many up rows of w13: 2I / BLOCK_N tiles.
-  p.schedule = pool_schedule(offsets, experts, rows, kernels.block_m, bn, group_m, 2 * inter, 0,
-                             side_k, k_base, device);
+  p.schedule = pool_schedule(offsets, experts, rows, kernels.block_m, group_m, 2 * inter, 0, side_k,
+                             k_base, device);
   OperandParams& o = p.operands;
   o.a = bf16_rows("a", a.data(), rows, k_base + side_k, a.stride(0), kernels.block_m);
   if (mxfp4) {
     check_tensor<int16_t>("w13_scales", *w13_scales, {experts, k_base / kBlockK, two_i}, device);
-    o.codes = tensor_map(
-        "w13", w13.data(), CU_TENSOR_MAP_DATA_TYPE_UINT8, {k_base / 2, inter, 2, experts},
-        {k_base / 2, inter * k_base / 2, two_i * k_base / 2}, {kBlockK / 2, bn / 2, 1, 1}, false);
-    o.scales = tensor_map("w13_scales", w13_scales->data(), CU_TENSOR_MAP_DATA_TYPE_UINT16,
-                          {two_i, experts * (k_base / kBlockK)}, {two_i * 2}, {bn / 2, 1}, false);
+    o.codes = tensor_map("w13", w13.data(), CU_TENSOR_MAP_DATA_TYPE_UINT8,
+                         {k_base / 2, inter, 2, experts},
+                         {k_base / 2, inter * k_base / 2, two_i * k_base / 2},
+                         {kBlockK / 2, kBlockN / 2, 1, 1}, false);
+    o.scales =
+        tensor_map("w13_scales", w13_scales->data(), CU_TENSOR_MAP_DATA_TYPE_UINT16,
+                   {two_i, experts * (k_base / kBlockK)}, {two_i * 2}, {kBlockN / 2, 1}, false);
   } else {
     o.b = tensor_map(
         "w13", w13.data(), CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, {k_base, inter, 2, experts},
-        {k_base * 2, inter * k_base * 2, two_i * k_base * 2}, {kBlockK, bn / 2, 1, 1}, true);
+        {k_base * 2, inter * k_base * 2, two_i * k_base * 2}, {kBlockK, kBlockN / 2, 1, 1}, true);
   }
   if (side_gate) {
     o.side_gate = mn_major_map("side_gate", *side_gate, device);
@@ -266,11 +264,10 @@ void engine_store(const Tensor& a, int64_t k_base, const Tensor& b, std::optiona
   const EngineKind kind = b_major_mn ? EngineKind::StoreMNMajor : EngineKind::StoreKMajor;
   const EngineKernels& kernels =
       select_variant(kind, mxfp4 ? BFormat::MXFP4 : BFormat::BF16, block_m, kBlockN);
-  const int bn = kernels.block_n;
 
   EngineParams p{};
-  p.schedule = pool_schedule(offsets, experts, rows, kernels.block_m, bn, group_m, n_base, n_extra,
-                             0, k_base, device);
+  p.schedule = pool_schedule(offsets, experts, rows, kernels.block_m, group_m, n_base, n_extra, 0,
+                             k_base, device);
   OperandParams& o = p.operands;
   o.a = bf16_rows("a", a.data(), rows, k_base, a.stride(0), kernels.block_m);
   o.k_base = static_cast<int32_t>(k_base);
@@ -278,7 +275,7 @@ void engine_store(const Tensor& a, int64_t k_base, const Tensor& b, std::optiona
   o.side_scale = 1.0f;
   if (b_major_mn) {
     if (mxfp4)
-      set_mn_major_mxfp4(o, b, *b_scales, experts, k_base, n_base, bn, device);
+      set_mn_major_mxfp4(o, b, *b_scales, experts, k_base, n_base, device);
     else {
       check_tensor("b", b, bfloat16_dtype(), {experts, k_base, n_base}, device);
       o.b = mn_major_map("b", b, device);
@@ -289,13 +286,14 @@ void engine_store(const Tensor& a, int64_t k_base, const Tensor& b, std::optiona
       check_tensor<int16_t>("b_scales", *b_scales, {experts, k_base / kBlockK, n_base}, device);
       o.codes =
           tensor_map("b", b.data(), CU_TENSOR_MAP_DATA_TYPE_UINT8, {k_base / 2, n_base, experts},
-                     {k_base / 2, n_base * k_base / 2}, {kBlockK / 2, bn, 1}, false);
-      o.scales = tensor_map("b_scales", b_scales->data(), CU_TENSOR_MAP_DATA_TYPE_UINT16,
-                            {n_base, experts * (k_base / kBlockK)}, {n_base * 2}, {bn, 1}, false);
+                     {k_base / 2, n_base * k_base / 2}, {kBlockK / 2, kBlockN, 1}, false);
+      o.scales =
+          tensor_map("b_scales", b_scales->data(), CU_TENSOR_MAP_DATA_TYPE_UINT16,
+                     {n_base, experts * (k_base / kBlockK)}, {n_base * 2}, {kBlockN, 1}, false);
     } else {
       check_tensor("b", b, bfloat16_dtype(), {experts, n_base, k_base}, device);
       o.b = tensor_map("b", b.data(), CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, {k_base, n_base, experts},
-                       {k_base * 2, n_base * k_base * 2}, {kBlockK, bn, 1}, true);
+                       {k_base * 2, n_base * k_base * 2}, {kBlockK, kBlockN, 1}, true);
     }
   }
   if (b_extra) o.extra = mn_major_map("b_extra", *b_extra, device);
@@ -347,16 +345,13 @@ void engine_activation_backward(const Tensor& a, int64_t k_base, const Tensor& b
   const EngineKernels& kernels = select_variant(
       EngineKind::ActivationBackward, mxfp4 ? BFormat::MXFP4 : BFormat::BF16, block_m, kBlockN);
 
-  const int bn = kernels.block_n;
-  if (bn != kBlockN)  // the host sums the router-dot partials per 256 columns
-    throw nb::value_error("engine_activation_backward: expected a 256-wide variant");
   EngineParams p{};
-  p.schedule = pool_schedule(offsets, experts, rows, kernels.block_m, bn, group_m, inter, 0, rank,
+  p.schedule = pool_schedule(offsets, experts, rows, kernels.block_m, group_m, inter, 0, rank,
                              k_base, device);
   OperandParams& o = p.operands;
   o.a = bf16_rows("a", a.data(), rows, k_base + rank, a.stride(0), kernels.block_m);
   if (mxfp4) {
-    set_mn_major_mxfp4(o, b, *b_scales, experts, k_base, inter, bn, device);
+    set_mn_major_mxfp4(o, b, *b_scales, experts, k_base, inter, device);
   } else {
     check_tensor("b", b, bfloat16_dtype(), {experts, k_base, inter}, device);
     o.b = mn_major_map("b", b, device);

@@ -41,24 +41,20 @@
 
 namespace megamoe::kernels::engine {
 
-// Which warps do what, per kind and format (ptxas compiles every role within the
-// launch's 65536 / threads registers: two consumer warpgroups' 128 accumulators each need
-// 168 of them, so at most three warpgroups there). Warpgroup 0: the producer warp and
-// three epilogue warps; then the consumers; for an MXFP4 B (BLOCK_M 64: one consumer
-// warpgroup) the decode warpgroups: one for 256-wide tiles, two for 128-wide tiles, whose
-// 64 accumulators fit the 128 registers of four warpgroups (the decode is what bounds an
-// MXFP4 GEMM at few rows per expert).
-template <EngineKind kKind, BFormat kFormat, int BlockM, int BlockN>
+// Which warps do what, per kind and format, in at most three warpgroups (ptxas compiles
+// every role within the launch's 65536 / threads registers, and two consumer warpgroups'
+// 128 accumulators need 168 of them). Warpgroup 0: the producer warp and three epilogue
+// warps; then the consumers; for an MXFP4 B (BLOCK_M 64: one consumer warpgroup) a
+// decode warpgroup.
+template <EngineKind kKind, BFormat kFormat, int BlockM>
 struct EngineRoles {
   static constexpr int kConsumers = BlockM / 64;
   static constexpr bool kDecodeWarps = kFormat == BFormat::MXFP4;
-  static_assert(!kDecodeWarps || kConsumers == 1, "MXFP4 tiles are 64 rows");
-  static constexpr int kDecodeWarpgroups = !kDecodeWarps ? 0 : BlockN == 128 ? 2 : 1;
-  static constexpr int kWarpgroups = 1 + kConsumers + kDecodeWarpgroups;
-  static_assert(kWarpgroups <= 4, "at most 512 threads");
+  static_assert(!kDecodeWarps || kConsumers == 1, "MXFP4 tiles are 64 rows (3 warpgroups)");
+  static constexpr int kWarpgroups = 1 + kConsumers + (kDecodeWarps ? 1 : 0);
   static constexpr int kThreads = kWarpgroups * kWarpgroupThreads;
   static constexpr int kConsumerThreads = kConsumers * kWarpgroupThreads;
-  static constexpr int kDecodeThreads = kDecodeWarpgroups * kWarpgroupThreads;
+  static constexpr int kDecodeThreads = kWarpgroupThreads;
   // Two consumer warpgroups: setmaxnreg moves registers to them from warpgroup 0 (128 P +
   // 256 C = the 384 x 168 the launch grants); the activation backward's epilogue keeps
   // four rows' loads in flight and gets more.
@@ -108,9 +104,9 @@ struct EngineParts<EngineKind::KGrouped, kFormat, BlockM, BlockN> {
 
 template <EngineKind kKind, BFormat kFormat, int BlockM, int BlockN>
 struct EngineConfig : EngineParts<kKind, kFormat, BlockM, BlockN>,
-                      EngineRoles<kKind, kFormat, BlockM, BlockN> {
+                      EngineRoles<kKind, kFormat, BlockM> {
   using Parts = EngineParts<kKind, kFormat, BlockM, BlockN>;
-  using Roles = EngineRoles<kKind, kFormat, BlockM, BlockN>;
+  using Roles = EngineRoles<kKind, kFormat, BlockM>;
   using Staging = StagingTile<BlockM, BlockN>;
   static_assert(BlockM == 64 || BlockM == 128, "64 rows per consumer warpgroup");
   static_assert(BlockN == 128 || BlockN == 256, "wgmma N");
@@ -367,7 +363,7 @@ __global__ void __launch_bounds__(engine::EngineConfig<kKind, kFormat, BlockM, B
         finish_tiles<C>(p, smem, threadIdx.x - 32);
       }
     } else if constexpr (C::kDecodeWarps) {
-      decode_stages<C>(p, smem, threadIdx.x - (1 + C::kConsumers) * kWarpgroupThreads);
+      decode_stages<C>(p, smem, threadIdx.x % kWarpgroupThreads);
     }
     return;
   }
