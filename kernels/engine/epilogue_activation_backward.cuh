@@ -35,9 +35,11 @@ struct ActivationBackwardEpilogue {
 
   __device__ __forceinline__ static float transform(float v, const EpilogueParams&) { return v; }
 
+  // L2-cached, not the read-only path: dg | du may be written over preact in place (each
+  // 16 bytes are read, then written, by the same thread; nothing reads them again).
   __device__ __forceinline__ static uint4 load_global_16(const void* at) {
     uint4 v;
-    asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
+    asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                  : "l"(at));
     return v;

@@ -82,6 +82,7 @@ def fused_dgrad2_activation_backward(
     activation_clamp: float | None = None,
     weighted_h: bool = True,
     w2_scales: torch.Tensor | None = None,
+    dgrad_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """dgrad2 + activation backward + router-gradient dot over the pool (module docstring).
 
@@ -96,6 +97,10 @@ def fused_dgrad2_activation_backward(
             over the pool's columns ``H .. H + r`` (None: no adapter).
         activation, activation_clamp: as in the forward.
         weighted_h: also return ``bf16(w h)``.
+        dgrad_out: optional ``[pool_capacity, 2I]`` BF16 buffer for ``dg | du``; it may be
+            ``preact`` itself (each element is read, then written, by one thread and
+            never read again), which saves a pool-sized buffer when ``preact`` has no
+            other reader.
 
     Returns:
         ``(dgrad_preact [pool_capacity, 2I] BF16 dg | du, weighted_h [pool_capacity, I]
@@ -136,10 +141,15 @@ def fused_dgrad2_activation_backward(
         "topk_weights", topk_weights, shape=tuple(plan.route_to_pool_row.shape),
         dtypes=(torch.float32,), device=device, contiguous=True,
     )  # fmt: skip
+    if dgrad_out is not None:
+        check_tensor(
+            "dgrad_out", dgrad_out, shape=tuple(preact.shape), dtypes=(torch.bfloat16,),
+            device=device, contiguous=True,
+        )  # fmt: skip
     if not preact.is_cuda:
         b = w2 if side_a2 is None else torch.cat([w2, side_a2.transpose(1, 2)], dim=1)
         z = grouped_gemm(dout_pool, b, plan, b_major="mn")
-        return activation_backward_reference(
+        dgrad, weighted, drouter = activation_backward_reference(
             preact,
             z,
             topk_weights,
@@ -148,8 +158,11 @@ def fused_dgrad2_activation_backward(
             activation_clamp=activation_clamp,
             weighted_h=weighted_h,
         )
+        if dgrad_out is not None:
+            dgrad = dgrad_out.copy_(dgrad)
+        return dgrad, weighted, drouter
     n_blocks = -(-intermediate // BLOCK_N)
-    dgrad_preact = torch.empty_like(preact)
+    dgrad_preact = torch.empty_like(preact) if dgrad_out is None else dgrad_out
     weighted = (
         torch.empty(capacity, intermediate, dtype=torch.bfloat16, device=device)
         if weighted_h

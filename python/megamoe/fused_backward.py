@@ -22,12 +22,13 @@ Steps 1-4 are :func:`pool_backward`, shared with the expert-parallel layer
 
 Memory policy: the forward keeps the route plan, ``q13``, ``p_sum`` and GEMM1's
 pre-activations (``[T*K, 2I]`` BF16; none with activation checkpointing, which
-recomputes them here). The backward frees each pool buffer as soon as its last reader
-ran (docs/PERFORMANCE.md has the bytes at ep4rank). Every GEMM reads the weights in the
-user's layout (MXFP4: decoded inside the GEMM pipeline) and a trainable base's
-gradients land in that layout. Deterministic: no atomics, fixed summation orders. No
-host synchronisation. Each stage runs in a profiler range ``megamoe::<stage>``
-(:func:`megamoe.fused_forward.stage`).
+recomputes them here). dgrad2's epilogue writes ``dg | du`` over the pre-activations
+(their last reader), so a second backward through the same graph raises. The backward
+frees each pool buffer as soon as its last reader ran (docs/PERFORMANCE.md has the
+bytes at ep4rank). Every GEMM reads the weights in the user's layout (MXFP4: decoded
+inside the GEMM pipeline) and a trainable base's gradients land in that layout.
+Deterministic: no atomics, fixed summation orders. No host synchronisation. Each stage
+runs in a profiler range ``megamoe::<stage>`` (:func:`megamoe.fused_forward.stage`).
 """
 
 from __future__ import annotations
@@ -106,7 +107,9 @@ def pool_backward(
         dout_rows: ``[rows, H]`` BF16 ``dout``, or ``[rows, H + r]`` ``[dout | s dout
             b2^T]`` when ``db2_rows`` is None and an adapter is active.
         db2_rows: ``[rows, r]`` BF16 ``s dout b2^T`` (EP1) or None.
-        preact: ``[P, 2I]`` BF16 GEMM1 pre-activations ``g | u`` of the forward.
+        preact: ``[P, 2I]`` BF16 GEMM1 pre-activations ``g | u`` of the forward;
+            overwritten with ``dg | du`` (the buffer is reused: one pool-sized buffer
+            less at the backward's peak).
         route_weights: float32 shaped like ``plan.route_to_pool_row``.
         plan: the pool's route plan; base, side: the local experts (``side`` None: no
             active adapter).
@@ -134,7 +137,12 @@ def pool_backward(
             activation_clamp=activation_clamp,
             weighted_h=(use_side and side_grads) or base_grads,
             w2_scales=base.w2_scales,
+            dgrad_out=preact,  # dg | du over g | u: this epilogue is their last reader
         )
+        # The saved pre-activations now hold dg | du: a second backward through the same
+        # graph (retain_graph=True) fails loudly in autograd's saved-tensor version check
+        # instead of reading them.
+        torch.autograd.graph.increment_version(preact)
 
     # The weight gradients that contract over w h, then free it.
     if use_side and side_grads:

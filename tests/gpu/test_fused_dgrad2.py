@@ -294,6 +294,30 @@ def test_fused_dgrad2_is_deterministic():
             assert torch.equal(a[:rows], b[:rows])
 
 
+@pytest.mark.parametrize("w2_format", ["bf16", "mxfp4"])
+def test_dg_du_written_over_the_pre_activations_are_bitwise_the_fresh_buffer(w2_format):
+    """dgrad_out=preact (the layer's backward reuses the saved buffer): each element is
+    read before it is written, so the in-place result is the out-of-place one."""
+    plan, weights, dout_pool, w2, side_a2, preact = make_case(
+        3000, 6, 16, 512, 512, 16, 128, seed=7, kind="skewed"
+    )
+    args = {}
+    if w2_format == "mxfp4":
+        w2, scales = mm.quantize_mxfp4(w2, axis=-1)  # [E, H, I]: quantized along I
+        args["w2_scales"] = scales
+    rows = rows_used(plan)
+    fresh = fused_dgrad2_activation_backward(
+        dout_pool, w2, preact, weights, plan, side_a2=side_a2, **args
+    )
+    buffer = preact.clone()
+    in_place = fused_dgrad2_activation_backward(
+        dout_pool, w2, buffer, weights, plan, side_a2=side_a2, dgrad_out=buffer, **args
+    )
+    assert in_place[0].data_ptr() == buffer.data_ptr()
+    for a, b in zip(fresh, in_place, strict=True):
+        assert torch.equal(a[:rows], b[:rows])
+
+
 @pytest.mark.parametrize("block_m", BLOCK_MS)
 @pytest.mark.parametrize("rank", [0, 16])
 @pytest.mark.parametrize("inter", [256, 320])
