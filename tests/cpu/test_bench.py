@@ -297,6 +297,27 @@ def test_device_work_counts_kernels_and_copies_only():
     assert count_device_work([]) == DeviceWork(kernels=0, copies=0)
 
 
+def test_device_work_is_counted_without_activity_types():
+    """torch < 2.12 events carry no activity type: GPU events count by name, megamoe's
+    profiler ranges and CPU operators do not."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from megamoe.bench.timing import DeviceWork, count_device_work
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    events = [
+        SimpleNamespace(device_type=cuda, name="void megamoe::kernels::engine_kernel<0>()"),
+        SimpleNamespace(device_type=cuda, name="nvjet_sm90_tst_64x32"),
+        SimpleNamespace(device_type=cuda, name="Memcpy DtoH (Device -> Pinned)"),
+        SimpleNamespace(device_type=cuda, name="Memset (Device)"),
+        SimpleNamespace(device_type=cuda, name="megamoe::gemm1"),
+        SimpleNamespace(device_type=cpu, name="aten::mm"),
+    ]
+    assert count_device_work(events) == DeviceWork(kernels=2, copies=2)
+
+
 def test_table_shows_the_launches_of_fused_rows():
     rows = [
         {"mode": "side-lora", "dtype": "bf16", "tokens": 128, "backend": backend,

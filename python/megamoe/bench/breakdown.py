@@ -18,7 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 import megamoe as mm
 
 from .shapes import SHAPES
-from .timing import count_device_work
+from .timing import count_device_work, device_event_kind
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,10 +66,9 @@ def main(argv: list[str] | None = None) -> int:
             step()
         torch.cuda.synchronize()
     # Kernels and copies only (the megamoe::<stage> ranges' GPU spans would count twice).
-    device_kinds = ("kernel", "gpu_memcpy", "gpu_memset")
     per_name: dict[str, list[float]] = {}
     for event in prof.events():
-        if getattr(event, "activity_type", None) in device_kinds:
+        if device_event_kind(event) is not None:
             per_name.setdefault(event.name, []).append(event.device_time_total)
     rows = [
         (sum(times) / args.iters / 1e3, len(times) // args.iters, name)

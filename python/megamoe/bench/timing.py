@@ -125,18 +125,33 @@ class DeviceWork:
     copies: int
 
 
-def count_device_work(events: Iterable[object]) -> DeviceWork:
-    """Kernels and copies among torch.profiler events (``prof.events()``).
+def device_event_kind(event: object) -> str | None:
+    """``"kernel"``, ``"copy"`` (memcpy or memset) or None (a CPU-side operator, or the
+    GPU span of a ``record_function`` range) for one torch.profiler event.
 
-    Counted by the Kineto activity type (``"kernel"``, ``"gpu_memcpy"``,
-    ``"gpu_memset"``), so the GPU side of ``record_function`` ranges
-    (``"gpu_user_annotation"``) and the CPU-side operators do not count.
+    By the Kineto activity type where the event carries it (torch >= 2.12); before that
+    by the device type and name: GPU spans of ranges carry the range's name, which for
+    megamoe's is ``megamoe::<stage>``.
     """
-    kinds = [getattr(event, "activity_type", None) for event in events]
-    return DeviceWork(
-        kernels=kinds.count("kernel"),
-        copies=kinds.count("gpu_memcpy") + kinds.count("gpu_memset"),
-    )
+    kind = getattr(event, "activity_type", None)
+    if kind is not None:
+        if kind == "kernel":
+            return "kernel"
+        return "copy" if kind in ("gpu_memcpy", "gpu_memset") else None
+    if getattr(event, "device_type", None) != torch.autograd.DeviceType.CUDA:
+        return None
+    name = str(getattr(event, "name", ""))
+    if getattr(event, "is_user_annotation", False) or name.startswith("megamoe::"):
+        return None
+    return "copy" if name.startswith(("Memcpy", "Memset")) else "kernel"
+
+
+def count_device_work(events: Iterable[object]) -> DeviceWork:
+    """Kernels and copies among torch.profiler events (``prof.events()``), classified by
+    :func:`device_event_kind` (the GPU spans of ``record_function`` ranges and the
+    CPU-side operators do not count)."""
+    kinds = [device_event_kind(event) for event in events]
+    return DeviceWork(kernels=kinds.count("kernel"), copies=kinds.count("copy"))
 
 
 def profile_device_work(
