@@ -1,8 +1,10 @@
 """FLOP formulas for megamoe's custom ops, for ``torch.utils.flop_counter``.
 
 Registering them (importing this module, which the package does) lets
-``torch.utils.flop_counter.FlopCounterMode`` count ``mm.moe`` calls, which it would
-otherwise report as zero (an opaque custom op has no decomposition to count).
+``torch.utils.flop_counter.FlopCounterMode`` count ``mm.moe`` calls, which it would otherwise
+report as zero (an opaque custom op has no decomposition to count). One formula per op,
+``megamoe::moe_forward`` (every save mode) and ``megamoe::moe_backward``, each reading
+the op's arguments by their schema names.
 
 What is counted: the multiply-adds of DESIGN §1's math, 2 FLOPs each, for every route
 ``(t, k)`` as if none were masked. The formulas see shapes only (no values: they run on
@@ -79,39 +81,38 @@ def _rank(a1: Shape | None, scale: float) -> int:
     return 0 if a1 is None or scale == 0.0 else a1[1]
 
 
+def _bind(op: torch._ops.OpOverloadPacket, args: tuple, kwargs: dict) -> dict[str, object]:
+    """The op's arguments (shapes for tensors) by their schema names, however the call
+    passed them (positionally or by keyword)."""
+    names = [arg.name for arg in op.default._schema.arguments]
+    bound = dict(zip(names, args, strict=False))
+    bound.update(kwargs)
+    return bound
+
+
 @register_flop_formula(torch.ops.megamoe.moe_forward)
-def _moe_forward_flops(x, topk_ids, topk_weights, w13, w2, w13_scales, w2_scales, side, scale,
-                       *args, out_shape=None, **kwargs) -> int:  # fmt: skip
-    a1 = side[0] if side else None
-    return forward_flops(*_dims(x, topk_ids, w13), _rank(a1, scale))
-
-
-@register_flop_formula(torch.ops.megamoe.moe_train_forward)
-def _moe_train_forward_flops(x, topk_ids, topk_weights, w13, w2, w13_scales, w2_scales,
-                             a1, b1, a3, b3, a2, b2, scale,
-                             *args, out_shape=None, **kwargs) -> int:  # fmt: skip
-    return forward_flops(*_dims(x, topk_ids, w13), _rank(a1, scale))
+def _moe_forward_flops(*args, out_shape=None, **kwargs) -> int:
+    a = _bind(torch.ops.megamoe.moe_forward, args, kwargs)
+    # Every save mode runs the same forward GEMMs (the state is a by-product).
+    return forward_flops(*_dims(a["x"], a["topk_ids"], a["w13"]), _rank(a["a1"], a["scale"]))
 
 
 @register_flop_formula(torch.ops.megamoe.moe_backward)
-def _moe_backward_flops(dout, x, topk_weights, w13, w2, w13_scales, w2_scales,
-                        a1, b1, a3, b3, a2, b2, scale, activation, activation_clamp,
-                        expert_counts, expert_pool_offsets, route_to_pool_row,
-                        pool_row_to_route, preact, q13, p_sum, base_grads, side_grads,
-                        *args, out_shape=None, **kwargs) -> int:  # fmt: skip
-    tokens, top_k = route_to_pool_row
-    hidden = x[1]
-    intermediate = w13[1] // 2
-    # The forward saved q13 = [x a1 | x a3] only when the side path ran.
+def _moe_backward_flops(*args, out_shape=None, **kwargs) -> int:
+    a = _bind(torch.ops.megamoe.moe_backward, args, kwargs)
+    tokens, top_k = a["route_to_pool_row"]
+    q13, preact = a["q13"], a["preact"]
+    # The forward saved q13 = [x a1 | x a3] only when the side path ran, and no
+    # pre-activations (an empty tensor) under activation checkpointing.
     rank = q13[1] // 2 if len(q13) == 2 and q13[0] > 0 else 0
-    recompute = preact[0] == 0 if len(preact) == 1 else False
+    recompute = len(preact) == 1 and preact[0] == 0
     return backward_flops(
         tokens,
         top_k,
-        hidden,
-        intermediate,
+        a["x"][1],
+        a["w13"][1] // 2,
         rank,
-        base_grads=bool(base_grads),
-        side_grads=bool(side_grads),
+        base_grads=bool(a["base_grads"]),
+        side_grads=bool(a["side_grads"]),
         recompute=recompute,
     )

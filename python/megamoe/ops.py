@@ -1,13 +1,16 @@
 """``mm.moe``: the public fused MoE layer call (docs/DESIGN.md §5), torch custom ops.
 
-Three ops (EP1; BF16 or MXFP4 base, the MXFP4 one decoded to a transient BF16 buffer
-before each GEMM that reads it):
+One custom op per pass (EP1; BF16 or MXFP4 base), both with named inputs and the same
+adapter encoding, six optional tensors ``a1, b1, a3, b3, a2, b2`` (all None: no
+adapters) and a ``scale``:
 
-- ``megamoe::moe_forward``: inference; saves nothing.
-- ``megamoe::moe_train_forward``: the same forward, also returning what the backward
-  needs (route plan, GEMM1 pre-activations unless checkpointing, ``q13``, ``p_sum``);
-  its autograd formula calls
-- ``megamoe::moe_backward``: :func:`megamoe.fused_backward.moe_backward`.
+- ``megamoe::moe_forward``: the forward (:func:`megamoe.fused_forward.moe_forward`).
+  ``save="none"`` (inference) keeps nothing; ``"preact"`` (training) and
+  ``"recompute"`` (activation checkpointing) also return what the backward needs: the
+  route plan, GEMM1's pre-activations (not with ``"recompute"``), ``q13``, ``p_sum``.
+  Its autograd formula calls
+- ``megamoe::moe_backward``: :func:`megamoe.fused_backward.moe_backward`, given the
+  forward's plan (its saved index maps) and its BLOCK_M, nothing planned again.
 
 All have fake implementations (shapes known without a sync), so ``torch.compile``
 traces them, and none synchronises with the host: the id range check runs on the device
@@ -23,10 +26,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ._checks import check_finite_float, check_int, check_tensor
+from ._checks import check_choice, check_finite_float, check_int, check_tensor
 from .ep.fused_layer import moe as fused_moe
 from .fused_backward import moe_backward
-from .fused_forward import ForwardState, moe_forward
+from .fused_forward import SAVE_MODES, ForwardState, moe_forward
 from .heuristics import get_block_m
 from .registry import registry
 from .routing import RoutePlan, pool_capacity
@@ -61,11 +64,13 @@ def _op_inputs(
     activation: str,
     activation_clamp: float | None,
     block_m: int,
+    save: str,
     *,
     fake: bool,
 ) -> tuple[BaseWeights, SideLoRA | None]:
     """The checked ``(base, side)`` of one forward op call (``block_m``: a registry
-    BLOCK_M, :func:`~megamoe.get_block_m` of the call).
+    BLOCK_M, :func:`~megamoe.get_block_m` of the call; ``save``: one of
+    :data:`~megamoe.fused_forward.SAVE_MODES`).
 
     The real implementation (``fake=False``) requires CUDA weights and checks the id
     range of CPU ids (CUDA ids: the forward's device-side check); the fake
@@ -85,6 +90,7 @@ def _op_inputs(
         expert_id_limit=base.num_experts,
     )
     _check_block_m(block_m)
+    check_choice("save", save, SAVE_MODES)
     return base, side_lora
 
 
@@ -106,92 +112,7 @@ def _moe_forward_op(
     w2: torch.Tensor,
     w13_scales: torch.Tensor | None,  # MXFP4 base: the UE8M0 scales; None for BF16
     w2_scales: torch.Tensor | None,
-    side: list[torch.Tensor],  # (a1, b1, a3, b3, a2, b2), or empty: no adapters
-    scale: float,
-    activation: str,
-    activation_clamp: float | None,
-    block_m: int,
-) -> torch.Tensor:
-    base, side_lora = _op_inputs(
-        x, topk_ids, topk_weights, w13, w2, w13_scales, w2_scales, tuple(side), scale,
-        activation, activation_clamp, block_m, fake=False,
-    )  # fmt: skip
-    return moe_forward(
-        x,
-        topk_ids,
-        topk_weights,
-        base,
-        side_lora,
-        activation=activation,
-        activation_clamp=activation_clamp,
-        block_m=block_m,
-    )
-
-
-@_moe_forward_op.register_fake
-def _(
-    x,
-    topk_ids,
-    topk_weights,
-    w13,
-    w2,
-    w13_scales,
-    w2_scales,
-    side,
-    scale,
-    activation,
-    activation_clamp,
-    block_m,
-):
-    _op_inputs(
-        x, topk_ids, topk_weights, w13, w2, w13_scales, w2_scales, tuple(side), scale,
-        activation, activation_clamp, block_m, fake=True,
-    )  # fmt: skip
-    return x.new_empty(x.shape)
-
-
-def _base_weights(
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    w13_scales: torch.Tensor | None = None,
-    w2_scales: torch.Tensor | None = None,
-) -> BaseWeights:
-    """The BaseWeights of the op's tensors: MXFP4 when scales are given (packed uint8
-    values, ``H/2`` bytes per w13 row), else BF16. Only unpacks ``w13``'s dims:
-    :func:`~megamoe.validation.check_base_weights` checks the rest."""
-    experts, two_i, last = check_tensor("w13", w13, ndim=3).shape
-    if w13_scales is not None:
-        return BaseWeights("mxfp4", w13, w2, w13_scales, w2_scales, experts, 2 * last, two_i // 2)
-    return BaseWeights("bf16", w13, w2, None, None, experts, last, two_i // 2)
-
-
-def _side(side: tuple[torch.Tensor | None, ...], scale: float) -> SideLoRA | None:
-    """The :class:`SideLoRA` of the op's six adapter inputs, or None for none (an empty
-    tuple or six Nones); anything else names the adapters."""
-    if not side or all(t is None for t in side):
-        return None
-    if len(side) != len(_SIDE_NAMES) or any(t is None for t in side):
-        raise ValueError(
-            f"side: expected all six adapter tensors {_SIDE_NAMES} or none, got "
-            f"{[type(t).__name__ for t in side]}"
-        )
-    return SideLoRA(*side, scale=check_finite_float("side.scale", scale))
-
-
-def _empty(like: torch.Tensor) -> torch.Tensor:
-    return like.new_empty(0)
-
-
-@torch.library.custom_op("megamoe::moe_train_forward", mutates_args=())
-def _moe_train_forward_op(
-    x: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    w13_scales: torch.Tensor | None,
-    w2_scales: torch.Tensor | None,
-    a1: torch.Tensor | None,
+    a1: torch.Tensor | None,  # the six adapter tensors, or six Nones: no adapters
     b1: torch.Tensor | None,
     a3: torch.Tensor | None,
     b3: torch.Tensor | None,
@@ -201,7 +122,7 @@ def _moe_train_forward_op(
     activation: str,
     activation_clamp: float | None,
     block_m: int,
-    activation_checkpoint: bool,
+    save: str,
 ) -> tuple[
     torch.Tensor,
     torch.Tensor,
@@ -213,12 +134,15 @@ def _moe_train_forward_op(
     torch.Tensor,
 ]:
     """``(out, expert_counts, expert_pool_offsets, route_to_pool_row, pool_row_to_route,
-    preact, q13, p_sum)``; absent state tensors are empty."""
+    preact, q13, p_sum)``. ``save`` (:data:`~megamoe.fused_forward.SAVE_MODES`):
+    ``"none"`` (inference: every state output empty), ``"preact"`` (training) or
+    ``"recompute"`` (activation checkpointing: ``preact`` empty); absent state tensors
+    are empty."""
     base, side = _op_inputs(
         x, topk_ids, topk_weights, w13, w2, w13_scales, w2_scales, (a1, b1, a3, b3, a2, b2),
-        scale, activation, activation_clamp, block_m, fake=False,
+        scale, activation, activation_clamp, block_m, save, fake=False,
     )  # fmt: skip
-    out, state = moe_forward(
+    result = moe_forward(
         x,
         topk_ids,
         topk_weights,
@@ -227,8 +151,11 @@ def _moe_train_forward_op(
         activation=activation,
         activation_clamp=activation_clamp,
         block_m=block_m,
-        save="recompute" if activation_checkpoint else "preact",
+        save=save,
     )
+    if save == "none":
+        return (result, *(_empty(x) for _ in _STATE_NAMES))
+    out, state = result
     plan = state.plan
     return (
         out,
@@ -242,7 +169,7 @@ def _moe_train_forward_op(
     )
 
 
-@_moe_train_forward_op.register_fake
+@_moe_forward_op.register_fake
 def _(
     x,
     topk_ids,
@@ -261,12 +188,15 @@ def _(
     activation,
     activation_clamp,
     block_m,
-    activation_checkpoint,
+    save,
 ):
     base, side = _op_inputs(
         x, topk_ids, topk_weights, w13, w2, w13_scales, w2_scales, (a1, b1, a3, b3, a2, b2),
-        scale, activation, activation_clamp, block_m, fake=True,
+        scale, activation, activation_clamp, block_m, save, fake=True,
     )  # fmt: skip
+    out = x.new_empty(x.shape)
+    if save == "none":
+        return (out, *(x.new_empty(0) for _ in _STATE_NAMES))
     tokens, top_k = topk_ids.shape
     experts, two_i = base.num_experts, 2 * base.intermediate
     capacity = pool_capacity(tokens * top_k, experts, block_m)  # moe_forward's route plan
@@ -274,15 +204,47 @@ def _(
     use_side = side is not None and side.scale != 0.0
     rank = side.rank if side is not None else 0
     return (
-        x.new_empty(x.shape),
+        out,
         torch.empty(experts, **index),
         torch.empty(experts + 1, **index),
         torch.empty(tokens, top_k, **index),
         torch.empty(capacity, **index),
-        x.new_empty(0) if activation_checkpoint else x.new_empty(capacity, two_i),
+        x.new_empty(capacity, two_i) if save == "preact" else x.new_empty(0),
         x.new_empty(tokens, 2 * rank) if use_side else x.new_empty(0),
         x.new_empty(tokens, rank) if use_side else x.new_empty(0),
     )
+
+
+def _base_weights(
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scales: torch.Tensor | None = None,
+    w2_scales: torch.Tensor | None = None,
+) -> BaseWeights:
+    """The BaseWeights of the op's tensors: MXFP4 when scales are given (packed uint8
+    values, ``H/2`` bytes per w13 row), else BF16. Only unpacks ``w13``'s dims:
+    :func:`~megamoe.validation.check_base_weights` checks the rest."""
+    experts, two_i, last = check_tensor("w13", w13, ndim=3).shape
+    if w13_scales is not None:
+        return BaseWeights("mxfp4", w13, w2, w13_scales, w2_scales, experts, 2 * last, two_i // 2)
+    return BaseWeights("bf16", w13, w2, None, None, experts, last, two_i // 2)
+
+
+def _side(side: tuple[torch.Tensor | None, ...], scale: float) -> SideLoRA | None:
+    """The :class:`SideLoRA` of the op's six adapter inputs ``(a1, b1, a3, b3, a2, b2)``,
+    or None for six Nones; a partial set names the adapters."""
+    if all(t is None for t in side):
+        return None
+    if any(t is None for t in side):
+        raise ValueError(
+            f"side: expected all six adapter tensors {_SIDE_NAMES} or none, got "
+            f"{[type(t).__name__ for t in side]}"
+        )
+    return SideLoRA(*side, scale=check_finite_float("side.scale", scale))
+
+
+def _empty(like: torch.Tensor) -> torch.Tensor:
+    return like.new_empty(0)
 
 
 @torch.library.custom_op("megamoe::moe_backward", mutates_args=())
@@ -434,30 +396,39 @@ def _input_names(op: object) -> tuple[str, ...]:
     return tuple(arg.name for arg in op._opoverload._schema.arguments)
 
 
-_TRAIN_INPUTS = _input_names(_moe_train_forward_op)
-#: What the training forward saves for its backward: these inputs, then its state outputs.
+_FORWARD_INPUTS = _input_names(_moe_forward_op)
+#: What a training forward saves for its backward: these inputs, then its state outputs.
 _SAVED_INPUTS = ("x", "topk_weights", "w13", "w2", "w13_scales", "w2_scales", *_SIDE_NAMES)
 
 
-def _train_setup_context(ctx, inputs, output) -> None:
-    args = dict(zip(_TRAIN_INPUTS, inputs, strict=True))
-    ctx.options = {name: args[name] for name in ("scale", "activation", "activation_clamp")}
-    ctx.block_m = args["block_m"]  # the forward's plan is padded to it
-    ctx.has_side = args["a1"] is not None
-    ctx.save_for_backward(*(args[name] for name in _SAVED_INPUTS), *output[1:])
+def _forward_setup_context(ctx, inputs, output) -> None:
+    args = dict(zip(_FORWARD_INPUTS, inputs, strict=True))
+    ctx.save = args["save"]
     # The state outputs are not differentiable: without this autograd would hand the
     # backward a materialized zero gradient for each ([T*K, 2I] for the pre-activations).
     ctx.mark_non_differentiable(*output[1:])
     ctx.set_materialize_grads(False)
+    if ctx.save == "none":  # inference: nothing to keep (mm.moe calls it without grad)
+        return
+    ctx.options = {name: args[name] for name in ("scale", "activation", "activation_clamp")}
+    ctx.block_m = args["block_m"]  # the forward's plan is padded to it
+    ctx.has_side = args["a1"] is not None
+    ctx.save_for_backward(*(args[name] for name in _SAVED_INPUTS), *output[1:])
 
 
-def _train_backward(ctx, dout, *_state_grads):
+def _forward_backward(ctx, dout, *_state_grads):
     if dout is None:  # no gradient reached the output (grads are not materialized)
-        return (None,) * len(_TRAIN_INPUTS)
+        return (None,) * len(_FORWARD_INPUTS)
+    if ctx.save == "none":
+        raise RuntimeError(
+            "megamoe::moe_forward: called with save='none', which keeps no state for a "
+            "backward; call it with save='preact' or 'recompute' (mm.moe does)"
+        )
     saved = ctx.saved_tensors
     inputs = dict(zip(_SAVED_INPUTS, saved[: len(_SAVED_INPUTS)], strict=True))
     state = dict(zip(_STATE_NAMES, saved[len(_SAVED_INPUTS) :], strict=True))
-    needs = dict(zip(_TRAIN_INPUTS, ctx.needs_input_grad, strict=True))
+    needs = dict(zip(_FORWARD_INPUTS, ctx.needs_input_grad, strict=True))
+    # The forward's plan (its saved index maps) and BLOCK_M: nothing is planned again.
     grads = _moe_backward_op(
         dout=dout.contiguous(),
         **inputs,
@@ -467,7 +438,7 @@ def _train_backward(ctx, dout, *_state_grads):
         side_grads=ctx.has_side and any(needs[name] for name in _SIDE_NAMES),
         block_m=ctx.block_m,
     )
-    result = dict.fromkeys(_TRAIN_INPUTS)
+    result = dict.fromkeys(_FORWARD_INPUTS)
     for name, grad in zip(_GRAD_NAMES, grads, strict=True):
         if needs[name] and grad.numel() > 0:
             result[name] = grad
@@ -479,7 +450,7 @@ def _train_backward(ctx, dout, *_state_grads):
     return tuple(result.values())
 
 
-_moe_train_forward_op.register_autograd(_train_backward, setup_context=_train_setup_context)
+_moe_forward_op.register_autograd(_forward_backward, setup_context=_forward_setup_context)
 
 
 def moe(
@@ -589,13 +560,17 @@ def moe(
         )
     if reduce_shared_grads is not True:
         raise ValueError("reduce_shared_grads: only meaningful with group=; leave it True")
-    side_tensors = [] if side is None else list(side.tensors())
+    side_tensors = [None] * len(_SIDE_NAMES) if side is None else list(side.tensors())
     needs_grad = torch.is_grad_enabled() and any(
-        t.requires_grad for t in [x, topk_weights, base.w13, base.w2, *side_tensors]
+        t is not None and t.requires_grad
+        for t in [x, topk_weights, base.w13, base.w2, *side_tensors]
     )
+    save = "none"
+    if needs_grad:
+        save = "recompute" if activation_checkpoint else "preact"
     # One BLOCK_M decision per call: the forward plans with it, the backward reuses it.
     block_m = get_block_m(topk_ids.shape[0], topk_ids.shape[1], base.num_experts)
-    common = dict(
+    return _moe_forward_op(
         x=x,
         topk_ids=topk_ids,
         topk_weights=topk_weights,
@@ -603,14 +578,10 @@ def moe(
         w2=base.w2,
         w13_scales=base.w13_scales,
         w2_scales=base.w2_scales,
+        **dict(zip(_SIDE_NAMES, side_tensors, strict=True)),
         scale=0.0 if side is None else side.scale,
         activation=activation,
         activation_clamp=activation_clamp,
         block_m=block_m,
-    )
-    if needs_grad:
-        adapters = dict(zip(_SIDE_NAMES, side_tensors or [None] * len(_SIDE_NAMES), strict=True))
-        return _moe_train_forward_op(
-            **common, **adapters, activation_checkpoint=activation_checkpoint
-        )[0]
-    return _moe_forward_op(**common, side=side_tensors)
+        save=save,
+    )[0]

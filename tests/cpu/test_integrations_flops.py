@@ -101,3 +101,24 @@ def test_zero_scale_counts_no_adapter_work():
         with FlopCounterMode(display=False) as counter:
             mm.moe(x, ids, weights, base, zero)
     assert counter.get_total_flops() == expected_forward(False)
+
+
+def test_the_formulas_bind_arguments_by_name():
+    """The ops called positionally (as a trace replays them) count what mm.moe's keyword
+    calls count: the formulas read arguments by their schema names."""
+    with FakeTensorMode():
+        x, ids, weights, base, adapters = make(True, trainable=False, requires_grad=False)
+        tensors = adapters.tensors()
+        with FlopCounterMode(display=False) as counter:
+            out, *state = torch.ops.megamoe.moe_forward(
+                x, ids, weights, base.w13, base.w2, None, None, *tensors, 0.5, "swiglu", None,
+                mm.get_block_m(T, K, E), "preact",
+            )  # fmt: skip
+            forward = counter.get_total_flops()
+            torch.ops.megamoe.moe_backward(
+                out, x, weights, base.w13, base.w2, None, None, *tensors, 0.5, "swiglu", None,
+                *state, False, True, mm.get_block_m(T, K, E),
+            )  # fmt: skip
+    assert forward == expected_forward(True)
+    backward = counter.get_total_flops() - forward
+    assert backward == expected_backward(True, base_grads=False, recompute=False)

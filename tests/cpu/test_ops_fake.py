@@ -39,9 +39,9 @@ def test_train_forward_and_backward_fakes(side, checkpoint):
     capacity = pool_capacity(T * K, E, BLOCK_M)
     with FakeTensorMode():
         x, ids, weights, w13, w2, adapters = _inputs(side)
-        outputs = torch.ops.megamoe.moe_train_forward(
+        outputs = torch.ops.megamoe.moe_forward(
             x, ids, weights, w13, w2, None, None, *adapters, 0.5, "swiglu", None, BLOCK_M,
-            checkpoint,
+            "recompute" if checkpoint else "preact",
         )  # fmt: skip
         out, counts, offsets, r2p, p2r, preact, q13, p_sum = outputs
         assert out.shape == (T, H) and out.dtype == torch.bfloat16
@@ -64,8 +64,33 @@ def test_train_forward_and_backward_fakes(side, checkpoint):
 
 def test_inference_fake():
     with FakeTensorMode():
-        x, ids, weights, w13, w2, _ = _inputs(False)
-        out = torch.ops.megamoe.moe_forward(
-            x, ids, weights, w13, w2, None, None, [], 0.0, "swiglu", None, BLOCK_M
+        x, ids, weights, w13, w2, adapters = _inputs(False)
+        out, *state = torch.ops.megamoe.moe_forward(
+            x, ids, weights, w13, w2, None, None, *adapters, 0.0, "swiglu", None, BLOCK_M, "none"
         )
         assert out.shape == (T, H) and out.dtype == torch.bfloat16
+        assert [tuple(t.shape) for t in state] == [(0,)] * 7  # inference keeps nothing
+
+
+def test_a_backward_through_an_inference_forward_is_refused():
+    """``save="none"`` keeps no state: a backward through it raises instead of guessing
+    (an empty pre-activation tensor would otherwise read as activation checkpointing)."""
+    x, ids, weights, w13, w2, adapters = (
+        t.to("meta") if isinstance(t, torch.Tensor) else t for t in _inputs(False)
+    )
+    x.requires_grad_(True)
+    out = torch.ops.megamoe.moe_forward(
+        x, ids, weights, w13, w2, None, None, *adapters, 0.0, "swiglu", None, BLOCK_M, "none"
+    )[0]
+    with pytest.raises(RuntimeError, match=r"save='none', which keeps no state"):
+        out.backward(torch.empty_like(out))
+
+
+def test_the_forward_op_checks_its_save_mode():
+    with FakeTensorMode():
+        x, ids, weights, w13, w2, adapters = _inputs(False)
+        with pytest.raises(ValueError, match=r"^save: expected one of"):
+            torch.ops.megamoe.moe_forward(
+                x, ids, weights, w13, w2, None, None, *adapters, 0.0, "swiglu", None, BLOCK_M,
+                "train",
+            )  # fmt: skip

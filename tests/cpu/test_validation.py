@@ -282,35 +282,35 @@ def test_base_tensors_on_two_devices_are_named() -> None:
         call(base=split, side=None)
 
 
-def _op_args(device: torch.device, side_list: bool) -> list[object]:
+def _op_args(device: torch.device) -> list[object]:
     ids, weights = routing()
     b = base()
     adapters = list(side().tensors())
     tensors = [bf16(T, H), ids, weights, b.w13, b.w2, None, None]
     tensors = [t if t is None else t.to(device) for t in tensors]
     adapters = [t.to(device) for t in adapters]
-    return [*tensors, adapters] if side_list else [*tensors, *adapters]
+    return [*tensors, *adapters]
 
 
 def test_the_ops_called_directly_reject_mixed_devices() -> None:
     """One meta tensor sends the call to the fake implementation, which checks like the
     real one (it used to return uninitialized memory)."""
-    args = _op_args(torch.device("cpu"), side_list=True)
+    args = _op_args(torch.device("cpu"))
     args[0] = args[0].to(META)
     with pytest.raises(ValueError, match=r"^x: expected device cpu \(where base is\), got meta"):
-        torch.ops.megamoe.moe_forward(*args, 0.5, "swiglu", None, 64)
-    args = _op_args(torch.device("cpu"), side_list=False)
+        torch.ops.megamoe.moe_forward(*args, 0.5, "swiglu", None, 64, "none")
+    args = _op_args(torch.device("cpu"))
     args[1] = args[1].to(META)
     with pytest.raises(ValueError, match=r"^topk_ids: expected device cpu"):
-        torch.ops.megamoe.moe_train_forward(*args, 0.5, "swiglu", None, 64, False)
+        torch.ops.megamoe.moe_forward(*args, 0.5, "swiglu", None, 64, "preact")
 
 
 def _train_outputs(args: list[object]) -> tuple:
-    return torch.ops.megamoe.moe_train_forward(*args, 0.5, "swiglu", None, 64, False)
+    return torch.ops.megamoe.moe_forward(*args, 0.5, "swiglu", None, 64, "preact")
 
 
 def test_the_backward_op_rejects_a_dout_elsewhere_or_misshapen() -> None:
-    args = _op_args(META, side_list=False)
+    args = _op_args(META)
     out, *state = _train_outputs(args)
     x, _, weights, w13, w2, s13, s2, *adapters = args
     rest = (0.5, "swiglu", None)
@@ -381,7 +381,7 @@ def test_fake_tensor_mode_gives_shapes_and_runs_the_checks() -> None:
         with pytest.raises(ValueError, match=r"^x: expected shape \[\*, 64\]"):
             torch.ops.megamoe.moe_forward(
                 mode.from_tensor(bf16(T, 128)), ids, weights, b.w13, b.w2, None, None,
-                [], 0.0, "swiglu", None, 64,
+                *[None] * 6, 0.0, "swiglu", None, 64, "none",
             )  # fmt: skip
 
 
@@ -406,7 +406,7 @@ def test_fake_cuda_inputs_read_no_data_pointer() -> None:
             out = mm.moe(x, ids, weights, b, mm.SideLoRA(*adapters, scale=0.5))
         assert out.shape == (T, H) and out.device.type == "cuda"
         args = (x, ids, weights, b.w13, b.w2, None, None, *adapters, 0.5, "swiglu", None)
-        out, *state = torch.ops.megamoe.moe_train_forward(*args, 64, False)
+        out, *state = torch.ops.megamoe.moe_forward(*args, 64, "preact")
         rest = (x, weights, b.w13, b.w2, None, None, *adapters, 0.5, "swiglu", None)
         grads = torch.ops.megamoe.moe_backward(out, *rest, *state, False, True, 64)
         assert [tuple(g.shape) for g in grads[4:]] == list(SIDE_SHAPES.values())
