@@ -55,6 +55,8 @@ __all__ = [
 ]
 
 GRAD_NAMES = ("x", "topk_weights", "w13", "w2", "a1", "b1", "a3", "b3", "a2", "b2")
+#: The expert-local gradients of one pool (:attr:`PoolBackward.local`).
+_LOCAL_NAMES = ("b1", "b3", "a2", "w13", "w2")
 
 
 def mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -118,64 +120,75 @@ def pool_backward(
         activation, activation_clamp: as in the forward.
         base_grads, side_grads: which expert-local gradients to form.
     """
-    hidden, inter = base.hidden, base.intermediate
-    use_side = side is not None
-    local: dict[str, torch.Tensor | None] = dict.fromkeys(("b1", "b3", "a2", "w13", "w2"))
+    args = dict(
+        activation=activation,
+        activation_clamp=activation_clamp,
+        base_grads=base_grads,
+    )
+    if side is not None:
+        return _side_lora_pool_backward(
+            dout_rows, db2_rows, preact, route_weights, plan, base, side,
+            q13_rows=q13_rows, x_rows=x_rows, side_grads=side_grads, **args,
+        )  # fmt: skip
+    if db2_rows is not None or q13_rows is not None:
+        raise ValueError("db2_rows, q13_rows: adapter rows given without an active adapter")
+    return _ordinary_pool_backward(
+        dout_rows, preact, route_weights, plan, base, x_rows=x_rows, **args
+    )
 
+
+def _side_lora_pool_backward(
+    dout_rows: torch.Tensor,
+    db2_rows: torch.Tensor | None,
+    preact: torch.Tensor,
+    route_weights: torch.Tensor,
+    plan: RoutePlan,
+    base: BaseWeights,
+    side: SideLoRA,
+    *,
+    q13_rows: torch.Tensor | None,
+    x_rows: torch.Tensor | None,
+    activation: str,
+    activation_clamp: float | None,
+    base_grads: bool,
+    side_grads: bool,
+) -> PoolBackward:
+    """:func:`pool_backward` with an active adapter (a trainable base optional)."""
+    hidden, inter, rank = base.hidden, base.intermediate, side.rank
+    local: dict[str, torch.Tensor | None] = dict.fromkeys(_LOCAL_NAMES)
     # dgrad2 + activation backward: z = [dout | s dout b2^T]_pool @ [w2_e ; a2_e^T].
     with stage("gather_dout"):
-        dout_pool = pool.gather_pool(dout_rows, db2_rows, plan)  # [P, H (+ r)]
-    with stage("dgrad2"):
-        dgrad_preact, weighted_h, drouter = fused_dgrad2_activation_backward(
-            dout_pool,
-            base.w2,
-            preact,
-            route_weights,
-            plan,
-            side_a2=side.a2 if use_side else None,  # [E, I, r] as given, read K-major
-            activation=activation,
-            activation_clamp=activation_clamp,
-            weighted_h=(use_side and side_grads) or base_grads,
-            w2_scales=base.w2_scales,
-            dgrad_out=preact,  # dg | du over g | u: this epilogue is their last reader
-        )
-        # The saved pre-activations now hold dg | du: a second backward through the same
-        # graph (retain_graph=True) fails loudly in autograd's saved-tensor version check
-        # instead of reading them.
-        torch.autograd.graph.increment_version(preact)
-
+        dout_pool = pool.gather_pool(dout_rows, db2_rows, plan)  # [P, H + r]
+    dgrad_preact, weighted_h, drouter = _dgrad2(
+        dout_pool, preact, route_weights, plan, base, side.a2,
+        activation=activation, activation_clamp=activation_clamp,
+        weighted_h=side_grads or base_grads,
+    )  # fmt: skip
     # The weight gradients that contract over w h, then free it.
-    if use_side and side_grads:
+    if side_grads:
         with stage("grad_a2"):
             # s is already in the db2 columns.
             local["a2"] = k_grouped_gemm(weighted_h, dout_pool[:, hidden:], plan)  # [E, I, r]
     if base_grads:
         with stage("grad_w2"):
             local["w2"] = k_grouped_gemm(dout_pool[:, :hidden], weighted_h, plan)  # [E, H, I]
-    # dw2 and da2 were their last readers: free the [P, H (+ r)] dout pool and w h before
-    # the [P, H] x pool arrives (ordinary mode's peak is here).
+    # dw2 and da2 were their last readers: free the [P, H + r] dout pool and w h before
+    # the [P, H] x pool arrives.
     del dout_pool, weighted_h
     if base_grads:
-        with stage("grad_w13"):
-            x_pool = pool.gather_pool(x_rows, None, plan)
-            local["w13"] = k_grouped_gemm(dgrad_preact, x_pool, plan)  # [E, 2I, H]
-            del x_pool
-    if use_side and side_grads:
+        local["w13"] = _grad_w13(dgrad_preact, x_rows, plan)
+    if side_grads:
         with stage("grad_b13"):
-            rank = side.rank
             q13_pool = pool.gather_pool(q13_rows, None, plan)  # [P, 2r]
             b13 = k_grouped_gemm(q13_pool, dgrad_preact, plan, scale=side.scale)  # [E, 2r, 2I]
             del q13_pool
             local["b1"] = b13[:, :rank, :inter].contiguous()
             local["b3"] = b13[:, rank:, inter:].contiguous()
-
     # dgrad1 with the b1/b3 shrinks as extra columns: (dg | du) read once.
     with stage("dgrad1"):
-        shrink_weights = None
-        if use_side:
-            shrink_weights = block_diagonal_side_weights(
-                side.b1.transpose(1, 2), side.b3.transpose(1, 2)
-            )  # [E, 2I, 2r]
+        shrink_weights = block_diagonal_side_weights(
+            side.b1.transpose(1, 2), side.b3.transpose(1, 2)
+        )  # [E, 2I, 2r]
         dx_shrink_pool = grouped_gemm(
             dgrad_preact,
             base.w13,
@@ -183,8 +196,91 @@ def pool_backward(
             b_major="mn",
             b_scales=base.w13_scales,
             b_extra=shrink_weights,
-        )  # [P, H (+ 2r)]
+        )  # [P, H + 2r]
     return PoolBackward(dx_shrink_pool, drouter, local)
+
+
+def _ordinary_pool_backward(
+    dout_rows: torch.Tensor,
+    preact: torch.Tensor,
+    route_weights: torch.Tensor,
+    plan: RoutePlan,
+    base: BaseWeights,
+    *,
+    x_rows: torch.Tensor | None,
+    activation: str,
+    activation_clamp: float | None,
+    base_grads: bool,
+) -> PoolBackward:
+    """:func:`pool_backward` without an adapter (the base trainable or not)."""
+    hidden = base.hidden
+    local: dict[str, torch.Tensor | None] = dict.fromkeys(_LOCAL_NAMES)
+    # dgrad2 + activation backward: z = dout_pool @ w2_e.
+    with stage("gather_dout"):
+        dout_pool = pool.gather_pool(dout_rows, None, plan)  # [P, H]
+    dgrad_preact, weighted_h, drouter = _dgrad2(
+        dout_pool, preact, route_weights, plan, base, None,
+        activation=activation, activation_clamp=activation_clamp, weighted_h=base_grads,
+    )  # fmt: skip
+    if base_grads:
+        with stage("grad_w2"):
+            local["w2"] = k_grouped_gemm(dout_pool[:, :hidden], weighted_h, plan)  # [E, H, I]
+    # dw2 was their last reader: free the [P, H] dout pool and w h before the [P, H] x
+    # pool arrives (ordinary mode's peak is here).
+    del dout_pool, weighted_h
+    if base_grads:
+        local["w13"] = _grad_w13(dgrad_preact, x_rows, plan)
+    with stage("dgrad1"):
+        dx_pool = grouped_gemm(
+            dgrad_preact, base.w13, plan, b_major="mn", b_scales=base.w13_scales, b_extra=None
+        )  # [P, H]
+    return PoolBackward(dx_pool, drouter, local)
+
+
+def _dgrad2(
+    dout_pool: torch.Tensor,
+    preact: torch.Tensor,
+    route_weights: torch.Tensor,
+    plan: RoutePlan,
+    base: BaseWeights,
+    side_a2: torch.Tensor | None,
+    *,
+    activation: str,
+    activation_clamp: float | None,
+    weighted_h: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """dgrad2 with the activation backward as its epilogue: ``(dg | du, w h or None,
+    drouter)``, ``dg | du`` written over ``preact`` (its last reader), whose version is
+    bumped."""
+    with stage("dgrad2"):
+        dgrad_preact, weighted_h_out, drouter = fused_dgrad2_activation_backward(
+            dout_pool,
+            base.w2,
+            preact,
+            route_weights,
+            plan,
+            side_a2=side_a2,  # [E, I, r] as given, read K-major
+            activation=activation,
+            activation_clamp=activation_clamp,
+            weighted_h=weighted_h,
+            w2_scales=base.w2_scales,
+            dgrad_out=preact,  # dg | du over g | u: this epilogue is their last reader
+        )
+        # The saved pre-activations now hold dg | du: a second backward through the same
+        # graph (retain_graph=True) fails loudly in autograd's saved-tensor version check
+        # instead of reading them.
+        torch.autograd.graph.increment_version(preact)
+    return dgrad_preact, weighted_h_out, drouter
+
+
+def _grad_w13(dgrad_preact: torch.Tensor, x_rows: torch.Tensor, plan: RoutePlan) -> torch.Tensor:
+    """``dw13 [E, 2I, H]`` (a trainable base): the x pool gathered, contracted with
+    ``dg | du`` and freed."""
+    with stage("grad_w13"):
+        x_pool = pool.gather_pool(x_rows, None, plan)
+        grad = k_grouped_gemm(dgrad_preact, x_pool, plan)  # [E, 2I, H]
+        del x_pool
+    return grad
 
 
 def moe_backward(
