@@ -12,6 +12,10 @@ adapters) and a ``scale``:
 - ``megamoe::moe_backward``: :func:`megamoe.fused_backward.moe_backward`, given the
   forward's plan (its saved index maps) and its BLOCK_M, nothing planned again.
 
+``mm.moe(group=...)`` (expert parallelism) runs :func:`megamoe.ep.fused_moe` instead,
+an autograd Function over the same stages: docs/DESIGN-NOTES.md ("The op layer") says
+why it is not one of these ops.
+
 All have fake implementations (shapes known without a sync), so ``torch.compile``
 traces them, and none synchronises with the host: the id range check runs on the device
 and a later call (or :func:`megamoe.routing.check_errors`) reports it. The real and the
