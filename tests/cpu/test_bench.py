@@ -331,3 +331,21 @@ def test_table_shows_the_launches_of_fused_rows():
     assert header.split()[-3:] == ["launches", "vs", "baseline"]
     assert fused.split()[-2:] == ["37", "2.00x"]
     assert baseline.split()[-2:] == ["-", "1.00x"]
+
+
+def test_table_shows_graph_replay_times_against_the_floor():
+    rows = [
+        {"mode": "side-lora", "dtype": "bf16", "tokens": 512, "backend": "fused",
+         "pass": "forward", "status": "ok", "median_ms": 1.6, "tflops": 1.0, "launches": 15,
+         "peak_gib": 1.0, "graph_ms": 0.9}
+    ]  # fmt: skip
+    cli.add_floor_ratios(rows, {"bf16": 0.75})
+    assert rows[0]["graph_x_floor"] == 0.9 / 0.75
+    header, line = cli.format_table(rows).splitlines()
+    assert header.endswith("x floor  graph ms  x floor")
+    assert line.split()[-3:] == ["2.13x", "0.900", "1.20x"]
+
+
+def test_cuda_graph_option_is_parsed():
+    assert cli.build_parser().parse_args(["--cuda-graph"]).cuda_graph
+    assert not cli.build_parser().parse_args([]).cuda_graph

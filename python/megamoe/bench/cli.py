@@ -35,6 +35,7 @@ import os
 import platform
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -262,9 +263,43 @@ def _measure(
             if backend == "fused":  # the launches per pass, in one extra untimed call
                 work = profile_device_work(body, setup=setup)
                 row["launches"], row["copies"] = work.kernels, work.copies
+                if args.cuda_graph and not ordinary:
+                    row["graph_ms"] = _graph_replay_ms(
+                        call, leaves, dout if pass_name == "fwd+bwd" else None, args, device
+                    )
         rows.append(row)
     setup()
     return rows
+
+
+def _graph_replay_ms(
+    call: Callable[[], torch.Tensor],
+    leaves: list[torch.Tensor],
+    dout: torch.Tensor | None,
+    args: argparse.Namespace,
+    device: torch.device,
+) -> float:
+    """Median ms of one pass captured in a CUDA graph and replayed: the forward
+    (``dout`` None) or the forward and ``torch.autograd.grad`` of ``leaves``; the GPU's
+    time without the host's per-launch work (the fused layer has no host sync)."""
+
+    def body() -> None:
+        out = call()
+        if dout is not None:
+            torch.autograd.grad(out, leaves, dout)
+
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):  # warm-up off the capture stream (CUDA graph rules)
+        for _ in range(2):
+            body()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        body()
+    timing = time_fn(graph.replay, device=device, warmup=args.warmup, iters=args.iters)
+    del graph
+    return timing.median_ms
 
 
 def add_floor_ratios(rows: list[dict], floors: dict[str, float]) -> None:
@@ -274,24 +309,31 @@ def add_floor_ratios(rows: list[dict], floors: dict[str, float]) -> None:
         if row["status"] == "ok" and row["dtype"] in floors:
             row["floor_ms"] = floors[row["dtype"]]
             row["x_floor"] = row["median_ms"] / floors[row["dtype"]]
+            if "graph_ms" in row:
+                row["graph_x_floor"] = row["graph_ms"] / floors[row["dtype"]]
 
 
 def format_table(rows: list[dict]) -> str:
     """The results as a text table: one line per row; ``launches`` the kernels one pass
     launched (fused rows on a GPU); ``vs baseline`` is the baseline's time over this
     row's at the same mode, format, tokens and pass; ``x floor`` (token sweeps) the time
-    over the weight-read floor."""
+    over the weight-read floor; ``graph ms`` (``--cuda-graph``) the pass replayed from a
+    CUDA graph."""
     baseline = {
         _key(row): row["median_ms"]
         for row in rows
         if row["status"] == "ok" and row["backend"] == "baseline"
     }
     floors = any("x_floor" in row for row in rows)
+    graphs = any("graph_ms" in row for row in rows)
     header = (
         f"{'mode':<9} {'dtype':<5} {'tokens':>6} {'backend':<9} {'pass':<7} {'median ms':>10} "
         f"{'TFLOP/s':>8} {'peak GiB':>9} {'launches':>8} {'vs baseline':>11}"
     )
-    lines = [header + (f" {'x floor':>8}" if floors else "")]
+    header += f" {'x floor':>8}" if floors else ""
+    header += f" {'graph ms':>9}" if graphs else ""
+    header += f" {'x floor':>8}" if graphs and floors else ""
+    lines = [header]
     for row in rows:
         lead = (
             f"{row['mode']:<9} {row['dtype']:<5} {row['tokens']:>6} {row['backend']:<9} "
@@ -310,6 +352,11 @@ def format_table(rows: list[dict]) -> str:
         )
         if floors:
             line += f" {row['x_floor']:>7.2f}x" if "x_floor" in row else f" {'-':>8}"
+        if graphs:
+            line += f" {row['graph_ms']:>9.3f}" if "graph_ms" in row else f" {'-':>9}"
+            if floors:
+                graph_floor = row.get("graph_x_floor")
+                line += f" {graph_floor:>7.2f}x" if graph_floor else f" {'-':>8}"
         lines.append(line)
     return "\n".join(lines)
 
@@ -460,6 +507,13 @@ def build_parser() -> argparse.ArgumentParser:
         "bars per mode/format/pass otherwise; needs matplotlib (default: none)",
     )
     add("--quiet", action="store_true", help="no progress line on stderr (default: off)")
+    add(
+        "--cuda-graph",
+        action="store_true",
+        help="fused side-LoRA rows on a GPU: also time each pass captured in one CUDA graph "
+        "and replayed (graph ms: the GPU's time without the host's launch work) "
+        "(default: off)",
+    )
     add(
         "--activation-checkpoint",
         action="store_true",
