@@ -18,8 +18,8 @@ import torch
 import megamoe as mm
 import megamoe.heuristics as heuristics
 from megamoe.bench.timing import time_fn
-from megamoe.grouped_gemm import gated_grouped_gemm, grouped_gemm
 from megamoe.testing.inputs import make_routing
+from megamoe.wrappers.grouped_gemm import gated_grouped_gemm, grouped_gemm
 
 
 def main() -> None:

@@ -20,9 +20,9 @@ import argparse
 import torch
 
 import megamoe as mm
-from megamoe.activation_backward import fused_dgrad2_activation_backward
-from megamoe.grouped_gemm import grouped_gemm
 from megamoe.testing.inputs import make_routing
+from megamoe.wrappers.activation_backward import fused_dgrad2_activation_backward
+from megamoe.wrappers.grouped_gemm import grouped_gemm
 
 TOKENS, EXPERTS, TOP_K, HIDDEN, INTER, RANK = 16384, 16, 6, 4096, 2048, 128
 

@@ -27,10 +27,10 @@ from .heuristics import BlockMConfig, get_block_m
 from .module import MegaMoE
 from .mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from .ops import moe
-from .routing import RoutePlan, plan_routes, plan_routes_reference, pool_capacity
 from .side_lora import SideLoRA
 from .weights import BaseWeights, prepare_base_weights
 from .workspace import workspace_layout
+from .wrappers.routing import RoutePlan, plan_routes, plan_routes_reference, pool_capacity
 
 __version__ = "0.1.0"
 

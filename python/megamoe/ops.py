@@ -4,12 +4,12 @@ One custom op per pass (EP1; BF16 or MXFP4 base), both with named inputs and the
 adapter encoding, six optional tensors ``a1, b1, a3, b3, a2, b2`` (all None: no
 adapters) and a ``scale``:
 
-- ``megamoe::moe_forward``: the forward (:func:`megamoe.fused_forward.moe_forward`).
+- ``megamoe::moe_forward``: the forward (:func:`megamoe.pipeline.fused_forward.moe_forward`).
   ``save="none"`` (inference) keeps nothing; ``"preact"`` (training) and
   ``"recompute"`` (activation checkpointing) also return what the backward needs: the
   route plan, GEMM1's pre-activations (not with ``"recompute"``), ``q13``, ``p_sum``.
   Its autograd formula calls
-- ``megamoe::moe_backward``: :func:`megamoe.fused_backward.moe_backward`, given the
+- ``megamoe::moe_backward``: :func:`megamoe.pipeline.fused_backward.moe_backward`, given the
   forward's plan (its saved index maps) and its BLOCK_M, nothing planned again.
 
 ``mm.moe(group=...)`` (expert parallelism) runs :func:`megamoe.ep.fused_moe` instead,
@@ -18,7 +18,7 @@ why it is not one of these ops.
 
 All have fake implementations (shapes known without a sync), so ``torch.compile``
 traces them, and none synchronises with the host: the id range check runs on the device
-and a later call (or :func:`megamoe.routing.check_errors`) reports it. The real and the
+and a later call (or :func:`megamoe.wrappers.routing.check_errors`) reports it. The real and the
 fake implementations run the same argument checks (:mod:`megamoe.validation`): a call
 with one tensor on ``meta`` (which dispatches to the fake) is rejected like any other
 mixed-device call, and an all-fake call (tracing, ``FakeTensorMode``, a meta module)
@@ -32,14 +32,14 @@ import torch.distributed as dist
 
 from ._checks import check_choice, check_finite_float, check_int, check_tensor
 from .ep.fused_layer import moe as fused_moe
-from .fused_backward import moe_backward
-from .fused_forward import SAVE_MODES, ForwardState, moe_forward
 from .heuristics import get_block_m
+from .pipeline.fused_backward import moe_backward
+from .pipeline.fused_forward import SAVE_MODES, ForwardState, moe_forward
 from .registry import registry
-from .routing import RoutePlan, pool_capacity
 from .side_lora import SideLoRA
 from .validation import check_backward_inputs, check_moe_inputs
 from .weights import BaseWeights
+from .wrappers.routing import RoutePlan, pool_capacity
 
 _SIDE_NAMES = ("a1", "b1", "a3", "b3", "a2", "b2")
 #: The gradients megamoe::moe_backward returns, in order (named like the inputs).
@@ -74,7 +74,7 @@ def _op_inputs(
 ) -> tuple[BaseWeights, SideLoRA | None]:
     """The checked ``(base, side)`` of one forward op call (``block_m``: a registry
     BLOCK_M, :func:`~megamoe.get_block_m` of the call; ``save``: one of
-    :data:`~megamoe.fused_forward.SAVE_MODES`).
+    :data:`~megamoe.pipeline.fused_forward.SAVE_MODES`).
 
     The real implementation (``fake=False``) requires CUDA weights and checks the id
     range of CPU ids (CUDA ids: the forward's device-side check); the fake
@@ -138,7 +138,7 @@ def _moe_forward_op(
     torch.Tensor,
 ]:
     """``(out, expert_counts, expert_pool_offsets, route_to_pool_row, pool_row_to_route,
-    preact, q13, p_sum)``. ``save`` (:data:`~megamoe.fused_forward.SAVE_MODES`):
+    preact, q13, p_sum)``. ``save`` (:data:`~megamoe.pipeline.fused_forward.SAVE_MODES`):
     ``"none"`` (inference: every state output empty), ``"preact"`` (training) or
     ``"recompute"`` (activation checkpointing: ``preact`` empty); absent state tensors
     are empty."""

@@ -18,9 +18,9 @@ import math
 import torch
 
 from ._checks import check_choice, check_tensor
-from .grouped_gemm import ACTIVATIONS
 from .side_lora import SideLoRA
 from .weights import BASE_FORMATS, BaseWeights
+from .wrappers.grouped_gemm import ACTIVATIONS
 
 __all__ = ["check_backward_inputs", "check_base_weights", "check_devices", "check_moe_inputs"]
 

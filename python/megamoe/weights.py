@@ -18,8 +18,8 @@ import torch
 
 from ._checks import check_choice, check_tensor
 from .mxfp4 import MXFP4_BLOCK, dequantize_mxfp4, quantize_mxfp4
-from .mxfp4_decode import decode_mxfp4_bf16
 from .registry import registry
+from .wrappers.mxfp4_decode import decode_mxfp4_bf16
 
 BASE_FORMATS = ("bf16", "mxfp4")
 
@@ -92,7 +92,7 @@ class BaseWeights:
 
     def w13_for_gemm(self) -> torch.Tensor:
         """``[E_l, 2I, H]`` BF16: the stored tensor for ``"bf16"``; for ``"mxfp4"`` an
-        exact decode (:func:`~megamoe.mxfp4_decode.decode_mxfp4_bf16`), for the BF16
+        exact decode (:func:`~megamoe.wrappers.mxfp4_decode.decode_mxfp4_bf16`), for the BF16
         view ordinary mode trains straight through and for tests."""
         if self.format == "mxfp4":
             return decode_mxfp4_bf16(self.w13, self.w13_scales)

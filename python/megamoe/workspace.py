@@ -17,7 +17,7 @@ import torch
 from ._checks import check_int
 from .heuristics import get_block_m
 from .registry import registry
-from .routing import pool_capacity, route_plan_num_tiles
+from .wrappers.routing import pool_capacity, route_plan_num_tiles
 
 #: Each region's bytes are rounded up to this (the caching allocator's block granule;
 #: it also covers TMA's 16-byte and wgmma's 128-byte alignment).

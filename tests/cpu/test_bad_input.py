@@ -21,9 +21,9 @@ import pytest
 import torch
 
 import megamoe as mm
-from megamoe import pool
-from megamoe.grouped_gemm import gated_grouped_gemm, grouped_gemm
 from megamoe.mxfp4_checks import check_mxfp4_scales, check_mxfp4_weights
+from megamoe.wrappers import pool
+from megamoe.wrappers.grouped_gemm import gated_grouped_gemm, grouped_gemm
 
 H, I, E, R, T, K = 64, 64, 4, 16, 12, 2
 META = torch.device("meta")
@@ -465,7 +465,7 @@ def test_gemm_pool_rows_name_the_argument() -> None:
 def test_gemm_cpu_twins_match_the_float64_references() -> None:
     """On CPU the engine entry points run torch twins (for pipeline tests without a
     GPU); they agree with the float64 references to BF16 rounding."""
-    from megamoe.grouped_gemm import gated_grouped_gemm_reference, grouped_gemm_reference
+    from megamoe.wrappers.grouped_gemm import gated_grouped_gemm_reference, grouped_gemm_reference
 
     p = plan()
     rows = int(p.expert_pool_offsets[-1])

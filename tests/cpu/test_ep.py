@@ -15,13 +15,13 @@ from megamoe import (
     ep,
     get_block_m,
     plan_routes,
-    pool,
     pool_capacity,
     reference,
     workspace_layout,
 )
 from megamoe.side_lora import SideLoRA
 from megamoe.testing import make_layer, make_routing
+from megamoe.wrappers import pool
 
 
 def naive_split(ids: torch.Tensor, num_experts: int, world: int):

@@ -1,6 +1,6 @@
 """The fused backward's orchestration on CPU, against the float64 closed-form oracle.
 
-On CPU every stage of :func:`megamoe.fused_backward.moe_backward` runs its torch twin
+On CPU every stage of :func:`megamoe.pipeline.fused_backward.moe_backward` runs its torch twin
 (pool gather/combine references, the engine GEMMs' CPU twins, the activation-backward
 reference), so the index maps, the ``g | u`` layout, the K-grouped weight gradients and
 the per-token sums are checked here without a GPU. The
@@ -14,13 +14,13 @@ import torch
 import torch.nn.functional as F
 
 import megamoe as mm
-from megamoe import pool
-from megamoe.activation_backward import activation_backward_reference
-from megamoe.fused_backward import GRAD_NAMES, moe_backward
-from megamoe.fused_forward import ForwardState
-from megamoe.routing import plan_routes_reference
+from megamoe.pipeline.fused_backward import GRAD_NAMES, moe_backward
+from megamoe.pipeline.fused_forward import ForwardState
 from megamoe.testing import GRAD_MIN_COSINE, make_layer
 from megamoe.testing.metrics import assert_close_to_oracle
+from megamoe.wrappers import pool
+from megamoe.wrappers.activation_backward import activation_backward_reference
+from megamoe.wrappers.routing import plan_routes_reference
 
 
 def _state(layer, block_m: int) -> ForwardState:
@@ -211,7 +211,7 @@ def test_backward_with_an_mxfp4_base(activation, clamp):
 
 
 def test_mn_major_cpu_twin_matches_a_plain_product():
-    from megamoe.grouped_gemm import grouped_gemm, grouped_gemm_reference
+    from megamoe.wrappers.grouped_gemm import grouped_gemm, grouped_gemm_reference
 
     layer = make_layer(64, 128, 4, 2, None, num_tokens=50, seed=9)
     plan = plan_routes_reference(layer.topk_ids, 4, 64)
@@ -250,7 +250,7 @@ def test_ep_entry_trains_an_mxfp4_master_straight_through():
 def test_mxfp4_decode_op_and_straight_through_trace_in_one_graph():
     """The decode is a torch custom op (opcheck: fake impl, schema), and the
     straight-through conversion traces with torch.compile(fullgraph=True)."""
-    from megamoe.mxfp4_decode import _decode_op, decode_mxfp4_bf16
+    from megamoe.wrappers.mxfp4_decode import _decode_op, decode_mxfp4_bf16
 
     gen = torch.Generator().manual_seed(2)
     packed = torch.randint(0, 256, (6, 32), generator=gen, dtype=torch.uint8)

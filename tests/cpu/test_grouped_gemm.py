@@ -1,8 +1,8 @@
-"""Host-side layouts of the engine's operands (python/megamoe/grouped_gemm.py)."""
+"""Host-side layouts of the engine's operands (python/megamoe/wrappers/grouped_gemm.py)."""
 
 import torch
 
-from megamoe.grouped_gemm import block_diagonal_side_weights
+from megamoe.wrappers.grouped_gemm import block_diagonal_side_weights
 
 
 def test_block_diagonal_side_weights_are_b1_then_b3_on_w13s_rows():

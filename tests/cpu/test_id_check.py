@@ -1,4 +1,4 @@
-"""The expert-id range check without a host synchronisation (megamoe.routing).
+"""The expert-id range check without a host synchronisation (megamoe.wrappers.routing).
 
 CPU ids are checked at once; CUDA ids leave their extremes on the way to pinned host
 memory, read by a later call or ``check_errors``. The GPU half runs in
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megamoe import routing
+from megamoe.wrappers import routing
 
 
 class _Event:

@@ -3,8 +3,12 @@
 import pytest
 import torch
 
-from megamoe.k_grouped_gemm import k_grouped_block_n, k_grouped_gemm, k_grouped_gemm_reference
-from megamoe.routing import RoutePlan
+from megamoe.wrappers.k_grouped_gemm import (
+    k_grouped_block_n,
+    k_grouped_gemm,
+    k_grouped_gemm_reference,
+)
+from megamoe.wrappers.routing import RoutePlan
 
 
 def plan_of(counts, segments):

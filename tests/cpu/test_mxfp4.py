@@ -555,7 +555,7 @@ def test_nbytes_validation(shape: object, axis: int, exc: type, match: str) -> N
 def test_engine_scale_layout():
     """The engine reads one uint16 per (expert, 64-column K block, row): the first
     32-column block's scale byte low, the second's high, rows contiguous."""
-    from megamoe.grouped_gemm import _check_mxfp4, _engine_scales
+    from megamoe.wrappers.grouped_gemm import _check_mxfp4, _engine_scales
 
     gen = torch.Generator().manual_seed(3)
     experts, rows, k = 3, 40, 192
@@ -573,7 +573,7 @@ def test_engine_scale_layout():
 
 def test_cpu_twin_of_an_mxfp4_grouped_gemm_is_the_dequantized_gemm():
     import megamoe as mm
-    from megamoe.grouped_gemm import grouped_gemm
+    from megamoe.wrappers.grouped_gemm import grouped_gemm
 
     gen = torch.Generator().manual_seed(4)
     ids = torch.randint(0, 4, (50, 2), generator=gen)

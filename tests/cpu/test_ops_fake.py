@@ -8,7 +8,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import megamoe as mm  # also registers the megamoe:: ops
-from megamoe.routing import pool_capacity
+from megamoe.wrappers.routing import pool_capacity
 
 T, H, I, E, K, R = 37, 128, 64, 8, 2, 16
 BLOCK_M = mm.get_block_m(T, K, E)  # what mm.moe passes both ops

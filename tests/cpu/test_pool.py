@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import megamoe as mm
-from megamoe import pool
 from megamoe.testing.inputs import make_routing
+from megamoe.wrappers import pool
 
 NUM_EXPERTS = 12
 

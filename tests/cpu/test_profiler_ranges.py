@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from megamoe.fused_backward import moe_backward
-from megamoe.fused_forward import moe_forward
+from megamoe.pipeline.fused_backward import moe_backward
+from megamoe.pipeline.fused_forward import moe_forward
 from megamoe.testing import make_layer
 
 FORWARD = ["route_plan", "adapter_shrink", "gather", "gemm1", "gemm2", "adapter_expand"]
@@ -62,7 +62,7 @@ def test_ordinary_mode_names_the_base_gradients_and_the_recompute(checkpoint):
 def test_no_ranges_without_a_profiler():
     """Outside a profile the stages open no range (an idle record_function costs host
     time on every call)."""
-    from megamoe.fused_forward import stage
+    from megamoe.pipeline.fused_forward import stage
 
     assert type(stage("gemm1")).__name__ == "nullcontext"
     with profile(activities=[ProfilerActivity.CPU]):

@@ -77,7 +77,7 @@ def test_compiled_module_agrees_with_registry():
     reg = registry()
     assert list(_C.variant_names()) == [v.name for v in reg.variants]
     assert tuple(_C.block_m_choices()) == reg.block_m_choices
-    from megamoe.routing import route_plan_num_tiles
+    from megamoe.wrappers.routing import route_plan_num_tiles
 
     for routes in (1, 2047, 2048, 2049, 393216):
         assert _C.route_plan_num_tiles(routes) == route_plan_num_tiles(routes)

@@ -18,10 +18,10 @@ import pytest
 import torch
 
 import megamoe as mm
-from megamoe.activation_backward import fused_dgrad2_activation_backward
-from megamoe.grouped_gemm import gated_grouped_gemm, grouped_gemm
-from megamoe.routing import check_errors
 from megamoe.testing import LayerInputs, make_layer, make_routing
+from megamoe.wrappers.activation_backward import fused_dgrad2_activation_backward
+from megamoe.wrappers.grouped_gemm import gated_grouped_gemm, grouped_gemm
+from megamoe.wrappers.routing import check_errors
 
 pytestmark = pytest.mark.gpu
 

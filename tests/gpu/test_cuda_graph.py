@@ -136,7 +136,7 @@ def test_forward_and_backward_replay_bitwise_like_eager(mode: str, format: str, 
         for name, got, want in zip(names, captured, eager, strict=True):
             assert torch.isfinite(want).all(), name
             assert torch.equal(got, want), f"{name} (replay with seed {seed})"
-    mm.routing.check_errors()  # the eager calls' ids were in range
+    mm.wrappers.routing.check_errors()  # the eager calls' ids were in range
 
 
 def test_checkpointed_forward_and_backward_in_one_graph():

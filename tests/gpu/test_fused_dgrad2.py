@@ -1,5 +1,5 @@
 """dgrad2 with the activation backward as its epilogue (the engine's ActivationBackward
-kind, :func:`~megamoe.activation_backward.fused_dgrad2_activation_backward`) and
+kind, :func:`~megamoe.wrappers.activation_backward.fused_dgrad2_activation_backward`) and
 GEMM1's pre-activation store, each against an independent oracle (the fused backward
 tests cover them end to end):
 
@@ -22,13 +22,13 @@ import pytest
 import torch
 
 import megamoe as mm
-from megamoe.activation_backward import (
+from megamoe.testing import assert_close_to_oracle
+from megamoe.testing.inputs import make_routing
+from megamoe.wrappers.activation_backward import (
     activation_backward_reference,
     fused_dgrad2_activation_backward,
 )
-from megamoe.grouped_gemm import gated_grouped_gemm, grouped_gemm, grouped_gemm_reference
-from megamoe.testing import assert_close_to_oracle
-from megamoe.testing.inputs import make_routing
+from megamoe.wrappers.grouped_gemm import gated_grouped_gemm, grouped_gemm, grouped_gemm_reference
 
 pytestmark = pytest.mark.gpu
 

@@ -4,14 +4,14 @@ import pytest
 import torch
 
 import megamoe as mm
-from megamoe.grouped_gemm import (
+from megamoe.testing import assert_close_to_oracle
+from megamoe.testing.inputs import make_routing
+from megamoe.wrappers.grouped_gemm import (
     gated_grouped_gemm,
     gated_grouped_gemm_reference,
     grouped_gemm,
     grouped_gemm_reference,
 )
-from megamoe.testing import assert_close_to_oracle
-from megamoe.testing.inputs import make_routing
 
 pytestmark = pytest.mark.gpu
 

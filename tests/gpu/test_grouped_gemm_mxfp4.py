@@ -3,7 +3,7 @@ for every kind that reads the base weights: GEMM1 (gated), GEMM2 (store, K-major
 dgrad1 (store, MN-major) and dgrad2 (activation backward, MN-major).
 
 Two oracles: the same engine GEMM on the BF16 decode of the same codes
-(:func:`~megamoe.mxfp4_decode.decode_mxfp4_bf16`): the decoded shared-memory tile must
+(:func:`~megamoe.wrappers.mxfp4_decode.decode_mxfp4_bf16`): the decoded shared-memory tile must
 be the same bits and the summation order is the same, so the outputs must be too, NaN
 and Inf included; and the float64 per-expert reference on the decoded values at the
 DESIGN §6 gates.
@@ -13,15 +13,15 @@ import pytest
 import torch
 
 import megamoe as mm
-from megamoe.grouped_gemm import (
+from megamoe.testing import assert_close_to_oracle
+from megamoe.testing.inputs import make_routing
+from megamoe.wrappers.grouped_gemm import (
     gated_grouped_gemm,
     gated_grouped_gemm_reference,
     grouped_gemm,
     grouped_gemm_reference,
 )
-from megamoe.mxfp4_decode import decode_mxfp4_bf16
-from megamoe.testing import assert_close_to_oracle
-from megamoe.testing.inputs import make_routing
+from megamoe.wrappers.mxfp4_decode import decode_mxfp4_bf16
 
 pytestmark = pytest.mark.gpu
 
@@ -218,7 +218,7 @@ def test_fused_dgrad2_decode_is_the_engine_on_the_decoded_weights(weighted_h, in
     """dgrad2 + activation backward on MXFP4 w2 ([E, H, I/2] codes), with the BF16 a2
     side K segment (as given [E, I, r], read K-major) or without: dg | du, w h and the
     router dot of the same engine on the BF16 decode, bit for bit."""
-    from megamoe.activation_backward import fused_dgrad2_activation_backward
+    from megamoe.wrappers.activation_backward import fused_dgrad2_activation_backward
 
     tokens, top_k, experts, hidden = 2048, 2, 8, 512
     ids, weights = make_routing(tokens, experts, top_k, kind="masked", seed=3)

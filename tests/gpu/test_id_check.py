@@ -1,13 +1,13 @@
 """The fused layer's expert-id range check runs on the device, without a host
 synchronisation: a bad call is computed with its out-of-range ids as masked routes and
-reported by a later call or ``megamoe.routing.check_errors``."""
+reported by a later call or ``megamoe.wrappers.routing.check_errors``."""
 
 import pytest
 import torch
 
 import megamoe as mm
-from megamoe.routing import check_errors
 from megamoe.testing import make_layer
+from megamoe.wrappers.routing import check_errors
 
 pytestmark = pytest.mark.gpu
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import megamoe as mm
-from megamoe.k_grouped_gemm import k_grouped_gemm, k_grouped_gemm_reference
-from megamoe.routing import RoutePlan
 from megamoe.testing import assert_close_to_oracle
 from megamoe.testing.inputs import make_routing
+from megamoe.wrappers.k_grouped_gemm import k_grouped_gemm, k_grouped_gemm_reference
+from megamoe.wrappers.routing import RoutePlan
 
 pytestmark = pytest.mark.gpu
 

@@ -353,7 +353,7 @@ def test_mxfp4_ordinary_mode_is_the_bf16_path_on_the_decoded_weights():
 def test_mxfp4_decode_kernel_is_bitwise_the_dequantizer():
     """Every code with scale bytes at the extremes (0 = 2^-127, 1, 126, 127, 128, 253,
     254, and 0xFF = NaN), all-zero blocks and -0 codes."""
-    from megamoe.mxfp4_decode import decode_mxfp4_bf16
+    from megamoe.wrappers.mxfp4_decode import decode_mxfp4_bf16
 
     gen = torch.Generator().manual_seed(5)
     packed = torch.randint(0, 256, (64, 8, 48), generator=gen, dtype=torch.uint8)

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import megamoe as mm
-from megamoe import pool
 from megamoe.testing.inputs import make_routing
+from megamoe.wrappers import pool
 
 pytestmark = pytest.mark.gpu
 
@@ -347,7 +347,7 @@ def test_under_cuda_graph_capture():
 
 def test_native_gather_checks_its_arguments():
     from megamoe import _C
-    from megamoe._native import current_stream, dlpack
+    from megamoe.wrappers._native import current_stream, dlpack
 
     case = make_case(8, 2, seed=45)
     plan = case.plan
@@ -398,7 +398,7 @@ def test_native_gather_checks_its_arguments():
 
 def test_native_combine_and_side_sum_check_their_arguments():
     from megamoe import _C
-    from megamoe._native import current_stream, dlpack
+    from megamoe.wrappers._native import current_stream, dlpack
 
     case = make_case(8, 2, seed=48)
     plan = case.plan

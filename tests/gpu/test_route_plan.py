@@ -101,7 +101,7 @@ def test_runs_on_the_current_stream_and_under_graph_capture():
 
 def test_native_launcher_checks_its_arguments():
     from megamoe import _C
-    from megamoe._native import current_stream, dlpack
+    from megamoe.wrappers._native import current_stream, dlpack
 
     ids = torch.zeros(8, 2, dtype=torch.int32, device="cuda")
     num_tiles = _C.route_plan_num_tiles(16)

@@ -25,22 +25,22 @@ import pytest
 import torch
 
 import megamoe as mm
-from megamoe import pool
-from megamoe.activation_backward import (
+from megamoe.registry import registry
+from megamoe.testing import GRAD_MIN_COSINE, assert_close_to_oracle, make_layer, make_routing
+from megamoe.testing.sanitizer import UNDER_SANITIZER_ENV
+from megamoe.wrappers import pool
+from megamoe.wrappers.activation_backward import (
     activation_backward_reference,
     fused_dgrad2_activation_backward,
 )
-from megamoe.grouped_gemm import (
+from megamoe.wrappers.grouped_gemm import (
     gated_grouped_gemm,
     gated_grouped_gemm_reference,
     grouped_gemm,
     grouped_gemm_reference,
 )
-from megamoe.k_grouped_gemm import k_grouped_gemm, k_grouped_gemm_reference
-from megamoe.mxfp4_decode import decode_mxfp4_bf16
-from megamoe.registry import registry
-from megamoe.testing import GRAD_MIN_COSINE, assert_close_to_oracle, make_layer, make_routing
-from megamoe.testing.sanitizer import UNDER_SANITIZER_ENV
+from megamoe.wrappers.k_grouped_gemm import k_grouped_gemm, k_grouped_gemm_reference
+from megamoe.wrappers.mxfp4_decode import decode_mxfp4_bf16
 
 pytestmark = pytest.mark.gpu
 
@@ -510,7 +510,7 @@ def test_moe_forward_backward(tokens, top_k, rank, kwargs):
 @pytest.mark.parametrize("rows,blocks", [(1, 1), (3, 5), (257, 4)])
 def test_mxfp4_decode(rows, blocks):
     """The decode kernel: one thread per 32-element block, grid-stride tail."""
-    from megamoe.mxfp4_decode import decode_mxfp4_bf16
+    from megamoe.wrappers.mxfp4_decode import decode_mxfp4_bf16
 
     gen = torch.Generator().manual_seed(rows)
     packed = torch.randint(0, 256, (rows, 16 * blocks), generator=gen, dtype=torch.uint8)
@@ -574,7 +574,7 @@ def test_mxfp4_quantizer_on_the_gpu():
 
 def test_undersized_buffers_are_rejected_by_the_launchers():
     from megamoe import _C
-    from megamoe._native import current_stream, dlpack
+    from megamoe.wrappers._native import current_stream, dlpack
 
     tokens, top_k, experts, block_m = 20, 2, 4, BLOCK_MS[0]
     ids, weights = make_routing(tokens, experts, top_k, seed=18)

@@ -38,10 +38,14 @@ from pathlib import Path
 import torch
 
 import megamoe as mm
-from megamoe.activation_backward import fused_dgrad2_activation_backward
-from megamoe.grouped_gemm import block_diagonal_side_weights, gated_grouped_gemm, grouped_gemm
-from megamoe.k_grouped_gemm import k_grouped_gemm
 from megamoe.testing.inputs import make_routing
+from megamoe.wrappers.activation_backward import fused_dgrad2_activation_backward
+from megamoe.wrappers.grouped_gemm import (
+    block_diagonal_side_weights,
+    gated_grouped_gemm,
+    grouped_gemm,
+)
+from megamoe.wrappers.k_grouped_gemm import k_grouped_gemm
 
 from .cli import build_commit
 from .timing import time_fn

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 
 import megamoe as mm
-from megamoe import fused_backward, fused_forward
+from megamoe.pipeline import fused_backward, fused_forward
 
 from .shapes import SHAPES
 

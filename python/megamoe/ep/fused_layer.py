@@ -33,13 +33,13 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from .. import pool
-from ..fused_backward import GRAD_NAMES, mm_fp32, pool_backward
-from ..fused_forward import expert_stage, stage
-from ..grouped_gemm import ACTIVATIONS
+from ..pipeline.fused_backward import GRAD_NAMES, mm_fp32, pool_backward
+from ..pipeline.fused_forward import expert_stage, stage
 from ..side_lora import SideLoRA
 from ..validation import check_moe_inputs
 from ..weights import BaseWeights
+from ..wrappers import pool
+from ..wrappers.grouped_gemm import ACTIVATIONS
 from .exchange import reduce_shared_grads
 from .plan import DispatchPlan, group_size, plan_dispatch
 

@@ -12,7 +12,7 @@ Ordering (the determinism contract, see docs/EXPERT-PARALLEL.md):
 - **receive order**: ``all_to_all_single`` concatenates the chunks by source rank, so a
   rank receives rows ordered by ``(source rank, source t * K + k)``;
 - **pool order**: the receiver plans its pool over the received rows (one route per
-  row, :func:`~megamoe.routing.plan_routes` with ``K = 1``): rows sorted by local expert,
+  row, :func:`~megamoe.wrappers.routing.plan_routes` with ``K = 1``): rows sorted by local expert,
   stable in the receive index, each expert's segment padded to ``BLOCK_M``.
 
 When the global batch is the ranks' token slices concatenated in rank order, the
@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from .._checks import check_int, check_tensor
 from ..heuristics import BlockMConfig, get_block_m
-from ..routing import RoutePlan, plan_routes
+from ..wrappers.routing import RoutePlan, plan_routes
 
 __all__ = [
     "DispatchPlan",
@@ -177,7 +177,7 @@ class DispatchPlan:
     - ``recv_expert`` ``[N_recv]`` int64: global expert id of each received row, in
       receive order ``(source rank, source t*K + k)``; always owned by this rank.
     - ``recv_capacity``: ``P * T_max * K`` (:func:`recv_capacity`), the same on every rank.
-    - ``pool``: the :class:`~megamoe.routing.RoutePlan` of the received rows padded
+    - ``pool``: the :class:`~megamoe.wrappers.routing.RoutePlan` of the received rows padded
       with masked rows to the group's pool routes (``K = 1``: its route index *is* the
       receive index): ``recv_capacity`` with a static ``max_tokens``, else the MAX over
       ranks of ``N_recv``; either way its ``pool_capacity`` is rank-uniform.
@@ -228,7 +228,7 @@ class DispatchPlan:
 
     @property
     def return_plan(self) -> RoutePlan:
-        """A one-segment :class:`~megamoe.routing.RoutePlan` over the returned rows.
+        """A one-segment :class:`~megamoe.wrappers.routing.RoutePlan` over the returned rows.
 
         ``route_to_pool_row`` is :attr:`send_position`, ``pool_row_to_route`` is
         ``send_routes``: the EP1 ``pool.side_sum`` / ``pool.combine`` (kernels or

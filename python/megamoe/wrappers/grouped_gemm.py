@@ -26,10 +26,10 @@ import math
 
 import torch
 
+from .._checks import check_choice, check_tensor
+from ..env import num_sms as resolve_device_sms
+from ..heuristics import mxfp4_decodes_in_pipeline
 from . import _native
-from ._checks import check_choice, check_tensor
-from .env import num_sms as resolve_device_sms
-from .heuristics import mxfp4_decodes_in_pipeline
 from .routing import RoutePlan
 
 ACTIVATIONS = {"swiglu": 0, "geglu": 1}

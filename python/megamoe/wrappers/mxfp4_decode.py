@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
+from .._checks import check_tensor
+from ..mxfp4 import MXFP4_BLOCK, dequantize_mxfp4
 from . import _native
-from ._checks import check_tensor
-from .mxfp4 import MXFP4_BLOCK, dequantize_mxfp4
 
 __all__ = ["decode_mxfp4_bf16"]
 

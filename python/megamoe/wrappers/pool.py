@@ -1,6 +1,6 @@
 """Pool gather and pool combine: moving token rows into and out of the expert pool.
 
-The pool (see :class:`~megamoe.routing.RoutePlan`) holds one row per local route,
+The pool (see :class:`~megamoe.wrappers.routing.RoutePlan`) holds one row per local route,
 sorted by expert, each expert's segment padded to ``block_m``.
 
 - :func:`gather_pool` fills the pool input: ``pool_input[row] = [x[t] | side[t]]``
@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import torch
 
+from .._checks import check_finite_float, check_int, check_tensor
 from . import _native
-from ._checks import check_finite_float, check_int, check_tensor
 from .routing import RoutePlan
 
 # BF16 elements per 16-byte vector of the kernels: row lengths must be multiples.
@@ -183,7 +183,7 @@ def gather_pool(
         x: ``[T, H]`` bfloat16, ``H`` a multiple of 8.
         side: ``[T, C]`` bfloat16 (``C`` a multiple of 8, e.g. ``[s q1 | s q3]`` with
             ``C = 2r``) or ``None`` for no side columns.
-        plan: the :class:`~megamoe.routing.RoutePlan` of this routing (``T`` tokens).
+        plan: the :class:`~megamoe.wrappers.routing.RoutePlan` of this routing (``T`` tokens).
         out: ``[pool_capacity, H + C]`` bfloat16 to write into, or ``None`` to allocate.
 
     Returns:
@@ -321,7 +321,7 @@ def side_sum(
 
     Args:
         pool_output: ``[pool_capacity, H + r]`` bfloat16 (GEMM2's ``[y | p]``).
-        plan: the :class:`~megamoe.routing.RoutePlan` the pool was built with.
+        plan: the :class:`~megamoe.wrappers.routing.RoutePlan` the pool was built with.
         topk_weights: ``[T, K]`` float32.
         hidden: ``H``; columns ``H .. H + r - 1`` are summed (``r`` a multiple of 8;
             ``H = 0`` sums whole rows).
@@ -428,7 +428,7 @@ def combine(
 
     Args:
         pool_output: ``[pool_capacity, H + r]`` bfloat16 (``r`` may be 0).
-        plan: the :class:`~megamoe.routing.RoutePlan` the pool was built with.
+        plan: the :class:`~megamoe.wrappers.routing.RoutePlan` the pool was built with.
         topk_weights: ``[T, K]`` float32.
         side_expand: ``[T, H]`` bfloat16 (``(sum_k w p) b2``) or ``None``.
         scale: the adapter scale ``s`` (a finite float; rounded to float32). ``0``

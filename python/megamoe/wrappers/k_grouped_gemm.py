@@ -22,9 +22,9 @@ import math
 
 import torch
 
+from .._checks import check_tensor
+from ..env import num_sms as resolve_device_sms
 from . import _native
-from ._checks import check_tensor
-from .env import num_sms as resolve_device_sms
 from .routing import RoutePlan
 
 FLOAT32_MAX = 3.4028234663852886e38

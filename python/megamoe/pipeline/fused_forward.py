@@ -9,7 +9,7 @@ Each stage runs in a ``torch.profiler.record_function`` range ``megamoe::<stage>
 ops' real implementations, which torch.compile does not trace.
 
 No host synchronisation: the id range check runs on the device and is reported by a
-later call (:func:`megamoe.routing.check_expert_ids`). A zero adapter scale takes the
+later call (:func:`megamoe.wrappers.routing.check_expert_ids`). A zero adapter scale takes the
 no-adapter path, so its output is bitwise the no-adapter output.
 """
 
@@ -22,12 +22,12 @@ import torch
 from torch.autograd import _profiler_enabled
 from torch.profiler import record_function
 
-from . import pool
-from ._checks import check_choice
-from .grouped_gemm import gated_grouped_gemm, grouped_gemm
-from .routing import RoutePlan, check_expert_ids, plan_routes
-from .side_lora import SideLoRA
-from .weights import BaseWeights
+from .._checks import check_choice
+from ..side_lora import SideLoRA
+from ..weights import BaseWeights
+from ..wrappers import pool
+from ..wrappers.grouped_gemm import gated_grouped_gemm, grouped_gemm
+from ..wrappers.routing import RoutePlan, check_expert_ids, plan_routes
 
 #: What the forward keeps for the backward (see :func:`moe_forward`).
 SAVE_MODES = ("none", "preact", "recompute")
@@ -73,14 +73,14 @@ def moe_forward(
     The arguments are the ones the calling custom op checked
     (:func:`megamoe.validation.check_moe_inputs`); this function does not check them
     again, except the expert ids' range ``[-1, E_l)``, which it checks on the device
-    without a host synchronisation (:func:`~megamoe.routing.check_expert_ids`: a
-    ``ValueError`` from a later call or :func:`~megamoe.routing.check_errors`; the
+    without a host synchronisation (:func:`~megamoe.wrappers.routing.check_expert_ids`: a
+    ``ValueError`` from a later call or :func:`~megamoe.wrappers.routing.check_errors`; the
     kernels treat such ids as masked).
 
     ``block_m``: the pool's segment padding, :func:`~megamoe.get_block_m` of the call's
     ``T``, ``K``, ``E_l`` (the caller decides once, and the backward reuses it with the
     plan). ``save``: ``"none"`` returns ``out``; ``"preact"`` also keeps GEMM1's pre-activations
-    and returns ``(out, ForwardState)`` for :mod:`megamoe.fused_backward`;
+    and returns ``(out, ForwardState)`` for :mod:`megamoe.pipeline.fused_backward`;
     ``"recompute"`` returns a state without them (the backward recomputes GEMM1:
     activation checkpointing).
     """

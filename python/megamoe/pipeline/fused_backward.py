@@ -4,10 +4,10 @@ Pipeline, given ``dout [T, H]`` and the forward's :class:`ForwardState`:
 
 1. ``db2 = s dout b2^T`` once per token; gather ``[dout | db2]`` into the pool.
 2. dgrad2 with the activation backward as its epilogue, one engine GEMM
-   (:mod:`megamoe.activation_backward`): ``z = [dout | db2]_pool @ [w2_e ; a2_e^T]``
+   (:mod:`megamoe.wrappers.activation_backward`): ``z = [dout | db2]_pool @ [w2_e ; a2_e^T]``
    (``a2^T`` a K side segment) is consumed where it is computed into the router grad
    ``<z, h>``, ``dg | du`` and ``bf16(w h)``; ``z`` never reaches memory.
-3. K-grouped weight gradients over each expert's data rows (:mod:`megamoe.k_grouped_gemm`:
+3. K-grouped weight gradients over each expert's data rows (:mod:`megamoe.wrappers.k_grouped_gemm`:
    padding rows never read, empty experts exact zeros): ``da2``, ``dw2``, ``dw13``
    (ordinary), ``db1``, ``db3``.
 4. dgrad1, one engine GEMM: ``dx_pool = (dg | du) @ w13_e`` with the ``b1``/``b3``
@@ -28,7 +28,7 @@ frees each pool buffer as soon as its last reader ran (docs/PERFORMANCE.md has t
 bytes at ep4rank). Every GEMM reads the weights in the user's layout (MXFP4: decoded
 inside the GEMM pipeline) and a trainable base's gradients land in that layout.
 Deterministic: no atomics, fixed summation orders. No host synchronisation. Each stage
-runs in a profiler range ``megamoe::<stage>`` (:func:`megamoe.fused_forward.stage`).
+runs in a profiler range ``megamoe::<stage>`` (:func:`megamoe.pipeline.fused_forward.stage`).
 """
 
 from __future__ import annotations
@@ -37,14 +37,14 @@ from dataclasses import dataclass
 
 import torch
 
-from . import pool
-from .activation_backward import fused_dgrad2_activation_backward
+from ..side_lora import SideLoRA
+from ..weights import BaseWeights
+from ..wrappers import pool
+from ..wrappers.activation_backward import fused_dgrad2_activation_backward
+from ..wrappers.grouped_gemm import block_diagonal_side_weights, grouped_gemm
+from ..wrappers.k_grouped_gemm import k_grouped_gemm
+from ..wrappers.routing import RoutePlan
 from .fused_forward import ForwardState, recompute_preact, stage
-from .grouped_gemm import block_diagonal_side_weights, grouped_gemm
-from .k_grouped_gemm import k_grouped_gemm
-from .routing import RoutePlan
-from .side_lora import SideLoRA
-from .weights import BaseWeights
 
 __all__ = [
     "GRAD_NAMES",

@@ -12,7 +12,7 @@ import torch
 def native() -> ModuleType:
     """The compiled module; raises ImportError saying how to build it if it is missing."""
     try:
-        from . import _C
+        from .. import _C
     except ImportError as error:  # pragma: no cover - depends on the install
         raise ImportError(
             "megamoe._C is not built: install megamoe from a wheel or with "
