@@ -349,3 +349,28 @@ def test_table_shows_graph_replay_times_against_the_floor():
 def test_cuda_graph_option_is_parsed():
     assert cli.build_parser().parse_args(["--cuda-graph"]).cuda_graph
     assert not cli.build_parser().parse_args([]).cuda_graph
+
+
+def test_json_keeps_the_configurations_measured_before_a_run_is_cut_short(tmp_path, monkeypatch):
+    """The report is written after every configuration (complete: false until the end), so
+    a run stopped by a timeout leaves what it measured."""
+    out = tmp_path / "bench.json"
+    measured = cli.run_backend
+    calls = []
+
+    def stop_at_the_second(*args, **kwargs):
+        calls.append(args[0])
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return measured(*args, **kwargs)
+
+    monkeypatch.setattr(cli, "run_backend", stop_at_the_second)
+    argv = [*QUICK, "--shape", "small", "--iters", "2", "--warmup", "1", "--json", str(out)]
+    with pytest.raises(KeyboardInterrupt):
+        cli.main([*argv, "--backend", "baseline,reference", "--pass", "forward"])
+    partial = json.loads(out.read_text())
+    assert partial["complete"] is False
+    assert [(r["backend"], r["status"]) for r in partial["results"]] == [("baseline", "ok")]
+    monkeypatch.setattr(cli, "run_backend", measured)
+    assert cli.main([*argv, "--backend", "baseline", "--pass", "forward"]) == 0
+    assert json.loads(out.read_text())["complete"] is True

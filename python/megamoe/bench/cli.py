@@ -666,40 +666,50 @@ def main(argv: list[str] | None = None) -> int:
             "weight_bytes": {f: shape.weight_bytes(f) for f in args.dtypes},
             "floors_ms": floors,
         }
-    rows = []
+    commit, commit_source = build_commit()
+    rows: list[dict] = []
+
+    def make_report(complete: bool) -> dict:
+        return {
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "device": torch.cuda.get_device_name(device)
+            if device.type == "cuda"
+            else platform.processor() or platform.machine(),
+            "torch": torch.__version__,
+            "megamoe": megamoe.__version__,
+            "commit": commit,
+            "commit_source": commit_source,
+            "command": " ".join(
+                ["python -m megamoe.bench", *(argv if argv is not None else sys.argv[1:])]
+            ),
+            "shape": vars(shape) | {"num_routes": shape.num_routes},
+            "modes": args.modes,
+            "dtypes": args.dtypes,
+            "warmup": args.warmup,
+            "iters": args.iters,
+            "sweep": sweep,
+            "complete": complete,
+            "results": rows,
+        }
+
+    def write_json(complete: bool) -> None:
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(make_report(complete), indent=1))
+
     for tokens in args.token_counts or [shape.num_tokens]:
         point = shape.with_tokens(tokens)
         for mode in args.modes:
             for dtype in args.dtypes:
                 for backend in args.backends:
                     rows.extend(run_backend(backend, point, mode, dtype, args, device, progress))
+                    if sweep:
+                        add_floor_ratios(rows, sweep["floors_ms"])
+                    # After every configuration, so a run cut short keeps what it measured.
+                    write_json(complete=False)
     progress.done()
-    if sweep:
-        add_floor_ratios(rows, sweep["floors_ms"])
-    commit, commit_source = build_commit()
-    report = {
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(device)
-        if device.type == "cuda"
-        else platform.processor() or platform.machine(),
-        "torch": torch.__version__,
-        "megamoe": megamoe.__version__,
-        "commit": commit,
-        "commit_source": commit_source,
-        "command": " ".join(
-            ["python -m megamoe.bench", *(argv if argv is not None else sys.argv[1:])]
-        ),
-        "shape": vars(shape) | {"num_routes": shape.num_routes},
-        "modes": args.modes,
-        "dtypes": args.dtypes,
-        "warmup": args.warmup,
-        "iters": args.iters,
-        "sweep": sweep,
-        "results": rows,
-    }
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=1))
+    report = make_report(complete=True)
+    write_json(complete=True)
     if args.plot:
         plot(report, args.plot)
     tokens = ",".join(map(str, args.token_counts)) if args.token_counts else shape.num_tokens
