@@ -30,7 +30,13 @@ from .ops import moe
 from .side_lora import SideLoRA
 from .weights import BaseWeights, prepare_base_weights
 from .workspace import workspace_layout
-from .wrappers.routing import RoutePlan, plan_routes, plan_routes_reference, pool_capacity
+from .wrappers.routing import (
+    RoutePlan,
+    check_errors,
+    plan_routes,
+    plan_routes_reference,
+    pool_capacity,
+)
 
 __version__ = "0.1.0"
 
@@ -42,6 +48,7 @@ __all__ = [
     "SideLoRA",
     "__version__",
     "adapter_convert",
+    "check_errors",
     "dequantize_mxfp4",
     "ep",
     "get_block_m",

@@ -18,7 +18,7 @@ why it is not one of these ops.
 
 All have fake implementations (shapes known without a sync), so ``torch.compile``
 traces them, and none synchronises with the host: the id range check runs on the device
-and a later call (or :func:`megamoe.wrappers.routing.check_errors`) reports it. The real and the
+and a later call (or :func:`megamoe.check_errors`) reports it. The real and the
 fake implementations run the same argument checks (:mod:`megamoe.validation`): a call
 with one tensor on ``meta`` (which dispatches to the fake) is rejected like any other
 mixed-device call, and an all-fake call (tracing, ``FakeTensorMode``, a meta module)

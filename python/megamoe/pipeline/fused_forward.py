@@ -74,7 +74,7 @@ def moe_forward(
     (:func:`megamoe.validation.check_moe_inputs`); this function does not check them
     again, except the expert ids' range ``[-1, E_l)``, which it checks on the device
     without a host synchronisation (:func:`~megamoe.wrappers.routing.check_expert_ids`: a
-    ``ValueError`` from a later call or :func:`~megamoe.wrappers.routing.check_errors`; the
+    ``ValueError`` from a later call or :func:`megamoe.check_errors`; the
     kernels treat such ids as masked).
 
     ``block_m``: the pool's segment padding, :func:`~megamoe.get_block_m` of the call's
