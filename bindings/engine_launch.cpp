@@ -110,7 +110,8 @@ void set_store_outputs(EpilogueParams& e, const Tensor& out, int64_t rows, int64
   }
 }
 
-// The BF16 weights as stored [E, K, N], read MN-major in [64 N, 64 K] boxes.
+// A BF16 [E, K, N] operand as stored (weights, or adapter factors as given), read
+// MN-major in [64 N, 64 K] boxes.
 CUtensorMap mn_major_map(const char* name, const Tensor& w, int device) {
   check_tensor(name, w, bfloat16_dtype(), {-1, -1, -1}, device);
   const int64_t e = w.shape(0), k = w.shape(1), n = w.shape(2);
@@ -324,10 +325,10 @@ void engine_activation_backward(const Tensor& a, int64_t k_base, const Tensor& b
     throw nb::value_error(("b: expected I a multiple of 64, got " + str(inter)).c_str());
   int64_t rank = 0;
   if (side) {
-    check_tensor("side_b", *side, bfloat16_dtype(), {experts, inter, -1}, device);
+    check_tensor("side_a2", *side, bfloat16_dtype(), {experts, inter, -1}, device);
     rank = side->shape(2);
     if (rank < 8 || rank % 8 != 0)
-      throw nb::value_error(("side_b: rank must be a multiple of 8, got " + str(rank)).c_str());
+      throw nb::value_error(("side_a2: rank must be a multiple of 8, got " + str(rank)).c_str());
   }
   if (k_base + rank > static_cast<int64_t>(a.shape(1)))
     throw nb::value_error(
@@ -357,9 +358,9 @@ void engine_activation_backward(const Tensor& a, int64_t k_base, const Tensor& b
     o.b = mn_major_map("b", b, device);
   }
   if (side)  // K-major: [BLOCK_N rows of I][64 of r] boxes
-    o.side_gate =
-        tensor_map("side_b", side->data(), CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, {rank, inter, experts},
-                   {rank * 2, inter * rank * 2}, {kBlockK, kBlockN, 1}, true);
+    o.side_gate = tensor_map("side_a2", side->data(), CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                             {rank, inter, experts}, {rank * 2, inter * rank * 2},
+                             {kBlockK, kBlockN, 1}, true);
   o.k_base = static_cast<int32_t>(k_base);
   o.n_base = static_cast<int32_t>(inter);
   o.side_scale = 1.0f;  // the side columns of a carry the adapter scale already

@@ -7,7 +7,7 @@
 // over the routes k = 0..K-1 of token t with row_tk = route_to_pool_row[t, k] >= 0.
 // The sums are FP32 in that fixed order, each product and each sum rounded separately
 // (__fmul_rn / __fadd_rn: no FMA contraction), so the result is bitwise reproducible
-// and equal to the torch reference (megamoe.pool), which does the same elementwise
+// and equal to the torch reference (megamoe.wrappers.pool), which does the same elementwise
 // float32 operations. No atomics: one thread owns each output vector.
 //
 // Memory-bound: a group of lanes (a power of two up to a warp) serves one token and

@@ -356,8 +356,11 @@ class MegaMoE(nn.Module):
 
         Raises:
             ValueError: an expert id outside ``[-1, num_experts)``. Both backends reject
-                them (the fused op in its id check; here for the reference, which would
-                otherwise treat them as routes to another rank). Masking another rank's
+                them: the reference here, at once (it would otherwise treat them as
+                routes to another rank); the fused backend at once for CPU ids and, for
+                CUDA ids, on the device without a host sync, raised by a later call or
+                :func:`megamoe.check_errors` (the call that had them computes those
+                routes as masked). Masking another rank's
                 routes is the caller's job (the HF integration maps HF's sentinel ids to
                 ``-1``: :func:`megamoe.integrations.transformers.mask_foreign_ids`).
         """

@@ -251,7 +251,9 @@ def _empty(like: torch.Tensor) -> torch.Tensor:
     return like.new_empty(0)
 
 
-@torch.library.custom_op("megamoe::moe_backward", mutates_args=())
+# ``preact`` is written over: dgrad2's epilogue leaves dg | du in the saved pre-activations
+# (their last reader), so the schema declares it mutated.
+@torch.library.custom_op("megamoe::moe_backward", mutates_args=("preact",))
 def _moe_backward_op(
     dout: torch.Tensor,
     x: torch.Tensor,
@@ -282,7 +284,8 @@ def _moe_backward_op(
 ) -> list[torch.Tensor]:
     """``[dx, dtopk_weights, dw13, dw2, da1, db1, da3, db3, da2, db2]``; gradients not
     computed are empty tensors. The plan (``expert_counts`` .. ``pool_row_to_route``)
-    and ``block_m`` are the forward's."""
+    and ``block_m`` are the forward's. ``preact`` (the forward's saved ``g | u``, or
+    empty under activation checkpointing) is overwritten with ``dg | du``."""
     base, side = _backward_inputs(
         dout, x, topk_weights, w13, w2, w13_scales, w2_scales, (a1, b1, a3, b3, a2, b2), scale,
         activation, activation_clamp, expert_counts, expert_pool_offsets, route_to_pool_row,
@@ -506,6 +509,16 @@ def moe(
         TypeError, ValueError: bad arguments, named (:func:`megamoe.validation.
             check_moe_inputs`), checked before the device: without a GPU a wrong call
             reports what is wrong with it, and a valid one that CUDA weights are needed.
+            Expert ids on the GPU are range-checked on the device (no host sync): an id
+            outside ``[-1, E_l)`` raises ``ValueError`` (``topk_ids: ...``) at a later
+            call or :func:`megamoe.check_errors`, and this call computes those routes as
+            masked; calls captured in a CUDA graph are not checked (check a captured
+            step's ids eagerly).
+        RuntimeError: a second backward through the same graph (``retain_graph=True``):
+            the backward writes ``dg | du`` over the saved pre-activations, and
+            autograd's saved-tensor check stops the second one ("modified by an inplace
+            operation"). With ``activation_checkpoint=True`` nothing is overwritten that
+            a second backward needs.
     """
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise TypeError(

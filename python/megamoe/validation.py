@@ -210,6 +210,8 @@ def check_moe_inputs(
                 f"side: expected bfloat16 tensors on {base.device}, got {side.dtype} on "
                 f"{side.device}"
             )
+        for name in ("b1", "b3", "a2"):  # the kernels read these as given (TMA)
+            check_tensor(f"side.{name}", getattr(side, name), contiguous=True)
     if expert_id_limit is not None and topk_ids.numel() and _reads_data(topk_ids):
         low, high = int(topk_ids.min()), int(topk_ids.max())
         if low < -1 or high >= expert_id_limit:

@@ -485,3 +485,28 @@ def test_gemm_cpu_twins_match_the_float64_references() -> None:
     h = gated(a=a1, w13=w13, **side)
     want_h = gated_grouped_gemm_reference(a1, w13, p, k=H, **side)
     assert torch.allclose(h[:rows].double(), want_h, rtol=3e-2, atol=3e-2)
+
+
+def test_dgrad2_side_rank_and_output_overlap_name_the_argument() -> None:
+    """dgrad2 + activation backward: a side rank TMA cannot stride, and a dg | du buffer
+    partly overlapping the pre-activations, are refused before anything runs; the buffer
+    may be the pre-activations themselves (the layer's in-place use)."""
+    from megamoe.wrappers.activation_backward import fused_dgrad2_activation_backward
+
+    p = plan()
+    dout_pool = bf16(p.pool_capacity, H + 16)
+    w2, weights = bf16(E, H, I), routing()[1]
+    preact = bf16(p.pool_capacity, 2 * I)
+    with pytest.raises(ValueError, match=r"^side_a2: expected r a multiple of 8, got r=12"):
+        fused_dgrad2_activation_backward(dout_pool, w2, preact, weights, p, side_a2=bf16(E, I, 12))
+    buffer = bf16(p.pool_capacity + 1, 2 * I)
+    overlapping = buffer[1:]
+    with pytest.raises(ValueError, match=r"^dgrad_out: expected preact itself or memory apart"):
+        fused_dgrad2_activation_backward(
+            dout_pool, w2, buffer[:-1], weights, p, dgrad_out=overlapping
+        )
+    fresh = fused_dgrad2_activation_backward(dout_pool, w2, preact.clone(), weights, p)
+    in_place = preact.clone()
+    got = fused_dgrad2_activation_backward(dout_pool, w2, in_place, weights, p, dgrad_out=in_place)
+    assert got[0].data_ptr() == in_place.data_ptr()
+    assert torch.equal(got[0], fresh[0]) and torch.equal(got[2], fresh[2])

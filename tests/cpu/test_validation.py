@@ -223,6 +223,17 @@ ARGUMENT_CASES: dict[str, Case] = {
         ValueError,
         r"^base\.format: expected one of",
     ),
+    # The kernels read b1, b3 and a2 as given: a strided view is named before anything runs.
+    "side-b1-strided": (
+        lambda: call(side=side(b1=torch.randn(E, I, R).to(torch.bfloat16).transpose(1, 2))),
+        ValueError,
+        r"^side\.b1: expected a contiguous tensor",
+    ),
+    "side-a2-strided": (
+        lambda: call(side=side(a2=torch.randn(E, R, I).to(torch.bfloat16).transpose(1, 2))),
+        ValueError,
+        r"^side\.a2: expected a contiguous tensor",
+    ),
 }
 
 

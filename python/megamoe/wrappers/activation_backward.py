@@ -70,6 +70,20 @@ def _check(
     return capacity, intermediate
 
 
+def _check_same_or_apart(name: str, t: torch.Tensor, other_name: str, other: torch.Tensor) -> None:
+    """``t`` is ``other``'s memory exactly or shares none of it (a partial overlap would
+    let one thread's write land on another's unread input)."""
+    if t.data_ptr() == other.data_ptr() or t.numel() == 0 or other.numel() == 0:
+        return
+    begin, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+    other_begin = other.data_ptr()
+    other_end = other_begin + other.numel() * other.element_size()
+    if begin < other_end and other_begin < end:
+        raise ValueError(
+            f"{name}: expected {other_name} itself or memory apart from it, got a partial overlap"
+        )
+
+
 def fused_dgrad2_activation_backward(
     dout_pool: torch.Tensor,
     w2: torch.Tensor,
@@ -124,6 +138,8 @@ def fused_dgrad2_activation_backward(
             device=device, contiguous=True,
         )  # fmt: skip
         rank = side_a2.shape[2]
+        if rank < 8 or rank % 8 != 0:  # 16-byte rows for TMA
+            raise ValueError(f"side_a2: expected r a multiple of 8, got r={rank}")
     check_tensor(
         "dout_pool", dout_pool, shape=(capacity, None), dtypes=(torch.bfloat16,), device=device,
         contiguous=True,
@@ -146,6 +162,7 @@ def fused_dgrad2_activation_backward(
             "dgrad_out", dgrad_out, shape=tuple(preact.shape), dtypes=(torch.bfloat16,),
             device=device, contiguous=True,
         )  # fmt: skip
+        _check_same_or_apart("dgrad_out", dgrad_out, "preact", preact)
     if not preact.is_cuda:
         b = w2 if side_a2 is None else torch.cat([w2, side_a2.transpose(1, 2)], dim=1)
         z = grouped_gemm(dout_pool, b, plan, b_major="mn")

@@ -111,20 +111,20 @@ def mxfp4_b(
     return k, _dequantized(codes, scales), None
 
 
-def block_diagonal_side_weights(side_b_gate: torch.Tensor, side_b_up: torch.Tensor) -> torch.Tensor:
+def block_diagonal_side_weights(b1_t: torch.Tensor, b3_t: torch.Tensor) -> torch.Tensor:
     """``[E, 2I, 2r]`` BF16 ``[[b1^T, 0], [0, b3^T]]`` (gate rows, then up rows): dgrad1's
     extra N columns, ``(dg | du) @ this = (dg b1_e^T | du b3_e^T)``, the ``b1``/``b3``
     shrinks read MN-major in the same GEMM as ``dx``.
 
-    Built per call from ``side_b_gate``/``side_b_up`` (``[E, I, r]``; trainable adapters
-    change every step). With finite ``dg``/``du`` the zero blocks add exact zeros; a
-    non-finite ``du`` (``dg``) also makes the gate (up) sums NaN (0 x Inf), where the CPU
-    twin's separate sums would not.
+    Built per call from ``b1_t``/``b3_t``, ``b1`` and ``b3`` transposed (``[E, I, r]``
+    views; trainable adapters change every step). With finite ``dg``/``du`` the zero
+    blocks add exact zeros; a non-finite ``du`` (``dg``) also makes the gate (up) sums
+    NaN (0 x Inf), where the CPU twin's separate sums would not.
     """
-    experts, intermediate, rank = side_b_gate.shape
-    side = side_b_gate.new_zeros(experts, 2, intermediate, 2 * rank)
-    side[:, 0, :, :rank] = side_b_gate
-    side[:, 1, :, rank:] = side_b_up
+    experts, intermediate, rank = b1_t.shape
+    side = b1_t.new_zeros(experts, 2, intermediate, 2 * rank)
+    side[:, 0, :, :rank] = b1_t
+    side[:, 1, :, rank:] = b3_t
     return side.view(experts, 2 * intermediate, 2 * rank)
 
 
