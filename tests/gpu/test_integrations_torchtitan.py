@@ -15,15 +15,19 @@ from megamoe.integrations import torchtitan as mtt  # noqa: E402
 pytestmark = pytest.mark.gpu
 
 D, FF, E, K, T = 256, 128, 8, 2, 512
-# The reduction dim of each parameter (w1/w3 [E, F, D], w2 [E, D, F], a1/a3 [D, r],
+# The reduction dim of each parameter (w13 [E, 2, F, D], w2 [E, D, F], a1/a3 [D, r],
 # b1/b3 [E, r, F], a2 [E, F, r], b2 [r, D]).
-FAN_IN_DIM = {"w1_EFD": 2, "w3_EFD": 2, "w2_EDF": 2, "a1": 0, "a3": 0, "b1": 1, "b3": 1,
-              "a2": 1, "b2": 0}  # fmt: skip
+FAN_IN_DIM = {"w13_E2FD": 3, "w2_EDF": 2, "a1": 0, "a3": 0, "b1": 1, "b3": 1, "a2": 1,
+              "b2": 0}  # fmt: skip
 
 
 def oracle(params, scale, x, scores, ids):
-    """sum_k score * (SwiGLU MLP + shared-outer side-LoRA), float64, differentiable."""
-    p = params
+    """sum_k score * (SwiGLU MLP + shared-outer side-LoRA), float64, differentiable.
+
+    ``params`` by parameter name: the gate/up halves are read from ``w13_E2FD``."""
+    p = dict(params)
+    w13 = p.pop("w13_E2FD")
+    p["w1_EFD"], p["w3_EFD"] = w13[:, 0], w13[:, 1]
     out = torch.zeros(T, D, dtype=torch.float64, device=x.device)
     for k in range(K):
         e = ids[:, k]

@@ -10,7 +10,7 @@ with :func:`megamoe.moe` (one route per row, weight 1: torchtitan's dispatcher a
 the router scores in its combine), either
 
 - a frozen base with shared-outer side-LoRA adapters (``rank > 0``; the base
-  ``w1_EFD``/``w2_EDF``/``w3_EFD`` get ``requires_grad=False``, the factors ``a1 .. b2``
+  ``w13_E2FD``/``w2_EDF`` get ``requires_grad=False``, the factors ``a1 .. b2``
   train), or
 - a trainable base (``rank = 0``).
 
@@ -19,24 +19,50 @@ Usage (a model registry function that takes ``converters=``, e.g. llama4/qwen3/d
     from megamoe.integrations.torchtitan import MegaMoEConverter
     converters = [MegaMoEConverter.Config(rank=64, alpha=128.0)]
 
-Parameters and sharding. The module keeps torchtitan's own parameters (``w1_EFD [E, F,
-D]`` gate, ``w3_EFD [E, F, D]`` up, ``w2_EDF [E, D, F]``) under their names, so
-checkpoints, state-dict adapters and FSDP2/EP sharding plans apply unchanged. Under
-FSDP2/EP they are DTensors: each call uses the local shards (``to_local()``, no gather),
-as ``GroupedExperts`` does. The adapter factors are ordinary parameters (FSDP shards
-them like any other); with EP the expert-local ones (``b1``, ``b3``, ``a2``) must be
-sharded along the expert dim like ``w1_EFD`` (their local shard is used).
+Parameters. megamoe reads gate and up as one ``w13 [E, 2I, H]`` tensor (all gate rows,
+then all up rows), so the module holds them as ONE parameter ``w13_E2FD [E, 2, F, D]``
+(gate ``[:, 0]``, up ``[:, 1]``) next to torchtitan's ``w2_EDF [E, D, F]``; each call
+passes ``w13_E2FD``'s local shard viewed as ``[E_l, 2F_l, D]`` (no copy; under FSDP2's
+BF16 ``param_dtype`` no cast either). Under FSDP2/EP/TP the parameters are DTensors and
+each call uses the local shards (``to_local()``, no gather), as ``GroupedExperts`` does.
 
-The one copy. megamoe reads ``w13 [E, 2I, H]`` (gate rows, then up rows) as one tensor,
-while torchtitan stores ``w1`` and ``w3`` as two parameters, so each call concatenates
-the two local shards into one transient BF16 ``w13`` (``E_l * 2I * H`` elements, alive
-until the backward; the base's gradient is split back to ``w1``/``w3``). Avoiding it
-would take re-registering ``w1``/``w3`` as views of one concatenated parameter, with
-state-dict hooks keeping the two names for checkpoints; that is not done here.
+Checkpoints keep torchtitan's names. A state-dict post-hook replaces ``w13_E2FD`` by
+``w1_EFD = w13_E2FD[:, 0]`` and ``w3_EFD = w13_E2FD[:, 1]``: views, not copies
+(torchtitan's ``ModelWrapper`` caches ``state_dict()`` for the whole run and DCP loads
+into those tensors in place, so a copy would be a permanent second gate/up copy and a
+DCP load would miss the parameter). A load-state-dict pre-hook merges ``w1_EFD`` and
+``w3_EFD`` back: when they are those views (a DCP load has already written through
+them) the parameter itself is passed, else they are stacked (a load-time transient: HF
+state-dict adapters, stock checkpoints). So stock ``GroupedExperts`` and megamoe
+checkpoints load into each other with ``strict=True``, and torchtitan's HF adapters see
+the stock keys. Tools that key by ``named_parameters`` see ``w13_E2FD``, and so does
+the optimizer: its state is keyed ``...inner_experts.w13_E2FD``, so a full resume
+(model + optimizer) between a stock run and a megamoe run with a trainable base
+(``rank = 0``) misses those keys; load the model only (exclude ``optimizer`` from the
+checkpoint load) when switching. A frozen base has no optimizer state.
+
+Sharding. torchtitan's ``update_from_config`` writes the experts' ``sharding_config``
+after conversion, with entries for ``w1_EFD``/``w2_EDF``/``w3_EFD``;
+:meth:`MegaMoEGroupedExperts.Config.build` derives ``w13_E2FD``'s entry from
+``w1_EFD``'s layout (the new axis 1 is never sharded, so tensor dims >= 1 shift by one:
+EP ``S(0)`` stays, TP colwise ``S(1)`` becomes ``S(2)``; a rank's local
+``[E_l, 2, F_l, D]`` is its gate rows then the matching up rows). FSDP2 shards dim 0
+(the experts) as for the stock module, except that torchtitan falls back to ``Shard(1)``
+for all expert parameters when the FSDP x EP ranks exceed the experts; dim 1 is the
+size-2 gate/up axis here, so ``init_states`` raises then (use fewer FSDP x EP ranks
+than experts).
+
+Side-LoRA under ``parallelize``: not supported yet. The adapter factors have no
+``state_shardings`` entries, and the shared ones (``a1``, ``a3``, ``b2``) would need
+gradient reductions over the EP/TP ranks that megamoe's local-shard call does not do;
+:meth:`MegaMoEGroupedExperts.parallelize` raises for ``rank > 0`` with a
+``sharding_config`` (torchtitan's trainer always sets one). ``rank > 0`` works on a
+module that is not parallelized.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -44,9 +70,12 @@ import torch
 from torch import nn
 
 try:
+    import spmd_types as spmd
+    from torch.distributed.tensor import DTensor
     from torchtitan.models.common.moe import GroupedExperts
     from torchtitan.protocols.model import ModelConfigConverter
     from torchtitan.protocols.module import Module
+    from torchtitan.protocols.sharding import ShardingConfig, SpmdLayout
 except ImportError as exc:
     raise ImportError(
         "megamoe.integrations.torchtitan needs torchtitan 0.3; install the extra: "
@@ -63,6 +92,8 @@ __all__ = ["BACKENDS", "MegaMoEConverter", "MegaMoEGroupedExperts"]
 #: ``"fused"``: :func:`megamoe.moe` (Hopper). ``"reference"``: float32 reference (tests).
 BACKENDS = ("fused", "reference")
 _ADAPTER_NAMES = ("a1", "b1", "a3", "b3", "a2", "b2")
+#: The fused gate+up parameter and torchtitan's names for its halves.
+_W13, _GATE, _UP = "w13_E2FD", "w1_EFD", "w3_EFD"
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -70,13 +101,124 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else t
 
 
+def _local_t(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor without autograd bookkeeping (for storage checks)."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _split_w13_on_save(module, state_dict, prefix, local_metadata) -> None:
+    """Checkpoint in ``GroupedExperts``' names. Views, not copies (module docstring)."""
+    w13 = state_dict.pop(prefix + _W13, None)
+    if w13 is None:
+        return
+    # GroupedExperts' key order (w1, w2, w3), then the adapters: this module's keys are
+    # the last ones in the dict when its post-hook runs (it has no children).
+    own = [prefix + n for n in ("w2_EDF", *_ADAPTER_NAMES)]
+    tail = {k: state_dict.pop(k) for k in own if k in state_dict}
+    state_dict[prefix + _GATE] = w13[:, 0]  # [E, F, D] (a DTensor view under DTensor)
+    w2 = tail.pop(prefix + "w2_EDF", None)
+    if w2 is not None:
+        state_dict[prefix + "w2_EDF"] = w2
+    state_dict[prefix + _UP] = w13[:, 1]
+    state_dict.update(tail)
+
+
+def _aliases(value: torch.Tensor, param: torch.Tensor, half: int) -> bool:
+    """Whether ``value`` is exactly ``param[:, half]`` (the post-hook's view)."""
+    if isinstance(value, DTensor) != isinstance(param, DTensor):
+        return False
+    v, ref = _local_t(value), _local_t(param)[:, half]
+    return (
+        v.device == ref.device
+        and v.dtype == ref.dtype
+        and v.untyped_storage().data_ptr() == ref.untyped_storage().data_ptr()
+        and v.storage_offset() == ref.storage_offset()
+        and tuple(v.shape) == tuple(ref.shape)
+        and v.stride() == ref.stride()
+    )
+
+
+def _merge_w13_on_load(
+    module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+) -> None:  # fmt: skip
+    """Load ``w1_EFD``/``w3_EFD`` (torchtitan's names) into ``w13_E2FD``.
+
+    ``nn.Module.load_state_dict`` hands each module a shallow copy of the caller's dict,
+    so the pops below leave the caller's dict alone.
+    """
+    k1, k3, k13 = prefix + _GATE, prefix + _UP, prefix + _W13
+    if k1 not in state_dict and k3 not in state_dict:
+        return  # a native w13_E2FD key, or none: the default handling
+    if (k1 in state_dict) != (k3 in state_dict):
+        error_msgs.append(f"{prefix or '.'}: {_GATE} and {_UP} must be loaded together")
+        state_dict.pop(k1, None)
+        state_dict.pop(k3, None)
+        return
+    w1, w3 = state_dict.pop(k1), state_dict.pop(k3)
+    if k13 in state_dict:
+        error_msgs.append(f"{prefix or '.'}: got both {_W13} and {_GATE}/{_UP}")
+        return
+    param = module._parameters[_W13]
+    if _aliases(w1, param, 0) and _aliases(w3, param, 1):
+        state_dict[k13] = param  # a DCP load already wrote through the views
+    elif w1.shape != w3.shape:
+        error_msgs.append(
+            f"{prefix or '.'}: {_GATE} and {_UP} shapes differ: "
+            f"{list(w1.shape)} vs {list(w3.shape)}"
+        )
+    else:
+        state_dict[k13] = torch.stack([w1, w3], dim=1)  # a load-time transient
+
+
+def _gate_up_layout(w1: SpmdLayout) -> SpmdLayout:
+    """``w1_EFD``'s ``[E, F, D]`` layout on ``[E, 2, F, D]``: the new axis 1 is never
+    sharded, so tensor dims >= 1 shift by one (EP ``S(0)`` stays, TP ``S(1)`` -> ``S(2)``)."""
+    if w1.partition_spec is not None:
+        spec = tuple(w1.partition_spec)
+        if spec:
+            shifted = (spec[0], None, *spec[1:])
+            if isinstance(w1.partition_spec, spmd.PartitionSpec):
+                shifted = spmd.PartitionSpec(*shifted)
+            return SpmdLayout(dict(w1.axis_types), partition_spec=shifted)
+        return w1
+    return SpmdLayout(
+        {
+            axis: spmd.S(t.dim + 1) if isinstance(t, spmd.Shard) and t.dim >= 1 else t
+            for axis, t in w1.axis_types.items()
+        }
+    )
+
+
+def _fused_sharding(sc: ShardingConfig | None) -> ShardingConfig | None:
+    """Replace the ``w1_EFD``/``w3_EFD`` entries by a ``w13_E2FD`` entry."""
+    if sc is None:
+        return None
+    shardings = dict(sc.state_shardings)
+    w1, w3 = shardings.pop(_GATE, None), shardings.pop(_UP, None)
+    if _W13 not in shardings:
+        if w1 is None:
+            raise ValueError(
+                f"sharding_config.state_shardings: expected an entry for {_GATE} (or "
+                f"{_W13}), got {sorted(sc.state_shardings)}"
+            )
+        if w3 is not None and w3 != w1:
+            raise ValueError(
+                f"sharding_config: {_GATE} and {_UP} must be sharded alike to share one "
+                f"parameter, got {w1} and {w3}"
+            )
+        shardings[_W13] = _gate_up_layout(w1)
+    return dataclasses.replace(sc, state_shardings=shardings)
+
+
 class MegaMoEGroupedExperts(GroupedExperts):
     """torchtitan's ``GroupedExperts`` computed by megamoe (SwiGLU, as the original).
 
-    Same parameters as ``GroupedExperts`` (``w1_EFD``, ``w2_EDF``, ``w3_EFD``) plus, with
-    ``rank > 0``, the side-LoRA factors ``a1 [D, r]``, ``b1 [E, r, F]``, ``a3 [D, r]``,
-    ``b3 [E, r, F]``, ``a2 [E, F, r]``, ``b2 [r, D]`` (float32 master weights, cast to
-    BF16 every call) and the scale ``alpha / rank``.
+    Parameters: ``w13_E2FD [E, 2, F, D]`` (gate ``[:, 0]`` = torchtitan's ``w1_EFD``, up
+    ``[:, 1]`` = ``w3_EFD``; checkpointed under those two names, see the module
+    docstring), ``w2_EDF [E, D, F]`` and, with ``rank > 0``, the side-LoRA factors
+    ``a1 [D, r]``, ``b1 [E, r, F]``, ``a3 [D, r]``, ``b3 [E, r, F]``, ``a2 [E, F, r]``,
+    ``b2 [r, D]`` (float32 master weights, cast to BF16 every call) and the scale
+    ``alpha / rank``.
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -90,6 +232,14 @@ class MegaMoEGroupedExperts(GroupedExperts):
         backend: str = "fused"
         """``"fused"`` (Hopper kernels) or ``"reference"`` (float32, any device)."""
 
+        def build(self, **kwargs):
+            # torchtitan's update_from_config sets sharding_config (with w1_EFD/w3_EFD
+            # entries) after the converter ran, so the w13_E2FD entry is derived here,
+            # as NVFP4Linear.Config.build does. slots=True: no zero-arg super().
+            instance = GroupedExperts.Config.build(self, **kwargs)
+            instance._sharding_config = _fused_sharding(instance._sharding_config)
+            return instance
+
     def __init__(self, config: Config):
         super().__init__(config)
         check_choice("backend", config.backend, BACKENDS)
@@ -102,6 +252,15 @@ class MegaMoEGroupedExperts(GroupedExperts):
         self.rank, self.backend = rank, config.backend
         self.scale = 1.0 if config.alpha is None or not rank else config.alpha / rank
         e, f, d, r = config.num_experts, config.hidden_dim, config.dim, rank
+        self.dim, self.hidden_dim = d, f
+        # One gate+up parameter in place of GroupedExperts' two (module docstring).
+        w1 = self.w1_EFD
+        del self.w1_EFD, self.w3_EFD
+        self.register_parameter(
+            _W13, nn.Parameter(torch.empty(e, 2, f, d, dtype=w1.dtype, device=w1.device))
+        )
+        self.register_state_dict_post_hook(_split_w13_on_save)
+        self.register_load_state_dict_pre_hook(_merge_w13_on_load)
         if rank:
             shapes = {
                 "a1": (d, r),
@@ -115,27 +274,65 @@ class MegaMoEGroupedExperts(GroupedExperts):
                 self.register_parameter(name, nn.Parameter(torch.empty(shape)))
             self._init_adapters()
             # A frozen base: only the adapters train (DESIGN §1 side-LoRA).
-            for p in (self.w1_EFD, self.w2_EDF, self.w3_EFD):
+            for p in (self.w13_E2FD, self.w2_EDF):
                 p.requires_grad_(False)
+
+    def gate_up_views(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(w1_EFD, w3_EFD)``: the gate and up halves of ``w13_E2FD`` (views)."""
+        return self.w13_E2FD[:, 0], self.w13_E2FD[:, 1]
+
+    def parallelize(self, parallel_dims) -> None:
+        if self.rank and self._sharding_config is not None:
+            raise ValueError(
+                "side-LoRA adapters are not supported under torchtitan's parallelize yet "
+                f"(rank={self.rank}): the adapter factors have no sharding entries, and the "
+                "shared ones (a1, a3, b2) would need gradient reductions over the EP/TP "
+                "ranks that megamoe does not do there; use rank=0 (a trainable base) with "
+                "parallelize, or the module without parallelize"
+            )
+        Module.parallelize(self, parallel_dims)
 
     def _init_adapters(self) -> None:
         """Shrink factors ``U(+-1/sqrt(fan_in))``, expand factors zero: the adapters
         start with an exactly zero contribution (as :class:`megamoe.MegaMoE`'s)."""
         with torch.no_grad():
-            dim, hidden = self.w1_EFD.shape[2], self.w1_EFD.shape[1]
-            for name, fan_in in (("a1", dim), ("a3", dim), ("a2", hidden)):
+            for name, fan_in in (("a1", self.dim), ("a3", self.dim), ("a2", self.hidden_dim)):
                 bound = 1.0 / math.sqrt(fan_in)
                 getattr(self, name).uniform_(-bound, bound)
             for name in ("b1", "b3", "b2"):
                 getattr(self, name).zero_()
 
+    def _check_not_sharded_on_gate_up(self) -> None:
+        w = self.w13_E2FD
+        if isinstance(w, DTensor) and any(getattr(p, "dim", None) == 1 for p in w.placements):
+            raise ValueError(
+                f"{type(self).__name__}.{_W13} [E, 2, F, D] is sharded on dim 1, the "
+                f"size-2 gate/up axis (placements {tuple(w.placements)}): torchtitan's "
+                "FSDP shards the expert parameters on Shard(1) when the FSDP x EP ranks "
+                "exceed the number of experts; use fewer FSDP x EP ranks than experts"
+            )
+
+    def _init_half(self, half: int, name: str) -> None:
+        """Run ``param_init[name]`` (a ``[E, F, D]`` initializer) on one half: on a
+        contiguous temporary, then copied, so a seeded init draws what the stock
+        module's does (``trunc_normal_`` on a strided view draws different numbers)."""
+        view = self.w13_E2FD[:, half]
+        tmp = torch.empty_like(view)  # contiguous; a DTensor like a stock w1_EFD under DTensor
+        self._init_param(name, tmp)
+        with torch.no_grad():
+            view.copy_(tmp)
+
     def _init_self_parameters(self) -> None:
+        # init_states runs after fully_shard, on every run (checkpoint loads included).
+        self._check_not_sharded_on_gate_up()
         # torchtitan's param_init covers the base's names; the adapters are ours.
-        base = {"w1_EFD", "w2_EDF", "w3_EFD"}
-        if self._param_init is not None:
-            for name, param in self.named_parameters(recurse=False):
-                if name in base:
-                    self._init_param(name, param)
+        if self._param_init is not None and _W13 in self._param_init:
+            self._init_param(_W13, self.w13_E2FD)  # a user-supplied fused initializer wins
+            self._init_param("w2_EDF", self.w2_EDF)
+        elif self._param_init is not None:  # GroupedExperts' order: w1, w2, w3
+            self._init_half(0, _GATE)
+            self._init_param("w2_EDF", self.w2_EDF)
+            self._init_half(1, _UP)
         if self.rank:
             self._init_adapters()
 
@@ -156,18 +353,19 @@ class MegaMoEGroupedExperts(GroupedExperts):
         Rows past the counts' sum (an EP dispatcher's padding) are masked routes: they
         come back as zeros.
         """
-        w1, w2, w3 = _local(self.w1_EFD), _local(self.w2_EDF), _local(self.w3_EFD)
-        experts = w1.shape[0]
+        w13, w2 = _local(self.w13_E2FD), _local(self.w2_EDF)
+        experts, _, f_local, d = w13.shape
+        # view, not reshape: a local shard that cannot be viewed fails loudly, no copy.
+        w13 = w13.view(experts, 2 * f_local, d)
         # Each row's expert without a host sync: the number of segment ends <= row.
         ends = torch.cumsum(num_tokens_per_expert_E, dim=0)
         rows = torch.arange(x_RD.shape[0], device=x_RD.device)
         ids = torch.bucketize(rows, ends, right=True)
         ids = torch.where(ids >= experts, torch.full_like(ids, -1), ids).view(-1, 1)
         weights = torch.ones(x_RD.shape[0], 1, dtype=torch.float32, device=x_RD.device)
-        dtype = torch.bfloat16 if self.backend == "fused" else w1.dtype
-        # The one copy (module docstring): megamoe reads gate and up rows as one tensor.
-        w13 = torch.cat([w1.to(dtype), w3.to(dtype)], dim=1)
-        base = prepare_base_weights(w13, w2.to(dtype))
+        # .to() is a no-op for BF16 parameters (FSDP2's default param_dtype).
+        dtype = torch.bfloat16 if self.backend == "fused" else w13.dtype
+        base = prepare_base_weights(w13.to(dtype), w2.to(dtype))
         if self.backend == "reference":
             out = reference.moe(
                 x_RD, ids, weights, base, self.side_lora(), compute_dtype=torch.float32
