@@ -223,7 +223,16 @@ def test_model_wrapper_cache_aliases_the_parameter_and_loads_without_a_stack(mon
     w13 = module.inner_experts.w13_E2FD
     for key in ("inner_experts.w1_EFD", "inner_experts.w3_EFD"):
         assert first[key].untyped_storage().data_ptr() == w13.untyped_storage().data_ptr()
-    assert wrapper.state_dict() is first  # same cache, same storages (no refresh copies)
+    # A second state_dict() refreshes by copy only what no longer shares storage: the
+    # gate/up views must share it (no refresh copies).
+    shared = []
+    real = base._shares_storage
+    monkeypatch.setattr(
+        base, "_shares_storage", lambda a, b: shared.append(real(a, b)) or shared[-1]
+    )
+    assert wrapper.state_dict() is first
+    assert shared and all(shared)
+    monkeypatch.setattr(base, "_shares_storage", real)
     with torch.no_grad():
         first["inner_experts.w1_EFD"].fill_(0.5)  # what dcp.load does in place
 

@@ -22,24 +22,28 @@ Usage (a model registry function that takes ``converters=``, e.g. llama4/qwen3/d
 Parameters. megamoe reads gate and up as one ``w13 [E, 2I, H]`` tensor (all gate rows,
 then all up rows), so the module holds them as ONE parameter ``w13_E2FD [E, 2, F, D]``
 (gate ``[:, 0]``, up ``[:, 1]``) next to torchtitan's ``w2_EDF [E, D, F]``; each call
-passes ``w13_E2FD``'s local shard viewed as ``[E_l, 2F_l, D]`` (no copy; under FSDP2's
-BF16 ``param_dtype`` no cast either). Under FSDP2/EP/TP the parameters are DTensors and
+passes ``w13_E2FD``'s local shard viewed as ``[E_l, 2F_l, D]``: no concatenation. BF16
+parameters (FSDP2's default ``param_dtype``) are passed as they are; FP32 parameters (no
+FSDP, or ``param_dtype=None``) are cast to one transient BF16 copy per call, as the
+stock module's ``.bfloat16()`` does. Under FSDP2/EP/TP the parameters are DTensors and
 each call uses the local shards (``to_local()``, no gather), as ``GroupedExperts`` does.
 
 Checkpoints keep torchtitan's names. A state-dict post-hook replaces ``w13_E2FD`` by
 ``w1_EFD = w13_E2FD[:, 0]`` and ``w3_EFD = w13_E2FD[:, 1]``: views, not copies
 (torchtitan's ``ModelWrapper`` caches ``state_dict()`` for the whole run and DCP loads
-into those tensors in place, so a copy would be a permanent second gate/up copy and a
-DCP load would miss the parameter). A load-state-dict pre-hook merges ``w1_EFD`` and
-``w3_EFD`` back: when they are those views (a DCP load has already written through
-them) the parameter itself is passed, else they are stacked (a load-time transient: HF
-state-dict adapters, stock checkpoints). So stock ``GroupedExperts`` and megamoe
-checkpoints load into each other with ``strict=True``, and torchtitan's HF adapters see
-the stock keys. Tools that key by ``named_parameters`` see ``w13_E2FD``, and so does
-the optimizer: its state is keyed ``...inner_experts.w13_E2FD``, so a full resume
-(model + optimizer) between a stock run and a megamoe run with a trainable base
-(``rank = 0``) misses those keys; load the model only (exclude ``optimizer`` from the
-checkpoint load) when switching. A frozen base has no optimizer state.
+into those tensors in place, so copies would hold a permanent second gate/up copy). A
+load-state-dict pre-hook merges ``w1_EFD`` and ``w3_EFD`` back: when they are those
+views (a DCP load has already written through them) the parameter itself is passed, else
+they are stacked (a load-time transient: HF state-dict adapters, stock checkpoints). So
+stock ``GroupedExperts`` and megamoe checkpoints load into each other with
+``strict=True``, and torchtitan's HF adapters see the stock keys (by construction). The
+Kimi K2.7 Muon optimizer config keys its expert patterns by ``w1_EFD``/``w3_EFD`` and is
+not supported with a trainable base (gate/up would fall into its AdamW group). Tools
+that key by ``named_parameters`` see ``w13_E2FD``, and so does the optimizer: its state
+is keyed ``...inner_experts.w13_E2FD``, so a full resume (model + optimizer) between a
+stock run and a megamoe run with a trainable base (``rank = 0``) misses those keys; load
+the model only (exclude ``optimizer`` from the checkpoint load) when switching. A frozen
+base has no optimizer state.
 
 Sharding. torchtitan's ``update_from_config`` writes the experts' ``sharding_config``
 after conversion, with entries for ``w1_EFD``/``w2_EDF``/``w3_EFD``;
@@ -49,8 +53,8 @@ EP ``S(0)`` stays, TP colwise ``S(1)`` becomes ``S(2)``; a rank's local
 ``[E_l, 2, F_l, D]`` is its gate rows then the matching up rows). FSDP2 shards dim 0
 (the experts) as for the stock module, except that torchtitan falls back to ``Shard(1)``
 for all expert parameters when the FSDP x EP ranks exceed the experts; dim 1 is the
-size-2 gate/up axis here, so ``init_states`` raises then (use fewer FSDP x EP ranks
-than experts).
+size-2 gate/up axis here, so ``init_states`` raises then (use at most as many FSDP x EP
+ranks as experts).
 
 Side-LoRA under ``parallelize``: not supported yet. The adapter factors have no
 ``state_shardings`` entries, and the shared ones (``a1``, ``a3``, ``b2``) would need
@@ -115,7 +119,10 @@ def _split_w13_on_save(module, state_dict, prefix, local_metadata) -> None:
     # the last ones in the dict when its post-hook runs (it has no children).
     own = [prefix + n for n in ("w2_EDF", *_ADAPTER_NAMES)]
     tail = {k: state_dict.pop(k) for k in own if k in state_dict}
-    state_dict[prefix + _GATE] = w13[:, 0]  # [E, F, D] (a DTensor view under DTensor)
+    # Views of the detached data (keep_vars=True would otherwise hand out non-leaf views);
+    # [E, F, D], a DTensor view under DTensor.
+    w13 = w13.detach()
+    state_dict[prefix + _GATE] = w13[:, 0]
     w2 = tail.pop(prefix + "w2_EDF", None)
     if w2 is not None:
         state_dict[prefix + "w2_EDF"] = w2
@@ -309,7 +316,8 @@ class MegaMoEGroupedExperts(GroupedExperts):
                 f"{type(self).__name__}.{_W13} [E, 2, F, D] is sharded on dim 1, the "
                 f"size-2 gate/up axis (placements {tuple(w.placements)}): torchtitan's "
                 "FSDP shards the expert parameters on Shard(1) when the FSDP x EP ranks "
-                "exceed the number of experts; use fewer FSDP x EP ranks than experts"
+                "exceed the number of experts; use at most as many FSDP x EP ranks as "
+                "experts"
             )
 
     def _init_half(self, half: int, name: str) -> None:
@@ -333,6 +341,12 @@ class MegaMoEGroupedExperts(GroupedExperts):
             self._init_half(0, _GATE)
             self._init_param("w2_EDF", self.w2_EDF)
             self._init_half(1, _UP)
+        else:  # as torchtitan's Module: parameters and no initializer are an error
+            raise ValueError(
+                f"{type(self).__name__} has parameters ['{_W13}', 'w2_EDF'] but no "
+                "param_init: set param_init on the Config (its w1_EFD, w2_EDF, w3_EFD "
+                "initializers)"
+            )
         if self.rank:
             self._init_adapters()
 
