@@ -676,82 +676,23 @@ def _fsdp_worker(rank: int, world: int) -> dict:
     return {"ok": True}
 
 
-def _gloo_rank(rank: int, world: int, tmp: str, fn, args) -> None:
-    """One spawned rank: a gloo group on a FileStore in ``tmp`` (private to the test,
-    so parallel pytest workers never share a rendezvous), ``fn``'s result or traceback
-    written to ``tmp``, then ``os._exit``: with ``megamoe.ep.run_gloo``'s normal
-    interpreter exit these DeviceMesh/DTensor/FSDP workers aborted now and then
-    ("terminate called without an active exception", about 1 run in 6)."""
-    import os
-    import sys
-    import traceback
-    from datetime import timedelta
-    from pathlib import Path
-
-    import torch.distributed as dist
-
-    out, code = Path(tmp), 0
-    try:
-        torch.set_num_threads(1)
-        store = dist.FileStore(str(out / "store"), world)
-        dist.init_process_group(
-            "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60)
-        )
-        torch.save(fn(rank, world, *args), out / f"result{rank}.pt")
-    except BaseException:
-        (out / f"error{rank}.txt").write_text(traceback.format_exc())
-        code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-def _run_two_gloo_ranks(tmp_path, fn, *args):
-    import time
-
+def _run_two_gloo_ranks(fn, *args):
     dist = pytest.importorskip("torch.distributed")
     if not (dist.is_available() and dist.is_gloo_available()):
         pytest.skip("needs torch.distributed with the gloo backend")
     pytest.importorskip("torchtitan.models.qwen3")
-    mp = pytest.importorskip("torch.multiprocessing")
-    ctx = mp.get_context("spawn")
-    procs = [
-        ctx.Process(target=_gloo_rank, args=(r, WORLD, str(tmp_path), fn, args), daemon=True)
-        for r in range(WORLD)
-    ]
-    for p in procs:
-        p.start()
-    deadline, failed_at = time.monotonic() + 120.0, None
-    while any(p.is_alive() for p in procs):
-        now = time.monotonic()
-        if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
-            failed_at = now  # a peer may wait in a collective: give it 5 s, then kill
-        if now > deadline or (failed_at is not None and now - failed_at > 5.0):
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-            break
-        time.sleep(0.02)
-    for p in procs:
-        p.join(timeout=10)
-    problems = []
-    for r, p in enumerate(procs):
-        err = tmp_path / f"error{r}.txt"
-        if err.exists():
-            problems.append(f"--- rank {r} raised:\n{err.read_text()}")
-        elif p.exitcode != 0:
-            problems.append(f"--- rank {r} exited with code {p.exitcode}")
-    assert not problems, "\n".join(problems)
-    return [torch.load(tmp_path / f"result{r}.pt") for r in range(WORLD)]
+    from megamoe.ep import run_gloo
+
+    return run_gloo(fn, WORLD, *args)
 
 
 @pytest.mark.parametrize("axis", ["tp", "ep"])
-def test_two_rank_layouts_match_the_stock_experts_and_the_oracle(tmp_path, axis):
-    assert _run_two_gloo_ranks(tmp_path, _layout_worker, axis) == [{"ok": True}] * WORLD
+def test_two_rank_layouts_match_the_stock_experts_and_the_oracle(axis):
+    assert _run_two_gloo_ranks(_layout_worker, axis) == [{"ok": True}] * WORLD
 
 
-def test_two_rank_fsdp2_shard0_trains_and_the_shard1_fallback_is_refused(tmp_path):
-    results = _run_two_gloo_ranks(tmp_path, _fsdp_worker)
+def test_two_rank_fsdp2_shard0_trains_and_the_shard1_fallback_is_refused():
+    results = _run_two_gloo_ranks(_fsdp_worker)
     if "skip" in results[0]:
         pytest.skip(results[0]["skip"])
     assert results == [{"ok": True}] * WORLD
