@@ -9,7 +9,8 @@ so every case computes the same FLOPs over the same routed rows):
   columns), ``dgrad2`` (plain) and ``dgrad2+act`` (the activation-backward epilogue, the
   layer's dgrad2), and the K-grouped weight gradients ``wgrad13`` (dw13 ``[2I, H]``),
   ``wgrad2`` (dw2 ``[H, I]``), ``db13`` (``[2r, 2I]``), ``da2`` (``[I, r]``);
-- for each weight GEMM also the MXFP4 base (decoded inside the pipeline);
+- for each weight GEMM also the MXFP4 base as the layer runs it (decoded inside the
+  pipeline at few rows per expert, else one transient BF16 decode, timed with the GEMM);
 - peers: ``torch._grouped_mm`` of the same product (the epilogue-free GEMM; the fused
   cases' ratio is against it), QuACK's varlen grouped GEMM (``quack.gemm_interface.gemm``,
   default config).
@@ -269,13 +270,23 @@ def run_ncu(argv: list[str]) -> dict[tuple[str, str], dict[str, float]]:
     if done.returncode != 0 or not lines:
         print(f"ncu failed ({done.returncode}): {done.stderr[-2000:]}", file=sys.stderr)
         return {}
-    rows = list(csv.DictReader(io.StringIO("\n".join(lines))))
+    return ncu_bytes_by_case(lines)
+
+
+def ncu_bytes_by_case(csv_lines: list[str]) -> dict[tuple[str, str], dict[str, float]]:
+    """``ncu --csv --page raw --nvtx`` rows summed per ``(gemm, case)`` NVTX range; kernels
+    outside a ``gemm|case`` range (set-up, warm-up) are left out."""
+    rows = list(csv.DictReader(io.StringIO("\n".join(csv_lines))))
+    if not rows:
+        return {}
     totals: dict[tuple[str, str], dict[str, float]] = {}
-    range_key = next((k for k in rows[0] if "push_pop_ranges" in k.lower()), None)
+    # ncu names the column "thread Domain:Push/Pop_Range:...", its values
+    # "<default domain>:gemm1|engine:none:..." (the range's message among ':'-fields).
+    range_key = next((k for k in rows[0] if "push/pop_range" in k.lower()), None)
     for row in rows[1:]:  # the first data row holds the units
-        label = (row.get(range_key) or "") if range_key else ""
-        label = label.split(":")[-1].strip('[]" ')
-        if "|" not in label:
+        fields = ((row.get(range_key) or "") if range_key else "").split(":")
+        label = next((f.strip('[]" ') for f in fields if "|" in f), None)
+        if label is None:
             continue
         gemm, case = label.split("|", 1)
         entry = totals.setdefault((gemm, case), dict.fromkeys(NCU_METRICS, 0.0))
