@@ -9,6 +9,7 @@ launch is a 1x1 cluster, so the rounding costs at most one SM.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping
 
@@ -56,8 +57,16 @@ def resolve_num_sms(device_sm_count: int, environ: Mapping[str, str] | None = No
 
 
 def num_sms(device_index: int | None = None) -> int:
-    """:func:`resolve_num_sms` for a CUDA device (current device when ``None``)."""
+    """:func:`resolve_num_sms` for a CUDA device (current device when ``None``); the
+    environment is read on every call, the device's SM count once."""
     import torch
 
     index = torch.cuda.current_device() if device_index is None else device_index
-    return resolve_num_sms(torch.cuda.get_device_properties(index).multi_processor_count)
+    return resolve_num_sms(_device_sm_count(index))
+
+
+@functools.cache
+def _device_sm_count(index: int) -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(index).multi_processor_count

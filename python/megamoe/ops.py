@@ -12,6 +12,12 @@ adapters) and a ``scale``:
 - ``megamoe::moe_backward``: :func:`megamoe.pipeline.fused_backward.moe_backward`, given the
   forward's plan (its saved index maps) and its BLOCK_M, nothing planned again.
 
+Eagerly, on plain CUDA tensors, ``mm.moe`` calls the two ops' implementations through
+an autograd Function with the forward op's autograd rules (``_EagerMoeForward``): the
+same code and kernels without the custom-op dispatch, whose host time bounded
+small-token calls. torch.compile, dispatch and torch-function modes (FlopCounterMode,
+FakeTensorMode, DTensor) and direct ``torch.ops.megamoe`` calls get the ops.
+
 ``mm.moe(group=...)`` (expert parallelism) runs :func:`megamoe.ep.fused_moe` instead,
 an autograd Function over the same stages: docs/DESIGN-NOTES.md ("The op layer") says
 why it is not one of these ops.
@@ -27,6 +33,8 @@ gets outputs of the right shapes.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -34,7 +42,7 @@ from ._checks import check_choice, check_finite_float, check_int, check_tensor
 from .ep.fused_layer import moe as fused_moe
 from .heuristics import get_block_m
 from .pipeline.fused_backward import moe_backward
-from .pipeline.fused_forward import SAVE_MODES, ForwardState, moe_forward
+from .pipeline.fused_forward import SAVE_MODES, ForwardState, moe_forward, stage
 from .registry import registry
 from .side_lora import SideLoRA
 from .validation import check_backward_inputs, check_moe_inputs
@@ -107,8 +115,7 @@ def _check_block_m(block_m: object) -> int:
     return block_m
 
 
-@torch.library.custom_op("megamoe::moe_forward", mutates_args=())
-def _moe_forward_op(
+def _moe_forward_impl(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
@@ -171,6 +178,11 @@ def _moe_forward_op(
         _empty(x) if state.q13 is None else state.q13,
         _empty(x) if state.p_sum is None else state.p_sum,
     )
+
+
+_moe_forward_op = torch.library.custom_op("megamoe::moe_forward", mutates_args=())(
+    _moe_forward_impl
+)
 
 
 @_moe_forward_op.register_fake
@@ -253,8 +265,7 @@ def _empty(like: torch.Tensor) -> torch.Tensor:
 
 # ``preact`` is written over: dgrad2's epilogue leaves dg | du in the saved pre-activations
 # (their last reader), so the schema declares it mutated.
-@torch.library.custom_op("megamoe::moe_backward", mutates_args=("preact",))
-def _moe_backward_op(
+def _moe_backward_impl(
     dout: torch.Tensor,
     x: torch.Tensor,
     topk_weights: torch.Tensor,
@@ -314,6 +325,11 @@ def _moe_backward_op(
         side_grads=side_grads,
     )
     return [_empty(x) if grads[name] is None else grads[name] for name in _GRAD_NAMES]
+
+
+_moe_backward_op = torch.library.custom_op("megamoe::moe_backward", mutates_args=("preact",))(
+    _moe_backward_impl
+)
 
 
 @_moe_backward_op.register_fake
@@ -436,15 +452,19 @@ def _forward_backward(ctx, dout, *_state_grads):
     state = dict(zip(_STATE_NAMES, saved[len(_SAVED_INPUTS) :], strict=True))
     needs = dict(zip(_FORWARD_INPUTS, ctx.needs_input_grad, strict=True))
     # The forward's plan (its saved index maps) and BLOCK_M: nothing is planned again.
-    grads = _moe_backward_op(
-        dout=dout.contiguous(),
-        **inputs,
-        **ctx.options,
-        **state,
-        base_grads=needs["w13"] or needs["w2"],
-        side_grads=ctx.has_side and any(needs[name] for name in _SIDE_NAMES),
-        block_m=ctx.block_m,
-    )
+    # On mm.moe's eager route the backward op's implementation is called directly, in
+    # a profiler range of the op's name (see _EagerMoeForward).
+    eager = getattr(ctx, "eager", False)
+    with stage("moe_backward") if eager else contextlib.nullcontext():
+        grads = (_moe_backward_impl if eager else _moe_backward_op)(
+            dout=dout.contiguous(),
+            **inputs,
+            **ctx.options,
+            **state,
+            base_grads=needs["w13"] or needs["w2"],
+            side_grads=ctx.has_side and any(needs[name] for name in _SIDE_NAMES),
+            block_m=ctx.block_m,
+        )
     result = dict.fromkeys(_FORWARD_INPUTS)
     for name, grad in zip(_GRAD_NAMES, grads, strict=True):
         if needs[name] and grad.numel() > 0:
@@ -458,6 +478,42 @@ def _forward_backward(ctx, dout, *_state_grads):
 
 
 _moe_forward_op.register_autograd(_forward_backward, setup_context=_forward_setup_context)
+
+
+class _EagerMoeForward(torch.autograd.Function):
+    """mm.moe's eager route: the forward op's implementation under the op's own autograd
+    rules, without the custom-op dispatch (on an H200 host that dispatch cost about
+    0.25 ms per forward, a quarter of a small-token forward's host time;
+    ``docs/PERFORMANCE.md``). Same functions, same kernels, same bits as the op; taken
+    only for plain CUDA tensors outside torch.compile and outside any dispatch or
+    torch-function mode (FlopCounterMode, FakeTensorMode, DTensor, ...), which get the
+    registered ops."""
+
+    @staticmethod
+    def forward(*inputs):  # in _FORWARD_INPUTS order
+        with stage("moe_forward"):
+            return _moe_forward_impl(*inputs)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        _forward_setup_context(ctx, inputs, output)
+        ctx.eager = True
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return _forward_backward(ctx, *grads)
+
+
+def _takes_eager_route(tensors: list[torch.Tensor | None]) -> bool:
+    """Whether mm.moe may call the implementation directly (see _EagerMoeForward)."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
+        return False
+    if torch._C._is_torch_function_mode_enabled():
+        return False
+    return all(t is None or (type(t) in _PLAIN_TENSORS and t.is_cuda) for t in tensors)
+
+
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
 def moe(
@@ -534,10 +590,19 @@ def moe(
         )
     if not isinstance(base, BaseWeights):
         raise TypeError(f"base: expected megamoe.BaseWeights, got {type(base).__name__}")
-    if not torch.compiler.is_compiling():
-        # Under torch.compile the ops' fake implementations run these checks at trace
-        # time (on fake tensors: no data pointers, no id values) and the real ones at
-        # run time. EP ids are global: the dispatch plan checks their range.
+    # EP1 with CUDA tokens: the op's real implementation runs these same checks first
+    # (before any launch), so they are not run twice. Under torch.compile the fake
+    # implementation runs them at trace time (on fake tensors: no data pointers, no id
+    # values) and the real one at run time. EP ids are global: the dispatch plan checks
+    # their range.
+    checked_by_op = (
+        group is None
+        and isinstance(x, torch.Tensor)
+        and x.is_cuda
+        and isinstance(topk_ids, torch.Tensor)
+        and topk_ids.dim() == 2
+    )
+    if not torch.compiler.is_compiling() and not checked_by_op:
         check_moe_inputs(
             x,
             topk_ids,
@@ -587,7 +652,7 @@ def moe(
         save = "recompute" if activation_checkpoint else "preact"
     # One BLOCK_M decision per call: the forward plans with it, the backward reuses it.
     block_m = get_block_m(topk_ids.shape[0], topk_ids.shape[1], base.num_experts)
-    return _moe_forward_op(
+    args = dict(
         x=x,
         topk_ids=topk_ids,
         topk_weights=topk_weights,
@@ -601,4 +666,8 @@ def moe(
         activation_clamp=activation_clamp,
         block_m=block_m,
         save=save,
-    )[0]
+    )
+    tensors = [x, topk_ids, topk_weights, base.w13, base.w2, base.w13_scales, base.w2_scales]
+    if checked_by_op and _takes_eager_route([*tensors, *side_tensors]):
+        return _EagerMoeForward.apply(*(args[name] for name in _FORWARD_INPUTS))[0]
+    return _moe_forward_op(**args)[0]

@@ -8,7 +8,8 @@ consumed where it is computed; per pool row (weight ``w`` of its route) and colu
 
 - ``h = bf16(act(gc) * uc)`` from the saved pre-activations (bitwise the forward's);
 - ``dg = bf16(w z uc act'(gc))``, ``du = bf16(w z act(gc))``, zero where the clamp cut;
-- the router gradient ``<z, h>`` (FP32 per tile; the tiles' partials summed in order);
+- the router gradient ``<z, h>`` (FP32 per tile; the tiles' partials summed by one
+  deterministic reduction);
 - ``weighted_h = bf16(w h)``, which the ``a2`` and ``w2`` weight gradients contract over.
 
 ``preact`` and ``dgrad_preact`` are ``g | u`` (``w13``'s gate rows, then up rows), so
@@ -190,13 +191,12 @@ def fused_dgrad2_activation_backward(
     # memory even when no row is in use (compute-sanitizer initcheck).
     partials = torch.zeros(capacity, n_blocks, dtype=torch.float32, device=device)
     clamp = math.inf if activation_clamp is None else float(activation_clamp)
-    # Each pool row's route weight (0 for padding), gathered here so that the epilogue
-    # loads it beside the row's route instead of after it.
+    # Each pool row's route weight, gathered here so that the epilogue loads it beside
+    # the row's route instead of after it. Padding rows (route -1) index the appended 0.
     flat_weights = topk_weights.reshape(-1)
-    route = plan.pool_row_to_route.long()
-    row_weights = torch.where(route >= 0, flat_weights[route.clamp(min=0)], 0.0)
+    row_weights = torch.nn.functional.pad(flat_weights, (0, 1))[plan.pool_row_to_route]
     dl = _native.dlpack
-    with torch.cuda.device(device):
+    with _native.on_device(device):
         _native.native().engine_activation_backward(
             dl(dout_pool),
             hidden,
@@ -218,10 +218,8 @@ def fused_dgrad2_activation_backward(
             _device_sms(device),
             _native.current_stream(device),
         )
-    drouter = partials[:, 0].clone()
-    for n_block in range(1, n_blocks):  # the tiles' partials, in order
-        drouter += partials[:, n_block]
-    return dgrad_preact, weighted, drouter
+    # One deterministic reduction over the tiles' partials (a fixed order for a shape).
+    return dgrad_preact, weighted, partials.sum(dim=1)
 
 
 def activation_backward_reference(

@@ -209,7 +209,7 @@ def grouped_gemm(
                 out[start:end] = (a[start:end, :k].float() @ w).bfloat16()
         return out
     dl = _native.dlpack
-    with torch.cuda.device(a.device):
+    with _native.on_device(a.device):
         _native.native().engine_store(
             dl(a),
             k,
@@ -304,7 +304,7 @@ def gated_grouped_gemm(
         )
         return out
     dl = _native.dlpack
-    with torch.cuda.device(a.device):
+    with _native.on_device(a.device):
         _native.native().engine_gated(
             dl(a),
             k,

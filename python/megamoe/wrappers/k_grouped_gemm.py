@@ -105,7 +105,7 @@ def k_grouped_gemm(
         return out
     device_index = a.device.index if a.device.index is not None else None
     dl = _native.dlpack
-    with torch.cuda.device(a.device):
+    with _native.on_device(a.device):
         _native.native().engine_k_grouped(
             dl(a),
             dl(b),

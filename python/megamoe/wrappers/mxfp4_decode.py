@@ -55,7 +55,7 @@ def _decode_op(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     )
     rows = packed.numel() // packed.shape[-1] if packed.shape[-1] else 0
     dl = _native.dlpack
-    with torch.cuda.device(packed.device):
+    with _native.on_device(packed.device):
         _native.native().mxfp4_decode(
             dl(packed.view(rows, packed.shape[-1])),
             dl(scales.view(rows, scales.shape[-1])),

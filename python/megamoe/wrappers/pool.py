@@ -202,7 +202,7 @@ def gather_pool(
             plan.pool_capacity, hidden + side_cols, dtype=torch.bfloat16, device=x.device
         )
     dl = _native.dlpack
-    with torch.cuda.device(x.device):
+    with _native.on_device(x.device):
         _native.native().pool_gather(
             dl(x),
             dl(side) if side_cols else None,
@@ -235,7 +235,7 @@ def gather_rows(src: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     # The kernel reads its row count from the last entry of a device array (no sync).
     rows_used = torch.full((2,), rows.shape[0], dtype=torch.int32, device=src.device)
     dl = _native.dlpack
-    with torch.cuda.device(src.device):
+    with _native.on_device(src.device):
         _native.native().pool_gather(
             dl(src), None, dl(rows), dl(rows_used), 1, dl(out), _native.current_stream(src.device)
         )
@@ -338,7 +338,7 @@ def side_sum(
     if out is None:
         out = torch.empty(num_tokens, side_rank, dtype=torch.bfloat16, device=pool_output.device)
     dl = _native.dlpack
-    with torch.cuda.device(pool_output.device):
+    with _native.on_device(pool_output.device):
         _native.native().pool_side_sum(
             dl(pool_output),
             dl(plan.route_to_pool_row),
@@ -453,7 +453,7 @@ def combine(
     if out is None:
         out = torch.empty(num_tokens, hidden, dtype=torch.bfloat16, device=pool_output.device)
     dl = _native.dlpack
-    with torch.cuda.device(pool_output.device):
+    with _native.on_device(pool_output.device):
         _native.native().pool_combine(
             dl(pool_output),
             dl(plan.route_to_pool_row),

@@ -264,7 +264,7 @@ def plan_routes(
         block_m=block_m,
     )
     dl = _native.dlpack
-    with torch.cuda.device(device):
+    with _native.on_device(device):
         _native.native().route_plan(
             dl(topk_ids),
             expert_begin,

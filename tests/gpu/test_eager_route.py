@@ -1,0 +1,102 @@
+"""mm.moe's eager route (``megamoe.ops._EagerMoeForward``) against the custom ops.
+
+Eagerly, on plain CUDA tensors, ``mm.moe`` calls the ops' implementations without the
+custom-op dispatch. Both routes must give the same bits, keep the ops' autograd rules
+(the in-place ``dg | du``, no second backward), and the op route must still be taken
+where torch needs to see the ops (a torch-function or dispatch mode, torch.compile).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils.flop_counter import FlopCounterMode
+
+import megamoe as mm
+from megamoe import ops
+from megamoe.testing import LayerInputs, make_layer
+
+pytestmark = pytest.mark.gpu
+
+
+class _PassThrough(TorchFunctionMode):
+    """A torch-function mode that changes nothing (forces the op route)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def _layer(mode: str, format: str) -> LayerInputs:
+    ordinary = mode == "ordinary"
+    return make_layer(
+        512, 256, 8, 4, None if ordinary else 32, num_tokens=301, device="cuda", seed=5,
+        routing="masked", format=format, activation_clamp=7.0, requires_grad=True,
+        trainable_base=ordinary,
+    )  # fmt: skip
+
+
+def _run(layer: LayerInputs, dout: torch.Tensor) -> list[torch.Tensor]:
+    leaves = list(layer.grad_leaves().values())
+    out = layer.call(mm.moe)
+    return [out, *torch.autograd.grad(out, leaves, dout)]
+
+
+@pytest.fixture
+def routes(monkeypatch):
+    """Counts of the eager route's forwards."""
+    taken = {"eager": 0}
+    apply = ops._EagerMoeForward.apply
+
+    def counted(*args):
+        taken["eager"] += 1
+        return apply(*args)
+
+    monkeypatch.setattr(ops._EagerMoeForward, "apply", counted)
+    return taken
+
+
+@pytest.mark.parametrize("format", ["bf16", "mxfp4"])
+@pytest.mark.parametrize("mode", ["side-lora", "ordinary"])
+def test_eager_route_is_bitwise_the_op_route(mode, format, routes):
+    layer = _layer(mode, format)
+    dout = torch.randn_like(layer.x)
+    eager = _run(layer, dout)
+    assert routes["eager"] == 1
+    with _PassThrough():
+        via_op = _run(layer, dout)
+    assert routes["eager"] == 1  # the mode sent the second call through the op
+    for i, (a, b) in enumerate(zip(eager, via_op, strict=True)):
+        assert torch.equal(a, b), i
+    assert torch.isfinite(eager[0]).all() and eager[0].abs().amax() > 0
+
+
+def test_eager_route_refuses_a_second_backward(routes):
+    layer = _layer("side-lora", "bf16")
+    out = layer.call(mm.moe)
+    leaves = list(layer.grad_leaves().values())
+    torch.autograd.grad(out, leaves, torch.ones_like(out), retain_graph=True)
+    assert routes["eager"] == 1
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(out, leaves, torch.ones_like(out))
+
+
+def test_inference_takes_the_eager_route_and_matches(routes):
+    layer = _layer("side-lora", "bf16")
+    with torch.no_grad():
+        eager = layer.call(mm.moe)
+        with _PassThrough():
+            via_op = layer.call(mm.moe)
+    assert routes["eager"] == 1
+    assert torch.equal(eager, via_op)
+
+
+def test_flop_counter_sees_the_ops_on_cuda(routes):
+    layer = _layer("side-lora", "bf16")
+    with FlopCounterMode(display=False) as counter:
+        out = layer.call(mm.moe)
+        torch.autograd.grad(out, list(layer.grad_leaves().values()), torch.ones_like(out))
+    assert routes["eager"] == 0
+    counts = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
+    assert any("moe_forward" in op and n > 0 for op, n in counts.items()), counts
+    assert any("moe_backward" in op and n > 0 for op, n in counts.items()), counts
