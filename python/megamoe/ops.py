@@ -292,11 +292,24 @@ def _moe_backward_impl(
     base_grads: bool,
     side_grads: bool,
     block_m: int,
-) -> list[torch.Tensor]:
-    """``[dx, dtopk_weights, dw13, dw2, da1, db1, da3, db3, da2, db2]``; gradients not
-    computed are empty tensors. The plan (``expert_counts`` .. ``pool_row_to_route``)
-    and ``block_m`` are the forward's. ``preact`` (the forward's saved ``g | u``, or
-    empty under activation checkpointing) is overwritten with ``dg | du``."""
+) -> tuple[
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+]:
+    """``(dx, dtopk_weights, dw13, dw2, da1, db1, da3, db3, da2, db2)``; gradients not
+    computed are empty tensors. A tuple, not a list: torch.compile functionalizes an op
+    that mutates an input (``preact``) only when it returns plain tensors. The plan
+    (``expert_counts`` .. ``pool_row_to_route``) and ``block_m`` are the forward's.
+    ``preact`` (the forward's saved ``g | u``, or empty under activation checkpointing)
+    is overwritten with ``dg | du``."""
     base, side = _backward_inputs(
         dout, x, topk_weights, w13, w2, w13_scales, w2_scales, (a1, b1, a3, b3, a2, b2), scale,
         activation, activation_clamp, expert_counts, expert_pool_offsets, route_to_pool_row,
@@ -324,7 +337,7 @@ def _moe_backward_impl(
         base_grads=base_grads,
         side_grads=side_grads,
     )
-    return [_empty(x) if grads[name] is None else grads[name] for name in _GRAD_NAMES]
+    return tuple(_empty(x) if grads[name] is None else grads[name] for name in _GRAD_NAMES)
 
 
 _moe_backward_op = torch.library.custom_op("megamoe::moe_backward", mutates_args=("preact",))(
@@ -369,13 +382,13 @@ def _(
     _check_block_m(block_m)
     use_side = q13.numel() > 0 and side_grads
     side = (a1, b1, a3, b3, a2, b2)
-    return [
+    return (
         x.new_empty(x.shape),
         topk_weights.new_empty(topk_weights.shape),
         w13.new_empty(w13.shape) if base_grads else x.new_empty(0),
         w2.new_empty(w2.shape) if base_grads else x.new_empty(0),
-        *[t.new_empty(t.shape) if use_side else x.new_empty(0) for t in side],
-    ]
+        *(t.new_empty(t.shape) if use_side else x.new_empty(0) for t in side),
+    )
 
 
 def _backward_inputs(

@@ -94,3 +94,37 @@ def test_the_forward_op_checks_its_save_mode():
                 x, ids, weights, w13, w2, None, None, *adapters, 0.0, "swiglu", None, BLOCK_M,
                 "train",
             )  # fmt: skip
+
+
+def test_compile_functionalizes_the_backward_that_writes_preact():
+    """AOT autograd (what torch.compile runs) traces forward and backward on fake
+    tensors; the backward op mutates ``preact``, which it can functionalize only when
+    the op returns plain tensors (not a list)."""
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_function
+    from torch._higher_order_ops.auto_functionalize import can_auto_functionalize
+
+    assert can_auto_functionalize(torch.ops.megamoe.moe_backward.default)
+    graphs = []
+
+    def keep(gm, _inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm)
+
+    def forward(x, weights, *adapters, ids, w13, w2):
+        return torch.ops.megamoe.moe_forward(
+            x, ids, weights, w13, w2, None, None, *adapters, 0.5, "swiglu", None, BLOCK_M,
+            "preact",
+        )[0]  # fmt: skip
+
+    compiled = aot_function(forward, fw_compiler=keep, bw_compiler=keep)
+    with FakeTensorMode():
+        x, ids, weights, w13, w2, adapters = _inputs(side=True)
+        leaves = [x, weights, *adapters]
+        for t in leaves:
+            t.requires_grad_(True)
+        out = compiled(*leaves, ids=ids.zero_(), w13=w13, w2=w2)
+        grads = torch.autograd.grad(out.sum(), leaves)
+    assert [g.shape for g in grads] == [t.shape for t in leaves]
+    backward_ops = [str(n.target) for n in graphs[-1].graph.nodes if n.op == "call_function"]
+    assert any("auto_functionalized" in op for op in backward_ops), backward_ops
