@@ -1,0 +1,126 @@
+"""Host time of one small-token layer call, per function (needs a CUDA GPU).
+
+Every function of the loaded ``megamoe`` modules (the DLPack export and the stream
+query among them), the native launchers and a few torch calls (``empty``, ``cat``,
+``mm``, ``aminmax``, ``@``) are wrapped in ``perf_counter`` timers; the table gives each
+one's inclusive host time per layer call (nested entries overlap), for a side-LoRA
+forward and a forward + backward at ep4rank dims. A small-token call is bound by this time, not by
+its kernels (``docs/PERFORMANCE.md``, eighth session).
+
+    python tools/host_time_per_call.py --tokens 512 --format bf16 [--op-route]
+
+``--op-route`` sends ``mm.moe`` through the registered custom ops instead of its eager
+route, for an A/B in one process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import sys
+import time
+import types
+
+import torch
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=512)
+    parser.add_argument("--format", choices=("bf16", "mxfp4"), default="bf16")
+    parser.add_argument("--calls", type=int, default=30, help="timed calls per pass")
+    parser.add_argument("--op-route", action="store_true", help="force the custom ops")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("host_time_per_call: needs a CUDA GPU", file=sys.stderr)
+        return 2
+
+    import megamoe as mm
+    from megamoe import ops
+    from megamoe.bench.shapes import SHAPES
+    from megamoe.wrappers import _native
+
+    if args.op_route:
+        ops._takes_eager_route = lambda tensors: False
+    shape = SHAPES["ep4rank"].with_tokens(args.tokens)
+    layer = shape.make_layer(ordinary=False, device="cuda", requires_grad=True, format=args.format)
+    dout = torch.randn_like(layer.x)
+    leaves = list(layer.grad_leaves().values())
+
+    totals: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
+    timing = [False]
+
+    def timed(name, fn):
+        @functools.wraps(fn)
+        def wrapper(*a, **k):
+            if not timing[0]:
+                return fn(*a, **k)
+            start = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                entry = totals[name]
+                entry[0] += 1
+                entry[1] += time.perf_counter() - start
+
+        return wrapper
+
+    wrapped: dict[int, object] = {}
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("megamoe") or module is None:
+            continue
+        for attr, obj in list(vars(module).items()):
+            if isinstance(obj, types.FunctionType) and obj.__module__.startswith("megamoe"):
+                key = f"{obj.__module__.removeprefix('megamoe.')}.{obj.__qualname__}"
+                wrapped.setdefault(id(obj), timed(key, obj))
+                setattr(module, attr, wrapped[id(obj)])
+    compiled = _native.native()
+
+    class Launchers:
+        def __getattr__(self, name):
+            return timed(f"native.{name}", getattr(compiled, name))
+
+    launchers = Launchers()
+    _native.native = lambda: launchers
+    for name in ("empty", "cat", "mm", "aminmax"):
+        setattr(torch, name, timed(f"torch.{name}", getattr(torch, name)))
+    torch.Tensor.__matmul__ = timed("Tensor.__matmul__", torch.Tensor.__matmul__)
+
+    def forward():
+        return layer.call(mm.moe)
+
+    def forward_backward():
+        torch.autograd.grad(layer.call(mm.moe), leaves, dout)
+
+    route = "op" if args.op_route else "eager"
+    for label, fn in (("forward", forward), ("fwd+bwd", forward_backward)):
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize()
+        totals.clear()
+        timing[0] = True
+        host = 0.0
+        for _ in range(args.calls):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn()
+            host += time.perf_counter() - start
+        timing[0] = False
+        torch.cuda.synchronize()
+        print(
+            f"\n{route} route, T={args.tokens} {args.format} {label}: "
+            f"{host / args.calls * 1e3:.3f} ms of host time per call (instrumented)"
+        )
+        print(f"{'us/call':>9} {'calls':>6} {'us each':>8}  function")
+        ranked = sorted(totals.items(), key=lambda kv: -kv[1][1])[:50]
+        for name, (count, seconds) in ranked:
+            print(
+                f"{seconds / args.calls * 1e6:9.1f} {count / args.calls:6.1f} "
+                f"{seconds / count * 1e6:8.1f}  {name}"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
