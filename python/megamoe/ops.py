@@ -439,6 +439,7 @@ _SAVED_INPUTS = ("x", "topk_weights", "w13", "w2", "w13_scales", "w2_scales", *_
 
 def _forward_setup_context(ctx, inputs, output) -> None:
     args = dict(zip(_FORWARD_INPUTS, inputs, strict=True))
+    ctx.eager = False  # mm.moe's eager route sets it (_EagerMoeForward)
     ctx.save = args["save"]
     # The state outputs are not differentiable: without this autograd would hand the
     # backward a materialized zero gradient for each ([T*K, 2I] for the pre-activations).
@@ -467,9 +468,8 @@ def _forward_backward(ctx, dout, *_state_grads):
     # The forward's plan (its saved index maps) and BLOCK_M: nothing is planned again.
     # On mm.moe's eager route the backward op's implementation is called directly, in
     # a profiler range of the op's name (see _EagerMoeForward).
-    eager = getattr(ctx, "eager", False)
-    with stage("moe_backward") if eager else contextlib.nullcontext():
-        grads = (_moe_backward_impl if eager else _moe_backward_op)(
+    with stage("moe_backward") if ctx.eager else contextlib.nullcontext():
+        grads = (_moe_backward_impl if ctx.eager else _moe_backward_op)(
             dout=dout.contiguous(),
             **inputs,
             **ctx.options,
@@ -495,12 +495,10 @@ _moe_forward_op.register_autograd(_forward_backward, setup_context=_forward_setu
 
 class _EagerMoeForward(torch.autograd.Function):
     """mm.moe's eager route: the forward op's implementation under the op's own autograd
-    rules, without the custom-op dispatch (on an H200 host that dispatch cost about
-    0.25 ms per forward, a quarter of a small-token forward's host time;
-    ``docs/PERFORMANCE.md``). Same functions, same kernels, same bits as the op; taken
-    only for plain CUDA tensors outside torch.compile and outside any dispatch or
-    torch-function mode (FlopCounterMode, FakeTensorMode, DTensor, ...), which get the
-    registered ops."""
+    rules, without the custom-op dispatch's host time (docs/DESIGN-NOTES.md, "The op
+    layer"). Same functions, same kernels, same bits as the op; taken only for plain
+    CUDA tensors outside torch.compile and outside any dispatch or torch-function mode
+    (FlopCounterMode, FakeTensorMode, DTensor, ...), which get the registered ops."""
 
     @staticmethod
     def forward(*inputs):  # in _FORWARD_INPUTS order

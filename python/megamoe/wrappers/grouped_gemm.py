@@ -48,7 +48,7 @@ def _check_pool_operand(a: torch.Tensor, plan: RoutePlan) -> None:
 
 
 def _device_sms(device: torch.device) -> int:
-    return resolve_device_sms(device.index if device.index is not None else None)
+    return resolve_device_sms(_native.device_index(device))
 
 
 def _check_mxfp4(

@@ -103,7 +103,6 @@ def k_grouped_gemm(
             product = a[start : start + count].float().T @ b[start : start + count].float()
             out[e] = (float(scale) * product + 0.0).bfloat16()  # + 0: no -0 (as the kernel)
         return out
-    device_index = a.device.index if a.device.index is not None else None
     dl = _native.dlpack
     with _native.on_device(a.device):
         _native.native().engine_k_grouped(
@@ -114,7 +113,7 @@ def k_grouped_gemm(
             dl(out),
             k_grouped_block_n(n),
             float(scale),
-            resolve_device_sms(device_index),
+            resolve_device_sms(_native.device_index(a.device)),
             _native.current_stream(a.device),
         )
     return out
