@@ -146,6 +146,18 @@ __device__ __forceinline__ void decode_unit(const uint32_t (&words)[4], uint32_t
   }
 }
 
+// Whether every one of a thread's units takes the table path. One decode warp runs per
+// scheduler, so nothing else hides its latencies: a branch per unit would make each
+// unit its own dependency chain, while one branch over all of them lets the compiler
+// interleave every unit's independent words.
+template <int Units>
+__device__ __forceinline__ bool all_fast(const uint32_t (&scale)[Units]) {
+  bool fast = true;
+#pragma unroll
+  for (int i = 0; i < Units; ++i) fast &= ScaleTables::fast(scale[i]);
+  return fast;
+}
+
 __device__ __forceinline__ void store_chunk(uint32_t address, const uint4& chunk) {
   asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(address), "r"(chunk.x),
                "r"(chunk.y), "r"(chunk.z), "r"(chunk.w)
@@ -184,16 +196,30 @@ struct KMajorTileDecode {
 
   __device__ __forceinline__ void store(uint8_t* b_tile, int thread) const {
     const uint32_t tile_base = shared_address(b_tile);
+    if (all_fast(scale)) {
+#pragma unroll
+      for (int i = 0; i < kPerThread; ++i) {
+        const ScaleTables tables(scale[i]);
+#pragma unroll
+        for (int w = 0; w < 4; ++w)
+          store_chunk(address(tile_base, thread, i, w), tables.decode(words[i][w]));
+      }
+      return;
+    }
 #pragma unroll
     for (int i = 0; i < kPerThread; ++i) {
-      const int unit = thread + i * Threads;
-      const int row = unit / kUnitsPerRow, half = unit % kUnitsPerRow;
       uint4 chunks[4];
       decode_unit(words[i], scale[i], chunks);
 #pragma unroll
-      for (int w = 0; w < 4; ++w)
-        store_chunk(tile_base + swizzled_chunk_offset(row, 4 * half + w), chunks[w]);
+      for (int w = 0; w < 4; ++w) store_chunk(address(tile_base, thread, i, w), chunks[w]);
     }
+  }
+
+  // Where word w of unit i of this thread lands in the B tile.
+  __device__ __forceinline__ static uint32_t address(uint32_t tile_base, int thread, int i, int w) {
+    const int unit = thread + i * Threads;
+    const int row = unit / kUnitsPerRow, half = unit % kUnitsPerRow;
+    return tile_base + swizzled_chunk_offset(row, 4 * half + w);
   }
 };
 
@@ -228,33 +254,57 @@ struct MNMajorTileDecode {
 
   __device__ __forceinline__ void store(uint8_t* b_tile, int thread) const {
     const uint32_t tile_base = shared_address(b_tile);
+    if (all_fast(scale)) {
+#pragma unroll
+      for (int i = 0; i < kPerThread; ++i) {
+        uint32_t w4[4];
+        rotated_words(thread, i, w4);
+        const ScaleTables tables(scale[i]);
+#pragma unroll
+        for (int w = 0; w < 4; ++w)
+          store_chunk(address(tile_base, thread, i, w), tables.decode(w4[w]));
+      }
+      return;
+    }
 #pragma unroll
     for (int i = 0; i < kPerThread; ++i) {
-      const int unit = thread + i * Threads;
-      const int k_row = unit / kUnitsPerKRow, n_block = unit % kUnitsPerKRow;
-      // A quarter warp (8 units of one K row) stores to up to 4 boxes 8 KB apart, i.e.
-      // the same banks: each unit starts at chunk `rotation` of its four so the 8 stores
-      // of a round hit 8 different 16-byte bank groups. Rotating the 4 input words
-      // (selects, no dynamically indexed registers) puts chunk (w + rotation) % 4 in slot w.
-      const int rotation = (n_block / 2) % 4;
-      uint32_t w4[4] = {words[i][0], words[i][1], words[i][2], words[i][3]};
-      if (rotation & 1) {
-        const uint32_t first = w4[0];
-        w4[0] = w4[1], w4[1] = w4[2], w4[2] = w4[3], w4[3] = first;
-      }
-      if (rotation & 2) {
-        uint32_t t = w4[0];
-        w4[0] = w4[2], w4[2] = t;
-        t = w4[1], w4[1] = w4[3], w4[3] = t;
-      }
+      uint32_t w4[4];
+      rotated_words(thread, i, w4);
       uint4 chunks[4];
       decode_unit(w4, scale[i], chunks);
-      const uint32_t box = tile_base + (n_block / 2) * kBoxBytes;
 #pragma unroll
-      for (int w = 0; w < 4; ++w)
-        store_chunk(box + swizzled_chunk_offset(k_row, 4 * (n_block % 2) + (w + rotation) % 4),
-                    chunks[w]);
+      for (int w = 0; w < 4; ++w) store_chunk(address(tile_base, thread, i, w), chunks[w]);
     }
+  }
+
+  // A quarter warp (8 units of one K row) stores to up to 4 boxes 8 KB apart, i.e. the
+  // same banks: each unit starts at chunk `rotation` of its four so the 8 stores of a
+  // round hit 8 different 16-byte bank groups. Rotating the 4 input words (selects, no
+  // dynamically indexed registers) puts chunk (w + rotation) % 4 in slot w.
+  __device__ __forceinline__ static int rotation(int thread, int i) {
+    const int n_block = (thread + i * Threads) % kUnitsPerKRow;
+    return (n_block / 2) % 4;
+  }
+  __device__ __forceinline__ void rotated_words(int thread, int i, uint32_t (&w4)[4]) const {
+    const int r = rotation(thread, i);
+#pragma unroll
+    for (int w = 0; w < 4; ++w) w4[w] = words[i][w];
+    if (r & 1) {
+      const uint32_t first = w4[0];
+      w4[0] = w4[1], w4[1] = w4[2], w4[2] = w4[3], w4[3] = first;
+    }
+    if (r & 2) {
+      uint32_t t = w4[0];
+      w4[0] = w4[2], w4[2] = t;
+      t = w4[1], w4[1] = w4[3], w4[3] = t;
+    }
+  }
+  // Where slot w of unit i of this thread lands: chunk (w + rotation) % 4 of its four.
+  __device__ __forceinline__ static uint32_t address(uint32_t tile_base, int thread, int i, int w) {
+    const int unit = thread + i * Threads;
+    const int k_row = unit / kUnitsPerKRow, n_block = unit % kUnitsPerKRow;
+    const uint32_t box = tile_base + (n_block / 2) * kBoxBytes;
+    return box + swizzled_chunk_offset(k_row, 4 * (n_block % 2) + (w + rotation(thread, i)) % 4);
   }
 };
 
