@@ -119,21 +119,20 @@ CUtensorMap mn_major_map(const char* name, const Tensor& w, int device) {
                     {64, kBlockK, 1}, true);
 }
 
-// MXFP4 weights as stored (codes [E, K, N/2], scales transposed to [E, N/32, K]), read
-// MN-major: per K step the codes box [64 K rows, BLOCK_N / 2 bytes] and the scales box
-// [BLOCK_N / 32, 64 K].
+// MXFP4 weights as stored (codes [E, K, N/2], scales [E, K, N/32]), read MN-major: per K
+// step the codes box [64 K rows, BLOCK_N / 2 bytes]; the decode warps read the scales
+// from global memory.
 void set_mn_major_mxfp4(OperandParams& o, const Tensor& codes, const Tensor& scales,
                         int64_t experts, int64_t k, int64_t n, int device) {
   check_tensor<uint8_t>("b", codes, {experts, k, n / 2}, device);
-  check_tensor<uint8_t>("b_scales", scales, {experts, n / 32, k}, device);
+  check_tensor<uint8_t>("b_scales", scales, {experts, k, n / 32}, device);
   if (k % kBlockK != 0 || n % 32 != 0)
     throw nb::value_error(("b: an MN-major MXFP4 B needs K a multiple of 64 and N of 32, got K=" +
                            str(k) + ", N=" + str(n))
                               .c_str());
   o.codes = tensor_map("b", codes.data(), CU_TENSOR_MAP_DATA_TYPE_UINT8, {n / 2, experts * k},
                        {n / 2}, {kBlockN / 2, kBlockK}, false);
-  o.scales = tensor_map("b_scales", scales.data(), CU_TENSOR_MAP_DATA_TYPE_UINT8,
-                        {k, experts * (n / 32)}, {k}, {kBlockK, kBlockN / 32}, false);
+  o.scales = static_cast<const uint8_t*>(scales.data());
 }
 
 void launch(const EngineKernels& k, const EngineParams& params, int device, int num_sms,
@@ -191,14 +190,12 @@ void engine_gated(const Tensor& a, int64_t k_base, const Tensor& w13,
   OperandParams& o = p.operands;
   o.a = bf16_rows("a", a.data(), rows, k_base + side_k, a.stride(0), kernels.block_m);
   if (mxfp4) {
-    check_tensor<int16_t>("w13_scales", *w13_scales, {experts, k_base / kBlockK, two_i}, device);
+    check_tensor<uint8_t>("w13_scales", *w13_scales, {experts, two_i, k_base / 32}, device);
     o.codes = tensor_map("w13", w13.data(), CU_TENSOR_MAP_DATA_TYPE_UINT8,
                          {k_base / 2, inter, 2, experts},
                          {k_base / 2, inter * k_base / 2, two_i * k_base / 2},
                          {kBlockK / 2, kBlockN / 2, 1, 1}, false);
-    o.scales =
-        tensor_map("w13_scales", w13_scales->data(), CU_TENSOR_MAP_DATA_TYPE_UINT16,
-                   {two_i, experts * (k_base / kBlockK)}, {two_i * 2}, {kBlockN / 2, 1}, false);
+    o.scales = static_cast<const uint8_t*>(w13_scales->data());
   } else {
     o.b = tensor_map(
         "w13", w13.data(), CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, {k_base, inter, 2, experts},
@@ -284,13 +281,11 @@ void engine_store(const Tensor& a, int64_t k_base, const Tensor& b, std::optiona
   } else {
     if (mxfp4) {
       check_tensor<uint8_t>("b", b, {experts, n_base, k_base / 2}, device);
-      check_tensor<int16_t>("b_scales", *b_scales, {experts, k_base / kBlockK, n_base}, device);
+      check_tensor<uint8_t>("b_scales", *b_scales, {experts, n_base, k_base / 32}, device);
       o.codes =
           tensor_map("b", b.data(), CU_TENSOR_MAP_DATA_TYPE_UINT8, {k_base / 2, n_base, experts},
                      {k_base / 2, n_base * k_base / 2}, {kBlockK / 2, kBlockN, 1}, false);
-      o.scales =
-          tensor_map("b_scales", b_scales->data(), CU_TENSOR_MAP_DATA_TYPE_UINT16,
-                     {n_base, experts * (k_base / kBlockK)}, {n_base * 2}, {kBlockN, 1}, false);
+      o.scales = static_cast<const uint8_t*>(b_scales->data());
     } else {
       check_tensor("b", b, bfloat16_dtype(), {experts, n_base, k_base}, device);
       o.b = tensor_map("b", b.data(), CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, {k_base, n_base, experts},

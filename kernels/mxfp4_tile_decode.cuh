@@ -166,35 +166,41 @@ __device__ __forceinline__ void store_chunk(uint32_t address, const uint4& chunk
 
 // The decode of one stage's B tile in two phases, so the codes may land inside the
 // B tile itself (its last quarter: a stage holds no separate staging area): every
-// decoding thread first loads its units' codes and scales into registers (`load`),
-// the threads synchronise, then each decodes and stores (`store`).
+// decoding thread first loads its units' codes into registers (`load`), the threads
+// synchronise, then each decodes and stores (`store`). A unit's scale byte comes from
+// the caller (`for_each_unit` names the unit's row or K row and its 32-column block, in
+// the order of the thread's units), loaded from global memory a step ahead.
 
-// K-major B (the forward GEMMs): codes [BlockN][32] bytes and scales [BlockN] uint16 (the
-// two UE8M0 bytes of the block's 32-column halves) -> [BlockN][64] BF16, 128-byte
-// swizzled. Units are (row, 32-column half), in order, so a warp reads 512 contiguous
-// code bytes and a quarter warp's 16-byte stores hit 8 different bank groups.
+// K-major B (the forward GEMMs): codes [BlockN][32] bytes -> [BlockN][64] BF16, 128-byte
+// swizzled; unit i of a thread is (row, 32-column half). Units are in order, so a warp
+// reads 512 contiguous code bytes and a quarter warp's 16-byte stores hit 8 different
+// bank groups.
 template <int BlockN, int Threads>
 struct KMajorTileDecode {
   static constexpr int kUnits = BlockN * kUnitsPerRow;
   static constexpr int kPerThread = kUnits / Threads;
   static_assert(kUnits % Threads == 0, "every thread decodes the same number of units");
   uint32_t words[kPerThread][4];
-  uint32_t scale[kPerThread];
 
-  __device__ __forceinline__ void load(const uint8_t* codes, const uint16_t* scales, int thread) {
-    const uint32_t codes_base = shared_address(codes), scales_base = shared_address(scales);
+  // f(i, row, half) for each unit i of `thread`.
+  template <class F>
+  __device__ __forceinline__ static void for_each_unit(int thread, F f) {
 #pragma unroll
     for (int i = 0; i < kPerThread; ++i) {
       const int unit = thread + i * Threads;
-      const int row = unit / kUnitsPerRow, half = unit % kUnitsPerRow;
-      load_unit_codes(codes_base + unit * kUnitBytes, words[i]);
-      uint16_t pair;
-      asm volatile("ld.shared.u16 %0, [%1];" : "=h"(pair) : "r"(scales_base + row * 2));
-      scale[i] = (static_cast<uint32_t>(pair) >> (8 * half)) & 0xFFu;
+      f(i, unit / kUnitsPerRow, unit % kUnitsPerRow);
     }
   }
 
-  __device__ __forceinline__ void store(uint8_t* b_tile, int thread) const {
+  __device__ __forceinline__ void load(const uint8_t* codes, int thread) {
+    const uint32_t codes_base = shared_address(codes);
+#pragma unroll
+    for (int i = 0; i < kPerThread; ++i)
+      load_unit_codes(codes_base + (thread + i * Threads) * kUnitBytes, words[i]);
+  }
+
+  __device__ __forceinline__ void store(uint8_t* b_tile, int thread,
+                                        const uint32_t (&scale)[kPerThread]) const {
     const uint32_t tile_base = shared_address(b_tile);
     if (all_fast(scale)) {
 #pragma unroll
@@ -224,11 +230,11 @@ struct KMajorTileDecode {
 };
 
 // MN-major B (the dgrads' view of the weights as stored: K rows, N along the packed
-// axis): codes [64][BlockN / 2] bytes (K row, then N) and scales [BlockN / 32][64] bytes
-// (N block of 32, then K row) -> BlockN / 64 boxes of [64 K rows][64 N] BF16 side by
-// side, each 128-byte swizzled (the layout TMA writes for a BF16 MN-major B). Units are
-// (K row, 32-column N block), in order: a warp reads contiguous code bytes, and a unit's
-// four chunks land in one 128-byte row of one box.
+// axis): codes [64][BlockN / 2] bytes (K row, then N) -> BlockN / 64 boxes of [64 K rows]
+// [64 N] BF16 side by side, each 128-byte swizzled (the layout TMA writes for a BF16
+// MN-major B); unit i of a thread is (K row, 32-column N block). Units are in order: a
+// warp reads contiguous code bytes, and a unit's four chunks land in one 128-byte row of
+// one box.
 template <int BlockN, int Threads>
 struct MNMajorTileDecode {
   static constexpr int kBlockK = 64, kBoxBytes = kBlockK * 128;
@@ -237,22 +243,26 @@ struct MNMajorTileDecode {
   static constexpr int kPerThread = kUnits / Threads;
   static_assert(kUnits % Threads == 0, "every thread decodes the same number of units");
   uint32_t words[kPerThread][4];
-  uint32_t scale[kPerThread];
 
-  __device__ __forceinline__ void load(const uint8_t* codes, const uint8_t* scales, int thread) {
-    const uint32_t codes_base = shared_address(codes), scales_base = shared_address(scales);
+  // f(i, k_row, n_block) for each unit i of `thread`.
+  template <class F>
+  __device__ __forceinline__ static void for_each_unit(int thread, F f) {
 #pragma unroll
     for (int i = 0; i < kPerThread; ++i) {
       const int unit = thread + i * Threads;
-      const int k_row = unit / kUnitsPerKRow, n_block = unit % kUnitsPerKRow;
-      load_unit_codes(codes_base + unit * kUnitBytes, words[i]);
-      asm volatile("ld.shared.u8 %0, [%1];"
-                   : "=r"(scale[i])
-                   : "r"(scales_base + n_block * kBlockK + k_row));
+      f(i, unit / kUnitsPerKRow, unit % kUnitsPerKRow);
     }
   }
 
-  __device__ __forceinline__ void store(uint8_t* b_tile, int thread) const {
+  __device__ __forceinline__ void load(const uint8_t* codes, int thread) {
+    const uint32_t codes_base = shared_address(codes);
+#pragma unroll
+    for (int i = 0; i < kPerThread; ++i)
+      load_unit_codes(codes_base + (thread + i * Threads) * kUnitBytes, words[i]);
+  }
+
+  __device__ __forceinline__ void store(uint8_t* b_tile, int thread,
+                                        const uint32_t (&scale)[kPerThread]) const {
     const uint32_t tile_base = shared_address(b_tile);
     if (all_fast(scale)) {
 #pragma unroll

@@ -150,7 +150,6 @@ struct SharedStorage {
   }
   __device__ __forceinline__ uint8_t* a(int s) const { return stages + s * C::kStageBytes; }
   __device__ __forceinline__ uint8_t* b(int s) const { return a(s) + C::kABytes; }
-  __device__ __forceinline__ uint8_t* scales(int s) const { return b(s) + C::B::kTileBytes; }
 };
 
 // ---- producer: one thread streams every tile's K steps into the ring ----
@@ -166,25 +165,53 @@ __device__ __forceinline__ void produce(const EngineParams& p, const SharedStora
       TransactionBarrier::arrive_and_expect_tx(
           bar, C::kABytes + C::B::step_bytes(C::B::decodes(tile, step)));
       C::A::load(p.operands, tile, step, smem.a(ring.stage), bar);
-      C::B::load(p.operands, tile, step, smem.b(ring.stage), smem.scales(ring.stage), bar);
+      C::B::load(p.operands, tile, step, smem.b(ring.stage), bar);
       ring.advance();
     }
   }
 }
 
 // ---- decode warps (MXFP4): each landed stage's codes into its BF16 B tile ----
+// Per step: wait for `full`, load the codes, barrier, decode over them with the scales
+// loaded during the step before (global memory: their latency hides behind that step's
+// decode), fence for the async proxy, arrive on `decoded` (one arrival per warp).
 template <class C>
 __device__ __forceinline__ void decode_stages(const EngineParams& p, const SharedStorage<C>& smem,
                                               int thread) {
   using Decode =
       std::conditional_t<C::B::kMNMajor, mxfp4::MNMajorTileDecode<C::kBlockN, C::kDecodeThreads>,
                          mxfp4::KMajorTileDecode<C::kBlockN, C::kDecodeThreads>>;
-  const typename C::Schedule schedule(p.schedule);
+  using Schedule = typename C::Schedule;
+  const Schedule schedule(p.schedule);
+  // This thread's scale bytes of step `step` of `tile` (nothing to load where it does not
+  // decode: a BF16 side or extra step).
+  auto load_scales = [&](const TileInfo& tile, int step, uint32_t (&scale)[Decode::kPerThread]) {
+    if (step >= tile.k_steps || !C::B::decodes(tile, step)) return;
+    Decode::for_each_unit(thread, [&](int i, int row, int block) {
+      scale[i] = C::B::scale_byte(p.operands, tile, step, row, block);
+    });
+  };
+  uint32_t scale[Decode::kPerThread] = {};
+  int t = blockIdx.x;
+  if (t >= schedule.num_tiles()) return;
+  TileInfo tile = schedule.tile(t);
+  load_scales(tile, 0, scale);
   RingState<C::kStages> ring;
-  for (int t = blockIdx.x; t < schedule.num_tiles(); t += gridDim.x) {
-    const TileInfo tile = schedule.tile(t);
+  while (true) {
+    const int next_t = t + static_cast<int>(gridDim.x);
+    const bool more = next_t < schedule.num_tiles();
     for (int step = 0; step < tile.k_steps; ++step) {
       TransactionBarrier::wait(&smem.full[ring.stage], ring.phase);
+      uint32_t now[Decode::kPerThread];
+#pragma unroll
+      for (int i = 0; i < Decode::kPerThread; ++i) now[i] = scale[i];
+      // The next step's scales: this tile's, else the next tile's first step's.
+      auto prefetch = [&] {
+        if (step + 1 < tile.k_steps)
+          load_scales(tile, step + 1, scale);
+        else if (more)
+          load_scales(schedule.tile(next_t), 0, scale);
+      };
       if (C::B::decodes(tile, step)) {
         uint8_t* b = smem.b(ring.stage);
         // The codes land where an earlier fill of this stage was decoded: every decode
@@ -193,15 +220,14 @@ __device__ __forceinline__ void decode_stages(const EngineParams& p, const Share
         // makes it a thread-level order, which racecheck follows).
         named_barrier_sync(kDecodeBarrier, C::kDecodeThreads);
         Decode decode;
-        if constexpr (C::B::kMNMajor)
-          decode.load(b + C::B::kCodeOffset, smem.scales(ring.stage), thread);
-        else
-          decode.load(b + C::B::kCodeOffset,
-                      reinterpret_cast<const uint16_t*>(smem.scales(ring.stage)), thread);
+        decode.load(b + C::B::kCodeOffset, thread);
         // The codes sit inside the tile being written: every thread has its codes first.
         named_barrier_sync(kDecodeBarrier, C::kDecodeThreads);
-        decode.store(b, thread);
+        prefetch();
+        decode.store(b, thread, now);
         fence_generic_to_async();  // the decoded tile is read by wgmma (async proxy)
+      } else {
+        prefetch();
       }
       // One arrival per warp (an arrival per thread serializes on the barrier word); the
       // warp's stores are ordered before its lane 0's release by __syncwarp.
@@ -209,6 +235,9 @@ __device__ __forceinline__ void decode_stages(const EngineParams& p, const Share
       if (thread % 32 == 0) Barrier::arrive(&smem.decoded[ring.stage]);
       ring.advance();
     }
+    if (!more) return;
+    t = next_t;
+    tile = schedule.tile(t);
   }
 }
 

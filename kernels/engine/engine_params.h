@@ -77,12 +77,13 @@ struct OperandParams {
   // N extra segment, 3-D [E][K][N_x] read MN-major, box [64 N, 64 K, 1] (StoreKMajor:
   // GEMM2's a2 as given; StoreMNMajor: dgrad1's shrink weights).
   CUtensorMap extra;
-  // MXFP4 base (b unused). K-major (Gated, StoreKMajor): codes 4-D [E][2][I][K / 2]
-  // (Gated) or 3-D [E][N][K / 2] uint8, scales [E * K / 64, N] uint16 (the two UE8M0
-  // bytes of a 64-column K block side by side). MN-major: codes [E * K, N / 2] uint8,
-  // box [64, BLOCK_N / 2]; scales [E * N / 32, K] uint8, box [BLOCK_N / 32, 64].
+  // MXFP4 base (b unused). Codes by TMA: K-major (Gated, StoreKMajor) 4-D [E][2][I][K / 2]
+  // (Gated) or 3-D [E][N][K / 2] uint8; MN-major [E * K, N / 2] uint8, box [64, BLOCK_N /
+  // 2]. Scales as stored (UE8M0 bytes, read by the decode warps from global memory):
+  // K-major [E][N][K / 32] (Gated: N = 2I, gate rows then up rows), MN-major
+  // [E][K][N / 32].
   CUtensorMap codes;
-  CUtensorMap scales;
+  const uint8_t* scales;
   int32_t k_base;     // base reduction length (a multiple of 64 for MXFP4)
   int32_t side_rank;  // Gated: r (q1 | q3 boundary of the side columns); else 0
   int32_t n_base;     // output columns of the base segment (Gated: I)

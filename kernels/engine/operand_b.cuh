@@ -3,9 +3,12 @@
 // major of each segment's tile (which wgmma descriptor reads it).
 //
 // Stage layout of the B part: the BF16 tile [BLOCK_N x 64] (K-major rows, or MN-major
-// boxes of [64 K][64 N]), then a small area for MXFP4 scales. An MXFP4 step's codes land
-// in the BF16 tile's last quarter and are decoded over it in place (two phases with a
-// barrier between: kernels/mxfp4_tile_decode.cuh), which keeps a stage at its BF16 size.
+// boxes of [64 K][64 N]). An MXFP4 step's codes land in the BF16 tile's last quarter and
+// are decoded over it in place (two phases with a barrier between:
+// kernels/mxfp4_tile_decode.cuh), which keeps a stage at its BF16 size. The decode
+// warps read the scales from global memory in the layout the caller holds them in
+// (`scale_byte`): one byte per 32 values, a step ahead of their use, so no per-call
+// transposed copy of the scales exists.
 // Side and extra segments are BF16 in every format and are read in the layout the caller
 // holds them in (the adapter factors as given, no transposed copy), which is the other
 // major from the base's in GEMM1, GEMM2 and dgrad2: each policy names the major of each
@@ -29,14 +32,16 @@ struct OperandBLayout {
   // Codes of one K step: 32 bytes per row (K-major) = 32 K rows x 128 bytes (MN-major).
   static constexpr int kCodeBytes = BlockN * mxfp4::kCodeBytesPerRow;
   static constexpr int kCodeOffset = kTileBytes - kCodeBytes;
-  // K-major: BlockN uint16; MN-major: BlockN / 32 x 64 bytes: both BlockN * 2 bytes.
-  static constexpr int kScaleLoadBytes = BlockN * 2;
-  static constexpr int kScaleBytes = kMxfp4 ? (kScaleLoadBytes + 1023) / 1024 * 1024 : 0;
-  static constexpr int kBytes = kTileBytes + kScaleBytes;
-  // What TMA delivers for one K step's B: codes and scales if the step decodes, else a
-  // BF16 tile.
+  static constexpr int kBytes = kTileBytes;
+  // What TMA delivers for one K step's B: codes if the step decodes, else a BF16 tile.
   __device__ __forceinline__ static constexpr int step_bytes(bool decodes) {
-    return decodes ? kCodeBytes + kScaleLoadBytes : kTileBytes;
+    return decodes ? kCodeBytes : kTileBytes;
+  }
+  // A scale byte of the caller's tensor, or 127 (2^0) for a row or column block past the
+  // weight's end, whose codes TMA zero-filled (any scale decodes them to zeros).
+  __device__ __forceinline__ static uint32_t scale_at(const uint8_t* scales, int64_t index,
+                                                      bool inside) {
+    return inside ? static_cast<uint32_t>(__ldg(scales + index)) : 127u;
   }
   // `boxes` [64 K rows][64 N] boxes of a 3-D map [E][K][N], side by side along N from
   // box `first` of the tile (the MN-major tile layout).
@@ -66,9 +71,20 @@ struct GatedOperandB : OperandBLayout<BlockN, kFormat> {
     return L::kMxfp4 && step >= tile.side_steps;
   }
 
+  // The scale of tile row `row`'s 32-column half `half` at base K step `step`: gate rows
+  // then up rows of w13's scales [E][2I][K / 32].
+  __device__ __forceinline__ static uint32_t scale_byte(const OperandParams& p,
+                                                        const TileInfo& tile, int step, int row,
+                                                        int half) {
+    const int i = tile.n_block * kHalf + row % kHalf;
+    const int64_t stored_row =
+        static_cast<int64_t>(tile.expert) * 2 * p.n_base + (row / kHalf) * p.n_base + i;
+    const int column = 2 * (step - tile.side_steps) + half;
+    return L::scale_at(p.scales, stored_row * (p.k_base / 32) + column, i < p.n_base);
+  }
+
   __device__ __forceinline__ static void load(const OperandParams& p, const TileInfo& tile,
-                                              int step, uint8_t* dst, uint8_t* scales,
-                                              uint64_t* bar) {
+                                              int step, uint8_t* dst, uint64_t* bar) {
     const int i0 = tile.n_block * kHalf;
     if (step < tile.side_steps) {
       const int k = step * kBlockK;
@@ -80,15 +96,11 @@ struct GatedOperandB : OperandBLayout<BlockN, kFormat> {
     const int k0 = (step - tile.side_steps) * kBlockK;
     if constexpr (L::kMxfp4) {
       uint8_t* codes = dst + L::kCodeOffset;
-      const int scale_row = tile.expert * (p.k_base / kBlockK) + k0 / kBlockK;
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
+      for (int half = 0; half < 2; ++half)
         cute::SM90_TMA_LOAD_4D::copy(&p.codes, bar, kCacheHint,
                                      codes + half * kHalf * mxfp4::kCodeBytesPerRow, k0 / 2, i0,
                                      half, tile.expert);
-        cute::SM90_TMA_LOAD_2D::copy(&p.scales, bar, kCacheHint, scales + half * kHalf * 2,
-                                     half * p.n_base + i0, scale_row);
-      }
     } else {
 #pragma unroll
       for (int half = 0; half < 2; ++half)
@@ -112,9 +124,17 @@ struct KMajorOperandB : OperandBLayout<BlockN, kFormat> {
     return L::kMxfp4 && !tile.extra;
   }
 
+  // The scale of tile row `row`'s 32-column half `half` at K step `step` ([E][N][K / 32]).
+  __device__ __forceinline__ static uint32_t scale_byte(const OperandParams& p,
+                                                        const TileInfo& tile, int step, int row,
+                                                        int half) {
+    const int n = tile.n_block * BlockN + row;
+    const int64_t stored_row = static_cast<int64_t>(tile.expert) * p.n_base + n;
+    return L::scale_at(p.scales, stored_row * (p.k_base / 32) + 2 * step + half, n < p.n_base);
+  }
+
   __device__ __forceinline__ static void load(const OperandParams& p, const TileInfo& tile,
-                                              int step, uint8_t* dst, uint8_t* scales,
-                                              uint64_t* bar) {
+                                              int step, uint8_t* dst, uint64_t* bar) {
     const int k0 = step * kBlockK;
     if (tile.extra) {
       L::load_mn_boxes(&p.extra, bar, dst, 0, BlockN / 64, tile.n_local * BlockN, k0, tile.expert);
@@ -124,8 +144,6 @@ struct KMajorOperandB : OperandBLayout<BlockN, kFormat> {
     if constexpr (L::kMxfp4) {
       cute::SM90_TMA_LOAD_3D::copy(&p.codes, bar, kCacheHint, dst + L::kCodeOffset, k0 / 2, n0,
                                    tile.expert);
-      cute::SM90_TMA_LOAD_2D::copy(&p.scales, bar, kCacheHint, scales, n0,
-                                   tile.expert * (p.k_base / kBlockK) + k0 / kBlockK);
     } else {
       cute::SM90_TMA_LOAD_3D::copy(&p.b, bar, kCacheHint, dst, k0, n0, tile.expert);
     }
@@ -149,9 +167,19 @@ struct MNMajorOperandB : OperandBLayout<BlockN, kFormat> {
     return L::kMxfp4 && !tile.extra && step >= tile.side_steps;
   }
 
+  // The scale of K row `k_row` of base step `step`, N block `n_block` (of 32) of the tile
+  // ([E][K][N / 32]).
+  __device__ __forceinline__ static uint32_t scale_byte(const OperandParams& p,
+                                                        const TileInfo& tile, int step, int k_row,
+                                                        int n_block) {
+    const int block = tile.n_block * (BlockN / 32) + n_block, blocks = p.n_base / 32;
+    const int64_t stored_row =
+        static_cast<int64_t>(tile.expert) * p.k_base + (step - tile.side_steps) * kBlockK + k_row;
+    return L::scale_at(p.scales, stored_row * blocks + block, block < blocks);
+  }
+
   __device__ __forceinline__ static void load(const OperandParams& p, const TileInfo& tile,
-                                              int step, uint8_t* dst, uint8_t* scales,
-                                              uint64_t* bar) {
+                                              int step, uint8_t* dst, uint64_t* bar) {
     if (step < tile.side_steps) {
       cute::SM90_TMA_LOAD_3D::copy(&p.side_gate, bar, kCacheHint, dst, step * kBlockK,
                                    tile.n_block * BlockN, tile.expert);
@@ -164,12 +192,9 @@ struct MNMajorOperandB : OperandBLayout<BlockN, kFormat> {
     }
     const int n0 = tile.n_block * BlockN;
     if constexpr (L::kMxfp4) {
-      // Codes [E * K, N / 2]: this expert's 64 K rows (K is a multiple of 64); scales
-      // [E * N / 32, K]: this tile's N blocks of 32, 64 K columns.
+      // Codes [E * K, N / 2]: this expert's 64 K rows (K is a multiple of 64).
       cute::SM90_TMA_LOAD_2D::copy(&p.codes, bar, kCacheHint, dst + L::kCodeOffset, n0 / 2,
                                    tile.expert * p.k_base + k0);
-      cute::SM90_TMA_LOAD_2D::copy(&p.scales, bar, kCacheHint, scales, k0,
-                                   tile.expert * (p.n_base / 32) + n0 / 32);
     } else {
       L::load_mn_boxes(&p.b, bar, dst, 0, kBoxes, n0, k0, tile.expert);
     }
@@ -189,7 +214,7 @@ struct RowsOperandB : OperandBLayout<BlockN, BFormat::BF16> {
   __device__ __forceinline__ static bool decodes(const TileInfo&, int) { return false; }
 
   __device__ __forceinline__ static void load(const OperandParams& p, const TileInfo& tile,
-                                              int step, uint8_t* dst, uint8_t*, uint64_t* bar) {
+                                              int step, uint8_t* dst, uint64_t* bar) {
 #pragma unroll
     for (int box = 0; box < kBoxes; ++box)
       cute::SM90_TMA_LOAD_2D::copy(&p.b, bar, kCacheHint, dst + box * kBoxBytes,

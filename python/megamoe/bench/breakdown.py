@@ -31,6 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--tokens", type=int, default=None, help="tokens per rank (default: the shape's)"
     )
+    parser.add_argument(
+        "--full-names", action="store_true", help="print whole kernel names (default: 90 chars)"
+    )
     args = parser.parse_args(argv)
     s = SHAPES[args.shape]
     if args.tokens is not None:
@@ -86,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"{'ms':>8} {'share':>6} {'calls':>5}  kernel")
     for ms, calls, name in rows:
-        print(f"{ms:8.3f} {ms / total:6.1%} {calls:5d}  {name[:90]}")
+        print(f"{ms:8.3f} {ms / total:6.1%} {calls:5d}  {name if args.full_names else name[:90]}")
     return 0
 
 

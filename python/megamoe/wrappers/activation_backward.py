@@ -124,13 +124,13 @@ def fused_dgrad2_activation_backward(
     """
     check_choice("activation", activation, tuple(ACTIVATIONS))
     device = preact.device
-    engine_scales = None
+    decode_scales = None
     if w2_scales is not None:
-        _, w2, engine_scales = mxfp4_b("w2", w2, w2_scales, plan, device, "mn")
+        _, w2, decode_scales = mxfp4_b("w2", w2, w2_scales, plan, device, "mn")
     else:
         check_tensor("w2", w2, ndim=3, dtypes=(torch.bfloat16,), device=device, contiguous=True)
     experts, hidden = w2.shape[0], w2.shape[1]
-    intermediate = w2.shape[2] * (2 if engine_scales is not None else 1)
+    intermediate = w2.shape[2] * (2 if decode_scales is not None else 1)
     capacity = plan.pool_capacity
     rank = 0
     if side_a2 is not None:
@@ -201,7 +201,7 @@ def fused_dgrad2_activation_backward(
             dl(dout_pool),
             hidden,
             dl(w2),
-            None if engine_scales is None else dl(engine_scales),
+            None if decode_scales is None else dl(decode_scales),
             None if side_a2 is None else dl(side_a2),
             dl(plan.expert_pool_offsets),
             dl(preact),

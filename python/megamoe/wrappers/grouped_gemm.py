@@ -83,16 +83,6 @@ def _check_mxfp4(
     return k
 
 
-def _engine_scales(scales: torch.Tensor, b_major: str = "k") -> torch.Tensor:
-    """The scales in the layout one TMA box per K step loads: K-major ``[E, K/64, N]``
-    int16 (the two scale bytes of a 64-column K block side by side, a block's rows
-    contiguous); MN-major ``[E, N/32, K]`` uint8. A per-call transpose of 1/16 of the
-    codes' bytes."""
-    if b_major == "mn":
-        return scales.transpose(1, 2).contiguous()
-    return scales.view(torch.int16).transpose(1, 2).contiguous()
-
-
 def mxfp4_b(
     name: str,
     codes: torch.Tensor,
@@ -101,13 +91,13 @@ def mxfp4_b(
     device: torch.device,
     b_major: str = "k",
 ) -> tuple[int, torch.Tensor, torch.Tensor | None]:
-    """An MXFP4 B for one GEMM: ``(K, values, engine scales)``. The codes and the
-    engine-layout scales where the pipeline decodes them
-    (:func:`~megamoe.heuristics.mxfp4_decodes_in_pipeline`), else an exact BF16 decode
-    (the same values bit for bit) and None; on the CPU the decode."""
+    """An MXFP4 B for one GEMM: ``(K, values, scales)``. The codes and scales as given
+    where the pipeline decodes them (:func:`~megamoe.heuristics.mxfp4_decodes_in_pipeline`;
+    its decode warps read both in the caller's layout, no copy), else an exact BF16
+    decode (the same values bit for bit) and None; on the CPU the decode."""
     k = _check_mxfp4(name, codes, scales, device, b_major)
     if codes.is_cuda and mxfp4_decodes_in_pipeline(plan.pool_capacity, codes.shape[0]):
-        return k, codes, _engine_scales(scales, b_major)
+        return k, codes, scales
     return k, _dequantized(codes, scales), None
 
 
@@ -172,9 +162,9 @@ def grouped_gemm(
     """
     check_choice("b_major", b_major, ("k", "mn"))
     check_tensor("a", a, ndim=2, dtypes=(torch.bfloat16,), contiguous=True)
-    engine_scales = None
+    decode_scales = None
     if b_scales is not None:
-        b_k, b, engine_scales = mxfp4_b("b", b, b_scales, plan, a.device, b_major)
+        b_k, b, decode_scales = mxfp4_b("b", b, b_scales, plan, a.device, b_major)
         if k is not None and k != b_k:
             raise ValueError(f"k: an MXFP4 B reduces over all its K={b_k} columns, got k={k}")
         k = b_k
@@ -182,7 +172,7 @@ def grouped_gemm(
         check_tensor("b", b, ndim=3, dtypes=(torch.bfloat16,), device=a.device, contiguous=True)
     _check_pool_operand(a, plan)
     major_mn = b_major == "mn"
-    mxfp4 = engine_scales is not None
+    mxfp4 = decode_scales is not None
     if major_mn:
         if k is not None and k != b.shape[1]:
             raise ValueError(f"k: expected b.shape[1] = {b.shape[1]} for b_major='mn', got {k}")
@@ -214,7 +204,7 @@ def grouped_gemm(
             dl(a),
             k,
             dl(b),
-            None if engine_scales is None else dl(engine_scales),
+            None if decode_scales is None else dl(decode_scales),
             major_mn,
             None if b_extra is None else dl(b_extra),
             dl(plan.expert_pool_offsets),
@@ -266,9 +256,9 @@ def gated_grouped_gemm(
     """
     check_choice("activation", activation, tuple(ACTIVATIONS))
     check_tensor("a", a, ndim=2, dtypes=(torch.bfloat16,), contiguous=True)
-    engine_scales = None
+    decode_scales = None
     if w13_scales is not None:
-        w13_k, w13, engine_scales = mxfp4_b("w13", w13, w13_scales, plan, a.device)
+        w13_k, w13, decode_scales = mxfp4_b("w13", w13, w13_scales, plan, a.device)
         if w13_k != k:
             raise ValueError(f"k: expected the MXFP4 w13's K={w13_k}, got {k}")
     else:
@@ -309,7 +299,7 @@ def gated_grouped_gemm(
             dl(a),
             k,
             dl(w13),
-            None if engine_scales is None else dl(engine_scales),
+            None if decode_scales is None else dl(decode_scales),
             dl(plan.expert_pool_offsets),
             dl(out),
             None if preact_out is None else dl(preact_out),
