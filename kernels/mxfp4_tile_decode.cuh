@@ -170,87 +170,24 @@ __device__ __forceinline__ void store_chunk(uint32_t address, const uint4& chunk
 // synchronise, then each decodes and stores (`store`). A unit's scale byte comes from
 // the caller (`for_each_unit` names the unit's row or K row and its 32-column block, in
 // the order of the thread's units), loaded from global memory a step ahead.
-
-// K-major B (the forward GEMMs): codes [BlockN][32] bytes -> [BlockN][64] BF16, 128-byte
-// swizzled; unit i of a thread is (row, 32-column half). Units are in order, so a warp
-// reads 512 contiguous code bytes and a quarter warp's 16-byte stores hit 8 different
-// bank groups.
-template <int BlockN, int Threads>
-struct KMajorTileDecode {
-  static constexpr int kUnits = BlockN * kUnitsPerRow;
-  static constexpr int kPerThread = kUnits / Threads;
-  static_assert(kUnits % Threads == 0, "every thread decodes the same number of units");
+//
+// What the two layouts share: unit i of a thread is unit `thread + i * Threads` of the
+// tile, read as (line, 32-column block) with `BlocksPerLine` blocks per line, and its
+// codes are 16 contiguous bytes. `Layout` gives a unit's four words in store order
+// (`unit_words`) and where slot w of unit i lands (`address`).
+template <class Layout, int Units, int Threads, int BlocksPerLine>
+struct TileDecodeUnits {
+  static constexpr int kPerThread = Units / Threads;
+  static_assert(Units % Threads == 0, "every thread decodes the same number of units");
   uint32_t words[kPerThread][4];
 
-  // f(i, row, half) for each unit i of `thread`.
+  // f(i, line, block) for each unit i of `thread`.
   template <class F>
   __device__ __forceinline__ static void for_each_unit(int thread, F f) {
 #pragma unroll
     for (int i = 0; i < kPerThread; ++i) {
       const int unit = thread + i * Threads;
-      f(i, unit / kUnitsPerRow, unit % kUnitsPerRow);
-    }
-  }
-
-  __device__ __forceinline__ void load(const uint8_t* codes, int thread) {
-    const uint32_t codes_base = shared_address(codes);
-#pragma unroll
-    for (int i = 0; i < kPerThread; ++i)
-      load_unit_codes(codes_base + (thread + i * Threads) * kUnitBytes, words[i]);
-  }
-
-  __device__ __forceinline__ void store(uint8_t* b_tile, int thread,
-                                        const uint32_t (&scale)[kPerThread]) const {
-    const uint32_t tile_base = shared_address(b_tile);
-    if (all_fast(scale)) {
-#pragma unroll
-      for (int i = 0; i < kPerThread; ++i) {
-        const ScaleTables tables(scale[i]);
-#pragma unroll
-        for (int w = 0; w < 4; ++w)
-          store_chunk(address(tile_base, thread, i, w), tables.decode(words[i][w]));
-      }
-      return;
-    }
-#pragma unroll
-    for (int i = 0; i < kPerThread; ++i) {
-      uint4 chunks[4];
-      decode_unit(words[i], scale[i], chunks);
-#pragma unroll
-      for (int w = 0; w < 4; ++w) store_chunk(address(tile_base, thread, i, w), chunks[w]);
-    }
-  }
-
-  // Where word w of unit i of this thread lands in the B tile.
-  __device__ __forceinline__ static uint32_t address(uint32_t tile_base, int thread, int i, int w) {
-    const int unit = thread + i * Threads;
-    const int row = unit / kUnitsPerRow, half = unit % kUnitsPerRow;
-    return tile_base + swizzled_chunk_offset(row, 4 * half + w);
-  }
-};
-
-// MN-major B (the dgrads' view of the weights as stored: K rows, N along the packed
-// axis): codes [64][BlockN / 2] bytes (K row, then N) -> BlockN / 64 boxes of [64 K rows]
-// [64 N] BF16 side by side, each 128-byte swizzled (the layout TMA writes for a BF16
-// MN-major B); unit i of a thread is (K row, 32-column N block). Units are in order: a
-// warp reads contiguous code bytes, and a unit's four chunks land in one 128-byte row of
-// one box.
-template <int BlockN, int Threads>
-struct MNMajorTileDecode {
-  static constexpr int kBlockK = 64, kBoxBytes = kBlockK * 128;
-  static constexpr int kUnitsPerKRow = BlockN / 32;
-  static constexpr int kUnits = kBlockK * kUnitsPerKRow;
-  static constexpr int kPerThread = kUnits / Threads;
-  static_assert(kUnits % Threads == 0, "every thread decodes the same number of units");
-  uint32_t words[kPerThread][4];
-
-  // f(i, k_row, n_block) for each unit i of `thread`.
-  template <class F>
-  __device__ __forceinline__ static void for_each_unit(int thread, F f) {
-#pragma unroll
-    for (int i = 0; i < kPerThread; ++i) {
-      const int unit = thread + i * Threads;
-      f(i, unit / kUnitsPerKRow, unit % kUnitsPerKRow);
+      f(i, unit / BlocksPerLine, unit % BlocksPerLine);
     }
   }
 
@@ -268,24 +205,56 @@ struct MNMajorTileDecode {
 #pragma unroll
       for (int i = 0; i < kPerThread; ++i) {
         uint32_t w4[4];
-        rotated_words(thread, i, w4);
+        Layout::unit_words(words[i], thread, i, w4);
         const ScaleTables tables(scale[i]);
 #pragma unroll
         for (int w = 0; w < 4; ++w)
-          store_chunk(address(tile_base, thread, i, w), tables.decode(w4[w]));
+          store_chunk(Layout::address(tile_base, thread, i, w), tables.decode(w4[w]));
       }
       return;
     }
 #pragma unroll
     for (int i = 0; i < kPerThread; ++i) {
       uint32_t w4[4];
-      rotated_words(thread, i, w4);
+      Layout::unit_words(words[i], thread, i, w4);
       uint4 chunks[4];
       decode_unit(w4, scale[i], chunks);
 #pragma unroll
-      for (int w = 0; w < 4; ++w) store_chunk(address(tile_base, thread, i, w), chunks[w]);
+      for (int w = 0; w < 4; ++w) store_chunk(Layout::address(tile_base, thread, i, w), chunks[w]);
     }
   }
+};
+
+// K-major B (the forward GEMMs): codes [BlockN][32] bytes -> [BlockN][64] BF16, 128-byte
+// swizzled; a unit is (row, 32-column half). Units are in order, so a warp reads 512
+// contiguous code bytes and a quarter warp's 16-byte stores hit 8 different bank groups.
+template <int BlockN, int Threads>
+struct KMajorTileDecode : TileDecodeUnits<KMajorTileDecode<BlockN, Threads>, BlockN * kUnitsPerRow,
+                                          Threads, kUnitsPerRow> {
+  __device__ __forceinline__ static void unit_words(const uint32_t (&in)[4], int, int,
+                                                    uint32_t (&out)[4]) {
+#pragma unroll
+    for (int w = 0; w < 4; ++w) out[w] = in[w];
+  }
+
+  // Where word w of unit i of this thread lands in the B tile.
+  __device__ __forceinline__ static uint32_t address(uint32_t tile_base, int thread, int i, int w) {
+    const int unit = thread + i * Threads;
+    const int row = unit / kUnitsPerRow, half = unit % kUnitsPerRow;
+    return tile_base + swizzled_chunk_offset(row, 4 * half + w);
+  }
+};
+
+// MN-major B (the dgrads' view of the weights as stored: K rows, N along the packed
+// axis): codes [64][BlockN / 2] bytes (K row, then N) -> BlockN / 64 boxes of [64 K rows]
+// [64 N] BF16 side by side, each 128-byte swizzled (the layout TMA writes for a BF16
+// MN-major B); a unit is (K row, 32-column N block). Units are in order: a warp reads
+// contiguous code bytes, and a unit's four chunks land in one 128-byte row of one box.
+template <int BlockN, int Threads>
+struct MNMajorTileDecode : TileDecodeUnits<MNMajorTileDecode<BlockN, Threads>, 64 * (BlockN / 32),
+                                           Threads, BlockN / 32> {
+  static constexpr int kBlockK = 64, kBoxBytes = kBlockK * 128;
+  static constexpr int kUnitsPerKRow = BlockN / 32;
 
   // A quarter warp (8 units of one K row) stores to up to 4 boxes 8 KB apart, i.e. the
   // same banks: each unit starts at chunk `rotation` of its four so the 8 stores of a
@@ -295,10 +264,11 @@ struct MNMajorTileDecode {
     const int n_block = (thread + i * Threads) % kUnitsPerKRow;
     return (n_block / 2) % 4;
   }
-  __device__ __forceinline__ void rotated_words(int thread, int i, uint32_t (&w4)[4]) const {
+  __device__ __forceinline__ static void unit_words(const uint32_t (&in)[4], int thread, int i,
+                                                    uint32_t (&w4)[4]) {
     const int r = rotation(thread, i);
 #pragma unroll
-    for (int w = 0; w < 4; ++w) w4[w] = words[i][w];
+    for (int w = 0; w < 4; ++w) w4[w] = in[w];
     if (r & 1) {
       const uint32_t first = w4[0];
       w4[0] = w4[1], w4[1] = w4[2], w4[2] = w4[3], w4[3] = first;
