@@ -119,6 +119,12 @@ CUtensorMap mn_major_map(const char* name, const Tensor& w, int device) {
                     {64, kBlockK, 1}, true);
 }
 
+// The decode warps address the scales with 32-bit offsets.
+void check_scale_bytes(const char* name, const Tensor& scales) {
+  if (scales.nbytes() >= (size_t{1} << 31))
+    throw nb::value_error((std::string(name) + ": more than 2^31 - 1 bytes").c_str());
+}
+
 // MXFP4 weights as stored (codes [E, K, N/2], scales [E, K, N/32]), read MN-major: per K
 // step the codes box [64 K rows, BLOCK_N / 2 bytes]; the decode warps read the scales
 // from global memory.
@@ -126,6 +132,7 @@ void set_mn_major_mxfp4(OperandParams& o, const Tensor& codes, const Tensor& sca
                         int64_t experts, int64_t k, int64_t n, int device) {
   check_tensor<uint8_t>("b", codes, {experts, k, n / 2}, device);
   check_tensor<uint8_t>("b_scales", scales, {experts, k, n / 32}, device);
+  check_scale_bytes("b_scales", scales);
   if (k % kBlockK != 0 || n % 32 != 0)
     throw nb::value_error(("b: an MN-major MXFP4 B needs K a multiple of 64 and N of 32, got K=" +
                            str(k) + ", N=" + str(n))
@@ -191,6 +198,7 @@ void engine_gated(const Tensor& a, int64_t k_base, const Tensor& w13,
   o.a = bf16_rows("a", a.data(), rows, k_base + side_k, a.stride(0), kernels.block_m);
   if (mxfp4) {
     check_tensor<uint8_t>("w13_scales", *w13_scales, {experts, two_i, k_base / 32}, device);
+    check_scale_bytes("w13_scales", *w13_scales);
     o.codes = tensor_map("w13", w13.data(), CU_TENSOR_MAP_DATA_TYPE_UINT8,
                          {k_base / 2, inter, 2, experts},
                          {k_base / 2, inter * k_base / 2, two_i * k_base / 2},
@@ -282,6 +290,7 @@ void engine_store(const Tensor& a, int64_t k_base, const Tensor& b, std::optiona
     if (mxfp4) {
       check_tensor<uint8_t>("b", b, {experts, n_base, k_base / 2}, device);
       check_tensor<uint8_t>("b_scales", *b_scales, {experts, n_base, k_base / 32}, device);
+      check_scale_bytes("b_scales", *b_scales);
       o.codes =
           tensor_map("b", b.data(), CU_TENSOR_MAP_DATA_TYPE_UINT8, {k_base / 2, n_base, experts},
                      {k_base / 2, n_base * k_base / 2}, {kBlockK / 2, kBlockN, 1}, false);

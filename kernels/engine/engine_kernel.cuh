@@ -183,34 +183,48 @@ __device__ __forceinline__ void decode_stages(const EngineParams& p, const Share
                          mxfp4::KMajorTileDecode<C::kBlockN, C::kDecodeThreads>>;
   using Schedule = typename C::Schedule;
   const Schedule schedule(p.schedule);
-  // This thread's scale bytes of step `step` of `tile` (nothing to load where it does not
-  // decode: a BF16 side or extra step).
-  auto load_scales = [&](const TileInfo& tile, int step, uint32_t (&scale)[Decode::kPerThread]) {
-    if (step >= tile.k_steps || !C::B::decodes(tile, step)) return;
+  constexpr int kUnits = Decode::kPerThread;
+  // Where this thread's units' scales of `tile` start (offsets into the caller's scales).
+  auto offsets_of = [&](const TileInfo& tile, int32_t (&offset)[kUnits]) {
     Decode::for_each_unit(thread, [&](int i, int row, int block) {
-      scale[i] = C::B::scale_byte(p.operands, tile, step, row, block);
+      offset[i] = C::B::scale_offset(p.operands, tile, row, block);
     });
   };
-  uint32_t scale[Decode::kPerThread] = {};
+  const int32_t scale_step = C::B::scale_step(p.operands);
+  // This thread's scale bytes of step `step` of `tile` (nothing to load where it does not
+  // decode: a BF16 side or extra step).
+  auto load_scales = [&](const TileInfo& tile, const int32_t (&offset)[kUnits], int step,
+                         uint32_t (&scale)[kUnits]) {
+    if (step >= tile.k_steps || !C::B::decodes(tile, step)) return;
+    const int32_t shift = (step - tile.side_steps) * scale_step;
+#pragma unroll
+    for (int i = 0; i < kUnits; ++i) scale[i] = C::B::scale_at(p.operands.scales, offset[i], shift);
+  };
+  uint32_t scale[kUnits] = {};
+  int32_t offset[kUnits], next_offset[kUnits];
   int t = blockIdx.x;
   if (t >= schedule.num_tiles()) return;
   TileInfo tile = schedule.tile(t);
-  load_scales(tile, 0, scale);
+  offsets_of(tile, offset);
+  load_scales(tile, offset, 0, scale);
   RingState<C::kStages> ring;
   while (true) {
     const int next_t = t + static_cast<int>(gridDim.x);
     const bool more = next_t < schedule.num_tiles();
     for (int step = 0; step < tile.k_steps; ++step) {
       TransactionBarrier::wait(&smem.full[ring.stage], ring.phase);
-      uint32_t now[Decode::kPerThread];
+      uint32_t now[kUnits];
 #pragma unroll
-      for (int i = 0; i < Decode::kPerThread; ++i) now[i] = scale[i];
+      for (int i = 0; i < kUnits; ++i) now[i] = scale[i];
       // The next step's scales: this tile's, else the next tile's first step's.
       auto prefetch = [&] {
-        if (step + 1 < tile.k_steps)
-          load_scales(tile, step + 1, scale);
-        else if (more)
-          load_scales(schedule.tile(next_t), 0, scale);
+        if (step + 1 < tile.k_steps) {
+          load_scales(tile, offset, step + 1, scale);
+        } else if (more) {
+          const TileInfo next = schedule.tile(next_t);
+          offsets_of(next, next_offset);
+          load_scales(next, next_offset, 0, scale);
+        }
       };
       if (C::B::decodes(tile, step)) {
         uint8_t* b = smem.b(ring.stage);
@@ -238,6 +252,8 @@ __device__ __forceinline__ void decode_stages(const EngineParams& p, const Share
     if (!more) return;
     t = next_t;
     tile = schedule.tile(t);
+#pragma unroll
+    for (int i = 0; i < kUnits; ++i) offset[i] = next_offset[i];
   }
 }
 

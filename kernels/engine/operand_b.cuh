@@ -37,11 +37,12 @@ struct OperandBLayout {
   __device__ __forceinline__ static constexpr int step_bytes(bool decodes) {
     return decodes ? kCodeBytes : kTileBytes;
   }
-  // A scale byte of the caller's tensor, or 127 (2^0) for a row or column block past the
-  // weight's end, whose codes TMA zero-filled (any scale decodes them to zeros).
-  __device__ __forceinline__ static uint32_t scale_at(const uint8_t* scales, int64_t index,
-                                                      bool inside) {
-    return inside ? static_cast<uint32_t>(__ldg(scales + index)) : 127u;
+  // A unit's scale byte in the caller's tensor (`scale_offset` at the first base step,
+  // plus `scale_step` per base step), or 127 (2^0) for a row or column block past the
+  // weight's end (-1), whose codes TMA zero-filled (any scale decodes them to zeros).
+  __device__ __forceinline__ static uint32_t scale_at(const uint8_t* scales, int32_t offset,
+                                                      int32_t shift) {
+    return offset >= 0 ? static_cast<uint32_t>(__ldg(scales + offset + shift)) : 127u;
   }
   // `boxes` [64 K rows][64 N] boxes of a 3-D map [E][K][N], side by side along N from
   // box `first` of the tile (the MN-major tile layout).
@@ -71,17 +72,15 @@ struct GatedOperandB : OperandBLayout<BlockN, kFormat> {
     return L::kMxfp4 && step >= tile.side_steps;
   }
 
-  // The scale of tile row `row`'s 32-column half `half` at base K step `step`: gate rows
-  // then up rows of w13's scales [E][2I][K / 32].
-  __device__ __forceinline__ static uint32_t scale_byte(const OperandParams& p,
-                                                        const TileInfo& tile, int step, int row,
-                                                        int half) {
+  // Tile row `row`'s 32-column half `half`: its scale's offset at the first base step in
+  // w13's scales [E][2I][K / 32] (gate rows, then up rows), -1 past I; 2 bytes per step.
+  __device__ __forceinline__ static int32_t scale_offset(const OperandParams& p,
+                                                         const TileInfo& tile, int row, int half) {
     const int i = tile.n_block * kHalf + row % kHalf;
-    const int64_t stored_row =
-        static_cast<int64_t>(tile.expert) * 2 * p.n_base + (row / kHalf) * p.n_base + i;
-    const int column = 2 * (step - tile.side_steps) + half;
-    return L::scale_at(p.scales, stored_row * (p.k_base / 32) + column, i < p.n_base);
+    const int stored_row = (tile.expert * 2 + row / kHalf) * p.n_base + i;
+    return i < p.n_base ? stored_row * (p.k_base / 32) + half : -1;
   }
+  __device__ __forceinline__ static int32_t scale_step(const OperandParams&) { return 2; }
 
   __device__ __forceinline__ static void load(const OperandParams& p, const TileInfo& tile,
                                               int step, uint8_t* dst, uint64_t* bar) {
@@ -124,14 +123,14 @@ struct KMajorOperandB : OperandBLayout<BlockN, kFormat> {
     return L::kMxfp4 && !tile.extra;
   }
 
-  // The scale of tile row `row`'s 32-column half `half` at K step `step` ([E][N][K / 32]).
-  __device__ __forceinline__ static uint32_t scale_byte(const OperandParams& p,
-                                                        const TileInfo& tile, int step, int row,
-                                                        int half) {
+  // Tile row `row`'s 32-column half `half`: its scale's offset at K step 0 in [E][N][K /
+  // 32], -1 past N; 2 bytes per step.
+  __device__ __forceinline__ static int32_t scale_offset(const OperandParams& p,
+                                                         const TileInfo& tile, int row, int half) {
     const int n = tile.n_block * BlockN + row;
-    const int64_t stored_row = static_cast<int64_t>(tile.expert) * p.n_base + n;
-    return L::scale_at(p.scales, stored_row * (p.k_base / 32) + 2 * step + half, n < p.n_base);
+    return n < p.n_base ? (tile.expert * p.n_base + n) * (p.k_base / 32) + half : -1;
   }
+  __device__ __forceinline__ static int32_t scale_step(const OperandParams&) { return 2; }
 
   __device__ __forceinline__ static void load(const OperandParams& p, const TileInfo& tile,
                                               int step, uint8_t* dst, uint64_t* bar) {
@@ -167,15 +166,16 @@ struct MNMajorOperandB : OperandBLayout<BlockN, kFormat> {
     return L::kMxfp4 && !tile.extra && step >= tile.side_steps;
   }
 
-  // The scale of K row `k_row` of base step `step`, N block `n_block` (of 32) of the tile
-  // ([E][K][N / 32]).
-  __device__ __forceinline__ static uint32_t scale_byte(const OperandParams& p,
-                                                        const TileInfo& tile, int step, int k_row,
-                                                        int n_block) {
+  // K row `k_row`, N block `n_block` (of 32) of the tile: its scale's offset at the first
+  // base step in [E][K][N / 32], -1 past N; a step is 64 K rows.
+  __device__ __forceinline__ static int32_t scale_offset(const OperandParams& p,
+                                                         const TileInfo& tile, int k_row,
+                                                         int n_block) {
     const int block = tile.n_block * (BlockN / 32) + n_block, blocks = p.n_base / 32;
-    const int64_t stored_row =
-        static_cast<int64_t>(tile.expert) * p.k_base + (step - tile.side_steps) * kBlockK + k_row;
-    return L::scale_at(p.scales, stored_row * blocks + block, block < blocks);
+    return block < blocks ? (tile.expert * p.k_base + k_row) * blocks + block : -1;
+  }
+  __device__ __forceinline__ static int32_t scale_step(const OperandParams& p) {
+    return kBlockK * (p.n_base / 32);
   }
 
   __device__ __forceinline__ static void load(const OperandParams& p, const TileInfo& tile,
