@@ -180,10 +180,15 @@ def _side_lora_pool_backward(
     if side_grads:
         with stage("grad_b13"):
             q13_pool = pool.gather_pool(q13_rows, None, plan)  # [P, 2r]
-            b13 = k_grouped_gemm(q13_pool, dgrad_preact, plan, scale=side.scale)  # [E, 2r, 2I]
+            # The two diagonal blocks of [q1 | q3]^T (dg | du) only: db1 = s q1^T dg,
+            # db3 = s q3^T du, each [E, r, I] in the adapters' layout (row-strided views in).
+            local["b1"] = k_grouped_gemm(
+                q13_pool[:, :rank], dgrad_preact[:, :inter], plan, scale=side.scale
+            )
+            local["b3"] = k_grouped_gemm(
+                q13_pool[:, rank:], dgrad_preact[:, inter:], plan, scale=side.scale
+            )
             del q13_pool
-            local["b1"] = b13[:, :rank, :inter].contiguous()
-            local["b3"] = b13[:, rank:, inter:].contiguous()
     # dgrad1 with the b1/b3 shrinks as extra columns: (dg | du) read once.
     with stage("dgrad1"):
         shrink_weights = block_diagonal_side_weights(
