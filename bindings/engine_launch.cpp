@@ -119,6 +119,15 @@ CUtensorMap mn_major_map(const char* name, const Tensor& w, int device) {
                     {64, kBlockK, 1}, true);
 }
 
+// A BF16 [E, N, K] operand as stored (nn.Linear-like), read K-major in [64 K, BLOCK_N
+// rows] boxes.
+CUtensorMap k_major_map(const char* name, const Tensor& w, int device) {
+  check_tensor(name, w, bfloat16_dtype(), {-1, -1, -1}, device);
+  const int64_t e = w.shape(0), n = w.shape(1), k = w.shape(2);
+  return tensor_map(name, w.data(), CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, {k, n, e}, {k * 2, n * k * 2},
+                    {kBlockK, kBlockN, 1}, true);
+}
+
 // The decode warps address the scales with 32-bit offsets.
 void check_scale_bytes(const char* name, const Tensor& scales) {
   if (scales.nbytes() >= (size_t{1} << 31))
@@ -233,12 +242,15 @@ void engine_gated(const Tensor& a, int64_t k_base, const Tensor& w13,
   launch(kernels, p, device, num_sms, stream, "engine_gated launch");
 }
 
-// out = a . b_e^T (K-major b [E, N, K]) or a . b_e (MN-major b [E, K, N]), plus N extra
-// columns a . b_extra_e (b_extra [E, K, N_x]), Store epilogue (EngineKind::StoreKMajor/
-// MNMajor).
+// out = a . b_e^T (K-major b [E, N, K]) or a . b_e (MN-major b [E, K, N]), Store epilogue
+// (EngineKind::StoreKMajor/MNMajor), plus N extra columns: K-major b, a . b_extra_e
+// (b_extra [E, K, N_x]); MN-major b, the two K-major blocks on the diagonal
+// (a[:, :K_lo] . b_extra_e^T | a[:, K_lo:] . b_extra_hi_e^T), b_extra [E, N_lo, K_lo] and
+// b_extra_hi [E, N_hi, K - K_lo].
 void engine_store(const Tensor& a, int64_t k_base, const Tensor& b, std::optional<Tensor> b_scales,
-                  bool b_major_mn, std::optional<Tensor> b_extra, const Tensor& offsets,
-                  const Tensor& out, int block_m, int group_m, int num_sms, uintptr_t stream) {
+                  bool b_major_mn, std::optional<Tensor> b_extra, std::optional<Tensor> b_extra_hi,
+                  const Tensor& offsets, const Tensor& out, int block_m, int group_m, int num_sms,
+                  uintptr_t stream) {
   const int device = a.device_id();
   check_rows("a", a, -1, device);
   const int64_t rows = a.shape(0);
@@ -256,15 +268,29 @@ void engine_store(const Tensor& a, int64_t k_base, const Tensor& b, std::optiona
     n_base = b.shape(2) * (mxfp4 ? 2 : 1);
   else
     n_base = b.shape(1);
-  int64_t n_extra = 0;
-  if (b_extra) {
-    // [E, K, N_x] for either base major, read MN-major.
+  int64_t n_extra = 0, extra_k_lo = 0, extra_n_lo = 0;
+  if (b_extra_hi.has_value() && !(b_major_mn && b_extra.has_value()))
+    throw nb::value_error("b_extra_hi: only with an MN-major b and b_extra (the diagonal blocks)");
+  if (b_extra && b_major_mn) {
+    if (!b_extra_hi) throw nb::value_error("b_extra_hi: an MN-major b's extra needs both blocks");
+    check_tensor("b_extra", *b_extra, bfloat16_dtype(), {experts, -1, -1}, device);
+    extra_n_lo = b_extra->shape(1);
+    extra_k_lo = b_extra->shape(2);
+    if (extra_k_lo % kBlockK != 0 || extra_k_lo >= k_base)
+      throw nb::value_error(("b_extra: expected K_lo a multiple of 64 below K=" + str(k_base) +
+                             ", got " + str(extra_k_lo))
+                                .c_str());
+    check_tensor("b_extra_hi", *b_extra_hi, bfloat16_dtype(), {experts, -1, k_base - extra_k_lo},
+                 device);
+    n_extra = extra_n_lo + b_extra_hi->shape(1);
+  } else if (b_extra) {
+    // [E, K, N_x], read MN-major.
     check_tensor("b_extra", *b_extra, bfloat16_dtype(), {experts, k_base, -1}, device);
     n_extra = b_extra->shape(2);
-    if (n_extra % 8 != 0)
-      throw nb::value_error(
-          ("b_extra: expected N a multiple of 8 (16-byte rows), got " + str(n_extra)).c_str());
   }
+  if (n_extra % 8 != 0)
+    throw nb::value_error(
+        ("b_extra: expected N_x a multiple of 8 (16-byte rows), got " + str(n_extra)).c_str());
   if (n_base % 8 != 0)
     throw nb::value_error(("b: expected N a multiple of 8, got " + str(n_base)).c_str());
   const EngineKind kind = b_major_mn ? EngineKind::StoreMNMajor : EngineKind::StoreKMajor;
@@ -301,7 +327,14 @@ void engine_store(const Tensor& a, int64_t k_base, const Tensor& b, std::optiona
                        {k_base * 2, n_base * k_base * 2}, {kBlockK, kBlockN, 1}, true);
     }
   }
-  if (b_extra) o.extra = mn_major_map("b_extra", *b_extra, device);
+  if (b_extra && b_major_mn) {
+    o.extra = k_major_map("b_extra", *b_extra, device);
+    o.extra_hi = k_major_map("b_extra_hi", *b_extra_hi, device);
+    o.extra_k_lo = static_cast<int32_t>(extra_k_lo);
+    o.extra_n_lo = static_cast<int32_t>(extra_n_lo);
+  } else if (b_extra) {
+    o.extra = mn_major_map("b_extra", *b_extra, device);
+  }
   set_store_outputs(p.epilogue, out, rows, n_base, n_extra, kernels.block_m, device);
   launch(kernels, p, device, num_sms, stream, "engine_store launch");
 }
@@ -439,8 +472,8 @@ void register_engine(nb::module_& m) {
         "GEMM1 + side K segment + gated activation over the pool (kernels/engine).");
   m.def("engine_store", &engine_store, nb::arg("a"), nb::arg("k_base"), nb::arg("b"),
         nb::arg("b_scales").none(), nb::arg("b_major_mn"), nb::arg("b_extra").none(),
-        nb::arg("expert_pool_offsets"), nb::arg("out"), nb::arg("block_m"), nb::arg("group_m"),
-        nb::arg("num_sms"), nb::arg("stream"),
+        nb::arg("b_extra_hi").none(), nb::arg("expert_pool_offsets"), nb::arg("out"),
+        nb::arg("block_m"), nb::arg("group_m"), nb::arg("num_sms"), nb::arg("stream"),
         "Pool GEMM with the store epilogue (+ N extra columns).");
   m.def("engine_activation_backward", &engine_activation_backward, nb::arg("a"), nb::arg("k_base"),
         nb::arg("b"), nb::arg("b_scales").none(), nb::arg("side_b").none(),

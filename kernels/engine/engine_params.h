@@ -74,9 +74,14 @@ struct OperandParams {
   // [64 K, BLOCK_N, 1] (side_up unused).
   CUtensorMap side_gate;
   CUtensorMap side_up;
-  // N extra segment, 3-D [E][K][N_x] read MN-major, box [64 N, 64 K, 1] (StoreKMajor:
-  // GEMM2's a2 as given; StoreMNMajor: dgrad1's shrink weights).
+  // N extra segment. StoreKMajor: GEMM2's a2 as given, 3-D [E][K][N_x] read MN-major, box
+  // [64 N, 64 K, 1]. StoreMNMajor: two K-major blocks on the diagonal (dgrad1's b1 and b3
+  // shrinks as given): `extra` [E][N_lo][K_lo] over K rows 0.. K_lo and extra columns
+  // 0.. N_lo, `extra_hi` [E][N_hi][K - K_lo] over the rest; box [64 K, BLOCK_N rows, 1].
   CUtensorMap extra;
+  CUtensorMap extra_hi;
+  int32_t extra_k_lo;  // StoreMNMajor: K_lo (a multiple of 64: a K step is in one block)
+  int32_t extra_n_lo;  // StoreMNMajor: N_lo
   // MXFP4 base (b unused). Codes by TMA: K-major (Gated, StoreKMajor) 4-D [E][2][I][K / 2]
   // (Gated) or 3-D [E][N][K / 2] uint8; MN-major [E * K, N / 2] uint8, box [64, BLOCK_N /
   // 2]. Scales as stored (UE8M0 bytes, read by the decode warps from global memory):

@@ -151,15 +151,18 @@ struct KMajorOperandB : OperandBLayout<BlockN, kFormat> {
 
 // The weights as stored, read MN-major (the dgrads: dgrad1's w13 [E, 2I, H], dgrad2's w2
 // [E, H, I]): BLOCK_N / 64 boxes of [64 K rows][64 N] from a 3-D map [E][K][N] (K rows
-// past an expert's end zero-fill). N extra tiles (dgrad1's b1/b3 shrink columns) read
-// the extra map likewise. Side steps, K-major: dgrad2's a2 as given ([E][I][r] = [E][N]
-// [K]) in one [BLOCK_N rows][64] box.
+// past an expert's end zero-fill). N extra tiles, K-major: dgrad1's b1/b3 shrinks as
+// given, the blocks of [[b1_e^T, 0], [0, b3_e^T]], one [BLOCK_N rows][64] box per step
+// from the block its K rows fall in; the block's map zero-fills the tile rows outside
+// it (rows past N_lo of `extra`, negative rows of `extra_hi`), so the zero blocks are
+// never stored. Side steps, K-major: dgrad2's a2 as given ([E][I][r] = [E][N][K]) in one
+// [BLOCK_N rows][64] box.
 template <int BlockN, BFormat kFormat>
 struct MNMajorOperandB : OperandBLayout<BlockN, kFormat> {
   using L = OperandBLayout<BlockN, kFormat>;
   static constexpr bool kMNMajor = true;
   static constexpr bool kSideMNMajor = false;
-  static constexpr bool kExtraMNMajor = true;
+  static constexpr bool kExtraMNMajor = false;
   static constexpr int kBoxes = BlockN / 64;
 
   __device__ __forceinline__ static bool decodes(const TileInfo& tile, int step) {
@@ -187,7 +190,12 @@ struct MNMajorOperandB : OperandBLayout<BlockN, kFormat> {
     }
     const int k0 = (step - tile.side_steps) * kBlockK;
     if (tile.extra) {
-      L::load_mn_boxes(&p.extra, bar, dst, 0, kBoxes, tile.n_local * BlockN, k0, tile.expert);
+      const int n0 = tile.n_local * BlockN;
+      if (k0 < p.extra_k_lo)
+        cute::SM90_TMA_LOAD_3D::copy(&p.extra, bar, kCacheHint, dst, k0, n0, tile.expert);
+      else
+        cute::SM90_TMA_LOAD_3D::copy(&p.extra_hi, bar, kCacheHint, dst, k0 - p.extra_k_lo,
+                                     n0 - p.extra_n_lo, tile.expert);
       return;
     }
     const int n0 = tile.n_block * BlockN;

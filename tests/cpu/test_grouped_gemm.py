@@ -1,25 +1,87 @@
-"""Host-side layouts of the engine's operands (python/megamoe/wrappers/grouped_gemm.py)."""
+"""The engine's store GEMM on the host (python/megamoe/wrappers/grouped_gemm.py): dgrad1's
+extra blocks (the b1/b3 shrinks read as given) in the CPU twin and the float64 reference,
+and the checks that run before any kernel."""
 
+import pytest
 import torch
 
-from megamoe.wrappers.grouped_gemm import block_diagonal_side_weights
+import megamoe as mm
+from megamoe.testing.inputs import make_routing
+from megamoe.wrappers.grouped_gemm import grouped_gemm, grouped_gemm_reference
+
+EXPERTS, HIDDEN, INTER, RANK = 3, 64, 128, 16
 
 
-def test_block_diagonal_side_weights_are_b1_then_b3_on_w13s_rows():
-    """(dg | du) @ side must give dg b1^T on the gate columns' rows and du b3^T on the up
-    rows': side is [[b1^T, 0], [0, b3^T]] in w13's row order (gate rows, then up)."""
-    gen = torch.Generator().manual_seed(0)
-    experts, intermediate, rank, rows = 3, 256, 16, 5
-    b_gate = torch.randn(experts, intermediate, rank, generator=gen, dtype=torch.float64)
-    b_up = torch.randn(experts, intermediate, rank, generator=gen, dtype=torch.float64)
-    dg = torch.randn(rows, intermediate, generator=gen, dtype=torch.float64)
-    du = torch.randn(rows, intermediate, generator=gen, dtype=torch.float64)
-    side = block_diagonal_side_weights(b_gate, b_up)
-    assert side.shape == (experts, 2 * intermediate, 2 * rank)
-    for e in range(experts):
-        got = torch.cat([dg, du], dim=1) @ side[e]
-        # float64 sums of the same products (plus exact zeros): equal up to summation order.
-        torch.testing.assert_close(got[:, :rank], dg @ b_gate[e], rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(got[:, rank:], du @ b_up[e], rtol=1e-12, atol=1e-12)
-    # The off-diagonal blocks are exact zeros (they add exact zeros to the sums).
-    assert not side[:, :intermediate, rank:].any() and not side[:, intermediate:, :rank].any()
+def _setup():
+    ids, _ = make_routing(40, EXPERTS, 2, seed=0)
+    plan = mm.plan_routes(ids, EXPERTS, 64)
+    gen = torch.Generator().manual_seed(1)
+
+    def bf16(*shape):
+        return torch.randn(*shape, generator=gen).bfloat16()
+
+    dgu = bf16(plan.pool_capacity, 2 * INTER)  # (dg | du)
+    w13 = bf16(EXPERTS, 2 * INTER, HIDDEN)  # as stored: [E, K = 2I, N = H]
+    b1, b3 = bf16(EXPERTS, RANK, INTER), bf16(EXPERTS, RANK, INTER)  # [E, r, I] as given
+    return plan, dgu, w13, b1, b3
+
+
+def test_extra_blocks_are_dg_b1t_then_du_b3t():
+    """The extra columns are (dg b1_e^T | du b3_e^T): lo over K rows 0..I, hi over I..2I,
+    checked per expert against float64 products computed here (not the reference)."""
+    plan, dgu, w13, b1, b3 = _setup()
+    out = grouped_gemm(dgu, w13, plan, b_major="mn", b_extra_blocks=(b1, b3))
+    assert out.shape == (plan.pool_capacity, HIDDEN + 2 * RANK)
+    offsets = plan.expert_pool_offsets.tolist()
+    counts = plan.expert_counts.tolist()
+    for e in range(EXPERTS):
+        rows = slice(offsets[e], offsets[e] + counts[e])
+        dg, du = dgu[rows, :INTER].double(), dgu[rows, INTER:].double()
+        dx = dgu[rows].double() @ w13[e].double()
+        torch.testing.assert_close(out[rows, :HIDDEN].double(), dx, rtol=1e-2, atol=5e-2)
+        dq1, dq3 = dg @ b1[e].double().T, du @ b3[e].double().T
+        torch.testing.assert_close(
+            out[rows, HIDDEN : HIDDEN + RANK].double(), dq1, rtol=1e-2, atol=5e-2
+        )
+        torch.testing.assert_close(out[rows, HIDDEN + RANK :].double(), dq3, rtol=1e-2, atol=5e-2)
+
+
+def test_reference_extra_blocks_match_a_dense_block_diagonal():
+    """The float64 reference's blocks equal a dense [[b1^T, 0], [0, b3^T]] extra operand
+    (what the kernel computes, with the zero blocks never stored)."""
+    plan, dgu, w13, b1, b3 = _setup()
+    dense = torch.zeros(EXPERTS, 2 * INTER, 2 * RANK, dtype=torch.bfloat16)
+    dense[:, :INTER, :RANK] = b1.transpose(1, 2)
+    dense[:, INTER:, RANK:] = b3.transpose(1, 2)
+    b_k_major = w13.transpose(1, 2)  # the reference takes [E, N, K]
+    blocks = grouped_gemm_reference(dgu, b_k_major, plan, b_extra_blocks=(b1, b3))
+    want = grouped_gemm_reference(dgu, b_k_major, plan, b_extra=dense)
+    torch.testing.assert_close(blocks, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,message",
+    [
+        (dict(b_extra="dense"), ValueError, r"^b_extra: with b_major='mn'"),
+        (dict(b_major="k"), ValueError, r"^b_extra_blocks: only with b_major='mn'"),
+        (dict(b_extra_blocks="list"), TypeError, r"^b_extra_blocks: expected a tuple"),
+        (dict(k_lo=96), ValueError, r"^b_extra_blocks\[0\]: expected K_lo a multiple of 64"),
+        (dict(hi_k=64), ValueError, r"^b_extra_blocks\[1\]: expected shape"),
+        (dict(hi_rank=12), ValueError, r"^b_extra: expected N_x a multiple of 8"),
+    ],
+)
+def test_extra_block_errors_name_the_argument(kwargs, error, message):
+    plan, dgu, w13, b1, _ = _setup()
+    lo = b1 if "k_lo" not in kwargs else torch.zeros(EXPERTS, RANK, kwargs["k_lo"]).bfloat16()
+    hi_shape = (EXPERTS, kwargs.get("hi_rank", RANK), kwargs.get("hi_k", 2 * INTER - lo.shape[2]))
+    hi = torch.zeros(hi_shape).bfloat16()
+    call = dict(b_major="mn", b_extra_blocks=(lo, hi))
+    if kwargs.get("b_extra") == "dense":
+        call = dict(b_major="mn", b_extra=torch.zeros(EXPERTS, 2 * INTER, 2 * RANK).bfloat16())
+    if kwargs.get("b_extra_blocks") == "list":
+        call["b_extra_blocks"] = [lo, hi]
+    if kwargs.get("b_major") == "k":
+        w13 = w13.transpose(1, 2).contiguous()  # [E, N, K]
+        call["b_major"] = "k"
+    with pytest.raises(error, match=message):
+        grouped_gemm(dgu, w13, plan, **call)

@@ -254,7 +254,7 @@ CASES: dict[str, Case] = {
     "gemm-b-extra-n-not-multiple-of-8": (
         lambda L, g: grouped_gemm(g.a, g.b, g.plan, b_extra=bf16(4, 128, 12)),
         ValueError,
-        r"^b_extra: expected N a multiple of 8",
+        r"^b_extra: expected N_x a multiple of 8",
     ),
     "gemm-mxfp4-k-not-multiple-of-64": (
         lambda L, g: grouped_gemm(

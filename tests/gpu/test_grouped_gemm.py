@@ -91,20 +91,31 @@ def test_store_with_an_mn_major_b(block_m, tokens, experts, top_k, k, n):
 
 
 @pytest.mark.parametrize("block_m", BLOCK_MS)
-@pytest.mark.parametrize("n_extra", [32, 256, 264])
-def test_mn_major_b_with_extra_columns(block_m, n_extra):
-    """dgrad1 with the b1/b3 shrinks: b_extra [E, K, N_x] read as stored like b, its
-    columns after b's (a 3-D map per segment: N_x below a box, whole tiles, a tail)."""
+@pytest.mark.parametrize(
+    "k_lo,n_lo,n_hi",
+    [
+        (256, 16, 16),  # both blocks in one tile, below a box: extra_hi's rows start at -16
+        (256, 128, 128),  # the production split (r = 128): half a 256-wide tile each
+        (192, 256, 8),  # K_lo not half of K; a whole tile of lo, then a tail tile of hi
+        (320, 40, 136),  # unequal blocks straddling a tile edge
+    ],
+)
+def test_mn_major_b_with_extra_blocks(block_m, k_lo, n_lo, n_hi):
+    """dgrad1 with the b1/b3 shrinks read as given: b_extra_blocks (lo [E, N_lo, K_lo],
+    hi [E, N_hi, K - K_lo], K-major) are the extra columns [[lo^T, 0], [0, hi^T]] after
+    b's; the zero blocks come from the maps' zero fill, never from memory."""
     experts, k, n = 8, 512, 384
     plan, a = pool_for(1029, experts, 6, block_m, k, kind="empty", empty_experts=(2,))
     b = weights(experts, k, n)
-    b_extra = weights(experts, k, n_extra, seed=3)
-    out = grouped_gemm(a, b, plan, b_major="mn", b_extra=b_extra)
-    assert out.shape == (plan.pool_capacity, n + n_extra)
+    lo = weights(experts, n_lo, k_lo, seed=3)
+    hi = weights(experts, n_hi, k - k_lo, seed=4)
+    out = grouped_gemm(a, b, plan, b_major="mn", b_extra_blocks=(lo, hi))
+    assert out.shape == (plan.pool_capacity, n + n_lo + n_hi)
     rows = int(plan.expert_pool_offsets[-1])
-    expected = grouped_gemm_reference(a, b.transpose(1, 2), plan, b_extra=b_extra)
+    expected = grouped_gemm_reference(a, b.transpose(1, 2), plan, b_extra_blocks=(lo, hi))
     assert_close_to_oracle("out", out[:rows, :n], expected[:, :n])
-    assert_close_to_oracle("extra", out[:rows, n:], expected[:, n:])
+    assert_close_to_oracle("extra lo", out[:rows, n : n + n_lo], expected[:, n : n + n_lo])
+    assert_close_to_oracle("extra hi", out[:rows, n + n_lo :], expected[:, n + n_lo :])
 
 
 @pytest.mark.parametrize("block_m", BLOCK_MS)

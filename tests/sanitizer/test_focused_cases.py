@@ -302,27 +302,33 @@ def test_engine_store_k_major(block_m, tokens, top_k, num_sms, b_format, monkeyp
 @pytest.mark.parametrize("block_m", BLOCK_MS)
 def test_engine_store_mn_major(block_m, tokens, top_k, num_sms, b_format, monkeypatch):
     # dgrad1: B as stored [E, K, N], read MN-major in [64 K, 64 N] boxes (MXFP4: codes
-    # [E, K, N/2] by 64-row boxes, scales transposed), with the BF16 extra segment (the
-    # b1/b3 shrink columns, 32: narrower than one box). N = 192: a partial tile; BF16 K =
-    # 200: a partial K step per expert (zero-filled past the expert's rows).
+    # [E, K, N/2] by 64-row boxes, scales as stored), with the BF16 extra blocks (the
+    # b1/b3 shrinks as given, K-major, 16 columns each: narrower than one box, the hi
+    # block's map read from row -16). N = 192: a partial tile; BF16 K = 200: a partial K
+    # step per expert (zero-filled past the expert's rows) and in the hi block.
     use_sms(num_sms, monkeypatch)
-    experts, n, extra = 8, 192, 32
+    experts, n, k_lo, rank = 8, 192, 64, 16
     k = 192 if b_format == "mxfp4" else 200
     plan, _, _ = gpu_plan(tokens, experts, top_k, block_m, kind="empty", seed=tokens + 1)
     a = bf16((plan.pool_capacity, k), 15)
-    b_extra = bf16((experts, k, extra), 17, k**-0.5)
+    blocks = (
+        bf16((experts, rank, k_lo), 17, k**-0.5),
+        bf16((experts, rank, k - k_lo), 18, k**-0.5),
+    )
     rows = rows_used(plan)
     if b_format == "mxfp4":
         codes, scales, decoded = mxfp4_b((experts, k, n), 16)
-        out = grouped_gemm(a, codes, plan, b_major="mn", b_scales=scales, b_extra=b_extra)
-        twin = grouped_gemm(a, decoded, plan, b_major="mn", b_extra=b_extra)
+        out = grouped_gemm(a, codes, plan, b_major="mn", b_scales=scales, b_extra_blocks=blocks)
+        twin = grouped_gemm(a, decoded, plan, b_major="mn", b_extra_blocks=blocks)
         assert_bitwise(out[:rows], twin[:rows])
         return
     b = bf16((experts, k, n), 16, k**-0.5)
-    out = grouped_gemm(a, b, plan, b_major="mn", b_extra=b_extra)
-    assert out.shape == (plan.pool_capacity, n + extra)
+    out = grouped_gemm(a, b, plan, b_major="mn", b_extra_blocks=blocks)
+    assert out.shape == (plan.pool_capacity, n + 2 * rank)
     if rows:
-        expected = grouped_gemm_reference(a, b.transpose(1, 2).contiguous(), plan, b_extra=b_extra)
+        expected = grouped_gemm_reference(
+            a, b.transpose(1, 2).contiguous(), plan, b_extra_blocks=blocks
+        )
         assert_close_to_oracle("out", out[:rows], expected)
 
 

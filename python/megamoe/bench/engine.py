@@ -42,7 +42,6 @@ import megamoe as mm
 from megamoe.testing.inputs import make_routing
 from megamoe.wrappers.activation_backward import fused_dgrad2_activation_backward
 from megamoe.wrappers.grouped_gemm import (
-    block_diagonal_side_weights,
     gated_grouped_gemm,
     grouped_gemm,
 )
@@ -195,17 +194,19 @@ def build_cases(args, plan, device) -> dict[str, dict[str, tuple[Callable[[], ob
         peers("gemm2", hp, w2.transpose(1, 2), flops)
     if "dgrad1" in selected:
         dgu = randn(capacity, 2 * i)
-        shrink = block_diagonal_side_weights(randn(e, i, r), randn(e, i, r))
+        shrink = (randn(e, r, i), randn(e, r, i))  # b1, b3 as given: the extra blocks
         # MXFP4 w13 as stored, read MN-major: quantized along H (its N here).
         flops = 2.0 * routes * 2 * i * h
         cases["dgrad1"] = {
             "engine": (lambda: grouped_gemm(dgu, w13, plan, b_major="mn"), flops),
             "engine +shrink": (
-                lambda: grouped_gemm(dgu, w13, plan, b_major="mn", b_extra=shrink),
+                lambda: grouped_gemm(dgu, w13, plan, b_major="mn", b_extra_blocks=shrink),
                 flops * (1 + 2 * r / h),
             ),
             "engine mxfp4 +shrink": (
-                lambda: grouped_gemm(dgu, c13, plan, b_major="mn", b_scales=s13, b_extra=shrink),
+                lambda: grouped_gemm(
+                    dgu, c13, plan, b_major="mn", b_scales=s13, b_extra_blocks=shrink
+                ),
                 flops * (1 + 2 * r / h),
             ),
         }

@@ -41,7 +41,7 @@ from ..side_lora import SideLoRA
 from ..weights import BaseWeights
 from ..wrappers import pool
 from ..wrappers.activation_backward import fused_dgrad2_activation_backward
-from ..wrappers.grouped_gemm import block_diagonal_side_weights, grouped_gemm
+from ..wrappers.grouped_gemm import grouped_gemm
 from ..wrappers.k_grouped_gemm import k_grouped_gemm
 from ..wrappers.routing import RoutePlan
 from .fused_forward import ForwardState, recompute_preact, stage
@@ -189,18 +189,16 @@ def _side_lora_pool_backward(
                 q13_pool[:, rank:], dgrad_preact[:, inter:], plan, scale=side.scale
             )
             del q13_pool
-    # dgrad1 with the b1/b3 shrinks as extra columns: (dg | du) read once.
+    # dgrad1 with the b1/b3 shrinks as extra columns, b1 and b3 read as given: (dg | du)
+    # read once.
     with stage("dgrad1"):
-        shrink_weights = block_diagonal_side_weights(
-            side.b1.transpose(1, 2), side.b3.transpose(1, 2)
-        )  # [E, 2I, 2r]
         dx_shrink_pool = grouped_gemm(
             dgrad_preact,
             base.w13,
             plan,
             b_major="mn",
             b_scales=base.w13_scales,
-            b_extra=shrink_weights,
+            b_extra_blocks=(side.b1, side.b3),
         )  # [P, H + 2r]
     return PoolBackward(dx_shrink_pool, drouter, local)
 

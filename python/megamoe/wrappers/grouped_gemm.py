@@ -4,8 +4,9 @@ Two entry points, both on torch's current stream with no host synchronisation:
 
 - :func:`grouped_gemm` (store epilogue): ``out[rows of e] = a[rows of e, :k] @ b[e]^T``
   (``b`` K-major, nn.Linear layout) or ``@ b[e]`` (``b_major="mn"``: the weights as
-  stored, the dgrads), plus optional extra output columns from ``b_extra`` (GEMM2's
-  ``a2`` shrink, dgrad1's ``b1``/``b3`` shrinks).
+  stored, the dgrads), plus optional extra output columns: ``b_extra`` (GEMM2's ``a2``
+  shrink) or ``b_extra_blocks`` (dgrad1's ``b1``/``b3`` shrinks, two blocks on the
+  diagonal, read as given).
 - :func:`gated_grouped_gemm` (gated-activation epilogue): GEMM1 on ``w13`` in the
   user's layout (gate rows, then up rows: a tile reads both as two TMA boxes), the
   optional side K segment ``s * (q1 b1 | q3 b3)``, and ``h = act(g) * u`` as BF16 (with
@@ -101,28 +102,42 @@ def mxfp4_b(
     return k, _dequantized(codes, scales), None
 
 
-def block_diagonal_side_weights(b1_t: torch.Tensor, b3_t: torch.Tensor) -> torch.Tensor:
-    """``[E, 2I, 2r]`` BF16 ``[[b1^T, 0], [0, b3^T]]`` (gate rows, then up rows): dgrad1's
-    extra N columns, ``(dg | du) @ this = (dg b1_e^T | du b3_e^T)``, the ``b1``/``b3``
-    shrinks read MN-major in the same GEMM as ``dx``.
-
-    Built per call from ``b1_t``/``b3_t``, ``b1`` and ``b3`` transposed (``[E, I, r]``
-    views; trainable adapters change every step). With finite ``dg``/``du`` the zero
-    blocks add exact zeros; a non-finite ``du`` (``dg``) also makes the gate (up) sums
-    NaN (0 x Inf), where the CPU twin's separate sums would not.
-    """
-    experts, intermediate, rank = b1_t.shape
-    side = b1_t.new_zeros(experts, 2, intermediate, 2 * rank)
-    side[:, 0, :, :rank] = b1_t
-    side[:, 1, :, rank:] = b3_t
-    return side.view(experts, 2 * intermediate, 2 * rank)
-
-
 def _dequantized(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """The exact BF16 values of an MXFP4 B (one decode kernel on CUDA)."""
     from .mxfp4_decode import decode_mxfp4_bf16
 
     return decode_mxfp4_bf16(codes, scales)
+
+
+def _check_extra_blocks(
+    blocks: tuple[torch.Tensor, torch.Tensor],
+    experts: int,
+    k: int,
+    device: torch.device,
+    major_mn: bool,
+) -> int:
+    """Check :func:`grouped_gemm`'s ``b_extra_blocks`` and return ``N_lo + N_hi``."""
+    if not major_mn:
+        raise ValueError("b_extra_blocks: only with b_major='mn' (use b_extra with 'k')")
+    if not isinstance(blocks, tuple) or len(blocks) != 2:
+        raise TypeError(
+            f"b_extra_blocks: expected a tuple (lo, hi) of two tensors, got {type(blocks).__name__}"
+        )
+    lo, hi = blocks
+    check_tensor(
+        "b_extra_blocks[0]", lo, shape=(experts, None, None), dtypes=(torch.bfloat16,),
+        device=device, contiguous=True,
+    )  # fmt: skip
+    k_lo = lo.shape[2]
+    if k_lo % 64 != 0 or not 0 < k_lo < k:
+        raise ValueError(
+            f"b_extra_blocks[0]: expected K_lo a multiple of 64 in (0, k={k}), got {k_lo}"
+        )
+    check_tensor(
+        "b_extra_blocks[1]", hi, shape=(experts, None, k - k_lo), dtypes=(torch.bfloat16,),
+        device=device, contiguous=True,
+    )  # fmt: skip
+    return lo.shape[1] + hi.shape[1]
 
 
 def grouped_gemm(
@@ -132,6 +147,7 @@ def grouped_gemm(
     *,
     k: int | None = None,
     b_extra: torch.Tensor | None = None,
+    b_extra_blocks: tuple[torch.Tensor, torch.Tensor] | None = None,
     out: torch.Tensor | None = None,
     b_major: str = "k",
     b_scales: torch.Tensor | None = None,
@@ -143,9 +159,17 @@ def grouped_gemm(
         b: ``[E, N, k]`` BF16 expert weights, K-major (nn.Linear layout).
         plan: the route plan (only ``expert_pool_offsets`` and ``block_m`` are read).
         k: reduction length (defaults to ``b``'s); columns of ``a`` past it are ignored.
-        b_extra: optional ``[E, k, N_x]`` BF16 for either ``b_major`` (read as it is,
+        b_extra: optional ``[E, k, N_x]`` BF16, ``b_major="k"`` only (read as it is,
             MN-major): ``N_x`` more output columns ``a @ b_extra[e]`` (GEMM2's ``a2``
-            as given, dgrad1's shrink weights).
+            as given).
+        b_extra_blocks: optional ``(lo, hi)``, ``b_major="mn"`` only: ``lo``
+            ``[E, N_lo, K_lo]`` and ``hi`` ``[E, N_hi, k - K_lo]`` BF16 (``K_lo`` a
+            multiple of 64), the blocks of ``[[lo_e^T, 0], [0, hi_e^T]]`` read as given
+            (K-major): ``N_x = N_lo + N_hi`` more columns ``a[:, :K_lo] @ lo[e]^T |
+            a[:, K_lo:k] @ hi[e]^T`` (dgrad1's ``(dg b1_e^T | du b3_e^T)`` from the
+            adapters' ``b1``, ``b3`` ``[E, r, I]``). The zero blocks are never stored;
+            the MMAs still run over them, so a non-finite ``a`` column also makes the
+            other block's sums NaN (0 x Inf), as a dense block-diagonal matrix would.
         out: optional ``[pool rows, N + N_x]`` BF16 output.
         b_major: ``"k"`` (``b`` is ``[E, N, k]``) or ``"mn"``: ``b`` is ``[E, k, N]`` and
             read as stored (``out = a @ b[e]``: the dgrads' ``(dg | du) w13_e``).
@@ -154,7 +178,7 @@ def grouped_gemm(
             along K); with ``b_major="mn"`` ``b`` is ``[E, k, N/2]`` and this
             ``[E, k, N/32]`` (quantized along N, the weights as stored). Decoded to the
             values of :func:`~megamoe.mxfp4.dequantize_mxfp4` inside the pipeline;
-            ``b_extra`` stays BF16.
+            the extra columns stay BF16.
 
     Returns:
         ``out`` ``[pool rows, N + N_x]`` BF16. Rows at or past the rows in use are not
@@ -183,11 +207,19 @@ def grouped_gemm(
         n_base = b.shape[1]
     n_extra = 0
     if b_extra is not None:
+        if major_mn:
+            raise ValueError(
+                "b_extra: with b_major='mn' the extra columns are b_extra_blocks=(lo, hi)"
+            )
         check_tensor(
             "b_extra", b_extra, shape=(b.shape[0], k, None), dtypes=(torch.bfloat16,),
             device=a.device, contiguous=True,
         )  # fmt: skip
         n_extra = b_extra.shape[2]
+    if b_extra_blocks is not None:
+        n_extra = _check_extra_blocks(b_extra_blocks, b.shape[0], k, a.device, major_mn)
+    if n_extra % 8 != 0:
+        raise ValueError(f"b_extra: expected N_x a multiple of 8 (16-byte rows), got {n_extra}")
     if out is None:
         out = torch.empty(a.shape[0], n_base + n_extra, dtype=torch.bfloat16, device=a.device)
     if not a.is_cuda:
@@ -196,8 +228,16 @@ def grouped_gemm(
                 w = b[e].float() if major_mn else b[e].float().T  # [k, N]
                 if b_extra is not None:
                     w = torch.cat([w, b_extra[e].float()], dim=1)
-                out[start:end] = (a[start:end, :k].float() @ w).bfloat16()
+                out[start:end, : w.shape[1]] = (a[start:end, :k].float() @ w).bfloat16()
+                if b_extra_blocks is not None:
+                    lo, hi = b_extra_blocks
+                    k_lo, n_lo = lo.shape[2], lo.shape[1]
+                    rows = a[start:end].float()
+                    extra = out[start:end, n_base:]
+                    extra[:, :n_lo] = (rows[:, :k_lo] @ lo[e].float().T).bfloat16()
+                    extra[:, n_lo:] = (rows[:, k_lo:k] @ hi[e].float().T).bfloat16()
         return out
+    extra_lo, extra_hi = (b_extra, None) if b_extra_blocks is None else b_extra_blocks
     dl = _native.dlpack
     with _native.on_device(a.device):
         _native.native().engine_store(
@@ -206,7 +246,8 @@ def grouped_gemm(
             dl(b),
             None if decode_scales is None else dl(decode_scales),
             major_mn,
-            None if b_extra is None else dl(b_extra),
+            None if extra_lo is None else dl(extra_lo),
+            None if extra_hi is None else dl(extra_hi),
             dl(plan.expert_pool_offsets),
             dl(out),
             plan.block_m,
@@ -381,12 +422,17 @@ def grouped_gemm_reference(
     *,
     k: int | None = None,
     b_extra: torch.Tensor | None = None,
+    b_extra_blocks: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Float64 ``[rows in use, N + N_x]`` of :func:`grouped_gemm` with a K-major ``b``
-    ``[E, N, k]`` and ``b_extra`` ``[E, k, N_x]`` (not rounded)."""
+    ``[E, N, k]`` and ``b_extra`` ``[E, k, N_x]`` or ``b_extra_blocks`` (``lo``
+    ``[E, N_lo, K_lo]``, ``hi`` ``[E, N_hi, k - K_lo]``: a dense block-diagonal
+    ``[k, N_lo + N_hi]`` per expert), not rounded."""
     k = b.shape[2] if k is None else k
     rows = int(plan.expert_pool_offsets[-1])
     cols = b.shape[1] + (0 if b_extra is None else b_extra.shape[2])
+    if b_extra_blocks is not None:
+        cols += b_extra_blocks[0].shape[1] + b_extra_blocks[1].shape[1]
     out = torch.zeros(rows, cols, dtype=torch.float64, device=a.device)
     for e, start, end in _expert_rows(plan):
         if end == start:
@@ -395,6 +441,9 @@ def grouped_gemm_reference(
         weights = b[e].double().T
         if b_extra is not None:
             weights = torch.cat([weights, b_extra[e].double()], dim=1)
+        if b_extra_blocks is not None:
+            lo, hi = (block[e].double().T for block in b_extra_blocks)
+            weights = torch.cat([weights, torch.block_diag(lo, hi)], dim=1)
         out[start:end] = x @ weights
     return out
 
