@@ -8,7 +8,8 @@ so every case computes the same FLOPs over the same routed rows):
   GEMM1), ``gemm2`` (+ the ``a2`` shrink columns), ``dgrad1`` (+ the ``b1``/``b3`` shrink
   columns), ``dgrad2`` (plain) and ``dgrad2+act`` (the activation-backward epilogue, the
   layer's dgrad2), and the K-grouped weight gradients ``wgrad13`` (dw13 ``[2I, H]``),
-  ``wgrad2`` (dw2 ``[H, I]``), ``db13`` (``[2r, 2I]``), ``da2`` (``[I, r]``);
+  ``wgrad2`` (dw2 ``[H, I]``), ``db13`` (``db1``, ``db3`` ``[r, I]`` each: the two diagonal
+  blocks of ``[q1 | q3]^T (dg | du)``), ``da2`` (``[I, r]``);
 - for each weight GEMM also the MXFP4 base as the layer runs it (decoded inside the
   pipeline at few rows per expert, else one transient BF16 decode, timed with the GEMM);
 - peers: ``torch._grouped_mm`` of the same product (the epilogue-free GEMM; the fused
@@ -235,7 +236,35 @@ def build_cases(args, plan, device) -> dict[str, dict[str, tuple[Callable[[], ob
                 "engine mxfp4 +a2": (lambda: fused(c2, s2), flops * (1 + r / h)),
             }
             peers("dgrad2+act", dout, w2, flops, cols=h)
-    wgrads = {"wgrad13": (2 * i, h), "wgrad2": (h, i), "db13": (2 * r, 2 * i), "da2": (i, r)}
+    if "db13" in selected:
+        # As the layer runs it: the two diagonal blocks of [q1 | q3]^T (dg | du), db1 =
+        # q1^T dg and db3 = q3^T du, each [E, r, I], over row-strided views of the pools.
+        q13, dgu = randn(capacity, 2 * r), randn(capacity, 2 * i)
+        flops = 2 * (2.0 * routes * r * i)
+        cases["db13"] = {
+            "engine": (
+                lambda: (
+                    k_grouped_gemm(q13[:, :r], dgu[:, :i], plan),
+                    k_grouped_gemm(q13[:, r:], dgu[:, i:], plan),
+                ),
+                flops,
+            )
+        }
+        if dense:  # the peers on contiguous copies of the blocks (their best layout)
+            blocks = [
+                (q13[:routes, :r].contiguous(), dgu[:routes, :i].contiguous()),
+                (q13[:routes, r:].contiguous(), dgu[:routes, i:].contiguous()),
+            ]
+            cases["db13"]["torch._grouped_mm"] = (
+                lambda: [torch._grouped_mm(q.T, g, offs=offs) for q, g in blocks],
+                flops,
+            )
+            if quack is not None:
+                cases["db13"]["quack"] = (
+                    lambda: [quack(q.T, g, cu_seqlens_k=cu, tuned=False) for q, g in blocks],
+                    flops,
+                )
+    wgrads = {"wgrad13": (2 * i, h), "wgrad2": (h, i), "da2": (i, r)}
     for name, (m, n) in wgrads.items():
         if name not in selected:
             continue
