@@ -332,6 +332,7 @@ void engine_store(const Tensor& a, int64_t k_base, const Tensor& b, std::optiona
     o.extra_hi = k_major_map("b_extra_hi", *b_extra_hi, device);
     o.extra_k_lo = static_cast<int32_t>(extra_k_lo);
     o.extra_n_lo = static_cast<int32_t>(extra_n_lo);
+    o.extra_halves = 2 * extra_n_lo == kBlockN && n_extra == kBlockN;
   } else if (b_extra) {
     o.extra = mn_major_map("b_extra", *b_extra, device);
   }

@@ -113,6 +113,8 @@ struct EngineConfig : EngineParts<kKind, kFormat, BlockM, BlockN>,
   static constexpr int kBlockM = BlockM, kBlockN = BlockN;
   static constexpr bool kMxfp4 = kFormat == BFormat::MXFP4;
   static constexpr bool kTailMask = kKind == EngineKind::KGrouped;
+  // dgrad1's extra tile may be the two diagonal blocks side by side (extra_halves).
+  static constexpr bool kExtraHalves = kKind == EngineKind::StoreMNMajor;
   static constexpr int kAccumulators = BlockN / 2;
   static constexpr int kABytes = Parts::A::kBytes;
   static constexpr int kStageBytes = (kABytes + Parts::B::kBytes + 1023) / 1024 * 1024;
@@ -289,6 +291,11 @@ __device__ __forceinline__ void consume(const EngineParams& p, const SharedStora
   using BaseMma = Wgmma<C::kBlockN, C::A::kMNMajor, C::B::kMNMajor>;
   using SideMma = Wgmma<C::kBlockN, C::A::kMNMajor, C::B::kSideMNMajor>;
   using ExtraMma = Wgmma<C::kBlockN, C::A::kMNMajor, C::B::kExtraMNMajor>;
+  // The low half of a tile's columns (B's first BLOCK_N / 2 rows, the first half of the
+  // accumulators): the extra tile's steps in its low block (OperandParams::extra_halves).
+  // The high block's steps stay whole-tile MMAs: a half-width wgmma into the upper
+  // accumulators makes ptxas serialize the kernel's wgmma.
+  using ExtraLowHalfMma = Wgmma<C::kBlockN / 2, C::A::kMNMajor, C::B::kExtraMNMajor>;
   const typename C::Schedule schedule(p.schedule);
   const int consumer_thread = threadIdx.x - kWarpgroupThreads;
   const int lane = threadIdx.x % 32;
@@ -336,8 +343,18 @@ __device__ __forceinline__ void consume(const EngineParams& p, const SharedStora
       for (int i = 0; i < C::kAccumulators; ++i) acc[i] *= p.operands.side_scale;
       fence_accumulators(acc);
     }
+    auto run_extra = [&] {
+      int first = 0;
+      if constexpr (C::kExtraHalves) {
+        if (p.operands.extra_halves) {
+          first = min(p.operands.extra_k_lo / kBlockK, tile.k_steps);
+          run_steps(ExtraLowHalfMma{}, 0, first);
+        }
+      }
+      run_steps(ExtraMma{}, first, tile.k_steps);
+    };
     if (tile.extra)
-      run_steps(ExtraMma{}, 0, tile.k_steps);
+      run_extra();
     else
       run_steps(BaseMma{}, tile.side_steps, tile.k_steps);
     cute::warpgroup_wait<0>();  // the last batch, before the accumulators are read

@@ -374,3 +374,19 @@ def test_json_keeps_the_configurations_measured_before_a_run_is_cut_short(tmp_pa
     monkeypatch.setattr(cli, "run_backend", measured)
     assert cli.main([*argv, "--backend", "baseline", "--pass", "forward"]) == 0
     assert json.loads(out.read_text())["complete"] is True
+
+
+def test_device_idle_merges_overlaps_and_ranks_the_gaps():
+    """Idle time is the span less the union of the intervals (overlapping work on two
+    streams counts once); gaps name the work around them, largest first."""
+    from megamoe.bench.timing import device_idle
+
+    work = [(0.0, 10.0, "a"), (5.0, 12.0, "b"), (20.0, 30.0, "c"), (31.0, 32.0, "d")]
+    idle = device_idle(reversed(work), top=1)
+    assert idle.span_us == 32.0
+    assert idle.busy_us == 12.0 + 10.0 + 1.0
+    assert idle.gaps == ((8.0, "b", "c"),)
+    assert device_idle([]).busy_us == 0.0
+    # Work nested inside a longer interval leaves no gap and keeps the longer one's end.
+    nested = device_idle([(0.0, 10.0, "long"), (2.0, 3.0, "short"), (11.0, 12.0, "next")])
+    assert nested.gaps == ((1.0, "long", "next"),) and nested.busy_us == 11.0

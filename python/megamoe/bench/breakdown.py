@@ -18,7 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 import megamoe as mm
 
 from .shapes import SHAPES
-from .timing import count_device_work, device_event_kind
+from .timing import count_device_work, device_event_kind, device_idle
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,9 +70,11 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.synchronize()
     # Kernels and copies only (the megamoe::<stage> ranges' GPU spans would count twice).
     per_name: dict[str, list[float]] = {}
+    intervals = []
     for event in prof.events():
         if device_event_kind(event) is not None:
             per_name.setdefault(event.name, []).append(event.device_time_total)
+            intervals.append((event.time_range.start, event.time_range.end, event.name))
     rows = [
         (sum(times) / args.iters / 1e3, len(times) // args.iters, name)
         for name, times in per_name.items()
@@ -90,6 +92,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'ms':>8} {'share':>6} {'calls':>5}  kernel")
     for ms, calls, name in rows:
         print(f"{ms:8.3f} {ms / total:6.1%} {calls:5d}  {name if args.full_names else name[:90]}")
+    # Back-to-back calls, no host sync between them: idle time inside the window is time
+    # the GPU waited for the host (launch overhead, a host sync, CPU-side work).
+    idle = device_idle(intervals)
+    per_call = (idle.span_us - idle.busy_us) / args.iters / 1e3
+    print(
+        f"GPU idle: {per_call:.3f} ms per call ({idle.span_us / args.iters / 1e3:.3f} ms span, "
+        f"{idle.busy_us / args.iters / 1e3:.3f} ms busy); largest gaps over the {args.iters} calls:"
+    )
+    for gap_us, before, after in idle.gaps:
+        width = None if args.full_names else 50
+        print(f"{gap_us / 1e3:8.3f} ms  after {before[:width]}  before {after[:width]}")
     return 0
 
 

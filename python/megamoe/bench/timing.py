@@ -168,3 +168,36 @@ def profile_device_work(
         fn()
         torch.cuda.synchronize()
     return count_device_work(prof.events())
+
+
+@dataclass(frozen=True)
+class DeviceIdle:
+    """Where the GPU sat idle inside a window of device work (:func:`device_idle`).
+
+    ``span_us``: first start to last end; ``busy_us``: the union of the work's intervals;
+    ``gaps``: the largest idle gaps as ``(gap_us, name_before, name_after)``, largest first.
+    """
+
+    span_us: float
+    busy_us: float
+    gaps: tuple[tuple[float, str, str], ...]
+
+
+def device_idle(intervals: Iterable[tuple[float, float, str]], top: int = 5) -> DeviceIdle:
+    """The idle time between device work given as ``(start_us, end_us, name)`` (kernels
+    and copies of one stream or several: overlapping intervals are merged)."""
+    work = sorted(intervals)
+    if not work:
+        return DeviceIdle(0.0, 0.0, ())
+    busy, gaps = 0.0, []
+    run_start, run_end, last_name = work[0][0], work[0][1], work[0][2]
+    for start, end, name in work[1:]:
+        if start > run_end:
+            busy += run_end - run_start
+            gaps.append((start - run_end, last_name, name))
+            run_start = start
+        if end >= run_end:
+            run_end, last_name = end, name
+    busy += run_end - run_start
+    gaps.sort(key=lambda gap: -gap[0])
+    return DeviceIdle(run_end - work[0][0], busy, tuple(gaps[:top]))
