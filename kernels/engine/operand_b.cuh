@@ -7,8 +7,9 @@
 // are decoded over it in place (two phases with a barrier between:
 // kernels/mxfp4_tile_decode.cuh), which keeps a stage at its BF16 size. The decode
 // warps read the scales from global memory in the layout the caller holds them in
-// (`scale_byte`): one byte per 32 values, a step ahead of their use, so no per-call
-// transposed copy of the scales exists.
+// (`scale_offset` once per tile, plus `scale_step` per step): one byte per 32 values, a
+// step ahead of their use, so no per-call transposed copy of the scales exists.
+//
 // Side and extra segments are BF16 in every format and are read in the layout the caller
 // holds them in (the adapter factors as given, no transposed copy), which is the other
 // major from the base's in GEMM1, GEMM2 and dgrad2: each policy names the major of each
