@@ -276,7 +276,7 @@ void engine_store(const Tensor& a, int64_t k_base, const Tensor& b, std::optiona
     check_tensor("b_extra", *b_extra, bfloat16_dtype(), {experts, -1, -1}, device);
     extra_n_lo = b_extra->shape(1);
     extra_k_lo = b_extra->shape(2);
-    if (extra_k_lo % kBlockK != 0 || extra_k_lo >= k_base)
+    if (extra_k_lo < kBlockK || extra_k_lo % kBlockK != 0 || extra_k_lo >= k_base)
       throw nb::value_error(("b_extra: expected K_lo a multiple of 64 below K=" + str(k_base) +
                              ", got " + str(extra_k_lo))
                                 .c_str());
@@ -332,7 +332,8 @@ void engine_store(const Tensor& a, int64_t k_base, const Tensor& b, std::optiona
     o.extra_hi = k_major_map("b_extra_hi", *b_extra_hi, device);
     o.extra_k_lo = static_cast<int32_t>(extra_k_lo);
     o.extra_n_lo = static_cast<int32_t>(extra_n_lo);
-    o.extra_halves = 2 * extra_n_lo == kBlockN && n_extra == kBlockN;
+    o.extra_low_half =
+        (2 * extra_n_lo <= kernels.block_n ? 1 : 0) | (2 * n_extra <= kernels.block_n ? 2 : 0);
   } else if (b_extra) {
     o.extra = mn_major_map("b_extra", *b_extra, device);
   }

@@ -113,8 +113,10 @@ struct EngineConfig : EngineParts<kKind, kFormat, BlockM, BlockN>,
   static constexpr int kBlockM = BlockM, kBlockN = BlockN;
   static constexpr bool kMxfp4 = kFormat == BFormat::MXFP4;
   static constexpr bool kTailMask = kKind == EngineKind::KGrouped;
-  // dgrad1's extra tile may be the two diagonal blocks side by side (extra_halves).
+  // dgrad1's first extra tile may hold a diagonal block's columns in its low half only
+  // (OperandParams::extra_low_half).
   static constexpr bool kExtraHalves = kKind == EngineKind::StoreMNMajor;
+  static_assert(!kExtraHalves || BlockN == 256, "the launcher's extra_low_half is for 256");
   static constexpr int kAccumulators = BlockN / 2;
   static constexpr int kABytes = Parts::A::kBytes;
   static constexpr int kStageBytes = (kABytes + Parts::B::kBytes + 1023) / 1024 * 1024;
@@ -213,6 +215,7 @@ __device__ __forceinline__ void decode_stages(const EngineParams& p, const Share
   while (true) {
     const int next_t = t + static_cast<int>(gridDim.x);
     const bool more = next_t < schedule.num_tiles();
+    const bool tile_had_steps = tile.k_steps > 0;
     for (int step = 0; step < tile.k_steps; ++step) {
       TransactionBarrier::wait(&smem.full[ring.stage], ring.phase);
       uint32_t now[kUnits];
@@ -254,8 +257,13 @@ __device__ __forceinline__ void decode_stages(const EngineParams& p, const Share
     if (!more) return;
     t = next_t;
     tile = schedule.tile(t);
+    if (tile_had_steps) {
 #pragma unroll
-    for (int i = 0; i < kUnits; ++i) offset[i] = next_offset[i];
+      for (int i = 0; i < kUnits; ++i) offset[i] = next_offset[i];
+    } else {  // no step prefetched this tile's offsets and first scales
+      offsets_of(tile, offset);
+      load_scales(tile, offset, 0, scale);
+    }
   }
 }
 
@@ -282,9 +290,9 @@ __device__ __forceinline__ void mask_tail_rows(const SharedStorage<C>& smem, con
 }
 
 // ---- consumers: wgmma over the ring, then the accumulators into the staging tile ----
-// A tile's K steps run in segments (side steps, then base steps; an N extra tile is one
-// segment), each with the wgmma flavour of its B major (operand_b.cuh): one loop per
-// segment, so no branch sits between a batch's MMAs.
+// A tile's K steps run in segments (side steps, then base steps; an N extra tile's steps
+// by diagonal block), each with the wgmma flavour of its B major (operand_b.cuh) and
+// width: one loop per segment, so no branch sits between a batch's MMAs.
 template <class C>
 __device__ __forceinline__ void consume(const EngineParams& p, const SharedStorage<C>& smem,
                                         int consumer) {
@@ -292,9 +300,9 @@ __device__ __forceinline__ void consume(const EngineParams& p, const SharedStora
   using SideMma = Wgmma<C::kBlockN, C::A::kMNMajor, C::B::kSideMNMajor>;
   using ExtraMma = Wgmma<C::kBlockN, C::A::kMNMajor, C::B::kExtraMNMajor>;
   // The low half of a tile's columns (B's first BLOCK_N / 2 rows, the first half of the
-  // accumulators): the extra tile's steps in its low block (OperandParams::extra_halves).
-  // The high block's steps stay whole-tile MMAs: a half-width wgmma into the upper
-  // accumulators makes ptxas serialize the kernel's wgmma.
+  // accumulators): the first extra tile's steps of a block whose columns all lie in that
+  // half (OperandParams::extra_low_half). No such MMA into the upper half: a half-width
+  // wgmma into the upper accumulators makes ptxas serialize the kernel's wgmma.
   using ExtraLowHalfMma = Wgmma<C::kBlockN / 2, C::A::kMNMajor, C::B::kExtraMNMajor>;
   const typename C::Schedule schedule(p.schedule);
   const int consumer_thread = threadIdx.x - kWarpgroupThreads;
@@ -343,15 +351,23 @@ __device__ __forceinline__ void consume(const EngineParams& p, const SharedStora
       for (int i = 0; i < C::kAccumulators; ++i) acc[i] *= p.operands.side_scale;
       fence_accumulators(acc);
     }
+    // The extra segment: dgrad1's steps by diagonal block, each block's half-width where
+    // its columns fit the low half.
     auto run_extra = [&] {
-      int first = 0;
       if constexpr (C::kExtraHalves) {
-        if (p.operands.extra_halves) {
-          first = min(p.operands.extra_k_lo / kBlockK, tile.k_steps);
-          run_steps(ExtraLowHalfMma{}, 0, first);
-        }
+        const int split = min(p.operands.extra_k_lo / kBlockK, tile.k_steps);
+        const int low_half = tile.n_local == 0 ? p.operands.extra_low_half : 0;
+        if (low_half & 1)
+          run_steps(ExtraLowHalfMma{}, 0, split);
+        else
+          run_steps(ExtraMma{}, 0, split);
+        if (low_half & 2)
+          run_steps(ExtraLowHalfMma{}, split, tile.k_steps);
+        else
+          run_steps(ExtraMma{}, split, tile.k_steps);
+      } else {
+        run_steps(ExtraMma{}, 0, tile.k_steps);
       }
-      run_steps(ExtraMma{}, first, tile.k_steps);
     };
     if (tile.extra)
       run_extra();

@@ -67,7 +67,7 @@ def test_reference_extra_blocks_match_a_dense_block_diagonal():
         (dict(b_extra_blocks="list"), TypeError, r"^b_extra_blocks: expected a tuple"),
         (dict(k_lo=96), ValueError, r"^b_extra_blocks\[0\]: expected K_lo a multiple of 64"),
         (dict(hi_k=64), ValueError, r"^b_extra_blocks\[1\]: expected shape"),
-        (dict(hi_rank=12), ValueError, r"^b_extra: expected N_x a multiple of 8"),
+        (dict(hi_rank=12), ValueError, r"^b_extra_blocks: expected N_x a multiple of 8"),
     ],
 )
 def test_extra_block_errors_name_the_argument(kwargs, error, message):

@@ -92,19 +92,24 @@ def test_store_with_an_mn_major_b(block_m, tokens, experts, top_k, k, n):
 
 @pytest.mark.parametrize("block_m", BLOCK_MS)
 @pytest.mark.parametrize(
-    "k_lo,n_lo,n_hi",
+    "k,k_lo,n_lo,n_hi",
     [
-        (256, 16, 16),  # both blocks in one tile, below a box: extra_hi's rows start at -16
-        (256, 128, 128),  # the production split (r = 128): half a 256-wide tile each
-        (192, 256, 8),  # K_lo not half of K; a whole tile of lo, then a tail tile of hi
-        (320, 40, 136),  # unequal blocks straddling a tile edge
+        # both blocks in the low half (half-width MMAs throughout); extra_hi from row -16
+        (512, 256, 16, 16),
+        (512, 256, 64, 64),  # both blocks exactly fill the low half
+        (512, 256, 128, 128),  # the production split (r = 128): lo half-width, hi whole
+        (512, 192, 128, 128),  # the same with K_lo not half of K
+        (520, 256, 128, 128),  # a partial last K step, in the hi block
+        (512, 192, 256, 8),  # a whole tile of lo, then hi in a tail tile (whole MMAs)
+        (512, 320, 40, 136),  # unequal blocks straddling the low half's edge
     ],
 )
-def test_mn_major_b_with_extra_blocks(block_m, k_lo, n_lo, n_hi):
+def test_mn_major_b_with_extra_blocks(block_m, k, k_lo, n_lo, n_hi):
     """dgrad1 with the b1/b3 shrinks read as given: b_extra_blocks (lo [E, N_lo, K_lo],
     hi [E, N_hi, K - K_lo], K-major) are the extra columns [[lo^T, 0], [0, hi^T]] after
-    b's; the zero blocks come from the maps' zero fill, never from memory."""
-    experts, k, n = 8, 512, 384
+    b's; the zero blocks come from the maps' zero fill, never from memory, and a block
+    within the first extra tile's low half runs half-width MMAs."""
+    experts, n = 8, 384
     plan, a = pool_for(1029, experts, 6, block_m, k, kind="empty", empty_experts=(2,))
     b = weights(experts, k, n)
     lo = weights(experts, n_lo, k_lo, seed=3)

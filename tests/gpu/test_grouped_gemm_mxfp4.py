@@ -193,20 +193,21 @@ def test_mn_major_decode_is_the_engine_on_the_decoded_weights(
 
 
 @pytest.mark.parametrize("block_m", BLOCK_MS)
-def test_mn_major_decode_with_bf16_extra_columns(block_m):
+@pytest.mark.parametrize("rank", [48, 128])  # both blocks in the low half; r = BLOCK_N / 2
+def test_mn_major_decode_with_bf16_extra_columns(block_m, rank):
     """dgrad1 with an adapter on an MXFP4 base: the base tiles decode codes, the BF16
     extra blocks (the b1/b3 shrinks as given, K-major) do not."""
     plan, a = pool_for(900, 8, 3, block_m, 512, seed=31)
     codes, scales = mxfp4_operand(8, 512, 704, seed=32)
     gen = torch.Generator(device="cuda").manual_seed(33)
     blocks = tuple(
-        (torch.randn(8, 48, 256, device="cuda", generator=gen) * 0.05).bfloat16() for _ in "lh"
+        (torch.randn(8, rank, 256, device="cuda", generator=gen) * 0.05).bfloat16() for _ in "lh"
     )
     out = grouped_gemm(a, codes, plan, b_major="mn", b_scales=scales, b_extra_blocks=blocks)
     decoded = decode_mxfp4_bf16(codes, scales)
     twin = grouped_gemm(a, decoded, plan, b_major="mn", b_extra_blocks=blocks)
     rows = int(plan.expert_pool_offsets[-1])
-    assert out.shape[1] == 704 + 96
+    assert out.shape[1] == 704 + 2 * rank
     assert same_bits(out[:rows], twin[:rows])
     expected = grouped_gemm_reference(
         a, decoded.transpose(1, 2).contiguous(), plan, b_extra_blocks=blocks

@@ -239,21 +239,21 @@ def build_cases(args, plan, device) -> dict[str, dict[str, tuple[Callable[[], ob
     if "db13" in selected:
         # As the layer runs it: the two diagonal blocks of [q1 | q3]^T (dg | du), db1 =
         # q1^T dg and db3 = q3^T du, each [E, r, I], over row-strided views of the pools.
-        q13, dgu = randn(capacity, 2 * r), randn(capacity, 2 * i)
+        q13, dgu13 = randn(capacity, 2 * r), randn(capacity, 2 * i)
         flops = 2 * (2.0 * routes * r * i)
         cases["db13"] = {
             "engine": (
                 lambda: (
-                    k_grouped_gemm(q13[:, :r], dgu[:, :i], plan),
-                    k_grouped_gemm(q13[:, r:], dgu[:, i:], plan),
+                    k_grouped_gemm(q13[:, :r], dgu13[:, :i], plan),
+                    k_grouped_gemm(q13[:, r:], dgu13[:, i:], plan),
                 ),
                 flops,
             )
         }
         if dense:  # the peers on contiguous copies of the blocks (their best layout)
             blocks = [
-                (q13[:routes, :r].contiguous(), dgu[:routes, :i].contiguous()),
-                (q13[:routes, r:].contiguous(), dgu[:routes, i:].contiguous()),
+                (q13[:routes, :r].contiguous(), dgu13[:routes, :i].contiguous()),
+                (q13[:routes, r:].contiguous(), dgu13[:routes, i:].contiguous()),
             ]
             cases["db13"]["torch._grouped_mm"] = (
                 lambda: [torch._grouped_mm(q.T, g, offs=offs) for q, g in blocks],

@@ -167,9 +167,13 @@ def grouped_gemm(
             multiple of 64), the blocks of ``[[lo_e^T, 0], [0, hi_e^T]]`` read as given
             (K-major): ``N_x = N_lo + N_hi`` more columns ``a[:, :K_lo] @ lo[e]^T |
             a[:, K_lo:k] @ hi[e]^T`` (dgrad1's ``(dg b1_e^T | du b3_e^T)`` from the
-            adapters' ``b1``, ``b3`` ``[E, r, I]``). The zero blocks are never stored;
-            the MMAs still run over them, so a non-finite ``a`` column also makes the
-            other block's sums NaN (0 x Inf), as a dense block-diagonal matrix would.
+            adapters' ``b1``, ``b3`` ``[E, r, I]``). The zero blocks are never stored.
+            Where a block's columns fit the first extra tile's low half (``N_lo <=
+            128``; ``N_lo + N_hi <= 128`` for ``hi``) its K steps multiply that half
+            only; elsewhere the MMAs run over zeros, so a non-finite ``a`` column there
+            also makes the other block's sums NaN (0 x Inf), as a dense block-diagonal
+            matrix would. The CPU twin computes the two blocks separately (no such
+            NaN).
         out: optional ``[pool rows, N + N_x]`` BF16 output.
         b_major: ``"k"`` (``b`` is ``[E, N, k]``) or ``"mn"``: ``b`` is ``[E, k, N]`` and
             read as stored (``out = a @ b[e]``: the dgrads' ``(dg | du) w13_e``).
@@ -219,7 +223,8 @@ def grouped_gemm(
     if b_extra_blocks is not None:
         n_extra = _check_extra_blocks(b_extra_blocks, b.shape[0], k, a.device, major_mn)
     if n_extra % 8 != 0:
-        raise ValueError(f"b_extra: expected N_x a multiple of 8 (16-byte rows), got {n_extra}")
+        name = "b_extra" if b_extra is not None else "b_extra_blocks"
+        raise ValueError(f"{name}: expected N_x a multiple of 8 (16-byte rows), got {n_extra}")
     if out is None:
         out = torch.empty(a.shape[0], n_base + n_extra, dtype=torch.bfloat16, device=a.device)
     if not a.is_cuda:
