@@ -3,8 +3,11 @@
 Registering them (importing this module, which the package does) lets
 ``torch.utils.flop_counter.FlopCounterMode`` count ``mm.moe`` calls, which it would otherwise
 report as zero (an opaque custom op has no decomposition to count). One formula per op,
-``megamoe::moe_forward`` (every save mode) and ``megamoe::moe_backward``, each reading
-the op's arguments by their schema names.
+``megamoe::moe_forward`` (every save mode) and ``megamoe::moe_backward``, and the expert-
+parallel ``megamoe::moe_ep_forward`` / ``megamoe::moe_ep_backward``, each reading the op's
+arguments by their schema names. An EP op is counted for this rank's tokens and all of
+their routes (whichever rank's experts compute them), so the counts of the group's ranks
+add up to the layer's.
 
 What is counted: the multiply-adds of DESIGN §1's math, 2 FLOPs each, for every route
 ``(t, k)`` as if none were masked. The formulas see shapes only (no values: they run on
@@ -32,6 +35,7 @@ import torch
 from torch.utils.flop_counter import register_flop_formula
 
 from . import ops  # noqa: F401  (defines the torch.ops.megamoe.* ops registered below)
+from .ep import ops as ep_ops  # noqa: F401  (the expert-parallel ops)
 
 __all__ = ["backward_flops", "forward_flops"]
 
@@ -115,4 +119,28 @@ def _moe_backward_flops(*args, out_shape=None, **kwargs) -> int:
         base_grads=bool(a["base_grads"]),
         side_grads=bool(a["side_grads"]),
         recompute=recompute,
+    )
+
+
+@register_flop_formula(torch.ops.megamoe.moe_ep_forward)
+def _moe_ep_forward_flops(*args, out_shape=None, **kwargs) -> int:
+    a = _bind(torch.ops.megamoe.moe_ep_forward, args, kwargs)
+    return forward_flops(*_dims(a["x"], a["topk_ids"], a["w13"]), _rank(a["a1"], a["scale"]))
+
+
+@register_flop_formula(torch.ops.megamoe.moe_ep_backward)
+def _moe_ep_backward_flops(*args, out_shape=None, **kwargs) -> int:
+    a = _bind(torch.ops.megamoe.moe_ep_backward, args, kwargs)
+    tokens, top_k = a["topk_weights"]
+    # The EP backward computes the adapters' gradients whenever the side path ran.
+    rank = _rank(a["a1"], a["scale"])
+    return backward_flops(
+        tokens,
+        top_k,
+        a["x"][1],
+        a["w13"][1] // 2,
+        rank,
+        base_grads=bool(a["base_grads"]),
+        side_grads=rank > 0,
+        recompute=False,
     )

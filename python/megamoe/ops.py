@@ -19,8 +19,9 @@ small-token calls. torch.compile, dispatch and torch-function modes (FlopCounter
 FakeTensorMode, DTensor) and direct ``torch.ops.megamoe`` calls get the ops.
 
 ``mm.moe(group=...)`` (expert parallelism) runs :func:`megamoe.ep.fused_moe` instead,
-an autograd Function over the same stages: docs/DESIGN-NOTES.md ("The op layer") says
-why it is not one of these ops.
+the op pair ``megamoe::moe_ep_forward`` / ``megamoe::moe_ep_backward``
+(:mod:`megamoe.ep.ops`) over the same stages, with these ops' conventions:
+docs/DESIGN-NOTES.md ("The op layer") says why it is a pair of its own.
 
 All have fake implementations (shapes known without a sync), so ``torch.compile``
 traces them, and none synchronises with the host: the id range check runs on the device
@@ -39,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from ._checks import check_choice, check_finite_float, check_int, check_tensor
-from .ep.fused_layer import moe as fused_moe
+from .ep.ops import moe as fused_moe
 from .heuristics import get_block_m
 from .pipeline.fused_backward import moe_backward
 from .pipeline.fused_forward import SAVE_MODES, ForwardState, moe_forward, stage

@@ -12,7 +12,8 @@ Backend-agnostic pieces (gloo on CPU today, NCCL on GPU):
 - :func:`reference_moe`: the EP layer on the reference math (float64/float32),
   differentiable, equal to EP1 on the same global batch;
 - :func:`fused_moe`: the EP layer on the fused pipeline (what ``mm.moe(group=pg)``
-  runs; NCCL on GPUs, the stages' torch twins with gloo on CPU);
+  runs, through the custom ops ``megamoe::moe_ep_forward`` / ``moe_ep_backward``:
+  :mod:`megamoe.ep.ops`; NCCL on GPUs, the stages' torch twins with gloo on CPU);
 - :func:`run_gloo`: run a function on ``P`` local gloo processes.
 
 See docs/EXPERT-PARALLEL.md for the data flow and the ordering guarantees.
@@ -26,9 +27,8 @@ from .exchange import (
     reduce_shared_grads,
     sum_over_k,
 )
-from .fused_layer import fused_ep_moe
-from .fused_layer import moe as fused_moe
 from .launch import run_gloo
+from .ops import moe as fused_moe
 from .plan import (
     DispatchPlan,
     ExpertPartition,
@@ -51,7 +51,6 @@ __all__ = [
     "all_to_all_rows",
     "combine",
     "dispatch",
-    "fused_ep_moe",
     "fused_moe",
     "group_rank",
     "group_size",

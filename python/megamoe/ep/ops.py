@@ -1,0 +1,585 @@
+"""``megamoe::moe_ep_forward`` and ``megamoe::moe_ep_backward``: the fused expert-parallel
+layer (:mod:`megamoe.ep.fused_layer`'s stages) as torch custom ops, what
+``mm.moe(group=pg)`` and :func:`megamoe.ep.fused_moe` run.
+
+They keep the EP1 ops' conventions (:mod:`megamoe.ops`): named inputs, the adapters as
+the six optional tensors ``a1, b1, a3, b3, a2, b2`` (all None: no adapters) plus
+``scale``, the forward's plan handed to the backward in its state outputs (nothing is
+planned again), real and fake implementations running the same argument checks, and a
+FLOP formula per op (:mod:`megamoe.flop_formulas`). What EP adds (docs/DESIGN-NOTES.md,
+"The op layer"):
+
+- the process group by name (``group.group_name``, resolved through torch.distributed's
+  registry, as torch's functional collectives do; ``""``: one process);
+- the forward plans the dispatch inside the op (:func:`~megamoe.ep.plan.plan_dispatch`:
+  the collectives and the one host read of the counts), and its state carries the plan:
+  the send routes, the received rows' experts, the receiver's pool plan, and the host
+  split sizes as a CPU int64 tensor ``host_plan`` (so the backward reads no device
+  value to size its exchanges);
+- the state's sizes depend on every rank's routing, so the fake implementation gives
+  them unbacked sizes (``torch.library.get_ctx().new_dynamic_size()``): under
+  torch.compile's fake tensors they trace; a fake call without a shape environment
+  (meta tensors, a bare ``FakeTensorMode``) can only be an inference call
+  (``save="none"``, every state output empty).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .._checks import check_choice, check_int, check_tensor
+from ..side_lora import SideLoRA
+from ..validation import check_moe_inputs
+from ..weights import BaseWeights
+from ..wrappers.grouped_gemm import ACTIVATIONS
+from ..wrappers.routing import RoutePlan
+from .fused_layer import ep_backward_stages, ep_forward_stages, float_bits, local_weights
+from .plan import DispatchPlan, ExpertPartition, group_rank, group_size, plan_dispatch
+
+__all__ = ["moe"]
+
+_SIDE_NAMES = ("a1", "b1", "a3", "b3", "a2", "b2")
+#: The gradients megamoe::moe_ep_backward returns, in order (named like the inputs).
+_GRAD_NAMES = ("x", "topk_weights", "w13", "w2", *_SIDE_NAMES)
+#: The forward's state outputs, in order, after ``out``.
+_STATE_NAMES = (
+    "send_routes",  # [N_send] int64
+    "recv_expert",  # [N_recv] int64
+    "pool_expert_counts",  # [E_l] int32: the receiver's pool plan
+    "pool_expert_pool_offsets",  # [E_l + 1] int32
+    "pool_route_to_pool_row",  # [pool routes, 1] int32
+    "pool_row_to_route",  # [pool capacity] int32
+    "host_plan",  # CPU int64 [6 + 2P]: T, K, T_max, BLOCK_M, recv capacity, P, splits
+    "preact",  # [pool capacity, 2I] bfloat16
+    "recv_x",  # [pool routes, H] bfloat16 (a trainable base), else empty
+    "recv_q13",  # [pool routes, 2r] bfloat16 (the side path), else empty
+    "p_sum",  # [T, r] bfloat16 (the side path), else empty
+)
+_SAVE_MODES = ("none", "preact")
+_HOST_FIELDS = 6
+
+
+def _group(name: str) -> dist.ProcessGroup | None:
+    """The process group registered under ``name`` (``""``: None, one process)."""
+    if not isinstance(name, str):
+        raise TypeError(f"group_name: expected a str, got {type(name).__name__}")
+    if name == "":
+        return None
+    try:
+        return dist.distributed_c10d._resolve_process_group(name)
+    except Exception as error:  # torch raises a bare ValueError/KeyError/RuntimeError
+        raise ValueError(f"group_name: no process group named {name!r}") from error
+
+
+def _layer_inputs(
+    x, topk_ids, topk_weights, w13, w2, w13_scales, w2_scales, side, scale, activation,
+    activation_clamp,
+) -> tuple[BaseWeights, SideLoRA | None]:  # fmt: skip
+    """The checked ``(base, side)`` of one call (real and fake alike, any device)."""
+    check_tensor("w13", w13, ndim=3)
+    if (w13_scales is None) != (w2_scales is None):
+        raise ValueError("w13_scales/w2_scales: give both (an MXFP4 base) or neither")
+    base = local_weights(w13, w2, None if w13_scales is None else (w13_scales, w2_scales))
+    side_lora = None
+    if any(t is not None for t in side):
+        if any(t is None for t in side):
+            raise ValueError(
+                f"side: expected all six adapter tensors {_SIDE_NAMES} or none, got "
+                f"{[type(t).__name__ for t in side]}"
+            )
+        side_lora = SideLoRA(*side, scale=scale)
+    check_moe_inputs(
+        x,
+        topk_ids,
+        topk_weights,
+        base,
+        side_lora,
+        activation,
+        activation_clamp,
+        require_cuda=False,
+        allow_no_tokens=True,
+    )
+    return base, side_lora
+
+
+def _empty(like: torch.Tensor) -> torch.Tensor:
+    return like.new_empty(0)
+
+
+def _moe_ep_forward_impl(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scales: torch.Tensor | None,  # MXFP4 base: the UE8M0 scales; None for BF16
+    w2_scales: torch.Tensor | None,
+    a1: torch.Tensor | None,  # the six adapter tensors, or six Nones: no adapters
+    b1: torch.Tensor | None,
+    a3: torch.Tensor | None,
+    b3: torch.Tensor | None,
+    a2: torch.Tensor | None,
+    b2: torch.Tensor | None,
+    scale: float,
+    activation: str,
+    activation_clamp: float | None,
+    group_name: str,
+    max_tokens: int | None,
+    check_ids: bool,
+    reduce_shared_grads: bool,
+    keep_x: bool,
+    save: str,
+) -> tuple[
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+]:
+    """``(out, *state)`` (``_STATE_NAMES``); ``save="none"`` (inference): every state
+    output empty. A collective over the group: every rank calls it."""
+    base, side = _layer_inputs(
+        x, topk_ids, topk_weights, w13, w2, w13_scales, w2_scales, (a1, b1, a3, b3, a2, b2),
+        scale, activation, activation_clamp,
+    )  # fmt: skip
+    check_choice("save", save, _SAVE_MODES)
+    group = _group(group_name)
+    # Everything that must match across ranks is checked in plan_dispatch's one
+    # all-reduce, so a mismatch raises on every rank instead of hanging a collective:
+    # shapes, the activation, the adapter scale and clamp (their float bits; a zero
+    # scale drops the adapter columns from every exchange).
+    uniform = {
+        "hidden": base.hidden,
+        "intermediate": base.intermediate,
+        "side_rank": 0 if side is None else side.rank,
+        "base format (0 bf16, 1 mxfp4)": int(base.format == "mxfp4"),
+        "activation": tuple(ACTIVATIONS).index(activation),
+        "side.scale (float64 bits)": float_bits(scale if side is not None else 0.0),
+        "activation_clamp (float64 bits, -1: None)": (
+            -1 if activation_clamp is None else float_bits(float(activation_clamp))
+        ),
+        "reduce_shared_grads": int(reduce_shared_grads),
+    }
+    plan = plan_dispatch(
+        topk_ids,
+        base.num_experts * group_size(group),
+        group=group,
+        max_tokens=max_tokens,
+        check_ids=check_ids,
+        uniform=uniform,
+    )
+    out, saved = ep_forward_stages(
+        plan, x, topk_weights, base, side, activation=activation,
+        activation_clamp=activation_clamp, keep_x=keep_x and save != "none",
+    )  # fmt: skip
+    if save == "none":
+        return (out, *(_empty(x) for _ in _STATE_NAMES))
+    host_plan = torch.tensor(
+        [
+            plan.num_tokens,
+            plan.top_k,
+            plan.max_tokens,
+            plan.block_m,
+            plan.recv_capacity,
+            plan.partition.world_size,
+            *plan.send_splits,
+            *plan.recv_splits,
+        ],
+        dtype=torch.int64,
+    )
+    routes = plan.pool
+    return (
+        out,
+        plan.send_routes,
+        plan.recv_expert,
+        routes.expert_counts,
+        routes.expert_pool_offsets,
+        routes.route_to_pool_row,
+        routes.pool_row_to_route,
+        host_plan,
+        *(_empty(x) if saved[name] is None else saved[name] for name in _STATE_NAMES[7:]),
+    )
+
+
+_moe_ep_forward_op = torch.library.custom_op("megamoe::moe_ep_forward", mutates_args=())(
+    _moe_ep_forward_impl
+)
+
+
+@_moe_ep_forward_op.register_fake
+def _(
+    x,
+    topk_ids,
+    topk_weights,
+    w13,
+    w2,
+    w13_scales,
+    w2_scales,
+    a1,
+    b1,
+    a3,
+    b3,
+    a2,
+    b2,
+    scale,
+    activation,
+    activation_clamp,
+    group_name,
+    max_tokens,
+    check_ids,
+    reduce_shared_grads,
+    keep_x,
+    save,
+):
+    base, side = _layer_inputs(
+        x, topk_ids, topk_weights, w13, w2, w13_scales, w2_scales, (a1, b1, a3, b3, a2, b2),
+        scale, activation, activation_clamp,
+    )  # fmt: skip
+    check_choice("save", save, _SAVE_MODES)
+    world = group_size(_group(group_name))
+    out = x.new_empty(x.shape)
+    if save == "none":
+        return (out, *(x.new_empty(0) for _ in _STATE_NAMES))
+    # Sized by every rank's routing: unbacked sizes (see the module docstring).
+    ctx = torch.library.get_ctx()
+    num_send, num_recv = ctx.new_dynamic_size(), ctx.new_dynamic_size()
+    pool_routes, capacity = ctx.new_dynamic_size(), ctx.new_dynamic_size()
+    experts = base.num_experts
+    index = dict(dtype=torch.int32, device=x.device)
+    use_side = side is not None and side.scale != 0.0
+    rank = side.rank if use_side else 0
+    return (
+        out,
+        torch.empty(num_send, dtype=torch.int64, device=x.device),
+        torch.empty(num_recv, dtype=torch.int64, device=x.device),
+        torch.empty(experts, **index),
+        torch.empty(experts + 1, **index),
+        torch.empty(pool_routes, 1, **index),
+        torch.empty(capacity, **index),
+        torch.empty(_HOST_FIELDS + 2 * world, dtype=torch.int64),
+        x.new_empty(capacity, 2 * base.intermediate),
+        x.new_empty(pool_routes, base.hidden) if keep_x else x.new_empty(0),
+        x.new_empty(pool_routes, 2 * rank) if use_side else x.new_empty(0),
+        x.new_empty(x.shape[0], rank) if use_side else x.new_empty(0),
+    )
+
+
+def _plan(group: dist.ProcessGroup | None, w13: torch.Tensor, state: dict) -> DispatchPlan:
+    """The forward's :class:`DispatchPlan` from its state outputs (no collective)."""
+    host = check_tensor("host_plan", state["host_plan"], ndim=1, dtypes=(torch.int64,))
+    if host.device.type != "cpu" or host.numel() < _HOST_FIELDS:
+        raise ValueError("host_plan: expected the forward's CPU int64 plan")
+    values = host.tolist()
+    tokens, top_k, max_tokens, block_m, capacity, world = values[:_HOST_FIELDS]
+    if world != group_size(group) or len(values) != _HOST_FIELDS + 2 * world:
+        raise ValueError(f"host_plan: made for {world} ranks, the group has {group_size(group)}")
+    splits = values[_HOST_FIELDS:]
+    pool = RoutePlan(
+        state["pool_expert_counts"],
+        state["pool_expert_pool_offsets"],
+        state["pool_route_to_pool_row"],
+        state["pool_row_to_route"],
+        block_m,
+    )
+    return DispatchPlan(
+        partition=ExpertPartition(w13.shape[0] * world, world, group_rank(group)),
+        num_tokens=tokens,
+        top_k=top_k,
+        max_tokens=max_tokens,
+        block_m=block_m,
+        send_routes=state["send_routes"],
+        send_splits=tuple(splits[:world]),
+        recv_splits=tuple(splits[world:]),
+        recv_expert=state["recv_expert"],
+        recv_capacity=capacity,
+        pool=pool,
+        group=group,
+    )
+
+
+# ``preact`` is written over: dgrad2's epilogue leaves dg | du in the saved pre-activations
+# (their last reader), so the schema declares it mutated.
+def _moe_ep_backward_impl(
+    dout: torch.Tensor,
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scales: torch.Tensor | None,
+    w2_scales: torch.Tensor | None,
+    a1: torch.Tensor | None,
+    b1: torch.Tensor | None,
+    a3: torch.Tensor | None,
+    b3: torch.Tensor | None,
+    a2: torch.Tensor | None,
+    b2: torch.Tensor | None,
+    scale: float,
+    activation: str,
+    activation_clamp: float | None,
+    group_name: str,
+    reduce_shared_grads: bool,
+    send_routes: torch.Tensor,
+    recv_expert: torch.Tensor,
+    pool_expert_counts: torch.Tensor,
+    pool_expert_pool_offsets: torch.Tensor,
+    pool_route_to_pool_row: torch.Tensor,
+    pool_row_to_route: torch.Tensor,
+    host_plan: torch.Tensor,
+    preact: torch.Tensor,
+    recv_x: torch.Tensor,
+    recv_q13: torch.Tensor,
+    p_sum: torch.Tensor,
+    base_grads: bool,
+) -> tuple[
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+]:
+    """``(dx, dtopk_weights, dw13, dw2, da1, db1, da3, db3, da2, db2)``; gradients not
+    computed are empty (the base's without ``base_grads``, the adapters' without an
+    active adapter). ``dtopk_weights`` is float32. A collective over the group."""
+    base, side = _backward_inputs(
+        dout, x, topk_weights, w13, w2, w13_scales, w2_scales, (a1, b1, a3, b3, a2, b2), scale,
+        activation, activation_clamp, base_grads, recv_x,
+    )  # fmt: skip
+    state = dict(zip(_STATE_NAMES, (
+        send_routes, recv_expert, pool_expert_counts, pool_expert_pool_offsets,
+        pool_route_to_pool_row, pool_row_to_route, host_plan, preact, recv_x, recv_q13, p_sum,
+    ), strict=True))  # fmt: skip
+    group = _group(group_name)
+    plan = _plan(group, w13, state)
+    # Absent saved tensors are 1-D empties; present ones are 2-D (maybe of zero rows).
+    saved = {name: (state[name] if state[name].dim() == 2 else None) for name in _STATE_NAMES[7:]}
+    grads = ep_backward_stages(
+        plan, dout, x, topk_weights, base, side, saved, activation=activation,
+        activation_clamp=activation_clamp, base_grads=base_grads,
+        reduce_shared=reduce_shared_grads,
+    )  # fmt: skip
+    return tuple(_empty(x) if grads[name] is None else grads[name] for name in _GRAD_NAMES)
+
+
+def _backward_inputs(
+    dout, x, topk_weights, w13, w2, w13_scales, w2_scales, side, scale, activation,
+    activation_clamp, base_grads, recv_x,
+) -> tuple[BaseWeights, SideLoRA | None]:  # fmt: skip
+    """The checked ``(base, side)`` of one backward call: the forward's checks on its
+    inputs (the ids stand in by the weights' shape), plus ``dout``."""
+    placeholder_ids = torch.empty(topk_weights.shape, dtype=torch.int64, device=x.device)
+    base, side_lora = _layer_inputs(
+        x, placeholder_ids, topk_weights, w13, w2, w13_scales, w2_scales, side, scale,
+        activation, activation_clamp,
+    )  # fmt: skip
+    check_tensor("dout", dout, shape=tuple(x.shape), dtypes=(torch.bfloat16,))
+    if base_grads and recv_x.dim() != 2:
+        # The forward kept no received x (keep_x=False): dw13 cannot be formed.
+        raise ValueError("base_grads: the forward kept no received x rows (keep_x=False)")
+    return base, side_lora
+
+
+_moe_ep_backward_op = torch.library.custom_op("megamoe::moe_ep_backward", mutates_args=("preact",))(
+    _moe_ep_backward_impl
+)
+
+
+@_moe_ep_backward_op.register_fake
+def _(
+    dout,
+    x,
+    topk_weights,
+    w13,
+    w2,
+    w13_scales,
+    w2_scales,
+    a1,
+    b1,
+    a3,
+    b3,
+    a2,
+    b2,
+    scale,
+    activation,
+    activation_clamp,
+    group_name,
+    reduce_shared_grads,
+    send_routes,
+    recv_expert,
+    pool_expert_counts,
+    pool_expert_pool_offsets,
+    pool_route_to_pool_row,
+    pool_row_to_route,
+    host_plan,
+    preact,
+    recv_x,
+    recv_q13,
+    p_sum,
+    base_grads,
+):
+    _backward_inputs(
+        dout, x, topk_weights, w13, w2, w13_scales, w2_scales, (a1, b1, a3, b3, a2, b2), scale,
+        activation, activation_clamp, base_grads, recv_x,
+    )  # fmt: skip
+    use_side = a1 is not None and scale != 0.0
+    side = (a1, b1, a3, b3, a2, b2)
+    return (
+        x.new_empty(x.shape),
+        topk_weights.new_empty(topk_weights.shape, dtype=torch.float32),
+        w13.new_empty(w13.shape) if base_grads else x.new_empty(0),
+        w2.new_empty(w2.shape) if base_grads else x.new_empty(0),
+        *(t.new_empty(t.shape) if use_side else x.new_empty(0) for t in side),
+    )
+
+
+def _input_names(op: object) -> tuple[str, ...]:
+    return tuple(arg.name for arg in op._opoverload._schema.arguments)
+
+
+_FORWARD_INPUTS = _input_names(_moe_ep_forward_op)
+#: What a training forward saves for its backward: these inputs, then its state outputs.
+_SAVED_INPUTS = ("x", "topk_weights", "w13", "w2", "w13_scales", "w2_scales", *_SIDE_NAMES)
+
+
+def _forward_setup_context(ctx, inputs, output) -> None:
+    args = dict(zip(_FORWARD_INPUTS, inputs, strict=True))
+    ctx.save = args["save"]
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.set_materialize_grads(False)
+    if ctx.save == "none":
+        return
+    ctx.options = {
+        name: args[name]
+        for name in ("scale", "activation", "activation_clamp", "group_name", "reduce_shared_grads")
+    }
+    ctx.has_side = args["a1"] is not None
+    ctx.topk_dtype = args["topk_weights"].dtype
+    ctx.save_for_backward(*(args[name] for name in _SAVED_INPUTS), *output[1:])
+
+
+def _forward_backward(ctx, dout, *_state_grads):
+    if dout is None:  # no gradient reached the output (grads are not materialized)
+        return (None,) * len(_FORWARD_INPUTS)
+    if ctx.save == "none":
+        raise RuntimeError(
+            "megamoe::moe_ep_forward: called with save='none', which keeps no state for a "
+            "backward; call it with save='preact' (mm.moe does)"
+        )
+    saved = ctx.saved_tensors
+    inputs = dict(zip(_SAVED_INPUTS, saved[: len(_SAVED_INPUTS)], strict=True))
+    state = dict(zip(_STATE_NAMES, saved[len(_SAVED_INPUTS) :], strict=True))
+    needs = dict(zip(_FORWARD_INPUTS, ctx.needs_input_grad, strict=True))
+    grads = _moe_ep_backward_op(
+        dout=dout.to(torch.bfloat16).contiguous(),
+        **inputs,
+        **ctx.options,
+        **state,
+        base_grads=needs["w13"] or needs["w2"],
+    )
+    result = dict.fromkeys(_FORWARD_INPUTS)
+    for name, grad in zip(_GRAD_NAMES, grads, strict=True):
+        # Not computed: a 1-D empty; computed: the input's shape (maybe of zero rows).
+        if needs[name] and grad.shape == inputs[name].shape:
+            result[name] = grad
+    if result["topk_weights"] is not None:
+        result["topk_weights"] = result["topk_weights"].to(ctx.topk_dtype)
+    if ctx.has_side and ctx.options["scale"] == 0.0:
+        # A zero scale took the no-adapter path; the adapters' gradient is exactly 0.
+        for name in _SIDE_NAMES:
+            if needs[name]:
+                result[name] = torch.zeros_like(inputs[name])
+    return tuple(result.values())
+
+
+_moe_ep_forward_op.register_autograd(_forward_backward, setup_context=_forward_setup_context)
+
+
+def moe(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    base: BaseWeights,
+    side: SideLoRA | None = None,
+    *,
+    group: dist.ProcessGroup | None,
+    activation: str = "swiglu",
+    activation_clamp: float | None = None,
+    reduce_shared_grads: bool = True,
+    max_tokens: int | None = None,
+    check_ids: bool = True,
+) -> torch.Tensor:
+    """The MoE layer with experts sharded over ``group``, on the fused pipeline.
+
+    What ``mm.moe(..., group=pg)`` runs (a collective: every rank of ``group`` calls it,
+    and every rank runs the backward if any does), through ``megamoe::moe_ep_forward``
+    and ``megamoe::moe_ep_backward``. On CPU tensors (gloo) the stages run their torch
+    twins, which is how the EP logic is tested without GPUs.
+
+    Args:
+        x: ``[T, H]`` BF16 tokens of this rank (``T`` may differ between ranks, or be 0).
+        topk_ids: ``[T, K]`` int32/int64 *global* expert ids in ``[-1, E)``.
+        topk_weights: ``[T, K]`` float32, differentiable.
+        base: this rank's experts (:func:`~megamoe.prepare_base_weights` of ``[E_l, ...]``,
+            global ids ``rank * E_l ..``), format ``"bf16"`` or ``"mxfp4"`` (frozen).
+        side: optional BF16 :class:`~megamoe.SideLoRA`: shared ``a1, a3, b2`` (the same on
+            every rank) and this rank's ``b1, b3, a2``.
+        group: the EP process group (NCCL on GPUs, gloo on CPU), or None (one process).
+        activation, activation_clamp: as in ``mm.moe``.
+        reduce_shared_grads: all-reduce (SUM) the ``a1, a3, b2`` gradients over the group
+            so they do not depend on the EP degree (turn off if the trainer reduces them).
+        max_tokens: a static ``T_max`` of the group (skips the agreement all-reduce).
+        check_ids: reject ids outside ``[-1, E)`` (every rank raises together).
+
+    Returns:
+        ``[T, H]`` BF16.
+    """
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            f"group: expected a torch.distributed.ProcessGroup or None, got {type(group).__name__}"
+        )
+    if not isinstance(base, BaseWeights):
+        raise TypeError(f"base: expected megamoe.BaseWeights, got {type(base).__name__}")
+    # MXFP4 ordinary mode, as mm.moe (a no-op if mm.moe already converted it).
+    base = base.for_call()
+    for name, flag in (("reduce_shared_grads", reduce_shared_grads), ("check_ids", check_ids)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
+    if max_tokens is not None:
+        check_int("max_tokens", max_tokens, minimum=0)
+    side_tensors = [None] * len(_SIDE_NAMES) if side is None else list(side.tensors())
+    base_trainable = base.w13.requires_grad or base.w2.requires_grad
+    needs_grad = torch.is_grad_enabled() and (
+        base_trainable
+        or any(t is not None and t.requires_grad for t in [x, topk_weights, *side_tensors])
+    )
+    return _moe_ep_forward_op(
+        x=x,
+        topk_ids=topk_ids,
+        topk_weights=topk_weights,
+        w13=base.w13,
+        w2=base.w2,
+        w13_scales=base.w13_scales,
+        w2_scales=base.w2_scales,
+        **dict(zip(_SIDE_NAMES, side_tensors, strict=True)),
+        scale=0.0 if side is None else side.scale,
+        activation=activation,
+        activation_clamp=activation_clamp,
+        group_name="" if group is None else group.group_name,
+        max_tokens=max_tokens,
+        check_ids=check_ids,
+        reduce_shared_grads=reduce_shared_grads,
+        keep_x=needs_grad and base_trainable,
+        save="preact" if needs_grad else "none",
+    )[0]

@@ -1,0 +1,170 @@
+"""The expert-parallel custom ops (python/megamoe/ep/ops.py: ``megamoe::moe_ep_forward``
+and ``megamoe::moe_ep_backward``, what ``mm.moe(group=pg)`` and ``ep.fused_moe`` run) on
+gloo processes: FlopCounterMode counts them with their formulas, fake tensors give their
+shapes (unbacked sizes for the routing-dependent state), and bad calls name the
+argument. Their numerics against EP1 and the oracle: tests/cpu/test_ep_fused_gloo.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+from torch.utils.flop_counter import FlopCounterMode
+
+from megamoe import ep
+from megamoe.flop_formulas import backward_flops, forward_flops
+from megamoe.side_lora import SideLoRA
+from megamoe.testing import make_layer
+
+H, INTER, R, E, K = 64, 64, 16, 8, 2
+TOKENS = (5, 9)
+
+
+def _rank_layer(rank: int, world: int):
+    """This rank's tokens, experts and adapters of one global layer (BF16, side-LoRA)."""
+    layer = make_layer(
+        H, INTER, E, K, R, dtype=torch.bfloat16, num_tokens=sum(TOKENS), seed=3, scale=0.5
+    )
+    begin = sum(TOKENS[:rank])
+    rows = slice(begin, begin + TOKENS[rank])
+    e_l = E // world
+    experts = slice(rank * e_l, (rank + 1) * e_l)
+    base = layer.base
+    w13, w2 = base.w13[experts].clone(), base.w2[experts].clone()
+    local_base = type(base)(base.format, w13, w2, None, None, e_l, H, INTER)
+    s = layer.side
+    parts = (s.a1, s.b1[experts], s.a3, s.b3[experts], s.a2[experts], s.b2)
+    side = SideLoRA(*(p.clone().requires_grad_(True) for p in parts), scale=s.scale)
+    x = layer.x[rows].clone().requires_grad_(True)
+    weights = layer.topk_weights[rows].clone().requires_grad_(True)
+    return x, layer.topk_ids[rows].contiguous(), weights, local_base, side
+
+
+def _flop_worker(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    group = dist.group.WORLD
+    x, ids, weights, base, side = _rank_layer(rank, world)
+    plain = ep.fused_moe(x, ids, weights, base, side, group=group)
+    with FlopCounterMode(display=False) as counter:
+        out = ep.fused_moe(x, ids, weights, base, side, group=group)
+        out.backward(torch.ones_like(out))
+    counts = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
+    return {"counts": counts, "same": torch.equal(out, plain), "tokens": x.shape[0]}
+
+
+def test_flop_counter_counts_the_ep_ops_with_their_formulas():
+    """Each rank counts its own tokens' routes; the two ops' formulas, nothing else of
+    megamoe's (the stages inside an op are not counted twice)."""
+    results = ep.run_gloo(_flop_worker, 2, timeout_s=300)
+    for result in results:
+        t = result["tokens"]
+        assert result["same"], "the output under FlopCounterMode differs from a plain call"
+        counts = result["counts"]
+        assert counts.get("megamoe.moe_ep_forward") == forward_flops(t, K, H, INTER, R)
+        want = backward_flops(t, K, H, INTER, R, base_grads=False, side_grads=True, recompute=False)
+        assert counts.get("megamoe.moe_ep_backward") == want
+        assert not {name for name in counts if name.startswith("megamoe.")} - {
+            "megamoe.moe_ep_forward",
+            "megamoe.moe_ep_backward",
+        }
+
+
+def _op_args(x, ids, weights, base, side, group, save: str) -> dict:
+    a1, b1, a3, b3, a2, b2 = side.tensors()
+    return dict(
+        x=x, topk_ids=ids, topk_weights=weights, w13=base.w13, w2=base.w2, w13_scales=None,
+        w2_scales=None, a1=a1, b1=b1, a3=a3, b3=b3, a2=a2, b2=b2, scale=side.scale,
+        activation="swiglu", activation_clamp=None,
+        group_name="" if group is None else group.group_name,
+        max_tokens=None, check_ids=True, reduce_shared_grads=True, keep_x=False, save=save,
+    )  # fmt: skip
+
+
+def _fake_worker(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    group = dist.group.WORLD
+    x, ids, weights, base, side = _rank_layer(rank, world)
+    real = torch.ops.megamoe.moe_ep_forward(
+        **_op_args(x.detach(), ids, weights.detach(), base, side, group, "preact")
+    )
+    shapes = {}
+    for name, mode, save in (
+        ("training", FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True), "preact"),
+        ("inference", FakeTensorMode(), "none"),  # no shape environment: inference only
+    ):
+        fake = [mode.from_tensor(t) for t in (x.detach(), ids, weights.detach())]
+        fake_base = type(base)(
+            base.format, mode.from_tensor(base.w13), mode.from_tensor(base.w2), None, None,
+            base.num_experts, H, INTER,
+        )  # fmt: skip
+        fake_side = SideLoRA(*(mode.from_tensor(t.detach()) for t in side.tensors()), side.scale)
+        with mode:
+            outs = torch.ops.megamoe.moe_ep_forward(
+                **_op_args(*fake, fake_base, fake_side, group, save)
+            )
+        shapes[name] = [(tuple(str(d) for d in t.shape), t.dtype, t.device.type) for t in outs]
+    real_shapes = [(tuple(t.shape), t.dtype, t.device.type) for t in real]
+    return {"fake": shapes, "real": real_shapes, "tokens": x.shape[0]}
+
+
+def test_fake_shapes_match_the_real_ones_with_unbacked_routing_sizes():
+    """The fake forward gives every static size the real one has and an unbacked
+    symbol where the size depends on the routing of every rank."""
+    for rank, result in enumerate(ep.run_gloo(_fake_worker, 2, timeout_s=300)):
+        t = TOKENS[rank]
+        fake, real = result["fake"]["training"], result["real"]
+        assert len(fake) == len(real) == 12
+        for (fake_shape, fake_dtype, fake_device), (real_shape, real_dtype, real_device) in zip(
+            fake, real, strict=True
+        ):
+            assert (fake_dtype, fake_device) == (real_dtype, real_device)
+            assert len(fake_shape) == len(real_shape)
+            for symbolic, concrete in zip(fake_shape, real_shape, strict=True):
+                assert symbolic == str(concrete) or symbolic.startswith("u"), (symbolic, concrete)
+        assert real[0][0] == (t, H) and fake[0][0] == (str(t), str(H))
+        assert real[7][2] == "cpu" and real[7][0] == (6 + 2 * 2,)  # host_plan
+        assert fake[8][0][1] == str(2 * INTER)  # preact [pool capacity, 2I]
+        assert any(d.startswith("u") for d in fake[1][0])  # send_routes [N_send]
+        inference = [shape for shape, _, _ in result["fake"]["inference"]]
+        assert inference[0] == (str(t), str(H)) and all(s == ("0",) for s in inference[1:])
+
+
+def test_bad_ep_op_calls_name_the_argument():
+    """Checked before any collective, without torch.distributed initialized."""
+    x, ids, weights, base, side = _rank_layer(0, 1)
+    args = _op_args(x.detach(), ids, weights.detach(), base, side, group=None, save="preact")
+    with pytest.raises(ValueError, match=r"^group_name: no process group named 'nope'"):
+        torch.ops.megamoe.moe_ep_forward(**{**args, "group_name": "nope"})
+    with pytest.raises(ValueError, match=r"^save: expected one of"):
+        torch.ops.megamoe.moe_ep_forward(**{**args, "group_name": "", "save": "recompute"})
+    with pytest.raises(ValueError, match=r"^side: expected all six adapter tensors"):
+        torch.ops.megamoe.moe_ep_forward(**{**args, "group_name": "", "b2": None})
+    with pytest.raises(TypeError, match=r"^group: expected a torch.distributed.ProcessGroup"):
+        ep.fused_moe(x, ids, weights, base, side, group="world")
+
+
+def test_one_process_ep_op_backward_runs_without_a_group():
+    """``group=None`` (one process) runs the same ops with group_name "": the output and
+    the gradients exist and are finite (their values: test_ep_fused_gloo.py)."""
+    x, ids, weights, base, side = _rank_layer(0, 1)
+    out = ep.fused_moe(x, ids, weights, base, side, group=None)
+    out.float().square().sum().backward()
+    for t in (x, weights, *side.tensors()):
+        assert t.grad is not None and t.grad.shape == t.shape and torch.isfinite(t.grad).all()
+
+
+def test_opcheck_the_ep_forward_op():
+    """torch.library.opcheck on one process (group_name ""): the schema (no aliasing,
+    no undeclared mutation), the autograd registration and the fake implementation
+    against the real one."""
+    x, ids, weights, base, side = _rank_layer(0, 1)
+    args = _op_args(x.detach(), ids, weights.detach(), base, side, group=None, save="preact")
+    torch.library.opcheck(
+        torch.ops.megamoe.moe_ep_forward.default,
+        (),
+        args,
+        test_utils=("test_schema", "test_autograd_registration", "test_faketensor"),
+    )
