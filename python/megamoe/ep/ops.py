@@ -17,9 +17,10 @@ FLOP formula per op (:mod:`megamoe.flop_formulas`). What EP adds (docs/DESIGN-NO
   split sizes as a CPU int64 tensor ``host_plan`` (so the backward reads no device
   value to size its exchanges);
 - the state's sizes depend on every rank's routing, so the fake implementation gives
-  them unbacked sizes (``torch.library.get_ctx().new_dynamic_size()``): under
-  torch.compile's fake tensors they trace; a fake call without a shape environment
-  (meta tensors, a bare ``FakeTensorMode``) can only be an inference call
+  them unbacked sizes (``torch.library.get_ctx().new_dynamic_size()``; checked under a
+  ``FakeTensorMode`` with a shape environment and by ``torch.library.opcheck``, while
+  torch.compile of a whole EP step has not been run); a fake call without a shape
+  environment (meta tensors, a bare ``FakeTensorMode``) can only be an inference call
   (``save="none"``, every state output empty).
 """
 
