@@ -12,6 +12,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils.flop_counter import FlopCounterMode
 
 from megamoe import ep
+from megamoe.ep import ops as ep_ops
 from megamoe.flop_formulas import backward_flops, forward_flops
 from megamoe.side_lora import SideLoRA
 from megamoe.testing import make_layer
@@ -20,17 +21,19 @@ H, INTER, R, E, K = 64, 64, 16, 8, 2
 TOKENS = (5, 9)
 
 
-def _rank_layer(rank: int, world: int):
-    """This rank's tokens, experts and adapters of one global layer (BF16, side-LoRA)."""
+def _rank_layer(rank: int, world: int, tokens: tuple[int, ...] = TOKENS, trainable=False):
+    """This rank's tokens, experts and adapters of one global layer (BF16, side-LoRA;
+    ``trainable``: the base requires grad too)."""
     layer = make_layer(
-        H, INTER, E, K, R, dtype=torch.bfloat16, num_tokens=sum(TOKENS), seed=3, scale=0.5
+        H, INTER, E, K, R, dtype=torch.bfloat16, num_tokens=sum(tokens), seed=3, scale=0.5
     )
-    begin = sum(TOKENS[:rank])
-    rows = slice(begin, begin + TOKENS[rank])
+    begin = sum(tokens[:rank])
+    rows = slice(begin, begin + tokens[rank])
     e_l = E // world
     experts = slice(rank * e_l, (rank + 1) * e_l)
     base = layer.base
-    w13, w2 = base.w13[experts].clone(), base.w2[experts].clone()
+    w13 = base.w13[experts].clone().requires_grad_(trainable)
+    w2 = base.w2[experts].clone().requires_grad_(trainable)
     local_base = type(base)(base.format, w13, w2, None, None, e_l, H, INTER)
     s = layer.side
     parts = (s.a1, s.b1[experts], s.a3, s.b3[experts], s.a2[experts], s.b2)
@@ -40,34 +43,79 @@ def _rank_layer(rank: int, world: int):
     return x, layer.topk_ids[rows].contiguous(), weights, local_base, side
 
 
-def _flop_worker(rank: int, world: int) -> dict:
+def _flop_worker(rank: int, world: int) -> list[dict]:
     import torch.distributed as dist
 
     group = dist.group.WORLD
-    x, ids, weights, base, side = _rank_layer(rank, world)
-    plain = ep.fused_moe(x, ids, weights, base, side, group=group)
-    with FlopCounterMode(display=False) as counter:
-        out = ep.fused_moe(x, ids, weights, base, side, group=group)
-        out.backward(torch.ones_like(out))
-    counts = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
-    return {"counts": counts, "same": torch.equal(out, plain), "tokens": x.shape[0]}
+    results = []
+    for tokens in (TOKENS, (0, 7)):  # the second: a rank with no tokens
+        x, ids, weights, base, side = _rank_layer(rank, world, tokens)
+        plain = ep.fused_moe(x, ids, weights, base, side, group=group)
+        with FlopCounterMode(display=False) as counter:
+            out = ep.fused_moe(x, ids, weights, base, side, group=group)
+            out.backward(torch.ones_like(out))
+        counts = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
+        results.append(
+            {
+                "counts": counts,
+                "total": counter.get_total_flops(),
+                "same": torch.equal(out, plain),
+                "tokens": x.shape[0],
+            }
+        )
+    return results
 
 
 def test_flop_counter_counts_the_ep_ops_with_their_formulas():
-    """Each rank counts its own tokens' routes; the two ops' formulas, nothing else of
-    megamoe's (the stages inside an op are not counted twice)."""
-    results = ep.run_gloo(_flop_worker, 2, timeout_s=300)
-    for result in results:
-        t = result["tokens"]
-        assert result["same"], "the output under FlopCounterMode differs from a plain call"
-        counts = result["counts"]
-        assert counts.get("megamoe.moe_ep_forward") == forward_flops(t, K, H, INTER, R)
-        want = backward_flops(t, K, H, INTER, R, base_grads=False, side_grads=True, recompute=False)
-        assert counts.get("megamoe.moe_ep_backward") == want
-        assert not {name for name in counts if name.startswith("megamoe.")} - {
-            "megamoe.moe_ep_forward",
-            "megamoe.moe_ep_backward",
-        }
+    """Each rank counts its own tokens' routes (none on a rank without tokens): the two
+    ops' formulas and nothing else (the stages inside an op are not counted again)."""
+    for per_rank in ep.run_gloo(_flop_worker, 2, timeout_s=300):
+        for result in per_rank:
+            t = result["tokens"]
+            assert result["same"], "the output under FlopCounterMode differs from a plain call"
+            forward = forward_flops(t, K, H, INTER, R)
+            backward = backward_flops(
+                t, K, H, INTER, R, base_grads=False, side_grads=True, recompute=False
+            )
+            counts = result["counts"]
+            assert counts.get("megamoe.moe_ep_forward", 0) == forward
+            assert counts.get("megamoe.moe_ep_backward", 0) == backward
+            assert result["total"] == forward + backward
+            assert (forward == 0) == (t == 0)
+
+
+def _compile_worker(rank: int, world: int) -> list[tuple[bool, bool]]:
+    import torch.distributed as dist
+
+    group = dist.group.WORLD
+
+    def layer(x, ids, weights, base, side):
+        return ep.fused_moe(x, ids, weights, base, side, group=group)
+
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    results = []
+    for tokens in (TOKENS, (0, 4)):
+        x, ids, weights, base, side = _rank_layer(rank, world, tokens)
+        leaves = (x, weights, *side.tensors())
+        eager = layer(x, ids, weights, base, side)
+        eager_grads = torch.autograd.grad(eager.float().square().sum(), leaves)
+        out = compiled(x, ids, weights, base, side)
+        grads = torch.autograd.grad(out.float().square().sum(), leaves)
+        results.append(
+            (
+                torch.equal(out, eager),
+                all(torch.equal(a, b) for a, b in zip(grads, eager_grads, strict=True)),
+            )
+        )
+    return results
+
+
+def test_compiled_ep_step_traces_both_ops_and_matches_eager():
+    """torch.compile(fullgraph=True) of an EP forward + backward on 2 gloo ranks (one
+    of them without tokens in the second call): no graph break through the ops and
+    their unbacked state sizes, and the same bits as eager."""
+    for per_rank in ep.run_gloo(_compile_worker, 2, timeout_s=400):
+        assert per_rank == [(True, True), (True, True)]
 
 
 def _op_args(x, ids, weights, base, side, group, save: str) -> dict:
@@ -144,6 +192,8 @@ def test_bad_ep_op_calls_name_the_argument():
         torch.ops.megamoe.moe_ep_forward(**{**args, "group_name": "", "b2": None})
     with pytest.raises(TypeError, match=r"^group: expected a torch.distributed.ProcessGroup"):
         ep.fused_moe(x, ids, weights, base, side, group="world")
+    with pytest.raises(TypeError, match=r"^x: expected a torch.Tensor"):
+        ep.fused_moe([1.0], ids, weights, base, side, group=None)
 
 
 def test_one_process_ep_op_backward_runs_without_a_group():
@@ -166,5 +216,33 @@ def test_opcheck_the_ep_forward_op():
         torch.ops.megamoe.moe_ep_forward.default,
         (),
         args,
+        test_utils=("test_schema", "test_autograd_registration", "test_faketensor"),
+    )
+
+
+@pytest.mark.parametrize("trainable", [False, True])
+def test_opcheck_the_ep_backward_op(trainable):
+    """opcheck of the backward op on one process with the forward's real state (side
+    adapters; ``trainable``: a base that requires grad, so dw13 and dw2 too)."""
+    x, ids, weights, base, side = _rank_layer(0, 1, trainable=trainable)
+    args = _op_args(x.detach(), ids, weights.detach(), base, side, group=None, save="preact")
+    args.update(w13=base.w13.detach(), w2=base.w2.detach(), keep_x=trainable)
+    outs = torch.ops.megamoe.moe_ep_forward(**args)
+    state = dict(zip(ep_ops._STATE_NAMES, outs[1:], strict=True))
+    kept = ("x", "topk_weights", "w13", "w2", "w13_scales", "w2_scales")
+    backward_args = dict(
+        dout=torch.randn(x.shape).bfloat16(),
+        **{name: args[name] for name in kept},
+        **{name: args[name] for name in ("a1", "b1", "a3", "b3", "a2", "b2")},
+        **{name: args[name] for name in ("scale", "activation", "activation_clamp")},
+        group_name="",
+        reduce_shared_grads=True,
+        **state,
+        base_grads=trainable,
+    )
+    torch.library.opcheck(
+        torch.ops.megamoe.moe_ep_backward.default,
+        (),
+        backward_args,
         test_utils=("test_schema", "test_autograd_registration", "test_faketensor"),
     )

@@ -17,11 +17,14 @@ FLOP formula per op (:mod:`megamoe.flop_formulas`). What EP adds (docs/DESIGN-NO
   split sizes as a CPU int64 tensor ``host_plan`` (so the backward reads no device
   value to size its exchanges);
 - the state's sizes depend on every rank's routing, so the fake implementation gives
-  them unbacked sizes (``torch.library.get_ctx().new_dynamic_size()``; checked under a
-  ``FakeTensorMode`` with a shape environment and by ``torch.library.opcheck``, while
-  torch.compile of a whole EP step has not been run); a fake call without a shape
-  environment (meta tensors, a bare ``FakeTensorMode``) can only be an inference call
-  (``save="none"``, every state output empty).
+  them unbacked sizes (``torch.library.get_ctx().new_dynamic_size()``): a
+  ``torch.compile(fullgraph=True)`` EP step traces both ops (tests/cpu/test_ep_ops.py,
+  on gloo; static input shapes: the argument checks want concrete sizes, as EP1's do); a
+  fake call without a shape environment (meta tensors, a bare ``FakeTensorMode``) can
+  only be an inference call (``save="none"``, every state output empty).
+
+EP pays the custom-op dispatch on every call (EP1's eager route avoids it, about 0.3 ms
+of host time at few tokens); beside the exchanges' host sync this was not measured.
 """
 
 from __future__ import annotations
@@ -386,6 +389,8 @@ def _backward_inputs(
         activation, activation_clamp,
     )  # fmt: skip
     check_tensor("dout", dout, shape=tuple(x.shape), dtypes=(torch.bfloat16,))
+    if base_grads and base.format == "mxfp4":
+        raise ValueError("base_grads: a packed MXFP4 base is frozen (no gradient)")
     if base_grads and recv_x.dim() != 2:
         # The forward kept no received x (keep_x=False): dw13 cannot be formed.
         raise ValueError("base_grads: the forward kept no received x rows (keep_x=False)")
@@ -554,11 +559,26 @@ def moe(
         raise TypeError(f"base: expected megamoe.BaseWeights, got {type(base).__name__}")
     # MXFP4 ordinary mode, as mm.moe (a no-op if mm.moe already converted it).
     base = base.for_call()
+    # The op checks again (real and fake); here first, so that a wrong type is named
+    # before the tensors are asked whether they need gradients.
+    check_moe_inputs(
+        x, topk_ids, topk_weights, base, side, activation, activation_clamp,
+        require_cuda=False, allow_no_tokens=True,
+    )  # fmt: skip
     for name, flag in (("reduce_shared_grads", reduce_shared_grads), ("check_ids", check_ids)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
     if max_tokens is not None:
         check_int("max_tokens", max_tokens, minimum=0)
+    group_name = ""
+    if group is not None:
+        try:
+            group_name = group.group_name
+        except RuntimeError as error:  # a ProcessGroup made by hand carries no name
+            raise ValueError(
+                "group: not registered with torch.distributed (make it with "
+                "torch.distributed.new_group or init_process_group)"
+            ) from error
     side_tensors = [None] * len(_SIDE_NAMES) if side is None else list(side.tensors())
     base_trainable = base.w13.requires_grad or base.w2.requires_grad
     needs_grad = torch.is_grad_enabled() and (
@@ -577,7 +597,7 @@ def moe(
         scale=0.0 if side is None else side.scale,
         activation=activation,
         activation_clamp=activation_clamp,
-        group_name="" if group is None else group.group_name,
+        group_name=group_name,
         max_tokens=max_tokens,
         check_ids=check_ids,
         reduce_shared_grads=reduce_shared_grads,
