@@ -42,6 +42,12 @@ SCENARIOS: dict[str, dict] = {
         trainable_base=True,
         tokens={2: [5, 8], 4: [2, 5, 4, 3], 8: [2, 1, 3, 2, 1, 2, 3, 1]},
     ),
+    # A trainable base under side adapters: the received x kept apart from q13.
+    "ordinary_side": dict(
+        top_k=2,
+        trainable_base=True,
+        tokens={2: [6, 4], 4: [3, 2, 4, 1], 8: [1, 2, 2, 1, 3, 1, 2, 1]},
+    ),
     # Ranks with nothing to send and nothing to receive still join every exchange.
     "idle_ranks": dict(
         top_k=2, to_rank0=True, tokens={2: [5, 0], 4: [3, 0, 2, 0], 8: [2, 0, 0, 1, 0, 0, 0, 0]}
