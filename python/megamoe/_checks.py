@@ -74,7 +74,8 @@ def check_tensor(
 
 def check_int(name: str, value: object, *, minimum: int | None = None) -> int:
     """Check an integer argument (bools are rejected); return it."""
-    if isinstance(value, bool) or not isinstance(value, int):
+    # A torch.SymInt is a size traced under torch.compile's dynamic shapes.
+    if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
         raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
     if minimum is not None and value < minimum:
         raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")

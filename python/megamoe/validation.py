@@ -61,7 +61,7 @@ def check_base_weights(base: object) -> BaseWeights:
     check_choice("base.format", base.format, BASE_FORMATS)
     experts, hidden, inter = base.num_experts, base.hidden, base.intermediate
     for name, value in (("num_experts", experts), ("hidden", hidden), ("intermediate", inter)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)) or value < 1:
             raise ValueError(f"base.{name}: expected an int >= 1, got {value!r}")
     if base.format == "bf16":
         check_tensor("base.w13", base.w13, shape=(experts, 2 * inter, hidden), dtypes=_BF16)

@@ -84,7 +84,7 @@ def test_flop_counter_counts_the_ep_ops_with_their_formulas():
             assert (forward == 0) == (t == 0)
 
 
-def _compile_worker(rank: int, world: int) -> list[tuple[bool, bool]]:
+def _compile_worker(rank: int, world: int, dynamic: bool) -> list[tuple[bool, bool]]:
     import torch.distributed as dist
 
     group = dist.group.WORLD
@@ -92,7 +92,7 @@ def _compile_worker(rank: int, world: int) -> list[tuple[bool, bool]]:
     def layer(x, ids, weights, base, side):
         return ep.fused_moe(x, ids, weights, base, side, group=group)
 
-    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True, dynamic=dynamic)
     results = []
     for tokens in (TOKENS, (0, 4)):
         x, ids, weights, base, side = _rank_layer(rank, world, tokens)
@@ -110,11 +110,13 @@ def _compile_worker(rank: int, world: int) -> list[tuple[bool, bool]]:
     return results
 
 
-def test_compiled_ep_step_traces_both_ops_and_matches_eager():
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_compiled_ep_step_traces_both_ops_and_matches_eager(dynamic):
     """torch.compile(fullgraph=True) of an EP forward + backward on 2 gloo ranks (one
-    of them without tokens in the second call): no graph break through the ops and
-    their unbacked state sizes, and the same bits as eager."""
-    for per_rank in ep.run_gloo(_compile_worker, 2, timeout_s=400):
+    of them without tokens in the second call; ``dynamic``: every size symbolic): no
+    graph break through the ops and their unbacked state sizes, and the same bits as
+    eager."""
+    for per_rank in ep.run_gloo(_compile_worker, 2, dynamic, timeout_s=400):
         assert per_rank == [(True, True), (True, True)]
 
 

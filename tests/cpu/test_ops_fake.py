@@ -128,3 +128,36 @@ def test_compile_functionalizes_the_backward_that_writes_preact():
     assert [g.shape for g in grads] == [t.shape for t in leaves]
     backward_ops = [str(n.target) for n in graphs[-1].graph.nodes if n.op == "call_function"]
     assert any("auto_functionalized" in op for op in backward_ops), backward_ops
+
+
+def test_fakes_take_symbolic_sizes():
+    """Every dimension symbolic (``torch.compile(dynamic=True)``): the argument checks take
+    SymInts, and the forward and backward fakes give outputs of symbolic shapes."""
+    from torch.fx.experimental.symbolic_shapes import (
+        DimDynamic,
+        ShapeEnv,
+        StatelessSymbolicContext,
+    )
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+
+    def symbolic(t):
+        context = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC] * t.dim())
+        return mode.from_tensor(t, symbolic_context=context)
+
+    x, ids, weights, w13, w2, adapters = (
+        symbolic(t) if isinstance(t, torch.Tensor) else [symbolic(a) for a in t]
+        for t in _inputs(side=True)
+    )
+    with mode:
+        outputs = torch.ops.megamoe.moe_forward(
+            x, ids, weights, w13, w2, None, None, *adapters, 0.5, "swiglu", None, BLOCK_M,
+            "preact",
+        )  # fmt: skip
+        out, counts, offsets, r2p, p2r, preact, q13, p_sum = outputs
+        grads = torch.ops.megamoe.moe_backward(
+            out, x, weights, w13, w2, None, None, *adapters, 0.5, "swiglu", None,
+            counts, offsets, r2p, p2r, preact, q13, p_sum, True, True, BLOCK_M,
+        )  # fmt: skip
+    assert isinstance(out.shape[0], torch.SymInt) and out.shape == x.shape
+    assert [g.shape for g in grads[:4]] == [x.shape, weights.shape, w13.shape, w2.shape]

@@ -18,8 +18,8 @@ FLOP formula per op (:mod:`megamoe.flop_formulas`). What EP adds (docs/DESIGN-NO
   value to size its exchanges);
 - the state's sizes depend on every rank's routing, so the fake implementation gives
   them unbacked sizes (``torch.library.get_ctx().new_dynamic_size()``): a
-  ``torch.compile(fullgraph=True)`` EP step traces both ops (tests/cpu/test_ep_ops.py,
-  on gloo; static input shapes: the argument checks want concrete sizes, as EP1's do); a
+  ``torch.compile(fullgraph=True)`` EP step traces both ops, with static or symbolic
+  input sizes (tests/cpu/test_ep_ops.py, on gloo); a
   fake call without a shape environment (meta tensors, a bare ``FakeTensorMode``) can
   only be an inference call (``save="none"``, every state output empty).
 
