@@ -132,8 +132,10 @@ def _moe_ep_forward_flops(*args, out_shape=None, **kwargs) -> int:
 def _moe_ep_backward_flops(*args, out_shape=None, **kwargs) -> int:
     a = _bind(torch.ops.megamoe.moe_ep_backward, args, kwargs)
     tokens, top_k = a["topk_weights"]
-    # The EP backward computes the adapters' gradients whenever the side path ran.
+    # The EP backward computes the adapters' gradients whenever the side path ran; no
+    # pre-activations (an empty tensor): activation checkpointing, GEMM1 recomputed.
     rank = _rank(a["a1"], a["scale"])
+    preact = a["preact"]
     return backward_flops(
         tokens,
         top_k,
@@ -142,5 +144,5 @@ def _moe_ep_backward_flops(*args, out_shape=None, **kwargs) -> int:
         rank,
         base_grads=bool(a["base_grads"]),
         side_grads=rank > 0,
-        recompute=False,
+        recompute=len(preact) == 1 and preact[0] == 0,
     )

@@ -565,7 +565,8 @@ def moe(
             collective (:func:`megamoe.ep.fused_moe`). None: EP1.
         activation_checkpoint: keep only small per-token state for the backward
             (route plan, ``x a1|x a3``, ``sum_k w p``) and recompute GEMM1's
-            pre-activations there, instead of saving them (``T*K*2I`` BF16).
+            pre-activations there, instead of saving them (``T*K*2I`` BF16). With
+            ``group``, the backward also exchanges the token rows again.
         reduce_shared_grads: with ``group``, all-reduce the ``a1, a3, b2`` gradients
             over the group (results independent of the EP degree).
 
@@ -636,11 +637,6 @@ def moe(
                 f"base: expected CUDA weights for the fused path, got {base.device} (the "
                 "CPU twin of the EP pipeline is megamoe.ep.fused_moe, for tests)"
             )
-        if activation_checkpoint:
-            raise ValueError(
-                "activation_checkpoint: not available with group= in this version "
-                "(the EP path saves the pre-activations)"
-            )
         return fused_moe(
             x,
             topk_ids,
@@ -651,6 +647,7 @@ def moe(
             activation=activation,
             activation_clamp=activation_clamp,
             reduce_shared_grads=reduce_shared_grads,
+            activation_checkpoint=activation_checkpoint,
         )
     if reduce_shared_grads is not True:
         raise ValueError("reduce_shared_grads: only meaningful with group=; leave it True")

@@ -93,9 +93,10 @@ def global_layer(name: str, world: int):
     return fast, exact, dout, tokens
 
 
-def run_fused(name: str, rank: int, world: int, group) -> dict:
+def run_fused(name: str, rank: int, world: int, group, checkpoint: bool = False) -> dict:
     """This rank's slice (``group``) or the whole batch (``group=None``) through the
-    fused EP layer: output and gradients."""
+    fused EP layer: output and gradients (``checkpoint``: with activation
+    checkpointing)."""
     spec = SCENARIOS[name]
     layer, _, dout, tokens = global_layer(name, world)
     if group is None:
@@ -141,6 +142,7 @@ def run_fused(name: str, rank: int, world: int, group) -> dict:
         group=group,
         activation=layer.activation,
         activation_clamp=layer.activation_clamp,
+        activation_checkpoint=checkpoint,
     )
     out.backward(dout[rows])
     grads = {k: v.grad for k, v in named.items() if v.requires_grad}
@@ -170,7 +172,21 @@ def _worker(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
     group = dist.group.WORLD
-    return {name: run_fused(name, rank, world, group) for name in SCENARIOS}
+    results = {name: run_fused(name, rank, world, group) for name in SCENARIOS}
+    # Activation checkpointing (the token rows exchanged again, GEMM1 recomputed in the
+    # backward): the same bits as saving the pre-activations.
+    for name in SCENARIOS:
+        again = run_fused(name, rank, world, group, checkpoint=True)
+        plain = results[name]
+        same = (
+            torch.equal(again["out"], plain["out"])
+            and again["grads"].keys() == plain["grads"].keys()
+        )
+        same = same and all(
+            torch.equal(again["grads"][k], plain["grads"][k]) for k in plain["grads"]
+        )
+        results[name]["checkpoint_same"] = same
+    return results
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
@@ -179,6 +195,9 @@ def test_fused_ep_matches_ep1_and_the_oracle(world):
     per_rank = ep.run_gloo(_worker, world, timeout_s=400)
     failures = []
     for name, spec in SCENARIOS.items():
+        for p in range(world):
+            if not per_rank[p][name]["checkpoint_same"]:
+                failures.append(f"{name}: rank {p} with activation checkpointing differs")
         ep1 = run_fused(name, 0, world, None)
         out = torch.cat([per_rank[p][name]["out"] for p in range(world)])
         if not torch.equal(out, ep1["out"]):

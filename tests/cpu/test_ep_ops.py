@@ -48,11 +48,14 @@ def _flop_worker(rank: int, world: int) -> list[dict]:
 
     group = dist.group.WORLD
     results = []
-    for tokens in (TOKENS, (0, 7)):  # the second: a rank with no tokens
+    # The second: a rank with no tokens; the third: activation checkpointing.
+    for tokens, checkpoint in ((TOKENS, False), ((0, 7), False), (TOKENS, True)):
         x, ids, weights, base, side = _rank_layer(rank, world, tokens)
         plain = ep.fused_moe(x, ids, weights, base, side, group=group)
         with FlopCounterMode(display=False) as counter:
-            out = ep.fused_moe(x, ids, weights, base, side, group=group)
+            out = ep.fused_moe(
+                x, ids, weights, base, side, group=group, activation_checkpoint=checkpoint
+            )
             out.backward(torch.ones_like(out))
         counts = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
         results.append(
@@ -61,22 +64,25 @@ def _flop_worker(rank: int, world: int) -> list[dict]:
                 "total": counter.get_total_flops(),
                 "same": torch.equal(out, plain),
                 "tokens": x.shape[0],
+                "checkpoint": checkpoint,
             }
         )
     return results
 
 
 def test_flop_counter_counts_the_ep_ops_with_their_formulas():
-    """Each rank counts its own tokens' routes (none on a rank without tokens): the two
-    ops' formulas and nothing else (the stages inside an op are not counted again)."""
+    """Each rank counts its own tokens' routes (none on a rank without tokens; with
+    activation checkpointing the recomputed GEMM1 too): the two ops' formulas and
+    nothing else (the stages inside an op are not counted again)."""
     for per_rank in ep.run_gloo(_flop_worker, 2, timeout_s=300):
         for result in per_rank:
             t = result["tokens"]
             assert result["same"], "the output under FlopCounterMode differs from a plain call"
             forward = forward_flops(t, K, H, INTER, R)
             backward = backward_flops(
-                t, K, H, INTER, R, base_grads=False, side_grads=True, recompute=False
-            )
+                t, K, H, INTER, R, base_grads=False, side_grads=True,
+                recompute=result["checkpoint"],
+            )  # fmt: skip
             counts = result["counts"]
             assert counts.get("megamoe.moe_ep_forward", 0) == forward
             assert counts.get("megamoe.moe_ep_backward", 0) == backward

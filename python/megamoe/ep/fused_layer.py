@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from ..pipeline.fused_backward import GRAD_NAMES, mm_fp32, pool_backward
-from ..pipeline.fused_forward import expert_stage, stage
+from ..pipeline.fused_forward import expert_stage, gemm1, stage
 from ..side_lora import SideLoRA
 from ..weights import BaseWeights
 from ..wrappers import pool
@@ -95,10 +95,13 @@ def ep_forward_stages(
     activation: str,
     activation_clamp: float | None,
     keep_x: bool,
+    keep_preact: bool = True,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
     """The forward (module docstring) over an existing dispatch plan: ``(out, saved)``,
     ``saved`` the backward's tensors ``preact``, ``recv_x`` (the received ``x`` rows, with
     ``keep_x``: a trainable base), ``recv_q13`` and ``p_sum`` (side path only; else None).
+    Without ``keep_preact`` (activation checkpointing) only ``p_sum`` is kept: the
+    backward exchanges the token rows again and recomputes GEMM1's pre-activations.
 
     A collective: every rank runs the same sequence, since the pool capacity and whether
     the side path runs (``side`` given with a non-zero scale) are rank-uniform.
@@ -107,21 +110,14 @@ def ep_forward_stages(
     use_side = side is not None and side.scale != 0.0
     side = side if use_side else None
     topk_weights = topk_weights.float().contiguous()
-    token_rows = x
-    if use_side:
-        token_rows = torch.cat([x, x @ side.a1, x @ side.a3], dim=1)  # [x | q13]
-    recv = _exchange_into(
-        plan.pool_routes,
-        token_rows.index_select(0, plan.send_tokens),
-        plan.send_splits,
-        plan.recv_splits,
-        plan.group,
-    )
+    recv = _dispatch_token_rows(plan, x, side)
     routes = plan.pool
     width = hidden + (side.rank if use_side else 0)
-    preact = torch.empty(
-        routes.pool_capacity, 2 * base.intermediate, dtype=torch.bfloat16, device=x.device
-    )
+    preact = None
+    if keep_preact:
+        preact = torch.empty(
+            routes.pool_capacity, 2 * base.intermediate, dtype=torch.bfloat16, device=x.device
+        )
     if routes.pool_capacity:
         pool_output = expert_stage(
             recv,
@@ -157,6 +153,34 @@ def ep_forward_stages(
         )  # fmt: skip
     # Received q13 (small) for db1/db3; the received x only in ordinary mode (dw13).
     # Copied from the received rows only: the buffer's tail is never written.
+    recv_x = recv_q13 = None
+    if keep_preact:
+        recv_x, recv_q13 = _split_received(plan, recv, hidden, keep_x=keep_x, use_side=use_side)
+    return out, {"preact": preact, "recv_x": recv_x, "recv_q13": recv_q13, "p_sum": p_sum}
+
+
+def _dispatch_token_rows(
+    plan: DispatchPlan, x: torch.Tensor, side: SideLoRA | None
+) -> torch.Tensor:
+    """``[x | q13]`` (``q13 = x [a1 | a3]`` once per token; ``side`` None: ``x``) sent
+    to the experts' ranks: the ``[pool routes, H (+ 2r)]`` receive buffer."""
+    token_rows = x
+    if side is not None:
+        token_rows = torch.cat([x, x @ side.a1, x @ side.a3], dim=1)
+    return _exchange_into(
+        plan.pool_routes,
+        token_rows.index_select(0, plan.send_tokens),
+        plan.send_splits,
+        plan.recv_splits,
+        plan.group,
+    )
+
+
+def _split_received(
+    plan: DispatchPlan, recv: torch.Tensor, hidden: int, *, keep_x: bool, use_side: bool
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The received rows' ``x`` (with ``keep_x``) and ``q13`` (the side path) for the
+    backward, copied from the received rows only: the buffer's tail is never written."""
     received = plan.num_recv
     recv_x = recv_q13 = None
     if keep_x:
@@ -167,7 +191,7 @@ def ep_forward_stages(
     if use_side:
         recv_q13 = recv.new_zeros(plan.pool_routes, recv.shape[1] - hidden)
         recv_q13[:received] = recv[:received, hidden:]
-    return out, {"preact": preact, "recv_x": recv_x, "recv_q13": recv_q13, "p_sum": p_sum}
+    return recv_x, recv_q13
 
 
 def ep_backward_stages(
@@ -187,13 +211,35 @@ def ep_backward_stages(
     """The backward (module docstring) over the forward's plan and ``saved`` tensors
     (:func:`ep_forward_stages`): the gradients by name (``x``, ``topk_weights`` float32,
     ``w13``/``w2`` with ``base_grads``, the six adapter tensors' when ``side`` ran the
-    side path). ``saved["preact"]`` is overwritten with ``dg | du``. A collective."""
+    side path). ``saved["preact"]`` is overwritten with ``dg | du``; None (activation
+    checkpointing): recomputed first, from the token rows exchanged again. A collective."""
     use_side = side is not None and side.scale != 0.0
     s = side.scale if use_side else 0.0
     hidden = base.hidden
     routes = plan.pool
     topk_weights = topk_weights.float().contiguous()
     dout = dout.to(torch.bfloat16).contiguous()
+    saved = dict(saved)
+    if saved["preact"] is None:
+        # Activation checkpointing: the token rows again (the same exchange, so the same
+        # received rows in the same order) and GEMM1's pre-activations from them, with
+        # the forward's gather and launch: bitwise the values the forward computed.
+        recv = _dispatch_token_rows(plan, x, side if use_side else None)
+        saved["recv_x"], saved["recv_q13"] = _split_received(
+            plan, recv, hidden, keep_x=base_grads, use_side=use_side
+        )
+        saved["preact"] = torch.empty(
+            routes.pool_capacity, 2 * base.intermediate, dtype=torch.bfloat16, device=x.device
+        )
+        if routes.pool_capacity:
+            with stage("recompute_gemm1"):
+                pool_input = pool.gather_pool(recv, None, routes)
+                gemm1(
+                    pool_input, routes, base, side if use_side else None,
+                    activation=activation, activation_clamp=activation_clamp,
+                    preact=saved["preact"],
+                )  # fmt: skip
+        del recv
 
     # Out: [dout | s dout b2^T] rows and the route weights (FP32, not rounded).
     token_rows = dout

@@ -60,7 +60,7 @@ _STATE_NAMES = (
     "recv_q13",  # [pool routes, 2r] bfloat16 (the side path), else empty
     "p_sum",  # [T, r] bfloat16 (the side path), else empty
 )
-_SAVE_MODES = ("none", "preact")
+_SAVE_MODES = ("none", "preact", "recompute")
 _HOST_FIELDS = 6
 
 
@@ -149,7 +149,9 @@ def _moe_ep_forward_impl(
     torch.Tensor,
 ]:
     """``(out, *state)`` (``_STATE_NAMES``); ``save="none"`` (inference): every state
-    output empty. A collective over the group: every rank calls it."""
+    output empty; ``"recompute"`` (activation checkpointing): ``preact``, ``recv_x`` and
+    ``recv_q13`` empty, the backward exchanges the token rows again and recomputes
+    GEMM1's pre-activations. A collective over the group: every rank calls it."""
     base, side = _layer_inputs(
         x, topk_ids, topk_weights, w13, w2, w13_scales, w2_scales, (a1, b1, a3, b3, a2, b2),
         scale, activation, activation_clamp,
@@ -171,6 +173,8 @@ def _moe_ep_forward_impl(
             -1 if activation_clamp is None else float_bits(float(activation_clamp))
         ),
         "reduce_shared_grads": int(reduce_shared_grads),
+        # The backward of a checkpointed call exchanges the token rows once more.
+        "activation_checkpoint": int(save == "recompute"),
     }
     plan = plan_dispatch(
         topk_ids,
@@ -182,7 +186,8 @@ def _moe_ep_forward_impl(
     )
     out, saved = ep_forward_stages(
         plan, x, topk_weights, base, side, activation=activation,
-        activation_clamp=activation_clamp, keep_x=keep_x and save != "none",
+        activation_clamp=activation_clamp, keep_x=keep_x and save == "preact",
+        keep_preact=save == "preact",
     )  # fmt: skip
     if save == "none":
         return (out, *(_empty(x) for _ in _STATE_NAMES))
@@ -260,6 +265,7 @@ def _(
     index = dict(dtype=torch.int32, device=x.device)
     use_side = side is not None and side.scale != 0.0
     rank = side.rank if use_side else 0
+    kept = save == "preact"  # "recompute": the backward recomputes these
     return (
         out,
         torch.empty(num_send, dtype=torch.int64, device=x.device),
@@ -269,9 +275,9 @@ def _(
         torch.empty(pool_routes, 1, **index),
         torch.empty(capacity, **index),
         torch.empty(_HOST_FIELDS + 2 * world, dtype=torch.int64),
-        x.new_empty(capacity, 2 * base.intermediate),
-        x.new_empty(pool_routes, base.hidden) if keep_x else x.new_empty(0),
-        x.new_empty(pool_routes, 2 * rank) if use_side else x.new_empty(0),
+        x.new_empty(capacity, 2 * base.intermediate) if kept else x.new_empty(0),
+        x.new_empty(pool_routes, base.hidden) if keep_x and kept else x.new_empty(0),
+        x.new_empty(pool_routes, 2 * rank) if use_side and kept else x.new_empty(0),
         x.new_empty(x.shape[0], rank) if use_side else x.new_empty(0),
     )
 
@@ -359,7 +365,7 @@ def _moe_ep_backward_impl(
     active adapter). ``dtopk_weights`` is float32. A collective over the group."""
     base, side = _backward_inputs(
         dout, x, topk_weights, w13, w2, w13_scales, w2_scales, (a1, b1, a3, b3, a2, b2), scale,
-        activation, activation_clamp, base_grads, recv_x,
+        activation, activation_clamp, base_grads, recv_x, preact,
     )  # fmt: skip
     state = dict(zip(_STATE_NAMES, (
         send_routes, recv_expert, pool_expert_counts, pool_expert_pool_offsets,
@@ -379,7 +385,7 @@ def _moe_ep_backward_impl(
 
 def _backward_inputs(
     dout, x, topk_weights, w13, w2, w13_scales, w2_scales, side, scale, activation,
-    activation_clamp, base_grads, recv_x,
+    activation_clamp, base_grads, recv_x, preact,
 ) -> tuple[BaseWeights, SideLoRA | None]:  # fmt: skip
     """The checked ``(base, side)`` of one backward call: the forward's checks on its
     inputs (the ids stand in by the weights' shape), plus ``dout``."""
@@ -391,7 +397,7 @@ def _backward_inputs(
     check_tensor("dout", dout, shape=tuple(x.shape), dtypes=(torch.bfloat16,))
     if base_grads and base.format == "mxfp4":
         raise ValueError("base_grads: a packed MXFP4 base is frozen (no gradient)")
-    if base_grads and recv_x.dim() != 2:
+    if base_grads and recv_x.dim() != 2 and preact.dim() == 2:
         # The forward kept no received x (keep_x=False): dw13 cannot be formed.
         raise ValueError("base_grads: the forward kept no received x rows (keep_x=False)")
     return base, side_lora
@@ -437,7 +443,7 @@ def _(
 ):
     _backward_inputs(
         dout, x, topk_weights, w13, w2, w13_scales, w2_scales, (a1, b1, a3, b3, a2, b2), scale,
-        activation, activation_clamp, base_grads, recv_x,
+        activation, activation_clamp, base_grads, recv_x, preact,
     )  # fmt: skip
     use_side = a1 is not None and scale != 0.0
     side = (a1, b1, a3, b3, a2, b2)
@@ -481,7 +487,7 @@ def _forward_backward(ctx, dout, *_state_grads):
     if ctx.save == "none":
         raise RuntimeError(
             "megamoe::moe_ep_forward: called with save='none', which keeps no state for a "
-            "backward; call it with save='preact' (mm.moe does)"
+            "backward; call it with save='preact' or 'recompute' (mm.moe does)"
         )
     saved = ctx.saved_tensors
     inputs = dict(zip(_SAVED_INPUTS, saved[: len(_SAVED_INPUTS)], strict=True))
@@ -525,6 +531,7 @@ def moe(
     reduce_shared_grads: bool = True,
     max_tokens: int | None = None,
     check_ids: bool = True,
+    activation_checkpoint: bool = False,
 ) -> torch.Tensor:
     """The MoE layer with experts sharded over ``group``, on the fused pipeline.
 
@@ -547,6 +554,9 @@ def moe(
             so they do not depend on the EP degree (turn off if the trainer reduces them).
         max_tokens: a static ``T_max`` of the group (skips the agreement all-reduce).
         check_ids: reject ids outside ``[-1, E)`` (every rank raises together).
+        activation_checkpoint: keep no pre-activations and no received rows for the
+            backward; it exchanges the token rows again and recomputes GEMM1 (bitwise
+            the same gradients; the same on every rank, which the dispatch plan checks).
 
     Returns:
         ``[T, H]`` BF16.
@@ -565,7 +575,12 @@ def moe(
         x, topk_ids, topk_weights, base, side, activation, activation_clamp,
         require_cuda=False, allow_no_tokens=True,
     )  # fmt: skip
-    for name, flag in (("reduce_shared_grads", reduce_shared_grads), ("check_ids", check_ids)):
+    flags = (
+        ("reduce_shared_grads", reduce_shared_grads),
+        ("check_ids", check_ids),
+        ("activation_checkpoint", activation_checkpoint),
+    )
+    for name, flag in flags:
         if not isinstance(flag, bool):
             raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
     if max_tokens is not None:
@@ -602,5 +617,5 @@ def moe(
         check_ids=check_ids,
         reduce_shared_grads=reduce_shared_grads,
         keep_x=needs_grad and base_trainable,
-        save="preact" if needs_grad else "none",
+        save=("recompute" if activation_checkpoint else "preact") if needs_grad else "none",
     )[0]
