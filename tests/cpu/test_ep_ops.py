@@ -195,7 +195,7 @@ def test_bad_ep_op_calls_name_the_argument():
     with pytest.raises(ValueError, match=r"^group_name: no process group named 'nope'"):
         torch.ops.megamoe.moe_ep_forward(**{**args, "group_name": "nope"})
     with pytest.raises(ValueError, match=r"^save: expected one of"):
-        torch.ops.megamoe.moe_ep_forward(**{**args, "group_name": "", "save": "recompute"})
+        torch.ops.megamoe.moe_ep_forward(**{**args, "group_name": "", "save": "all"})
     with pytest.raises(ValueError, match=r"^side: expected all six adapter tensors"):
         torch.ops.megamoe.moe_ep_forward(**{**args, "group_name": "", "b2": None})
     with pytest.raises(TypeError, match=r"^group: expected a torch.distributed.ProcessGroup"):
