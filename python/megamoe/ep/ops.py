@@ -55,7 +55,7 @@ _STATE_NAMES = (
     "pool_route_to_pool_row",  # [pool routes, 1] int32
     "pool_row_to_route",  # [pool capacity] int32
     "host_plan",  # CPU int64 [6 + 2P]: T, K, T_max, BLOCK_M, recv capacity, P, splits
-    "preact",  # [pool capacity, 2I] bfloat16
+    "preact",  # [pool capacity, 2I] bfloat16, or empty (activation checkpointing)
     "recv_x",  # [pool routes, H] bfloat16 (a trainable base), else empty
     "recv_q13",  # [pool routes, 2r] bfloat16 (the side path), else empty
     "p_sum",  # [T, r] bfloat16 (the side path), else empty
