@@ -30,6 +30,9 @@ import pins as pinlib  # noqa: E402  (ci/ is not a package)
 nox.options.sessions = ["lint", "cpu", "compile_variants"]
 nox.options.reuse_existing_virtualenvs = True
 
+#: The parts of ``nox -s production`` (its docstring), selectable as positional arguments.
+PRODUCTION_PARTS = ("oracle", "timing", "sweep", "ep2")
+
 #: The pin whose locks the sessions install ($MEGAMOE_PIN in the images, else the
 #: host = true pin of ci/pins.toml).
 PIN = pinlib.get("host").name
@@ -218,20 +221,29 @@ def production(session: nox.Session) -> None:
        token sweep 128 .. 65,536 with the weight-read floors ->
        build/production/sweep.{json,txt,png} (the PNGs where matplotlib is installed).
     3. With two GPUs, the EP2 bench -> build/production/ep2-<mode>.json.
+
+    ``nox -s production -- <part> ...`` runs only the named parts, ``oracle`` (1),
+    ``timing``, ``sweep`` (2) and ``ep2`` (3), e.g. one part per call on a machine that
+    limits a command's time (all of them by default).
     """
+    parts = set(session.posargs) or set(PRODUCTION_PARTS)
+    if unknown := parts - set(PRODUCTION_PARTS):
+        session.error(f"production: unknown parts {sorted(unknown)}; choose {PRODUCTION_PARTS}")
     _install_megamoe(session, torch="cuda")
     if not _has_gpu(session):
         session.skip("no CUDA GPU here")
     out = ROOT / "build" / "production"
     out.mkdir(parents=True, exist_ok=True)
-    with session.chdir(session.create_tmp()):
-        _pytest(session, "-rs", str(ROOT / "tests" / "production"))
+    if "oracle" in parts:
+        with session.chdir(session.create_tmp()):
+            _pytest(session, "-rs", str(ROOT / "tests" / "production"))
     plots = _has_module(session, "matplotlib")
     bench = ["python", "-m", "megamoe.bench", "--quiet", "--shape", "ep4rank"]
     runs = {
         "timing": ["--mode", "side-lora,ordinary", "--dtype", "bf16,mxfp4"],
         "sweep": ["--tokens", "128,512,2048,8192,65536", "--dtype", "bf16,mxfp4"],
     }
+    runs = {name: options for name, options in runs.items() if name in parts}
     for name, options in runs.items():
         files = ["--json", str(out / f"{name}.json")]
         if plots:
@@ -241,11 +253,11 @@ def production(session: nox.Session) -> None:
         if isinstance(table, str):
             (out / f"{name}.txt").write_text(table)
             session.log(table)
-    if not plots:
+    if runs and not plots:
         session.warn("matplotlib is not installed: no PNG plots (the JSON and tables are there)")
     # Expert parallelism: EP2 per-rank F+B vs EP1 doing the same per-rank work, and
     # the exchanges alone (65,536 tokens per rank, 256 experts), where 2 GPUs exist.
-    if _gpu_count(session) >= 2:
+    if "ep2" in parts and _gpu_count(session) >= 2:
         for mode in ("side-lora", "ordinary"):
             session.run(
                 "python",
