@@ -94,47 +94,20 @@ def _bind(op: torch._ops.OpOverloadPacket, args: tuple, kwargs: dict) -> dict[st
     return bound
 
 
-@register_flop_formula(torch.ops.megamoe.moe_forward)
-def _moe_forward_flops(*args, out_shape=None, **kwargs) -> int:
-    a = _bind(torch.ops.megamoe.moe_forward, args, kwargs)
-    # Every save mode runs the same forward GEMMs (the state is a by-product).
-    return forward_flops(*_dims(a["x"], a["topk_ids"], a["w13"]), _rank(a["a1"], a["scale"]))
+def _forward_formula(op: torch._ops.OpOverloadPacket):
+    """The formula of a forward op (EP1's or EP's: the same inputs by name). Every save
+    mode runs the same forward GEMMs (the state is a by-product)."""
+
+    def formula(*args, out_shape=None, **kwargs) -> int:
+        a = _bind(op, args, kwargs)
+        return forward_flops(*_dims(a["x"], a["topk_ids"], a["w13"]), _rank(a["a1"], a["scale"]))
+
+    return formula
 
 
-@register_flop_formula(torch.ops.megamoe.moe_backward)
-def _moe_backward_flops(*args, out_shape=None, **kwargs) -> int:
-    a = _bind(torch.ops.megamoe.moe_backward, args, kwargs)
-    tokens, top_k = a["route_to_pool_row"]
-    q13, preact = a["q13"], a["preact"]
-    # The forward saved q13 = [x a1 | x a3] only when the side path ran, and no
-    # pre-activations (an empty tensor) under activation checkpointing.
-    rank = q13[1] // 2 if len(q13) == 2 and q13[0] > 0 else 0
-    recompute = len(preact) == 1 and preact[0] == 0
-    return backward_flops(
-        tokens,
-        top_k,
-        a["x"][1],
-        a["w13"][1] // 2,
-        rank,
-        base_grads=bool(a["base_grads"]),
-        side_grads=bool(a["side_grads"]),
-        recompute=recompute,
-    )
-
-
-@register_flop_formula(torch.ops.megamoe.moe_ep_forward)
-def _moe_ep_forward_flops(*args, out_shape=None, **kwargs) -> int:
-    a = _bind(torch.ops.megamoe.moe_ep_forward, args, kwargs)
-    return forward_flops(*_dims(a["x"], a["topk_ids"], a["w13"]), _rank(a["a1"], a["scale"]))
-
-
-@register_flop_formula(torch.ops.megamoe.moe_ep_backward)
-def _moe_ep_backward_flops(*args, out_shape=None, **kwargs) -> int:
-    a = _bind(torch.ops.megamoe.moe_ep_backward, args, kwargs)
-    tokens, top_k = a["topk_weights"]
-    # The EP backward computes the adapters' gradients whenever the side path ran; no
-    # pre-activations (an empty tensor): activation checkpointing, GEMM1 recomputed.
-    rank = _rank(a["a1"], a["scale"])
+def _backward(a: dict, tokens: int, top_k: int, rank: int, side_grads: bool) -> int:
+    """A backward op's FLOPs; no pre-activations (an empty tensor) means activation
+    checkpointing: GEMM1 recomputed."""
     preact = a["preact"]
     return backward_flops(
         tokens,
@@ -143,6 +116,29 @@ def _moe_ep_backward_flops(*args, out_shape=None, **kwargs) -> int:
         a["w13"][1] // 2,
         rank,
         base_grads=bool(a["base_grads"]),
-        side_grads=rank > 0,
+        side_grads=side_grads,
         recompute=len(preact) == 1 and preact[0] == 0,
     )
+
+
+for _op in (torch.ops.megamoe.moe_forward, torch.ops.megamoe.moe_ep_forward):
+    register_flop_formula(_op)(_forward_formula(_op))
+
+
+@register_flop_formula(torch.ops.megamoe.moe_backward)
+def _moe_backward_flops(*args, out_shape=None, **kwargs) -> int:
+    a = _bind(torch.ops.megamoe.moe_backward, args, kwargs)
+    tokens, top_k = a["route_to_pool_row"]
+    # The forward saved q13 = [x a1 | x a3] only when the side path ran.
+    q13 = a["q13"]
+    rank = q13[1] // 2 if len(q13) == 2 and q13[0] > 0 else 0
+    return _backward(a, tokens, top_k, rank, bool(a["side_grads"]))
+
+
+@register_flop_formula(torch.ops.megamoe.moe_ep_backward)
+def _moe_ep_backward_flops(*args, out_shape=None, **kwargs) -> int:
+    a = _bind(torch.ops.megamoe.moe_ep_backward, args, kwargs)
+    tokens, top_k = a["topk_weights"]
+    # The EP backward computes the adapters' gradients whenever the side path ran.
+    rank = _rank(a["a1"], a["scale"])
+    return _backward(a, tokens, top_k, rank, rank > 0)

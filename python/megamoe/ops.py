@@ -39,9 +39,11 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from ._checks import check_choice, check_finite_float, check_int, check_tensor
+from ._checks import check_choice, check_int
 from .ep.ops import moe as fused_moe
 from .heuristics import get_block_m
+from .op_inputs import GRAD_NAMES, SIDE_NAMES, base_weights, empty, grads_for_inputs, input_names
+from .op_inputs import side_lora as side_lora_of
 from .pipeline.fused_backward import moe_backward
 from .pipeline.fused_forward import SAVE_MODES, ForwardState, moe_forward, stage
 from .registry import registry
@@ -50,9 +52,6 @@ from .validation import check_backward_inputs, check_moe_inputs
 from .weights import BaseWeights
 from .wrappers.routing import RoutePlan, pool_capacity
 
-_SIDE_NAMES = ("a1", "b1", "a3", "b3", "a2", "b2")
-#: The gradients megamoe::moe_backward returns, in order (named like the inputs).
-_GRAD_NAMES = ("x", "topk_weights", "w13", "w2", *_SIDE_NAMES)
 _STATE_NAMES = (
     "expert_counts",
     "expert_pool_offsets",
@@ -89,8 +88,8 @@ def _op_inputs(
     range of CPU ids (CUDA ids: the forward's device-side check); the fake
     one checks everything that needs no data, on any device.
     """
-    base = _base_weights(w13, w2, w13_scales, w2_scales)
-    side_lora = _side(side, scale)
+    base = base_weights(w13, w2, w13_scales, w2_scales)
+    side_lora = side_lora_of(side, scale)
     check_moe_inputs(
         x,
         topk_ids,
@@ -166,7 +165,7 @@ def _moe_forward_impl(
         save=save,
     )
     if save == "none":
-        return (result, *(_empty(x) for _ in _STATE_NAMES))
+        return (result, *(empty(x) for _ in _STATE_NAMES))
     out, state = result
     plan = state.plan
     return (
@@ -175,9 +174,9 @@ def _moe_forward_impl(
         plan.expert_pool_offsets,
         plan.route_to_pool_row,
         plan.pool_row_to_route,
-        _empty(x) if state.preact is None else state.preact,
-        _empty(x) if state.q13 is None else state.q13,
-        _empty(x) if state.p_sum is None else state.p_sum,
+        empty(x) if state.preact is None else state.preact,
+        empty(x) if state.q13 is None else state.q13,
+        empty(x) if state.p_sum is None else state.p_sum,
     )
 
 
@@ -230,38 +229,6 @@ def _(
         x.new_empty(tokens, 2 * rank) if use_side else x.new_empty(0),
         x.new_empty(tokens, rank) if use_side else x.new_empty(0),
     )
-
-
-def _base_weights(
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    w13_scales: torch.Tensor | None = None,
-    w2_scales: torch.Tensor | None = None,
-) -> BaseWeights:
-    """The BaseWeights of the op's tensors: MXFP4 when scales are given (packed uint8
-    values, ``H/2`` bytes per w13 row), else BF16. Only unpacks ``w13``'s dims:
-    :func:`~megamoe.validation.check_base_weights` checks the rest."""
-    experts, two_i, last = check_tensor("w13", w13, ndim=3).shape
-    if w13_scales is not None:
-        return BaseWeights("mxfp4", w13, w2, w13_scales, w2_scales, experts, 2 * last, two_i // 2)
-    return BaseWeights("bf16", w13, w2, None, None, experts, last, two_i // 2)
-
-
-def _side(side: tuple[torch.Tensor | None, ...], scale: float) -> SideLoRA | None:
-    """The :class:`SideLoRA` of the op's six adapter inputs ``(a1, b1, a3, b3, a2, b2)``,
-    or None for six Nones; a partial set names the adapters."""
-    if all(t is None for t in side):
-        return None
-    if any(t is None for t in side):
-        raise ValueError(
-            f"side: expected all six adapter tensors {_SIDE_NAMES} or none, got "
-            f"{[type(t).__name__ for t in side]}"
-        )
-    return SideLoRA(*side, scale=check_finite_float("side.scale", scale))
-
-
-def _empty(like: torch.Tensor) -> torch.Tensor:
-    return like.new_empty(0)
 
 
 # ``preact`` is written over: dgrad2's epilogue leaves dg | du in the saved pre-activations
@@ -338,7 +305,7 @@ def _moe_backward_impl(
         base_grads=base_grads,
         side_grads=side_grads,
     )
-    return tuple(_empty(x) if grads[name] is None else grads[name] for name in _GRAD_NAMES)
+    return tuple(empty(x) if grads[name] is None else grads[name] for name in GRAD_NAMES)
 
 
 _moe_backward_op = torch.library.custom_op("megamoe::moe_backward", mutates_args=("preact",))(
@@ -409,8 +376,8 @@ def _backward_inputs(
     """The checked ``(base, side)`` of one backward op call (real and fake alike: the
     inputs are the forward's, already checked on their device, plus ``dout`` and the
     saved state)."""
-    base = _base_weights(w13, w2, w13_scales, w2_scales)
-    side_lora = _side(side, scale)
+    base = base_weights(w13, w2, w13_scales, w2_scales)
+    side_lora = side_lora_of(side, scale)
     # The forward's checks on its inputs; the route_to_pool_row map stands in for the
     # ids (same [T, K]; the ids themselves are not saved).
     check_moe_inputs(
@@ -428,14 +395,9 @@ def _backward_inputs(
     return base, side_lora
 
 
-def _input_names(op: object) -> tuple[str, ...]:
-    """The names of a custom op's inputs, in its schema's order."""
-    return tuple(arg.name for arg in op._opoverload._schema.arguments)
-
-
-_FORWARD_INPUTS = _input_names(_moe_forward_op)
+_FORWARD_INPUTS = input_names(_moe_forward_op)
 #: What a training forward saves for its backward: these inputs, then its state outputs.
-_SAVED_INPUTS = ("x", "topk_weights", "w13", "w2", "w13_scales", "w2_scales", *_SIDE_NAMES)
+_SAVED_INPUTS = ("x", "topk_weights", "w13", "w2", "w13_scales", "w2_scales", *SIDE_NAMES)
 
 
 def _forward_setup_context(ctx, inputs, output) -> None:
@@ -476,19 +438,12 @@ def _forward_backward(ctx, dout, *_state_grads):
             **ctx.options,
             **state,
             base_grads=needs["w13"] or needs["w2"],
-            side_grads=ctx.has_side and any(needs[name] for name in _SIDE_NAMES),
+            side_grads=ctx.has_side and any(needs[name] for name in SIDE_NAMES),
             block_m=ctx.block_m,
         )
-    result = dict.fromkeys(_FORWARD_INPUTS)
-    for name, grad in zip(_GRAD_NAMES, grads, strict=True):
-        if needs[name] and grad.numel() > 0:
-            result[name] = grad
-    if ctx.has_side and ctx.options["scale"] == 0.0:
-        # A zero scale took the no-adapter path; the adapters' gradient is exactly 0.
-        for name in _SIDE_NAMES:
-            if needs[name]:
-                result[name] = torch.zeros_like(inputs[name])
-    return tuple(result.values())
+    return grads_for_inputs(
+        _FORWARD_INPUTS, grads, needs, inputs, has_side=ctx.has_side, scale=ctx.options["scale"]
+    )
 
 
 _moe_forward_op.register_autograd(_forward_backward, setup_context=_forward_setup_context)
@@ -651,7 +606,7 @@ def moe(
         )
     if reduce_shared_grads is not True:
         raise ValueError("reduce_shared_grads: only meaningful with group=; leave it True")
-    side_tensors = [None] * len(_SIDE_NAMES) if side is None else list(side.tensors())
+    side_tensors = [None] * len(SIDE_NAMES) if side is None else list(side.tensors())
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad
         for t in [x, topk_weights, base.w13, base.w2, *side_tensors]
@@ -669,7 +624,7 @@ def moe(
         w2=base.w2,
         w13_scales=base.w13_scales,
         w2_scales=base.w2_scales,
-        **dict(zip(_SIDE_NAMES, side_tensors, strict=True)),
+        **dict(zip(SIDE_NAMES, side_tensors, strict=True)),
         scale=0.0 if side is None else side.scale,
         activation=activation,
         activation_clamp=activation_clamp,

@@ -41,7 +41,7 @@ from ..wrappers import pool
 from .exchange import reduce_shared_grads
 from .plan import DispatchPlan
 
-__all__ = ["ep_backward_stages", "ep_forward_stages", "float_bits", "local_weights"]
+__all__ = ["ep_backward_stages", "ep_forward_stages", "float_bits"]
 
 
 def _exchange_into(
@@ -67,16 +67,6 @@ def _exchange_into(
                 out[:received], send.contiguous(), list(recv_splits), list(send_splits), group=group
             )
     return out
-
-
-def local_weights(
-    w13: torch.Tensor, w2: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None
-) -> BaseWeights:
-    """This rank's experts: BF16, or MXFP4 (packed values + the UE8M0 ``scales``)."""
-    experts, two_i, last = w13.shape
-    if scales is not None:
-        return BaseWeights("mxfp4", w13, w2, *scales, experts, 2 * last, two_i // 2)
-    return BaseWeights("bf16", w13, w2, None, None, experts, last, two_i // 2)
 
 
 def float_bits(value: float) -> int:

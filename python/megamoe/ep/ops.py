@@ -33,19 +33,18 @@ import torch
 import torch.distributed as dist
 
 from .._checks import check_choice, check_int, check_tensor
+from ..op_inputs import GRAD_NAMES, SIDE_NAMES, base_weights, empty, grads_for_inputs, input_names
+from ..op_inputs import side_lora as side_lora_of
 from ..side_lora import SideLoRA
 from ..validation import check_moe_inputs
 from ..weights import BaseWeights
 from ..wrappers.grouped_gemm import ACTIVATIONS
 from ..wrappers.routing import RoutePlan
-from .fused_layer import ep_backward_stages, ep_forward_stages, float_bits, local_weights
+from .fused_layer import ep_backward_stages, ep_forward_stages, float_bits
 from .plan import DispatchPlan, ExpertPartition, group_rank, group_size, plan_dispatch
 
 __all__ = ["moe"]
 
-_SIDE_NAMES = ("a1", "b1", "a3", "b3", "a2", "b2")
-#: The gradients megamoe::moe_ep_backward returns, in order (named like the inputs).
-_GRAD_NAMES = ("x", "topk_weights", "w13", "w2", *_SIDE_NAMES)
 #: The forward's state outputs, in order, after ``out``.
 _STATE_NAMES = (
     "send_routes",  # [N_send] int64
@@ -81,18 +80,8 @@ def _layer_inputs(
     activation_clamp,
 ) -> tuple[BaseWeights, SideLoRA | None]:  # fmt: skip
     """The checked ``(base, side)`` of one call (real and fake alike, any device)."""
-    check_tensor("w13", w13, ndim=3)
-    if (w13_scales is None) != (w2_scales is None):
-        raise ValueError("w13_scales/w2_scales: give both (an MXFP4 base) or neither")
-    base = local_weights(w13, w2, None if w13_scales is None else (w13_scales, w2_scales))
-    side_lora = None
-    if any(t is not None for t in side):
-        if any(t is None for t in side):
-            raise ValueError(
-                f"side: expected all six adapter tensors {_SIDE_NAMES} or none, got "
-                f"{[type(t).__name__ for t in side]}"
-            )
-        side_lora = SideLoRA(*side, scale=scale)
+    base = base_weights(w13, w2, w13_scales, w2_scales)
+    side_lora = side_lora_of(side, scale)
     check_moe_inputs(
         x,
         topk_ids,
@@ -105,10 +94,6 @@ def _layer_inputs(
         allow_no_tokens=True,
     )
     return base, side_lora
-
-
-def _empty(like: torch.Tensor) -> torch.Tensor:
-    return like.new_empty(0)
 
 
 def _moe_ep_forward_impl(
@@ -190,7 +175,7 @@ def _moe_ep_forward_impl(
         keep_preact=save == "preact",
     )  # fmt: skip
     if save == "none":
-        return (out, *(_empty(x) for _ in _STATE_NAMES))
+        return (out, *(empty(x) for _ in _STATE_NAMES))
     host_plan = torch.tensor(
         [
             plan.num_tokens,
@@ -214,7 +199,7 @@ def _moe_ep_forward_impl(
         routes.route_to_pool_row,
         routes.pool_row_to_route,
         host_plan,
-        *(_empty(x) if saved[name] is None else saved[name] for name in _STATE_NAMES[7:]),
+        *(empty(x) if saved[name] is None else saved[name] for name in _STATE_NAMES[7:]),
     )
 
 
@@ -380,7 +365,7 @@ def _moe_ep_backward_impl(
         activation_clamp=activation_clamp, base_grads=base_grads,
         reduce_shared=reduce_shared_grads,
     )  # fmt: skip
-    return tuple(_empty(x) if grads[name] is None else grads[name] for name in _GRAD_NAMES)
+    return tuple(empty(x) if grads[name] is None else grads[name] for name in GRAD_NAMES)
 
 
 def _backward_inputs(
@@ -456,13 +441,9 @@ def _(
     )
 
 
-def _input_names(op: object) -> tuple[str, ...]:
-    return tuple(arg.name for arg in op._opoverload._schema.arguments)
-
-
-_FORWARD_INPUTS = _input_names(_moe_ep_forward_op)
+_FORWARD_INPUTS = input_names(_moe_ep_forward_op)
 #: What a training forward saves for its backward: these inputs, then its state outputs.
-_SAVED_INPUTS = ("x", "topk_weights", "w13", "w2", "w13_scales", "w2_scales", *_SIDE_NAMES)
+_SAVED_INPUTS = ("x", "topk_weights", "w13", "w2", "w13_scales", "w2_scales", *SIDE_NAMES)
 
 
 def _forward_setup_context(ctx, inputs, output) -> None:
@@ -477,7 +458,6 @@ def _forward_setup_context(ctx, inputs, output) -> None:
         for name in ("scale", "activation", "activation_clamp", "group_name", "reduce_shared_grads")
     }
     ctx.has_side = args["a1"] is not None
-    ctx.topk_dtype = args["topk_weights"].dtype
     ctx.save_for_backward(*(args[name] for name in _SAVED_INPUTS), *output[1:])
 
 
@@ -500,19 +480,9 @@ def _forward_backward(ctx, dout, *_state_grads):
         **state,
         base_grads=needs["w13"] or needs["w2"],
     )
-    result = dict.fromkeys(_FORWARD_INPUTS)
-    for name, grad in zip(_GRAD_NAMES, grads, strict=True):
-        # Not computed: a 1-D empty; computed: the input's shape (maybe of zero rows).
-        if needs[name] and grad.shape == inputs[name].shape:
-            result[name] = grad
-    if result["topk_weights"] is not None:
-        result["topk_weights"] = result["topk_weights"].to(ctx.topk_dtype)
-    if ctx.has_side and ctx.options["scale"] == 0.0:
-        # A zero scale took the no-adapter path; the adapters' gradient is exactly 0.
-        for name in _SIDE_NAMES:
-            if needs[name]:
-                result[name] = torch.zeros_like(inputs[name])
-    return tuple(result.values())
+    return grads_for_inputs(
+        _FORWARD_INPUTS, grads, needs, inputs, has_side=ctx.has_side, scale=ctx.options["scale"]
+    )
 
 
 _moe_ep_forward_op.register_autograd(_forward_backward, setup_context=_forward_setup_context)
@@ -594,7 +564,7 @@ def moe(
                 "group: not registered with torch.distributed (make it with "
                 "torch.distributed.new_group or init_process_group)"
             ) from error
-    side_tensors = [None] * len(_SIDE_NAMES) if side is None else list(side.tensors())
+    side_tensors = [None] * len(SIDE_NAMES) if side is None else list(side.tensors())
     base_trainable = base.w13.requires_grad or base.w2.requires_grad
     needs_grad = torch.is_grad_enabled() and (
         base_trainable
@@ -608,7 +578,7 @@ def moe(
         w2=base.w2,
         w13_scales=base.w13_scales,
         w2_scales=base.w2_scales,
-        **dict(zip(_SIDE_NAMES, side_tensors, strict=True)),
+        **dict(zip(SIDE_NAMES, side_tensors, strict=True)),
         scale=0.0 if side is None else side.scale,
         activation=activation,
         activation_clamp=activation_clamp,

@@ -1,0 +1,79 @@
+"""What the layer's custom op pairs share: the EP1 ops (:mod:`megamoe.ops`) and the
+expert-parallel ones (:mod:`megamoe.ep.ops`) take the same weight and adapter inputs,
+turn them into the same :class:`BaseWeights` / :class:`SideLoRA`, and map their
+backward op's gradients onto the forward's inputs by the same rules."""
+
+from __future__ import annotations
+
+import torch
+
+from ._checks import check_finite_float, check_tensor
+from .side_lora import SideLoRA
+from .weights import BaseWeights
+
+#: The adapters as op inputs: six optional tensors (all None: no adapters) plus ``scale``.
+SIDE_NAMES = ("a1", "b1", "a3", "b3", "a2", "b2")
+#: The gradients a backward op returns, in order (named like the forward's inputs).
+GRAD_NAMES = ("x", "topk_weights", "w13", "w2", *SIDE_NAMES)
+
+
+def base_weights(
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scales: torch.Tensor | None = None,
+    w2_scales: torch.Tensor | None = None,
+) -> BaseWeights:
+    """The BaseWeights of an op's tensors: MXFP4 when scales are given (packed uint8
+    values, ``H/2`` bytes per w13 row), else BF16. Only unpacks ``w13``'s dims:
+    :func:`~megamoe.validation.check_base_weights` checks the rest."""
+    experts, two_i, last = check_tensor("w13", w13, ndim=3).shape
+    if w13_scales is not None:
+        return BaseWeights("mxfp4", w13, w2, w13_scales, w2_scales, experts, 2 * last, two_i // 2)
+    return BaseWeights("bf16", w13, w2, None, None, experts, last, two_i // 2)
+
+
+def side_lora(side: tuple[torch.Tensor | None, ...], scale: float) -> SideLoRA | None:
+    """The :class:`SideLoRA` of an op's six adapter inputs ``(a1, b1, a3, b3, a2, b2)``,
+    or None for six Nones; a partial set names the adapters."""
+    if all(t is None for t in side):
+        return None
+    if any(t is None for t in side):
+        raise ValueError(
+            f"side: expected all six adapter tensors {SIDE_NAMES} or none, got "
+            f"{[type(t).__name__ for t in side]}"
+        )
+    return SideLoRA(*side, scale=check_finite_float("side.scale", scale))
+
+
+def empty(like: torch.Tensor) -> torch.Tensor:
+    """An absent tensor output (state not kept, a gradient not computed): 1-D, empty."""
+    return like.new_empty(0)
+
+
+def input_names(op: object) -> tuple[str, ...]:
+    """The names of a custom op's inputs, in its schema's order."""
+    return tuple(arg.name for arg in op._opoverload._schema.arguments)
+
+
+def grads_for_inputs(
+    forward_inputs: tuple[str, ...],
+    grads: tuple[torch.Tensor, ...],
+    needs: dict[str, bool],
+    inputs: dict[str, torch.Tensor | None],
+    *,
+    has_side: bool,
+    scale: float,
+) -> tuple[torch.Tensor | None, ...]:
+    """The forward op's autograd result: one gradient (or None) per forward input, from
+    the backward op's ``grads`` (:data:`GRAD_NAMES` order). A gradient that was computed
+    has its input's shape (maybe of zero rows); one that was not is :func:`empty`. With
+    adapters at a zero scale (the no-adapter path ran) their gradients are exact zeros."""
+    result = dict.fromkeys(forward_inputs)
+    for name, grad in zip(GRAD_NAMES, grads, strict=True):
+        if needs[name] and grad.shape == inputs[name].shape:
+            result[name] = grad
+    if has_side and scale == 0.0:
+        for name in SIDE_NAMES:
+            if needs[name]:
+                result[name] = torch.zeros_like(inputs[name])
+    return tuple(result.values())
