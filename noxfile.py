@@ -89,8 +89,10 @@ def _gpu_count(session: nox.Session) -> int:
     return int(output.strip().splitlines()[-1]) if isinstance(output, str) else 0
 
 
-def _pytest(session: nox.Session, *args: str) -> None:
+def _pytest(session: nox.Session, *args: str, pass_posargs: bool = True) -> None:
     # Run from a temp dir so `import megamoe` finds the installed package, not python/.
+    # The session's own arguments go to pytest unless the session reads them itself
+    # (production's part names).
     session.run(
         "python",
         "-m",
@@ -101,7 +103,7 @@ def _pytest(session: nox.Session, *args: str) -> None:
         "-c",
         str(ROOT / "pyproject.toml"),
         *args,
-        *session.posargs,
+        *(session.posargs if pass_posargs else ()),
     )
 
 
@@ -236,7 +238,7 @@ def production(session: nox.Session) -> None:
     out.mkdir(parents=True, exist_ok=True)
     if "oracle" in parts:
         with session.chdir(session.create_tmp()):
-            _pytest(session, "-rs", str(ROOT / "tests" / "production"))
+            _pytest(session, "-rs", str(ROOT / "tests" / "production"), pass_posargs=False)
     plots = _has_module(session, "matplotlib")
     bench = ["python", "-m", "megamoe.bench", "--quiet", "--shape", "ep4rank"]
     runs = {
