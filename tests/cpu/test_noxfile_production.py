@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def _load_noxfile() -> types.ModuleType:
     if importlib.util.find_spec("nox") is None:
         stub = types.ModuleType("nox")
-        stub.session = lambda *a, **k: (a[0] if a and callable(a[0]) else (lambda f: f))
+        stub.session = lambda *a, **k: a[0] if a and callable(a[0]) else (lambda f: f)
         stub.Session = object
         stub.options = types.SimpleNamespace()
         sys.modules.setdefault("nox", stub)
