@@ -134,13 +134,27 @@ void pool_gather(const Tensor& x, std::optional<Tensor> side, const Tensor& pool
          stream, "pool_gather launch");
 }
 
-// Blocks that give every token of a row of `vecs` 16-byte vectors its lane group
-// (mirrors the lane-group choice in pool_combine_tokens).
-int64_t combine_blocks_needed(int64_t num_tokens, int64_t vecs) {
+// The combine's grid (mirrors the lane-group choice in pool_combine_tokens): a group of
+// `lanes` lanes per token, and the row split into `row_slices` slices when one warp per
+// token leaves the GPU short of resident warps (few tokens), each slice at least one
+// lane group's stride of vectors.
+struct CombineGrid {
+  int32_t row_slices;
+  int64_t blocks;
+};
+
+CombineGrid combine_grid(const void* kernel, int device, int64_t num_tokens, int64_t vecs) {
   int64_t lanes = 1;
   while (lanes < vecs && lanes < 32) lanes *= 2;
-  const int64_t tokens_per_block = (kPoolThreadsPerBlock / 32) * (32 / lanes);
-  return (num_tokens + tokens_per_block - 1) / tokens_per_block;
+  const int64_t warps_per_block = kPoolThreadsPerBlock / 32;
+  const int64_t token_warps = (num_tokens + 32 / lanes - 1) / (32 / lanes);
+  const int64_t resident_warps =
+      int64_t{persistent_blocks(kernel, device, INT32_MAX)} * warps_per_block;
+  const int64_t max_slices = (vecs + lanes - 1) / lanes;
+  const int64_t slices =
+      std::clamp<int64_t>((resident_warps + token_warps - 1) / token_warps, 1, max_slices);
+  return {static_cast<int32_t>(slices),
+          (token_warps * slices + warps_per_block - 1) / warps_per_block};
 }
 
 // Checks shared by side_sum and combine; returns (num_tokens, top_k).
@@ -191,9 +205,10 @@ void pool_side_sum(const Tensor& pool_output, const Tensor& route_to_pool_row,
   params.scale = 0.0f;
 
   const PoolCombineKernels& kernels = variants::pool_combine;
-  launch(kernels.side_sum, params, device,
-         combine_blocks_needed(num_tokens, side_rank / kPoolVectorElems), stream,
-         "pool_side_sum launch");
+  const CombineGrid grid = combine_grid(reinterpret_cast<const void*>(kernels.side_sum), device,
+                                        num_tokens, side_rank / kPoolVectorElems);
+  params.row_slices = grid.row_slices;
+  launch(kernels.side_sum, params, device, grid.blocks, stream, "pool_side_sum launch");
 }
 
 void pool_combine(const Tensor& pool_output, const Tensor& route_to_pool_row,
@@ -230,9 +245,10 @@ void pool_combine(const Tensor& pool_output, const Tensor& route_to_pool_row,
   params.scale = static_cast<float>(scale);
 
   const PoolCombineKernels& kernels = variants::pool_combine;
-  launch(kernels.combine, params, device,
-         combine_blocks_needed(num_tokens, hidden / kPoolVectorElems), stream,
-         "pool_combine launch");
+  const CombineGrid grid = combine_grid(reinterpret_cast<const void*>(kernels.combine), device,
+                                        num_tokens, hidden / kPoolVectorElems);
+  params.row_slices = grid.row_slices;
+  launch(kernels.combine, params, device, grid.blocks, stream, "pool_combine launch");
 }
 
 }  // namespace

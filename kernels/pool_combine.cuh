@@ -13,7 +13,10 @@
 // Memory-bound: a group of lanes (a power of two up to a warp) serves one token and
 // strides its row in 16-byte vectors. For each vector the K route indices are loaded
 // together, then the K pool-row loads are issued together (in batches of
-// kPoolCombineBatch) before any is accumulated: one L1 and one HBM round trip.
+// kPoolCombineBatch) before any is accumulated: one L1 and one HBM round trip. With
+// few tokens the host splits each row into `row_slices` slices, one lane group each, so
+// that the grid still fills the GPU (at 128 tokens one warp per token is 128 warps,
+// each paying 16 round trips one after another).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -107,9 +110,15 @@ __global__ void __launch_bounds__(kPoolThreadsPerBlock) pool_combine_tokens(Pool
   const int lane = static_cast<int>(threadIdx.x) % 32;
   const int group_lane = lane & (lanes - 1);
   const int tokens_per_warp = 32 / lanes;
-  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-  const int64_t num_warps = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
+  // One persistent wave (the host caps the grid): warp indices fit 32 bits.
+  const int warp = static_cast<int>((blockIdx.x * blockDim.x + threadIdx.x) / 32);
+  const int num_warps = static_cast<int>(gridDim.x * blockDim.x / 32);
   const int top_k = p.top_k;
+  // Slice s of a row: vectors [s * slice_vecs, (s + 1) * slice_vecs), a multiple of the
+  // group's lanes; a slice past the row's end is empty.
+  const int slices = p.row_slices;
+  const int slice_vecs = lanes * ((vecs + lanes * slices - 1) / (lanes * slices));
+  const int64_t token_warps = (p.num_tokens + tokens_per_warp - 1) / tokens_per_warp;
 
   // side_sum reads the pool's side columns: start its row pointers past the H columns.
   const uint4* __restrict__ pool =
@@ -117,11 +126,21 @@ __global__ void __launch_bounds__(kPoolThreadsPerBlock) pool_combine_tokens(Pool
   const uint4* __restrict__ side = static_cast<const uint4*>(p.side_expand);
   uint4* __restrict__ out = static_cast<uint4*>(kSideSum ? p.p_sum : p.out);
 
-  for (int64_t token = warp * tokens_per_warp + lane / lanes; token < p.num_tokens;
-       token += num_warps * tokens_per_warp) {
+  // Work items (token warp, slice), slices fastest, grid-strided; the stride is split
+  // once into whole token warps and a slice remainder (no 64-bit division in the loop).
+  const int stride_tokens = num_warps / slices, stride_slices = num_warps % slices;
+  int slice = warp % slices;
+  for (int64_t token_warp = warp / slices; token_warp < token_warps;
+       token_warp += stride_tokens, slice += stride_slices) {
+    if (slice >= slices) slice -= slices, ++token_warp;
+    if (token_warp >= token_warps) break;
+    const int64_t token = token_warp * tokens_per_warp + lane / lanes;
+    if (token >= p.num_tokens) continue;
+    const int v_begin = slice * slice_vecs;
+    const int v_end = min(vecs, v_begin + slice_vecs);
     const int32_t* rows = p.route_to_pool_row + token * top_k;
     const float* weights = p.topk_weights + token * top_k;
-    for (int v = group_lane; v < vecs; v += lanes) {
+    for (int v = v_begin + group_lane; v < v_end; v += lanes) {
       // The host passes side_expand = nullptr when scale == 0, so a zero adapter scale
       // is the no-side path bit for bit (a non-finite side value cannot leak in as
       // 0 * inf = NaN) and costs no side reads. Loaded first: it depends on nothing,

@@ -23,6 +23,8 @@ struct PoolCombineParams {
   int32_t top_k;                     // K
   int32_t hidden;                    // H, a multiple of kPoolVectorElems
   int32_t side_rank;                 // r, a multiple of kPoolVectorElems (may be 0)
+  int32_t row_slices;                // >= 1: lane groups per token row (few tokens: the
+                                     // row's vectors spread over more warps)
   float scale;                       // side-term scale (the host passes side_expand=nullptr
                                      // when it is 0, so scale 0 is the no-side path exactly)
 };

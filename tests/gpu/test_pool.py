@@ -156,6 +156,18 @@ def test_row_widths_that_do_not_fill_a_warp(hidden):
     check_combine(case, hidden=hidden, side_rank=8, scale=-1.5, seed=8)
 
 
+@pytest.mark.parametrize("num_tokens", [1, 128, 700])
+@pytest.mark.parametrize("hidden", [800, 4000, 4096])
+def test_few_tokens_split_each_row_over_warps(num_tokens, hidden):
+    # Few tokens: the combine splits each row into slices (one lane group each) so the
+    # grid fills the GPU; slice counts that do not divide the row (4000 = 500 vectors,
+    # 800 = 100) leave a short last slice.
+    case = make_case(num_tokens, 6, num_experts=64, kind="balanced", seed=num_tokens + hidden)
+    check_side_sum(case, hidden=hidden, side_rank=128, seed=9)
+    check_combine(case, hidden=hidden, side_rank=128, scale=0.25, seed=10)
+    check_combine(case, hidden=hidden, side_rank=0, scale=None, seed=11)
+
+
 @pytest.mark.parametrize("side_rank", [8, 256])
 def test_side_sum_of_whole_rows(side_rank):
     # hidden = 0: the backward sums its [sg | su] shrink rows this way.
