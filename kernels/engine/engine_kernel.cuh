@@ -9,15 +9,15 @@
 //    k-1's stage is released then), then leave the tile's accumulators as BF16 in the
 //    staging tile and go on to the next tile;
 //  - decode warps (MXFP4 B: one more warpgroup): decode each landed stage's codes into
-//    its BF16 B tile, so the consumers only issue MMAs (docs/ENGINE.md has what the
-//    consumer-side decode and this one measured);
+//    its BF16 B tile together with the consumer warpgroup, half the tile each
+//    (stage_decoder.cuh; docs/ENGINE.md has what each arrangement measured);
 //  - epilogue warps (warps 1-3): finish the staged tile (activation math, TMA stores)
 //    while the consumers run the next tile's MMAs.
 // Contracts: `full`/`empty` per stage (pipeline.cuh); MXFP4: `decoded` per stage
-// completes when every decode warp wrote its part of the stage's B tile (consumers
-// wait for it instead of `full`); `staged` completes when every consumer thread wrote its
-// part of the staging tile, `drained` when the epilogue warps no longer read it (their
-// TMA stores included).
+// completes when every decoding warp (decode and consumer warpgroups) wrote its part of
+// the stage's B tile (the consumers wait for it before the stage's MMAs); `staged` completes when
+// every consumer thread wrote its part of the staging tile, `drained` when the epilogue warps no
+// longer read it (their TMA stores included).
 #pragma once
 
 #include <cuda.h>
@@ -35,6 +35,7 @@
 #include "operand_a.cuh"
 #include "operand_b.cuh"
 #include "pipeline.cuh"
+#include "stage_decoder.cuh"
 #include "staging_tile.cuh"
 #include "tile_scheduler.cuh"
 #include "wgmma.cuh"
@@ -45,7 +46,7 @@ namespace megamoe::kernels::engine {
 // every role within the launch's 65536 / threads registers, and two consumer warpgroups'
 // 128 accumulators need 168 of them). Warpgroup 0: the producer warp and three epilogue
 // warps; then the consumers; for an MXFP4 B (BLOCK_M 64: one consumer warpgroup) a
-// decode warpgroup.
+// decode warpgroup, and the consumer decodes too.
 template <EngineKind kKind, BFormat kFormat, int BlockM>
 struct EngineRoles {
   static constexpr int kConsumers = BlockM / 64;
@@ -55,15 +56,23 @@ struct EngineRoles {
   static constexpr int kThreads = kWarpgroups * kWarpgroupThreads;
   static constexpr int kConsumerThreads = kConsumers * kWarpgroupThreads;
   static constexpr int kDecodeThreads = kWarpgroupThreads;
-  // Two consumer warpgroups: setmaxnreg moves registers to them from warpgroup 0 (128 P +
-  // 256 C = the 384 x 168 the launch grants); the activation backward's epilogue keeps
-  // four rows' loads in flight and gets more.
-  static constexpr bool kReallocate = kConsumers == 2;
+  // The threads that decode an MXFP4 stage: the decode warpgroup, then the consumer's.
+  static constexpr int kDecodingThreads = kDecodeThreads + kConsumerThreads;
+  // setmaxnreg moves registers from warpgroup 0 to the two other warpgroups (the 384 x 168
+  // the launch grants): two consumers' accumulators, or one consumer's accumulators plus
+  // its share of the decode and the decode warpgroup. The activation backward's epilogue
+  // keeps four rows' loads in flight and gets more (MXFP4: more still, its other roles
+  // need less than two consumers' accumulators).
+  static constexpr bool kReallocate = kConsumers == 2 || kDecodeWarps;
   static constexpr bool kHeavyEpilogue = kKind == EngineKind::ActivationBackward;
-  static constexpr int kOtherRegisters = kHeavyEpilogue ? 136 : 88;
-  static constexpr int kConsumerRegisters = kHeavyEpilogue ? 184 : 208;
-  static_assert(!kReallocate || kOtherRegisters + 2 * kConsumerRegisters == 3 * 168,
+  static constexpr int kOtherRegisters = kHeavyEpilogue ? (kDecodeWarps ? 152 : 136) : 88;
+  static constexpr int kConsumerRegisters = kHeavyEpilogue ? (kDecodeWarps ? 200 : 184) : 208;
+  static constexpr int kLaunchRegisters = 3 * 168;
+  static constexpr int kDecodeRegisters = kLaunchRegisters - kOtherRegisters - kConsumerRegisters;
+  static_assert(!kReallocate || kDecodeWarps ||
+                    kOtherRegisters + 2 * kConsumerRegisters == kLaunchRegisters,
                 "setmaxnreg must hand out exactly the launch's registers");
+  static_assert(kDecodeRegisters % 8 == 0 && kDecodeRegisters >= 128, "decode warpgroup");
 };
 
 // The parts of each kind (the registry line of a variant picks one). The pool kinds
@@ -175,95 +184,27 @@ __device__ __forceinline__ void produce(const EngineParams& p, const SharedStora
   }
 }
 
-// ---- decode warps (MXFP4): each landed stage's codes into its BF16 B tile ----
-// Per step: wait for `full`, load the codes, barrier, decode over them with the scales
-// loaded during the step before (global memory: their latency hides behind that step's
-// decode), fence for the async proxy, arrive on `decoded` (one arrival per warp).
+// ---- decode warps (MXFP4): their half of each landed stage's codes into its B tile ----
 template <class C>
 __device__ __forceinline__ void decode_stages(const EngineParams& p, const SharedStorage<C>& smem,
                                               int thread) {
-  using Decode =
-      std::conditional_t<C::B::kMNMajor, mxfp4::MNMajorTileDecode<C::kBlockN, C::kDecodeThreads>,
-                         mxfp4::KMajorTileDecode<C::kBlockN, C::kDecodeThreads>>;
-  using Schedule = typename C::Schedule;
-  const Schedule schedule(p.schedule);
-  constexpr int kUnits = Decode::kPerThread;
-  // Where this thread's units' scales of `tile` start (offsets into the caller's scales).
-  auto offsets_of = [&](const TileInfo& tile, int32_t (&offset)[kUnits]) {
-    Decode::for_each_unit(thread, [&](int i, int row, int block) {
-      offset[i] = C::B::scale_offset(p.operands, tile, row, block);
-    });
-  };
-  const int32_t scale_step = C::B::scale_step(p.operands);
-  // This thread's scale bytes of step `step` of `tile` (nothing to load where it does not
-  // decode: a BF16 side or extra step).
-  auto load_scales = [&](const TileInfo& tile, const int32_t (&offset)[kUnits], int step,
-                         uint32_t (&scale)[kUnits]) {
-    if (step >= tile.k_steps || !C::B::decodes(tile, step)) return;
-    const int32_t shift = (step - tile.side_steps) * scale_step;
-#pragma unroll
-    for (int i = 0; i < kUnits; ++i) scale[i] = C::B::scale_at(p.operands.scales, offset[i], shift);
-  };
-  uint32_t scale[kUnits] = {};
-  int32_t offset[kUnits], next_offset[kUnits];
-  int t = blockIdx.x;
-  if (t >= schedule.num_tiles()) return;
-  TileInfo tile = schedule.tile(t);
-  offsets_of(tile, offset);
-  load_scales(tile, offset, 0, scale);
+  const typename C::Schedule schedule(p.schedule);
+  StageDecoder<C> decoder(p.operands, thread);
   RingState<C::kStages> ring;
-  while (true) {
-    const int next_t = t + static_cast<int>(gridDim.x);
-    const bool more = next_t < schedule.num_tiles();
-    const bool tile_had_steps = tile.k_steps > 0;
+  bool prefetched = false;
+  for (int t = blockIdx.x; t < schedule.num_tiles(); t += gridDim.x) {
+    const TileInfo tile = schedule.tile(t);
+    decoder.begin_tile(tile, prefetched);
     for (int step = 0; step < tile.k_steps; ++step) {
       TransactionBarrier::wait(&smem.full[ring.stage], ring.phase);
-      uint32_t now[kUnits];
-#pragma unroll
-      for (int i = 0; i < kUnits; ++i) now[i] = scale[i];
-      // The next step's scales: this tile's, else the next tile's first step's.
-      auto prefetch = [&] {
-        if (step + 1 < tile.k_steps) {
-          load_scales(tile, offset, step + 1, scale);
-        } else if (more) {
-          const TileInfo next = schedule.tile(next_t);
-          offsets_of(next, next_offset);
-          load_scales(next, next_offset, 0, scale);
-        }
-      };
-      if (C::B::decodes(tile, step)) {
-        uint8_t* b = smem.b(ring.stage);
-        // The codes land where an earlier fill of this stage was decoded: every decode
-        // thread's stores of that fill are ordered before any thread reads the new codes
-        // (they already are through the ring's mbarriers and the TMA fill; this barrier
-        // makes it a thread-level order, which racecheck follows).
-        named_barrier_sync(kDecodeBarrier, C::kDecodeThreads);
-        Decode decode;
-        decode.load(b + C::B::kCodeOffset, thread);
-        // The codes sit inside the tile being written: every thread has its codes first.
-        named_barrier_sync(kDecodeBarrier, C::kDecodeThreads);
-        prefetch();
-        decode.store(b, thread, now);
-        fence_generic_to_async();  // the decoded tile is read by wgmma (async proxy)
-      } else {
-        prefetch();
-      }
+      decoder.step(smem.b(ring.stage), schedule, tile, step, t + static_cast<int>(gridDim.x));
       // One arrival per warp (an arrival per thread serializes on the barrier word); the
       // warp's stores are ordered before its lane 0's release by __syncwarp.
       __syncwarp();
       if (thread % 32 == 0) Barrier::arrive(&smem.decoded[ring.stage]);
       ring.advance();
     }
-    if (!more) return;
-    t = next_t;
-    tile = schedule.tile(t);
-    if (tile_had_steps) {
-#pragma unroll
-      for (int i = 0; i < kUnits; ++i) offset[i] = next_offset[i];
-    } else {  // no step prefetched this tile's offsets and first scales
-      offsets_of(tile, offset);
-      load_scales(tile, offset, 0, scale);
-    }
+    prefetched = tile.k_steps > 0;
   }
 }
 
@@ -311,8 +252,16 @@ __device__ __forceinline__ void consume(const EngineParams& p, const SharedStora
   // `ring`: the next stage to consume; `release`: the oldest stage still being read.
   RingState<C::kStages> ring, release;
   uint32_t epilogue_phase = 0;
+  // MXFP4: the consumer decodes the second part of each stage (decoding threads
+  // kDecodeThreads ..), while its previous step's MMAs run.
+  using Decoder = std::conditional_t<C::kMxfp4, StageDecoder<C>, NoDecoder>;
+  Decoder decoder(p.operands, C::kDecodeThreads + consumer_thread);
+  bool prefetched = false;
   for (int t = blockIdx.x; t < schedule.num_tiles(); t += gridDim.x) {
     const TileInfo tile = schedule.tile(t);
+    const int next_t = t + static_cast<int>(gridDim.x);
+    decoder.begin_tile(tile, prefetched);
+    prefetched = tile.k_steps > 0;
 #pragma unroll
     for (int i = 0; i < C::kAccumulators; ++i) acc[i] = 0.0f;
     fence_accumulators(acc);
@@ -321,6 +270,10 @@ __device__ __forceinline__ void consume(const EngineParams& p, const SharedStora
       using Mma = decltype(mma);
       for (int step = first; step < last; ++step) {
         if constexpr (C::kMxfp4) {
+          TransactionBarrier::wait(&smem.full[ring.stage], ring.phase);
+          decoder.step(smem.b(ring.stage), schedule, tile, step, next_t);
+          __syncwarp();
+          if (lane == 0) Barrier::arrive(&smem.decoded[ring.stage]);
           Barrier::wait(&smem.decoded[ring.stage], ring.phase);
         } else {
           TransactionBarrier::wait(&smem.full[ring.stage], ring.phase);
@@ -422,7 +375,7 @@ __global__ void __launch_bounds__(engine::EngineConfig<kKind, kFormat, BlockM, B
     for (int s = 0; s < C::kStages; ++s) {
       TransactionBarrier::init(&smem.full[s], 1);
       Barrier::init(&smem.empty[s], C::kConsumers * 4);  // one arrival per consumer warp
-      if constexpr (C::kDecodeWarps) Barrier::init(&smem.decoded[s], C::kDecodeThreads / 32);
+      if constexpr (C::kDecodeWarps) Barrier::init(&smem.decoded[s], C::kDecodingThreads / 32);
     }
     Barrier::init(smem.staged, C::kConsumerThreads);
     Barrier::init(smem.drained, 1);
@@ -432,18 +385,21 @@ __global__ void __launch_bounds__(engine::EngineConfig<kKind, kFormat, BlockM, B
 
   const int warpgroup = threadIdx.x / kWarpgroupThreads;
   const bool consumer = warpgroup >= 1 && warpgroup <= C::kConsumers;
-  if (!consumer) {
+  if (warpgroup == 0) {
     if constexpr (C::kReallocate) cutlass::arch::warpgroup_reg_dealloc<C::kOtherRegisters>();
-    if (warpgroup == 0) {
-      if (threadIdx.x < 32) {
-        if (threadIdx.x == 0) produce<C>(p, smem);
-      } else {
-        finish_tiles<C>(p, smem, threadIdx.x - 32);
-      }
-    } else if constexpr (C::kDecodeWarps) {
-      decode_stages<C>(p, smem, threadIdx.x % kWarpgroupThreads);
+    if (threadIdx.x < 32) {
+      if (threadIdx.x == 0) produce<C>(p, smem);
+    } else {
+      finish_tiles<C>(p, smem, threadIdx.x - 32);
     }
     return;
+  }
+  if constexpr (C::kDecodeWarps) {
+    if (!consumer) {
+      cutlass::arch::warpgroup_reg_alloc<C::kDecodeRegisters>();
+      decode_stages<C>(p, smem, threadIdx.x % kWarpgroupThreads);
+      return;
+    }
   }
   if constexpr (C::kReallocate) cutlass::arch::warpgroup_reg_alloc<C::kConsumerRegisters>();
   consume<C>(p, smem, warpgroup - 1);
