@@ -164,10 +164,9 @@ __device__ __forceinline__ void store_chunk(uint32_t address, const uint4& chunk
                : "memory");
 }
 
-// The decode of one stage's B tile in two phases, so the codes may land inside the
-// B tile itself (its last quarter: a stage holds no separate staging area): every
-// decoding thread first loads its units' codes into registers (`load`), the threads
-// synchronise, then each decodes and stores (`store`). A unit's scale byte comes from
+// The decode of one stage's B tile in two phases: every decoding thread loads its
+// units' codes into registers (`load`, all loads in flight together), then decodes and
+// stores them (`store`). A unit's scale byte comes from
 // the caller (`for_each_unit` names the unit's row or K row and its 32-column block, in
 // the order of the thread's units), loaded from global memory a step ahead.
 //

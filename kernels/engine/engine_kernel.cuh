@@ -396,7 +396,11 @@ __global__ void __launch_bounds__(engine::EngineConfig<kKind, kFormat, BlockM, B
   }
   if constexpr (C::kDecodeWarps) {
     if (!consumer) {
-      cutlass::arch::warpgroup_reg_alloc<C::kDecodeRegisters>();
+      // setmaxnreg.inc below the launch's count is an illegal instruction: fewer is a dec.
+      if constexpr (C::kDecodeRegisters > C::kLaunchRegisters / 3)
+        cutlass::arch::warpgroup_reg_alloc<C::kDecodeRegisters>();
+      else if constexpr (C::kDecodeRegisters < C::kLaunchRegisters / 3)
+        cutlass::arch::warpgroup_reg_dealloc<C::kDecodeRegisters>();
       decode_stages<C>(p, smem, threadIdx.x % kWarpgroupThreads);
       return;
     }

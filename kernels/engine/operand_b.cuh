@@ -3,10 +3,10 @@
 // major of each segment's tile (which wgmma descriptor reads it).
 //
 // Stage layout of the B part: the BF16 tile [BLOCK_N x 64] (K-major rows, or MN-major
-// boxes of [64 K][64 N]). An MXFP4 step's codes land in the BF16 tile's last quarter and
-// are decoded over it in place (two phases with a barrier between:
-// kernels/mxfp4_tile_decode.cuh), which keeps a stage at its BF16 size. The decode
-// warps read the scales from global memory in the layout the caller holds them in
+// boxes of [64 K][64 N]). An MXFP4 step's codes land in their own area after it, so
+// each decoding thread reads its codes and writes its chunks with no barrier among the
+// decoding threads (the 64-row MXFP4 stage still fits four times). The decoding threads
+// read the scales from global memory in the layout the caller holds them in
 // (`scale_offset` once per tile, plus `scale_step` per step): one byte per 32 values, a
 // step ahead of their use, so no per-call transposed copy of the scales exists.
 //
@@ -32,8 +32,8 @@ struct OperandBLayout {
   static constexpr int kTileBytes = BlockN * kRowBytes;
   // Codes of one K step: 32 bytes per row (K-major) = 32 K rows x 128 bytes (MN-major).
   static constexpr int kCodeBytes = BlockN * mxfp4::kCodeBytesPerRow;
-  static constexpr int kCodeOffset = kTileBytes - kCodeBytes;
-  static constexpr int kBytes = kTileBytes;
+  static constexpr int kCodeOffset = kTileBytes;
+  static constexpr int kBytes = kTileBytes + (kMxfp4 ? kCodeBytes : 0);
   // What TMA delivers for one K step's B: codes if the step decodes, else a BF16 tile.
   __device__ __forceinline__ static constexpr int step_bytes(bool decodes) {
     return decodes ? kCodeBytes : kTileBytes;

@@ -5,8 +5,10 @@
 // one decode warp per scheduler left exposed (docs/ENGINE.md).
 //
 // Contract per K step (every decoding thread, in ring order): the stage's `full` has
-// completed; `step` runs barrier, code loads, barrier, decode and stores, and a proxy
-// fence; the caller then arrives on the stage's `decoded` (one arrival per warp). The
+// completed; `step` loads the thread's codes (their own area of the stage), decodes
+// and stores them, and fences for the async proxy; the caller then arrives on the
+// stage's `decoded` (one arrival per warp). No barrier among the decoding threads: the
+// decode warpgroup may run ahead of the consumer by up to the ring's depth. The
 // scale bytes come from global memory (the caller's layout), loaded one step ahead so
 // their latency hides behind the current step's decode.
 #pragma once
@@ -86,15 +88,8 @@ struct StageDecoder {
       prefetch();
       return;
     }
-    // The codes land where an earlier fill of this stage was decoded: every decoding
-    // thread's stores of that fill are ordered before any thread reads the new codes
-    // (they already are through the ring's mbarriers and the TMA fill; this barrier
-    // makes it a thread-level order, which racecheck follows).
-    named_barrier_sync(kDecodeBarrier, kThreads);
     Decode decode;
     decode.load(b + C::B::kCodeOffset, thread);
-    // The codes sit inside the tile being written: every thread has its codes first.
-    named_barrier_sync(kDecodeBarrier, kThreads);
     prefetch();
     decode.store(b, thread, now);
     fence_generic_to_async();  // the decoded tile is read by wgmma (async proxy)
