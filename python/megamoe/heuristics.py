@@ -69,13 +69,14 @@ def get_block_m(
 
 
 #: Pool rows per expert up to which the GEMMs decode an MXFP4 base inside their pipeline
-#: (64-row tiles, a warpgroup decoding each K step's codes in shared memory). Above it
+#: (64-row tiles, the decode and consumer warpgroups decoding each K step's codes in
+#: shared memory; measured crossover 447-896 rows at ep4rank dims). Above it
 #: each GEMM first decodes its weight into a transient BF16 buffer, dropped after it:
 #: with many row tiles per expert the in-pipeline decode rewrites the same weight tile
 #: once per row tile and, with the MMA's operand reads, exceeds the shared-memory
 #: bandwidth, while one decode pass per call is amortised (docs/PERFORMANCE.md,
 #: "MXFP4 in the pipeline").
-MXFP4_PIPELINE_MAX_ROWS_PER_EXPERT = 320
+MXFP4_PIPELINE_MAX_ROWS_PER_EXPERT = 448
 
 
 def mxfp4_decodes_in_pipeline(pool_rows: int, num_experts: int) -> bool:
