@@ -128,14 +128,14 @@ CUtensorMap k_major_map(const char* name, const Tensor& w, int device) {
                     {kBlockK, kBlockN, 1}, true);
 }
 
-// The decode warps address the scales with 32-bit offsets.
+// The decoding warps address the scales with 32-bit offsets.
 void check_scale_bytes(const char* name, const Tensor& scales) {
   if (scales.nbytes() >= (size_t{1} << 31))
     throw nb::value_error((std::string(name) + ": more than 2^31 - 1 bytes").c_str());
 }
 
 // MXFP4 weights as stored (codes [E, K, N/2], scales [E, K, N/32]), read MN-major: per K
-// step the codes box [64 K rows, BLOCK_N / 2 bytes]; the decode warps read the scales
+// step the codes box [64 K rows, BLOCK_N / 2 bytes]; the decoding warps read the scales
 // from global memory.
 void set_mn_major_mxfp4(OperandParams& o, const Tensor& codes, const Tensor& scales,
                         int64_t experts, int64_t k, int64_t n, int device) {

@@ -70,16 +70,24 @@ unsigned persistent_blocks(const void* kernel, int device, int64_t blocks_needed
   return static_cast<unsigned>(std::max<int64_t>(1, std::min(blocks_needed, resident)));
 }
 
+// Launches `blocks` blocks (already sized to fit: persistent_blocks).
 template <typename Kernel, typename Params>
-void launch(Kernel kernel, const Params& params, int device, int64_t blocks_needed,
-            uintptr_t stream, const char* what) {
+void launch_blocks(Kernel kernel, const Params& params, unsigned blocks, uintptr_t stream,
+                   const char* what) {
   cudaLaunchConfig_t config{};
-  config.gridDim =
-      dim3(persistent_blocks(reinterpret_cast<const void*>(kernel), device, blocks_needed));
+  config.gridDim = dim3(blocks);
   config.blockDim = dim3(kPoolThreadsPerBlock);
   config.dynamicSmemBytes = 0;
   config.stream = reinterpret_cast<cudaStream_t>(stream);
   cuda_check(cudaLaunchKernelEx(&config, kernel, params), what);
+}
+
+template <typename Kernel, typename Params>
+void launch(Kernel kernel, const Params& params, int device, int64_t blocks_needed,
+            uintptr_t stream, const char* what) {
+  launch_blocks(kernel, params,
+                persistent_blocks(reinterpret_cast<const void*>(kernel), device, blocks_needed),
+                stream, what);
 }
 
 void pool_gather(const Tensor& x, std::optional<Tensor> side, const Tensor& pool_row_to_route,
@@ -136,11 +144,12 @@ void pool_gather(const Tensor& x, std::optional<Tensor> side, const Tensor& pool
 
 // The combine's grid (mirrors the lane-group choice in pool_combine_tokens): a group of
 // `lanes` lanes per token, and the row split into `row_slices` slices when one warp per
-// token leaves the GPU short of resident warps (few tokens), each slice at least one
-// lane group's stride of vectors.
+// token leaves the GPU short of resident warps (few tokens). The kernel rounds a slice
+// up to whole lane-group strides, so the count is then cut to the slices that hold
+// vectors (the kernel derives the same slice length from it): no warp is launched idle.
 struct CombineGrid {
   int32_t row_slices;
-  int64_t blocks;
+  unsigned blocks;
 };
 
 CombineGrid combine_grid(const void* kernel, int device, int64_t num_tokens, int64_t vecs) {
@@ -148,13 +157,16 @@ CombineGrid combine_grid(const void* kernel, int device, int64_t num_tokens, int
   while (lanes < vecs && lanes < 32) lanes *= 2;
   const int64_t warps_per_block = kPoolThreadsPerBlock / 32;
   const int64_t token_warps = (num_tokens + 32 / lanes - 1) / (32 / lanes);
-  const int64_t resident_warps =
-      int64_t{persistent_blocks(kernel, device, INT32_MAX)} * warps_per_block;
+  const unsigned resident_blocks = persistent_blocks(kernel, device, INT32_MAX);
+  const int64_t resident_warps = int64_t{resident_blocks} * warps_per_block;
   const int64_t max_slices = (vecs + lanes - 1) / lanes;
-  const int64_t slices =
+  int64_t slices =
       std::clamp<int64_t>((resident_warps + token_warps - 1) / token_warps, 1, max_slices);
+  const int64_t slice_vecs = lanes * ((vecs + lanes * slices - 1) / (lanes * slices));
+  slices = (vecs + slice_vecs - 1) / slice_vecs;
+  const int64_t blocks = (token_warps * slices + warps_per_block - 1) / warps_per_block;
   return {static_cast<int32_t>(slices),
-          (token_warps * slices + warps_per_block - 1) / warps_per_block};
+          static_cast<unsigned>(std::min<int64_t>(blocks, resident_blocks))};
 }
 
 // Checks shared by side_sum and combine; returns (num_tokens, top_k).
@@ -208,7 +220,7 @@ void pool_side_sum(const Tensor& pool_output, const Tensor& route_to_pool_row,
   const CombineGrid grid = combine_grid(reinterpret_cast<const void*>(kernels.side_sum), device,
                                         num_tokens, side_rank / kPoolVectorElems);
   params.row_slices = grid.row_slices;
-  launch(kernels.side_sum, params, device, grid.blocks, stream, "pool_side_sum launch");
+  launch_blocks(kernels.side_sum, params, grid.blocks, stream, "pool_side_sum launch");
 }
 
 void pool_combine(const Tensor& pool_output, const Tensor& route_to_pool_row,
@@ -248,7 +260,7 @@ void pool_combine(const Tensor& pool_output, const Tensor& route_to_pool_row,
   const CombineGrid grid = combine_grid(reinterpret_cast<const void*>(kernels.combine), device,
                                         num_tokens, hidden / kPoolVectorElems);
   params.row_slices = grid.row_slices;
-  launch(kernels.combine, params, device, grid.blocks, stream, "pool_combine launch");
+  launch_blocks(kernels.combine, params, grid.blocks, stream, "pool_combine launch");
 }
 
 }  // namespace

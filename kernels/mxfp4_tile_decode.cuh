@@ -1,7 +1,8 @@
 // MXFP4 -> BF16 decode of one K block of a grouped-GEMM B tile, in shared memory.
 //
-// The producer's TMA puts a K block's codes (unswizzled) and scales into the stage;
-// the consumer threads decode them into the stage's B tile in the layout TMA writes for
+// The producer's TMA puts a K block's codes (unswizzled) into the stage and the
+// decoding threads read the scales from global memory; they decode into the stage's B
+// tile in the layout TMA writes for
 // a BF16 B (K-major or MN-major, 128-byte swizzle), so the wgmma descriptors stay those
 // of the BF16 engine. Values are those of the transient decode
 // kernel (kernels/mxfp4_decode.cuh) bit for bit: E2M1 x 2^(scale - 127), exact in FP32,
@@ -146,10 +147,10 @@ __device__ __forceinline__ void decode_unit(const uint32_t (&words)[4], uint32_t
   }
 }
 
-// Whether every one of a thread's units takes the table path. One decode warp runs per
-// scheduler, so nothing else hides its latencies: a branch per unit would make each
-// unit its own dependency chain, while one branch over all of them lets the compiler
-// interleave every unit's independent words.
+// Whether every one of a thread's units takes the table path. Two decoding warps run per
+// scheduler (a decode and a consumer warp), too few to hide latencies by themselves: a
+// branch per unit would make each unit its own dependency chain, while one branch over
+// all of them lets the compiler interleave every unit's independent words.
 template <int Units>
 __device__ __forceinline__ bool all_fast(const uint32_t (&scale)[Units]) {
   bool fast = true;

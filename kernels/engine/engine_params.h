@@ -88,7 +88,7 @@ struct OperandParams {
   int32_t extra_low_half;
   // MXFP4 base (b unused). Codes by TMA: K-major (Gated, StoreKMajor) 4-D [E][2][I][K / 2]
   // (Gated) or 3-D [E][N][K / 2] uint8; MN-major [E * K, N / 2] uint8, box [64, BLOCK_N /
-  // 2]. Scales as stored (UE8M0 bytes, read by the decode warps from global memory):
+  // 2]. Scales as stored (UE8M0 bytes, read by the decoding warps from global memory):
   // K-major [E][N][K / 32] (Gated: N = 2I, gate rows then up rows), MN-major
   // [E][K][N / 32].
   CUtensorMap codes;

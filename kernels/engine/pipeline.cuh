@@ -37,7 +37,7 @@ constexpr int kEpilogueWarps = 3;
 
 // Hardware named barriers (0 is __syncthreads): among the consumer warpgroups (the
 // K-grouped tail masking shares a stage), among the epilogue warps (a staged tile is
-// read and rewritten in place), among the decode warps (codes are decoded in place).
+// read and rewritten in place).
 enum NamedBarrierId : int { kConsumerBarrier = 1, kEpilogueBarrier = 2 };
 
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
