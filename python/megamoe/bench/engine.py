@@ -16,10 +16,13 @@ so every case computes the same FLOPs over the same routed rows):
   cases' ratio is against it), QuACK's varlen grouped GEMM (``quack.gemm_interface.gemm``,
   default config).
 
-Timing: CUDA-event medians. ``--sustained N`` times N back-to-back launches per sample
-(the H200 runs at its power cap under sustained GEMMs) and logs the SM clock and power
-drawn meanwhile (``nvidia-smi``). ``--ncu`` re-runs every case once under Nsight Compute
-and adds the DRAM and L2 bytes of that launch to the table and the JSON.
+Timing: CUDA-event medians, the cases of one GEMM timed round-robin (each round runs
+every case once, the starting case rotating: the cases see the same thermal and
+power-cap history, so their ratios compare). ``--sustained N`` times N back-to-back
+launches per sample (the H200 runs at its power cap under sustained GEMMs) and logs the
+SM clock and power drawn during each case's samples (``nvidia-smi``). ``--ncu`` re-runs
+every case once under Nsight Compute and adds the DRAM and L2 bytes of that launch to
+the table and the JSON.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -49,7 +52,7 @@ from megamoe.wrappers.grouped_gemm import (
 from megamoe.wrappers.k_grouped_gemm import k_grouped_gemm
 
 from .cli import build_commit
-from .timing import time_fn
+from .timing import time_interleaved
 
 GEMMS = (
     "gemm1",
@@ -90,15 +93,25 @@ class PowerLog:
                 continue
             self.samples.append((time.monotonic(), clock, power))
 
-    def between(self, start: float, end: float) -> tuple[float | None, float | None]:
-        window = [s for s in self.samples if start <= s[0] <= end]
-        if not window:
-            return None, None
-        return statistics.mean(s[1] for s in window), statistics.mean(s[2] for s in window)
+    def during(self, windows: Iterable[tuple[float, float]]) -> tuple[float | None, float | None]:
+        """Mean SM clock and power over the samples inside any of ``windows``."""
+        return mean_during(self.samples, windows)
 
     def close(self) -> None:
         if self.process is not None:
             self.process.terminate()
+
+
+def mean_during(
+    samples: list[tuple[float, float, float]], windows: Iterable[tuple[float, float]]
+) -> tuple[float | None, float | None]:
+    """Mean clock and power of the ``(time, clock, power)`` samples that fall inside any of
+    the ``(start, end)`` windows; ``(None, None)`` when none does."""
+    spans = list(windows)
+    inside = [s for s in samples if any(start <= s[0] <= end for start, end in spans)]
+    if not inside:
+        return None, None
+    return statistics.mean(s[1] for s in inside), statistics.mean(s[2] for s in inside)
 
 
 def quack_gemm() -> tuple[Callable | None, str]:
@@ -376,19 +389,25 @@ def main(argv: list[str] | None = None) -> int:
                 torch.cuda.nvtx.range_pop()
         return 0
 
+    def repeated(fn: Callable[[], object]) -> Callable[[], None]:
+        def run() -> None:
+            for _ in range(args.sustained):
+                fn()
+
+        return run
+
     log = PowerLog()
     results = []
     for gemm, by_case in cases.items():
-        for case, (fn, flops) in by_case.items():
-
-            def repeated(fn=fn):
-                for _ in range(args.sustained):
-                    fn()
-
-            start = time.monotonic()
-            timing = time_fn(repeated, device=device, warmup=args.warmup, iters=args.iters)
-            clock, power = log.between(start, time.monotonic())
-            median = timing.median_ms / args.sustained
+        timed = time_interleaved(
+            {case: repeated(fn) for case, (fn, _) in by_case.items()},
+            device=device,
+            warmup=args.warmup,
+            iters=args.iters,
+        )
+        for case, (_, flops) in by_case.items():
+            clock, power = log.during(timed[case].windows)
+            median = timed[case].timing.median_ms / args.sustained
             results.append(
                 {"gemm": gemm, "case": case, "median_ms": median, "tflops": flops / median / 1e9,
                  "sm_mhz": clock, "watts": power}

@@ -91,6 +91,72 @@ def time_fn(
     return Timing(tuple(samples))
 
 
+@dataclass(frozen=True)
+class InterleavedTiming:
+    """One case's samples from :func:`time_interleaved`, with the wall-clock window of
+    each (``time.monotonic`` seconds, the device idle at both ends)."""
+
+    timing: Timing
+    windows: tuple[tuple[float, float], ...]
+
+
+def _one_sample(fn: Callable[[], None], device: torch.device) -> tuple[float, float, float]:
+    """(ms, wall start, wall end) of one run of ``fn``, the device idle before and after."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        begin = time.monotonic()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end), begin, time.monotonic()
+    begin = time.monotonic()
+    tick = time.perf_counter()
+    fn()
+    return (time.perf_counter() - tick) * 1e3, begin, time.monotonic()
+
+
+def time_interleaved(
+    fns: dict[str, Callable[[], None]],
+    *,
+    device: torch.device,
+    warmup: int,
+    iters: int,
+    progress: Progress | None = None,
+) -> dict[str, InterleavedTiming]:
+    """Time several cases round-robin: every round runs each case once, starting one case
+    later than the round before, so that each case's samples meet the same thermal and
+    power-cap history (a case timed alone after another case's heat, or after an idle
+    gap, is flattered or penalised by the clock it finds). ``warmup`` rounds first.
+
+    Returns each case's ``iters`` samples (CUDA events on ``device``'s current stream,
+    else ``perf_counter``) and their wall-clock windows, in the order of ``fns``.
+    """
+    if warmup < 0 or iters < 1:
+        raise ValueError(f"warmup >= 0 and iters >= 1 expected, got {warmup} and {iters}")
+    names = list(fns)
+    progress = progress or Progress(enabled=False)
+    for step in range(warmup):
+        progress.update(f"warm-up round {step + 1}/{warmup}")
+        for name in names:
+            fns[name]()
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    windows: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
+    for step in range(iters):
+        for offset in range(len(names)):
+            name = names[(step + offset) % len(names)]
+            ms, begin, end = _one_sample(fns[name], device)
+            samples[name].append(ms)
+            windows[name].append((begin, end))
+        progress.update(f"round {step + 1}/{iters}")
+    progress.done()
+    return {
+        name: InterleavedTiming(Timing(tuple(samples[name])), tuple(windows[name]))
+        for name in names
+    }
+
+
 def copy_bandwidth(device: torch.device, nbytes: int, *, warmup: int = 3, iters: int = 10) -> float:
     """Device memory bandwidth in bytes/s, measured as one large copy on ``device``.
 

@@ -1,0 +1,68 @@
+"""Round-robin timing (megamoe.bench.timing.time_interleaved) and the power log's mean
+over a case's sample windows (megamoe.bench.engine.mean_during), on the CPU."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import pytest
+import torch
+
+from megamoe.bench.engine import mean_during
+from megamoe.bench.timing import time_interleaved
+
+CPU = torch.device("cpu")
+
+
+def _recorders(names: list[str], calls: list[str], sleep_s: dict[str, float] | None = None):
+    def make(name: str):
+        def run() -> None:
+            calls.append(name)
+            if sleep_s:
+                time.sleep(sleep_s[name])
+
+        return run
+
+    return {name: make(name) for name in names}
+
+
+def test_every_round_runs_each_case_once_from_a_rotating_start():
+    calls: list[str] = []
+    timed = time_interleaved(_recorders(["a", "b", "c"], calls), device=CPU, warmup=2, iters=4)
+    warm, rounds = calls[:6], calls[6:]
+    assert warm == ["a", "b", "c"] * 2
+    assert rounds == ["a", "b", "c", "b", "c", "a", "c", "a", "b", "a", "b", "c"]
+    assert list(timed) == ["a", "b", "c"]
+    assert all(len(t.timing.samples_ms) == 4 and len(t.windows) == 4 for t in timed.values())
+
+
+def test_samples_and_windows_measure_each_case():
+    calls: list[str] = []
+    sleeps = {"short": 0.002, "long": 0.02}
+    timed = time_interleaved(
+        _recorders(["short", "long"], calls, sleeps), device=CPU, warmup=0, iters=3
+    )
+    assert timed["long"].timing.median_ms > 5 * timed["short"].timing.median_ms
+    assert timed["long"].timing.min_ms >= 20.0
+    for t in timed.values():
+        for begin, end in t.windows:
+            assert end >= begin
+    # The windows of different cases do not overlap (one case runs at a time).
+    spans = sorted(w for t in timed.values() for w in t.windows)
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
+
+
+@pytest.mark.parametrize(("warmup", "iters"), [(-1, 3), (0, 0)])
+def test_bad_counts_are_refused(warmup, iters):
+    with pytest.raises(ValueError, match="warmup >= 0 and iters >= 1"):
+        time_interleaved({"a": lambda: None}, device=CPU, warmup=warmup, iters=iters)
+
+
+def test_power_is_averaged_over_the_case_windows_only():
+    samples = [(0.5, 1000.0, 300.0), (1.5, 1800.0, 690.0), (2.5, 1400.0, 500.0),
+               (3.5, 1500.0, 700.0)]  # fmt: skip
+    # Windows [1, 2] and [3, 4] hold the samples at 1.5 and 3.5 only.
+    assert mean_during(samples, [(1.0, 2.0), (3.0, 4.0)]) == (1650.0, 695.0)
+    assert mean_during(samples, [(10.0, 11.0)]) == (None, None)
+    assert mean_during([], [(0.0, 1.0)]) == (None, None)
