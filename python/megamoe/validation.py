@@ -206,10 +206,7 @@ def check_moe_inputs(
                 f"{(base.hidden, base.intermediate, base.num_experts)}"
             )
         if side.dtype != torch.bfloat16:
-            raise TypeError(
-                f"side: expected bfloat16 tensors on {base.device}, got {side.dtype} on "
-                f"{side.device}"
-            )
+            raise TypeError(f"side: expected bfloat16 tensors, got {side.dtype}")
         for name in ("b1", "b3", "a2"):  # the kernels read these as given (TMA)
             check_tensor(f"side.{name}", getattr(side, name), contiguous=True)
     if expert_id_limit is not None and topk_ids.numel() and _reads_data(topk_ids):
@@ -230,12 +227,10 @@ def check_moe_inputs(
         ("base.w13_scales", base.w13_scales),
         ("base.w2_scales", base.w2_scales),
     ]
+    if side is not None:
+        names = ("a1", "b1", "a3", "b3", "a2", "b2")
+        named += [(f"side.{n}", t) for n, t in zip(names, side.tensors(), strict=True)]
     device = check_devices(named, "base")
-    if side is not None and side.device != device:
-        # (SideLoRA itself keeps its six tensors on one device.)
-        raise TypeError(
-            f"side: expected bfloat16 tensors on {device}, got {side.dtype} on {side.device}"
-        )
     if device.type == "cuda" and _has_data(x):  # (a fake tensor has no data pointer)
         check_tensor("x", x, alignment=16)
     if require_cuda and device.type != "cuda":

@@ -2,9 +2,10 @@
 torch's caching allocator (route plan, pool input, pool activations, pool output).
 
 ``mm.moe`` takes no caller-provided workspace: scratch comes from torch's caching
-allocator, which reuses it across calls. This layout sizes those buffers for memory
-estimates (``python -m megamoe.bench`` on a machine too small for a shape) and states
-the EP pool bound (``ep_size``: a rank's pool receives routes from every rank). Each
+allocator, which reuses it across calls. This layout sizes those buffers, for a caller
+planning memory (the bench's own memory check uses the coarser
+``megamoe.bench.shapes.estimate_peak_bytes``, which also counts the backward), and
+states the EP pool bound (``ep_size``: a rank's pool receives routes from every rank). Each
 region is rounded up to 256 bytes, as an allocator block would be.
 """
 

@@ -42,14 +42,14 @@ MEMCHECK = _report(
     f"""
     COMPUTE-SANITIZER
     Invalid __global__ write of size 4 bytes
-        at {GEMM}+0x1a30 in /work/main/kernels/grouped_gemm.cuh:412
+        at {GEMM}+0x1a30 in /src/megamoe/kernels/grouped_gemm.cuh:412
         by thread (128,0,0) in block (3,0,0)
         Address 0x7f3a2c001000 is out of bounds
         and is 1 bytes after the nearest allocation at 0x7f3a2c000000 of size 4,095 bytes
-        Device Frame: {GEMM}+0x1a30 in /work/main/kernels/grouped_gemm.cuh:412
+        Device Frame: {GEMM}+0x1a30 in /src/megamoe/kernels/grouped_gemm.cuh:412
 
     Invalid __global__ write of size 4 bytes
-        at {GEMM}+0x1a30 in /work/main/kernels/grouped_gemm.cuh:412
+        at {GEMM}+0x1a30 in /src/megamoe/kernels/grouped_gemm.cuh:412
         by thread (129,0,0) in block (3,0,0)
         Address 0x7f3a2c001004 is out of bounds
         and is 5 bytes after the nearest allocation at 0x7f3a2c000000 of size 4,095 bytes
@@ -105,11 +105,11 @@ RACECHECK = _report(
     f"""
     COMPUTE-SANITIZER
     Error: Race reported between Write access at
-        {GEMM}+0x2b40 in /work/main/kernels/grouped_gemm.cuh:301
+        {GEMM}+0x2b40 in /src/megamoe/kernels/grouped_gemm.cuh:301
         and Read access at
-        {GEMM}+0x2c10 in /work/main/kernels/grouped_gemm.cuh:318 [4096 hazards]
+        {GEMM}+0x2c10 in /src/megamoe/kernels/grouped_gemm.cuh:318 [4096 hazards]
         and Write access at
-        {GEMM}+0x2b40 in /work/main/kernels/grouped_gemm.cuh:301 [12 hazards]
+        {GEMM}+0x2b40 in /src/megamoe/kernels/grouped_gemm.cuh:301 [12 hazards]
 
     Error: Race reported between Read access at race_kernel(float *)+0x90 in race.cu:14 and Write access at race_kernel(float *)+0xa0 in race.cu:15 [32 hazards]
 
@@ -247,7 +247,7 @@ def test_memcheck_summary_per_kernel() -> None:
         "unaligned_kernel": {"Invalid __global__ read": 1},
     }
     gemm = report.findings[0]
-    assert gemm.location == "/work/main/kernels/grouped_gemm.cuh:412"
+    assert gemm.location == "/src/megamoe/kernels/grouped_gemm.cuh:412"
     assert "by thread (128,0,0) in block (3,0,0)" in gemm.text
     shared = report.findings[2]
     assert shared.function == "megamoe::kernels::load_row(const uint4 *)"
@@ -280,7 +280,7 @@ def test_racecheck_analysis_records() -> None:
     }
     wrapped = report.findings[0]
     assert wrapped.hazards == 4096 + 12
-    assert wrapped.location == "/work/main/kernels/grouped_gemm.cuh:301"
+    assert wrapped.location == "/src/megamoe/kernels/grouped_gemm.cuh:301"
     assert [f.severity for f in report.findings] == ["error", "error", "warning"]
     assert report.summary(include_warnings=False).keys() == {
         "megamoe::kernels::grouped_gemm_kernel<128, 128, (megamoe::Epilogue)1>",

@@ -283,8 +283,12 @@ def test_every_argument_elsewhere_is_listed() -> None:
 
 def test_adapters_on_another_device_are_named() -> None:
     meta_side = mm.SideLoRA(*(t.to(META) for t in side().tensors()), scale=0.5)
-    with pytest.raises(TypeError, match=r"^side: expected bfloat16 tensors on cpu, got .* on meta"):
+    with pytest.raises(ValueError) as info:
         call(side=meta_side)
+    message = str(info.value)
+    assert message.startswith("side.a1: expected device cpu (where base is), got meta")
+    listed = ", ".join(f"side.{n} (meta)" for n in ("a1", "b1", "a3", "b3", "a2", "b2"))
+    assert message.endswith(f"elsewhere: {listed}")
 
 
 def test_base_tensors_on_two_devices_are_named() -> None:
