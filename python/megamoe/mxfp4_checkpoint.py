@@ -38,6 +38,7 @@ import torch
 
 from ._checks import check_choice, check_tensor
 from .mxfp4 import MXFP4_BLOCK
+from .mxfp4_checks import check_mxfp4_scales
 from .registry import registry
 from .weights import BaseWeights
 
@@ -126,6 +127,9 @@ def base_weights_from_mxfp4(
                 f"w13_codes: {name}={dim} is not a multiple of {max(multiple, MXFP4_BLOCK)} "
                 "(the kernels' tile and the MXFP4 block)"
             )
+    if device.type != "meta":  # a NaN scale byte poisons whole blocks, silently
+        check_mxfp4_scales("w13_scales", w13_scales)
+        check_mxfp4_scales("w2_scales", w2_scales)
     if gate_up == "interleaved":
         w13_codes, w13_scales = _deinterleave_rows(w13_codes), _deinterleave_rows(w13_scales)
     # The kernels read w13 in this concatenated (nn.Linear) row order as it is.

@@ -39,16 +39,15 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from ._checks import check_choice, check_int
+from ._checks import check_choice
 from .ep.ops import moe as fused_moe
 from .heuristics import get_block_m
 from .op_inputs import GRAD_NAMES, SIDE_NAMES, base_weights, empty, grads_for_inputs, input_names
 from .op_inputs import side_lora as side_lora_of
 from .pipeline.fused_backward import moe_backward
 from .pipeline.fused_forward import SAVE_MODES, ForwardState, moe_forward, stage
-from .registry import registry
 from .side_lora import SideLoRA
-from .validation import check_backward_inputs, check_moe_inputs
+from .validation import check_backward_inputs, check_block_m, check_moe_inputs
 from .weights import BaseWeights
 from .wrappers.routing import RoutePlan, pool_capacity
 
@@ -101,18 +100,9 @@ def _op_inputs(
         require_cuda=not fake,
         expert_id_limit=base.num_experts,
     )
-    _check_block_m(block_m)
+    check_block_m(block_m)
     check_choice("save", save, SAVE_MODES)
     return base, side_lora
-
-
-def _check_block_m(block_m: object) -> int:
-    check_int("block_m", block_m, minimum=1)
-    if block_m not in registry().block_m_choices:
-        raise ValueError(
-            f"block_m: expected one of {list(registry().block_m_choices)}, got {block_m}"
-        )
-    return block_m
 
 
 def _moe_forward_impl(
@@ -283,7 +273,7 @@ def _moe_backward_impl(
         activation, activation_clamp, expert_counts, expert_pool_offsets, route_to_pool_row,
         pool_row_to_route, preact, q13, p_sum,
     )  # fmt: skip
-    _check_block_m(block_m)
+    check_block_m(block_m)
     plan = RoutePlan(
         expert_counts, expert_pool_offsets, route_to_pool_row, pool_row_to_route, block_m
     )
@@ -347,7 +337,7 @@ def _(
         activation, activation_clamp, expert_counts, expert_pool_offsets, route_to_pool_row,
         pool_row_to_route, preact, q13, p_sum,
     )  # fmt: skip
-    _check_block_m(block_m)
+    check_block_m(block_m)
     use_side = q13.numel() > 0 and side_grads
     side = (a1, b1, a3, b3, a2, b2)
     return (

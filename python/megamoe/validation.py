@@ -17,7 +17,8 @@ import math
 
 import torch
 
-from ._checks import check_choice, check_tensor
+from ._checks import check_choice, check_int, check_tensor
+from .registry import registry
 from .side_lora import SideLoRA
 from .weights import BASE_FORMATS, BaseWeights
 from .wrappers.grouped_gemm import ACTIVATIONS
@@ -239,6 +240,16 @@ def check_moe_inputs(
             "are otherwise valid; megamoe.reference.moe runs the same math on the CPU)"
         )
     return device
+
+
+def check_block_m(block_m: object) -> int:
+    """``block_m``: one of the registry's row-tile heights (the plans' and kernels')."""
+    check_int("block_m", block_m, minimum=1)
+    if block_m not in registry().block_m_choices:
+        raise ValueError(
+            f"block_m: expected one of {list(registry().block_m_choices)}, got {block_m}"
+        )
+    return block_m
 
 
 def check_backward_inputs(

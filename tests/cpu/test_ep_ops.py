@@ -228,17 +228,15 @@ def test_opcheck_the_ep_forward_op():
     )
 
 
-@pytest.mark.parametrize("trainable", [False, True])
-def test_opcheck_the_ep_backward_op(trainable):
-    """opcheck of the backward op on one process with the forward's real state (side
-    adapters; ``trainable``: a base that requires grad, so dw13 and dw2 too)."""
+def _backward_args(trainable: bool) -> dict:
+    """The backward op's arguments with the real state of one forward on one process."""
     x, ids, weights, base, side = _rank_layer(0, 1, trainable=trainable)
     args = _op_args(x.detach(), ids, weights.detach(), base, side, group=None, save="preact")
     args.update(w13=base.w13.detach(), w2=base.w2.detach(), keep_x=trainable)
     outs = torch.ops.megamoe.moe_ep_forward(**args)
     state = dict(zip(ep_ops._STATE_NAMES, outs[1:], strict=True))
     kept = ("x", "topk_weights", "w13", "w2", "w13_scales", "w2_scales")
-    backward_args = dict(
+    return dict(
         dout=torch.randn(x.shape).bfloat16(),
         **{name: args[name] for name in kept},
         **{name: args[name] for name in ("a1", "b1", "a3", "b3", "a2", "b2")},
@@ -248,9 +246,41 @@ def test_opcheck_the_ep_backward_op(trainable):
         **state,
         base_grads=trainable,
     )
+
+
+@pytest.mark.parametrize("trainable", [False, True])
+def test_opcheck_the_ep_backward_op(trainable):
+    """opcheck of the backward op on one process with the forward's real state (side
+    adapters; ``trainable``: a base that requires grad, so dw13 and dw2 too)."""
     torch.library.opcheck(
         torch.ops.megamoe.moe_ep_backward.default,
         (),
-        backward_args,
+        _backward_args(trainable),
         test_utils=("test_schema", "test_autograd_registration", "test_faketensor"),
     )
+
+
+def _with_host_field(host_plan: torch.Tensor, index: int, value: int) -> torch.Tensor:
+    changed = host_plan.clone()
+    changed[index] = value
+    return changed
+
+
+def test_a_backward_state_that_is_not_this_forwards_is_named():
+    """The backward checks the forward's state it is handed before any kernel or
+    collective: the plan's BLOCK_M and (T, K), each state tensor's dtype and shape."""
+    args = _backward_args(trainable=False)
+    host = args["host_plan"]
+    bad = {
+        r"^block_m: expected one of": {"host_plan": _with_host_field(host, 3, 96)},
+        r"^host_plan: made for \(T, K\) = \(\d+, 7\)": {"host_plan": _with_host_field(host, 1, 7)},
+        r"^pool_expert_counts: expected dtype": {
+            "pool_expert_counts": args["pool_expert_counts"].long()
+        },
+        r"^send_routes: expected shape": {"send_routes": args["send_routes"][1:]},
+        r"^preact: expected shape": {"preact": args["preact"][:, 1:]},
+        r"^p_sum: expected dtype": {"p_sum": args["p_sum"].float()},
+    }
+    for message, change in bad.items():
+        with pytest.raises(ValueError if "dtype" not in message else TypeError, match=message):
+            torch.ops.megamoe.moe_ep_backward(**{**args, **change})

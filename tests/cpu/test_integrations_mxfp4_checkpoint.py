@@ -115,6 +115,12 @@ def test_reference_layer_on_the_loaded_base_equals_the_decoded_bf16_base():
     assert torch.equal(mm.reference.moe(x, ids, w, base), mm.reference.moe(x, ids, w, decoded))
 
 
+def _two_nan(scales: torch.Tensor) -> torch.Tensor:
+    out = scales.clone()
+    out[0, 0, 0] = out[-1, -1, -1] = 0xFF
+    return out
+
+
 def test_bad_checkpoints_are_rejected():
     codes13 = torch.zeros(E, 2 * I, H // 2, dtype=torch.uint8)
     scales13 = torch.zeros(E, 2 * I, H // 32, dtype=torch.uint8)
@@ -130,5 +136,13 @@ def test_bad_checkpoints_are_rejected():
         base_weights_from_mxfp4(codes13.view(E, 2 * I, 4, 16)[..., :8], scales13, codes2, scales2)
     with pytest.raises(ValueError, match="gate_up"):
         base_weights_from_mxfp4(codes13, scales13, codes2, scales2, gate_up="split")
+    nan13 = scales13.clone()
+    nan13[1, 5, 0] = 0xFF  # the OCP MX NaN scale: the whole block would decode to NaN
+    with pytest.raises(
+        ValueError, match=r"^w13_scales: 1 UE8M0 scale byte\(s\) are 0xFF.*\[1, 5, 0\]"
+    ):
+        base_weights_from_mxfp4(codes13, nan13, codes2, scales2)
+    with pytest.raises(ValueError, match=r"^w2_scales: 2 UE8M0"):
+        base_weights_from_mxfp4(codes13, scales13, codes2, _two_nan(scales2))
     with pytest.raises(KeyError, match="gate_up_proj_blocks"):
         base_weights_from_gpt_oss({}, "model.layers.0.mlp.experts")

@@ -36,7 +36,7 @@ from .._checks import check_choice, check_int, check_tensor
 from ..op_inputs import GRAD_NAMES, SIDE_NAMES, base_weights, empty, grads_for_inputs, input_names
 from ..op_inputs import side_lora as side_lora_of
 from ..side_lora import SideLoRA
-from ..validation import check_moe_inputs
+from ..validation import check_block_m, check_devices, check_moe_inputs
 from ..weights import BaseWeights
 from ..wrappers.grouped_gemm import ACTIVATIONS
 from ..wrappers.routing import RoutePlan
@@ -267,8 +267,53 @@ def _(
     )
 
 
-def _plan(group: dist.ProcessGroup | None, w13: torch.Tensor, state: dict) -> DispatchPlan:
-    """The forward's :class:`DispatchPlan` from its state outputs (no collective)."""
+def _check_state(
+    state: dict, x: torch.Tensor, base: BaseWeights, side: SideLoRA | None, splits: list[int]
+) -> None:
+    """The forward's state outputs as the backward reads them: dtypes, shapes that agree
+    with each other and with the plan's splits, every tensor on ``x``'s device."""
+    world = len(splits) // 2
+    index32, index64 = (torch.int32,), (torch.int64,)
+    experts = base.num_experts
+    check_tensor("send_routes", state["send_routes"], shape=(sum(splits[:world]),), dtypes=index64)
+    check_tensor("recv_expert", state["recv_expert"], shape=(sum(splits[world:]),), dtypes=index64)
+    counts = state["pool_expert_counts"]
+    check_tensor("pool_expert_counts", counts, shape=(experts,), dtypes=index32)
+    check_tensor(
+        "pool_expert_pool_offsets",
+        state["pool_expert_pool_offsets"],
+        shape=(experts + 1,),
+        dtypes=index32,
+    )
+    routes = check_tensor(
+        "pool_route_to_pool_row", state["pool_route_to_pool_row"], shape=(None, 1), dtypes=index32
+    ).shape[0]
+    capacity = check_tensor(
+        "pool_row_to_route", state["pool_row_to_route"], ndim=1, dtypes=index32
+    ).shape[0]
+    rank = 0 if side is None else side.rank
+    rows = {
+        "preact": (capacity, 2 * base.intermediate),
+        "recv_x": (routes, base.hidden),
+        "recv_q13": (routes, 2 * rank),
+        "p_sum": (x.shape[0], rank),
+    }
+    for name, shape in rows.items():  # absent: a 1-D empty
+        if state[name].dim() != 1 or state[name].numel():
+            check_tensor(name, state[name], shape=shape, dtypes=(torch.bfloat16,))
+    check_devices([("x", x), *((n, t) for n, t in state.items() if n != "host_plan")], "x")
+
+
+def _plan(
+    group: dist.ProcessGroup | None,
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    base: BaseWeights,
+    side: SideLoRA | None,
+    state: dict,
+) -> DispatchPlan:
+    """The forward's :class:`DispatchPlan` from its state outputs (no collective), after
+    checking that they are the forward's of this call."""
     host = check_tensor("host_plan", state["host_plan"], ndim=1, dtypes=(torch.int64,))
     if host.device.type != "cpu" or host.numel() < _HOST_FIELDS:
         raise ValueError("host_plan: expected the forward's CPU int64 plan")
@@ -276,7 +321,14 @@ def _plan(group: dist.ProcessGroup | None, w13: torch.Tensor, state: dict) -> Di
     tokens, top_k, max_tokens, block_m, capacity, world = values[:_HOST_FIELDS]
     if world != group_size(group) or len(values) != _HOST_FIELDS + 2 * world:
         raise ValueError(f"host_plan: made for {world} ranks, the group has {group_size(group)}")
+    if (tokens, top_k) != tuple(topk_weights.shape):
+        raise ValueError(
+            f"host_plan: made for (T, K) = {(tokens, top_k)}, got topk_weights of shape "
+            f"{list(topk_weights.shape)}"
+        )
+    check_block_m(block_m)
     splits = values[_HOST_FIELDS:]
+    _check_state(state, x, base, side, splits)
     pool = RoutePlan(
         state["pool_expert_counts"],
         state["pool_expert_pool_offsets"],
@@ -285,7 +337,7 @@ def _plan(group: dist.ProcessGroup | None, w13: torch.Tensor, state: dict) -> Di
         block_m,
     )
     return DispatchPlan(
-        partition=ExpertPartition(w13.shape[0] * world, world, group_rank(group)),
+        partition=ExpertPartition(base.num_experts * world, world, group_rank(group)),
         num_tokens=tokens,
         top_k=top_k,
         max_tokens=max_tokens,
@@ -357,7 +409,7 @@ def _moe_ep_backward_impl(
         pool_route_to_pool_row, pool_row_to_route, host_plan, preact, recv_x, recv_q13, p_sum,
     ), strict=True))  # fmt: skip
     group = _group(group_name)
-    plan = _plan(group, w13, state)
+    plan = _plan(group, x, topk_weights, base, side, state)
     # Absent saved tensors are 1-D empties; present ones are 2-D (maybe of zero rows).
     saved = {name: (state[name] if state[name].dim() == 2 else None) for name in _STATE_NAMES[7:]}
     grads = ep_backward_stages(
