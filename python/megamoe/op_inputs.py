@@ -8,13 +8,35 @@ from __future__ import annotations
 import torch
 
 from ._checks import check_finite_float, check_tensor
+from .pipeline.fused_backward import GRAD_NAMES
 from .side_lora import SideLoRA
 from .weights import BaseWeights
 
 #: The adapters as op inputs: six optional tensors (all None: no adapters) plus ``scale``.
 SIDE_NAMES = ("a1", "b1", "a3", "b3", "a2", "b2")
-#: The gradients a backward op returns, in order (named like the forward's inputs).
-GRAD_NAMES = ("x", "topk_weights", "w13", "w2", *SIDE_NAMES)
+# GRAD_NAMES (re-exported): the gradients a backward op returns, in order, named like the
+# forward's inputs; the pipeline's own names.
+#: What a training forward op saves for its backward: these inputs, then its state outputs.
+SAVED_INPUTS = ("x", "topk_weights", "w13", "w2", "w13_scales", "w2_scales", *SIDE_NAMES)
+
+
+def save_inputs_and_state(
+    ctx: object, args: dict[str, object], state_outputs: tuple[torch.Tensor, ...]
+) -> None:
+    """Save :data:`SAVED_INPUTS` of a forward op's ``args`` and its state outputs on its
+    autograd ``ctx``; ``ctx.has_side``: whether adapters were given."""
+    ctx.has_side = args["a1"] is not None
+    ctx.save_for_backward(*(args[name] for name in SAVED_INPUTS), *state_outputs)
+
+
+def saved_inputs_and_state(
+    ctx: object, state_names: tuple[str, ...]
+) -> tuple[dict[str, torch.Tensor | None], dict[str, torch.Tensor]]:
+    """What :func:`save_inputs_and_state` saved, as ``(inputs, state)`` by name."""
+    saved = ctx.saved_tensors
+    inputs = dict(zip(SAVED_INPUTS, saved[: len(SAVED_INPUTS)], strict=True))
+    state = dict(zip(state_names, saved[len(SAVED_INPUTS) :], strict=True))
+    return inputs, state
 
 
 def base_weights(

@@ -42,7 +42,16 @@ import torch.distributed as dist
 from ._checks import check_choice
 from .ep.ops import moe as fused_moe
 from .heuristics import get_block_m
-from .op_inputs import GRAD_NAMES, SIDE_NAMES, base_weights, empty, grads_for_inputs, input_names
+from .op_inputs import (
+    GRAD_NAMES,
+    SIDE_NAMES,
+    base_weights,
+    empty,
+    grads_for_inputs,
+    input_names,
+    save_inputs_and_state,
+    saved_inputs_and_state,
+)
 from .op_inputs import side_lora as side_lora_of
 from .pipeline.fused_backward import moe_backward
 from .pipeline.fused_forward import SAVE_MODES, ForwardState, moe_forward, stage
@@ -386,8 +395,6 @@ def _backward_inputs(
 
 
 _FORWARD_INPUTS = input_names(_moe_forward_op)
-#: What a training forward saves for its backward: these inputs, then its state outputs.
-_SAVED_INPUTS = ("x", "topk_weights", "w13", "w2", "w13_scales", "w2_scales", *SIDE_NAMES)
 
 
 def _forward_setup_context(ctx, inputs, output) -> None:
@@ -402,8 +409,7 @@ def _forward_setup_context(ctx, inputs, output) -> None:
         return
     ctx.options = {name: args[name] for name in ("scale", "activation", "activation_clamp")}
     ctx.block_m = args["block_m"]  # the forward's plan is padded to it
-    ctx.has_side = args["a1"] is not None
-    ctx.save_for_backward(*(args[name] for name in _SAVED_INPUTS), *output[1:])
+    save_inputs_and_state(ctx, args, output[1:])
 
 
 def _forward_backward(ctx, dout, *_state_grads):
@@ -414,9 +420,7 @@ def _forward_backward(ctx, dout, *_state_grads):
             "megamoe::moe_forward: called with save='none', which keeps no state for a "
             "backward; call it with save='preact' or 'recompute' (mm.moe does)"
         )
-    saved = ctx.saved_tensors
-    inputs = dict(zip(_SAVED_INPUTS, saved[: len(_SAVED_INPUTS)], strict=True))
-    state = dict(zip(_STATE_NAMES, saved[len(_SAVED_INPUTS) :], strict=True))
+    inputs, state = saved_inputs_and_state(ctx, _STATE_NAMES)
     needs = dict(zip(_FORWARD_INPUTS, ctx.needs_input_grad, strict=True))
     # The forward's plan (its saved index maps) and BLOCK_M: nothing is planned again.
     # On mm.moe's eager route the backward op's implementation is called directly, in

@@ -33,8 +33,18 @@ import torch
 import torch.distributed as dist
 
 from .._checks import check_choice, check_int, check_tensor
-from ..op_inputs import GRAD_NAMES, SIDE_NAMES, base_weights, empty, grads_for_inputs, input_names
+from ..op_inputs import (
+    GRAD_NAMES,
+    SIDE_NAMES,
+    base_weights,
+    empty,
+    grads_for_inputs,
+    input_names,
+    save_inputs_and_state,
+    saved_inputs_and_state,
+)
 from ..op_inputs import side_lora as side_lora_of
+from ..pipeline.fused_forward import SAVE_MODES
 from ..side_lora import SideLoRA
 from ..validation import check_block_m, check_devices, check_moe_inputs
 from ..weights import BaseWeights
@@ -59,7 +69,6 @@ _STATE_NAMES = (
     "recv_q13",  # [pool routes, 2r] bfloat16 (the side path), else empty
     "p_sum",  # [T, r] bfloat16 (the side path), else empty
 )
-_SAVE_MODES = ("none", "preact", "recompute")
 _HOST_FIELDS = 6
 
 
@@ -141,7 +150,7 @@ def _moe_ep_forward_impl(
         x, topk_ids, topk_weights, w13, w2, w13_scales, w2_scales, (a1, b1, a3, b3, a2, b2),
         scale, activation, activation_clamp,
     )  # fmt: skip
-    check_choice("save", save, _SAVE_MODES)
+    check_choice("save", save, SAVE_MODES)
     group = _group(group_name)
     # Everything that must match across ranks is checked in plan_dispatch's one
     # all-reduce, so a mismatch raises on every rank instead of hanging a collective:
@@ -237,7 +246,7 @@ def _(
         x, topk_ids, topk_weights, w13, w2, w13_scales, w2_scales, (a1, b1, a3, b3, a2, b2),
         scale, activation, activation_clamp,
     )  # fmt: skip
-    check_choice("save", save, _SAVE_MODES)
+    check_choice("save", save, SAVE_MODES)
     world = group_size(_group(group_name))
     out = x.new_empty(x.shape)
     if save == "none":
@@ -494,8 +503,6 @@ def _(
 
 
 _FORWARD_INPUTS = input_names(_moe_ep_forward_op)
-#: What a training forward saves for its backward: these inputs, then its state outputs.
-_SAVED_INPUTS = ("x", "topk_weights", "w13", "w2", "w13_scales", "w2_scales", *SIDE_NAMES)
 
 
 def _forward_setup_context(ctx, inputs, output) -> None:
@@ -509,8 +516,7 @@ def _forward_setup_context(ctx, inputs, output) -> None:
         name: args[name]
         for name in ("scale", "activation", "activation_clamp", "group_name", "reduce_shared_grads")
     }
-    ctx.has_side = args["a1"] is not None
-    ctx.save_for_backward(*(args[name] for name in _SAVED_INPUTS), *output[1:])
+    save_inputs_and_state(ctx, args, output[1:])
 
 
 def _forward_backward(ctx, dout, *_state_grads):
@@ -521,9 +527,7 @@ def _forward_backward(ctx, dout, *_state_grads):
             "megamoe::moe_ep_forward: called with save='none', which keeps no state for a "
             "backward; call it with save='preact' or 'recompute' (mm.moe does)"
         )
-    saved = ctx.saved_tensors
-    inputs = dict(zip(_SAVED_INPUTS, saved[: len(_SAVED_INPUTS)], strict=True))
-    state = dict(zip(_STATE_NAMES, saved[len(_SAVED_INPUTS) :], strict=True))
+    inputs, state = saved_inputs_and_state(ctx, _STATE_NAMES)
     needs = dict(zip(_FORWARD_INPUTS, ctx.needs_input_grad, strict=True))
     grads = _moe_ep_backward_op(
         dout=dout.to(torch.bfloat16).contiguous(),
