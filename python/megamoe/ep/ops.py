@@ -32,17 +32,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .. import op_inputs
 from .._checks import check_choice, check_int, check_tensor
-from ..op_inputs import (
-    GRAD_NAMES,
-    SIDE_NAMES,
-    base_weights,
-    empty,
-    grads_for_inputs,
-    input_names,
-    save_inputs_and_state,
-    saved_inputs_and_state,
-)
+from ..op_inputs import GRAD_NAMES, SIDE_NAMES, base_weights, empty, grads_for_inputs, input_names
 from ..op_inputs import side_lora as side_lora_of
 from ..pipeline.fused_forward import SAVE_MODES
 from ..side_lora import SideLoRA
@@ -516,7 +508,7 @@ def _forward_setup_context(ctx, inputs, output) -> None:
         name: args[name]
         for name in ("scale", "activation", "activation_clamp", "group_name", "reduce_shared_grads")
     }
-    save_inputs_and_state(ctx, args, output[1:])
+    op_inputs.save_inputs_and_state(ctx, args, output[1:])
 
 
 def _forward_backward(ctx, dout, *_state_grads):
@@ -527,7 +519,7 @@ def _forward_backward(ctx, dout, *_state_grads):
             "megamoe::moe_ep_forward: called with save='none', which keeps no state for a "
             "backward; call it with save='preact' or 'recompute' (mm.moe does)"
         )
-    inputs, state = saved_inputs_and_state(ctx, _STATE_NAMES)
+    inputs, state = op_inputs.saved_inputs_and_state(ctx, _STATE_NAMES)
     needs = dict(zip(_FORWARD_INPUTS, ctx.needs_input_grad, strict=True))
     grads = _moe_ep_backward_op(
         dout=dout.to(torch.bfloat16).contiguous(),
