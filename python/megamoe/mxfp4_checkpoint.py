@@ -40,6 +40,7 @@ from ._checks import check_choice, check_tensor
 from .mxfp4 import MXFP4_BLOCK
 from .mxfp4_checks import check_mxfp4_scales
 from .registry import registry
+from .validation import _has_data
 from .weights import BaseWeights
 
 __all__ = ["GATE_UP_ORDERS", "base_weights_from_gpt_oss", "base_weights_from_mxfp4"]
@@ -127,7 +128,7 @@ def base_weights_from_mxfp4(
                 f"w13_codes: {name}={dim} is not a multiple of {max(multiple, MXFP4_BLOCK)} "
                 "(the kernels' tile and the MXFP4 block)"
             )
-    if device.type != "meta":  # a NaN scale byte poisons whole blocks, silently
+    if _has_data(w13_scales):  # a NaN scale byte poisons whole blocks, silently
         check_mxfp4_scales("w13_scales", w13_scales)
         check_mxfp4_scales("w2_scales", w2_scales)
     if gate_up == "interleaved":
@@ -166,4 +167,7 @@ def base_weights_from_gpt_oss(
     if missing:
         raise KeyError(f"state_dict: missing {missing} (gpt-oss MXFP4 experts)")
     tensors = [state_dict[n] if device is None else state_dict[n].to(device) for n in names]
+    for name, scales in zip(names[1::2], tensors[1::2], strict=True):
+        if _has_data(scales):  # named by their checkpoint keys (checked again below)
+            check_mxfp4_scales(name, scales)
     return base_weights_from_mxfp4(*tensors, gate_up="interleaved")

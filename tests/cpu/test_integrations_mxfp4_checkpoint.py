@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import megamoe as mm
 from megamoe.mxfp4_checkpoint import base_weights_from_gpt_oss, base_weights_from_mxfp4
@@ -144,5 +145,19 @@ def test_bad_checkpoints_are_rejected():
         base_weights_from_mxfp4(codes13, nan13, codes2, scales2)
     with pytest.raises(ValueError, match=r"^w2_scales: 2 UE8M0"):
         base_weights_from_mxfp4(codes13, scales13, codes2, _two_nan(scales2))
+    prefix = "model.layers.0.mlp.experts"
+    checkpoint = {
+        f"{prefix}.gate_up_proj_blocks": codes13.view(E, 2 * I, H // 32, 16),
+        f"{prefix}.gate_up_proj_scales": scales13,
+        f"{prefix}.down_proj_blocks": codes2.view(E, H, I // 32, 16),
+        f"{prefix}.down_proj_scales": _two_nan(scales2),
+    }
+    with pytest.raises(ValueError, match=rf"^{prefix}\.down_proj_scales: 2 UE8M0"):
+        base_weights_from_gpt_oss(checkpoint, prefix)
+    # Fake tensors (torch.compile, FakeTensorMode) have no values to check: shapes only.
+    with FakeTensorMode():
+        shapes = [c.shape for c in (codes13, scales13, codes2, scales2)]
+        fake = base_weights_from_mxfp4(*(torch.empty(sh, dtype=torch.uint8) for sh in shapes))
+    assert fake.w13.shape == (E, 2 * I, H // 2)
     with pytest.raises(KeyError, match="gate_up_proj_blocks"):
         base_weights_from_gpt_oss({}, "model.layers.0.mlp.experts")

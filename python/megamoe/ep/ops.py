@@ -289,6 +289,11 @@ def _check_state(
     routes = check_tensor(
         "pool_route_to_pool_row", state["pool_route_to_pool_row"], shape=(None, 1), dtypes=index32
     ).shape[0]
+    received = sum(splits[world:])
+    if routes < received:
+        raise ValueError(
+            f"pool_route_to_pool_row: {routes} rows for the {received} received routes of the plan"
+        )
     capacity = check_tensor(
         "pool_row_to_route", state["pool_row_to_route"], ndim=1, dtypes=index32
     ).shape[0]
@@ -327,7 +332,10 @@ def _plan(
             f"host_plan: made for (T, K) = {(tokens, top_k)}, got topk_weights of shape "
             f"{list(topk_weights.shape)}"
         )
-    check_block_m(block_m)
+    try:
+        check_block_m(block_m)
+    except ValueError as error:
+        raise ValueError(f"host_plan: the forward's plan is corrupt ({error})") from None
     splits = values[_HOST_FIELDS:]
     _check_state(state, x, base, side, splits)
     pool = RoutePlan(
