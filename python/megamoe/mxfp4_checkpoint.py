@@ -102,6 +102,21 @@ def base_weights_from_mxfp4(
         codes and scales are copied once into the kernels' row order (0.27x the BF16
         bytes), on their device. ``mm.moe`` and ``mm.reference.moe`` take it as is.
     """
+    return _base_weights(
+        w13_codes, w13_scales, w2_codes, w2_scales, gate_up, ("w13_scales", "w2_scales")
+    )
+
+
+def _base_weights(
+    w13_codes: torch.Tensor,
+    w13_scales: torch.Tensor,
+    w2_codes: torch.Tensor,
+    w2_scales: torch.Tensor,
+    gate_up: str,
+    scale_names: tuple[str, str],
+) -> BaseWeights:
+    """:func:`base_weights_from_mxfp4`, naming the scales ``scale_names`` in its NaN check
+    (a checkpoint loader passes its keys)."""
     check_choice("gate_up", gate_up, GATE_UP_ORDERS)
     reg = registry()
     w13_codes = check_tensor("w13_codes", _merge_blocks("w13_codes", w13_codes), ndim=3,
@@ -129,8 +144,8 @@ def base_weights_from_mxfp4(
                 "(the kernels' tile and the MXFP4 block)"
             )
     if _has_data(w13_scales):  # a NaN scale byte poisons whole blocks, silently
-        check_mxfp4_scales("w13_scales", w13_scales)
-        check_mxfp4_scales("w2_scales", w2_scales)
+        check_mxfp4_scales(scale_names[0], w13_scales)
+        check_mxfp4_scales(scale_names[1], w2_scales)
     if gate_up == "interleaved":
         w13_codes, w13_scales = _deinterleave_rows(w13_codes), _deinterleave_rows(w13_scales)
     # The kernels read w13 in this concatenated (nn.Linear) row order as it is.
@@ -167,7 +182,4 @@ def base_weights_from_gpt_oss(
     if missing:
         raise KeyError(f"state_dict: missing {missing} (gpt-oss MXFP4 experts)")
     tensors = [state_dict[n] if device is None else state_dict[n].to(device) for n in names]
-    for name, scales in zip(names[1::2], tensors[1::2], strict=True):
-        if _has_data(scales):  # named by their checkpoint keys (checked again below)
-            check_mxfp4_scales(name, scales)
-    return base_weights_from_mxfp4(*tensors, gate_up="interleaved")
+    return _base_weights(*tensors, "interleaved", (names[1], names[3]))

@@ -32,9 +32,17 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .. import op_inputs
 from .._checks import check_choice, check_int, check_tensor
-from ..op_inputs import GRAD_NAMES, SIDE_NAMES, base_weights, empty, grads_for_inputs, input_names
+from ..op_inputs import (
+    GRAD_NAMES,
+    SIDE_NAMES,
+    base_weights,
+    empty,
+    grads_for_inputs,
+    input_names,
+    save_inputs_and_state,
+    saved_inputs_and_state,
+)
 from ..op_inputs import side_lora as side_lora_of
 from ..pipeline.fused_forward import SAVE_MODES
 from ..side_lora import SideLoRA
@@ -274,28 +282,27 @@ def _check_state(
     """The forward's state outputs as the backward reads them: dtypes, shapes that agree
     with each other and with the plan's splits, every tensor on ``x``'s device."""
     world = len(splits) // 2
-    index32, index64 = (torch.int32,), (torch.int64,)
+    sent, received = sum(splits[:world]), sum(splits[world:])
+    i32, i64 = (torch.int32,), (torch.int64,)
     experts = base.num_experts
-    check_tensor("send_routes", state["send_routes"], shape=(sum(splits[:world]),), dtypes=index64)
-    check_tensor("recv_expert", state["recv_expert"], shape=(sum(splits[world:]),), dtypes=index64)
-    counts = state["pool_expert_counts"]
-    check_tensor("pool_expert_counts", counts, shape=(experts,), dtypes=index32)
+    check_tensor("send_routes", state["send_routes"], shape=(sent,), dtypes=i64)
+    check_tensor("recv_expert", state["recv_expert"], shape=(received,), dtypes=i64)
+    check_tensor("pool_expert_counts", state["pool_expert_counts"], shape=(experts,), dtypes=i32)
     check_tensor(
         "pool_expert_pool_offsets",
         state["pool_expert_pool_offsets"],
         shape=(experts + 1,),
-        dtypes=index32,
+        dtypes=i32,
     )
     routes = check_tensor(
-        "pool_route_to_pool_row", state["pool_route_to_pool_row"], shape=(None, 1), dtypes=index32
+        "pool_route_to_pool_row", state["pool_route_to_pool_row"], shape=(None, 1), dtypes=i32
     ).shape[0]
-    received = sum(splits[world:])
     if routes < received:
         raise ValueError(
             f"pool_route_to_pool_row: {routes} rows for the {received} received routes of the plan"
         )
     capacity = check_tensor(
-        "pool_row_to_route", state["pool_row_to_route"], ndim=1, dtypes=index32
+        "pool_row_to_route", state["pool_row_to_route"], ndim=1, dtypes=i32
     ).shape[0]
     rank = 0 if side is None else side.rank
     rows = {
@@ -516,7 +523,7 @@ def _forward_setup_context(ctx, inputs, output) -> None:
         name: args[name]
         for name in ("scale", "activation", "activation_clamp", "group_name", "reduce_shared_grads")
     }
-    op_inputs.save_inputs_and_state(ctx, args, output[1:])
+    save_inputs_and_state(ctx, args, output[1:])
 
 
 def _forward_backward(ctx, dout, *_state_grads):
@@ -527,7 +534,7 @@ def _forward_backward(ctx, dout, *_state_grads):
             "megamoe::moe_ep_forward: called with save='none', which keeps no state for a "
             "backward; call it with save='preact' or 'recompute' (mm.moe does)"
         )
-    inputs, state = op_inputs.saved_inputs_and_state(ctx, _STATE_NAMES)
+    inputs, state = saved_inputs_and_state(ctx, _STATE_NAMES)
     needs = dict(zip(_FORWARD_INPUTS, ctx.needs_input_grad, strict=True))
     grads = _moe_ep_backward_op(
         dout=dout.to(torch.bfloat16).contiguous(),
