@@ -336,6 +336,8 @@ void engine_store(const Tensor& a, int64_t k_base, const Tensor& b, std::optiona
         (2 * extra_n_lo <= kernels.block_n ? 1 : 0) | (2 * n_extra <= kernels.block_n ? 2 : 0);
   } else if (b_extra) {
     o.extra = mn_major_map("b_extra", *b_extra, device);
+    o.extra_k_lo = static_cast<int32_t>(k_base);  // one block over all of K
+    o.extra_low_half = 2 * n_extra <= kernels.block_n ? 1 : 0;
   }
   set_store_outputs(p.epilogue, out, rows, n_base, n_extra, kernels.block_m, device);
   launch(kernels, p, device, num_sms, stream, "engine_store launch");

@@ -122,9 +122,10 @@ struct EngineConfig : EngineParts<kKind, kFormat, BlockM, BlockN>,
   static constexpr int kBlockM = BlockM, kBlockN = BlockN;
   static constexpr bool kMxfp4 = kFormat == BFormat::MXFP4;
   static constexpr bool kTailMask = kKind == EngineKind::KGrouped;
-  // dgrad1's first extra tile may hold a diagonal block's columns in its low half only
-  // (OperandParams::extra_low_half).
-  static constexpr bool kExtraHalves = kKind == EngineKind::StoreMNMajor;
+  // The first extra tile may hold a block's columns in its low half only
+  // (OperandParams::extra_low_half): dgrad1's diagonal blocks, GEMM2's a2 at r <= 128.
+  static constexpr bool kExtraHalves =
+      kKind == EngineKind::StoreMNMajor || kKind == EngineKind::StoreKMajor;
   static_assert(!kExtraHalves || BlockN == 256, "the launcher's extra_low_half is for 256");
   static constexpr int kAccumulators = BlockN / 2;
   static constexpr int kABytes = Parts::A::kBytes;
@@ -304,8 +305,8 @@ __device__ __forceinline__ void consume(const EngineParams& p, const SharedStora
       for (int i = 0; i < C::kAccumulators; ++i) acc[i] *= p.operands.side_scale;
       fence_accumulators(acc);
     }
-    // The extra segment: dgrad1's steps by diagonal block, each block's half-width where
-    // its columns fit the low half.
+    // The extra segment by block (dgrad1: its two diagonal blocks; GEMM2: one block over
+    // all of K), each block's steps half-width where its columns fit the low half.
     auto run_extra = [&] {
       if constexpr (C::kExtraHalves) {
         const int split = min(p.operands.extra_k_lo / kBlockK, tile.k_steps);

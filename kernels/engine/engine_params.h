@@ -80,11 +80,13 @@ struct OperandParams {
   // 0.. N_lo, `extra_hi` [E][N_hi][K - K_lo] over the rest; box [64 K, BLOCK_N rows, 1].
   CUtensorMap extra;
   CUtensorMap extra_hi;
-  int32_t extra_k_lo;  // StoreMNMajor: K_lo (a multiple of 64: a K step is in one block)
+  int32_t extra_k_lo;  // StoreMNMajor: K_lo (a multiple of 64: a K step is in one block);
+                       // StoreKMajor: K (the extra segment is one block)
   int32_t extra_n_lo;  // StoreMNMajor: N_lo
-  // StoreMNMajor: bit 0 (1) when the lo block's columns lie in the first extra tile's low
-  // half (N_lo <= BLOCK_N / 2), bit 1 (2) when the hi block's do too (N_lo + N_hi <=
-  // BLOCK_N / 2): those steps multiply only the low half (the rest of B is zero there).
+  // Bit 0 (1) when the lo block's columns lie in the first extra tile's low half (N_lo <=
+  // BLOCK_N / 2; StoreKMajor: N_x <= BLOCK_N / 2), bit 1 (2) when the hi block's do too
+  // (N_lo + N_hi <= BLOCK_N / 2): those steps multiply only the low half (the rest of B
+  // is zero there).
   int32_t extra_low_half;
   // MXFP4 base (b unused). Codes by TMA: K-major (Gated, StoreKMajor) 4-D [E][2][I][K / 2]
   // (Gated) or 3-D [E][N][K / 2] uint8; MN-major [E * K, N / 2] uint8, box [64, BLOCK_N /
