@@ -127,6 +127,8 @@ struct EngineConfig : EngineParts<kKind, kFormat, BlockM, BlockN>,
   static constexpr bool kExtraHalves =
       kKind == EngineKind::StoreMNMajor || kKind == EngineKind::StoreKMajor;
   static_assert(!kExtraHalves || BlockN == 256, "the launcher's extra_low_half is for 256");
+  // GEMM1's side steps over q1 columns multiply the tile's gate half only.
+  static constexpr bool kSideHalves = kKind == EngineKind::Gated && BlockN == 256;
   static constexpr int kAccumulators = BlockN / 2;
   static constexpr int kABytes = Parts::A::kBytes;
   static constexpr int kStageBytes = (kABytes + Parts::B::kBytes + 1023) / 1024 * 1024;
@@ -246,6 +248,11 @@ __device__ __forceinline__ void consume(const EngineParams& p, const SharedStora
   // half (OperandParams::extra_low_half). No such MMA into the upper half: a half-width
   // wgmma into the upper accumulators makes ptxas serialize the kernel's wgmma.
   using ExtraLowHalfMma = Wgmma<C::kBlockN / 2, C::A::kMNMajor, C::B::kExtraMNMajor>;
+  // GEMM1's side steps over q1 meet [b1 | 0]: only the tile's gate half (the low half).
+  using SideLowHalfMma = Wgmma<C::kBlockN / 2, C::A::kMNMajor, C::B::kSideMNMajor>;
+  // Side steps that hold q1 columns only (GEMM1 with r a multiple of 64; else none).
+  const int32_t gate_side_steps =
+      p.operands.side_rank % kBlockK == 0 ? p.operands.side_rank / kBlockK : 0;
   const typename C::Schedule schedule(p.schedule);
   const int consumer_thread = threadIdx.x - kWarpgroupThreads;
   const int lane = threadIdx.x % 32;
@@ -296,7 +303,12 @@ __device__ __forceinline__ void consume(const EngineParams& p, const SharedStora
       }
     };
     if (tile.side_steps > 0) {
-      run_steps(SideMma{}, 0, tile.side_steps);
+      int gate_steps = 0;
+      if constexpr (C::kSideHalves) {
+        gate_steps = min(gate_side_steps, tile.side_steps);
+        run_steps(SideLowHalfMma{}, 0, gate_steps);
+      }
+      run_steps(SideMma{}, gate_steps, tile.side_steps);
       // The side sum is complete: scale it before the base K loop adds on, so the scale
       // multiplies exactly the adapter term (FP32, no extra rounding).
       cute::warpgroup_wait<0>();
