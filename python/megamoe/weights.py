@@ -196,8 +196,11 @@ def prepare_base_weights(w13: torch.Tensor, w2: torch.Tensor, format: str = "bf1
     # reference, no copy); the packed values are quantized from their BF16 rounding.
     trains = torch.is_grad_enabled() and (w13.requires_grad or w2.requires_grad)
     assert hidden % MXFP4_BLOCK == 0 and intermediate % MXFP4_BLOCK == 0
-    if _without_data(w13) or _without_data(w2):
-        # Meta or fake tensors (a module built on meta, torch.compile tracing): the packed
+    # Traced by torch.compile the quantization is part of the graph (its ops are plain
+    # torch ops); only the host-side finite check, a data-dependent branch, is left out.
+    traced = torch.compiler.is_compiling()
+    if not traced and (_without_data(w13) or _without_data(w2)):
+        # Meta or fake tensors (a module built on meta, FakeTensorMode): the packed
         # layout's shapes, no values to check or quantize.
         def packed(w: torch.Tensor, inner: int) -> tuple[torch.Tensor, torch.Tensor]:
             lead = tuple(w.shape[:-1])
@@ -212,7 +215,7 @@ def prepare_base_weights(w13: torch.Tensor, w2: torch.Tensor, format: str = "bf1
         )
     else:
         for name, value in (("w13", w13), ("w2", w2)):
-            if not torch.isfinite(value).all():
+            if not traced and not torch.isfinite(value).all():
                 raise ValueError(
                     f"{name}: MXFP4 quantization needs finite weights, found NaN or Inf"
                 )

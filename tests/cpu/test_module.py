@@ -430,8 +430,9 @@ def _trace_only(gm, example_inputs):
     return run
 
 
-def test_fullgraph_compile_with_the_base_prepared_inside():
-    layer = MegaMoE(H, I, E, K, side_rank=R, backend="fused")
+@pytest.mark.parametrize("base_format", ["bf16", "mxfp4"])
+def test_fullgraph_compile_with_the_base_prepared_inside(base_format):
+    layer = MegaMoE(H, I, E, K, side_rank=R, backend="fused", base_format=base_format)
     x = torch.randn(T, H, dtype=torch.bfloat16, requires_grad=True)
     ids, weights = make_routing(T, E, K, kind="masked", seed=0)
     compiled = torch.compile(layer, fullgraph=True, backend=_trace_only)
@@ -439,3 +440,20 @@ def test_fullgraph_compile_with_the_base_prepared_inside():
         compiled(x, ids, weights.to(torch.bfloat16))
     targets = {str(n.target) for n in traced.value.args[0].graph.nodes}
     assert "megamoe.moe_forward.default" in targets
+
+
+def test_compiled_mxfp4_prepare_matches_eager_bitwise():
+    # Traced, the quantization runs inside the graph (the host-side finite check, a
+    # data-dependent branch, is skipped); its bytes must be eager's.
+    torch.manual_seed(0)
+    w13 = torch.randn(E, 2 * I, H, dtype=torch.bfloat16)
+    w2 = torch.randn(E, H, I, dtype=torch.bfloat16)
+
+    def prepare(a, b):
+        base = prepare_base_weights(a, b, format="mxfp4")
+        return base.w13, base.w2, base.w13_scales, base.w2_scales
+
+    got = torch.compile(prepare, fullgraph=True, backend="aot_eager")(w13, w2)
+    want = prepare(w13, w2)
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == torch.uint8 and torch.equal(g, w)
