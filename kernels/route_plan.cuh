@@ -91,25 +91,37 @@ __global__ void __launch_bounds__(32) route_plan_scatter(RoutePlanParams p) {
   const unsigned lanes_below = (1u << lane) - 1u;
   const int64_t tile_begin = tile * kRoutePlanRoutesPerTile;
   const int64_t tile_end = min(tile_begin + kRoutePlanRoutesPerTile, p.num_routes);
-  for (int64_t chunk = tile_begin; chunk < tile_end; chunk += 32) {
-    const int64_t route = chunk + lane;
-    const bool in_tile = route < tile_end;
-    const int expert = in_tile ? local_expert_of<IndexT>(p, route) : -1;
-    // Lanes routing to the same expert; rank among them = lanes below this one.
-    const unsigned peers = __match_any_sync(0xffffffffu, expert);
-    if (in_tile) {
-      if (expert >= 0) {
-        const int row = next_row[expert] + __popc(peers & lanes_below);
-        p.route_to_pool_row[route] = row;
-        p.pool_row_to_route[row] = static_cast<int32_t>(route);
-      } else {
-        p.route_to_pool_row[route] = -1;
-      }
+  // The id loads of kChunksInFlight chunks are issued before any of their (serial) cursor
+  // updates: one warp walks the whole tile, so otherwise each chunk waits a global load.
+  constexpr int kChunksInFlight = 8;
+  for (int64_t batch = tile_begin; batch < tile_end; batch += 32 * kChunksInFlight) {
+    int experts[kChunksInFlight];
+#pragma unroll
+    for (int c = 0; c < kChunksInFlight; ++c) {
+      const int64_t route = batch + 32 * c + lane;
+      experts[c] = route < tile_end ? local_expert_of<IndexT>(p, route) : -1;
     }
-    __syncwarp();
-    // The highest peer advances the expert's cursor past this chunk's routes.
-    if (in_tile && expert >= 0 && (peers >> lane) == 1u) next_row[expert] += __popc(peers);
-    __syncwarp();
+#pragma unroll
+    for (int c = 0; c < kChunksInFlight; ++c) {
+      const int64_t route = batch + 32 * c + lane;
+      const bool in_tile = route < tile_end;
+      const int expert = experts[c];
+      // Lanes routing to the same expert; rank among them = lanes below this one.
+      const unsigned peers = __match_any_sync(0xffffffffu, expert);
+      if (in_tile) {
+        if (expert >= 0) {
+          const int row = next_row[expert] + __popc(peers & lanes_below);
+          p.route_to_pool_row[route] = row;
+          p.pool_row_to_route[row] = static_cast<int32_t>(route);
+        } else {
+          p.route_to_pool_row[route] = -1;
+        }
+      }
+      __syncwarp();
+      // The highest peer advances the expert's cursor past this chunk's routes.
+      if (in_tile && expert >= 0 && (peers >> lane) == 1u) next_row[expert] += __popc(peers);
+      __syncwarp();
+    }
   }
 }
 
