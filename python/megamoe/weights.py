@@ -214,10 +214,13 @@ def prepare_base_weights(w13: torch.Tensor, w2: torch.Tensor, format: str = "bf1
             packed(w2, intermediate),
         )
     else:
-        for name, value in (("w13", w13), ("w2", w2)):
+        # The BF16 rounding is what is quantized: FP32 values beyond BF16's range are
+        # finite but round to Inf.
+        for name, value in (("w13", w13_bf16), ("w2", w2_bf16)):
             if not traced and not torch.isfinite(value).all():
                 raise ValueError(
-                    f"{name}: MXFP4 quantization needs finite weights, found NaN or Inf"
+                    f"{name}: MXFP4 quantization needs finite weights, found NaN or Inf "
+                    "(after rounding to BF16)"
                 )
         with torch.no_grad():
             w13_packed, w13_scales = quantize_mxfp4(w13_bf16.detach(), axis=-1)

@@ -457,3 +457,12 @@ def test_compiled_mxfp4_prepare_matches_eager_bitwise():
     want = prepare(w13, w2)
     for g, w in zip(got, want, strict=True):
         assert g.dtype == torch.uint8 and torch.equal(g, w)
+
+
+def test_mxfp4_prepare_rejects_fp32_weights_beyond_bf16s_range():
+    # Finite in FP32, Inf once rounded to BF16 (what is quantized): a NaN block otherwise.
+    w13 = torch.randn(2, 128, 64)
+    w13[1, 5, 7] = 3.4e38
+    w2 = torch.randn(2, 64, 64)
+    with pytest.raises(ValueError, match="w13: MXFP4 quantization needs finite weights"):
+        prepare_base_weights(w13, w2, format="mxfp4")
