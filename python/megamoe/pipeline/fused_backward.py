@@ -36,6 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from ..side_lora import SideLoRA
 from ..weights import BaseWeights
@@ -349,10 +350,9 @@ def moe_backward(
     )
     del preact
     with stage("grad_router"):
-        row_of_route = plan.route_to_pool_row.long()
-        grads["topk_weights"] = torch.where(
-            row_of_route >= 0, stage_grads.drouter[row_of_route.clamp(min=0)], 0.0
-        ).to(topk_weights.dtype)
+        # One zero past the pool's rows: the -1 of a masked or remote route reads it.
+        drouter = F.pad(stage_grads.drouter, (0, 1))
+        grads["topk_weights"] = drouter[plan.route_to_pool_row].to(topk_weights.dtype)
     grads.update({k: v for k, v in stage_grads.local.items() if v is not None})
 
     # dx = sum_k dx_pool + s (sg a1^T + su a3^T), k in order, FP32.
