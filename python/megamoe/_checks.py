@@ -100,3 +100,14 @@ def check_finite_float(name: str, value: object) -> float:
     if value != value or value in (float("inf"), float("-inf")):
         raise ValueError(f"{name}: expected a finite float, got {value}")
     return value
+
+
+def has_data(t: torch.Tensor) -> bool:
+    """Whether ``t`` has real memory behind it: False for meta and fake tensors (what
+    torch.compile and FakeTensorMode trace with) and under torch.compile tracing, where
+    neither values nor data pointers may be read."""
+    if torch.compiler.is_compiling() or t.device.type == "meta":
+        return False
+    from torch._subclasses.fake_tensor import is_fake
+
+    return not is_fake(t)

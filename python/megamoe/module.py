@@ -28,7 +28,7 @@ from torch import nn
 from . import ops, reference
 from ._checks import check_choice, check_finite_float, check_int, check_tensor
 from .registry import registry
-from .side_lora import SIDE_RANK_MAX, SIDE_RANK_MULTIPLE, SideLoRA
+from .side_lora import SIDE_NAMES, SIDE_RANK_MAX, SIDE_RANK_MULTIPLE, SideLoRA
 from .weights import BASE_FORMATS, BaseWeights, prepare_base_weights
 
 __all__ = ["BACKENDS", "MegaMoE"]
@@ -37,7 +37,6 @@ __all__ = ["BACKENDS", "MegaMoE"]
 #: :func:`megamoe.reference.moe` in float32 (any device; for tests and debugging).
 BACKENDS = ("fused", "reference")
 
-_ADAPTER_NAMES = ("a1", "b1", "a3", "b3", "a2", "b2")
 _BASE_NAMES = ("w13", "w2")
 # prepare_base_weights takes BF16 or FP32; FP32 keeps master weights for the optimizer.
 _PARAM_DTYPES = (torch.bfloat16, torch.float32)
@@ -178,7 +177,7 @@ class MegaMoE(nn.Module):
             self.a2 = nn.Parameter(torch.empty(e, i, r, **factory))
             self.b2 = nn.Parameter(torch.empty(r, h, **factory))
         else:
-            for name in _ADAPTER_NAMES:
+            for name in SIDE_NAMES:
                 self.register_parameter(name, None)
         # (key, BaseWeights) of the frozen base; see base_weights().
         self._base_cache: tuple[tuple, BaseWeights] | None = None
@@ -224,7 +223,7 @@ class MegaMoE(nn.Module):
         """The six adapter parameters ``[a1, b1, a3, b3, a2, b2]`` (empty without adapters)."""
         if not self.side_rank:
             return []
-        return [getattr(self, name) for name in _ADAPTER_NAMES]
+        return [getattr(self, name) for name in SIDE_NAMES]
 
     def base_parameters(self) -> list[nn.Parameter]:
         """The base expert weights ``[w13, w2]`` (for an ordinary-mode optimizer group)."""
@@ -238,7 +237,7 @@ class MegaMoE(nn.Module):
         """
         if not self.side_rank:
             return None
-        tensors = [getattr(self, name) for name in _ADAPTER_NAMES]
+        tensors = [getattr(self, name) for name in SIDE_NAMES]
         if self.backend == "fused":
             tensors = [t.to(torch.bfloat16) for t in tensors]
         return SideLoRA(*tensors, scale=self.side_scale)
@@ -263,7 +262,7 @@ class MegaMoE(nn.Module):
                 f"side: expected adapters for H={want[0]}, I={want[1]}, E={want[2]}, r={want[3]}, "
                 f"got H={got[0]}, I={got[1]}, E={got[2]}, r={got[3]}"
             )
-        for name, value in zip(_ADAPTER_NAMES, side.tensors()):
+        for name, value in zip(SIDE_NAMES, side.tensors()):
             getattr(self, name).copy_(value)
         self.side_scale = side.scale
 
@@ -437,7 +436,7 @@ class MegaMoE(nn.Module):
 
     def named_adapter_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """``(name, parameter)`` for the adapters (for optimizer groups by name)."""
-        for name in _ADAPTER_NAMES if self.side_rank else ():
+        for name in SIDE_NAMES if self.side_rank else ():
             yield name, getattr(self, name)
 
 

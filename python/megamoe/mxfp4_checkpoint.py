@@ -36,11 +36,10 @@ from collections.abc import Mapping
 
 import torch
 
-from ._checks import check_choice, check_tensor
+from ._checks import check_choice, check_tensor, has_data
 from .mxfp4 import MXFP4_BLOCK
 from .mxfp4_checks import check_mxfp4_scales
 from .registry import registry
-from .validation import _has_data
 from .weights import BaseWeights
 
 __all__ = ["GATE_UP_ORDERS", "base_weights_from_gpt_oss", "base_weights_from_mxfp4"]
@@ -143,7 +142,7 @@ def _base_weights(
                 f"w13_codes: {name}={dim} is not a multiple of {max(multiple, MXFP4_BLOCK)} "
                 "(the kernels' tile and the MXFP4 block)"
             )
-    if _has_data(w13_scales):  # a NaN scale byte poisons whole blocks, silently
+    if has_data(w13_scales):  # a NaN scale byte poisons whole blocks, silently
         check_mxfp4_scales(scale_names[0], w13_scales)
         check_mxfp4_scales(scale_names[1], w2_scales)
     if gate_up == "interleaved":

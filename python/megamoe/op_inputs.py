@@ -9,11 +9,11 @@ import torch
 
 from ._checks import check_finite_float, check_tensor
 from .pipeline.fused_backward import GRAD_NAMES
-from .side_lora import SideLoRA
+from .side_lora import SIDE_NAMES, SideLoRA
 from .weights import BaseWeights
 
-#: The adapters as op inputs: six optional tensors (all None: no adapters) plus ``scale``.
-SIDE_NAMES = ("a1", "b1", "a3", "b3", "a2", "b2")
+# SIDE_NAMES (re-exported): the adapters as op inputs, six optional tensors (all None: no
+# adapters) plus ``scale``.
 # GRAD_NAMES (re-exported): the gradients a backward op returns, in order, named like the
 # forward's inputs; the pipeline's own names.
 #: What a training forward op saves for its backward: these inputs, then its state outputs.

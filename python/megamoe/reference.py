@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from ._checks import check_choice, check_finite_float, check_int, check_tensor
-from .side_lora import SideLoRA
+from .side_lora import SIDE_NAMES, SideLoRA
 from .weights import BaseWeights
 
 __all__ = ["ACTIVATIONS", "ForwardContext", "backward", "forward", "moe"]
@@ -61,7 +61,6 @@ _X_DTYPES = (torch.bfloat16, torch.float32, torch.float64)
 _ID_DTYPES = (torch.int32, torch.int64)
 _WEIGHT_DTYPES = (torch.float32, torch.float64)
 _COMPUTE_DTYPES = (torch.float32, torch.float64)
-_SIDE_NAMES = ("a1", "b1", "a3", "b3", "a2", "b2")
 
 # gelu_tanh(g) = 0.5 g (1 + tanh(_GELU_K0 (g + _GELU_K1 g^3)))
 _GELU_K0 = math.sqrt(2.0 / math.pi)
@@ -455,7 +454,7 @@ def _backward(dout: torch.Tensor, ctx: ForwardContext, base_grads: bool):
     for k in range(top_k):
         dx = dx + dx_tk[:, k]
     grads: dict[str, torch.Tensor | None] = dict.fromkeys(
-        ("x", "topk_weights", *_SIDE_NAMES, "w13", "w2")
+        ("x", "topk_weights", *SIDE_NAMES, "w13", "w2")
     )
     if has_side:
         sg_tk = sg_routes.view(tokens, top_k, rank)
@@ -511,7 +510,7 @@ class _ReferenceMoE(torch.autograd.Function):
         grads = backward(dout, fctx, base_grads=bool(needs[3] or needs[4]))
         keys = ["x", None, "topk_weights", "w13", "w2"]
         if fctx.side is not None:
-            keys += list(_SIDE_NAMES)
+            keys += list(SIDE_NAMES)
         result = [None]  # options
         for key, need, dtype in zip(keys, needs, autograd_ctx.input_dtypes, strict=True):
             if key is None or not need or grads[key] is None:

@@ -15,6 +15,8 @@ from ._checks import check_finite_float, check_tensor
 #: Adapter ranks the kernels support: multiples of 16 (the wgmma K step) up to 256.
 SIDE_RANK_MULTIPLE = 16
 SIDE_RANK_MAX = 256
+#: The six adapter tensors by name, in the order of :meth:`SideLoRA.tensors`.
+SIDE_NAMES = ("a1", "b1", "a3", "b3", "a2", "b2")
 
 _ADAPTER_DTYPES = (torch.bfloat16, torch.float32, torch.float64)
 

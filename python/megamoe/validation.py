@@ -17,9 +17,9 @@ import math
 
 import torch
 
-from ._checks import check_choice, check_int, check_tensor
+from ._checks import check_choice, check_int, check_tensor, has_data
 from .registry import registry
-from .side_lora import SideLoRA
+from .side_lora import SIDE_NAMES, SideLoRA
 from .weights import BASE_FORMATS, BaseWeights
 from .wrappers.grouped_gemm import ACTIVATIONS
 
@@ -31,21 +31,10 @@ _SCALE_BLOCK = 32
 _BF16 = (torch.bfloat16,)
 
 
-def _has_data(t: torch.Tensor) -> bool:
-    """Whether ``t`` has real memory behind it: False for meta and fake tensors (what
-    torch.compile and FakeTensorMode trace with) and under torch.compile tracing, where
-    neither values nor data pointers may be read."""
-    if torch.compiler.is_compiling() or t.device.type == "meta":
-        return False
-    from torch._subclasses.fake_tensor import is_fake
-
-    return not is_fake(t)
-
-
 def _reads_data(t: torch.Tensor) -> bool:
     """Whether ``t``'s values can be read on the host without a device synchronisation:
-    a CPU tensor with data (:func:`_has_data`)."""
-    return t.device.type == "cpu" and _has_data(t)
+    a CPU tensor with data (:func:`has_data`)."""
+    return t.device.type == "cpu" and has_data(t)
 
 
 def check_base_weights(base: object) -> BaseWeights:
@@ -229,10 +218,9 @@ def check_moe_inputs(
         ("base.w2_scales", base.w2_scales),
     ]
     if side is not None:
-        names = ("a1", "b1", "a3", "b3", "a2", "b2")
-        named += [(f"side.{n}", t) for n, t in zip(names, side.tensors(), strict=True)]
+        named += [(f"side.{n}", t) for n, t in zip(SIDE_NAMES, side.tensors(), strict=True)]
     device = check_devices(named, "base")
-    if device.type == "cuda" and _has_data(x):  # (a fake tensor has no data pointer)
+    if device.type == "cuda" and has_data(x):  # (a fake tensor has no data pointer)
         check_tensor("x", x, alignment=16)
     if require_cuda and device.type != "cuda":
         raise ValueError(

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._checks import check_choice, check_tensor
+from ._checks import check_choice, check_tensor, has_data
 from .mxfp4 import MXFP4_BLOCK, dequantize_mxfp4, quantize_mxfp4
 from .registry import registry
 from .wrappers.mxfp4_decode import decode_mxfp4_bf16
@@ -139,13 +139,6 @@ class _StraightThrough(torch.autograd.Function):
         return None, grad.to(ctx.master_dtype)
 
 
-def _without_data(t: torch.Tensor) -> bool:
-    """A meta or fake tensor: shapes and dtypes only."""
-    from torch._subclasses.fake_tensor import is_fake
-
-    return t.device.type == "meta" or is_fake(t)
-
-
 def prepare_base_weights(w13: torch.Tensor, w2: torch.Tensor, format: str = "bf16") -> BaseWeights:
     """The base expert weights as the kernels read them (no copy for BF16).
 
@@ -199,7 +192,7 @@ def prepare_base_weights(w13: torch.Tensor, w2: torch.Tensor, format: str = "bf1
     # Traced by torch.compile the quantization is part of the graph (its ops are plain
     # torch ops); only the host-side finite check, a data-dependent branch, is left out.
     traced = torch.compiler.is_compiling()
-    if not traced and (_without_data(w13) or _without_data(w2)):
+    if not traced and not (has_data(w13) and has_data(w2)):
         # Meta or fake tensors (a module built on meta, FakeTensorMode): the packed
         # layout's shapes, no values to check or quantize.
         def packed(w: torch.Tensor, inner: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 moe = pytest.importorskip("torchtitan.models.common.moe")
 token_dispatcher = pytest.importorskip("torchtitan.models.common.token_dispatcher")
 from megamoe.integrations import torchtitan as mtt  # noqa: E402
+from megamoe.side_lora import SIDE_NAMES  # noqa: E402
 
 D, FF, E, K, T = 64, 64, 4, 2, 24
 
@@ -98,7 +99,7 @@ def test_converted_experts_match_the_float64_oracle(rank):
     state = {k: v for k, v in original.state_dict().items()}
     result = ours.load_state_dict(state, strict=False)  # the base: stock names, merged
     assert not result.unexpected_keys
-    adapters = mtt._ADAPTER_NAMES if rank else ()
+    adapters = SIDE_NAMES if rank else ()
     assert set(result.missing_keys) == {f"inner_experts.{n}" for n in adapters}
     w1, w3 = ours.inner_experts.gate_up_views()
     assert torch.equal(w1, original.inner_experts.w1_EFD)
@@ -190,7 +191,7 @@ def test_state_dict_has_the_stock_names_as_views_of_the_one_parameter():
         state["w3_EFD"].fill_(7.0)
     assert bool((w13[:, 1] == 7.0).all()) and not bool((w13[:, 0] == 7.0).any())
     _, adapted = experts_pair(rank=16)
-    assert list(adapted.state_dict()) == [*stock.state_dict(), *mtt._ADAPTER_NAMES]
+    assert list(adapted.state_dict()) == [*stock.state_dict(), *SIDE_NAMES]
 
 
 def test_strict_round_trips_with_the_stock_experts():

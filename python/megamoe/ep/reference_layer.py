@@ -41,13 +41,12 @@ from ..reference import (
     _clamp,
     _rounder,
 )
-from ..side_lora import SideLoRA
+from ..side_lora import SIDE_NAMES, SideLoRA
 from .exchange import combine, dispatch, reduce_shared_grads, sum_over_k
 from .plan import DispatchPlan, group_size, plan_dispatch
 
 __all__ = ["ExpertState", "ReferenceExperts", "reference_moe"]
 
-_SIDE_NAMES = ("a1", "b1", "a3", "b3", "a2", "b2")
 _X_DTYPES = (torch.bfloat16, torch.float32, torch.float64)
 _ID_DTYPES = (torch.int32, torch.int64)
 
@@ -286,7 +285,7 @@ class _EPReferenceMoE(torch.autograd.Function):
         )
         back = combine(recv_out, plan)  # [T, K, H + 2r + 1]
         dx = sum_over_k(back[..., :hidden])
-        grads = dict.fromkeys(("x", "topk_weights", "w13", "w2", *_SIDE_NAMES))
+        grads = dict.fromkeys(("x", "topk_weights", "w13", "w2", *SIDE_NAMES))
         grads["topk_weights"] = rnd(back[..., -1])
         if side is not None:
             sg = rnd(sum_over_k(back[..., hidden : hidden + r]))
@@ -301,7 +300,7 @@ class _EPReferenceMoE(torch.autograd.Function):
         grads["w13"], grads["w2"] = local["w13"], local["w2"]
         keys = ["x", "topk_weights", "w13", "w2"]
         if side is not None:
-            keys += list(_SIDE_NAMES)
+            keys += list(SIDE_NAMES)
         result = [None, None]  # options, plan
         for key, need, dtype in zip(keys, needs[2:], autograd_ctx.input_dtypes, strict=True):
             g = grads[key]

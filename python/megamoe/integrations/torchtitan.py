@@ -88,14 +88,13 @@ except ImportError as exc:
 
 from .. import ops, reference
 from .._checks import check_choice
-from ..side_lora import SIDE_RANK_MAX, SIDE_RANK_MULTIPLE, SideLoRA
+from ..side_lora import SIDE_NAMES, SIDE_RANK_MAX, SIDE_RANK_MULTIPLE, SideLoRA
 from ..weights import prepare_base_weights
 
 __all__ = ["BACKENDS", "MegaMoEConverter", "MegaMoEGroupedExperts"]
 
 #: ``"fused"``: :func:`megamoe.moe` (Hopper). ``"reference"``: float32 reference (tests).
 BACKENDS = ("fused", "reference")
-_ADAPTER_NAMES = ("a1", "b1", "a3", "b3", "a2", "b2")
 #: The fused gate+up parameter and torchtitan's names for its halves.
 _W13, _GATE, _UP = "w13_E2FD", "w1_EFD", "w3_EFD"
 
@@ -117,7 +116,7 @@ def _split_w13_on_save(module, state_dict, prefix, local_metadata) -> None:
         return
     # GroupedExperts' key order (w1, w2, w3), then the adapters: this module's keys are
     # the last ones in the dict when its post-hook runs (it has no children).
-    own = [prefix + n for n in ("w2_EDF", *_ADAPTER_NAMES)]
+    own = [prefix + n for n in ("w2_EDF", *SIDE_NAMES)]
     tail = {k: state_dict.pop(k) for k in own if k in state_dict}
     # Views of the detached data (keep_vars=True would otherwise hand out non-leaf views);
     # [E, F, D], a DTensor view under DTensor.
@@ -354,7 +353,7 @@ class MegaMoEGroupedExperts(GroupedExperts):
         """The adapters as a :class:`~megamoe.SideLoRA` (local shards), or None."""
         if not self.rank:
             return None
-        tensors = [_local(getattr(self, n)) for n in _ADAPTER_NAMES]
+        tensors = [_local(getattr(self, n)) for n in SIDE_NAMES]
         if self.backend == "fused":
             tensors = [t.to(torch.bfloat16) for t in tensors]
         return SideLoRA(*tensors, scale=self.scale)

@@ -79,7 +79,7 @@ from ..adapter_convert import (
     side_lora_to_megatron,
     side_lora_to_peft_fused,
 )
-from ..side_lora import SIDE_RANK_MAX, SIDE_RANK_MULTIPLE, SideLoRA
+from ..side_lora import SIDE_NAMES, SIDE_RANK_MAX, SIDE_RANK_MULTIPLE, SideLoRA
 from ..weights import prepare_base_weights
 
 __all__ = [
@@ -123,7 +123,6 @@ ACTIVATIONS = {
     "gelu_new": "geglu",
 }
 
-_ADAPTER_NAMES = ("a1", "b1", "a3", "b3", "a2", "b2")
 _ADAPTER_DTYPES = (torch.bfloat16, torch.float32)
 _ALTERNATIVE = "use experts_implementation='grouped_mm' for this model"
 
@@ -448,7 +447,7 @@ class SideLoRAAdapter(nn.Module):
 
     def forward(self) -> SideLoRA:
         """The :class:`~megamoe.SideLoRA` of the current parameters (differentiable)."""
-        return SideLoRA(*(getattr(self, n) for n in _ADAPTER_NAMES), scale=self.scale)
+        return SideLoRA(*(getattr(self, n) for n in SIDE_NAMES), scale=self.scale)
 
     @torch.no_grad()
     def load(self, side: SideLoRA) -> None:
@@ -460,7 +459,7 @@ class SideLoRAAdapter(nn.Module):
                 f"side: expected adapters for (H, I, E, r)={want}, got {got}; build the "
                 "adapter with the file's rank"
             )
-        for name, value in zip(_ADAPTER_NAMES, side.tensors(), strict=True):
+        for name, value in zip(SIDE_NAMES, side.tensors(), strict=True):
             getattr(self, name).copy_(value)
         self.scale = side.scale
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..side_lora import SideLoRA
+from ..side_lora import SIDE_NAMES, SideLoRA
 from ..weights import BaseWeights
 from ..wrappers import pool
 from ..wrappers.activation_backward import fused_dgrad2_activation_backward
@@ -55,7 +55,7 @@ __all__ = [
     "pool_backward",
 ]
 
-GRAD_NAMES = ("x", "topk_weights", "w13", "w2", "a1", "b1", "a3", "b3", "a2", "b2")
+GRAD_NAMES = ("x", "topk_weights", "w13", "w2", *SIDE_NAMES)
 #: The expert-local gradients of one pool (:attr:`PoolBackward.local`).
 _LOCAL_NAMES = ("b1", "b3", "a2", "w13", "w2")
 

@@ -15,7 +15,7 @@ import torch
 
 from .._checks import check_choice, check_finite_float, check_int
 from ..heuristics import get_block_m
-from ..side_lora import SideLoRA
+from ..side_lora import SIDE_NAMES, SideLoRA
 from ..weights import BaseWeights, prepare_base_weights
 
 ROUTING_KINDS = ("balanced", "skewed", "masked", "empty")
@@ -211,8 +211,7 @@ class LayerInputs:
         """The tensors that require grad, by name (``x``, ``topk_weights``, ``a1`` ..)."""
         named = {"x": self.x, "topk_weights": self.topk_weights, "w13": self.w13, "w2": self.w2}
         if self.side is not None:
-            names = ("a1", "b1", "a3", "b3", "a2", "b2")
-            named.update(zip(names, self.side.tensors(), strict=True))
+            named.update(zip(SIDE_NAMES, self.side.tensors(), strict=True))
         return {k: v for k, v in named.items() if v.requires_grad}
 
 
