@@ -116,7 +116,7 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "format", "--check", *python_paths)
     sources = sorted(
         str(p)
-        for d in ("kernels", "bindings", "tests/sanitizer")
+        for d in ("kernels", "bindings", "tests/sanitizer", "tests/cpu/host")
         for p in (ROOT / d).rglob("*")
         if p.suffix in {".h", ".cuh", ".cu", ".cpp"}
     )

@@ -69,6 +69,20 @@ __device__ __forceinline__ uint4 decode_word_fp32(uint32_t word, uint32_t scale)
   return chunk;
 }
 
+// PRMT's byte select (selector nibbles with bit 3 clear): `__byte_perm` on the device,
+// the same selection on the host, so the table path below can be checked on a CPU.
+__host__ __device__ __forceinline__ uint32_t byte_perm(uint32_t x, uint32_t y, uint32_t selector) {
+#ifdef __CUDA_ARCH__
+  return __byte_perm(x, y, selector);
+#else
+  const uint64_t bytes = (static_cast<uint64_t>(y) << 32) | x;
+  uint32_t out = 0;
+  for (int i = 0; i < 4; ++i)
+    out |= static_cast<uint32_t>((bytes >> (8 * ((selector >> (4 * i)) & 7u))) & 0xFFu) << (8 * i);
+  return out;
+#endif
+}
+
 // The BF16 bytes of the eight magnitudes E2M1(m) x 2^(scale - 127), m = 0..7, as
 // byte-permute tables (low bytes of m = 0..3 | 4..7, high bytes likewise): one PRMT
 // then looks up four codes at once. Built once per 32-value unit. Exact by integer
@@ -79,10 +93,10 @@ struct ScaleTables {
   uint32_t low[2], high[2];
   static constexpr uint32_t kFastMin = 2, kFastMax = 252;
 
-  __device__ __forceinline__ static bool fast(uint32_t scale) {
+  __host__ __device__ __forceinline__ static bool fast(uint32_t scale) {
     return scale - kFastMin <= kFastMax - kFastMin;  // unsigned: one compare
   }
-  __device__ __forceinline__ explicit ScaleTables(uint32_t scale) {
+  __host__ __device__ __forceinline__ explicit ScaleTables(uint32_t scale) {
     const uint32_t exponent = (scale - 1u) << 7;
     const uint32_t both = exponent | (exponent << 16);  // one copy per 16-bit lane
     // 16-bit lanes (m, m + 1): bits of magnitudes 0|1, 2|3, 4|5, 6|7 (no carry out of
@@ -91,32 +105,32 @@ struct ScaleTables {
     const uint32_t m23 = both + 0x00C00080u;
     const uint32_t m45 = both + 0x01400100u;
     const uint32_t m67 = both + 0x01C00180u;
-    low[0] = __byte_perm(m01, m23, 0x6420);
-    high[0] = __byte_perm(m01, m23, 0x7531);
-    low[1] = __byte_perm(m45, m67, 0x6420);
-    high[1] = __byte_perm(m45, m67, 0x7531);
+    low[0] = byte_perm(m01, m23, 0x6420);
+    high[0] = byte_perm(m01, m23, 0x7531);
+    low[1] = byte_perm(m45, m67, 0x6420);
+    high[1] = byte_perm(m45, m67, 0x7531);
   }
 
-  // Eight codes (two per byte, low nibble first) -> eight BF16.
-  __device__ __forceinline__ uint4 decode(uint32_t word) const {
-    const uint32_t magnitude = word & 0x77777777u;                  // 3-bit selectors, no sign mode
-    const uint32_t low_a = __byte_perm(low[0], low[1], magnitude);  // codes 0..3
-    const uint32_t high_a = __byte_perm(high[0], high[1], magnitude);
-    const uint32_t low_b = __byte_perm(low[0], low[1], magnitude >> 16);  // codes 4..7
-    const uint32_t high_b = __byte_perm(high[0], high[1], magnitude >> 16);
-    // Signs: code 2j's sign bit (bit 3 of byte j) shifted to bit 7 of byte j, and code
-    // 2j + 1's (bit 7 of byte j) as is; pair j takes them as its bits 15 and 31.
-    const uint32_t sign = word & 0x88888888u;
-    const uint32_t sign_even = sign << 4;
+  // Eight codes (two per byte, low nibble first) -> eight BF16: 15 integer instructions.
+  __host__ __device__ __forceinline__ uint4 decode(uint32_t word) const {
+    const uint32_t magnitude = word & 0x77777777u;  // 3-bit selectors, no sign mode
+    // Each code's sign goes to bit 7 of its high byte before the bytes are paired, one
+    // select per four codes: code 2j's sign (bit 3 of byte j) is bit 7 of byte j of
+    // word << 4, code 2j + 1's is bit 7 of byte j of word. (A magnitude's high byte has
+    // bit 7 clear: the tables hold no sign.)
+    const uint32_t word_shifted = word << 4;
+    const uint32_t low_a = byte_perm(low[0], low[1], magnitude);  // codes 0..3
+    const uint32_t high_a = byte_perm(high[0], high[1], magnitude) |
+                            (byte_perm(word_shifted, word, 0x5140) & 0x80808080u);
+    const uint32_t low_b = byte_perm(low[0], low[1], magnitude >> 16);  // codes 4..7
+    const uint32_t high_b = byte_perm(high[0], high[1], magnitude >> 16) |
+                            (byte_perm(word_shifted, word, 0x7362) & 0x80808080u);
+    // BF16 pair j: low and high byte of code 2j, then of code 2j + 1.
     uint4 chunk;
-    chunk.x =
-        __byte_perm(low_a, high_a, 0x5140) | (__byte_perm(sign_even, sign, 0x4000) & 0x80008000u);
-    chunk.y =
-        __byte_perm(low_a, high_a, 0x7362) | (__byte_perm(sign_even, sign, 0x5010) & 0x80008000u);
-    chunk.z =
-        __byte_perm(low_b, high_b, 0x5140) | (__byte_perm(sign_even, sign, 0x6020) & 0x80008000u);
-    chunk.w =
-        __byte_perm(low_b, high_b, 0x7362) | (__byte_perm(sign_even, sign, 0x7030) & 0x80008000u);
+    chunk.x = byte_perm(low_a, high_a, 0x5140);
+    chunk.y = byte_perm(low_a, high_a, 0x7362);
+    chunk.z = byte_perm(low_b, high_b, 0x5140);
+    chunk.w = byte_perm(low_b, high_b, 0x7362);
     return chunk;
   }
 };
