@@ -274,3 +274,20 @@ def test_mxfp4_decode_op_and_straight_through_trace_in_one_graph():
     traced = torch.autograd.grad(compiled(base), [w13, w2])
     for got, want in zip(traced, eager, strict=True):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("strided", [False, True])
+def test_scaled_bf16_is_the_two_step_rounding(strided):
+    """One launch instead of a scale and a cast: the same bits, contiguous out."""
+    from megamoe.pipeline.fused_backward import scaled_bf16
+
+    gen = torch.Generator().manual_seed(7)
+    product = torch.randn(64, 96, generator=gen) * torch.logspace(-30, 30, 96)
+    product[0, :4] = torch.tensor([0.0, -0.0, 3.0e38, -1.0e-40])  # zeros, overflow, subnormal
+    if strided:
+        product = product[:, 16:80]
+    for scale in (0.25, 3.0, -1.7):
+        got = scaled_bf16(product, scale)
+        assert got.dtype == torch.bfloat16 and got.is_contiguous()
+        expected = (scale * product).to(torch.bfloat16)
+        assert torch.equal(got.view(torch.int16), expected.view(torch.int16))

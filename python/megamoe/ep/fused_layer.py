@@ -33,7 +33,7 @@ import struct
 import torch
 import torch.distributed as dist
 
-from ..pipeline.fused_backward import GRAD_NAMES, mm_fp32, pool_backward
+from ..pipeline.fused_backward import GRAD_NAMES, mm_fp32, pool_backward, scaled_bf16
 from ..pipeline.fused_forward import expert_stage, gemm1, stage
 from ..side_lora import SideLoRA
 from ..weights import BaseWeights
@@ -234,7 +234,7 @@ def ep_backward_stages(
     # Out: [dout | s dout b2^T] rows and the route weights (FP32, not rounded).
     token_rows = dout
     if use_side:
-        db2 = (s * mm_fp32(dout, side.b2.T)).to(torch.bfloat16)  # once per token
+        db2 = scaled_bf16(mm_fp32(dout, side.b2.T), s)  # once per token
         token_rows = torch.cat([dout, db2], dim=1)
     recv = _exchange_into(
         plan.pool_routes,
@@ -310,8 +310,8 @@ def ep_backward_stages(
         shared = [s * mm_fp32(x.T, shrink), s * mm_fp32(saved["p_sum"].T, dout)]
         if reduce_shared:
             reduce_shared_grads(shared, plan.group)
-        a13_grad = shared[0].to(torch.bfloat16)
-        grads["a1"] = a13_grad[:, :rank].contiguous()
-        grads["a3"] = a13_grad[:, rank:].contiguous()
+        # Each column slice rounds straight into its own contiguous gradient.
+        grads["a1"] = shared[0][:, :rank].to(torch.bfloat16, memory_format=torch.contiguous_format)
+        grads["a3"] = shared[0][:, rank:].to(torch.bfloat16, memory_format=torch.contiguous_format)
         grads["b2"] = shared[1].to(torch.bfloat16)
     return grads

@@ -53,6 +53,7 @@ __all__ = [
     "mm_fp32",
     "moe_backward",
     "pool_backward",
+    "scaled_bf16",
 ]
 
 GRAD_NAMES = ("x", "topk_weights", "w13", "w2", *SIDE_NAMES)
@@ -65,6 +66,14 @@ def mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if a.is_cuda:
         return torch.mm(a, b, out_dtype=torch.float32)
     return a.float() @ b.float()
+
+
+def scaled_bf16(product: torch.Tensor, scale: float) -> torch.Tensor:
+    """``bf16(scale * product)`` of an FP32 tensor (any strides) in one launch, into a new
+    contiguous tensor: scaled in FP32 and rounded once, bitwise
+    ``(scale * product).to(torch.bfloat16)`` without its FP32 temporary and second pass."""
+    out = torch.empty(product.shape, dtype=torch.bfloat16, device=product.device)
+    return torch.mul(product, scale, out=out)
 
 
 @dataclass
@@ -332,7 +341,7 @@ def moe_backward(
     db2 = None
     if use_side:
         with stage("adapter_dout"):
-            db2 = (s * mm_fp32(dout, side.b2.T)).to(torch.bfloat16)  # [T, r], once per token
+            db2 = scaled_bf16(mm_fp32(dout, side.b2.T), s)  # [T, r], once per token
     stage_grads = pool_backward(
         dout,
         db2,
@@ -370,8 +379,8 @@ def moe_backward(
     if use_side and side_grads:
         with stage("grad_shared"):
             rank = side.rank
-            a13_grad = (s * mm_fp32(x.T, shrink)).to(torch.bfloat16)  # [H, 2r]
-            grads["a1"] = a13_grad[:, :rank].contiguous()
-            grads["a3"] = a13_grad[:, rank:].contiguous()
-            grads["b2"] = (s * mm_fp32(state.p_sum.T, dout)).to(torch.bfloat16)
+            a13_grad = mm_fp32(x.T, shrink)  # [H, 2r] FP32
+            grads["a1"] = scaled_bf16(a13_grad[:, :rank], s)
+            grads["a3"] = scaled_bf16(a13_grad[:, rank:], s)
+            grads["b2"] = scaled_bf16(mm_fp32(state.p_sum.T, dout), s)
     return grads
