@@ -38,6 +38,7 @@ import contextlib
 
 import torch
 import torch.distributed as dist
+from torch.autograd.function import once_differentiable
 
 from ._checks import check_choice
 from .ep.ops import moe as fused_moe
@@ -461,6 +462,7 @@ class _EagerMoeForward(torch.autograd.Function):
         ctx.eager = True
 
     @staticmethod
+    @once_differentiable  # like the op: no second-order graph through the native kernels
     def backward(ctx, *grads):
         return _forward_backward(ctx, *grads)
 

@@ -81,6 +81,23 @@ def test_eager_route_refuses_a_second_backward(routes):
         torch.autograd.grad(out, leaves, torch.ones_like(out))
 
 
+def test_create_graph_gives_the_same_grads_and_refuses_a_second_order(routes):
+    """backward(create_graph=True) (a trainer's gradient penalty, say) gets the plain
+    first-order gradients; differentiating them again fails loudly instead of returning
+    a partial second-order graph (the native kernels record none)."""
+    layer = _layer("side-lora", "bf16")
+    dout = torch.randn_like(layer.x)
+    leaves = list(layer.grad_leaves().values())
+    plain = _run(layer, dout)[1:]
+    out = layer.call(mm.moe)
+    grads = torch.autograd.grad(out, leaves, dout, create_graph=True)
+    assert routes["eager"] == 2
+    for i, (a, b) in enumerate(zip(grads, plain, strict=True)):
+        assert torch.equal(a.detach(), b), i
+    with pytest.raises(RuntimeError, match="does not require grad|once_differentiable"):
+        torch.autograd.grad(grads[0].float().sum(), leaves[0])
+
+
 def test_inference_takes_the_eager_route_and_matches(routes):
     layer = _layer("side-lora", "bf16")
     with torch.no_grad():
