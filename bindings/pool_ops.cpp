@@ -142,6 +142,84 @@ void pool_gather(const Tensor& x, std::optional<Tensor> side, const Tensor& pool
          stream, "pool_gather launch");
 }
 
+// The token-major pool gather (kernels/pool_gather_tokens.cuh). Its grid: a warp per
+// (token, row slice), rows split into slices when one warp per token leaves the GPU
+// short of resident warps (few tokens), and at least a warp per 32-row group of the
+// pool for the zeroing pass.
+void pool_gather_tokens(const Tensor& x, std::optional<Tensor> side,
+                        const Tensor& route_to_pool_row, const Tensor& pool_row_to_route,
+                        const Tensor& expert_pool_offsets, const Tensor& pool_input,
+                        uintptr_t stream) {
+  const int device = x.device_id();
+  check_bf16("x", x, {-1, -1}, device);
+  const int64_t num_tokens = x.shape(0), hidden = x.shape(1);
+  if (hidden < kPoolVectorElems)
+    throw nb::value_error(
+        ("x: expected at least " + str(kPoolVectorElems) + " columns, got " + str(hidden)).c_str());
+  check_multiple_of_vector("x", "the hidden size (columns)", hidden);
+  int64_t side_cols = 0;
+  if (side) {
+    check_bf16("side", *side, {num_tokens, -1}, device);
+    side_cols = side->shape(1);
+    check_multiple_of_vector("side", "its column count", side_cols);
+  }
+  check_tensor<int32_t>("route_to_pool_row", route_to_pool_row, {num_tokens, -1}, device);
+  const int64_t top_k = route_to_pool_row.shape(1);
+  if (top_k < 1)
+    throw nb::value_error(("route_to_pool_row: expected >= 1 routes per token, got " +
+                           shape_string(route_to_pool_row))
+                              .c_str());
+  // Routes are int32 in the plan.
+  if (num_tokens * top_k > INT32_MAX)
+    throw nb::value_error(("x: " + str(num_tokens) + " tokens x top_k " + str(top_k) +
+                           " routes exceed the int32 route index")
+                              .c_str());
+  check_tensor<int32_t>("pool_row_to_route", pool_row_to_route, {-1}, device);
+  const int64_t pool_capacity = pool_row_to_route.shape(0);
+  check_tensor<int32_t>("expert_pool_offsets", expert_pool_offsets, {-1}, device);
+  if (expert_pool_offsets.shape(0) < 2)
+    throw nb::value_error(("expert_pool_offsets: expected [E_l + 1] entries with E_l >= 1, got " +
+                           shape_string(expert_pool_offsets))
+                              .c_str());
+  check_bf16("pool_input", pool_input, {pool_capacity, hidden + side_cols}, device);
+  check_current_device("x", device);
+  if (pool_capacity == 0) return;
+
+  const PoolGatherKernels& kernels = variants::pool_gather;
+  const auto* kernel = reinterpret_cast<const void*>(kernels.tokens);
+  const int64_t row_vecs = (hidden + side_cols) / kPoolVectorElems;
+  const int64_t warps_per_block = kPoolThreadsPerBlock / 32;
+  const unsigned resident_blocks = persistent_blocks(kernel, device, INT32_MAX);
+  const int64_t resident_warps = int64_t{resident_blocks} * warps_per_block;
+  // Slices of whole warp strides; the count is cut to the slices that hold vectors (the
+  // kernel derives the same slice length from it).
+  const int64_t max_slices = (row_vecs + 31) / 32;
+  int64_t slices = std::clamp<int64_t>(
+      num_tokens > 0 ? (resident_warps + num_tokens - 1) / num_tokens : 1, 1, max_slices);
+  const int64_t slice_vecs = 32 * ((row_vecs + 32 * slices - 1) / (32 * slices));
+  slices = (row_vecs + slice_vecs - 1) / slice_vecs;
+  const int64_t warps = std::max(num_tokens * slices, (pool_capacity + 31) / 32);
+
+  PoolGatherParams params{};
+  params.x = x.data();
+  params.side = side_cols > 0 ? side->data() : nullptr;
+  params.pool_row_to_route = static_cast<const int32_t*>(pool_row_to_route.data());
+  params.route_to_pool_row = static_cast<const int32_t*>(route_to_pool_row.data());
+  params.pool_rows_used =
+      static_cast<const int32_t*>(expert_pool_offsets.data()) + (expert_pool_offsets.shape(0) - 1);
+  params.pool_input = pool_input.data();
+  params.num_tokens = num_tokens;
+  params.pool_capacity = pool_capacity;
+  params.top_k = static_cast<int32_t>(top_k);
+  params.hidden = static_cast<int32_t>(hidden);
+  params.side_cols = static_cast<int32_t>(side_cols);
+  params.row_slices = static_cast<int32_t>(slices);
+  const int64_t blocks = (warps + warps_per_block - 1) / warps_per_block;
+  launch_blocks(kernels.tokens, params,
+                static_cast<unsigned>(std::min<int64_t>(blocks, resident_blocks)), stream,
+                "pool_gather_tokens launch");
+}
+
 // The combine's grid (mirrors the lane-group choice in pool_combine_tokens): a group of
 // `lanes` lanes per token, and the row split into `row_slices` slices when one warp per
 // token leaves the GPU short of resident warps (few tokens). The kernel rounds a slice
@@ -271,6 +349,12 @@ void register_pool_ops(nb::module_& m) {
         nb::arg("pool_input"), nb::arg("stream"),
         "pool_input[row] = [x[t] | side[t]] for each routed pool row (t = route / top_k), "
         "zeros for padding rows below expert_pool_offsets[-1]; later rows untouched.");
+  m.def("pool_gather_tokens", &pool_gather_tokens, nb::arg("x"), nb::arg("side").none(),
+        nb::arg("route_to_pool_row"), nb::arg("pool_row_to_route"), nb::arg("expert_pool_offsets"),
+        nb::arg("pool_input"), nb::arg("stream"),
+        "pool_gather's result token-major: each token's [x | side] row read once and written to "
+        "its routes' pool rows (both index maps must name the pair), zeros for the other rows "
+        "below expert_pool_offsets[-1]; later rows untouched.");
   m.def("pool_side_sum", &pool_side_sum, nb::arg("pool_output"), nb::arg("route_to_pool_row"),
         nb::arg("topk_weights"), nb::arg("hidden"), nb::arg("p_sum"), nb::arg("stream"),
         "p_sum[t] = bf16(sum_k w[t,k] * pool_output[row, hidden:]) in FP32, k in order.");

@@ -1,4 +1,7 @@
-// Pool gather: copy [x | side] of every routed token into its pool row.
+// Pool gather, row-major: copy [x | side] of every routed token into its pool row, one
+// destination row at a time. It needs only the row map, so it also serves any row
+// gather (mm's gather_rows); the expert pool itself is filled token-major
+// (pool_gather_tokens.cuh), which reads each token's row once instead of once per route.
 //
 // pool_input[row, 0:H] = x[t], pool_input[row, H:H+C] = side[t] for each pool row whose
 // route r = pool_row_to_route[row] is >= 0 (t = r / K). Padding rows below the rows in
@@ -15,6 +18,7 @@
 #include <cstdint>
 
 #include "pool_gather_params.h"
+#include "pool_gather_tokens.cuh"
 
 namespace megamoe::kernels {
 
@@ -75,7 +79,8 @@ __global__ void __launch_bounds__(kPoolThreadsPerBlock) pool_gather_rows(PoolGat
 }
 
 inline PoolGatherKernels pool_gather_kernels() {
-  return PoolGatherKernels{&pool_gather_rows<kPoolGatherUnroll>};
+  return PoolGatherKernels{&pool_gather_rows<kPoolGatherUnroll>,
+                           &pool_gather_tokens<kPoolGatherUnroll>};
 }
 
 }  // namespace megamoe::kernels

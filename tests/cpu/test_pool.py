@@ -126,6 +126,29 @@ def test_gather_empty_experts_and_remote_routes():
     )
 
 
+def test_gather_zeroes_the_rows_the_index_maps_disagree_on():
+    # The token-major kernel writes a row from its token only where both maps name the
+    # pair; the reference follows the same rule, so a corrupt plan (two routes' rows
+    # swapped in route_to_pool_row only) zeroes both rows instead of copying either.
+    import dataclasses
+
+    plan, _ = make_plan(40, 2, seed=9)
+    x = random_bf16((40, 16), 10)
+    flat = plan.route_to_pool_row.clone().view(-1)
+    a, b = (flat >= 0).nonzero().flatten()[[1, 7]].tolist()
+    row_a, row_b = int(flat[a]), int(flat[b])
+    flat[a], flat[b] = row_b, row_a
+    corrupt = dataclasses.replace(plan, route_to_pool_row=flat.view(40, 2))
+    out = pool.gather_pool(x, None, corrupt)
+    consistent = pool.gather_pool(x, None, plan)
+    assert (out[row_a].view(torch.int16) == 0).all() and (out[row_b].view(torch.int16) == 0).all()
+    others = torch.ones(plan.pool_capacity, dtype=torch.bool)
+    others[[row_a, row_b]] = False
+    rows = int(plan.expert_pool_offsets[-1])
+    assert torch.equal(out[:rows][others[:rows]], consistent[:rows][others[:rows]])
+    assert consistent[row_a].abs().amax() > 0  # the consistent plan copies the token row
+
+
 def test_gather_all_masked_writes_nothing():
     ids = torch.full((5, 2), -1, dtype=torch.int32)
     plan = mm.plan_routes_reference(ids, 3, 64)

@@ -163,6 +163,7 @@ def test_few_tokens_split_each_row_over_warps(num_tokens, hidden):
     # grid fills the GPU; slice counts that do not divide the row (4000 = 500 vectors,
     # 800 = 100) leave a short last slice.
     case = make_case(num_tokens, 6, num_experts=64, kind="balanced", seed=num_tokens + hidden)
+    check_gather(case, hidden=hidden, side_cols=256, seed=8)  # the gather splits rows too
     check_side_sum(case, hidden=hidden, side_rank=128, seed=9)
     check_combine(case, hidden=hidden, side_rank=128, scale=0.25, seed=10)
     check_combine(case, hidden=hidden, side_rank=0, scale=None, seed=11)
@@ -406,6 +407,76 @@ def test_native_gather_checks_its_arguments():
         call(offsets=plan.expert_pool_offsets[:1])
     with pytest.raises(ValueError, match="top_k: expected >= 1"):
         call(top_k=0)
+
+
+def test_rows_the_index_maps_disagree_on_are_zeroed_once():
+    # A corrupt plan: two routes' pool rows swapped in route_to_pool_row only. Neither
+    # row is claimed by both maps, so both are zeroed (as the reference does), and every
+    # other row still holds its token: each row in use has exactly one writer.
+    case = make_case(300, 4, seed=51)
+    r2p = case.plan.route_to_pool_row.clone()
+    flat = r2p.view(-1)
+    routed = (flat >= 0).nonzero().flatten()
+    a, b = int(routed[3]), int(routed[40])
+    flat[a], flat[b] = flat[b].clone(), flat[a].clone()
+    corrupt = dataclasses.replace(case.plan, route_to_pool_row=r2p)
+    corrupt_cpu = dataclasses.replace(case.plan_cpu, route_to_pool_row=r2p.cpu())
+    x = random_bf16((300, 128), 52)
+    runs = [pool.gather_pool(x, None, corrupt) for _ in range(2)]
+    expected = pool.gather_pool_reference(x.cpu(), None, corrupt_cpu)
+    rows = int(case.plan_cpu.expert_pool_offsets[-1])
+    assert_bitwise(runs[0][:rows], expected[:rows])
+    assert_bitwise(runs[1][:rows], runs[0][:rows])
+    for route in (a, b):
+        row = int(case.plan_cpu.route_to_pool_row.view(-1)[route])
+        assert (runs[0][row].view(torch.int16) == 0).all()
+
+
+def test_native_gather_tokens_checks_its_arguments():
+    from megamoe import _C
+    from megamoe.wrappers._native import current_stream, dlpack
+
+    case = make_case(8, 2, seed=45)
+    plan = case.plan
+    good = dict(
+        x=random_bf16((8, 64), 46),
+        side=random_bf16((8, 16), 47),
+        r2p=plan.route_to_pool_row,
+        p2r=plan.pool_row_to_route,
+        offsets=plan.expert_pool_offsets,
+        out=torch.zeros(plan.pool_capacity, 80, dtype=torch.bfloat16, device="cuda"),
+    )
+
+    def call(**overrides):
+        a = {**good, **overrides}
+        _C.pool_gather_tokens(
+            dlpack(a["x"]),
+            None if a["side"] is None else dlpack(a["side"]),
+            dlpack(a["r2p"]),
+            dlpack(a["p2r"]),
+            dlpack(a["offsets"]),
+            dlpack(a["out"]),
+            current_stream(a["x"].device),
+        )
+
+    call()
+    torch.cuda.synchronize()
+    with pytest.raises(TypeError, match="x: expected dtype bfloat16"):
+        call(x=good["x"].float())
+    with pytest.raises(ValueError, match="x: expected the hidden size"):
+        call(x=random_bf16((8, 60), 0), out=good["out"][:, :76].contiguous())
+    with pytest.raises(ValueError, match="side: expected shape"):
+        call(side=random_bf16((7, 16), 0))
+    with pytest.raises(ValueError, match="route_to_pool_row: expected shape"):
+        call(r2p=plan.route_to_pool_row[:7])
+    with pytest.raises(TypeError, match="route_to_pool_row: expected dtype int32"):
+        call(r2p=plan.route_to_pool_row.long())
+    with pytest.raises(TypeError, match="pool_row_to_route: expected dtype int32"):
+        call(p2r=plan.pool_row_to_route.long())
+    with pytest.raises(ValueError, match="expert_pool_offsets: expected"):
+        call(offsets=plan.expert_pool_offsets[:1])
+    with pytest.raises(ValueError, match="pool_input: expected shape"):
+        call(side=None)
 
 
 def test_native_combine_and_side_sum_check_their_arguments():

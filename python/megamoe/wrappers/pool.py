@@ -160,8 +160,12 @@ def gather_pool_reference(
         out = torch.zeros(capacity, hidden + side_cols, dtype=torch.bfloat16, device=x.device)
     rows_used = min(max(int(plan.expert_pool_offsets[-1]), 0), capacity)
     routes = plan.pool_row_to_route[:rows_used].to(torch.int64)
-    # Routes outside [0, T*K) (a corrupt plan) are padding, as in the kernel.
-    routed = (routes >= 0) & (routes < x.shape[0] * top_k)
+    # A row holds its route's token only where both index maps name the pair; every
+    # other row in use is zero (padding, and any row of a corrupt plan), as in the kernel.
+    num_routes = x.shape[0] * top_k
+    routed = (routes >= 0) & (routes < num_routes)
+    back = plan.route_to_pool_row.reshape(-1).to(torch.int64)[routes.clamp(0, num_routes - 1)]
+    routed &= back == torch.arange(rows_used, device=routes.device)
     tokens = torch.div(routes[routed], top_k, rounding_mode="floor")
     rows = torch.zeros(rows_used, hidden + side_cols, dtype=torch.bfloat16, device=x.device)
     rows[routed, :hidden] = x[tokens]
@@ -191,10 +195,11 @@ def gather_pool(
         route; padding rows below ``plan.expert_pool_offsets[-1]`` are zero; rows at or
         past it are not written (uninitialised when allocated here on CUDA).
 
-    On CUDA this is one kernel on the current stream with no host synchronisation;
-    on CPU it is :func:`gather_pool_reference`.
+    On CUDA this is one kernel on the current stream with no host synchronisation,
+    token-major (each token's row read once, written to its ``K`` pool rows); on CPU it
+    is :func:`gather_pool_reference`.
     """
-    plan, hidden, side_cols, top_k = _check_gather(x, side, plan, out)
+    plan, hidden, side_cols, _ = _check_gather(x, side, plan, out)
     if not x.is_cuda:
         return gather_pool_reference(x, side, plan, out)
     if out is None:
@@ -203,12 +208,12 @@ def gather_pool(
         )
     dl = _native.dlpack
     with _native.on_device(x.device):
-        _native.native().pool_gather(
+        _native.native().pool_gather_tokens(
             dl(x),
             dl(side) if side_cols else None,
+            dl(plan.route_to_pool_row),
             dl(plan.pool_row_to_route),
             dl(plan.expert_pool_offsets),
-            top_k,
             dl(out),
             _native.current_stream(x.device),
         )
