@@ -144,8 +144,9 @@ void pool_gather(const Tensor& x, std::optional<Tensor> side, const Tensor& pool
 
 // The token-major pool gather (kernels/pool_gather_tokens.cuh). Its grid: a warp per
 // (token, row slice), rows split into slices when one warp per token leaves the GPU
-// short of resident warps (few tokens), and at least a warp per 32-row group of the
-// pool for the zeroing pass.
+// short of resident warps (few tokens), and for the zeroing pass up to 32 warps per
+// 32-row group of the pool, as many as fill the GPU (the rows in use are known only on
+// the device: sized by the capacity).
 void pool_gather_tokens(const Tensor& x, std::optional<Tensor> side,
                         const Tensor& route_to_pool_row, const Tensor& pool_row_to_route,
                         const Tensor& expert_pool_offsets, const Tensor& pool_input,
@@ -198,7 +199,9 @@ void pool_gather_tokens(const Tensor& x, std::optional<Tensor> side,
       num_tokens > 0 ? (resident_warps + num_tokens - 1) / num_tokens : 1, 1, max_slices);
   const int64_t slice_vecs = 32 * ((row_vecs + 32 * slices - 1) / (32 * slices));
   slices = (row_vecs + slice_vecs - 1) / slice_vecs;
-  const int64_t warps = std::max(num_tokens * slices, (pool_capacity + 31) / 32);
+  const int64_t groups = (pool_capacity + 31) / 32;
+  const int64_t zero_parts = std::clamp<int64_t>((resident_warps + groups - 1) / groups, 1, 32);
+  const int64_t warps = std::max(num_tokens * slices, groups * zero_parts);
 
   PoolGatherParams params{};
   params.x = x.data();
@@ -214,6 +217,7 @@ void pool_gather_tokens(const Tensor& x, std::optional<Tensor> side,
   params.hidden = static_cast<int32_t>(hidden);
   params.side_cols = static_cast<int32_t>(side_cols);
   params.row_slices = static_cast<int32_t>(slices);
+  params.zero_parts = static_cast<int32_t>(zero_parts);
   const int64_t blocks = (warps + warps_per_block - 1) / warps_per_block;
   launch_blocks(kernels.tokens, params,
                 static_cast<unsigned>(std::min<int64_t>(blocks, resident_blocks)), stream,

@@ -25,6 +25,7 @@ struct PoolGatherParams {
   int32_t hidden;                    // H, a multiple of kPoolVectorElems
   int32_t side_cols;                 // C, a multiple of kPoolVectorElems (0: no side tensor)
   int32_t row_slices;                // slices per token row (tokens: >= 1)
+  int32_t zero_parts;                // warps per 32-row group zeroing unclaimed rows (1..32)
 };
 
 using PoolGatherKernel = void (*)(PoolGatherParams);

@@ -16,8 +16,10 @@
 // Work, grid-strided over one persistent wave: (token, row slice) items, one warp each,
 // lanes striding the slice in 16-byte vectors with kUnroll loads in flight before
 // their stores to each route's row (the host splits rows into slices when there are too
-// few tokens to fill the GPU); then the pool's rows in use in groups of 32, where a
-// ballot finds the unclaimed rows and the warp zeroes them.
+// few tokens to fill the GPU). A token none of whose routes claims a row is not read
+// (the EP layer's receive buffers are only written up to the rows received). Then the
+// pool's rows in use in groups of 32: a ballot finds a group's unclaimed rows, which
+// `zero_parts` warps zero together (with few tokens, padding is most of the pool).
 #pragma once
 
 #include <cstdint>
@@ -79,6 +81,10 @@ __global__ void __launch_bounds__(kPoolThreadsPerBlock) pool_gather_tokens(PoolG
         const bool claimed = in_use && __ldg(p.pool_row_to_route + rows[i]) == route0 + k0 + i;
         out_base[i] = claimed ? static_cast<int64_t>(rows[i]) * row_vecs : -1;
       }
+      bool any_claimed = false;  // the same for every lane: the loads above are
+#pragma unroll
+      for (int i = 0; i < kPoolGatherRouteBatch; ++i) any_claimed |= out_base[i] >= 0;
+      if (!any_claimed) continue;
       // One step at a time: unrolling this loop too only raises register use.
 #pragma unroll 1
       for (int first = v_begin + lane; first < v_end; first += 32 * kUnroll) {
@@ -104,8 +110,13 @@ __global__ void __launch_bounds__(kPoolThreadsPerBlock) pool_gather_tokens(PoolG
     }
   }
 
-  // The rows in use that no route claimed <- 0.
-  for (int64_t group = warp; group * 32 < rows_used; group += num_warps) {
+  // The rows in use that no route claimed <- 0: item (group, part) zeroes the group's
+  // unclaimed rows whose index in the group is part modulo zero_parts.
+  const int parts = p.zero_parts;
+  const int64_t groups = (rows_used + 31) / 32;
+  for (int64_t item = warp; item < groups * parts; item += num_warps) {
+    const int64_t group = item / parts;
+    const int part = static_cast<int>(item % parts);
     const int64_t row = group * 32 + lane;
     bool unclaimed = false;
     if (row < rows_used) {
@@ -116,6 +127,7 @@ __global__ void __launch_bounds__(kPoolThreadsPerBlock) pool_gather_tokens(PoolG
     while (mask != 0u) {
       const int bit = __ffs(static_cast<int>(mask)) - 1;
       mask &= mask - 1u;
+      if (bit % parts != part) continue;
       uint4* out = pool + (group * 32 + bit) * row_vecs;
       for (int v = lane; v < row_vecs; v += 32) out[v] = make_uint4(0u, 0u, 0u, 0u);
     }

@@ -44,8 +44,9 @@ def driver(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return binary
 
 
-def run_kernel(driver, tmp_path, x, side, plan, *, blocks, slices, out=None):
-    """The kernel's pool after one launch of ``blocks`` blocks with ``slices`` row slices."""
+def run_kernel(driver, tmp_path, x, side, plan, *, blocks, slices, zero_parts=1, out=None):
+    """(the pool after one launch of ``blocks`` blocks with ``slices`` row slices and
+    ``zero_parts`` warps per zeroed 32-row group, the bytes of ``x`` it read)."""
     num_tokens, hidden = x.shape
     side_cols = 0 if side is None else side.shape[1]
     capacity = plan.pool_capacity
@@ -53,7 +54,7 @@ def run_kernel(driver, tmp_path, x, side, plan, *, blocks, slices, out=None):
         out = torch.full((capacity, hidden + side_cols), SENTINEL, dtype=torch.bfloat16)
     head = np.array(
         [num_tokens, plan.route_to_pool_row.shape[1], hidden, side_cols, capacity,
-         int(plan.expert_pool_offsets[-1]), blocks, slices],
+         int(plan.expert_pool_offsets[-1]), blocks, slices, zero_parts],
         dtype=np.int64,
     )  # fmt: skip
     parts = [
@@ -66,19 +67,24 @@ def run_kernel(driver, tmp_path, x, side, plan, *, blocks, slices, out=None):
     ]
     (tmp_path / "in.bin").write_bytes(b"".join(parts))
     # A timeout: a kernel whose loops do not end fails here instead of stalling the suite.
-    subprocess.run(
-        [str(driver), str(tmp_path / "in.bin"), str(tmp_path / "out.bin")], check=True, timeout=60
+    done = subprocess.run(
+        [str(driver), str(tmp_path / "in.bin"), str(tmp_path / "out.bin")],
+        check=True,
+        timeout=60,
+        capture_output=True,
+        text=True,
     )
     result = np.fromfile(tmp_path / "out.bin", dtype=np.int16).reshape(capacity, -1)
-    return torch.from_numpy(result.copy()).view(torch.bfloat16)
+    return torch.from_numpy(result.copy()).view(torch.bfloat16), int(done.stdout)
 
 
-def host_slices(num_tokens: int, row_vecs: int, resident_warps: int) -> int:
-    """bindings/pool_ops.cpp's slice count for a GPU with ``resident_warps`` warps."""
+def host_grid(num_tokens: int, row_vecs: int, capacity: int, resident_warps: int):
+    """bindings/pool_ops.cpp's (row slices, zero parts) for ``resident_warps`` warps."""
     max_slices = (row_vecs + 31) // 32
     slices = min(max(-(-resident_warps // max(num_tokens, 1)), 1), max_slices)
     slice_vecs = 32 * (-(-row_vecs // (32 * slices)))
-    return -(-row_vecs // slice_vecs)
+    groups = -(-capacity // 32)
+    return -(-row_vecs // slice_vecs), min(max(-(-resident_warps // groups), 1), 32)
 
 
 def random_bf16(shape, seed):
@@ -93,8 +99,10 @@ def check(driver, tmp_path, num_tokens, top_k, hidden, side_cols, *, blocks, res
         plan = mm.plan_routes_reference(ids, num_experts, 64)
     x = random_bf16((num_tokens, hidden), seed + 1)
     side = random_bf16((num_tokens, side_cols), seed + 2) if side_cols else None
-    slices = host_slices(num_tokens, (hidden + side_cols) // 8, resident_warps)
-    got = run_kernel(driver, tmp_path, x, side, plan, blocks=blocks, slices=slices)
+    slices, parts = host_grid(num_tokens, (hidden + side_cols) // 8, plan.pool_capacity,
+                              resident_warps)  # fmt: skip
+    got, _ = run_kernel(driver, tmp_path, x, side, plan, blocks=blocks, slices=slices,
+                        zero_parts=parts)  # fmt: skip
     sentinel = torch.full_like(got, SENTINEL)
     expected = pool.gather_pool_reference(x, side, plan, sentinel)
     assert torch.equal(got.view(torch.int16), expected.view(torch.int16)), (
@@ -140,8 +148,25 @@ def test_all_masked_writes_nothing(driver, tmp_path):
     ids = torch.full((10, 2), -1, dtype=torch.int32)
     plan = mm.plan_routes_reference(ids, 3, 64)
     x = random_bf16((10, 16), 7)
-    got = run_kernel(driver, tmp_path, x, None, plan, blocks=1, slices=1)
+    got, read = run_kernel(driver, tmp_path, x, None, plan, blocks=1, slices=1)
     assert (got == SENTINEL).all()
+    assert read == 0
+
+
+@pytest.mark.parametrize(("slices", "zero_parts"), [(1, 1), (3, 7), (2, 32)])
+def test_reads_only_tokens_with_a_claimed_row(driver, tmp_path, slices, zero_parts):
+    # The EP layer's receive buffer: a K = 1 plan over more rows than were received,
+    # the rows past them never written. Their tokens claim no pool row and must not be
+    # read (compute-sanitizer's initcheck); each received row is read exactly once.
+    ids = torch.full((100, 1), -1, dtype=torch.int32)
+    ids[:60, 0] = torch.arange(60, dtype=torch.int32) % 5
+    plan = mm.plan_routes_reference(ids, 5, 64)
+    x = random_bf16((100, 256), 11)
+    got, read = run_kernel(driver, tmp_path, x, None, plan, blocks=2, slices=slices,
+                           zero_parts=zero_parts)  # fmt: skip
+    expected = pool.gather_pool_reference(x, None, plan, torch.full_like(got, SENTINEL))
+    assert torch.equal(got.view(torch.int16), expected.view(torch.int16))
+    assert read == 60 * 256 * 2
 
 
 def test_a_corrupt_plan_gives_one_writer_per_row(driver, tmp_path):

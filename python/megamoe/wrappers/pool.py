@@ -164,8 +164,9 @@ def gather_pool_reference(
     # other row in use is zero (padding, and any row of a corrupt plan), as in the kernel.
     num_routes = x.shape[0] * top_k
     routed = (routes >= 0) & (routes < num_routes)
-    back = plan.route_to_pool_row.reshape(-1).to(torch.int64)[routes.clamp(0, num_routes - 1)]
-    routed &= back == torch.arange(rows_used, device=routes.device)
+    if num_routes > 0:
+        back = plan.route_to_pool_row.reshape(-1).to(torch.int64)[routes.clamp(0, num_routes - 1)]
+        routed &= back == torch.arange(rows_used, device=routes.device)
     tokens = torch.div(routes[routed], top_k, rounding_mode="floor")
     rows = torch.zeros(rows_used, hidden + side_cols, dtype=torch.bfloat16, device=x.device)
     rows[routed, :hidden] = x[tokens]

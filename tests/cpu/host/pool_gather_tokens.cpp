@@ -1,10 +1,11 @@
 // Host driver for tests/cpu/test_pool_gather_tokens.py: runs the token-major pool gather
 // kernel's source (kernels/pool_gather_tokens.cuh) on the CPU (cuda_host_shim.h).
 //
-// argv: IN OUT. IN holds int64 T, K, H, C, capacity, rows_used, blocks, slices; then
-// x [T, H] and side [T, C] as uint16 (BF16 bits), route_to_pool_row [T, K] and
-// pool_row_to_route [capacity] as int32, and the pool's initial [capacity, H + C]
-// uint16. OUT receives the pool after the kernel.
+// argv: IN OUT. IN holds int64 T, K, H, C, capacity, rows_used, blocks, slices,
+// zero_parts; then x [T, H] and side [T, C] as uint16 (BF16 bits), route_to_pool_row
+// [T, K] and pool_row_to_route [capacity] as int32, and the pool's initial [capacity,
+// H + C] uint16. OUT receives the pool after the kernel; stdout, the bytes of x the
+// kernel read.
 #include <cstdio>
 #include <vector>
 
@@ -26,8 +27,8 @@ int main(int argc, char** argv) {
   if (argc != 3) return 2;
   FILE* in = std::fopen(argv[1], "rb");
   if (in == nullptr) return 1;
-  int64_t head[8];
-  if (std::fread(head, sizeof(int64_t), 8, in) != 8) return 1;
+  int64_t head[9];
+  if (std::fread(head, sizeof(int64_t), 9, in) != 9) return 1;
   const int64_t T = head[0], K = head[1], H = head[2], C = head[3], capacity = head[4];
   const int32_t rows_used = static_cast<int32_t>(head[5]);
   const unsigned blocks = static_cast<unsigned>(head[6]);
@@ -51,8 +52,11 @@ int main(int argc, char** argv) {
   p.hidden = static_cast<int32_t>(H);
   p.side_cols = static_cast<int32_t>(C);
   p.row_slices = static_cast<int32_t>(head[7]);
+  p.zero_parts = static_cast<int32_t>(head[8]);
+  host_shim::watch(x.data(), x.size() * sizeof(uint16_t));
   host_shim::launch(megamoe::kernels::pool_gather_tokens<4>, p, blocks,
                     megamoe::kPoolThreadsPerBlock);
+  std::printf("%llu\n", static_cast<unsigned long long>(host_shim::watched_bytes.load()));
 
   FILE* out = std::fopen(argv[2], "wb");
   if (out == nullptr) return 1;
