@@ -92,7 +92,7 @@ void launch(Kernel kernel, const Params& params, int device, int64_t blocks_need
 
 void pool_gather(const Tensor& x, std::optional<Tensor> side, const Tensor& pool_row_to_route,
                  const Tensor& expert_pool_offsets, int top_k, const Tensor& pool_input,
-                 uintptr_t stream) {
+                 uintptr_t stream, std::optional<Tensor> route_to_pool_row) {
   const int device = x.device_id();
   check_bf16("x", x, {-1, -1}, device);
   const int64_t num_tokens = x.shape(0), hidden = x.shape(1);
@@ -120,6 +120,8 @@ void pool_gather(const Tensor& x, std::optional<Tensor> side, const Tensor& pool
                            shape_string(expert_pool_offsets))
                               .c_str());
   check_bf16("pool_input", pool_input, {pool_capacity, hidden + side_cols}, device);
+  if (route_to_pool_row)
+    check_tensor<int32_t>("route_to_pool_row", *route_to_pool_row, {num_tokens, top_k}, device);
   check_current_device("x", device);
   if (pool_capacity == 0) return;
 
@@ -127,6 +129,8 @@ void pool_gather(const Tensor& x, std::optional<Tensor> side, const Tensor& pool
   params.x = x.data();
   params.side = side_cols > 0 ? side->data() : nullptr;
   params.pool_row_to_route = static_cast<const int32_t*>(pool_row_to_route.data());
+  params.route_to_pool_row =
+      route_to_pool_row ? static_cast<const int32_t*>(route_to_pool_row->data()) : nullptr;
   params.pool_rows_used =
       static_cast<const int32_t*>(expert_pool_offsets.data()) + (expert_pool_offsets.shape(0) - 1);
   params.pool_input = pool_input.data();
@@ -350,9 +354,10 @@ void pool_combine(const Tensor& pool_output, const Tensor& route_to_pool_row,
 void register_pool_ops(nb::module_& m) {
   m.def("pool_gather", &pool_gather, nb::arg("x"), nb::arg("side").none(),
         nb::arg("pool_row_to_route"), nb::arg("expert_pool_offsets"), nb::arg("top_k"),
-        nb::arg("pool_input"), nb::arg("stream"),
+        nb::arg("pool_input"), nb::arg("stream"), nb::arg("route_to_pool_row").none() = nb::none(),
         "pool_input[row] = [x[t] | side[t]] for each routed pool row (t = route / top_k), "
-        "zeros for padding rows below expert_pool_offsets[-1]; later rows untouched.");
+        "zeros for padding rows below expert_pool_offsets[-1]; later rows untouched. With "
+        "route_to_pool_row, a row is routed only where that map names it back.");
   m.def("pool_gather_tokens", &pool_gather_tokens, nb::arg("x"), nb::arg("side").none(),
         nb::arg("route_to_pool_row"), nb::arg("pool_row_to_route"), nb::arg("expert_pool_offsets"),
         nb::arg("pool_input"), nb::arg("stream"),

@@ -1,7 +1,9 @@
 // Pool gather, row-major: copy [x | side] of every routed token into its pool row, one
 // destination row at a time. It needs only the row map, so it also serves any row
-// gather (mm's gather_rows); the expert pool itself is filled token-major
-// (pool_gather_tokens.cuh), which reads each token's row once instead of once per route.
+// gather (mm's gather_rows), and it fills an expert pool of one route per token (the EP
+// layer's received rows: one read per row either way, and only the rows in use are
+// visited); a pool of K > 1 routes per token is filled token-major
+// (pool_gather_tokens.cuh), which reads each token's row once instead of K times.
 //
 // pool_input[row, 0:H] = x[t], pool_input[row, H:H+C] = side[t] for each pool row whose
 // route r = pool_row_to_route[row] is >= 0 (t = r / K). Padding rows below the rows in
@@ -50,7 +52,11 @@ __global__ void __launch_bounds__(kPoolThreadsPerBlock) pool_gather_rows(PoolGat
     const int32_t route = __ldg(p.pool_row_to_route + row);
     // Out-of-range routes (only a corrupt plan has them) are treated as padding rather
     // than read out of bounds.
-    const bool routed = route >= 0 && route < num_routes;
+    // With the inverse map (the expert pool), a row holds its route's token only where
+    // both maps name the pair, as in the token-major kernel.
+    const bool routed =
+        route >= 0 && route < num_routes &&
+        (p.route_to_pool_row == nullptr || __ldg(p.route_to_pool_row + route) == row);
     const int64_t token = routed ? route / p.top_k : 0;
     const int64_t x_base = token * hidden_vecs;
     // Vector v >= hidden_vecs of the pool row is side vector v - hidden_vecs.

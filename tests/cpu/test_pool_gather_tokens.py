@@ -1,5 +1,6 @@
-"""The token-major pool gather kernel's own source (kernels/pool_gather_tokens.cuh), run
-on the CPU against :func:`megamoe.wrappers.pool.gather_pool_reference`, bit for bit.
+"""The pool gather kernels' own source (kernels/pool_gather_tokens.cuh, token-major, and
+the row-major kernels/pool_gather.cuh for one route per token), run on the CPU against
+:func:`megamoe.wrappers.pool.gather_pool_reference`, bit for bit.
 
 The driver (tests/cpu/host/pool_gather_tokens.cpp) compiles the kernel with g++ over a
 shim of CUDA's built-ins (tests/cpu/host/cuda_host_shim.h: each warp's 32 lanes are
@@ -44,9 +45,11 @@ def driver(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return binary
 
 
-def run_kernel(driver, tmp_path, x, side, plan, *, blocks, slices, zero_parts=1, out=None):
+def run_kernel(driver, tmp_path, x, side, plan, *, blocks, slices, zero_parts=1, out=None,
+               kernel="tokens"):  # fmt: skip
     """(the pool after one launch of ``blocks`` blocks with ``slices`` row slices and
-    ``zero_parts`` warps per zeroed 32-row group, the bytes of ``x`` it read)."""
+    ``zero_parts`` warps per zeroed 32-row group, the bytes of ``x`` it read);
+    ``kernel="rows"``: the row-major kernel with the inverse map, as for ``K = 1``."""
     num_tokens, hidden = x.shape
     side_cols = 0 if side is None else side.shape[1]
     capacity = plan.pool_capacity
@@ -54,7 +57,7 @@ def run_kernel(driver, tmp_path, x, side, plan, *, blocks, slices, zero_parts=1,
         out = torch.full((capacity, hidden + side_cols), SENTINEL, dtype=torch.bfloat16)
     head = np.array(
         [num_tokens, plan.route_to_pool_row.shape[1], hidden, side_cols, capacity,
-         int(plan.expert_pool_offsets[-1]), blocks, slices, zero_parts],
+         int(plan.expert_pool_offsets[-1]), blocks, slices, zero_parts, kernel == "rows"],
         dtype=np.int64,
     )  # fmt: skip
     parts = [
@@ -188,3 +191,21 @@ def test_a_corrupt_plan_gives_one_writer_per_row(driver, tmp_path):
     for route in (a, b, c, routed[60]):
         row = int(plan.route_to_pool_row.view(-1)[route])
         assert (got[row].view(torch.int16) == 0).all(), route
+
+
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_one_route_per_token_takes_the_row_major_kernel(driver, tmp_path, corrupt):
+    # K = 1 (the EP layer's received rows): the row-major kernel with the inverse map
+    # follows the same claim rule, so a corrupt plan's disagreeing rows are zeros too.
+    ids = torch.full((90, 1), -1, dtype=torch.int32)
+    ids[:70, 0] = torch.arange(70, dtype=torch.int32) % 6
+    plan = mm.plan_routes_reference(ids, 6, 64)
+    if corrupt:
+        r2p = plan.route_to_pool_row.clone()
+        r2p[3, 0], r2p[50, 0] = r2p[50, 0].clone(), r2p[3, 0].clone()
+        plan = dataclasses.replace(plan, route_to_pool_row=r2p)
+    x = random_bf16((90, 128), 12)
+    got, read = run_kernel(driver, tmp_path, x, None, plan, blocks=2, slices=1, kernel="rows")
+    expected = pool.gather_pool_reference(x, None, plan, torch.full_like(got, SENTINEL))
+    assert torch.equal(got.view(torch.int16), expected.view(torch.int16))
+    assert read == (68 if corrupt else 70) * 128 * 2

@@ -407,6 +407,12 @@ def test_native_gather_checks_its_arguments():
         call(offsets=plan.expert_pool_offsets[:1])
     with pytest.raises(ValueError, match="top_k: expected >= 1"):
         call(top_k=0)
+    with pytest.raises(ValueError, match="route_to_pool_row: expected shape"):
+        _C.pool_gather(
+            dlpack(good["x"]), dlpack(good["side"]), dlpack(good["p2r"]),
+            dlpack(good["offsets"]), 2, dlpack(good["out"]), current_stream(good["x"].device),
+            dlpack(plan.route_to_pool_row[:7]),
+        )  # fmt: skip
 
 
 def test_rows_the_index_maps_disagree_on_are_zeroed_once():

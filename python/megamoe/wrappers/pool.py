@@ -196,11 +196,11 @@ def gather_pool(
         route; padding rows below ``plan.expert_pool_offsets[-1]`` are zero; rows at or
         past it are not written (uninitialised when allocated here on CUDA).
 
-    On CUDA this is one kernel on the current stream with no host synchronisation,
-    token-major (each token's row read once, written to its ``K`` pool rows); on CPU it
-    is :func:`gather_pool_reference`.
+    On CUDA this is one kernel on the current stream with no host synchronisation:
+    token-major for ``K > 1`` (each token's row read once, written to its ``K`` pool
+    rows), a warp per row in use for ``K = 1``; on CPU it is :func:`gather_pool_reference`.
     """
-    plan, hidden, side_cols, _ = _check_gather(x, side, plan, out)
+    plan, hidden, side_cols, top_k = _check_gather(x, side, plan, out)
     if not x.is_cuda:
         return gather_pool_reference(x, side, plan, out)
     if out is None:
@@ -208,16 +208,19 @@ def gather_pool(
             plan.pool_capacity, hidden + side_cols, dtype=torch.bfloat16, device=x.device
         )
     dl = _native.dlpack
+    stream = _native.current_stream(x.device)
+    side_arg = dl(side) if side_cols else None
     with _native.on_device(x.device):
-        _native.native().pool_gather_tokens(
-            dl(x),
-            dl(side) if side_cols else None,
-            dl(plan.route_to_pool_row),
-            dl(plan.pool_row_to_route),
-            dl(plan.expert_pool_offsets),
-            dl(out),
-            _native.current_stream(x.device),
-        )
+        if top_k > 1:  # each token's row read once for its K rows
+            _native.native().pool_gather_tokens(
+                dl(x), side_arg, dl(plan.route_to_pool_row), dl(plan.pool_row_to_route),
+                dl(plan.expert_pool_offsets), dl(out), stream,
+            )  # fmt: skip
+        else:  # one row per token (EP's received rows): visit only the rows in use
+            _native.native().pool_gather(
+                dl(x), side_arg, dl(plan.pool_row_to_route), dl(plan.expert_pool_offsets), 1,
+                dl(out), stream, dl(plan.route_to_pool_row),
+            )  # fmt: skip
     return out
 
 

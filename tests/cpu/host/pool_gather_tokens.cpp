@@ -1,18 +1,19 @@
-// Host driver for tests/cpu/test_pool_gather_tokens.py: runs the token-major pool gather
-// kernel's source (kernels/pool_gather_tokens.cuh) on the CPU (cuda_host_shim.h).
+// Host driver for tests/cpu/test_pool_gather_tokens.py: runs the pool gather kernels'
+// source (kernels/pool_gather_tokens.cuh, and the row-major kernels/pool_gather.cuh)
+// on the CPU (cuda_host_shim.h).
 //
 // argv: IN OUT. IN holds int64 T, K, H, C, capacity, rows_used, blocks, slices,
-// zero_parts; then x [T, H] and side [T, C] as uint16 (BF16 bits), route_to_pool_row
-// [T, K] and pool_row_to_route [capacity] as int32, and the pool's initial [capacity,
-// H + C] uint16. OUT receives the pool after the kernel; stdout, the bytes of x the
-// kernel read.
+// zero_parts, kernel (0: token-major, 1: row-major with the inverse map); then x [T, H] and side
+// [T, C] as uint16 (BF16 bits), route_to_pool_row [T, K] and pool_row_to_route [capacity] as int32,
+// and the pool's initial [capacity, H + C] uint16. OUT receives the pool after the kernel; stdout,
+// the bytes of x the kernel read.
 #include <cstdio>
 #include <vector>
 
 // The shim defines the CUDA built-ins the kernel's source uses: it comes first.
 // clang-format off
 #include "cuda_host_shim.h"
-#include "pool_gather_tokens.cuh"
+#include "pool_gather.cuh"
 // clang-format on
 
 namespace {
@@ -27,8 +28,8 @@ int main(int argc, char** argv) {
   if (argc != 3) return 2;
   FILE* in = std::fopen(argv[1], "rb");
   if (in == nullptr) return 1;
-  int64_t head[9];
-  if (std::fread(head, sizeof(int64_t), 9, in) != 9) return 1;
+  int64_t head[10];
+  if (std::fread(head, sizeof(int64_t), 10, in) != 10) return 1;
   const int64_t T = head[0], K = head[1], H = head[2], C = head[3], capacity = head[4];
   const int32_t rows_used = static_cast<int32_t>(head[5]);
   const unsigned blocks = static_cast<unsigned>(head[6]);
@@ -54,7 +55,8 @@ int main(int argc, char** argv) {
   p.row_slices = static_cast<int32_t>(head[7]);
   p.zero_parts = static_cast<int32_t>(head[8]);
   host_shim::watch(x.data(), x.size() * sizeof(uint16_t));
-  host_shim::launch(megamoe::kernels::pool_gather_tokens<4>, p, blocks,
+  const megamoe::PoolGatherKernels kernels = megamoe::kernels::pool_gather_kernels();
+  host_shim::launch(head[9] == 0 ? kernels.tokens : kernels.gather, p, blocks,
                     megamoe::kPoolThreadsPerBlock);
   std::printf("%llu\n", static_cast<unsigned long long>(host_shim::watched_bytes.load()));
 
