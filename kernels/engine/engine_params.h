@@ -114,7 +114,7 @@ struct EpilogueParams {
   int32_t store_preact;
   // ActivationBackward (columns i < I = intermediate of z):
   const void* preact;                // [P, 2I] bf16 g | u from GEMM1
-  const float* row_weights;          // [P] float32: each pool row's route weight (0: none)
+  const float* row_weights;          // [P] float32: each pool row's route weight (padding: unused)
   const int32_t* pool_row_to_route;  // [P]: the row's route, or -1 (padding)
   int64_t num_routes;
   void* dgrad_preact;       // [P, 2I] bf16 out: dg | du

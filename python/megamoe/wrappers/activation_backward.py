@@ -192,9 +192,13 @@ def fused_dgrad2_activation_backward(
     partials = torch.zeros(capacity, n_blocks, dtype=torch.float32, device=device)
     clamp = math.inf if activation_clamp is None else float(activation_clamp)
     # Each pool row's route weight, gathered here so that the epilogue loads it beside
-    # the row's route instead of after it. Padding rows (route -1) index the appended 0.
+    # the row's route instead of after it. Padding rows (route -1) read the last route's
+    # weight, which the epilogue never uses (they give zeros); one index launch.
     flat_weights = topk_weights.reshape(-1)
-    row_weights = torch.nn.functional.pad(flat_weights, (0, 1))[plan.pool_row_to_route]
+    if flat_weights.numel() > 0:
+        row_weights = flat_weights[plan.pool_row_to_route]
+    else:  # no routes: every row is padding
+        row_weights = flat_weights.new_zeros(plan.pool_capacity)
     dl = _native.dlpack
     with _native.on_device(device):
         _native.native().engine_activation_backward(
