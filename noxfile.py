@@ -4,7 +4,8 @@ Every tool a session installs comes from the host pin's hash-locked lists in
 ``ci/locks`` (``pip install --require-hashes``; regenerate them with ``ci/lock.py``),
 so CI, the images and a local run use the same files: ``<pin>-build.txt`` (the build,
 the SASS tools, the wheel audit), ``<pin>-test.txt`` (the CPU torch wheel
-``torch==X+cpu`` by its hash, pytest, numpy, cuda-pathfinder, matplotlib),
+``torch==X+cpu`` by its hash, pytest, numpy, cuda-pathfinder, matplotlib, and the
+trainers the integration tests run against: transformers, peft, torchtitan, triton),
 ``<pin>-test-cuda.txt`` (PyPI's CUDA torch, for the GPU sessions), ``<pin>-lint.txt``.
 The CPU torch wheel is found where pip is configured to look (a local wheel
 directory on CI's machine) or, with ``MEGAMOE_TORCH_INDEX=https://download.pytorch.org/whl/cpu``,

