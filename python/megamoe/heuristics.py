@@ -37,7 +37,9 @@ def get_block_m(
     Args:
         num_tokens: tokens on this rank ``T`` (in EP, the MAX over ranks, so that every
             rank agrees).
-        top_k: routes per token ``K``.
+        top_k: routes per token ``K``; it may exceed ``num_experts`` where a layer sees
+            only its rank's experts and the other routes are masked (``-1``), as a
+            trainer's own expert parallelism leaves them.
         num_experts: experts in total ``E`` (all ranks).
         ep_size: expert-parallel degree ``P``; ``E`` must be a multiple of it.
         config: thresholds (default :class:`BlockMConfig`).
@@ -55,8 +57,6 @@ def get_block_m(
         raise ValueError(
             f"num_experts: expected a multiple of ep_size={ep_size}, got {num_experts}"
         )
-    if top_k > num_experts:
-        raise ValueError(f"top_k: expected <= num_experts={num_experts}, got {top_k}")
     if config is not None and not isinstance(config, BlockMConfig):
         raise TypeError(
             f"config: expected megamoe.BlockMConfig or None, got {type(config).__name__}"

@@ -69,7 +69,6 @@ def test_custom_config_moves_the_threshold():
     [
         (dict(num_tokens=-1, top_k=1, num_experts=8), "num_tokens"),
         (dict(num_tokens=1, top_k=0, num_experts=8), "top_k"),
-        (dict(num_tokens=1, top_k=9, num_experts=8), "top_k"),
         (dict(num_tokens=1, top_k=1, num_experts=0), "num_experts"),
         (dict(num_tokens=1, top_k=1, num_experts=10, ep_size=4), "num_experts"),
         (dict(num_tokens=1, top_k=1, num_experts=8, ep_size=0), "ep_size"),
@@ -78,6 +77,16 @@ def test_custom_config_moves_the_threshold():
 def test_bad_arguments_name_the_argument(kwargs, match):
     with pytest.raises(ValueError, match=match):
         mm.get_block_m(**kwargs)
+
+
+def test_more_routes_than_experts_is_a_choice():
+    # One rank's layer under a trainer's own expert parallelism: K = 8 routes per token,
+    # 4 local experts, the other ranks' routes masked. The expected rows per expert
+    # still follow T * K / E (an upper bound where routes are masked).
+    choices = registry().block_m_choices
+    for tokens in (1, 64, 4096, 65_536):
+        assert mm.get_block_m(tokens, 8, 4) in choices
+    assert mm.get_block_m(65_536, 8, 4) == choices[-1]
 
 
 def test_non_int_is_a_type_error():

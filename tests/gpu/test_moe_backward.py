@@ -404,3 +404,50 @@ def test_engine_backward_at_both_block_m(tokens, rank):
     assert block_m == (64 if tokens == 300 else 128)
     kwargs = dict(trainable_base=True) if rank is None else dict(routing="skewed")
     run_case(512, 256, 8, 2, rank, tokens, seed=47 + tokens, **kwargs)
+
+
+@pytest.mark.parametrize("rank", [None, 16])
+def test_more_routes_than_local_experts(rank):
+    # A trainer's own expert parallelism (HF's, transformers.py) hands one rank's layer
+    # its 4 experts of 8 with K = 6 routes per token, the other ranks' routes masked
+    # (-1): K > E_l, which planning and the kernels take like any masked routing.
+    experts, local, tokens = 8, 4, 300
+    dout = _dout(tokens, 256)
+    results = []
+    for dtype in (torch.bfloat16, torch.float64):
+        full = make_layer(
+            256, 128, experts, 6, rank, num_tokens=tokens, device="cuda", dtype=dtype, seed=11
+        )
+        ids = torch.where(full.topk_ids < local, full.topk_ids, -1)
+        assert (ids >= 0).sum(dim=1).max() > 0 and (ids < 0).any()
+
+        def leaf(t):
+            return t.detach()[:local].clone().requires_grad_()
+
+        side = None
+        if full.side is not None:
+            a1, b1, a3, b3, a2, b2 = (t.detach() for t in full.side.tensors())
+            side = mm.SideLoRA(
+                a1.clone().requires_grad_(),
+                leaf(b1),
+                a3.clone().requires_grad_(),
+                leaf(b3),
+                leaf(a2),
+                b2.clone().requires_grad_(),
+                scale=full.side.scale,
+            )
+        wide = torch.float32 if dtype == torch.float64 else dtype
+        base = mm.prepare_base_weights(full.w13[:local].to(wide), full.w2[:local].to(wide))
+        x = full.x.detach().clone().requires_grad_()
+        weights = full.topk_weights.detach().clone().requires_grad_()
+        fn = mm.moe if dtype == torch.bfloat16 else mm.reference.moe
+        out = fn(x, ids, weights, base, side)
+        leaves = [x, weights, *(side.tensors() if side is not None else ())]
+        grads = torch.autograd.grad(out, leaves, dout.to(dtype))
+        results.append((out, grads))
+    (out, grads), (expected_out, expected) = results
+    assert_close_to_oracle("out", out, expected_out.detach())
+    names = ["x", "topk_weights", *(SIDE_NAMES if rank is not None else ())]
+    for name, got, want in zip(names, grads, expected, strict=True):
+        assert_close_to_oracle(name, got, want, min_cosine=GRAD_MIN_COSINE)
+    assert torch.all(grads[1][ids < 0] == 0)
