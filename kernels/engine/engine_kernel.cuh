@@ -265,8 +265,12 @@ __device__ __forceinline__ void consume(const EngineParams& p, const SharedStora
   using Decoder = std::conditional_t<C::kMxfp4, StageDecoder<C>, NoDecoder>;
   Decoder decoder(p.operands, C::kDecodeThreads + consumer_thread);
   bool prefetched = false;
-  for (int t = blockIdx.x; t < schedule.num_tiles(); t += gridDim.x) {
-    const TileInfo tile = schedule.tile(t);
+  // The scheduler's lookup (a binary search over the experts' offsets, then divisions)
+  // runs while a tile's last MMAs do, not between tiles where the tensor cores wait.
+  const int num_tiles = schedule.num_tiles();
+  TileInfo tile{};
+  if (static_cast<int>(blockIdx.x) < num_tiles) tile = schedule.tile(blockIdx.x);
+  for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
     const int next_t = t + static_cast<int>(gridDim.x);
     decoder.begin_tile(tile, prefetched);
     prefetched = tile.k_steps > 0;
@@ -339,6 +343,8 @@ __device__ __forceinline__ void consume(const EngineParams& p, const SharedStora
       run_extra();
     else
       run_steps(BaseMma{}, tile.side_steps, tile.k_steps);
+    // The next tile (or this CTA's last one again: no branch), while the batch runs.
+    const TileInfo next = schedule.tile(min(next_t, num_tiles - 1));
     cute::warpgroup_wait<0>();  // the last batch, before the accumulators are read
     fence_accumulators(acc);
     if (tile.k_steps > 0) {
@@ -353,6 +359,7 @@ __device__ __forceinline__ void consume(const EngineParams& p, const SharedStora
     fence_generic_to_async();  // TMA stores read the staged tile
     Barrier::arrive(smem.staged);
     epilogue_phase ^= 1u;
+    tile = next;
   }
 }
 
