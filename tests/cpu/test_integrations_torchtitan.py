@@ -317,19 +317,20 @@ def test_forward_passes_the_parameter_itself(monkeypatch):
     assert tuple(w13.shape) == (E, 2 * FF, D)
 
 
+@pytest.mark.parametrize("rank", [0, 16])
 @pytest.mark.parametrize("enable_ep", [True, False])
-def test_sharding_entry_is_derived_from_w1s_layout(enable_ep):
+def test_sharding_entry_is_derived_from_w1s_layout(enable_ep, rank):
     moe_sharding = pytest.importorskip("torchtitan.models.common.moe_sharding")
     spmd = pytest.importorskip("spmd_types")
     from types import SimpleNamespace
 
-    config = _qwen3_experts_config(enable_ep=enable_ep)
+    config = _qwen3_experts_config(enable_ep=enable_ep, rank=rank)
     stock_shardings = config.sharding_config.state_shardings
     assert set(stock_shardings) == {"w1_EFD", "w2_EDF", "w3_EFD"}  # as update_from_config sets
     with torch.device("meta"):
         module = config.build()
     shardings = module._sharding_config.state_shardings
-    assert set(shardings) == {"w13_E2FD", "w2_EDF"}
+    assert set(shardings) == {"w13_E2FD", "w2_EDF", *(SIDE_NAMES if rank else ())}
     assert shardings["w2_EDF"] == stock_shardings["w2_EDF"]
     if enable_ep:  # EP: S(0) on the experts, unchanged
         stock_w1 = want = moe_sharding.expert_param_placement_sparse()
@@ -338,20 +339,39 @@ def test_sharding_entry_is_derived_from_w1s_layout(enable_ep):
         want = moe_sharding.expert_param_placement_dense(tp_placement=spmd.S(2))
     assert stock_shardings["w1_EFD"] == stock_w1 == stock_shardings["w3_EFD"]
     assert shardings["w13_E2FD"] == want
+    if rank:  # per-expert factors sharded as the base (b1/b3 [E, r, F], a2 [E, F, r]),
+        # shared factors replicated, on every axis of the base's layout
+        if enable_ep:
+            per_expert = {
+                n: moe_sharding.expert_param_placement_sparse() for n in ("b1", "b3", "a2")
+            }
+            sparse = moe_sharding.expert_param_placement_sparse()
+            shared = type(sparse)({axis: spmd.R for axis in sparse.axis_types})
+        else:
+            dense = moe_sharding.expert_param_placement_dense
+            per_expert = {
+                "b1": dense(tp_placement=spmd.S(2)),
+                "b3": dense(tp_placement=spmd.S(2)),
+                "a2": dense(tp_placement=spmd.S(1)),
+            }
+            shared = dense(tp_placement=spmd.R)
+        for name in SIDE_NAMES:
+            assert shardings[name] == per_expert.get(name, shared), name
     # Every own parameter has an entry (parallelize's check), with no mesh to distribute on.
-    module._distribute_states(
-        SimpleNamespace(spmd_backend="partial_dtensor", resolve_mesh=lambda axes: None)
-    )
+    dims = SimpleNamespace(spmd_backend="partial_dtensor", resolve_mesh=lambda axes: None)
+    module._distribute_states(dims)
+    module.parallelize(dims)
 
 
-def test_side_lora_under_parallelize_is_refused():
+@pytest.mark.parametrize("backend", ["spmd_types", "full_dtensor"])
+def test_side_lora_under_parallelize_needs_the_partial_dtensor_backend(backend):
     from types import SimpleNamespace
 
     config = _qwen3_experts_config(enable_ep=True, rank=16)
     with torch.device("meta"):
         module = config.build()
-    dims = SimpleNamespace(spmd_backend="partial_dtensor", resolve_mesh=lambda axes: None)
-    with pytest.raises(ValueError, match="side-LoRA adapters are not supported under torchtitan"):
+    dims = SimpleNamespace(spmd_backend=backend, resolve_mesh=lambda axes: None)
+    with pytest.raises(ValueError, match="spmd_backend='partial_dtensor'"):
         module.parallelize(dims)
     # Without a sharding_config (a module that is not parallelized) rank > 0 works.
     plain = experts_pair(rank=16)[1]
@@ -463,15 +483,17 @@ def _assert_rel(actual, expected, tol=1e-5, what=""):
     assert err <= tol, f"{what}: rel err {err:.3g} > {tol:g}"
 
 
-def _qwen3_inner(*, enable_ep: bool, converted: bool):
+def _qwen3_inner(*, enable_ep: bool, converted: bool, rank: int = 0):
     """qwen3 ``debugmodel_moe``'s inner-experts config with the sharding torchtitan's
-    ``update_from_config`` sets (stock, or converted to megamoe), resized to D/FF/E."""
+    ``update_from_config`` sets (stock, or converted to megamoe with side-LoRA of
+    ``rank``), resized to D/FF/E."""
     import dataclasses
 
     from torchtitan.models import qwen3
     from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
 
-    converters = [mtt.MegaMoEConverter.Config(backend="reference")] if converted else []
+    converter = mtt.MegaMoEConverter.Config(backend="reference", rank=rank, alpha=2.0 * rank)
+    converters = [converter] if converted else []
     config = qwen3.model_registry("debugmodel_moe", converters=converters).model
     set_qwen3_sharding_config(config, enable_sp=True, enable_ep=enable_ep)
     inner = next(cfg for _, cfg, _, _ in config.traverse(moe.GroupedExperts.Config))
@@ -479,8 +501,9 @@ def _qwen3_inner(*, enable_ep: bool, converted: bool):
     return dataclasses.replace(inner, dim=D, hidden_dim=FF2, num_experts=E, param_init=_INIT)
 
 
-def _built(config, mesh, weights=None):
-    """Build, fill with the full ``weights`` (or zeros), distribute per sharding_config."""
+def _built(config, mesh, weights=None, side=None):
+    """Build, fill with the full ``weights`` (or zeros) and side-LoRA factors ``side``
+    (a dict by name), distribute per sharding_config."""
     from types import SimpleNamespace
 
     module = config.build()
@@ -495,6 +518,8 @@ def _built(config, mesh, weights=None):
             module.w1_EFD.copy_(weights[0])
             module.w3_EFD.copy_(weights[1])
             module.w2_EDF.copy_(weights[2])
+        for name, value in (side or {}).items():
+            getattr(module, name).copy_(value)
     # torchtitan's Module.parallelize distributes the parameters with this call.
     module._distribute_states(
         SimpleNamespace(spmd_backend="partial_dtensor", resolve_mesh=lambda axes: mesh)
@@ -584,6 +609,170 @@ def _layout_worker(rank: int, world: int, axis: str) -> dict:
         g13.full_tensor(), torch.stack(grads[:2], dim=1), tol=4e-3, what="grad w13"
     )  # BF16-rounded base gradient
     _assert_rel(g2.full_tensor(), grads[2], tol=4e-3, what="grad w2")
+    return {"ok": True}
+
+
+R = 16  # the adapters' rank in the sharded side-LoRA tests
+SHARED = ("a1", "a3", "b2")
+
+
+def _full_side(seed: int) -> dict[str, torch.Tensor]:
+    """Every side-LoRA factor nonzero (the expand factors too: with LoRA's zero ``b`` the
+    shrink factors' gradients would be zero, and a missing reduction would pass)."""
+    gen = torch.Generator().manual_seed(seed)
+    shapes = {
+        "a1": (D, R),
+        "b1": (E, R, FF2),
+        "a3": (D, R),
+        "b3": (E, R, FF2),
+        "a2": (E, FF2, R),
+        "b2": (R, D),
+    }
+    return {n: _bf16_values(torch.randn(s, generator=gen) * 0.2) for n, s in shapes.items()}
+
+
+def _side_oracle(weights, side, scale, batches):
+    """The side-LoRA experts in float64 over every ``(x, ids)`` in ``batches``: the
+    outputs and the gradients of the sum of all outputs wrt each factor."""
+    w1, w3, w2 = (w.double() for w in weights)
+    leaves = {n: v.double().requires_grad_(True) for n, v in side.items()}
+    outs = []
+    for x, ids in batches:
+        x = x.double()
+        g = torch.einsum("nd,nfd->nf", x, w1[ids])
+        g = g + scale * torch.einsum("nr,nrf->nf", x @ leaves["a1"], leaves["b1"][ids])
+        u = torch.einsum("nd,nfd->nf", x, w3[ids])
+        u = u + scale * torch.einsum("nr,nrf->nf", x @ leaves["a3"], leaves["b3"][ids])
+        h = F.silu(g) * u
+        y = torch.einsum("nf,ndf->nd", h, w2[ids])
+        y = y + scale * torch.einsum("nf,nfr->nr", h, leaves["a2"][ids]) @ leaves["b2"]
+        outs.append(y)
+    sum(o.sum() for o in outs).backward()
+    return [o.detach() for o in outs], {n: leaf.grad for n, leaf in leaves.items()}
+
+
+def _side_layout_worker(rank: int, world: int, axis: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=(axis,))
+    ep = axis == "ep"
+    config = _qwen3_inner(enable_ep=ep, converted=True, rank=R)
+
+    # init_states on every rank from one seed: the replicated factors agree.
+    fresh = _built(config, mesh)
+    torch.manual_seed(0)
+    fresh.init_states()
+    gathered = [torch.empty(D, R) for _ in range(world)]
+    torch.distributed.all_gather(gathered, fresh.a1.to_local().contiguous())
+    assert all(torch.equal(g, gathered[0]) for g in gathered) and gathered[0].any()
+    assert not fresh.b1.to_local().any() and not fresh.b2.to_local().any()
+
+    weights, side = _full_weights(seed=11), _full_side(seed=14)
+    ours = _built(config, mesh, weights, side)
+    shard = {"b1": 0, "b3": 0, "a2": 0} if ep else {"b1": 2, "b3": 2, "a2": 1}
+    for name in SIDE_NAMES:
+        want = (Shard(shard[name]),) if name in shard else (Replicate(),)
+        assert tuple(getattr(ours, name).placements) == want, name
+    assert not ours.w13_E2FD.requires_grad and not ours.w2_EDF.requires_grad
+
+    e_l = E // world if ep else E
+    if ep:  # each rank: rows of its own experts; the oracle sums every rank's loss
+        batches = [_rows(20 + r, [3, 2], first_expert=r * e_l) for r in range(world)]
+        x, _, counts = batches[rank]
+        outs, grads = _side_oracle(weights, side, ours.scale, [b[:2] for b in batches])
+        out = ours(x, counts)
+        _assert_rel(out, outs[rank], what="EP out")
+    else:  # the same rows on every rank; each output is a partial sum over F (s p b2 too)
+        x, ids, counts = _rows(20, [3, 1, 2, 2])
+        outs, grads = _side_oracle(weights, side, ours.scale, [(x, ids)])
+        out = ours(x, counts)
+        total = out.detach().clone()
+        torch.distributed.all_reduce(total)
+        _assert_rel(total, outs[0], what="TP out (summed partials)")
+    out.sum().backward()
+    for name in SIDE_NAMES:
+        grad = getattr(ours, name).grad
+        assert isinstance(grad, DTensor), name
+        # The shared factors' gradients: this rank's part, declared Partial.
+        want = (Partial(),) if name in SHARED else (Shard(shard[name]),)
+        assert tuple(grad.placements) == want, (name, grad.placements)
+        _assert_rel(grad.full_tensor(), grads[name], what=f"grad {name}")
+    # A rank's part of a shared factor's gradient is not the whole (so a missing
+    # reduction would fail above).
+    for name in SHARED:
+        assert rel(getattr(ours, name).grad.to_local(), grads[name]) > 0.05, name
+    # Without FSDP the Partial gradient is summed where it is read: an SGD step.
+    with torch.no_grad():
+        ours.a1.sub_(0.1 * ours.a1.grad)
+    a1 = ours.a1.to_local()
+    _assert_rel(a1, side["a1"] - 0.1 * grads["a1"].float(), what="a1 after a step")
+    gathered = [torch.empty_like(a1) for _ in range(world)]
+    torch.distributed.all_gather(gathered, a1.contiguous())
+    assert all(torch.equal(g, gathered[0]) for g in gathered)
+    return {"ok": True}
+
+
+def _fsdp_side_worker(rank: int, world: int, axis: str) -> dict:
+    """torchtitan's FSDP2 over a 2 x 2 mesh, with EP (``efsdp`` x ``ep``) or TP (``fsdp``
+    x ``tp``) on the inner axis: FSDP sums each shared factor's Partial gradient over the
+    EP/TP ranks while it reduces over the data-parallel ones."""
+    try:
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+        from torchtitan.distributed import fsdp
+    except ImportError as exc:
+        return {"skip": f"FSDP2 / torchtitan's apply_fsdp_to_decoder not importable: {exc}"}
+    from torch.distributed.device_mesh import init_device_mesh
+
+    fsdp.disable_fsdp_gradient_division = lambda model: None  # gloo: see _fsdp_worker
+    ep = axis == "ep"
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("efsdp" if ep else "fsdp", axis))
+    inner = mesh[axis]
+    weights, side = _full_weights(seed=15), _full_side(seed=16)
+    experts = _built(_qwen3_inner(enable_ep=ep, converted=True, rank=R), inner, weights, side)
+    model = _Decoder(experts)
+    if ep:
+        dense = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
+        fsdp.apply_fsdp_to_decoder(
+            model,
+            dense,
+            torch.float32,
+            torch.float32,
+            pp_enabled=False,
+            ep_degree=2,
+            edp_mesh=mesh["efsdp"],
+        )
+    else:
+        fsdp.apply_fsdp_to_decoder(
+            model, mesh["fsdp"], torch.float32, torch.float32, pp_enabled=False
+        )
+    assert tuple(experts.a1.placements) == (Shard(0), Replicate()), experts.a1.placements
+    # Rank r: data-parallel index r // 2, inner (EP/TP) index r % 2. EP: rows of the
+    # rank's own experts, distinct on every rank; TP: the data-parallel group's rows.
+    e_l = E // 2 if ep else E
+    if ep:
+        batches = [_rows(40 + r, [3, 2], first_expert=(r % 2) * e_l) for r in range(world)]
+        unique = batches
+    else:
+        batches = [_rows(40 + r // 2, [3, 1, 2, 2]) for r in range(world)]
+        unique = batches[::2]
+    _, grads = _side_oracle(weights, side, experts.scale, [b[:2] for b in unique])
+    x, _, counts = batches[rank]
+    model(x, counts).sum().backward()
+    for name in SIDE_NAMES:  # FSDP averages over its 2 data-parallel ranks
+        grad = getattr(experts, name).grad
+        assert isinstance(grad, DTensor), name
+        _assert_rel(grad.full_tensor(), grads[name] / 2, what=f"FSDP x {axis} grad {name}")
+    # One SGD step keeps the replicated factors equal on the EP/TP ranks.
+    with torch.no_grad():
+        for name in SIDE_NAMES:
+            param = getattr(experts, name)
+            param.sub_(0.1 * param.grad)
+    a1 = experts.a1.full_tensor()
+    gathered = [torch.empty_like(a1) for _ in range(world)]
+    torch.distributed.all_gather(gathered, a1)
+    assert all(torch.equal(g, gathered[0]) for g in gathered)
+    _assert_rel(a1, side["a1"] - 0.1 * grads["a1"].float() / 2, what="a1 after a step")
     return {"ok": True}
 
 
@@ -677,14 +866,18 @@ def _fsdp_worker(rank: int, world: int) -> dict:
     return {"ok": True}
 
 
-def _run_two_gloo_ranks(fn, *args):
+def _run_gloo_ranks(fn, *args, world: int = WORLD):
     dist = pytest.importorskip("torch.distributed")
     if not (dist.is_available() and dist.is_gloo_available()):
         pytest.skip("needs torch.distributed with the gloo backend")
     pytest.importorskip("torchtitan.models.qwen3")
     from megamoe.ep import run_gloo
 
-    return run_gloo(fn, WORLD, *args)
+    return run_gloo(fn, world, *args)
+
+
+def _run_two_gloo_ranks(fn, *args):
+    return _run_gloo_ranks(fn, *args)
 
 
 @pytest.mark.parametrize("axis", ["tp", "ep"])
@@ -697,3 +890,16 @@ def test_two_rank_fsdp2_shard0_trains_and_the_shard1_fallback_is_refused():
     if "skip" in results[0]:
         pytest.skip(results[0]["skip"])
     assert results == [{"ok": True}] * WORLD
+
+
+@pytest.mark.parametrize("axis", ["tp", "ep"])
+def test_two_rank_side_lora_gradients_are_summed_over_the_model_parallel_ranks(axis):
+    assert _run_two_gloo_ranks(_side_layout_worker, axis) == [{"ok": True}] * WORLD
+
+
+@pytest.mark.parametrize("axis", ["tp", "ep"])
+def test_four_rank_fsdp2_side_lora_matches_the_oracle(axis):
+    results = _run_gloo_ranks(_fsdp_side_worker, axis, world=4)
+    if "skip" in results[0]:
+        pytest.skip(results[0]["skip"])
+    assert results == [{"ok": True}] * 4

@@ -56,12 +56,19 @@ for all expert parameters when the FSDP x EP ranks exceed the experts; dim 1 is 
 size-2 gate/up axis here, so ``init_states`` raises then (use at most as many FSDP x EP
 ranks as experts).
 
-Side-LoRA under ``parallelize``: not supported yet. The adapter factors have no
-``state_shardings`` entries, and the shared ones (``a1``, ``a3``, ``b2``) would need
-gradient reductions over the EP/TP ranks that megamoe's local-shard call does not do;
-:meth:`MegaMoEGroupedExperts.parallelize` raises for ``rank > 0`` with a
-``sharding_config`` (torchtitan's trainer always sets one). ``rank > 0`` works on a
-module that is not parallelized.
+Side-LoRA under ``parallelize`` (``rank > 0``). The build adds the adapters' entries,
+derived from ``w1_EFD``'s like ``w13_E2FD``'s: the per-expert factors ``b1``, ``b3``
+``[E, r, F]`` and ``a2 [E, F, r]`` are sharded as the base is (EP on the experts, TP on
+F), the shared factors ``a1``, ``a3`` ``[D, r]`` and ``b2 [r, D]`` are replicated. Each
+EP or TP rank computes only part of a shared factor's gradient (its experts' rows; its
+F slice, where ``x a1``'s gradient is summed over F and ``p = h a2`` is a partial sum
+over F), so their local tensors declare that gradient ``Partial`` on the ``tp``/``ep``
+mesh dims and FSDP2 sums it there while it reduces over the data-parallel ranks. The
+forward needs nothing more: under TP the experts' output is already a partial sum that
+torchtitan reduces, ``s p b2`` with it. This runs on torchtitan's ``partial_dtensor``
+SPMD backend (``--parallelism.spmd_backend partial_dtensor``); ``parallelize`` refuses
+``rank > 0`` on the others: ``spmd_types`` (the default) keeps plain local tensors,
+whose gradients cannot be declared partial, and ``full_dtensor`` is not tested.
 """
 
 from __future__ import annotations
@@ -75,7 +82,7 @@ from torch import nn
 
 try:
     import spmd_types as spmd
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Partial
     from torchtitan.models.common.moe import GroupedExperts
     from torchtitan.protocols.model import ModelConfigConverter
     from torchtitan.protocols.module import Module
@@ -97,11 +104,30 @@ __all__ = ["BACKENDS", "MegaMoEConverter", "MegaMoEGroupedExperts"]
 BACKENDS = ("fused", "reference")
 #: The fused gate+up parameter and torchtitan's names for its halves.
 _W13, _GATE, _UP = "w13_E2FD", "w1_EFD", "w3_EFD"
+#: The side-LoRA factors every expert shares, and the mesh dims over which each rank
+#: holds only part of their gradients (module docstring).
+_SHARED_FACTORS = ("a1", "a3", "b2")
+_MODEL_PARALLEL_DIMS = ("tp", "ep")
+#: torchtitan's SPMD backend under which ``parallelize`` runs side-LoRA adapters.
+_ADAPTER_BACKEND = "partial_dtensor"
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     to_local = getattr(t, "to_local", None)
     return to_local() if callable(to_local) else t
+
+
+def _shared_local(t: torch.Tensor) -> torch.Tensor:
+    """A shared factor's local tensor, its gradient declared ``Partial`` on the ``tp``/
+    ``ep`` mesh dims where it is replicated: each of those ranks computes part of it."""
+    if not isinstance(t, DTensor):
+        return t
+    names = t.device_mesh.mesh_dim_names or ()
+    grad_placements = tuple(
+        Partial() if name in _MODEL_PARALLEL_DIMS and placement.is_replicate() else placement
+        for name, placement in zip(names, t.placements, strict=True)
+    )
+    return t.to_local(grad_placements=grad_placements)
 
 
 def _local_t(t: torch.Tensor) -> torch.Tensor:
@@ -195,8 +221,38 @@ def _gate_up_layout(w1: SpmdLayout) -> SpmdLayout:
     )
 
 
-def _fused_sharding(sc: ShardingConfig | None) -> ShardingConfig | None:
-    """Replace the ``w1_EFD``/``w3_EFD`` entries by a ``w13_E2FD`` entry."""
+def _adapter_layouts(w13: SpmdLayout) -> dict[str, SpmdLayout]:
+    """The side-LoRA factors' layouts from ``w13_E2FD``'s ``[E, 2, F, D]`` one: on each
+    mesh axis, the experts' shard (EP ``S(0)``) shards ``b1``, ``b3``, ``a2`` on their
+    expert dim, F's (TP ``S(2)``) shards ``b1``, ``b3 [E, r, F]`` on dim 2 and
+    ``a2 [E, F, r]`` on dim 1, and the shared ``a1``, ``a3``, ``b2`` are replicated; an
+    axis that does not shard the base is copied as it is."""
+    if w13.partition_spec is not None:
+        raise ValueError(
+            f"sharding_config: side-LoRA adapters need {_W13}'s layout as per-axis types, "
+            f"got a partition_spec {w13.partition_spec}"
+        )
+    per_expert = {"b1": {0: 0, 2: 2}, "b3": {0: 0, 2: 2}, "a2": {0: 0, 2: 1}}  # base dim -> own
+    layouts: dict[str, dict] = {name: {} for name in SIDE_NAMES}
+    for axis, kind in w13.axis_types.items():
+        if not isinstance(kind, spmd.Shard):
+            for name in SIDE_NAMES:
+                layouts[name][axis] = kind
+            continue
+        if kind.dim not in (0, 2):
+            raise ValueError(
+                f"sharding_config: side-LoRA adapters follow the base sharded on its experts "
+                f"or on F, got {_W13} sharded on dim {kind.dim} over {axis}"
+            )
+        for name in SIDE_NAMES:
+            own = per_expert.get(name, {}).get(kind.dim)
+            layouts[name][axis] = spmd.R if own is None else spmd.S(own)
+    return {name: SpmdLayout(types) for name, types in layouts.items()}
+
+
+def _fused_sharding(sc: ShardingConfig | None, rank: int = 0) -> ShardingConfig | None:
+    """Replace the ``w1_EFD``/``w3_EFD`` entries by a ``w13_E2FD`` entry, and with
+    ``rank > 0`` add the adapters' entries (:func:`_adapter_layouts`)."""
     if sc is None:
         return None
     shardings = dict(sc.state_shardings)
@@ -213,6 +269,9 @@ def _fused_sharding(sc: ShardingConfig | None) -> ShardingConfig | None:
                 f"parameter, got {w1} and {w3}"
             )
         shardings[_W13] = _gate_up_layout(w1)
+    if rank:
+        for name, layout in _adapter_layouts(shardings[_W13]).items():
+            shardings.setdefault(name, layout)
     return dataclasses.replace(sc, state_shardings=shardings)
 
 
@@ -243,7 +302,7 @@ class MegaMoEGroupedExperts(GroupedExperts):
             # entries) after the converter ran, so the w13_E2FD entry is derived here,
             # as NVFP4Linear.Config.build does. slots=True: no zero-arg super().
             instance = GroupedExperts.Config.build(self, **kwargs)
-            instance._sharding_config = _fused_sharding(instance._sharding_config)
+            instance._sharding_config = _fused_sharding(instance._sharding_config, self.rank)
             return instance
 
     def __init__(self, config: Config):
@@ -288,13 +347,14 @@ class MegaMoEGroupedExperts(GroupedExperts):
         return self.w13_E2FD[:, 0], self.w13_E2FD[:, 1]
 
     def parallelize(self, parallel_dims) -> None:
-        if self.rank and self._sharding_config is not None:
+        backend = getattr(parallel_dims, "spmd_backend", None)
+        if self.rank and self._sharding_config is not None and backend != _ADAPTER_BACKEND:
             raise ValueError(
-                "side-LoRA adapters are not supported under torchtitan's parallelize yet "
-                f"(rank={self.rank}): the adapter factors have no sharding entries, and the "
-                "shared ones (a1, a3, b2) would need gradient reductions over the EP/TP "
-                "ranks that megamoe does not do there; use rank=0 (a trainable base) with "
-                "parallelize, or the module without parallelize"
+                f"side-LoRA adapters (rank={self.rank}) run under torchtitan's parallelize "
+                f"with spmd_backend={_ADAPTER_BACKEND!r} (--parallelism.spmd_backend "
+                f"{_ADAPTER_BACKEND}), got {backend!r}: the shared factors' gradients "
+                "must be summed over the EP/TP ranks, which megamoe declares on their "
+                "DTensors"
             )
         Module.parallelize(self, parallel_dims)
 
@@ -353,7 +413,10 @@ class MegaMoEGroupedExperts(GroupedExperts):
         """The adapters as a :class:`~megamoe.SideLoRA` (local shards), or None."""
         if not self.rank:
             return None
-        tensors = [_local(getattr(self, n)) for n in SIDE_NAMES]
+        tensors = [
+            (_shared_local if n in _SHARED_FACTORS else _local)(getattr(self, n))
+            for n in SIDE_NAMES
+        ]
         if self.backend == "fused":
             tensors = [t.to(torch.bfloat16) for t in tensors]
         return SideLoRA(*tensors, scale=self.scale)
