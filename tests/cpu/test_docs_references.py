@@ -22,7 +22,8 @@ BACKTICKED = re.compile(r"`([^`\s]+)`")
 DOC_CITATION = re.compile(r"\bdocs/[A-Za-z0-9_-]+\.md\b")
 #: A doc named without its folder ("see ENGINE.md"): one of docs/ or the top level.
 DOC_NAME = re.compile(r"\b[A-Z][A-Z0-9_-]+\.md\b")
-OUTSIDE = re.compile(r"\.\./shared\b")
+#: Paths that leave the repository: the shared folder beside it, or this machine's.
+OUTSIDE = re.compile(r"\.\./shared\b|(?<![\w.])/(work|root)/")
 #: Placeholders, globs and build outputs that name no tracked file.
 NOT_A_PATH = re.compile(r"[*<>{}$]|^build/|^dist/|^\.nox/")
 
@@ -52,19 +53,35 @@ def repo_path(token: str) -> str | None:
     return path
 
 
-def broken_references(doc: Path) -> list[str]:
+def broken_references(doc: Path, root: Path = ROOT) -> list[str]:
+    """The links and backticked repo paths of markdown file ``doc`` that name nothing
+    inside ``root``."""
     text = doc.read_text()
     broken = []
     for target in MARKDOWN_LINK.findall(text):
         if re.match(r"^[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
             continue  # a URL or an anchor in the same page
-        if not (doc.parent / target.split("#")[0]).exists():
+        path = (doc.parent / target.split("#")[0]).resolve()
+        if not path.exists() or not path.is_relative_to(root.resolve()):
             broken.append(f"link ({target})")
     for token in BACKTICKED.findall(text):
         path = repo_path(token)
-        if path is not None and not (ROOT / path).exists():
+        if path is not None and not (root / path).exists():
             broken.append(f"`{token}`")
     return broken
+
+
+def unresolved_citations(text: str, root: Path = ROOT) -> list[str]:
+    """Docs that ``text`` cites (``docs/X.md``, or ``X.md`` alone: docs/ or the top
+    level) and that are not in ``root``, and paths in it that leave the repository."""
+    found = [c for c in sorted(set(DOC_CITATION.findall(text))) if not (root / c).exists()]
+    found += [
+        name
+        for name in sorted(set(DOC_NAME.findall(text)))
+        if not ((root / "docs" / name).exists() or (root / name).exists())
+    ]
+    found += [f"outside: {m.group(0)}" for m in OUTSIDE.finditer(text)]
+    return found
 
 
 @pytest.mark.parametrize("doc", markdown_files(), ids=lambda p: p.name)
@@ -74,32 +91,41 @@ def test_every_link_and_backticked_path_resolves(doc: Path) -> None:
 
 
 def test_cited_docs_exist_and_nothing_points_outside_the_repo() -> None:
-    missing, outside = [], []
+    found = []
     for path in tracked_files():
         if path.suffix in {".png", ".whl", ".gz", ".json"} or not path.is_file():
+            continue
+        if path == Path(__file__):  # its own patterns and examples
             continue
         try:
             text = path.read_text()
         except UnicodeDecodeError:
             continue
-        rel = path.relative_to(ROOT)
-        for cited in set(DOC_CITATION.findall(text)):
-            if not (ROOT / cited).exists():
-                missing.append(f"{rel}: {cited}")
-        for name in set(DOC_NAME.findall(text)):
-            if not ((ROOT / "docs" / name).exists() or (ROOT / name).exists()):
-                missing.append(f"{rel}: {name}")
-        if rel != Path(__file__).relative_to(ROOT) and OUTSIDE.search(text):
-            outside.append(str(rel))
-    assert missing == []
-    assert outside == []
+        found += [f"{path.relative_to(ROOT)}: {c}" for c in unresolved_citations(text)]
+    assert found == []
 
 
 def test_the_checks_find_what_they_look_for(tmp_path: Path) -> None:
-    doc = tmp_path / "x.md"
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "here.cuh").write_text("")
+    (tmp_path / "docs" / "KEPT.md").write_text("")
+    doc = tmp_path / "docs" / "x.md"
     doc.write_text(
-        "[ok](https://example.org) [here](#part) [gone](missing.md)\n"
-        "`kernels/engine/pipeline.cuh` `kernels/engine/missing.cuh:12` "
-        "`tests/cpu/test_docs_references.py::test_x` `build/variants/` `a/b` `<pin>/x`\n"
+        "[ok](https://example.org) [here](#part) [gone](missing.md) [kept](KEPT.md)\n"
+        "[up](../../outside.md) `kernels/here.cuh` `kernels/missing.cuh:12` "
+        "`kernels/here.cuh::test_x` `build/variants/` `a/b` `<pin>/x`\n"
     )
-    assert broken_references(doc) == ["link (missing.md)", "`kernels/engine/missing.cuh:12`"]
+    (tmp_path.parent / "outside.md").write_text("")
+    assert broken_references(doc, root=tmp_path) == [
+        "link (missing.md)",
+        "link (../../outside.md)",
+        "`kernels/missing.cuh:12`",
+    ]
+    text = "see docs/KEPT.md, KEPT.md, docs/GONE.md, GONE.md, ../shared/X and /work/y"
+    assert unresolved_citations(text, root=tmp_path) == [
+        "docs/GONE.md",
+        "GONE.md",
+        "outside: ../shared",
+        "outside: /work/",
+    ]

@@ -710,6 +710,15 @@ def _side_layout_worker(rank: int, world: int, axis: str) -> dict:
     gathered = [torch.empty_like(a1) for _ in range(world)]
     torch.distributed.all_gather(gathered, a1.contiguous())
     assert all(torch.equal(g, gathered[0]) for g in gathered)
+    # The state dict: the adapters as DTensors with their placements; a strict load into
+    # a fresh sharded module restores them.
+    state = ours.state_dict()
+    assert list(state) == ["w1_EFD", "w2_EDF", "w3_EFD", *SIDE_NAMES]
+    fresh = _built(config, mesh)
+    fresh.load_state_dict(state, strict=True)
+    for name in SIDE_NAMES:
+        assert tuple(state[name].placements) == tuple(getattr(ours, name).placements), name
+        assert torch.equal(getattr(fresh, name).full_tensor(), getattr(ours, name).full_tensor())
     return {"ok": True}
 
 

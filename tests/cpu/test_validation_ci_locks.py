@@ -91,6 +91,10 @@ def test_the_host_pin_locks_every_tool_ci_installs() -> None:
     # models import), so CI runs those tests instead of skipping them.
     for trainer in ("transformers", "peft", "torchtitan", "triton"):
         assert trainer in test, trainer
+    # At the versions the integration docs say they are tested against.
+    doc = " ".join((ROOT / "docs" / "INTEGRATIONS.md").read_text().split())
+    for trainer in ("transformers", "peft", "torchtitan"):
+        assert f"{trainer} {test[trainer]}" in doc, (trainer, test[trainer])
     # The CPU and GPU suites import the same versions of everything but torch's build.
     cuda = locks["test-cuda"]
     differ = {n: (test[n], cuda[n]) for n in set(test) & set(cuda) if test[n] != cuda[n]}

@@ -419,7 +419,7 @@ def test_more_routes_than_local_experts(rank):
             256, 128, experts, 6, rank, num_tokens=tokens, device="cuda", dtype=dtype, seed=11
         )
         ids = torch.where(full.topk_ids < local, full.topk_ids, -1)
-        assert (ids >= 0).sum(dim=1).max() > 0 and (ids < 0).any()
+        assert ids.shape[1] > local and (ids < 0).any() and (ids >= 0).any()
 
         def leaf(t):
             return t.detach()[:local].clone().requires_grad_()

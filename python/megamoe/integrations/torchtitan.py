@@ -122,7 +122,12 @@ def _shared_local(t: torch.Tensor) -> torch.Tensor:
     ``ep`` mesh dims where it is replicated: each of those ranks computes part of it."""
     if not isinstance(t, DTensor):
         return t
-    names = t.device_mesh.mesh_dim_names or ()
+    names = t.device_mesh.mesh_dim_names
+    if names is None:
+        raise ValueError(
+            "side-LoRA under parallelize: a shared factor lives on a mesh without dim names; "
+            f"megamoe finds its {' and '.join(_MODEL_PARALLEL_DIMS)} dims by name"
+        )
     grad_placements = tuple(
         Partial() if name in _MODEL_PARALLEL_DIMS and placement.is_replicate() else placement
         for name, placement in zip(names, t.placements, strict=True)
