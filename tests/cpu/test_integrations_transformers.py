@@ -530,3 +530,60 @@ def test_save_pretrained_accepts_a_model_with_adapters(tmp_path):
     mhf.attach_side_lora(again, rank=16, scale=1.0)
     again.load_state_dict(state, strict=False)
     assert next(iter(mhf.side_lora_layers(again).values())).scale == 0.5
+
+
+def _split_experts_worker(rank: int, world: int) -> dict:
+    """Adapters on experts that HF's expert parallelism split over the ranks (DTensor
+    weights, Shard(0) on the experts) are refused, at attach, load and forward."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    refused = []
+
+    def split(model, placement):
+        for _, experts in mhf.experts_modules(model):
+            for name in ("gate_up_proj", "down_proj"):
+                full = getattr(experts, name).detach()
+                shard = distribute_tensor(full, mesh, [placement])
+                setattr(experts, name, nn.Parameter(shard, requires_grad=False))
+
+    def expect_refusal(fn):
+        try:
+            fn()
+        except ValueError as exc:
+            refused.append(f"split over {world} ranks" in str(exc))
+        else:
+            refused.append(False)
+
+    model = build("qwen3_moe")
+    model.set_experts_implementation(mhf.REFERENCE)
+    split(model, Shard(0))
+    expect_refusal(lambda: mhf.attach_side_lora(model, rank=16))
+    # Attached first, split afterwards: the forward refuses.
+    attached = build("qwen3_moe")
+    attached.set_experts_implementation(mhf.REFERENCE)
+    mhf.attach_side_lora(attached, rank=16, dtype=torch.float32)
+    layers = mhf.side_lora_layers(attached)
+    split(attached, Shard(0))
+    expect_refusal(lambda: attached(tokens()))
+    # Loading adapters onto split experts: refused too.
+    fresh = build("qwen3_moe")
+    split(fresh, Shard(0))
+    name, side = next(iter(layers.items()))
+    experts = dict(mhf.experts_modules(fresh))[name]
+    expect_refusal(lambda: mhf._install_adapter(experts, side, torch.float32))
+    # Replicated weights are whole on every rank: adapters are allowed.
+    whole = build("qwen3_moe")
+    split(whole, Replicate())
+    mhf.attach_side_lora(whole, rank=16)
+    return {"refused": refused}
+
+
+def test_adapters_on_experts_split_over_ranks_are_refused():
+    dist = pytest.importorskip("torch.distributed")
+    if not (dist.is_available() and dist.is_gloo_available()):
+        pytest.skip("needs torch.distributed with the gloo backend")
+    from megamoe.ep import run_gloo
+
+    assert run_gloo(_split_experts_worker, 2) == [{"refused": [True, True, True]}] * 2

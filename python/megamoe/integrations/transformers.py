@@ -35,7 +35,8 @@ other ranks with the sentinel ``E_l`` (``num_local_experts``) and a zero weight,
 megamoe's masked route (id ``-1``) contributes nothing to the output and gets a zero
 router gradient, which is what HF's ``grouped_mm`` gives a sentinel slot. Under HF's
 expert parallelism the expert weights may be DTensors: their local shards are used
-(``to_local()``, no gather).
+(``to_local()``, no gather); side-LoRA adapters are refused on experts split over ranks
+(:func:`check_adapters_allowed`).
 
 Side-LoRA (shared-outer adapters, DESIGN §1) for HF models: :func:`attach_side_lora`
 puts a :class:`SideLoRAAdapter` (the six factors as ``nn.Parameter``s) on every experts
@@ -289,11 +290,43 @@ def check_device(device: torch.device) -> None:
 # --------------------------------------------------------------------- forwards
 
 
+def _sharded_over(module: nn.Module) -> int:
+    """How many ranks the experts' weights are split over (HF expert or tensor
+    parallelism: DTensor parameters), 1 when they are whole on this rank."""
+    sizes = [
+        w.device_mesh.size()
+        for w in (module.gate_up_proj, module.down_proj)
+        # a DTensor (duck-typed: torch builds without torch.distributed have none)
+        if hasattr(w, "device_mesh") and any(not p.is_replicate() for p in w.placements)
+    ]
+    return max(sizes, default=1)
+
+
+def check_adapters_allowed(module: nn.Module) -> None:
+    """Raise unless side-LoRA adapters can train on this experts module: not on weights
+    that HF's expert or tensor parallelism split over ranks. Each rank then computes only
+    its experts' (or its slice of I's) part of the shared factors' gradients (``a1``,
+    ``a3``, ``b2``), and nothing in HF's parallel plan sums them: the replicas would
+    train on wrong gradients and drift apart."""
+    ranks = _sharded_over(module)
+    if ranks > 1:
+        raise ValueError(
+            f"side-LoRA: {type(module).__name__}'s expert weights are split over {ranks} "
+            "ranks (HF expert/tensor parallelism); the shared factors a1, a3, b2 would "
+            "get only each rank's part of their gradients. Train adapters on unsplit "
+            "experts (data parallelism: DDP/FSDP), or under torchtitan's parallelize "
+            "(megamoe.integrations.torchtitan)"
+        )
+
+
 def _adapter_of(module: nn.Module) -> SideLoRA | None:
     adapter = getattr(module, ADAPTER_ATTR, None)
+    if adapter is None:
+        return None
+    check_adapters_allowed(module)
     # Called, not read: under PEFT's modules_to_save the attribute is a wrapper whose
     # forward dispatches to the active (trainable) copy.
-    return None if adapter is None else adapter()
+    return adapter()
 
 
 def fused_experts_forward(
@@ -539,6 +572,7 @@ def attach_side_lora(
     names = []
     for name, module in experts_modules(model):
         experts_spec(module)
+        check_adapters_allowed(module)
         experts, hidden, intermediate = _dims(module)
         weight = module.gate_up_proj
         want = dtype or (weight.dtype if weight.dtype in _ADAPTER_DTYPES else torch.bfloat16)
@@ -744,6 +778,7 @@ def _install_adapter(module, side: SideLoRA, dtype: torch.dtype | None) -> None:
     """Attach ``side`` to an experts module as its :class:`SideLoRAAdapter`, in ``dtype``
     (default: the module's weight dtype where adapters support it, else BF16), on the
     weights' device."""
+    check_adapters_allowed(module)
     weight = module.gate_up_proj
     want = dtype or (weight.dtype if weight.dtype in _ADAPTER_DTYPES else torch.bfloat16)
     adapter = SideLoRAAdapter(
