@@ -785,6 +785,70 @@ def _fsdp_side_worker(rank: int, world: int, axis: str) -> dict:
     return {"ok": True}
 
 
+def _parallelized_moe_worker(rank: int, world: int, axis: str) -> dict:
+    """qwen3 ``debugmodel_moe``'s MoE block (router, token dispatcher, megamoe experts
+    with side-LoRA) parallelized by torchtitan itself (``ParallelDims.build_mesh``,
+    ``Module.parallelize`` on the ``partial_dtensor`` backend: TP with sequence
+    parallelism, or EP with the all-to-all dispatcher) against the same block whole."""
+    import torchtitan.distributed.parallel_dims as parallel_dims_module
+    from torch.distributed.tensor import DTensor
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed import utils as dist_utils
+    from torchtitan.models import qwen3
+    from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
+
+    parallel_dims_module.device_type = "cpu"  # torchtitan assumes an accelerator
+    dist_utils.set_spmd_backend("partial_dtensor")  # as its trainer does from the config
+    ep = axis == "ep"
+
+    def block():
+        converter = mtt.MegaMoEConverter.Config(rank=16, alpha=32.0, backend="reference")
+        config = qwen3.model_registry("debugmodel_moe", converters=[converter]).model
+        set_qwen3_sharding_config(config, enable_sp=True, enable_ep=ep)
+        moe_config = next(cfg for _, cfg, _, _ in config.traverse(moe.MoE.Config))
+        torch.manual_seed(0)
+        module = moe_config.build()
+        module.init_states()
+        with torch.no_grad():  # nonzero expand factors: every factor's gradient is nonzero
+            for name, param in module.named_parameters():
+                if name.endswith((".b1", ".b3", ".b2")):
+                    param.normal_(0.0, 0.05)
+        return module
+
+    whole = block()
+    x = torch.randn(
+        2, 16, whole.router.gate.weight.shape[1], generator=torch.Generator().manual_seed(1)
+    )
+    out_whole = whole(x)
+    ((out_whole.float() ** 2).sum() / out_whole.numel()).backward()
+    want = {n: p.grad for n, p in whole.named_parameters() if n.split(".")[-1] in SIDE_NAMES}
+
+    sharded = block()
+    dims = ParallelDims(
+        dp_replicate=1,
+        dp_shard=2 if ep else 1,
+        cp=1,
+        tp=1 if ep else 2,
+        pp=1,
+        ep=2 if ep else 1,
+        world_size=world,
+        spmd_backend="partial_dtensor",
+    )
+    dims.build_mesh()
+    sharded.parallelize(dims)
+    # EP: data parallel, a batch row per rank. TP with SP: the sequence split over TP.
+    rows = slice(rank, rank + 1) if ep else (slice(None), slice(8 * rank, 8 * (rank + 1)))
+    out = sharded(x[rows])
+    out = out.to_local() if isinstance(out, DTensor) else out
+    _assert_rel(out, out_whole[rows], what=f"{axis} out")
+    ((out.float() ** 2).sum() / out_whole.numel()).backward()  # the ranks' losses sum
+    for name, grad in want.items():
+        got = dict(sharded.named_parameters())[name].grad
+        got = got.full_tensor() if isinstance(got, DTensor) else got
+        _assert_rel(got, grad, what=f"{axis} grad {name}")
+    return {"ok": True}
+
+
 class _Block(torch.nn.Module):
     """What torchtitan's ``apply_fsdp_to_decoder`` reads of an MoE transformer block."""
 
@@ -912,3 +976,8 @@ def test_four_rank_fsdp2_side_lora_matches_the_oracle(axis):
     if "skip" in results[0]:
         pytest.skip(results[0]["skip"])
     assert results == [{"ok": True}] * 4
+
+
+@pytest.mark.parametrize("axis", ["tp", "ep"])
+def test_moe_block_under_torchtitans_parallelize_matches_the_whole_block(axis):
+    assert _run_two_gloo_ranks(_parallelized_moe_worker, axis) == [{"ok": True}] * WORLD
