@@ -46,8 +46,9 @@ def get_block_m(
 
     Returns:
         One of the registry's ``block_m_choices``. The expected rows per local expert
-        are ``T * P * K / E`` (every rank sends ``T * K`` routes spread over ``E``
-        experts); the choice is monotone non-decreasing in ``num_tokens``.
+        are ``T * P * min(K, E) / E`` (every rank sends ``T * K`` routes spread over
+        ``E`` experts, at most one per expert and token); the choice is monotone
+        non-decreasing in ``num_tokens``.
     """
     check_int("num_tokens", num_tokens, minimum=0)
     check_int("top_k", top_k, minimum=1)
@@ -63,7 +64,9 @@ def get_block_m(
         )
     config = config or BlockMConfig()
     choices = registry().block_m_choices
-    rows_per_expert = num_tokens * ep_size * top_k / num_experts
+    # A token routes to an expert at most once: with more routes than experts (the rest
+    # masked) each expert still sees at most every token.
+    rows_per_expert = num_tokens * ep_size * min(top_k, num_experts) / num_experts
     fitting = [b for b in choices if rows_per_expert >= config.min_blocks_per_expert * b]
     return fitting[-1] if fitting else choices[0]
 

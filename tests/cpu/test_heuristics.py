@@ -81,11 +81,12 @@ def test_bad_arguments_name_the_argument(kwargs, match):
 
 def test_more_routes_than_experts_is_a_choice():
     # One rank's layer under a trainer's own expert parallelism: K = 8 routes per token,
-    # 4 local experts, the other ranks' routes masked. The expected rows per expert
-    # still follow T * K / E (an upper bound where routes are masked).
+    # 4 local experts, the other ranks' routes masked. Each expert sees each token at
+    # most once, so the rows per expert are those of K = E = 4.
     choices = registry().block_m_choices
-    for tokens in (1, 64, 4096, 65_536):
+    for tokens in (1, 64, 100, 200, 4096, 65_536):
         assert mm.get_block_m(tokens, 8, 4) in choices
+        assert mm.get_block_m(tokens, 8, 4) == mm.get_block_m(tokens, 4, 4)
     assert mm.get_block_m(65_536, 8, 4) == choices[-1]
 
 
