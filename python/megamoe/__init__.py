@@ -13,15 +13,22 @@ Public API (docs/DESIGN.md §5):
   SM budget (``resolve_num_sms``) and the forward's scratch sizes
   (``workspace_layout``): the host heuristics;
 - ``megamoe.ep``: the expert-parallel layer and its CPU twins; ``megamoe.reference``:
-  the float64 oracle; ``megamoe.testing``: inputs, metrics, the unfused baseline.
+  the float64 oracle; ``megamoe.testing``: inputs, metrics, the unfused baseline;
+  ``megamoe.validation``: the argument checks.
+
+The layers below it, a subpackage each: ``megamoe.custom_ops`` (the torch custom ops),
+``megamoe.pipeline`` (the fused forward and backward), ``megamoe.wrappers`` (one wrapper
+per native kernel, the variant registry).
 """
 
-from . import (
-    adapter_convert,
-    ep,
-    flop_formulas,  # noqa: F401  (FlopCounterMode counts the megamoe ops)
-    reference,
-)
+# The argument checks first: most modules import megamoe.validation.arguments, which
+# runs validation/__init__, which imports validation.layer and through it side_lora,
+# weights and the wrappers; started from one of those (half initialized), it would fail.
+from . import validation
+
+# isort: split
+from . import adapter_convert, ep, reference
+from .custom_ops import flop_formulas  # noqa: F401  (FlopCounterMode counts the megamoe ops)
 from .env import resolve_num_sms
 from .heuristics import BlockMConfig, get_block_m
 from .module import MegaMoE
@@ -60,5 +67,6 @@ __all__ = [
     "quantize_mxfp4",
     "reference",
     "resolve_num_sms",
+    "validation",
     "workspace_layout",
 ]

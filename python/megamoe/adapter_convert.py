@@ -54,8 +54,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ._checks import check_choice, check_finite_float, check_int
 from .side_lora import SIDE_RANK_MAX, SIDE_RANK_MULTIPLE, SideLoRA
+from .validation.arguments import check_choice, check_finite_float, check_int
 
 __all__ = [
     "PEFT_PROJECTIONS",

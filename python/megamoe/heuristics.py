@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ._checks import check_int
-from .registry import registry
+from .validation.arguments import check_int
+from .wrappers.registry import registry
 
 
 @dataclass(frozen=True)

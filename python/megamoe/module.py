@@ -26,10 +26,10 @@ import torch
 from torch import nn
 
 from . import ops, reference
-from ._checks import check_choice, check_finite_float, check_int, check_tensor
-from .registry import registry
 from .side_lora import SIDE_NAMES, SIDE_RANK_MAX, SIDE_RANK_MULTIPLE, SideLoRA
+from .validation.arguments import check_choice, check_finite_float, check_int, check_tensor
 from .weights import BASE_FORMATS, BaseWeights, prepare_base_weights
+from .wrappers.registry import registry
 
 __all__ = ["BACKENDS", "MegaMoE"]
 

@@ -37,7 +37,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ._checks import check_int, check_multiple, check_tensor
+from .validation.arguments import check_int, check_multiple, check_tensor
 
 __all__ = [
     "E2M1_VALUES",

@@ -36,11 +36,11 @@ from collections.abc import Mapping
 
 import torch
 
-from ._checks import check_choice, check_tensor, has_data
 from .mxfp4 import MXFP4_BLOCK
-from .mxfp4_checks import check_mxfp4_scales
-from .registry import registry
+from .validation.arguments import check_choice, check_tensor, has_data
+from .validation.mxfp4 import check_mxfp4_scales
 from .weights import BaseWeights
+from .wrappers.registry import registry
 
 __all__ = ["GATE_UP_ORDERS", "base_weights_from_gpt_oss", "base_weights_from_mxfp4"]
 

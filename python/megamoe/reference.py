@@ -48,8 +48,8 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from ._checks import check_choice, check_finite_float, check_int, check_tensor
 from .side_lora import SIDE_NAMES, SideLoRA
+from .validation.arguments import check_choice, check_finite_float, check_int, check_tensor
 from .weights import BaseWeights
 
 __all__ = ["ACTIVATIONS", "ForwardContext", "backward", "forward", "moe"]

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._checks import check_finite_float, check_tensor
+from .validation.arguments import check_finite_float, check_tensor
 
 #: Adapter ranks the kernels support: multiples of 16 (the wgmma K step) up to 256.
 SIDE_RANK_MULTIPLE = 16

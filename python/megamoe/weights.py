@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ._checks import check_choice, check_tensor, has_data
 from .mxfp4 import MXFP4_BLOCK, dequantize_mxfp4, quantize_mxfp4
-from .registry import registry
+from .validation.arguments import check_choice, check_tensor, has_data
 from .wrappers.mxfp4_decode import decode_mxfp4_bf16
+from .wrappers.registry import registry
 
 BASE_FORMATS = ("bf16", "mxfp4")
 

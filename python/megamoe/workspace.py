@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ._checks import check_int
 from .heuristics import get_block_m
-from .registry import registry
+from .validation.arguments import check_int
+from .wrappers.registry import registry
 from .wrappers.routing import pool_capacity, route_plan_num_tiles
 
 #: Each region's bytes are rounded up to this (the caching allocator's block granule;

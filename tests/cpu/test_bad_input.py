@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import megamoe as mm
-from megamoe.mxfp4_checks import check_mxfp4_scales, check_mxfp4_weights
+from megamoe.validation.mxfp4 import check_mxfp4_scales, check_mxfp4_weights
 from megamoe.wrappers import pool
 from megamoe.wrappers.grouped_gemm import gated_grouped_gemm, grouped_gemm
 
@@ -319,7 +319,7 @@ CASES: dict[str, Case] = {
         TypeError,
         r"^w13: expected dtype bfloat16",
     ),
-    # ---- MXFP4 quantizer and pre-quantized weights (megamoe.mxfp4_checks)
+    # ---- MXFP4 quantizer and pre-quantized weights (megamoe.validation.mxfp4)
     "quantize-axis-bool": (
         lambda: mm.quantize_mxfp4(torch.randn(4, 64), axis=True),
         TypeError,

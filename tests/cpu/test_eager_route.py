@@ -1,11 +1,11 @@
-"""mm.moe's eager route (``megamoe.ops._EagerMoeForward``) on the CPU; the GPU suite
+"""mm.moe's eager route (``megamoe.custom_ops.layer._EagerMoeForward``) on the CPU; the GPU suite
 (tests/gpu/test_eager_route.py) runs it against the custom ops."""
 
 from __future__ import annotations
 
 import torch
 
-from megamoe import ops
+from megamoe.custom_ops import layer
 
 
 def test_eager_route_backward_runs_without_grad_mode():
@@ -16,15 +16,15 @@ def test_eager_route_backward_runs_without_grad_mode():
 
     def probe(ctx, *grads):
         seen["grad_mode"] = torch.is_grad_enabled()
-        return (None,) * len(ops._FORWARD_INPUTS)
+        return (None,) * len(layer._FORWARD_INPUTS)
 
     ctx = type("Ctx", (), {})()
-    wrapped = ops._EagerMoeForward.backward
-    original = ops._forward_backward
+    wrapped = layer._EagerMoeForward.backward
+    original = layer._forward_backward
     try:
-        ops._forward_backward = probe
+        layer._forward_backward = probe
         with torch.enable_grad():
             wrapped(ctx, torch.ones(2, requires_grad=True))
     finally:
-        ops._forward_backward = original
+        layer._forward_backward = original
     assert seen["grad_mode"] is False

@@ -12,8 +12,8 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils.flop_counter import FlopCounterMode
 
 from megamoe import ep
+from megamoe.custom_ops.flop_formulas import backward_flops, forward_flops
 from megamoe.ep import ops as ep_ops
-from megamoe.flop_formulas import backward_flops, forward_flops
 from megamoe.side_lora import SideLoRA
 from megamoe.testing import make_layer
 

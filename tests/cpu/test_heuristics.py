@@ -3,7 +3,7 @@
 import pytest
 
 import megamoe as mm
-from megamoe.registry import registry
+from megamoe.wrappers.registry import registry
 
 
 def transitions(top_k, num_experts, ep_size=1, max_tokens=70_000):

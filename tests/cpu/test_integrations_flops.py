@@ -1,4 +1,4 @@
-"""FLOP formulas of the megamoe custom ops (``megamoe.flop_formulas``), on the CPU.
+"""FLOP formulas of the megamoe custom ops (``megamoe.custom_ops.flop_formulas``), on the CPU.
 
 ``mm.moe`` runs under ``FakeTensorMode`` (the ops' fake implementations: shapes only,
 no kernel), inside ``torch.utils.flop_counter.FlopCounterMode``; the counts must equal
@@ -13,7 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
 import megamoe as mm
-import megamoe.flop_formulas  # registers the formulas
+import megamoe.custom_ops.flop_formulas  # registers the formulas
 
 T, H, I, E, K, R = 48, 128, 64, 4, 3, 16
 BF16 = torch.bfloat16

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from megamoe.registry import parse_registry, registry
+from megamoe.wrappers.registry import parse_registry, registry
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,4 +1,4 @@
-"""mm.moe's eager route (``megamoe.ops._EagerMoeForward``) against the custom ops.
+"""mm.moe's eager route (``megamoe.custom_ops.layer._EagerMoeForward``) against the custom ops.
 
 Eagerly, on plain CUDA tensors, ``mm.moe`` calls the ops' implementations without the
 custom-op dispatch. Both routes must give the same bits, keep the ops' autograd rules
@@ -14,7 +14,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
 import megamoe as mm
-from megamoe import ops
+from megamoe.custom_ops import layer
 from megamoe.testing import LayerInputs, make_layer
 
 pytestmark = pytest.mark.gpu
@@ -46,13 +46,13 @@ def _run(layer: LayerInputs, dout: torch.Tensor) -> list[torch.Tensor]:
 def routes(monkeypatch):
     """Counts of the eager route's forwards."""
     taken = {"eager": 0}
-    apply = ops._EagerMoeForward.apply
+    apply = layer._EagerMoeForward.apply
 
     def counted(*args):
         taken["eager"] += 1
         return apply(*args)
 
-    monkeypatch.setattr(ops._EagerMoeForward, "apply", counted)
+    monkeypatch.setattr(layer._EagerMoeForward, "apply", counted)
     return taken
 
 

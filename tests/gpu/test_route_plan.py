@@ -5,6 +5,7 @@ import torch
 
 import megamoe as mm
 from megamoe.testing.inputs import make_routing
+from megamoe.wrappers.registry import registry
 
 pytestmark = pytest.mark.gpu
 
@@ -29,7 +30,7 @@ def plan_both(ids, num_local_experts, block_m, expert_begin=0):
 @pytest.mark.parametrize("top_k", [1, 2, 6])
 def test_matches_reference_on_edge_token_counts(num_tokens, top_k):
     ids, _ = make_routing(num_tokens, 16, top_k, kind="masked", seed=num_tokens + top_k)
-    for block_m in mm.registry.registry().block_m_choices:
+    for block_m in registry().block_m_choices:
         plan_both(ids, 16, block_m)
 
 

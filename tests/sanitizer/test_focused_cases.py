@@ -25,7 +25,6 @@ import pytest
 import torch
 
 import megamoe as mm
-from megamoe.registry import registry
 from megamoe.testing import GRAD_MIN_COSINE, assert_close_to_oracle, make_layer, make_routing
 from megamoe.testing.sanitizer import UNDER_SANITIZER_ENV
 from megamoe.wrappers import pool
@@ -41,6 +40,7 @@ from megamoe.wrappers.grouped_gemm import (
 )
 from megamoe.wrappers.k_grouped_gemm import k_grouped_gemm, k_grouped_gemm_reference
 from megamoe.wrappers.mxfp4_decode import decode_mxfp4_bf16
+from megamoe.wrappers.registry import registry
 
 pytestmark = pytest.mark.gpu
 

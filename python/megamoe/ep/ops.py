@@ -2,11 +2,11 @@
 layer (:mod:`megamoe.ep.fused_layer`'s stages) as torch custom ops, what
 ``mm.moe(group=pg)`` and :func:`megamoe.ep.fused_moe` run.
 
-They keep the EP1 ops' conventions (:mod:`megamoe.ops`): named inputs, the adapters as
+They keep the EP1 ops' conventions (:mod:`megamoe.custom_ops.layer`): named inputs, the adapters as
 the six optional tensors ``a1, b1, a3, b3, a2, b2`` (all None: no adapters) plus
 ``scale``, the forward's plan handed to the backward in its state outputs (nothing is
 planned again), real and fake implementations running the same argument checks, and a
-FLOP formula per op (:mod:`megamoe.flop_formulas`). What EP adds (docs/DESIGN-NOTES.md,
+FLOP formula per op (:mod:`megamoe.custom_ops.flop_formulas`). What EP adds (docs/DESIGN-NOTES.md,
 "The op layer"):
 
 - the process group by name (``group.group_name``, resolved through torch.distributed's
@@ -32,8 +32,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .._checks import check_choice, check_int, check_tensor
-from ..op_inputs import (
+from ..custom_ops.inputs import (
     GRAD_NAMES,
     SIDE_NAMES,
     base_weights,
@@ -43,10 +42,11 @@ from ..op_inputs import (
     save_inputs_and_state,
     saved_inputs_and_state,
 )
-from ..op_inputs import side_lora as side_lora_of
+from ..custom_ops.inputs import side_lora as side_lora_of
 from ..pipeline.fused_forward import SAVE_MODES
 from ..side_lora import SideLoRA
 from ..validation import check_block_m, check_devices, check_moe_inputs
+from ..validation.arguments import check_choice, check_int, check_tensor
 from ..weights import BaseWeights
 from ..wrappers.grouped_gemm import ACTIVATIONS
 from ..wrappers.routing import RoutePlan

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .._checks import check_int, check_tensor
 from ..heuristics import BlockMConfig, get_block_m
+from ..validation.arguments import check_int, check_tensor
 from ..wrappers.routing import RoutePlan, plan_routes
 
 __all__ = [

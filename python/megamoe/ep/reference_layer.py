@@ -31,7 +31,6 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from .._checks import check_int, check_tensor
 from ..reference import (
     ACTIVATIONS,
     _activation,
@@ -42,6 +41,7 @@ from ..reference import (
     _rounder,
 )
 from ..side_lora import SIDE_NAMES, SideLoRA
+from ..validation.arguments import check_int, check_tensor
 from .exchange import combine, dispatch, reduce_shared_grads, sum_over_k
 from .plan import DispatchPlan, group_size, plan_dispatch
 

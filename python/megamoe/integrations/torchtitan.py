@@ -94,8 +94,8 @@ except ImportError as exc:
     ) from exc
 
 from .. import ops, reference
-from .._checks import check_choice
 from ..side_lora import SIDE_NAMES, SIDE_RANK_MAX, SIDE_RANK_MULTIPLE, SideLoRA
+from ..validation.arguments import check_choice
 from ..weights import prepare_base_weights
 
 __all__ = ["BACKENDS", "MegaMoEConverter", "MegaMoEGroupedExperts"]

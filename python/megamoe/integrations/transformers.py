@@ -73,7 +73,6 @@ except ImportError as exc:  # transformers 4 has no experts interface
     ) from exc
 
 from .. import ops, reference
-from .._checks import check_finite_float, check_int
 from ..adapter_convert import (
     side_lora_from_megatron,
     side_lora_from_peft_fused,
@@ -81,6 +80,7 @@ from ..adapter_convert import (
     side_lora_to_peft_fused,
 )
 from ..side_lora import SIDE_NAMES, SIDE_RANK_MAX, SIDE_RANK_MULTIPLE, SideLoRA
+from ..validation.arguments import check_finite_float, check_int
 from ..weights import prepare_base_weights
 
 __all__ = [

@@ -7,6 +7,7 @@ wrappers (:mod:`megamoe.wrappers`), DESIGN §3.
 - :mod:`~megamoe.pipeline.fused_backward`: the backward, whose expert stage
   (``pool_backward``) the expert-parallel layer (:mod:`megamoe.ep`) shares.
 
-The user API on top of them (``mm.moe``, its custom ops, ``MegaMoE``) sits at the
+The torch custom ops that run them are :mod:`megamoe.custom_ops` (EP1) and
+:mod:`megamoe.ep.ops`; the user API on top (``mm.moe``, ``MegaMoE``) sits at the
 package's top level.
 """

@@ -22,8 +22,8 @@ import torch
 from torch.autograd import _profiler_enabled
 from torch.profiler import record_function
 
-from .._checks import check_choice
 from ..side_lora import SideLoRA
+from ..validation.arguments import check_choice
 from ..weights import BaseWeights
 from ..wrappers import pool
 from ..wrappers.grouped_gemm import gated_grouped_gemm, grouped_gemm

@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .._checks import check_choice, check_finite_float, check_int, check_tensor
 from ..side_lora import SideLoRA
+from ..validation.arguments import check_choice, check_finite_float, check_int, check_tensor
 from ..weights import BaseWeights
 
 ACTIVATIONS = ("swiglu", "geglu")

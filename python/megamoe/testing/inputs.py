@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .._checks import check_choice, check_finite_float, check_int
 from ..heuristics import get_block_m
 from ..side_lora import SIDE_NAMES, SideLoRA
+from ..validation.arguments import check_choice, check_finite_float, check_int
 from ..weights import BaseWeights, prepare_base_weights
 
 ROUTING_KINDS = ("balanced", "skewed", "masked", "empty")

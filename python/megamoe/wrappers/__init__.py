@@ -14,5 +14,7 @@ without a GPU). Nothing here composes kernels into the MoE layer
   its epilogue;
 - :mod:`~megamoe.wrappers.k_grouped_gemm`: the K-grouped weight gradients;
 - :mod:`~megamoe.wrappers.mxfp4_decode`: the MXFP4 decode op;
+- :mod:`~megamoe.wrappers.registry`: the kernel variant registry (``variants.toml``),
+  the BLOCK_M choices and layout constants the kernels were compiled for;
 - ``_native``: access to the compiled module and DLPack/stream conventions.
 """

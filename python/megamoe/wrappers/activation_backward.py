@@ -24,7 +24,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .._checks import check_choice, check_tensor
+from ..validation.arguments import check_choice, check_tensor
 from . import _native
 from .grouped_gemm import ACTIVATIONS, GROUP_M, _device_sms, grouped_gemm, mxfp4_b
 from .routing import RoutePlan

@@ -27,9 +27,9 @@ import math
 
 import torch
 
-from .._checks import check_choice, check_tensor
 from ..env import num_sms as resolve_device_sms
 from ..heuristics import mxfp4_decodes_in_pipeline
+from ..validation.arguments import check_choice, check_tensor
 from . import _native
 from .routing import RoutePlan
 

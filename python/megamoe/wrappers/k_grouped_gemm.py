@@ -22,8 +22,8 @@ import math
 
 import torch
 
-from .._checks import check_tensor
 from ..env import num_sms as resolve_device_sms
+from ..validation.arguments import check_tensor
 from . import _native
 from .routing import RoutePlan
 

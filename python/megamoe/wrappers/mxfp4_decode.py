@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import check_tensor
 from ..mxfp4 import MXFP4_BLOCK, dequantize_mxfp4
+from ..validation.arguments import check_tensor
 from . import _native
 
 __all__ = ["decode_mxfp4_bf16"]

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import check_finite_float, check_int, check_tensor
+from ..validation.arguments import check_finite_float, check_int, check_tensor
 from . import _native
 from .routing import RoutePlan
 

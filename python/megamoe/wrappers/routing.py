@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .._checks import check_int, check_tensor
-from ..registry import registry
+from ..validation.arguments import check_int, check_tensor
 from . import _native
+from .registry import registry
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,8 @@ from collections.abc import Sequence
 
 import torch
 
-from ._checks import check_int, check_multiple, check_tensor
-from .mxfp4 import MXFP4_BLOCK
+from ..mxfp4 import MXFP4_BLOCK
+from .arguments import check_int, check_multiple, check_tensor
 
 __all__ = ["SCALE_NAN", "check_mxfp4_scales", "check_mxfp4_weights"]
 

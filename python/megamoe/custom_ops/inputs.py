@@ -1,4 +1,4 @@
-"""What the layer's custom op pairs share: the EP1 ops (:mod:`megamoe.ops`) and the
+"""What the layer's custom op pairs share: the EP1 ops (:mod:`megamoe.custom_ops.layer`) and the
 expert-parallel ones (:mod:`megamoe.ep.ops`) take the same weight and adapter inputs,
 turn them into the same :class:`BaseWeights` / :class:`SideLoRA`, and map their
 backward op's gradients onto the forward's inputs by the same rules."""
@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import check_finite_float, check_tensor
-from .pipeline.fused_backward import GRAD_NAMES
-from .side_lora import SIDE_NAMES, SideLoRA
-from .weights import BaseWeights
+from ..pipeline.fused_backward import GRAD_NAMES
+from ..side_lora import SIDE_NAMES, SideLoRA
+from ..validation.arguments import check_finite_float, check_tensor
+from ..weights import BaseWeights
 
 # SIDE_NAMES (re-exported): the adapters as op inputs, six optional tensors (all None: no
 # adapters) plus ``scale``.

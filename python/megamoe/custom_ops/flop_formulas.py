@@ -34,8 +34,8 @@ from collections.abc import Sequence
 import torch
 from torch.utils.flop_counter import register_flop_formula
 
-from . import ops  # noqa: F401  (defines the torch.ops.megamoe.* ops registered below)
-from .ep import ops as ep_ops  # noqa: F401  (the expert-parallel ops)
+from ..ep import ops as ep_ops  # noqa: F401  (the expert-parallel ops)
+from . import layer  # noqa: F401  (defines the torch.ops.megamoe.* ops registered below)
 
 __all__ = ["backward_flops", "forward_flops"]
 

@@ -17,11 +17,11 @@ import math
 
 import torch
 
-from ._checks import check_choice, check_int, check_tensor, has_data
-from .registry import registry
-from .side_lora import SIDE_NAMES, SideLoRA
-from .weights import BASE_FORMATS, BaseWeights
-from .wrappers.grouped_gemm import ACTIVATIONS
+from ..side_lora import SIDE_NAMES, SideLoRA
+from ..weights import BASE_FORMATS, BaseWeights
+from ..wrappers.grouped_gemm import ACTIVATIONS
+from ..wrappers.registry import registry
+from .arguments import check_choice, check_int, check_tensor, has_data
 
 __all__ = ["check_backward_inputs", "check_base_weights", "check_devices", "check_moe_inputs"]
 

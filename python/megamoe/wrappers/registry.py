@@ -1,4 +1,5 @@
-"""The kernel variant registry, as the runtime sees it (``variants.toml``)."""
+"""The kernel variant registry, as the runtime sees it: ``megamoe/variants.toml``, at the
+package's top, where CMake and the tools read it too."""
 
 from __future__ import annotations
 

@@ -1,0 +1,476 @@
+"""The EP1 layer's torch custom ops, what ``mm.moe`` (:func:`megamoe.moe`) runs.
+
+One custom op per pass (EP1; BF16 or MXFP4 base), both with named inputs and the same
+adapter encoding (:mod:`megamoe.custom_ops.inputs`), six optional tensors
+``a1, b1, a3, b3, a2, b2`` (all None: no adapters) and a ``scale``:
+
+- ``megamoe::moe_forward``: the forward (:func:`megamoe.pipeline.fused_forward.moe_forward`).
+  ``save="none"`` (inference) keeps nothing; ``"preact"`` (training) and
+  ``"recompute"`` (activation checkpointing) also return what the backward needs: the
+  route plan, GEMM1's pre-activations (not with ``"recompute"``), ``q13``, ``p_sum``.
+  Its autograd formula calls
+- ``megamoe::moe_backward``: :func:`megamoe.pipeline.fused_backward.moe_backward`, given the
+  forward's plan (its saved index maps) and its BLOCK_M, nothing planned again.
+
+Eagerly, on plain CUDA tensors, ``mm.moe`` calls the two ops' implementations through
+an autograd Function with the forward op's autograd rules (``_EagerMoeForward``): the
+same code and kernels without the custom-op dispatch, whose host time bounded
+small-token calls. torch.compile, dispatch and torch-function modes (FlopCounterMode,
+FakeTensorMode, DTensor) and direct ``torch.ops.megamoe`` calls get the ops.
+
+The expert-parallel pair ``megamoe::moe_ep_forward`` / ``megamoe::moe_ep_backward``
+(:mod:`megamoe.ep.ops`) keeps these ops' conventions: docs/DESIGN-NOTES.md ("The op
+layer") says why it is a pair of its own. Both pairs' FLOP formulas:
+:mod:`megamoe.custom_ops.flop_formulas`.
+
+All have fake implementations (shapes known without a sync), so ``torch.compile``
+traces them, and none synchronises with the host: the id range check runs on the device
+and a later call (or :func:`megamoe.check_errors`) reports it. The real and the
+fake implementations run the same argument checks (:mod:`megamoe.validation`): a call
+with one tensor on ``meta`` (which dispatches to the fake) is rejected like any other
+mixed-device call, and an all-fake call (tracing, ``FakeTensorMode``, a meta module)
+gets outputs of the right shapes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from ..pipeline.fused_backward import moe_backward
+from ..pipeline.fused_forward import SAVE_MODES, ForwardState, moe_forward, stage
+from ..side_lora import SideLoRA
+from ..validation import check_backward_inputs, check_block_m, check_moe_inputs
+from ..validation.arguments import check_choice
+from ..weights import BaseWeights
+from ..wrappers.routing import RoutePlan, pool_capacity
+from .inputs import (
+    GRAD_NAMES,
+    SIDE_NAMES,
+    base_weights,
+    empty,
+    grads_for_inputs,
+    input_names,
+    save_inputs_and_state,
+    saved_inputs_and_state,
+)
+from .inputs import side_lora as side_lora_of
+
+_STATE_NAMES = (
+    "expert_counts",
+    "expert_pool_offsets",
+    "route_to_pool_row",
+    "pool_row_to_route",
+    "preact",
+    "q13",
+    "p_sum",
+)
+
+
+def _op_inputs(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scales: torch.Tensor | None,
+    w2_scales: torch.Tensor | None,
+    side: tuple[torch.Tensor | None, ...],
+    scale: float,
+    activation: str,
+    activation_clamp: float | None,
+    block_m: int,
+    save: str,
+    *,
+    fake: bool,
+) -> tuple[BaseWeights, SideLoRA | None]:
+    """The checked ``(base, side)`` of one forward op call (``block_m``: a registry
+    BLOCK_M, :func:`~megamoe.get_block_m` of the call; ``save``: one of
+    :data:`~megamoe.pipeline.fused_forward.SAVE_MODES`).
+
+    The real implementation (``fake=False``) requires CUDA weights and checks the id
+    range of CPU ids (CUDA ids: the forward's device-side check); the fake
+    one checks everything that needs no data, on any device.
+    """
+    base = base_weights(w13, w2, w13_scales, w2_scales)
+    side_lora = side_lora_of(side, scale)
+    check_moe_inputs(
+        x,
+        topk_ids,
+        topk_weights,
+        base,
+        side_lora,
+        activation,
+        activation_clamp,
+        require_cuda=not fake,
+        expert_id_limit=base.num_experts,
+    )
+    check_block_m(block_m)
+    check_choice("save", save, SAVE_MODES)
+    return base, side_lora
+
+
+def _moe_forward_impl(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scales: torch.Tensor | None,  # MXFP4 base: the UE8M0 scales; None for BF16
+    w2_scales: torch.Tensor | None,
+    a1: torch.Tensor | None,  # the six adapter tensors, or six Nones: no adapters
+    b1: torch.Tensor | None,
+    a3: torch.Tensor | None,
+    b3: torch.Tensor | None,
+    a2: torch.Tensor | None,
+    b2: torch.Tensor | None,
+    scale: float,
+    activation: str,
+    activation_clamp: float | None,
+    block_m: int,
+    save: str,
+) -> tuple[
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+]:
+    """``(out, expert_counts, expert_pool_offsets, route_to_pool_row, pool_row_to_route,
+    preact, q13, p_sum)``. ``save`` (:data:`~megamoe.pipeline.fused_forward.SAVE_MODES`):
+    ``"none"`` (inference: every state output empty), ``"preact"`` (training) or
+    ``"recompute"`` (activation checkpointing: ``preact`` empty); absent state tensors
+    are empty."""
+    base, side = _op_inputs(
+        x, topk_ids, topk_weights, w13, w2, w13_scales, w2_scales, (a1, b1, a3, b3, a2, b2),
+        scale, activation, activation_clamp, block_m, save, fake=False,
+    )  # fmt: skip
+    result = moe_forward(
+        x,
+        topk_ids,
+        topk_weights,
+        base,
+        side,
+        activation=activation,
+        activation_clamp=activation_clamp,
+        block_m=block_m,
+        save=save,
+    )
+    if save == "none":
+        return (result, *(empty(x) for _ in _STATE_NAMES))
+    out, state = result
+    plan = state.plan
+    return (
+        out,
+        plan.expert_counts,
+        plan.expert_pool_offsets,
+        plan.route_to_pool_row,
+        plan.pool_row_to_route,
+        empty(x) if state.preact is None else state.preact,
+        empty(x) if state.q13 is None else state.q13,
+        empty(x) if state.p_sum is None else state.p_sum,
+    )
+
+
+_moe_forward_op = torch.library.custom_op("megamoe::moe_forward", mutates_args=())(
+    _moe_forward_impl
+)
+
+
+@_moe_forward_op.register_fake
+def _(
+    x,
+    topk_ids,
+    topk_weights,
+    w13,
+    w2,
+    w13_scales,
+    w2_scales,
+    a1,
+    b1,
+    a3,
+    b3,
+    a2,
+    b2,
+    scale,
+    activation,
+    activation_clamp,
+    block_m,
+    save,
+):
+    base, side = _op_inputs(
+        x, topk_ids, topk_weights, w13, w2, w13_scales, w2_scales, (a1, b1, a3, b3, a2, b2),
+        scale, activation, activation_clamp, block_m, save, fake=True,
+    )  # fmt: skip
+    out = x.new_empty(x.shape)
+    if save == "none":
+        return (out, *(x.new_empty(0) for _ in _STATE_NAMES))
+    tokens, top_k = topk_ids.shape
+    experts, two_i = base.num_experts, 2 * base.intermediate
+    capacity = pool_capacity(tokens * top_k, experts, block_m)  # moe_forward's route plan
+    index = dict(dtype=torch.int32, device=x.device)
+    use_side = side is not None and side.scale != 0.0
+    rank = side.rank if side is not None else 0
+    return (
+        out,
+        torch.empty(experts, **index),
+        torch.empty(experts + 1, **index),
+        torch.empty(tokens, top_k, **index),
+        torch.empty(capacity, **index),
+        x.new_empty(capacity, two_i) if save == "preact" else x.new_empty(0),
+        x.new_empty(tokens, 2 * rank) if use_side else x.new_empty(0),
+        x.new_empty(tokens, rank) if use_side else x.new_empty(0),
+    )
+
+
+# ``preact`` is written over: dgrad2's epilogue leaves dg | du in the saved pre-activations
+# (their last reader), so the schema declares it mutated.
+def _moe_backward_impl(
+    dout: torch.Tensor,
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scales: torch.Tensor | None,
+    w2_scales: torch.Tensor | None,
+    a1: torch.Tensor | None,
+    b1: torch.Tensor | None,
+    a3: torch.Tensor | None,
+    b3: torch.Tensor | None,
+    a2: torch.Tensor | None,
+    b2: torch.Tensor | None,
+    scale: float,
+    activation: str,
+    activation_clamp: float | None,
+    expert_counts: torch.Tensor,
+    expert_pool_offsets: torch.Tensor,
+    route_to_pool_row: torch.Tensor,
+    pool_row_to_route: torch.Tensor,
+    preact: torch.Tensor,
+    q13: torch.Tensor,
+    p_sum: torch.Tensor,
+    base_grads: bool,
+    side_grads: bool,
+    block_m: int,
+) -> tuple[
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+]:
+    """``(dx, dtopk_weights, dw13, dw2, da1, db1, da3, db3, da2, db2)``; gradients not
+    computed are empty tensors. A tuple, not a list: torch.compile functionalizes an op
+    that mutates an input (``preact``) only when it returns plain tensors. The plan
+    (``expert_counts`` .. ``pool_row_to_route``) and ``block_m`` are the forward's.
+    ``preact`` (the forward's saved ``g | u``, or empty under activation checkpointing)
+    is overwritten with ``dg | du``."""
+    base, side = _backward_inputs(
+        dout, x, topk_weights, w13, w2, w13_scales, w2_scales, (a1, b1, a3, b3, a2, b2), scale,
+        activation, activation_clamp, expert_counts, expert_pool_offsets, route_to_pool_row,
+        pool_row_to_route, preact, q13, p_sum,
+    )  # fmt: skip
+    check_block_m(block_m)
+    plan = RoutePlan(
+        expert_counts, expert_pool_offsets, route_to_pool_row, pool_row_to_route, block_m
+    )
+    state = ForwardState(
+        plan=plan,
+        preact=preact if preact.numel() else None,
+        q13=q13 if q13.numel() else None,
+        p_sum=p_sum if p_sum.numel() else None,
+    )
+    grads = moe_backward(
+        dout,
+        x,
+        topk_weights,
+        base,
+        side,
+        state,
+        activation=activation,
+        activation_clamp=activation_clamp,
+        base_grads=base_grads,
+        side_grads=side_grads,
+    )
+    return tuple(empty(x) if grads[name] is None else grads[name] for name in GRAD_NAMES)
+
+
+_moe_backward_op = torch.library.custom_op("megamoe::moe_backward", mutates_args=("preact",))(
+    _moe_backward_impl
+)
+
+
+@_moe_backward_op.register_fake
+def _(
+    dout,
+    x,
+    topk_weights,
+    w13,
+    w2,
+    w13_scales,
+    w2_scales,
+    a1,
+    b1,
+    a3,
+    b3,
+    a2,
+    b2,
+    scale,
+    activation,
+    activation_clamp,
+    expert_counts,
+    expert_pool_offsets,
+    route_to_pool_row,
+    pool_row_to_route,
+    preact,
+    q13,
+    p_sum,
+    base_grads,
+    side_grads,
+    block_m,
+):
+    _backward_inputs(
+        dout, x, topk_weights, w13, w2, w13_scales, w2_scales, (a1, b1, a3, b3, a2, b2), scale,
+        activation, activation_clamp, expert_counts, expert_pool_offsets, route_to_pool_row,
+        pool_row_to_route, preact, q13, p_sum,
+    )  # fmt: skip
+    check_block_m(block_m)
+    use_side = q13.numel() > 0 and side_grads
+    side = (a1, b1, a3, b3, a2, b2)
+    return (
+        x.new_empty(x.shape),
+        topk_weights.new_empty(topk_weights.shape),
+        w13.new_empty(w13.shape) if base_grads else x.new_empty(0),
+        w2.new_empty(w2.shape) if base_grads else x.new_empty(0),
+        *(t.new_empty(t.shape) if use_side else x.new_empty(0) for t in side),
+    )
+
+
+def _backward_inputs(
+    dout: torch.Tensor,
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scales: torch.Tensor | None,
+    w2_scales: torch.Tensor | None,
+    side: tuple[torch.Tensor | None, ...],
+    scale: float,
+    activation: str,
+    activation_clamp: float | None,
+    *state: torch.Tensor,
+) -> tuple[BaseWeights, SideLoRA | None]:
+    """The checked ``(base, side)`` of one backward op call (real and fake alike: the
+    inputs are the forward's, already checked on their device, plus ``dout`` and the
+    saved state)."""
+    base = base_weights(w13, w2, w13_scales, w2_scales)
+    side_lora = side_lora_of(side, scale)
+    # The forward's checks on its inputs; the route_to_pool_row map stands in for the
+    # ids (same [T, K]; the ids themselves are not saved).
+    check_moe_inputs(
+        x,
+        state[_STATE_NAMES.index("route_to_pool_row")],
+        topk_weights,
+        base,
+        side_lora,
+        activation,
+        activation_clamp,
+        require_cuda=False,
+        ids_name="route_to_pool_row",
+    )
+    check_backward_inputs(dout, x, base, side_lora, dict(zip(_STATE_NAMES, state, strict=True)))
+    return base, side_lora
+
+
+_FORWARD_INPUTS = input_names(_moe_forward_op)
+
+
+def _forward_setup_context(ctx, inputs, output) -> None:
+    args = dict(zip(_FORWARD_INPUTS, inputs, strict=True))
+    ctx.eager = False  # mm.moe's eager route sets it (_EagerMoeForward)
+    ctx.save = args["save"]
+    # The state outputs are not differentiable: without this autograd would hand the
+    # backward a materialized zero gradient for each ([T*K, 2I] for the pre-activations).
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.set_materialize_grads(False)
+    if ctx.save == "none":  # inference: nothing to keep (mm.moe calls it without grad)
+        return
+    ctx.options = {name: args[name] for name in ("scale", "activation", "activation_clamp")}
+    ctx.block_m = args["block_m"]  # the forward's plan is padded to it
+    save_inputs_and_state(ctx, args, output[1:])
+
+
+def _forward_backward(ctx, dout, *_state_grads):
+    if dout is None:  # no gradient reached the output (grads are not materialized)
+        return (None,) * len(_FORWARD_INPUTS)
+    if ctx.save == "none":
+        raise RuntimeError(
+            "megamoe::moe_forward: called with save='none', which keeps no state for a "
+            "backward; call it with save='preact' or 'recompute' (mm.moe does)"
+        )
+    inputs, state = saved_inputs_and_state(ctx, _STATE_NAMES)
+    needs = dict(zip(_FORWARD_INPUTS, ctx.needs_input_grad, strict=True))
+    # The forward's plan (its saved index maps) and BLOCK_M: nothing is planned again.
+    # On mm.moe's eager route the backward op's implementation is called directly, in
+    # a profiler range of the op's name (see _EagerMoeForward).
+    with stage("moe_backward") if ctx.eager else contextlib.nullcontext():
+        grads = (_moe_backward_impl if ctx.eager else _moe_backward_op)(
+            dout=dout.contiguous(),
+            **inputs,
+            **ctx.options,
+            **state,
+            base_grads=needs["w13"] or needs["w2"],
+            side_grads=ctx.has_side and any(needs[name] for name in SIDE_NAMES),
+            block_m=ctx.block_m,
+        )
+    return grads_for_inputs(
+        _FORWARD_INPUTS, grads, needs, inputs, has_side=ctx.has_side, scale=ctx.options["scale"]
+    )
+
+
+_moe_forward_op.register_autograd(_forward_backward, setup_context=_forward_setup_context)
+
+
+class _EagerMoeForward(torch.autograd.Function):
+    """mm.moe's eager route: the forward op's implementation under the op's own autograd
+    rules, without the custom-op dispatch's host time (docs/DESIGN-NOTES.md, "The op
+    layer"). Same functions, same kernels, same bits as the op; taken only for plain
+    CUDA tensors outside torch.compile and outside any dispatch or torch-function mode
+    (FlopCounterMode, FakeTensorMode, DTensor, ...), which get the registered ops."""
+
+    @staticmethod
+    def forward(*inputs):  # in _FORWARD_INPUTS order
+        with stage("moe_forward"):
+            return _moe_forward_impl(*inputs)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        _forward_setup_context(ctx, inputs, output)
+        ctx.eager = True
+
+    @staticmethod
+    @once_differentiable  # like the op: no second-order graph through the native kernels
+    def backward(ctx, *grads):
+        return _forward_backward(ctx, *grads)
+
+
+def _takes_eager_route(tensors: list[torch.Tensor | None]) -> bool:
+    """Whether mm.moe may call the implementation directly (see _EagerMoeForward)."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
+        return False
+    if torch._C._is_torch_function_mode_enabled():
+        return False
+    return all(t is None or (type(t) in _PLAIN_TENSORS and t.is_cuda) for t in tensors)
+
+
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
