@@ -83,3 +83,17 @@ def test_a_later_call_reads_only_what_has_reached_the_host(pending: list) -> Non
     with pytest.raises(ValueError, match=r"got values in \[-1, 99\] in an earlier call"):
         routing._raise_checked(routing._take_copied())
     assert pending == []
+
+
+def test_the_forward_raises_finished_checks_before_launching(pending: list) -> None:
+    # raise_finished_id_checks runs before a fused forward's first launch (its own ids
+    # are checked after its last): no wait, only what has reached the host.
+    routing.raise_finished_id_checks()  # nothing pending: a no-op
+    in_flight = _snapshot(-1, 99, 8, done=False)
+    pending.append(in_flight)
+    routing.raise_finished_id_checks()
+    assert pending == [in_flight] and not in_flight.copied.waited
+    in_flight.copied.done = True
+    with pytest.raises(ValueError, match=r"got values in \[-1, 99\] in an earlier call"):
+        routing.raise_finished_id_checks()
+    assert pending == []

@@ -445,18 +445,21 @@ class _EagerMoeForward(torch.autograd.Function):
     """mm.moe's eager route: the forward op's implementation under the op's own autograd
     rules, without the custom-op dispatch's host time (docs/DESIGN-NOTES.md, "The op
     layer"). Same functions, same kernels, same bits as the op; taken only for plain
-    CUDA tensors outside torch.compile and outside any dispatch or torch-function mode
-    (FlopCounterMode, FakeTensorMode, DTensor, ...), which get the registered ops."""
+    CUDA tensors outside torch.compile, functorch transforms and any dispatch or
+    torch-function mode (FlopCounterMode, FakeTensorMode, DTensor, ...), which get the
+    registered ops."""
 
+    # A forward that takes ctx, not a separate setup_context: with one, Function.apply
+    # binds the arguments through inspect.signature on every call, host time on the
+    # path to the first kernel of a small-token call. functorch transforms need the
+    # setup_context form; they take the registered op (_takes_eager_route).
     @staticmethod
-    def forward(*inputs):  # in _FORWARD_INPUTS order
+    def forward(ctx, *inputs):  # in _FORWARD_INPUTS order
         with stage("moe_forward"):
-            return _moe_forward_impl(*inputs)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output) -> None:
+            output = _moe_forward_impl(*inputs)
         _forward_setup_context(ctx, inputs, output)
         ctx.eager = True
+        return output
 
     @staticmethod
     @once_differentiable  # like the op: no second-order graph through the native kernels
@@ -469,6 +472,8 @@ def _takes_eager_route(tensors: list[torch.Tensor | None]) -> bool:
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
         return False
     if torch._C._is_torch_function_mode_enabled():
+        return False
+    if torch._C._are_functorch_transforms_active():  # vmap, grad: see _EagerMoeForward
         return False
     return all(t is None or (type(t) in _PLAIN_TENSORS and t.is_cuda) for t in tensors)
 

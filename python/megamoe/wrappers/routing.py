@@ -135,6 +135,18 @@ def check_errors() -> None:
     _raise_checked(_take_copied())
 
 
+def raise_finished_id_checks() -> None:
+    """Raise the first error among the earlier calls' id checks whose result has reached
+    the host (no wait; see :func:`check_expert_ids`). A no-op with none pending, under
+    torch.compile and during CUDA-graph capture (no event query there). The fused forward
+    calls it before its first launch and records its own check after its last one."""
+    if not _pending or torch.compiler.is_compiling():
+        return
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return
+    _raise_checked(_take_copied())
+
+
 def check_expert_ids(topk_ids: torch.Tensor, limit: int | None) -> None:
     """Check that every id of ``topk_ids`` lies in ``[-1, limit)`` (``limit`` None: ``>= -1``).
 
