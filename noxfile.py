@@ -7,9 +7,10 @@ the SASS tools, the wheel audit), ``<pin>-test.txt`` (the CPU torch wheel
 ``torch==X+cpu`` by its hash, pytest, numpy, cuda-pathfinder, matplotlib, and the
 trainers the integration tests run against: transformers, peft, torchtitan, triton),
 ``<pin>-test-cuda.txt`` (PyPI's CUDA torch, for the GPU sessions), ``<pin>-lint.txt``.
-The CPU torch wheel is found where pip is configured to look (a local wheel
-directory on CI's machine) or, with ``MEGAMOE_TORCH_INDEX=https://download.pytorch.org/whl/cpu``,
-on PyTorch's CPU index; the lock's hash decides which file is acceptable.
+The CPU torch wheel comes from PyTorch's CPU index (``ci/lock.py``'s ``TORCH_CPU_INDEX``,
+an extra index) or from wherever pip is configured to look (CI's machine: a local wheel
+directory); the lock's hash decides which file is acceptable.
+``MEGAMOE_TORCH_INDEX=URL`` names another index, ``MEGAMOE_TORCH_INDEX=none`` none.
 
 Every session also runs with ``--no-venv`` in a prepared environment (the test
 image, the lent GPU machine): installs are skipped there and the installed
@@ -26,7 +27,8 @@ import nox
 
 ROOT = Path(__file__).parent
 sys.path.insert(0, str(ROOT / "ci"))
-import pins as pinlib  # noqa: E402  (ci/ is not a package)
+import lock as locklib  # noqa: E402  (ci/ is not a package)
+import pins as pinlib  # noqa: E402
 
 nox.options.sessions = ["lint", "cpu", "compile_variants"]
 nox.options.reuse_existing_virtualenvs = True
@@ -38,8 +40,6 @@ PRODUCTION_PARTS = ("oracle", "timing", "sweep", "ep2")
 #: host = true pin of ci/pins.toml).
 PIN = pinlib.get("host").name
 LOCKS = ROOT / "ci" / "locks"
-#: Optional extra index for the locked torch wheel (see the module docstring).
-TORCH_INDEX_VAR = "MEGAMOE_TORCH_INDEX"
 
 
 def lock_file(kind: str) -> Path:
@@ -56,10 +56,10 @@ def _install_locked(session: nox.Session, *kinds: str) -> None:
     if not _in_venv(session):
         return
     args = ["--require-hashes"]
-    for kind in kinds:
-        args += ["-r", str(lock_file(kind))]
-    if index := os.environ.get(TORCH_INDEX_VAR, "").strip():
-        args += ["--extra-index-url", index]
+    files = [lock_file(kind) for kind in kinds]
+    for file in files:
+        args += ["-r", str(file)]
+    args += locklib.torch_index_args(*files)  # the CPU torch wheel is not on PyPI
     session.install(*args)
 
 

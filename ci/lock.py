@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -38,6 +39,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 import pins as pinlib
 
 LOCKS = Path(__file__).parent / "locks"
+#: Where the CPU torch wheels (``torch==X+cpu``) are published: PyPI has none.
+TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+#: Another index for them (a URL), or ``none`` for pip's configured sources alone.
+TORCH_INDEX_VAR = "MEGAMOE_TORCH_INDEX"
 KINDS = ("build", "test", "nox", "lint", "cuda")
 # glibc 2.34 and older: Debian 12 (2.36), Ubuntu 24.04 (2.39), GitHub's runners.
 PLATFORMS = {
@@ -166,6 +171,18 @@ def lock(kind: str, pin: pinlib.Pin, arches: list[str], pypi_only: bool = False)
     return out
 
 
+def torch_index_args(*lockfiles: Path) -> list[str]:
+    """pip's extra index for locks that pin a CPU torch wheel: ``$MEGAMOE_TORCH_INDEX``
+    (``none``: no extra index), by default PyTorch's CPU index; ``[]`` for other locks.
+    The lock's hash, not the index, decides which file is acceptable."""
+    if not any(re.search(r"^torch==\S+\+cpu\b", f.read_text(), re.M) for f in lockfiles):
+        return []
+    value = os.environ.get(TORCH_INDEX_VAR, "").strip()
+    if value.lower() == "none":
+        return []
+    return ["--extra-index-url", value or TORCH_CPU_INDEX]
+
+
 def fetch(lockfile: Path, pin: pinlib.Pin, arch: str, dest: Path) -> None:
     dest.mkdir(parents=True, exist_ok=True)
     subprocess.run(
@@ -178,6 +195,7 @@ def fetch(lockfile: Path, pin: pinlib.Pin, arch: str, dest: Path) -> None:
             "--no-deps",
             "--require-hashes",
             *target_args(pin, arch),
+            *torch_index_args(lockfile),
             "-r",
             str(lockfile),
             "-d",

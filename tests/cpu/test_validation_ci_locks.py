@@ -144,3 +144,21 @@ def test_ci_entry_points_install_with_hashes() -> None:
             if "pip install" in line and not line.lstrip().startswith("#"):
                 assert "--require-hashes" in line, f"{name}: {line.strip()}"
                 assert "ci/locks/" in line, f"{name}: {line.strip()}"
+
+
+def test_the_cpu_torch_wheel_has_a_named_source(monkeypatch: pytest.MonkeyPatch) -> None:
+    # PyPI publishes no +cpu torch: installs and image fetches of a lock that pins one
+    # name PyTorch's CPU index, whatever pip's own configuration holds.
+    import lock as locklib
+
+    host = pinlib.get("host").name
+    cpu, cuda, build = (LOCKS / f"{host}-{kind}.txt" for kind in ("test", "test-cuda", "build"))
+    monkeypatch.delenv(locklib.TORCH_INDEX_VAR, raising=False)
+    default = ["--extra-index-url", "https://download.pytorch.org/whl/cpu"]
+    assert locklib.torch_index_args(build, cpu) == default
+    assert locklib.torch_index_args(build, cuda) == []  # PyPI's CUDA torch
+    assert locklib.torch_index_args(build) == []
+    monkeypatch.setenv(locklib.TORCH_INDEX_VAR, " https://mirror.example/whl/cpu ")
+    assert locklib.torch_index_args(cpu) == ["--extra-index-url", "https://mirror.example/whl/cpu"]
+    monkeypatch.setenv(locklib.TORCH_INDEX_VAR, "none")
+    assert locklib.torch_index_args(cpu) == []
