@@ -7,9 +7,9 @@ the SASS tools, the wheel audit), ``<pin>-test.txt`` (the CPU torch wheel
 ``torch==X+cpu`` by its hash, pytest, numpy, cuda-pathfinder, matplotlib, and the
 trainers the integration tests run against: transformers, peft, torchtitan, triton),
 ``<pin>-test-cuda.txt`` (PyPI's CUDA torch, for the GPU sessions), ``<pin>-lint.txt``.
-The CPU torch wheel comes from PyTorch's CPU index (``ci/lock.py``'s ``TORCH_CPU_INDEX``,
-an extra index) or from wherever pip is configured to look (CI's machine: a local wheel
-directory); the lock's hash decides which file is acceptable.
+The CPU torch wheel is installed first, alone, from PyTorch's CPU index (``ci/lock.py``'s
+``TORCH_CPU_INDEX``, an extra index) or wherever pip is configured to look (CI's
+machine: a local wheel directory); the lock's hash decides which file is acceptable.
 ``MEGAMOE_TORCH_INDEX=URL`` names another index, ``MEGAMOE_TORCH_INDEX=none`` none.
 
 Every session also runs with ``--no-venv`` in a prepared environment (the test
@@ -56,10 +56,15 @@ def _install_locked(session: nox.Session, *kinds: str) -> None:
     if not _in_venv(session):
         return
     args = ["--require-hashes"]
-    files = [lock_file(kind) for kind in kinds]
-    for file in files:
-        args += ["-r", str(file)]
-    args += locklib.torch_index_args(*files)  # the CPU torch wheel is not on PyPI
+    for kind in kinds:
+        if (torch := locklib.cpu_torch_requirement(lock_file(kind))) is not None:
+            # The CPU torch wheel alone first, from its index (ci/lock.py): the lock's
+            # install then finds it installed.
+            requirement = Path(session.create_tmp()) / "torch-cpu.txt"
+            requirement.write_text(torch)
+            index = locklib.torch_index_args()
+            session.install(*args, "--no-deps", "--retries=0", *index, "-r", str(requirement))
+        args += ["-r", str(lock_file(kind))]
     session.install(*args)
 
 

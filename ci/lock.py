@@ -171,12 +171,22 @@ def lock(kind: str, pin: pinlib.Pin, arches: list[str], pypi_only: bool = False)
     return out
 
 
-def torch_index_args(*lockfiles: Path) -> list[str]:
-    """pip's extra index for locks that pin a CPU torch wheel: ``$MEGAMOE_TORCH_INDEX``
-    (``none``: no extra index), by default PyTorch's CPU index; ``[]`` for other locks.
-    The lock's hash, not the index, decides which file is acceptable."""
-    if not any(re.search(r"^torch==\S+\+cpu\b", f.read_text(), re.M) for f in lockfiles):
-        return []
+def cpu_torch_requirement(lockfile: Path) -> str | None:
+    """The lock's ``torch==X+cpu`` entry with its hashes (requirements-file text), or None
+    for a lock without a CPU torch (PyPI publishes no ``+cpu`` wheels)."""
+    entry = re.search(
+        r"^torch==\S+\+cpu \\\n(?:    --hash=sha256:[0-9a-f]{64}(?: \\)?\n)+",
+        lockfile.read_text(),
+        re.M,
+    )
+    return entry.group(0) if entry else None
+
+
+def torch_index_args() -> list[str]:
+    """pip's extra index for a CPU torch wheel: ``$MEGAMOE_TORCH_INDEX`` (``none``: pip's
+    configured sources alone), by default PyTorch's CPU index. Passed to the pip call
+    that fetches torch alone (one package asks that index once, ``--retries 0``); a whole
+    lock would ask it about every package, minutes of retries where it is unreachable."""
     value = os.environ.get(TORCH_INDEX_VAR, "").strip()
     if value.lower() == "none":
         return []
@@ -185,24 +195,19 @@ def torch_index_args(*lockfiles: Path) -> list[str]:
 
 def fetch(lockfile: Path, pin: pinlib.Pin, arch: str, dest: Path) -> None:
     dest.mkdir(parents=True, exist_ok=True)
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "--quiet",
-            "--no-deps",
-            "--require-hashes",
-            *target_args(pin, arch),
-            *torch_index_args(lockfile),
-            "-r",
-            str(lockfile),
-            "-d",
-            str(dest),
-        ],
-        check=True,
-    )
+    download = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps"]
+    download += ["--require-hashes", *target_args(pin, arch), "-d", str(dest)]
+    if (torch := cpu_torch_requirement(lockfile)) is not None:
+        # The CPU torch wheel first, from its index; the lock then finds it in dest.
+        with tempfile.TemporaryDirectory() as tmp:
+            requirement = Path(tmp) / "torch-cpu.txt"
+            requirement.write_text(torch)
+            subprocess.run(
+                [*download, "--retries=0", *torch_index_args(), "-r", str(requirement)],
+                check=True,
+            )
+        download += ["--find-links", str(dest)]
+    subprocess.run([*download, "-r", str(lockfile)], check=True)
 
 
 def install_cuda(root: Path, pin: pinlib.Pin, arch: str, wheels: Path) -> Path:

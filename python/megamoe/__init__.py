@@ -28,7 +28,9 @@ from . import validation
 
 # isort: split
 from . import adapter_convert, ep, reference
-from .custom_ops import flop_formulas  # noqa: F401  (FlopCounterMode counts the megamoe ops)
+
+# FlopCounterMode counts the megamoe ops through their registered formulas.
+from .custom_ops import flop_formulas as _flop_formulas  # noqa: F401
 from .env import resolve_num_sms
 from .heuristics import BlockMConfig, get_block_m
 from .module import MegaMoE

@@ -148,17 +148,22 @@ def test_ci_entry_points_install_with_hashes() -> None:
 
 def test_the_cpu_torch_wheel_has_a_named_source(monkeypatch: pytest.MonkeyPatch) -> None:
     # PyPI publishes no +cpu torch: installs and image fetches of a lock that pins one
-    # name PyTorch's CPU index, whatever pip's own configuration holds.
+    # take it first, alone, naming PyTorch's CPU index, whatever pip's configuration holds.
     import lock as locklib
 
     host = pinlib.get("host").name
     cpu, cuda, build = (LOCKS / f"{host}-{kind}.txt" for kind in ("test", "test-cuda", "build"))
+    entry = locklib.cpu_torch_requirement(cpu)
+    assert entry is not None and entry.startswith(f"torch=={read_lock(cpu)['torch']} \\\n")
+    assert not cpu.read_text().split(entry, 1)[1].startswith("    --hash"), "every torch hash"
+    assert locklib.cpu_torch_requirement(cuda) is None  # PyPI's CUDA torch
+    assert locklib.cpu_torch_requirement(build) is None
     monkeypatch.delenv(locklib.TORCH_INDEX_VAR, raising=False)
-    default = ["--extra-index-url", "https://download.pytorch.org/whl/cpu"]
-    assert locklib.torch_index_args(build, cpu) == default
-    assert locklib.torch_index_args(build, cuda) == []  # PyPI's CUDA torch
-    assert locklib.torch_index_args(build) == []
+    assert locklib.torch_index_args() == [
+        "--extra-index-url",
+        "https://download.pytorch.org/whl/cpu",
+    ]
     monkeypatch.setenv(locklib.TORCH_INDEX_VAR, " https://mirror.example/whl/cpu ")
-    assert locklib.torch_index_args(cpu) == ["--extra-index-url", "https://mirror.example/whl/cpu"]
+    assert locklib.torch_index_args() == ["--extra-index-url", "https://mirror.example/whl/cpu"]
     monkeypatch.setenv(locklib.TORCH_INDEX_VAR, "none")
-    assert locklib.torch_index_args(cpu) == []
+    assert locklib.torch_index_args() == []

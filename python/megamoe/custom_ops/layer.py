@@ -15,8 +15,9 @@ adapter encoding (:mod:`megamoe.custom_ops.inputs`), six optional tensors
 Eagerly, on plain CUDA tensors, ``mm.moe`` calls the two ops' implementations through
 an autograd Function with the forward op's autograd rules (``_EagerMoeForward``): the
 same code and kernels without the custom-op dispatch, whose host time bounded
-small-token calls. torch.compile, dispatch and torch-function modes (FlopCounterMode,
-FakeTensorMode, DTensor) and direct ``torch.ops.megamoe`` calls get the ops.
+small-token calls. torch.compile, functorch transforms (vmap, grad), dispatch and
+torch-function modes (FlopCounterMode, FakeTensorMode, DTensor) and direct
+``torch.ops.megamoe`` calls get the ops.
 
 The expert-parallel pair ``megamoe::moe_ep_forward`` / ``megamoe::moe_ep_backward``
 (:mod:`megamoe.ep.ops`) keeps these ops' conventions: docs/DESIGN-NOTES.md ("The op

@@ -147,15 +147,20 @@ def raise_finished_id_checks() -> None:
     _raise_checked(_take_copied())
 
 
-def check_expert_ids(topk_ids: torch.Tensor, limit: int | None) -> None:
+def check_expert_ids(
+    topk_ids: torch.Tensor, limit: int | None, *, raise_earlier: bool = True
+) -> None:
     """Check that every id of ``topk_ids`` lies in ``[-1, limit)`` (``limit`` None: ``>= -1``).
 
     Without a host synchronisation: CPU ids are read at once (``ValueError`` now); CUDA
     ids get one reduction and a non-blocking copy of their extremes to pinned host
     memory, read by a later call or :func:`check_errors` (the kernels meanwhile treat
     out-of-range ids as masked). A later call first raises the errors of the earlier
-    calls that the GPU has finished. Under CUDA-graph capture nothing is checked (an
-    event query is not allowed there). Meta and fake tensors have no values to check.
+    calls that the GPU has finished; ``raise_earlier=False`` only records this call's
+    check (the fused forward raises the earlier errors before its first launch with
+    :func:`raise_finished_id_checks` and records its own check after its last one).
+    Under CUDA-graph capture nothing is checked (an event query is not allowed there).
+    Meta and fake tensors have no values to check.
     """
     if topk_ids.numel() == 0 or torch.compiler.is_compiling():
         return
@@ -170,7 +175,8 @@ def check_expert_ids(topk_ids: torch.Tensor, limit: int | None) -> None:
         return
     if torch.cuda.is_current_stream_capturing():
         return
-    _raise_checked(_take_copied())
+    if raise_earlier:
+        _raise_checked(_take_copied())
     extremes = topk_ids.new_empty(2)
     torch.aminmax(topk_ids, out=(extremes[0], extremes[1]))  # one reduction
     host = torch.empty(2, dtype=topk_ids.dtype, pin_memory=True)
