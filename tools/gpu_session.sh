@@ -7,7 +7,9 @@
 #   bash tools/gpu_session.sh OUT_DIR [quick]
 #
 # Writes OUT_DIR/summary.txt (one line per stage: exit status, seconds, last log line)
-# and OUT_DIR/logs.tgz (every stage's log, the bench JSON, the sanitizer summaries).
+# and OUT_DIR/logs.tgz (every stage's log, the bench JSON, the sanitizer summaries) and
+# nothing else: the device tool returns at most 8 files from $OUT, so the logs are
+# written elsewhere and only packed into OUT_DIR.
 # "quick" skips racecheck and initcheck (the slow tools). Each stage has a time limit;
 # a full run took about 7 minutes on nvidia-h200-x2 in stages (2026-11-29), under the
 # device tool's 10-minute call limit. NVLink multicast stays off (NCCL_NVLS_ENABLE=0).
@@ -18,6 +20,7 @@ mode=${2:-full}
 root=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
+logs=$(mktemp -d)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 start=$(date +%s)
 
@@ -26,9 +29,9 @@ stage() { # name, limit in seconds, command...
   shift 2
   local t0 rc
   t0=$(date +%s)
-  timeout "$limit" "$@" >"$out/$name.log" 2>&1
+  timeout "$limit" "$@" >"$logs/$name.log" 2>&1
   rc=$?
-  echo "$name rc=$rc $(($(date +%s) - t0))s :: $(tail -1 "$out/$name.log" | cut -c1-150)" >>"$out/summary.txt"
+  echo "$name rc=$rc $(($(date +%s) - t0))s :: $(tail -1 "$logs/$name.log" | cut -c1-150)" >>"$logs/summary.txt"
 }
 
 # The lent machines have no network: the build requirements the image lacks (the pinned
@@ -36,21 +39,22 @@ stage() { # name, limit in seconds, command...
 wheels=${MEGAMOE_WHEELS:-$root/.whl}
 if compgen -G "$wheels/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/megamoe-build-site "$wheels"/*.whl \
-    >"$out/pip.log" 2>&1
+    >"$logs/pip.log" 2>&1
   export PYTHONPATH=/tmp/megamoe-build-site${PYTHONPATH:+:$PYTHONPATH}
 fi
 (cd "$root" && CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) python3 -m pip install -q --no-build-isolation --no-deps .) \
-  >"$out/build.log" 2>&1 || {
-  tail -30 "$out/build.log"
+  >"$logs/build.log" 2>&1 || {
+  tail -30 "$logs/build.log"
+  cp "$logs/build.log" "$out/"
   exit 1
 }
 gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
-echo "build done in $(($(date +%s) - start))s; $gpus GPU(s)" >>"$out/summary.txt"
+echo "build done in $(($(date +%s) - start))s; $gpus GPU(s)" >>"$logs/summary.txt"
 cd /tmp || exit 1 # import the installed wheel, not the source tree
 
 pytest_cmd=(python3 -m pytest -q --tb=short -p no:cacheprovider)
 config=(--rootdir="$root" -c "$root/pyproject.toml")
-sanitize=(python3 -m megamoe.testing.sanitizer --out "$out/sanitizer")
+sanitize=(python3 -m megamoe.testing.sanitizer --out "$logs/sanitizer")
 
 test_lane() {
   export CUDA_VISIBLE_DEVICES=0
@@ -66,14 +70,14 @@ test_lane() {
 bench_lane() {
   export CUDA_VISIBLE_DEVICES=$1
   local bench=(python3 -m megamoe.bench --quiet --shape ep4rank)
-  stage bench_side 90 "${bench[@]}" --backend fused,baseline --json "$out/bench_side.json"
+  stage bench_side 90 "${bench[@]}" --backend fused,baseline --json "$logs/bench_side.json"
   # MXFP4: every GEMM decodes the codes inside its pipeline (there is no other mode).
-  stage bench_mxfp4 60 "${bench[@]}" --dtype mxfp4 --backend fused --json "$out/bench_mxfp4.json"
-  stage bench_ordinary 90 "${bench[@]}" --mode ordinary --backend fused,baseline --json "$out/bench_ordinary.json"
+  stage bench_mxfp4 60 "${bench[@]}" --dtype mxfp4 --backend fused --json "$logs/bench_mxfp4.json"
+  stage bench_ordinary 90 "${bench[@]}" --mode ordinary --backend fused,baseline --json "$logs/bench_ordinary.json"
   stage breakdown 60 python3 -m megamoe.bench.breakdown --pass fwd+bwd
   stage breakdown_ordinary 60 python3 -m megamoe.bench.breakdown --pass fwd+bwd --mode ordinary
   stage memory 60 python3 -m megamoe.bench.memory --shape ep4rank
-  stage engine 60 python3 -m megamoe.bench.engine --json "$out/engine.json"
+  stage engine 60 python3 -m megamoe.bench.engine --json "$logs/engine.json"
 }
 
 if [ "$gpus" -ge 2 ]; then
@@ -81,13 +85,14 @@ if [ "$gpus" -ge 2 ]; then
   bench_lane 1 &
   wait
   stage ep_checks 120 python3 -m torch.distributed.run --nproc-per-node 2 "$root/tests/gpu/ep_nccl_worker.py"
-  stage ep_bench 120 python3 -m megamoe.bench --ep 2 --json "$out/ep2.json"
+  stage ep_bench 120 python3 -m megamoe.bench --ep 2 --json "$logs/ep2.json"
 else
   test_lane
   bench_lane 0
 fi
-echo "end after $(($(date +%s) - start))s" >>"$out/summary.txt"
+echo "end after $(($(date +%s) - start))s" >>"$logs/summary.txt"
 
-cd "$out" || exit 1
-tar czf logs.tgz ./*.log ./*.json sanitizer/*.json 2>/dev/null
+cd "$logs" || exit 1
+tar czf "$out/logs.tgz" ./*.log ./*.json sanitizer/*.json 2>/dev/null
+cp summary.txt "$out/summary.txt"
 cat summary.txt
