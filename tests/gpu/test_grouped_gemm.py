@@ -156,6 +156,54 @@ def test_gated_matches_reference(block_m, activation, clamp, rank, inter):
     assert_close_to_oracle("h", h[:rows], expected)
 
 
+# Rows per expert whose 128-row blocks (2, 0, 1, 3, 1, 0, 2: nine) pair up as the 2x1
+# clusters of the 128-row BF16 variants see them: (0, 1) one expert, sharing B; (2, 3)
+# and (6, 7) straddling two experts, (4, 5) one expert again after a straddle, and block
+# 8's partner a phantom past the pool; empty experts between and at a straddle.
+PAIR_COUNTS = [130, 0, 128, 300, 5, 0, 129]
+
+
+def pair_plan(counts, block_m=128):
+    """A top-1 plan with exactly `counts` rows per expert, and seeded pool rows."""
+    ids = torch.repeat_interleave(torch.arange(len(counts), dtype=torch.int32), torch.tensor(counts))
+    plan = mm.plan_routes(ids[torch.randperm(len(ids))].view(-1, 1).cuda(), len(counts), block_m)
+    return plan
+
+
+@pytest.mark.parametrize("counts", [PAIR_COUNTS, PAIR_COUNTS[::-1], [1, 257, 0, 0, 127, 128]])
+def test_cluster_pairs_across_expert_boundaries(counts):
+    """Every pool kind of the 128-row BF16 variants (launched as 2x1 clusters) against
+    the oracle where pairs share B, straddle experts (each CTA loads its own B) or hold a
+    phantom block; the rows past the pool's rows in use stay as they were."""
+    experts, hidden, inter, rank = len(counts), 512, 384, 64
+    plan = pair_plan(counts)
+    rows = int(plan.expert_pool_offsets[-1])
+    generator = torch.Generator(device="cuda").manual_seed(5)
+    a = torch.randn(plan.pool_capacity, hidden + 2 * rank, device="cuda", generator=generator)
+    a = a.bfloat16()
+    # GEMM2-like (K-major b with an MN-major extra), dgrad1-like (MN-major b).
+    b = weights(experts, 2 * inter, hidden)
+    b_extra = weights(experts, hidden, rank, seed=2)
+    sentinel = torch.full((plan.pool_capacity, 2 * inter + rank), 7.0, device="cuda").bfloat16()
+    out = grouped_gemm(a, b, plan, k=hidden, b_extra=b_extra, out=sentinel.clone())
+    expected = grouped_gemm_reference(a, b, plan, k=hidden, b_extra=b_extra)
+    assert_close_to_oracle("k-major out", out[:rows], expected)
+    assert torch.equal(out[rows:], sentinel[rows:])
+    b_mn = weights(experts, hidden, 2 * inter, seed=3)
+    out = grouped_gemm(a, b_mn, plan, k=hidden, b_major="mn")
+    expected = grouped_gemm_reference(a, b_mn.transpose(1, 2), plan, k=hidden)
+    assert_close_to_oracle("mn-major out", out[:rows], expected)
+    # GEMM1 with the side segment.
+    side = dict(
+        side_b_gate=weights(experts, rank, inter, seed=4, scale=rank**-0.5),
+        side_b_up=weights(experts, rank, inter, seed=6, scale=rank**-0.5),
+        side_scale=0.25,
+    )
+    h = gated_grouped_gemm(a, b, plan, k=hidden, **side)
+    expected = gated_grouped_gemm_reference(a, b, plan, k=hidden, **side)
+    assert_close_to_oracle("h", h[:rows], expected)
+
+
 def test_gated_zero_scale_is_bitwise_the_no_side_result():
     plan, a = pool_for(300, 8, 2, 128, 256 + 2 * 64)
     w13 = weights(8, 256, 256)
