@@ -8,7 +8,6 @@
 #include <cuda_runtime.h>
 #include <nanobind/stl/optional.h>
 
-#include <algorithm>
 #include <cmath>
 #include <optional>
 #include <string>
@@ -152,24 +151,9 @@ void set_mn_major_mxfp4(OperandParams& o, const Tensor& codes, const Tensor& sca
   o.scales = static_cast<const uint8_t*>(scales.data());
 }
 
-// 2x1 clusters that share each B tile (kernels/engine/stage_load.cuh) for the BF16 pool
-// kinds with 128-row tiles: their 128x256 tiles read 3 MiB of operands per tile from L2
-// at K = 4096, and sharing B cuts that by a third (docs/ENGINE.md). Not for the 64-row
-// tiles of few tokens per expert (an expert's single M block would pair with the next
-// expert's and share nothing), an MXFP4 B (each CTA decodes its own tile) or the
-// K-grouped weight gradient (its scheduler has no pairs).
-int cluster_for(const EngineKernels& k) {
-  const bool pool_kind = k.kind != EngineKind::KGrouped;
-  return pool_kind && k.b_format == BFormat::BF16 && k.block_m == 128 ? 2 : 1;
-}
-
-void launch(const EngineKernels& k, EngineParams params, int device, int num_sms,
+void launch(const EngineKernels& k, const EngineParams& params, int device, int num_sms,
             uintptr_t stream, const char* what) {
-  const int cluster = cluster_for(k);
-  // A group of `group_m` units walks as many M blocks per N sweep as an unclustered one.
-  if (cluster > 1) params.schedule.group_m = std::max(1, params.schedule.group_m / cluster);
-  launch_persistent(k.kernel, params, k.num_threads, k.smem_bytes, device, num_sms, cluster,
-                    stream, what);
+  launch_persistent(k.kernel, params, k.num_threads, k.smem_bytes, device, num_sms, stream, what);
 }
 
 // GEMM1: h = act(g) * u, g | u = [x | q1 | q3] . [w13_e ; side] (EngineKind::Gated).
@@ -339,9 +323,8 @@ void engine_store(const Tensor& a, int64_t k_base, const Tensor& b, std::optiona
       o.scales = static_cast<const uint8_t*>(b_scales->data());
     } else {
       check_tensor("b", b, bfloat16_dtype(), {experts, n_base, k_base}, device);
-      // Two boxes of BLOCK_N / 2 rows per K step (one per CTA of a pair sharing the tile).
       o.b = tensor_map("b", b.data(), CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, {k_base, n_base, experts},
-                       {k_base * 2, n_base * k_base * 2}, {kBlockK, kBlockN / 2, 1}, true);
+                       {k_base * 2, n_base * k_base * 2}, {kBlockK, kBlockN, 1}, true);
     }
   }
   if (b_extra && b_major_mn) {

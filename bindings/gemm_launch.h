@@ -5,13 +5,9 @@
 #include <cuda_runtime.h>
 #include <nanobind/nanobind.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <initializer_list>
-#include <map>
-#include <stdexcept>
 #include <string>
-#include <utility>
 
 #include "cuda_check.h"
 
@@ -34,13 +30,11 @@ CUtensorMap bf16_rows(const char* name, const void* base, int64_t rows, int64_t 
                       int64_t row_stride, int box_rows);
 
 // Launch a persistent kernel taking one parameter block: one CTA per SM (`num_sms`),
-// `threads` threads and `smem_bytes` of dynamic shared memory, on `stream`; with
-// `cluster` = 2, as 2x1 clusters, as many as the device can hold at once (a persistent
-// grid whose clusters do not all fit would run its last ones after the others). Checks
-// that `device` is the current device (the tensor maps' addresses belong to it).
+// `threads` threads and `smem_bytes` of dynamic shared memory, on `stream`. Checks that
+// `device` is the current device (the tensor maps' addresses belong to it).
 template <typename Params>
 void launch_persistent(void (*kernel)(Params), const Params& params, int threads, int smem_bytes,
-                       int device, int num_sms, int cluster, uintptr_t stream, const char* what) {
+                       int device, int num_sms, uintptr_t stream, const char* what) {
   int current_device = -1;
   cuda_check(cudaGetDevice(&current_device), "cudaGetDevice");
   if (current_device != device)
@@ -57,30 +51,6 @@ void launch_persistent(void (*kernel)(Params), const Params& params, int threads
   config.blockDim = dim3(static_cast<unsigned>(threads));
   config.dynamicSmemBytes = static_cast<size_t>(smem_bytes);
   config.stream = reinterpret_cast<cudaStream_t>(stream);
-  cudaLaunchAttribute attribute{};
-  if (cluster > 1 && num_sms >= cluster) {
-    attribute.id = cudaLaunchAttributeClusterDimension;
-    attribute.val.clusterDim.x = static_cast<unsigned>(cluster);
-    attribute.val.clusterDim.y = 1;
-    attribute.val.clusterDim.z = 1;
-    config.attrs = &attribute;
-    config.numAttrs = 1;
-    config.gridDim = dim3(static_cast<unsigned>(num_sms / cluster * cluster));
-    // The co-resident clusters, once per kernel and device (the query is not a stream
-    // operation, but it costs microseconds on a path where the host time counts).
-    static thread_local std::map<std::pair<const void*, int>, int> resident;
-    const auto key = std::make_pair(reinterpret_cast<const void*>(kernel), device);
-    auto found = resident.find(key);
-    if (found == resident.end()) {
-      int clusters = 0;
-      cuda_check(cudaOccupancyMaxActiveClusters(&clusters, kernel, &config),
-                 "cudaOccupancyMaxActiveClusters");
-      found = resident.emplace(key, clusters).first;
-    }
-    if (found->second < 1)
-      throw std::runtime_error(std::string(what) + ": no 2-CTA cluster of this kernel fits the GPU");
-    config.gridDim.x = std::min(config.gridDim.x, static_cast<unsigned>(found->second * cluster));
-  }
   cuda_check(cudaLaunchKernelEx(&config, kernel, params), what);
 }
 

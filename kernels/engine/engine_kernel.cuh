@@ -13,8 +13,7 @@
 //    (stage_decoder.cuh; docs/ENGINE.md has what each arrangement measured);
 //  - epilogue warps (warps 1-3): finish the staged tile (activation math, TMA stores)
 //    while the consumers run the next tile's MMAs.
-// Contracts: `full`/`empty` per stage (pipeline.cuh; under a 2x1 cluster `empty` counts
-// both CTAs' consumer warps, stage_load.cuh); MXFP4: `decoded` per stage
+// Contracts: `full`/`empty` per stage (pipeline.cuh); MXFP4: `decoded` per stage
 // completes when every decoding warp (decode and consumer warpgroups) wrote its part of
 // the stage's B tile (the consumers wait for it before the stage's MMAs); `staged` completes when
 // every consumer thread wrote its part of the staging tile, `drained` when the epilogue warps no
@@ -37,7 +36,6 @@
 #include "operand_b.cuh"
 #include "pipeline.cuh"
 #include "stage_decoder.cuh"
-#include "stage_load.cuh"
 #include "staging_tile.cuh"
 #include "tile_scheduler.cuh"
 #include "wgmma.cuh"
@@ -174,19 +172,16 @@ struct SharedStorage {
 template <class C>
 __device__ __forceinline__ void produce(const EngineParams& p, const SharedStorage<C>& smem) {
   const typename C::Schedule schedule(p.schedule);
-  const int rank = cluster_rank();
   RingState<C::kStages> ring;
-  for (int t = schedule.first_tile(); t < schedule.num_tiles(); t += schedule.tile_stride()) {
+  for (int t = blockIdx.x; t < schedule.num_tiles(); t += gridDim.x) {
     const TileInfo tile = schedule.tile(t);
     for (int step = 0; step < tile.k_steps; ++step) {
       Barrier::wait(&smem.empty[ring.stage], ring.phase ^ 1u);
       uint64_t* bar = &smem.full[ring.stage];
-      // The whole stage's bytes, also when the peer CTA loads half of B into it.
       TransactionBarrier::arrive_and_expect_tx(
           bar, C::kABytes + C::B::step_bytes(C::B::decodes(tile, step)));
-      StageLoad load(bar, tile.shared_b, rank);
-      C::A::load(p.operands, tile, step, smem.a(ring.stage), load);
-      C::B::load(p.operands, tile, step, smem.b(ring.stage), load);
+      C::A::load(p.operands, tile, step, smem.a(ring.stage), bar);
+      C::B::load(p.operands, tile, step, smem.b(ring.stage), bar);
       ring.advance();
     }
   }
@@ -200,12 +195,12 @@ __device__ __forceinline__ void decode_stages(const EngineParams& p, const Share
   StageDecoder<C> decoder(p.operands, thread);
   RingState<C::kStages> ring;
   bool prefetched = false;
-  for (int t = schedule.first_tile(); t < schedule.num_tiles(); t += schedule.tile_stride()) {
+  for (int t = blockIdx.x; t < schedule.num_tiles(); t += gridDim.x) {
     const TileInfo tile = schedule.tile(t);
     decoder.begin_tile(tile, prefetched);
     for (int step = 0; step < tile.k_steps; ++step) {
       TransactionBarrier::wait(&smem.full[ring.stage], ring.phase);
-      decoder.step(smem.b(ring.stage), schedule, tile, step, t + schedule.tile_stride());
+      decoder.step(smem.b(ring.stage), schedule, tile, step, t + static_cast<int>(gridDim.x));
       // One arrival per warp (an arrival per thread serializes on the barrier word); the
       // warp's stores are ordered before its lane 0's release by __syncwarp.
       __syncwarp();
@@ -273,11 +268,10 @@ __device__ __forceinline__ void consume(const EngineParams& p, const SharedStora
   // The scheduler's lookup (a binary search over the experts' offsets, then divisions)
   // runs while a tile's last MMAs do, not between tiles where the tensor cores wait.
   const int num_tiles = schedule.num_tiles();
-  const bool paired = schedule.paired();
   TileInfo tile{};
-  if (schedule.first_tile() < num_tiles) tile = schedule.tile(schedule.first_tile());
-  for (int t = schedule.first_tile(); t < num_tiles; t += schedule.tile_stride()) {
-    const int next_t = t + schedule.tile_stride();
+  if (static_cast<int>(blockIdx.x) < num_tiles) tile = schedule.tile(blockIdx.x);
+  for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+    const int next_t = t + static_cast<int>(gridDim.x);
     decoder.begin_tile(tile, prefetched);
     prefetched = tile.k_steps > 0;
 #pragma unroll
@@ -305,8 +299,8 @@ __device__ __forceinline__ void consume(const EngineParams& p, const SharedStora
         // Unconditional (a wait in a branch makes ptxas serialize every wgmma): at step 0
         // no older batch exists and it returns at once.
         cute::warpgroup_wait<1>();
-        if (step > 0) {  // step - 1's batch retired: its stage goes back to the producer(s)
-          release_stage(&smem.empty[release.stage], paired, lane);
+        if (step > 0) {  // step - 1's batch retired: its stage goes back to the producer
+          if (lane == 0) Barrier::arrive(&smem.empty[release.stage]);
           release.advance();
         }
         ring.advance();
@@ -354,7 +348,7 @@ __device__ __forceinline__ void consume(const EngineParams& p, const SharedStora
     cute::warpgroup_wait<0>();  // the last batch, before the accumulators are read
     fence_accumulators(acc);
     if (tile.k_steps > 0) {
-      release_stage(&smem.empty[release.stage], paired, lane);
+      if (lane == 0) Barrier::arrive(&smem.empty[release.stage]);
       release.advance();
     }
     // Hand the tile to the epilogue warps once they drained the previous one.
@@ -375,10 +369,10 @@ __device__ __forceinline__ void finish_tiles(const EngineParams& p, const Shared
                                              int thread) {
   const typename C::Schedule schedule(p.schedule);
   uint32_t phase = 0;
-  for (int t = schedule.first_tile(); t < schedule.num_tiles(); t += schedule.tile_stride()) {
+  for (int t = blockIdx.x; t < schedule.num_tiles(); t += gridDim.x) {
     const TileInfo tile = schedule.tile(t);
     Barrier::wait(smem.staged, phase);
-    if (tile.store) C::Epilogue::finish(p.epilogue, tile, smem.staging, thread);
+    C::Epilogue::finish(p.epilogue, tile, smem.staging, thread);
     named_barrier_sync(kEpilogueBarrier, C::Epilogue::kThreads);
     if (thread == 0) Barrier::arrive(smem.drained);
     phase ^= 1u;
@@ -397,26 +391,17 @@ __global__ void __launch_bounds__(engine::EngineConfig<kKind, kFormat, BlockM, B
   using C = EngineConfig<kKind, kFormat, BlockM, BlockN>;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const SharedStorage<C> smem(smem_raw);
-  // A 2x1 cluster launch pairs the CTAs (tile_scheduler.cuh); the K-grouped kind is never
-  // launched clustered.
-  const bool paired = cluster_size() > 1;
   if (threadIdx.x == 0) {
     for (int s = 0; s < C::kStages; ++s) {
       TransactionBarrier::init(&smem.full[s], 1);
-      // One arrival per consumer warp of each CTA whose producer writes the stage.
-      Barrier::init(&smem.empty[s], C::kConsumers * 4 * (paired ? 2 : 1));
+      Barrier::init(&smem.empty[s], C::kConsumers * 4);  // one arrival per consumer warp
       if constexpr (C::kDecodeWarps) Barrier::init(&smem.decoded[s], C::kDecodingThreads / 32);
     }
     Barrier::init(smem.staged, C::kConsumerThreads);
     Barrier::init(smem.drained, 1);
     cutlass::arch::fence_barrier_init();
   }
-  // The peer's multicast copies and stage releases may reach this CTA's barriers only
-  // once they are initialised.
-  if (paired)
-    cute::cluster_sync();
-  else
-    __syncthreads();
+  __syncthreads();
 
   const int warpgroup = threadIdx.x / kWarpgroupThreads;
   const bool consumer = warpgroup >= 1 && warpgroup <= C::kConsumers;
@@ -427,33 +412,21 @@ __global__ void __launch_bounds__(engine::EngineConfig<kKind, kFormat, BlockM, B
     } else {
       finish_tiles<C>(p, smem, threadIdx.x - 32);
     }
-  } else {
-    auto run_consumer = [&] {
-      if constexpr (C::kReallocate) cutlass::arch::warpgroup_reg_alloc<C::kConsumerRegisters>();
-      consume<C>(p, smem, warpgroup - 1);
-    };
-    if constexpr (C::kDecodeWarps) {
-      if (consumer) {
-        run_consumer();
-      } else {
-        // setmaxnreg.inc below the launch's count is an illegal instruction: fewer is a dec.
-        if constexpr (C::kDecodeRegisters > C::kLaunchRegisters / 3)
-          cutlass::arch::warpgroup_reg_alloc<C::kDecodeRegisters>();
-        else if constexpr (C::kDecodeRegisters < C::kLaunchRegisters / 3)
-          cutlass::arch::warpgroup_reg_dealloc<C::kDecodeRegisters>();
-        decode_stages<C>(p, smem, threadIdx.x % kWarpgroupThreads);
-      }
-    } else {
-      run_consumer();
+    return;
+  }
+  if constexpr (C::kDecodeWarps) {
+    if (!consumer) {
+      // setmaxnreg.inc below the launch's count is an illegal instruction: fewer is a dec.
+      if constexpr (C::kDecodeRegisters > C::kLaunchRegisters / 3)
+        cutlass::arch::warpgroup_reg_alloc<C::kDecodeRegisters>();
+      else if constexpr (C::kDecodeRegisters < C::kLaunchRegisters / 3)
+        cutlass::arch::warpgroup_reg_dealloc<C::kDecodeRegisters>();
+      decode_stages<C>(p, smem, threadIdx.x % kWarpgroupThreads);
+      return;
     }
   }
-  // Neither CTA of a pair exits (its shared memory going away) while the peer may still
-  // release stages into it.
-  if (paired) {
-    __syncwarp();
-    cute::cluster_arrive();
-    cute::cluster_wait();
-  }
+  if constexpr (C::kReallocate) cutlass::arch::warpgroup_reg_alloc<C::kConsumerRegisters>();
+  consume<C>(p, smem, warpgroup - 1);
 }
 
 template <EngineKind kKind, BFormat kFormat, int BlockM, int BlockN>

@@ -54,8 +54,7 @@ struct ScheduleParams {
   int32_t n_base_blocks;   // pool schedule: BLOCK_N column blocks of the base segment
   int32_t n_extra_blocks;  // pool schedule: ... of the N extra segment (0: none)
   int32_t m_blocks;        // KGrouped: BLOCK_M output row blocks per expert
-  int32_t group_m;         // pool schedule: M blocks (2x1 clusters: pairs) of one expert
-                           // walked per N sweep
+  int32_t group_m;         // pool schedule: M blocks of one expert walked per N sweep
   int32_t side_steps;      // pool schedule: K steps of the side segment (0: none)
   int32_t base_steps;      // pool schedule: K steps of the base segment
 };

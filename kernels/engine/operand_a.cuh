@@ -6,7 +6,6 @@
 
 #include "engine_params.h"
 #include "pipeline.cuh"
-#include "stage_load.cuh"
 #include "tile_scheduler.cuh"
 #include "wgmma.cuh"
 
@@ -21,10 +20,10 @@ struct PoolOperandA {
   static constexpr int kBytes = BlockM * kRowBytes;
 
   __device__ __forceinline__ static void load(const OperandParams& p, const TileInfo& tile,
-                                              int step, uint8_t* dst, StageLoad& load) {
+                                              int step, uint8_t* dst, uint64_t* bar) {
     const int col =
         step < tile.side_steps ? p.k_base + step * kBlockK : (step - tile.side_steps) * kBlockK;
-    load.own(&p.a, dst, col, tile.row0);
+    cute::SM90_TMA_LOAD_2D::copy(&p.a, bar, kCacheHint, dst, col, tile.row0);
   }
 
   __device__ __forceinline__ static uint64_t descriptor(const uint8_t* stage_a, int consumer) {
@@ -42,11 +41,11 @@ struct RowsOperandA {
   static constexpr int kBytes = kBoxes * kBoxBytes;
 
   __device__ __forceinline__ static void load(const OperandParams& p, const TileInfo& tile,
-                                              int step, uint8_t* dst, StageLoad& load) {
+                                              int step, uint8_t* dst, uint64_t* bar) {
 #pragma unroll
     for (int box = 0; box < kBoxes; ++box)
-      load.own(&p.a, dst + box * kBoxBytes, tile.m_block * BlockM + 64 * box,
-               tile.row0 + step * kBlockK);
+      cute::SM90_TMA_LOAD_2D::copy(&p.a, bar, kCacheHint, dst + box * kBoxBytes,
+                                   tile.m_block * BlockM + 64 * box, tile.row0 + step * kBlockK);
   }
 
   __device__ __forceinline__ static uint64_t descriptor(const uint8_t* stage_a, int consumer) {

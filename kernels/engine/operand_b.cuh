@@ -21,7 +21,6 @@
 #include "engine_params.h"
 #include "mxfp4_tile_decode.cuh"
 #include "pipeline.cuh"
-#include "stage_load.cuh"
 #include "tile_scheduler.cuh"
 #include "wgmma.cuh"
 
@@ -48,11 +47,12 @@ struct OperandBLayout {
   }
   // `boxes` [64 K rows][64 N] boxes of a 3-D map [E][K][N], side by side along N from
   // box `first` of the tile (the MN-major tile layout).
-  __device__ __forceinline__ static void load_mn_boxes(const CUtensorMap* map, StageLoad& load,
+  __device__ __forceinline__ static void load_mn_boxes(const CUtensorMap* map, uint64_t* bar,
                                                        uint8_t* dst, int first, int boxes, int n0,
                                                        int k0, int expert) {
     for (int box = 0; box < boxes; ++box)
-      load.b(map, dst + (first + box) * kBoxBytes, n0 + 64 * box, k0, expert);
+      cute::SM90_TMA_LOAD_3D::copy(map, bar, kCacheHint, dst + (first + box) * kBoxBytes,
+                                   n0 + 64 * box, k0, expert);
   }
 };
 
@@ -84,12 +84,12 @@ struct GatedOperandB : OperandBLayout<BlockN, kFormat> {
   __device__ __forceinline__ static int32_t scale_step(const OperandParams&) { return 2; }
 
   __device__ __forceinline__ static void load(const OperandParams& p, const TileInfo& tile,
-                                              int step, uint8_t* dst, StageLoad& load) {
+                                              int step, uint8_t* dst, uint64_t* bar) {
     const int i0 = tile.n_block * kHalf;
     if (step < tile.side_steps) {
       const int k = step * kBlockK;
-      L::load_mn_boxes(&p.side_gate, load, dst, 0, kHalf / 64, i0, k, tile.expert);
-      L::load_mn_boxes(&p.side_up, load, dst, kHalf / 64, kHalf / 64, i0, k - p.side_rank,
+      L::load_mn_boxes(&p.side_gate, bar, dst, 0, kHalf / 64, i0, k, tile.expert);
+      L::load_mn_boxes(&p.side_up, bar, dst, kHalf / 64, kHalf / 64, i0, k - p.side_rank,
                        tile.expert);
       return;
     }
@@ -98,12 +98,14 @@ struct GatedOperandB : OperandBLayout<BlockN, kFormat> {
       uint8_t* codes = dst + L::kCodeOffset;
 #pragma unroll
       for (int half = 0; half < 2; ++half)
-        load.b(&p.codes, codes + half * kHalf * mxfp4::kCodeBytesPerRow, k0 / 2, i0, half,
-               tile.expert);
+        cute::SM90_TMA_LOAD_4D::copy(&p.codes, bar, kCacheHint,
+                                     codes + half * kHalf * mxfp4::kCodeBytesPerRow, k0 / 2, i0,
+                                     half, tile.expert);
     } else {
 #pragma unroll
       for (int half = 0; half < 2; ++half)
-        load.b(&p.b, dst + half * kHalf * kRowBytes, k0, i0, half, tile.expert);
+        cute::SM90_TMA_LOAD_4D::copy(&p.b, bar, kCacheHint, dst + half * kHalf * kRowBytes, k0, i0,
+                                     half, tile.expert);
     }
   }
 };
@@ -132,21 +134,18 @@ struct KMajorOperandB : OperandBLayout<BlockN, kFormat> {
   __device__ __forceinline__ static int32_t scale_step(const OperandParams&) { return 2; }
 
   __device__ __forceinline__ static void load(const OperandParams& p, const TileInfo& tile,
-                                              int step, uint8_t* dst, StageLoad& load) {
+                                              int step, uint8_t* dst, uint64_t* bar) {
     const int k0 = step * kBlockK;
     if (tile.extra) {
-      L::load_mn_boxes(&p.extra, load, dst, 0, BlockN / 64, tile.n_local * BlockN, k0, tile.expert);
+      L::load_mn_boxes(&p.extra, bar, dst, 0, BlockN / 64, tile.n_local * BlockN, k0, tile.expert);
       return;
     }
     const int n0 = tile.n_block * BlockN;
     if constexpr (L::kMxfp4) {
-      load.b(&p.codes, dst + L::kCodeOffset, k0 / 2, n0, tile.expert);
+      cute::SM90_TMA_LOAD_3D::copy(&p.codes, bar, kCacheHint, dst + L::kCodeOffset, k0 / 2, n0,
+                                   tile.expert);
     } else {
-      // Two boxes of BLOCK_N / 2 rows: one per rank of a pair that shares the tile.
-#pragma unroll
-      for (int half = 0; half < 2; ++half)
-        load.b(&p.b, dst + half * (BlockN / 2) * kRowBytes, k0, n0 + half * (BlockN / 2),
-               tile.expert);
+      cute::SM90_TMA_LOAD_3D::copy(&p.b, bar, kCacheHint, dst, k0, n0, tile.expert);
     }
   }
 };
@@ -184,26 +183,29 @@ struct MNMajorOperandB : OperandBLayout<BlockN, kFormat> {
   }
 
   __device__ __forceinline__ static void load(const OperandParams& p, const TileInfo& tile,
-                                              int step, uint8_t* dst, StageLoad& load) {
+                                              int step, uint8_t* dst, uint64_t* bar) {
     if (step < tile.side_steps) {
-      load.b(&p.side_gate, dst, step * kBlockK, tile.n_block * BlockN, tile.expert);
+      cute::SM90_TMA_LOAD_3D::copy(&p.side_gate, bar, kCacheHint, dst, step * kBlockK,
+                                   tile.n_block * BlockN, tile.expert);
       return;
     }
     const int k0 = (step - tile.side_steps) * kBlockK;
     if (tile.extra) {
       const int n0 = tile.n_local * BlockN;
       if (k0 < p.extra_k_lo)
-        load.b(&p.extra, dst, k0, n0, tile.expert);
+        cute::SM90_TMA_LOAD_3D::copy(&p.extra, bar, kCacheHint, dst, k0, n0, tile.expert);
       else
-        load.b(&p.extra_hi, dst, k0 - p.extra_k_lo, n0 - p.extra_n_lo, tile.expert);
+        cute::SM90_TMA_LOAD_3D::copy(&p.extra_hi, bar, kCacheHint, dst, k0 - p.extra_k_lo,
+                                     n0 - p.extra_n_lo, tile.expert);
       return;
     }
     const int n0 = tile.n_block * BlockN;
     if constexpr (L::kMxfp4) {
       // Codes [E * K, N / 2]: this expert's 64 K rows (K is a multiple of 64).
-      load.b(&p.codes, dst + L::kCodeOffset, n0 / 2, tile.expert * p.k_base + k0);
+      cute::SM90_TMA_LOAD_2D::copy(&p.codes, bar, kCacheHint, dst + L::kCodeOffset, n0 / 2,
+                                   tile.expert * p.k_base + k0);
     } else {
-      L::load_mn_boxes(&p.b, load, dst, 0, kBoxes, n0, k0, tile.expert);
+      L::load_mn_boxes(&p.b, bar, dst, 0, kBoxes, n0, k0, tile.expert);
     }
   }
 };
@@ -221,11 +223,11 @@ struct RowsOperandB : OperandBLayout<BlockN, BFormat::BF16> {
   __device__ __forceinline__ static bool decodes(const TileInfo&, int) { return false; }
 
   __device__ __forceinline__ static void load(const OperandParams& p, const TileInfo& tile,
-                                              int step, uint8_t* dst, StageLoad& load) {
+                                              int step, uint8_t* dst, uint64_t* bar) {
 #pragma unroll
     for (int box = 0; box < kBoxes; ++box)
-      load.b(&p.b, dst + box * kBoxBytes, tile.n_block * BlockN + 64 * box,
-             tile.row0 + step * kBlockK);
+      cute::SM90_TMA_LOAD_2D::copy(&p.b, bar, kCacheHint, dst + box * kBoxBytes,
+                                   tile.n_block * BlockN + 64 * box, tile.row0 + step * kBlockK);
   }
 };
 

@@ -1,17 +1,14 @@
 // Tile schedulers: which output tile a persistent CTA computes next, and its K steps.
 //
 // Every role of a CTA (producer, consumers, epilogue warps) walks the same static
-// sequence t = first_tile(), first_tile() + tile_stride(), ... and asks the scheduler for
-// the tile's coordinates, so the roles agree without messages; under a 2x1 cluster both
-// CTAs of the pair walk the same sequence, so their stage rings stay in lock step too. A
-// corrupt plan (offsets that decrease or leave the pool) is clamped: no tile reads or
-// writes past the pool.
+// sequence tile = blockIdx.x, blockIdx.x + gridDim.x, ... and asks the scheduler for the
+// tile's coordinates, so the roles agree without messages. A corrupt plan (offsets that
+// decrease or leave the pool) is clamped: no tile reads or writes past the pool.
 #pragma once
 
 #include <cstdint>
 
 #include "engine_params.h"
-#include "stage_load.cuh"
 #include "wgmma.cuh"
 
 namespace megamoe::kernels::engine {
@@ -26,21 +23,12 @@ struct TileInfo {
   int rows;        // ExpertRowTiles: the expert's data rows (the reduction)
   int k_steps;     // 64-wide K steps
   int side_steps;  // of which the first ones are the K side segment
-  bool shared_b;   // the cluster pair computes this B tile for both its M blocks
-  bool store;      // false: a pair's phantom M block past the pool (computed, not stored)
 };
 
 // The pool's tiles, grouped inside one expert for L2: an expert's M blocks are walked in
 // groups of `group_m`, and inside a group M runs fastest, so the CTAs of one wave share a
 // few of the expert's weight column blocks (B) and a few row blocks (A) instead of one
 // A block against every B block.
-//
-// Under a 2x1 cluster the unit is a pair of M blocks (2j, 2j + 1) and one N block: rank r
-// computes M block 2j + r. A pair belongs to the expert of its block 2j, so the pairs of
-// expert e are j in [ceil(first_block(e) / 2), ceil(first_block(e + 1) / 2)), found from
-// the offsets alone. Block 2j + 1 is the same expert's (the pair shares B: stage_load.cuh),
-// the next non-empty expert's (each CTA loads its own B), or past the pool (a phantom
-// that repeats block 2j and stores nothing). Without a cluster a pair is one block.
 template <int BlockM>
 struct PoolTiles {
   const ScheduleParams& p;
@@ -53,75 +41,36 @@ struct PoolTiles {
         m_blocks(rows_used / BlockM),
         n_blocks(params.n_base_blocks + params.n_extra_blocks) {}
 
-  __device__ __forceinline__ int num_tiles() const {
-    return (m_blocks + cluster_size() - 1) / cluster_size() * n_blocks;
-  }
-  __device__ __forceinline__ int first_tile() const { return blockIdx.x / cluster_size(); }
-  __device__ __forceinline__ int tile_stride() const { return gridDim.x / cluster_size(); }
-  // Both CTAs of a cluster release each stage to both (stage_load.cuh).
-  __device__ __forceinline__ bool paired() const { return cluster_size() > 1; }
+  __device__ __forceinline__ int num_tiles() const { return m_blocks * n_blocks; }
 
   // First M block of expert e's segment (clamped to the rows in use), e in [0, E].
   __device__ __forceinline__ int first_block(int e) const {
     return min(max(__ldg(p.expert_pool_offsets + e), 0), rows_used) / BlockM;
   }
-  // First pair of expert e (its first block rounded up to the cluster).
-  __device__ __forceinline__ int first_unit(int e) const {
-    return (first_block(e) + cluster_size() - 1) / cluster_size();
-  }
-  // The expert owning M block m: the last e whose first block is <= m (an empty expert's
-  // zero-length range is skipped by the <=).
-  __device__ __forceinline__ int expert_of_block(int m, int lo) const {
-    int hi = p.num_experts - 1;
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) >> 1;
-      if (first_block(mid) <= m)
-        lo = mid;
-      else
-        hi = mid - 1;
-    }
-    return lo;
-  }
 
   __device__ __forceinline__ TileInfo tile(int t) const {
-    const int cluster = cluster_size();
-    // The expert owning unit t: the last e whose first unit's tiles start at or before t.
+    // The expert owning tile t: the last e whose first tile is <= t (binary search; an
+    // empty expert's zero-length range is skipped by the <=).
     int lo = 0, hi = p.num_experts - 1;
     while (lo < hi) {
       const int mid = (lo + hi + 1) >> 1;
-      if (first_unit(mid) * n_blocks <= t)
+      if (first_block(mid) * n_blocks <= t)
         lo = mid;
       else
         hi = mid - 1;
     }
     const int expert = lo;
-    const int first = first_unit(expert);
-    // offsets has E + 1 entries: first_unit(E) is the end of the units in use.
-    const int expert_units = max(first_unit(expert + 1) - first, 0);
+    const int first = first_block(expert);
+    // offsets has E + 1 entries: first_block(E) is the end of the rows in use.
+    const int expert_blocks = max(first_block(expert + 1) - first, 0);
     const int local = max(t - first * n_blocks, 0);
     const int group = local / (p.group_m * n_blocks);
-    const int group_units = min(max(expert_units - group * p.group_m, 1), p.group_m);
+    const int group_blocks = min(max(expert_blocks - group * p.group_m, 1), p.group_m);
     const int in_group = local - group * p.group_m * n_blocks;
-    const int unit = first + group * p.group_m + in_group % group_units;
     TileInfo info;
     info.expert = expert;
-    info.m_block = unit * cluster;
-    info.shared_b = false;
-    info.store = true;
-    if (cluster > 1) {
-      const int second = info.m_block + 1;
-      const bool phantom = second >= m_blocks;
-      const int second_expert =
-          phantom || second < first_block(expert + 1) ? expert : expert_of_block(second, expert);
-      info.shared_b = second_expert == expert;
-      if (cluster_rank() == 1) {
-        info.expert = second_expert;
-        info.m_block = second;
-        info.store = !phantom;
-      }
-    }
-    info.m_block = min(info.m_block, m_blocks - 1);
-    info.n_block = min(in_group / group_units, n_blocks - 1);
+    info.m_block = min(first + group * p.group_m + in_group % group_blocks, m_blocks - 1);
+    info.n_block = min(in_group / group_blocks, n_blocks - 1);
     info.extra = info.n_block >= p.n_base_blocks;
     info.n_local = info.extra ? info.n_block - p.n_base_blocks : info.n_block;
     info.row0 = info.m_block * BlockM;
@@ -144,9 +93,6 @@ struct ExpertRowTiles {
   __device__ __forceinline__ int num_tiles() const {
     return p.num_experts * p.m_blocks * p.n_base_blocks;
   }
-  __device__ __forceinline__ int first_tile() const { return blockIdx.x; }
-  __device__ __forceinline__ int tile_stride() const { return gridDim.x; }
-  __device__ __forceinline__ bool paired() const { return false; }  // never clustered
 
   __device__ __forceinline__ TileInfo tile(int t) const {
     const int per_expert = p.m_blocks * p.n_base_blocks;
@@ -165,8 +111,6 @@ struct ExpertRowTiles {
     info.rows = max(0, min(__ldg(p.expert_counts + info.expert), end - start));
     info.k_steps = (info.rows + kBlockK - 1) / kBlockK;
     info.side_steps = 0;
-    info.shared_b = false;
-    info.store = true;
     return info;
   }
 

@@ -156,27 +156,24 @@ def test_gated_matches_reference(block_m, activation, clamp, rank, inter):
     assert_close_to_oracle("h", h[:rows], expected)
 
 
-# Rows per expert whose 128-row blocks (2, 0, 1, 3, 1, 0, 2: nine) pair up as the 2x1
-# clusters of the 128-row BF16 variants see them: (0, 1) one expert, sharing B; (2, 3)
-# and (6, 7) straddling two experts, (4, 5) one expert again after a straddle, and block
-# 8's partner a phantom past the pool; empty experts between and at a straddle.
+# Rows per expert whose 128-row blocks (2, 0, 1, 3, 1, 0, 2: nine) put expert boundaries
+# at odd and even blocks, with empty experts between and one a row past a block.
 PAIR_COUNTS = [130, 0, 128, 300, 5, 0, 129]
 
 
-def pair_plan(counts, block_m=128):
-    """A top-1 plan with exactly `counts` rows per expert, and seeded pool rows."""
+def exact_plan(counts, block_m=128):
+    """A top-1 plan with exactly `counts` rows per expert (the routes shuffled)."""
     ids = torch.repeat_interleave(torch.arange(len(counts), dtype=torch.int32), torch.tensor(counts))
-    plan = mm.plan_routes(ids[torch.randperm(len(ids))].view(-1, 1).cuda(), len(counts), block_m)
-    return plan
+    return mm.plan_routes(ids[torch.randperm(len(ids))].view(-1, 1).cuda(), len(counts), block_m)
 
 
 @pytest.mark.parametrize("counts", [PAIR_COUNTS, PAIR_COUNTS[::-1], [1, 257, 0, 0, 127, 128]])
-def test_cluster_pairs_across_expert_boundaries(counts):
-    """Every pool kind of the 128-row BF16 variants (launched as 2x1 clusters) against
-    the oracle where pairs share B, straddle experts (each CTA loads its own B) or hold a
-    phantom block; the rows past the pool's rows in use stay as they were."""
+def test_exact_expert_counts(counts):
+    """The 128-row pool kinds (K-major b with an extra, MN-major b, gated with the side
+    segment) against the oracle on expert counts chosen block by block; the rows past
+    the pool's rows in use stay as they were."""
     experts, hidden, inter, rank = len(counts), 512, 384, 64
-    plan = pair_plan(counts)
+    plan = exact_plan(counts)
     rows = int(plan.expert_pool_offsets[-1])
     generator = torch.Generator(device="cuda").manual_seed(5)
     a = torch.randn(plan.pool_capacity, hidden + 2 * rank, device="cuda", generator=generator)
