@@ -163,8 +163,10 @@ PAIR_COUNTS = [130, 0, 128, 300, 5, 0, 129]
 
 def exact_plan(counts, block_m=128):
     """A top-1 plan with exactly `counts` rows per expert (the routes shuffled)."""
-    ids = torch.repeat_interleave(torch.arange(len(counts), dtype=torch.int32), torch.tensor(counts))
-    return mm.plan_routes(ids[torch.randperm(len(ids))].view(-1, 1).cuda(), len(counts), block_m)
+    experts = torch.arange(len(counts), dtype=torch.int32)
+    ids = torch.repeat_interleave(experts, torch.tensor(counts))
+    order = torch.randperm(len(ids), generator=torch.Generator().manual_seed(0))
+    return mm.plan_routes(ids[order].view(-1, 1).cuda(), len(counts), block_m)
 
 
 @pytest.mark.parametrize("counts", [PAIR_COUNTS, PAIR_COUNTS[::-1], [1, 257, 0, 0, 127, 128]])
