@@ -7,10 +7,12 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/vector.h>
 
 #include <cmath>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "cuda_check.h"
 #include "gemm_launch.h"
@@ -151,8 +153,38 @@ void set_mn_major_mxfp4(OperandParams& o, const Tensor& codes, const Tensor& sca
   o.scales = static_cast<const uint8_t*>(scales.data());
 }
 
-void launch(const EngineKernels& k, const EngineParams& params, int device, int num_sms,
-            uintptr_t stream, const char* what) {
+#ifdef MEGAMOE_ENGINE_PROBE
+// Diagnostic builds: every engine launch writes its role cycle counters
+// (kernels/engine/role_probe.cuh) into one buffer, cleared before the launch.
+constexpr int kProbeCtas = 1024, kProbeSlots = 16;
+uint64_t* probe_buffer() {
+  static uint64_t* buffer = nullptr;
+  if (buffer == nullptr)
+    cuda_check(cudaMalloc(&buffer, kProbeCtas * kProbeSlots * sizeof(uint64_t)), "probe buffer");
+  return buffer;
+}
+
+// The last launch's counters, [num_sms][16] (waits for the device).
+std::vector<uint64_t> engine_probe_read(int num_sms) {
+  if (num_sms < 1 || num_sms > kProbeCtas) throw nb::value_error("num_sms: expected 1..1024");
+  std::vector<uint64_t> out(static_cast<size_t>(num_sms) * kProbeSlots);
+  cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  cuda_check(
+      cudaMemcpy(out.data(), probe_buffer(), out.size() * sizeof(uint64_t), cudaMemcpyDeviceToHost),
+      "cudaMemcpy(probe)");
+  return out;
+}
+#endif
+
+void launch(const EngineKernels& k, EngineParams params, int device, int num_sms, uintptr_t stream,
+            const char* what) {
+#ifdef MEGAMOE_ENGINE_PROBE
+  if (num_sms > kProbeCtas) throw nb::value_error("num_sms: a probe build takes at most 1024");
+  params.probe = probe_buffer();
+  cuda_check(cudaMemsetAsync(params.probe, 0, kProbeCtas * kProbeSlots * sizeof(uint64_t),
+                             reinterpret_cast<cudaStream_t>(stream)),
+             "cudaMemsetAsync(probe)");
+#endif
   launch_persistent(k.kernel, params, k.num_threads, k.smem_bytes, device, num_sms, stream, what);
 }
 
@@ -468,6 +500,10 @@ void engine_k_grouped(const Tensor& a, const Tensor& b, const Tensor& offsets, c
 }  // namespace
 
 void register_engine(nb::module_& m) {
+#ifdef MEGAMOE_ENGINE_PROBE
+  m.def("engine_probe_read", &engine_probe_read, nb::arg("num_sms"),
+        "The last engine launch's role cycle counters, [num_sms * 16] (a probe build).");
+#endif
   m.def("engine_gated", &engine_gated, nb::arg("a"), nb::arg("k_base"), nb::arg("w13"),
         nb::arg("w13_scales").none(), nb::arg("expert_pool_offsets"), nb::arg("h"),
         nb::arg("preact_out").none(), nb::arg("side_gate").none(), nb::arg("side_up").none(),

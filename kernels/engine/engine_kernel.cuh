@@ -35,6 +35,7 @@
 #include "operand_a.cuh"
 #include "operand_b.cuh"
 #include "pipeline.cuh"
+#include "role_probe.cuh"
 #include "stage_decoder.cuh"
 #include "staging_tile.cuh"
 #include "tile_scheduler.cuh"
@@ -173,10 +174,14 @@ template <class C>
 __device__ __forceinline__ void produce(const EngineParams& p, const SharedStorage<C>& smem) {
   const typename C::Schedule schedule(p.schedule);
   RingState<C::kStages> ring;
+  CycleCounter total, wait_empty;
+  total.start();
   for (int t = blockIdx.x; t < schedule.num_tiles(); t += gridDim.x) {
     const TileInfo tile = schedule.tile(t);
     for (int step = 0; step < tile.k_steps; ++step) {
+      wait_empty.start();
       Barrier::wait(&smem.empty[ring.stage], ring.phase ^ 1u);
+      wait_empty.stop();
       uint64_t* bar = &smem.full[ring.stage];
       TransactionBarrier::arrive_and_expect_tx(
           bar, C::kABytes + C::B::step_bytes(C::B::decodes(tile, step)));
@@ -185,6 +190,9 @@ __device__ __forceinline__ void produce(const EngineParams& p, const SharedStora
       ring.advance();
     }
   }
+  total.stop();
+  probe_record(p.probe, kProducerTotal, total);
+  probe_record(p.probe, kProducerWaitEmpty, wait_empty);
 }
 
 // ---- decode warps (MXFP4): their half of each landed stage's codes into its B tile ----
@@ -268,6 +276,8 @@ __device__ __forceinline__ void consume(const EngineParams& p, const SharedStora
   // The scheduler's lookup (a binary search over the experts' offsets, then divisions)
   // runs while a tile's last MMAs do, not between tiles where the tensor cores wait.
   const int num_tiles = schedule.num_tiles();
+  CycleCounter total, wait_full, wait_drained, staging;
+  total.start();
   TileInfo tile{};
   if (static_cast<int>(blockIdx.x) < num_tiles) tile = schedule.tile(blockIdx.x);
   for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
@@ -288,7 +298,9 @@ __device__ __forceinline__ void consume(const EngineParams& p, const SharedStora
           if (lane == 0) Barrier::arrive(&smem.decoded[ring.stage]);
           Barrier::wait(&smem.decoded[ring.stage], ring.phase);
         } else {
+          wait_full.start();
           TransactionBarrier::wait(&smem.full[ring.stage], ring.phase);
+          wait_full.stop();
           if constexpr (C::kTailMask) mask_tail_rows(smem, tile, step, ring.stage, consumer_thread);
         }
         const uint64_t desc_a = C::A::descriptor(smem.a(ring.stage), consumer);
@@ -352,14 +364,26 @@ __device__ __forceinline__ void consume(const EngineParams& p, const SharedStora
       release.advance();
     }
     // Hand the tile to the epilogue warps once they drained the previous one.
+    wait_drained.start();
     Barrier::wait(smem.drained, epilogue_phase ^ 1u);
+    wait_drained.stop();
+    staging.start();
     const EpilogueParams& ep = p.epilogue;
     stage_accumulators<C::kBlockM, C::kBlockN>(
         acc, smem.staging, consumer, [&](float v) { return C::Epilogue::transform(v, ep); });
     fence_generic_to_async();  // TMA stores read the staged tile
     Barrier::arrive(smem.staged);
+    staging.stop();
     epilogue_phase ^= 1u;
     tile = next;
+  }
+  total.stop();
+  if (consumer_thread % kWarpgroupThreads == 0) {
+    const int slot = kConsumer0 + consumer * kConsumerSlots;
+    probe_record(p.probe, slot, total);
+    probe_record(p.probe, slot + 1, wait_full);
+    probe_record(p.probe, slot + 2, wait_drained);
+    probe_record(p.probe, slot + 3, staging);
   }
 }
 
@@ -369,15 +393,27 @@ __device__ __forceinline__ void finish_tiles(const EngineParams& p, const Shared
                                              int thread) {
   const typename C::Schedule schedule(p.schedule);
   uint32_t phase = 0;
+  CycleCounter total, wait_staged, finishing;
+  total.start();
   for (int t = blockIdx.x; t < schedule.num_tiles(); t += gridDim.x) {
     const TileInfo tile = schedule.tile(t);
+    wait_staged.start();
     Barrier::wait(smem.staged, phase);
+    wait_staged.stop();
+    finishing.start();
     C::Epilogue::finish(p.epilogue, tile, smem.staging, thread);
     named_barrier_sync(kEpilogueBarrier, C::Epilogue::kThreads);
+    finishing.stop();
     if (thread == 0) Barrier::arrive(smem.drained);
     phase ^= 1u;
   }
   if (thread == 0) wait_stores();
+  total.stop();
+  if (thread == 0) {
+    probe_record(p.probe, kEpilogueTotal, total);
+    probe_record(p.probe, kEpilogueWaitStaged, wait_staged);
+    probe_record(p.probe, kEpilogueFinish, finishing);
+  }
 }
 
 }  // namespace megamoe::kernels::engine

@@ -130,6 +130,9 @@ struct EngineParams {
   ScheduleParams schedule;
   OperandParams operands;
   EpilogueParams epilogue;
+  // Diagnostic builds (MEGAMOE_ENGINE_PROBE): [grid][kProbeSlots] role cycle counters
+  // (kernels/engine/role_probe.cuh); unused otherwise.
+  uint64_t* probe;
 };
 
 using EngineKernel = void (*)(EngineParams);
