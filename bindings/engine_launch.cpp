@@ -155,8 +155,10 @@ void set_mn_major_mxfp4(OperandParams& o, const Tensor& codes, const Tensor& sca
 
 #ifdef MEGAMOE_ENGINE_PROBE
 // Diagnostic builds: every engine launch writes its role cycle counters
-// (kernels/engine/role_probe.cuh) into one buffer, cleared before the launch.
-constexpr int kProbeCtas = 1024, kProbeSlots = 16;
+// (kernels/engine/role_probe.cuh) into one buffer, cleared before the launch. The buffer
+// is allocated on the device current at the first launch and not during CUDA-graph
+// capture (cudaMalloc is not capturable): a probe build is for eager, one-GPU runs.
+constexpr int kProbeCtas = 1024;
 uint64_t* probe_buffer() {
   static uint64_t* buffer = nullptr;
   if (buffer == nullptr)

@@ -27,14 +27,15 @@ import statistics
 import torch
 
 import megamoe as mm
+from megamoe.env import num_sms
 from megamoe.testing.inputs import make_routing
 from megamoe.wrappers._native import native
 from megamoe.wrappers.activation_backward import fused_dgrad2_activation_backward
 from megamoe.wrappers.grouped_gemm import gated_grouped_gemm, grouped_gemm
 
 TOKENS, EXPERTS, TOP_K, HIDDEN, INTER, RANK = 16384, 16, 6, 4096, 2048, 128
-SLOTS = 16
-# (name, slot) of kernels/engine/role_probe.cuh's ProbeSlot.
+SLOTS = 16  # ProbeSlot::kProbeSlots (kernels/engine/engine_params.h)
+# (name, slot) of the ProbeSlot layout.
 ROWS = [
     ("producer total", 0),
     ("producer waits for free stages", 1),
@@ -57,7 +58,7 @@ def main() -> int:
             "megamoe._C has no probe counters: build with "
             "-C cmake.define.MEGAMOE_ENGINE_PROBE=ON (see this script's docstring)"
         )
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    sms = num_sms()  # the CTAs the wrappers launch (MEGAMOE_NUM_SMS, headroom)
     ids, weights = make_routing(TOKENS, EXPERTS, TOP_K, kind="balanced", seed=0)
     plan = mm.plan_routes(ids.cuda(), EXPERTS, 128)
     rows = plan.pool_capacity

@@ -191,8 +191,8 @@ __device__ __forceinline__ void produce(const EngineParams& p, const SharedStora
     }
   }
   total.stop();
-  probe_record(p.probe, kProducerTotal, total);
-  probe_record(p.probe, kProducerWaitEmpty, wait_empty);
+  probe_record(p.probe, kProbeProducerTotal, total);
+  probe_record(p.probe, kProbeProducerWaitEmpty, wait_empty);
 }
 
 // ---- decode warps (MXFP4): their half of each landed stage's codes into its B tile ----
@@ -378,8 +378,10 @@ __device__ __forceinline__ void consume(const EngineParams& p, const SharedStora
     tile = next;
   }
   total.stop();
+  static_assert(kProbeConsumer0 + C::kConsumers * kProbeConsumerSlots <= kProbeEpilogueTotal,
+                "the consumers' probe slots");
   if (consumer_thread % kWarpgroupThreads == 0) {
-    const int slot = kConsumer0 + consumer * kConsumerSlots;
+    const int slot = kProbeConsumer0 + consumer * kProbeConsumerSlots;
     probe_record(p.probe, slot, total);
     probe_record(p.probe, slot + 1, wait_full);
     probe_record(p.probe, slot + 2, wait_drained);
@@ -410,9 +412,9 @@ __device__ __forceinline__ void finish_tiles(const EngineParams& p, const Shared
   if (thread == 0) wait_stores();
   total.stop();
   if (thread == 0) {
-    probe_record(p.probe, kEpilogueTotal, total);
-    probe_record(p.probe, kEpilogueWaitStaged, wait_staged);
-    probe_record(p.probe, kEpilogueFinish, finishing);
+    probe_record(p.probe, kProbeEpilogueTotal, total);
+    probe_record(p.probe, kProbeEpilogueWaitStaged, wait_staged);
+    probe_record(p.probe, kProbeEpilogueFinish, finishing);
   }
 }
 

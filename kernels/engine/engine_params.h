@@ -126,12 +126,26 @@ struct EpilogueParams {
   float scale;             // KGrouped: applied to the FP32 sum before the one rounding
 };
 
+// Diagnostic builds (MEGAMOE_ENGINE_PROBE): the role cycle counters of one CTA
+// (kernels/engine/role_probe.cuh); the producer, consumer warpgroup c at kProbeConsumer0 +
+// c * kProbeConsumerSlots, the epilogue warps.
+enum ProbeSlot : int {
+  kProbeProducerTotal = 0,
+  kProbeProducerWaitEmpty = 1,
+  kProbeConsumer0 = 2,  // + 0 total, + 1 waiting on `full`, + 2 on `drained`, + 3 staging
+  kProbeConsumerSlots = 4,
+  kProbeEpilogueTotal = 10,
+  kProbeEpilogueWaitStaged = 11,
+  kProbeEpilogueFinish = 12,
+  kProbeSlots = 16,  // per CTA (tools/engine_role_probe.py reads this layout)
+};
+
 struct EngineParams {
   ScheduleParams schedule;
   OperandParams operands;
   EpilogueParams epilogue;
-  // Diagnostic builds (MEGAMOE_ENGINE_PROBE): [grid][kProbeSlots] role cycle counters
-  // (kernels/engine/role_probe.cuh); unused otherwise.
+  // Diagnostic builds (MEGAMOE_ENGINE_PROBE): [grid][kProbeSlots] role cycle counters;
+  // nullptr otherwise.
   uint64_t* probe;
 };
 

@@ -1,27 +1,16 @@
 // Per-role cycle counters of the engine, for diagnostic builds only (CMake option
 // MEGAMOE_ENGINE_PROBE). Each role adds up the SM cycles it spends waiting at its
-// barriers and finishing tiles, and at its end writes them to EngineParams::probe:
-// kProbeSlots counters per CTA, read back by `megamoe._C.engine_probe_read` and summed
-// by tools/engine_role_probe.py. In every other build the counters are empty structs and
-// the kernels compile exactly as without them.
+// barriers and finishing tiles, and at its end writes them to EngineParams::probe in
+// the ProbeSlot layout (engine_params.h), read back by `megamoe._C.engine_probe_read` and
+// summed by tools/engine_role_probe.py. In every other build the counters are locals
+// that nothing reads, which the compiler removes.
 #pragma once
 
 #include <cstdint>
 
-namespace megamoe::kernels::engine {
+#include "engine_params.h"
 
-// One CTA's counters: the producer; consumer warpgroup c at kConsumer0 + c *
-// kConsumerSlots; the epilogue warps.
-enum ProbeSlot : int {
-  kProducerTotal = 0,
-  kProducerWaitEmpty = 1,
-  kConsumer0 = 2,  // + 0 total, + 1 waiting on `full`, + 2 on `drained`, + 3 staging
-  kConsumerSlots = 4,
-  kEpilogueTotal = 10,
-  kEpilogueWaitStaged = 11,
-  kEpilogueFinish = 12,
-  kProbeSlots = 16,
-};
+namespace megamoe::kernels::engine {
 
 #ifdef MEGAMOE_ENGINE_PROBE
 inline constexpr bool kProbeBuild = true;

@@ -3,8 +3,9 @@
 ``MEGAMOE_NUM_SMS``: an absolute SM count; it wins over the headroom.
 ``MEGAMOE_SM_HEADROOM``: SMs left free (for NCCL kernels running beside ours),
 rounded up to an even number: Hopper SMs come in pairs (two per TPC), and an even
-budget keeps room for 2-CTA clusters, which the engine may use later. Today every
-launch is a 1x1 cluster, so the rounding costs at most one SM.
+budget would keep room for 2-CTA clusters. Every launch is a 1x1 cluster (2x1 clusters
+measured slower: docs/PERFORMANCE.md, sixteenth session), so the rounding costs at most
+one SM.
 """
 
 from __future__ import annotations
