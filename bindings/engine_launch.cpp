@@ -9,6 +9,7 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/vector.h>
 
+#include <climits>
 #include <cmath>
 #include <optional>
 #include <string>
@@ -396,8 +397,9 @@ void engine_activation_backward(const Tensor& a, int64_t k_base, const Tensor& b
   const int64_t inter = mxfp4 ? b.shape(2) * 2 : b.shape(2);
   if (k_base < kBlockK || k_base % kBlockK != 0)
     throw nb::value_error(("k_base: expected a multiple of 64, got " + str(k_base)).c_str());
-  if (inter % 64 != 0)
-    throw nb::value_error(("b: expected I a multiple of 64, got " + str(inter)).c_str());
+  // The epilogue's row offsets take 2I as a 32-bit int.
+  if (inter % 64 != 0 || inter >= (int64_t{1} << 30))
+    throw nb::value_error(("b: expected I a multiple of 64 below 2^30, got " + str(inter)).c_str());
   int64_t rank = 0;
   if (side) {
     check_tensor("side_a2", *side, bfloat16_dtype(), {experts, inter, -1}, device);
@@ -413,7 +415,9 @@ void engine_activation_backward(const Tensor& a, int64_t k_base, const Tensor& b
   check_tensor("preact", preact, bfloat16_dtype(), {rows, 2 * inter}, device);
   check_tensor<float>("row_weights", row_weights, {rows}, device);
   check_tensor<int32_t>("pool_row_to_route", pool_row_to_route, {rows}, device);
-  if (num_routes < 0) throw nb::value_error("num_routes: expected >= 0");
+  // The epilogue compares routes as unsigned 32-bit (the pool maps int32 route ids).
+  if (num_routes < 0 || num_routes > INT32_MAX)
+    throw nb::value_error("num_routes: expected 0 to 2^31-1");
   check_tensor("dgrad_preact", dgrad_preact, bfloat16_dtype(), {rows, 2 * inter}, device);
   if (weighted_h) check_tensor("weighted_h", *weighted_h, bfloat16_dtype(), {rows, inter}, device);
   check_tensor<float>("drouter_partials", drouter_partials, {rows, ceil_div(inter, kBlockN)},

@@ -44,6 +44,13 @@ struct ActivationBackwardEpilogue {
                  : "l"(at));
     return v;
   }
+  // A row's route and weight, in program order with the g, u loads above: as plain __ldg
+  // the compiler sinks them to their first use and each row's math waits a full load.
+  __device__ __forceinline__ static uint32_t load_global_nc_4(const void* at) {
+    uint32_t v;
+    asm volatile("ld.global.nc.b32 %0, [%1];" : "=r"(v) : "l"(at));
+    return v;
+  }
   __device__ __forceinline__ static void store_global_16(void* at, const uint4& v) {
     asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(at), "r"(v.x), "r"(v.y), "r"(v.z),
                  "r"(v.w)
@@ -70,7 +77,8 @@ struct ActivationBackwardEpilogue {
   __device__ __forceinline__ static void finish_rows(const EpilogueParams& p, const TileInfo& tile,
                                                      uint8_t* staging, int thread) {
     const int warp = thread / 32, lane = thread % 32;
-    const int64_t inter = p.intermediate, two_i = 2 * inter;
+    // 32-bit sizes: each row's offset is one widening multiply-add (I < 2^30).
+    const int inter = p.intermediate, two_i = 2 * p.intermediate;
     const int vector = lane % kVectors;
     const int col = tile.n_block * BlockN + 8 * vector;
     const bool in_n = col < inter;  // N tail (I is a multiple of 64)
@@ -92,9 +100,9 @@ struct ActivationBackwardEpilogue {
         live[k] = pass < kPasses;  // uniform over the warp
         const int r = (live[k] ? pass : 0) * kRowsPerPass + lane / kVectors;
         row[k] = tile.row0 + r;
-        route[k] = __ldg(p.pool_row_to_route + row[k]);
-        weight[k] = __ldg(p.row_weights + row[k]);
-        const __nv_bfloat16* at = preact + row[k] * two_i + col;
+        route[k] = static_cast<int>(load_global_nc_4(p.pool_row_to_route + row[k]));
+        weight[k] = __uint_as_float(load_global_nc_4(p.row_weights + row[k]));
+        const __nv_bfloat16* at = preact + static_cast<int64_t>(row[k]) * two_i + col;
         g8[k] = live[k] && in_n ? load_global_16(at) : make_uint4(0, 0, 0, 0);
         u8[k] = live[k] && in_n ? load_global_16(at + inter) : make_uint4(0, 0, 0, 0);
       }
@@ -102,7 +110,8 @@ struct ActivationBackwardEpilogue {
       for (int k = 0; k < kUnroll; ++k) {
         if (!live[k]) continue;
         // Padding rows (route -1) give zeros whatever their inputs hold.
-        const bool routed = route[k] >= 0 && route[k] < p.num_routes;
+        // One unsigned compare: -1 wraps past every route (num_routes < 2^31, int32 ids).
+        const bool routed = static_cast<uint32_t>(route[k]) < static_cast<uint32_t>(p.num_routes);
         const float w = weight[k];
         uint32_t dg[4] = {0u, 0u, 0u, 0u}, du[4] = {0u, 0u, 0u, 0u}, wh[4] = {0u, 0u, 0u, 0u};
         float dot = 0.0f;
@@ -141,11 +150,11 @@ struct ActivationBackwardEpilogue {
           }
         }
         if (in_n) {
-          store_global_16(dgrad + row[k] * two_i + col, make_uint4(dg[0], dg[1], dg[2], dg[3]));
-          store_global_16(dgrad + row[k] * two_i + inter + col,
-                          make_uint4(du[0], du[1], du[2], du[3]));
+          __nv_bfloat16* dgrad_row = dgrad + static_cast<int64_t>(row[k]) * two_i + col;
+          store_global_16(dgrad_row, make_uint4(dg[0], dg[1], dg[2], dg[3]));
+          store_global_16(dgrad_row + inter, make_uint4(du[0], du[1], du[2], du[3]));
           if (weighted != nullptr)
-            store_global_16(weighted + row[k] * inter + col,
+            store_global_16(weighted + static_cast<int64_t>(row[k]) * inter + col,
                             make_uint4(wh[0], wh[1], wh[2], wh[3]));
         }
         // The row's dot over its kVectors lanes, in a fixed butterfly.
