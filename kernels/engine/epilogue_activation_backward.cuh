@@ -32,6 +32,7 @@ struct ActivationBackwardEpilogue {
   // Rows in flight per warp: their route, weight, g and u loads are all issued before
   // any of their math (the epilogue is latency-bound otherwise).
   static constexpr int kUnroll = 4;
+  static_assert(kUnroll == 4, "sum_row_dots sums four rows");
 
   __device__ __forceinline__ static float transform(float v, const EpilogueParams&) { return v; }
 
@@ -44,17 +45,46 @@ struct ActivationBackwardEpilogue {
                  : "l"(at));
     return v;
   }
-  // A row's route and weight, in program order with the g, u loads above: as plain __ldg
-  // the compiler sinks them to their first use and each row's math waits a full load.
-  __device__ __forceinline__ static uint32_t load_global_nc_4(const void* at) {
+  // A row's route and weight: strong loads like g and u. ptxas re-issues a non-coherent
+  // load at its first use to save registers, and the row's math then waits a full load.
+  __device__ __forceinline__ static uint32_t load_global_4(const void* at) {
     uint32_t v;
-    asm volatile("ld.global.nc.b32 %0, [%1];" : "=r"(v) : "l"(at));
+    asm volatile("ld.global.cg.b32 %0, [%1];" : "=r"(v) : "l"(at));
     return v;
   }
   __device__ __forceinline__ static void store_global_16(void* at, const uint4& v) {
     asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(at), "r"(v.x), "r"(v.y), "r"(v.z),
                  "r"(v.w)
                  : "memory");
+  }
+
+  // Element (row, col) of a row-major matrix `width` columns wide: one 32 x 32 -> 64-bit
+  // multiply-add (rows, columns and widths are below 2^31).
+  __device__ __forceinline__ static uint64_t element(int row, int width, int col) {
+    return static_cast<uint64_t>(static_cast<uint32_t>(row)) * static_cast<uint32_t>(width) +
+           static_cast<uint32_t>(col);
+  }
+
+  // The four rows' dots (dot[k]: this lane's part of row k's) summed over each row's
+  // kVectors lanes, all at once: the first butterfly step trades two partials per lane
+  // (a lane keeps the two rows its top vector bit picks), the second one, the rest the
+  // one left. The same additions as a butterfly per row, so the same bits, in 6 shuffles
+  // instead of 4 log2(kVectors). Returns row `kept`'s sum (kept = 0..3).
+  __device__ __forceinline__ static float sum_row_dots(const float (&dot)[4], int vector,
+                                                       int& kept) {
+    constexpr int kTop = kVectors / 2;
+    const bool high = (vector & kTop) != 0, odd = (vector & (kTop / 2)) != 0;
+    const float give0 = high ? dot[0] : dot[2], give1 = high ? dot[1] : dot[3];
+    float keep0 = high ? dot[2] : dot[0], keep1 = high ? dot[3] : dot[1];
+    keep0 += __shfl_xor_sync(0xffffffffu, give0, kTop);
+    keep1 += __shfl_xor_sync(0xffffffffu, give1, kTop);
+    float sum = odd ? keep1 : keep0;
+    sum += __shfl_xor_sync(0xffffffffu, odd ? keep0 : keep1, kTop / 2);
+#pragma unroll
+    for (int offset = kTop / 4; offset > 0; offset /= 2)
+      sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+    kept = (high ? 2 : 0) + (odd ? 1 : 0);
+    return sum;
   }
 
   __device__ __forceinline__ static void finish(const EpilogueParams& p, const TileInfo& tile,
@@ -77,7 +107,6 @@ struct ActivationBackwardEpilogue {
   __device__ __forceinline__ static void finish_rows(const EpilogueParams& p, const TileInfo& tile,
                                                      uint8_t* staging, int thread) {
     const int warp = thread / 32, lane = thread % 32;
-    // 32-bit sizes: each row's offset is one widening multiply-add (I < 2^30).
     const int inter = p.intermediate, two_i = 2 * p.intermediate;
     const int vector = lane % kVectors;
     const int col = tile.n_block * BlockN + 8 * vector;
@@ -100,69 +129,78 @@ struct ActivationBackwardEpilogue {
         live[k] = pass < kPasses;  // uniform over the warp
         const int r = (live[k] ? pass : 0) * kRowsPerPass + lane / kVectors;
         row[k] = tile.row0 + r;
-        route[k] = static_cast<int>(load_global_nc_4(p.pool_row_to_route + row[k]));
-        weight[k] = __uint_as_float(load_global_nc_4(p.row_weights + row[k]));
-        const __nv_bfloat16* at = preact + static_cast<int64_t>(row[k]) * two_i + col;
+        route[k] = static_cast<int>(load_global_4(p.pool_row_to_route + row[k]));
+        weight[k] = __uint_as_float(load_global_4(p.row_weights + row[k]));
+        const __nv_bfloat16* at = preact + element(row[k], two_i, col);
         g8[k] = live[k] && in_n ? load_global_16(at) : make_uint4(0, 0, 0, 0);
         u8[k] = live[k] && in_n ? load_global_16(at + inter) : make_uint4(0, 0, 0, 0);
       }
+      float dot[kUnroll];
 #pragma unroll
       for (int k = 0; k < kUnroll; ++k) {
+        dot[k] = 0.0f;
         if (!live[k]) continue;
-        // Padding rows (route -1) give zeros whatever their inputs hold.
-        // One unsigned compare: -1 wraps past every route (num_routes < 2^31, int32 ids).
-        const bool routed = static_cast<uint32_t>(route[k]) < static_cast<uint32_t>(p.num_routes);
-        const float w = weight[k];
-        uint32_t dg[4] = {0u, 0u, 0u, 0u}, du[4] = {0u, 0u, 0u, 0u}, wh[4] = {0u, 0u, 0u, 0u};
-        float dot = 0.0f;
-        if (routed) {
-          const uint4 z8 = load_shared_16(base + Tile::offset(row[k] - tile.row0, 8 * vector));
-          const uint32_t zw[4] = {z8.x, z8.y, z8.z, z8.w};
-          const uint32_t gw[4] = {g8[k].x, g8[k].y, g8[k].z, g8[k].w};
-          const uint32_t uw[4] = {u8[k].x, u8[k].y, u8[k].z, u8[k].w};
-          // Two columns (one BF16 pair) at a time, packed as they come.
-#pragma unroll
-          for (int pair = 0; pair < 4; ++pair) {
-            float dg2[2], du2[2], prod2[2];
-#pragma unroll
-            for (int c = 0; c < 2; ++c) {
-              const float z = bf16_bits_to_float(zw[pair], c);
-              const float g = bf16_bits_to_float(gw[pair], c);
-              const float u = bf16_bits_to_float(uw[pair], c);
-              const float gc = kClamp ? fminf(g, clamp) : g;
-              const float uc = kClamp ? fminf(fmaxf(u, -clamp), clamp) : u;
-              float act, derivative;
-              activation_and_derivative<kGeGLU>(gc, act, derivative);
-              const float dh = w * z;
-              // Boundary values pass the gradient, like torch.clamp's.
-              dg2[c] = !kClamp || g <= clamp ? dh * uc * derivative : 0.0f;
-              du2[c] = !kClamp || (u >= -clamp && u <= clamp) ? dh * act : 0.0f;
-              prod2[c] = act * uc;
-            }
-            // h = bf16(act(gc) uc), the forward's h bit for bit; both of the pair at once.
-            const uint32_t h_pair = pack_bf16(prod2[0], prod2[1]);
-            const float h0 = bf16_bits_to_float(h_pair, 0), h1 = bf16_bits_to_float(h_pair, 1);
-            dot += bf16_bits_to_float(zw[pair], 0) * h0;
-            dot += bf16_bits_to_float(zw[pair], 1) * h1;
-            dg[pair] = pack_bf16(dg2[0], dg2[1]);
-            du[pair] = pack_bf16(du2[0], du2[1]);
-            wh[pair] = pack_bf16(w * h0, w * h1);
+        __nv_bfloat16* dgrad_row = dgrad + element(row[k], two_i, col);
+        __nv_bfloat16* weighted_row = weighted + element(row[k], inter, col);
+        // Padding rows (route -1) give zeros whatever their inputs hold. One unsigned
+        // compare: -1 wraps past every route (num_routes < 2^31, int32 ids).
+        if (static_cast<uint32_t>(route[k]) >= static_cast<uint32_t>(p.num_routes)) {
+          if (in_n) {
+            const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+            store_global_16(dgrad_row, zero);
+            store_global_16(dgrad_row + inter, zero);
+            if (weighted != nullptr) store_global_16(weighted_row, zero);
           }
+          continue;
+        }
+        const float w = weight[k];
+        uint32_t dg[4], du[4], wh[4];
+        const uint4 z8 = load_shared_16(base + Tile::offset(row[k] - tile.row0, 8 * vector));
+        const uint32_t zw[4] = {z8.x, z8.y, z8.z, z8.w};
+        const uint32_t gw[4] = {g8[k].x, g8[k].y, g8[k].z, g8[k].w};
+        const uint32_t uw[4] = {u8[k].x, u8[k].y, u8[k].z, u8[k].w};
+        // Two columns (one BF16 pair) at a time, packed as they come.
+#pragma unroll
+        for (int pair = 0; pair < 4; ++pair) {
+          float dg2[2], du2[2], prod2[2];
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const float z = bf16_bits_to_float(zw[pair], c);
+            const float g = bf16_bits_to_float(gw[pair], c);
+            const float u = bf16_bits_to_float(uw[pair], c);
+            const float gc = kClamp ? fminf(g, clamp) : g;
+            const float uc = kClamp ? fminf(fmaxf(u, -clamp), clamp) : u;
+            float act, derivative;
+            activation_and_derivative<kGeGLU>(gc, act, derivative);
+            const float dh = w * z;
+            // Boundary values pass the gradient, like torch.clamp's.
+            dg2[c] = !kClamp || g <= clamp ? dh * uc * derivative : 0.0f;
+            du2[c] = !kClamp || (u >= -clamp && u <= clamp) ? dh * act : 0.0f;
+            prod2[c] = act * uc;
+          }
+          // h = bf16(act(gc) uc), the forward's h bit for bit; both of the pair at once.
+          const uint32_t h_pair = pack_bf16(prod2[0], prod2[1]);
+          const float h0 = bf16_bits_to_float(h_pair, 0), h1 = bf16_bits_to_float(h_pair, 1);
+          dot[k] += bf16_bits_to_float(zw[pair], 0) * h0;
+          dot[k] += bf16_bits_to_float(zw[pair], 1) * h1;
+          dg[pair] = pack_bf16(dg2[0], dg2[1]);
+          du[pair] = pack_bf16(du2[0], du2[1]);
+          wh[pair] = pack_bf16(w * h0, w * h1);
         }
         if (in_n) {
-          __nv_bfloat16* dgrad_row = dgrad + static_cast<int64_t>(row[k]) * two_i + col;
           store_global_16(dgrad_row, make_uint4(dg[0], dg[1], dg[2], dg[3]));
           store_global_16(dgrad_row + inter, make_uint4(du[0], du[1], du[2], du[3]));
           if (weighted != nullptr)
-            store_global_16(weighted + static_cast<int64_t>(row[k]) * inter + col,
-                            make_uint4(wh[0], wh[1], wh[2], wh[3]));
+            store_global_16(weighted_row, make_uint4(wh[0], wh[1], wh[2], wh[3]));
         }
-        // The row's dot over its kVectors lanes, in a fixed butterfly.
-#pragma unroll
-        for (int offset = kVectors / 2; offset > 0; offset /= 2)
-          dot += __shfl_xor_sync(0xffffffffu, dot, offset);
-        if (vector == 0)
-          p.drouter_partials[static_cast<int64_t>(row[k]) * n_blocks + tile.n_block] = dot;
+      }
+      // Each row's dot over its kVectors lanes, in a fixed order.
+      int kept;
+      const float sum = sum_row_dots(dot, vector, kept);
+      const int kept_pass = pass0 + kept * EpilogueWarps;  // no dynamic index into row[]
+      if (vector % (kVectors / 4) == 0 && kept_pass < kPasses) {
+        const int kept_row = tile.row0 + kept_pass * kRowsPerPass + lane / kVectors;
+        p.drouter_partials[static_cast<int64_t>(kept_row) * n_blocks + tile.n_block] = sum;
       }
     }
   }
