@@ -1,6 +1,7 @@
 // The nanobind module megamoe._C: torch-free (DLPack tensors, streams as integers),
 // so one build serves every torch version of an integration pin.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -64,8 +65,10 @@ NB_MODULE(_C, m) {
   m.def("route_plan", &megamoe::route_plan, nb::arg("topk_ids"), nb::arg("expert_begin"),
         nb::arg("num_local_experts"), nb::arg("block_m"), nb::arg("tile_expert_counts"),
         nb::arg("expert_counts"), nb::arg("expert_pool_offsets"), nb::arg("route_to_pool_row"),
-        nb::arg("pool_row_to_route"), nb::arg("stream"),
-        "Stable counting sort of routes by local expert (three launches on `stream`).");
+        nb::arg("pool_row_to_route"), nb::arg("tile_id_extremes").none(),
+        nb::arg("id_extremes_host"), nb::arg("stream"),
+        "Stable counting sort of routes by local expert (three launches on `stream`), and "
+        "optionally the ids' [min, max] into pinned host memory.");
 
   megamoe::register_pool_ops(m);
   megamoe::register_engine(m);

@@ -39,7 +39,8 @@ int64_t route_plan_num_tiles(int64_t num_routes) {
 void route_plan(const Tensor& topk_ids, int64_t expert_begin, int num_local_experts, int block_m,
                 const Tensor& tile_expert_counts, const Tensor& expert_counts,
                 const Tensor& expert_pool_offsets, const Tensor& route_to_pool_row,
-                const Tensor& pool_row_to_route, uintptr_t stream) {
+                const Tensor& pool_row_to_route, std::optional<Tensor> tile_id_extremes,
+                uintptr_t id_extremes_host, uintptr_t stream) {
   const RoutePlanKernels& kernels = select_variant(topk_ids.dtype());
   if (topk_ids.ndim() != 2)
     throw nb::value_error(
@@ -77,6 +78,22 @@ void route_plan(const Tensor& topk_ids, int64_t expert_begin, int num_local_expe
                            " rows (T*K + E_l*(BLOCK_M-1))")
                               .c_str());
 
+  // The id check: both or neither. The host pointer of pinned memory (torch's
+  // pin_memory) maps to the device pointer the kernel writes through.
+  if (tile_id_extremes.has_value() != (id_extremes_host != 0))
+    throw nb::value_error("tile_id_extremes/id_extremes_host: give both or neither");
+  int64_t* id_extremes = nullptr;
+  if (tile_id_extremes) {
+    check_tensor<int64_t>("tile_id_extremes", *tile_id_extremes, {num_tiles, 2}, device);
+    void* mapped = nullptr;
+    if (cudaHostGetDevicePointer(&mapped, reinterpret_cast<void*>(id_extremes_host), 0) !=
+        cudaSuccess) {
+      cudaGetLastError();  // not a sticky error: clear it
+      throw nb::value_error("id_extremes_host: expected pinned host memory (pin_memory=True)");
+    }
+    id_extremes = static_cast<int64_t*>(mapped);
+  }
+
   RoutePlanParams params{};
   params.topk_ids = topk_ids.data();
   params.num_routes = num_routes;
@@ -90,6 +107,9 @@ void route_plan(const Tensor& topk_ids, int64_t expert_begin, int num_local_expe
   params.expert_pool_offsets = static_cast<int32_t*>(expert_pool_offsets.data());
   params.route_to_pool_row = static_cast<int32_t*>(route_to_pool_row.data());
   params.pool_row_to_route = static_cast<int32_t*>(pool_row_to_route.data());
+  params.tile_id_extremes =
+      tile_id_extremes ? static_cast<int64_t*>(tile_id_extremes->data()) : nullptr;
+  params.id_extremes = id_extremes;
 
   int current_device = -1;
   cuda_check(cudaGetDevice(&current_device), "cudaGetDevice");

@@ -8,36 +8,62 @@
 //   scatter - one warp walks each tile in route order and assigns pool rows
 #pragma once
 
+#include <climits>
 #include <cub/block/block_scan.cuh>
 
 #include "route_plan_params.h"
 
 namespace megamoe::kernels {
 
-// Local expert of a route, or -1 for a masked (-1) or remote (another rank's) id.
 template <typename IndexT>
-__device__ __forceinline__ int local_expert_of(const RoutePlanParams& p, int64_t route) {
-  const int64_t id = static_cast<int64_t>(static_cast<const IndexT*>(p.topk_ids)[route]);
+__device__ __forceinline__ int64_t expert_id(const RoutePlanParams& p, int64_t route) {
+  return static_cast<int64_t>(static_cast<const IndexT*>(p.topk_ids)[route]);
+}
+
+// Local expert of an id, or -1 for a masked (-1) or remote (another rank's) id.
+__device__ __forceinline__ int local_expert(const RoutePlanParams& p, int64_t id) {
   const int64_t local = id - p.expert_begin;
   return (id >= 0 && local >= 0 && local < p.num_local_experts) ? static_cast<int>(local) : -1;
 }
 
 template <typename IndexT>
+__device__ __forceinline__ int local_expert_of(const RoutePlanParams& p, int64_t route) {
+  return local_expert(p, expert_id<IndexT>(p, route));
+}
+
+template <typename IndexT>
 __global__ void __launch_bounds__(256) route_plan_count(RoutePlanParams p) {
   extern __shared__ int tile_histogram[];  // [E_l]
+  __shared__ long long tile_extremes[2];   // the tile's smallest and largest id
   for (int e = threadIdx.x; e < p.num_local_experts; e += blockDim.x) tile_histogram[e] = 0;
+  if (threadIdx.x == 0) {
+    tile_extremes[0] = LLONG_MAX;
+    tile_extremes[1] = LLONG_MIN;
+  }
   __syncthreads();
 
   const int64_t tile_begin = static_cast<int64_t>(blockIdx.x) * kRoutePlanRoutesPerTile;
   const int64_t tile_end = min(tile_begin + kRoutePlanRoutesPerTile, p.num_routes);
+  long long low = LLONG_MAX, high = LLONG_MIN;
   for (int64_t route = tile_begin + threadIdx.x; route < tile_end; route += blockDim.x) {
-    const int expert = local_expert_of<IndexT>(p, route);
+    const int64_t id = expert_id<IndexT>(p, route);
+    low = min(low, static_cast<long long>(id));
+    high = max(high, static_cast<long long>(id));
+    const int expert = local_expert(p, id);
     if (expert >= 0) atomicAdd(&tile_histogram[expert], 1);
+  }
+  // Min and max do not depend on the order the atomics land in.
+  if (p.tile_id_extremes != nullptr) {
+    atomicMin(&tile_extremes[0], low);
+    atomicMax(&tile_extremes[1], high);
   }
   __syncthreads();
   for (int e = threadIdx.x; e < p.num_local_experts; e += blockDim.x)
     p.tile_expert_counts[static_cast<int64_t>(blockIdx.x) * p.num_local_experts + e] =
         tile_histogram[e];
+  if (p.tile_id_extremes != nullptr && threadIdx.x < 2)
+    p.tile_id_extremes[2 * static_cast<int64_t>(blockIdx.x) + threadIdx.x] =
+        tile_extremes[threadIdx.x];
 
   // Padding rows of the pool must read as "no route"; the scatter pass overwrites
   // the rows that hold routes. Grid-stride over the whole pool.
@@ -76,6 +102,25 @@ __global__ void __launch_bounds__(kRoutePlanMaxLocalExperts) route_plan_offsets(
     p.expert_pool_offsets[expert] = segment_start;
   }
   if (expert == 0) p.expert_pool_offsets[p.num_local_experts] = pool_rows_used;
+
+  // All ids' extremes, from the tiles' (the id range check).
+  if (p.id_extremes == nullptr) return;
+  __shared__ long long extremes[2];
+  if (threadIdx.x == 0) {
+    extremes[0] = LLONG_MAX;
+    extremes[1] = LLONG_MIN;
+  }
+  __syncthreads();
+  long long low = LLONG_MAX, high = LLONG_MIN;
+  for (int tile = threadIdx.x; tile < p.num_tiles; tile += blockDim.x) {
+    low = min(low, static_cast<long long>(p.tile_id_extremes[2 * static_cast<int64_t>(tile)]));
+    high =
+        max(high, static_cast<long long>(p.tile_id_extremes[2 * static_cast<int64_t>(tile) + 1]));
+  }
+  atomicMin(&extremes[0], low);
+  atomicMax(&extremes[1], high);
+  __syncthreads();
+  if (threadIdx.x < 2) p.id_extremes[threadIdx.x] = extremes[threadIdx.x];
 }
 
 template <typename IndexT>

@@ -30,6 +30,11 @@ struct RoutePlanParams {
       expert_pool_offsets;     // [E_l + 1] segment starts (multiples of block_m); last = rows used
   int32_t* route_to_pool_row;  // [num_routes] pool row of each route, -1 if masked or remote
   int32_t* pool_row_to_route;  // [pool_capacity] route of each pool row, -1 for padding
+  // The expert-id range check, or null: each tile's smallest and largest id, then all
+  // ids' [min, max], written into pinned host memory that the host reads once the stream
+  // has passed the plan (no reduction or copy launched for it).
+  int64_t* tile_id_extremes;  // [num_tiles, 2] scratch
+  int64_t* id_extremes;       // [2] device-visible pinned host memory
 };
 
 using RoutePlanKernel = void (*)(RoutePlanParams);

@@ -86,8 +86,8 @@ def test_a_later_call_reads_only_what_has_reached_the_host(pending: list) -> Non
 
 
 def test_the_forward_raises_finished_checks_before_launching(pending: list) -> None:
-    # raise_finished_id_checks runs before a fused forward's first launch (its own ids
-    # are checked after its last): no wait, only what has reached the host.
+    # raise_finished_id_checks runs before a checking route plan launches (the plan then
+    # records its own ids' check): no wait, only what has reached the host.
     routing.raise_finished_id_checks()  # nothing pending: a no-op
     in_flight = _snapshot(-1, 99, 8, done=False)
     pending.append(in_flight)

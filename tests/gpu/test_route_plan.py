@@ -130,6 +130,8 @@ def test_native_launcher_checks_its_arguments():
             dlpack(args["offsets"]),
             dlpack(args["r2p"]),
             dlpack(args["p2r"]),
+            None if args.get("extremes") is None else dlpack(args["extremes"]),
+            args.get("host", 0),
             current_stream(ids.device),
         )
 
@@ -146,3 +148,51 @@ def test_native_launcher_checks_its_arguments():
         call(counts=torch.zeros(4, dtype=torch.int64, device="cuda"))
     with pytest.raises(ValueError, match="route_to_pool_row: expected a contiguous"):
         call(r2p=i32(32)[::2])
+    # The id check's buffers: both or neither, the scratch's shape, pinned host memory.
+    extremes = torch.zeros(num_tiles, 2, dtype=torch.int64, device="cuda")
+    pinned = torch.zeros(2, dtype=torch.int64, pin_memory=True)
+    with pytest.raises(ValueError, match="tile_id_extremes/id_extremes_host: give both"):
+        call(extremes=extremes)
+    with pytest.raises(ValueError, match="tile_id_extremes: expected shape"):
+        call(extremes=torch.zeros(num_tiles + 1, 2, dtype=torch.int64, device="cuda"),
+             host=pinned.data_ptr())  # fmt: skip
+    pageable = torch.zeros(2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="id_extremes_host: expected pinned host memory"):
+        call(extremes=extremes, host=pageable.data_ptr())
+    call(extremes=extremes, host=pinned.data_ptr())
+    torch.cuda.synchronize()
+    assert pinned.tolist() == [0, 0]  # the ids are all 0
+
+
+@pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("tokens", [1, 700, 5000])
+def test_route_plan_records_the_id_extremes(id_dtype, tokens):
+    """The plan's id check: all ids' [min, max] (over several tiles and partial ones),
+    in pinned host memory, against torch.aminmax."""
+    from megamoe import _C
+    from megamoe.wrappers._native import current_stream, dlpack
+
+    experts, top_k, block_m = 16, 6, 64
+    gen = torch.Generator().manual_seed(tokens)
+    ids = torch.randint(-1, experts, (tokens, top_k), generator=gen).to(id_dtype)
+    ids.view(-1)[(3 * tokens + 1) % ids.numel()] = -(2**30) if id_dtype == torch.int32 else -(2**40)
+    ids.view(-1)[(7 * tokens) % ids.numel()] = 3 * experts
+    routes = ids.numel()
+    num_tiles = _C.route_plan_num_tiles(routes)
+
+    def i32(*shape):
+        return torch.zeros(shape, dtype=torch.int32, device="cuda")
+
+    pinned = torch.full((2,), 99, dtype=torch.int64, pin_memory=True)
+    cuda_ids = ids.cuda()
+    _C.route_plan(
+        *(dlpack(cuda_ids), 0, experts, block_m, dlpack(i32(num_tiles, experts))),
+        *(dlpack(i32(experts)), dlpack(i32(experts + 1)), dlpack(i32(routes))),
+        dlpack(i32(mm.pool_capacity(routes, experts, block_m))),
+        dlpack(torch.zeros(num_tiles, 2, dtype=torch.int64, device="cuda")),
+        pinned.data_ptr(),
+        current_stream(cuda_ids.device),
+    )
+    torch.cuda.synchronize()
+    low, high = torch.aminmax(ids.long())
+    assert pinned.tolist() == [int(low), int(high)]

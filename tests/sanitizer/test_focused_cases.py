@@ -599,7 +599,7 @@ def test_undersized_buffers_are_rejected_by_the_launchers():
     with pytest.raises(ValueError, match="pool_row_to_route: pool capacity"):
         _C.route_plan(
             *(dlpack(ids), 0, experts, block_m, dlpack(scratch), dlpack(counts)),
-            *(dlpack(offsets), dlpack(r2p), dlpack(i32(worst_case_rows - 1)), stream),
+            *(dlpack(offsets), dlpack(r2p), dlpack(i32(worst_case_rows - 1)), None, 0, stream),
         )
     plan = mm.plan_routes(ids, experts, block_m)
     x = bf16((tokens, 64), 19)

@@ -8,9 +8,9 @@ Each stage runs in a ``torch.profiler.record_function`` range ``megamoe::<stage>
 (:func:`stage`), so profiles and traces show the pipeline; the ranges sit in the custom
 ops' real implementations, which torch.compile does not trace.
 
-No host synchronisation: the id range check runs on the device and is reported by a
-later call (:func:`megamoe.wrappers.routing.check_expert_ids`). A zero adapter scale takes the
-no-adapter path, so its output is bitwise the no-adapter output.
+No host synchronisation: the route plan's kernels also check the id range, reported by
+a later call (:func:`megamoe.wrappers.routing.plan_routes`). A zero adapter scale takes
+the no-adapter path, so its output is bitwise the no-adapter output.
 """
 
 from __future__ import annotations
@@ -27,12 +27,7 @@ from ..validation.arguments import check_choice
 from ..weights import BaseWeights
 from ..wrappers import pool
 from ..wrappers.grouped_gemm import gated_grouped_gemm, grouped_gemm
-from ..wrappers.routing import (
-    RoutePlan,
-    check_expert_ids,
-    plan_routes,
-    raise_finished_id_checks,
-)
+from ..wrappers.routing import RoutePlan, plan_routes
 
 #: What the forward keeps for the backward (see :func:`moe_forward`).
 SAVE_MODES = ("none", "preact", "recompute")
@@ -78,9 +73,9 @@ def moe_forward(
     The arguments are the ones the calling custom op checked
     (:func:`megamoe.validation.check_moe_inputs`); this function does not check them
     again, except the expert ids' range ``[-1, E_l)``, which it checks on the device
-    without a host synchronisation (:func:`~megamoe.wrappers.routing.check_expert_ids`: a
-    ``ValueError`` from a later call or :func:`megamoe.check_errors`; the
-    kernels treat such ids as masked).
+    without a host synchronisation in the route plan
+    (:func:`~megamoe.wrappers.routing.plan_routes`: a ``ValueError`` from a later call or
+    :func:`megamoe.check_errors`; the kernels treat such ids as masked).
 
     ``block_m``: the pool's segment padding, :func:`~megamoe.get_block_m` of the call's
     ``T``, ``K``, ``E_l`` (the caller decides once, and the backward reuses it with the
@@ -92,8 +87,8 @@ def moe_forward(
     check_choice("save", save, SAVE_MODES)
     experts = base.num_experts
     with stage("route_plan"):
-        raise_finished_id_checks()  # the earlier calls' errors, before this call launches
-        plan = plan_routes(topk_ids, experts, block_m, check_ids=False)
+        # Raises the earlier calls' finished id checks before it launches anything.
+        plan = plan_routes(topk_ids, experts, block_m, id_limit=experts)
 
     # A zero scale contributes exact zeros: take the no-adapter path (bitwise equal).
     use_side = side is not None and side.scale != 0.0
@@ -131,9 +126,6 @@ def moe_forward(
             scale=side.scale if use_side else 0.0,
             hidden=base.hidden,
         )
-    # This call's id check is enqueued after its kernels: on the host it costs a reduction,
-    # a pinned copy and an event, time in which the GPU would otherwise wait for GEMM1.
-    check_expert_ids(topk_ids, experts, raise_earlier=False)
     if save == "none":
         return out
     return out, ForwardState(plan=plan, preact=preact, q13=q13, p_sum=p_sum)

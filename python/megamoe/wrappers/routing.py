@@ -5,11 +5,12 @@ contiguous segments, each starting at a multiple of ``block_m``; inside a segmen
 rows follow ascending route index ``t * K + k`` (a stable sort), so the plan and
 everything gathered through it are deterministic. Padding rows map to -1.
 
-Expert ids outside the valid range (:func:`check_expert_ids`) are found without a
-host synchronisation: ids on the CPU are read at once; on a GPU one reduction records
-their extremes, copied without blocking into pinned host memory, and the host reads
-that copy once the GPU has passed it, at the next planning call or in
-:func:`check_errors` (which waits for it). The kernels treat such ids as masked.
+Expert ids outside the valid range are found without a host synchronisation: ids on
+the CPU are read at once; on a GPU the route-plan kernels also write the ids' extremes
+into pinned host memory (:func:`plan_routes`; :func:`check_expert_ids` is the same check
+as one reduction and a copy, for ids that are not planned), and the host reads them once
+the GPU has passed the plan, at the next planning call or in :func:`check_errors` (which
+waits for it). The kernels treat such ids as masked.
 """
 
 from __future__ import annotations
@@ -118,9 +119,9 @@ def _take_copied() -> list[_IdExtremes]:
 def check_errors() -> None:
     """Wait for every pending device-side id check and raise the first error.
 
-    The fused calls check ``topk_ids`` on the GPU without synchronising
-    (:func:`check_expert_ids`); their result is read at the next planning call, once
-    the GPU has passed it. This waits for all of them instead (a synchronisation).
+    The route plans of CUDA ``topk_ids`` check them on the GPU without synchronising
+    (:func:`plan_routes`); their result is read at the next planning call, once the GPU
+    has passed it. This waits for all of them instead (a synchronisation).
     Calls captured in a CUDA graph are not checked (the host cannot read a replay's
     ids without a synchronisation): check the ids of a captured step eagerly.
 
@@ -137,9 +138,9 @@ def check_errors() -> None:
 
 def raise_finished_id_checks() -> None:
     """Raise the first error among the earlier calls' id checks whose result has reached
-    the host (no wait; see :func:`check_expert_ids`). A no-op with none pending, under
-    torch.compile and during CUDA-graph capture (no event query there). The fused forward
-    calls it before its first launch and records its own check after its last one."""
+    the host (no wait; see :func:`plan_routes`). A no-op with none pending, under
+    torch.compile and during CUDA-graph capture (no event query there). A checking plan
+    calls it before its launches, so a fused forward raises before it launches anything."""
     if not _pending or torch.compiler.is_compiling():
         return
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
@@ -147,20 +148,30 @@ def raise_finished_id_checks() -> None:
     _raise_checked(_take_copied())
 
 
-def check_expert_ids(
-    topk_ids: torch.Tensor, limit: int | None, *, raise_earlier: bool = True
-) -> None:
-    """Check that every id of ``topk_ids`` lies in ``[-1, limit)`` (``limit`` None: ``>= -1``).
+def _record_id_check(host: torch.Tensor, topk_ids: torch.Tensor, limit: int | None) -> None:
+    """Queue ``host`` (pinned ``[2]``, written by the current stream's work so far) as the
+    ids' ``(min, max)`` of one call, read once an event after that work has completed."""
+    copied = torch.cuda.Event()
+    copied.record(torch.cuda.current_stream(topk_ids.device))
+    with _pending_lock:
+        _pending.append(_IdExtremes(host, copied, limit, topk_ids.device))
 
-    Without a host synchronisation: CPU ids are read at once (``ValueError`` now); CUDA
-    ids get one reduction and a non-blocking copy of their extremes to pinned host
-    memory, read by a later call or :func:`check_errors` (the kernels meanwhile treat
-    out-of-range ids as masked). A later call first raises the errors of the earlier
-    calls that the GPU has finished; ``raise_earlier=False`` only records this call's
-    check (the fused forward raises the earlier errors before its first launch with
-    :func:`raise_finished_id_checks` and records its own check after its last one).
-    Under CUDA-graph capture nothing is checked (an event query is not allowed there).
-    Meta and fake tensors have no values to check.
+
+def _checks_on_device(topk_ids: torch.Tensor) -> bool:
+    """Whether CUDA ids get a device-side check now: not while torch.compile traces
+    (fake tensors have no values) and not during CUDA-graph capture (no event query)."""
+    return (
+        topk_ids.is_cuda
+        and topk_ids.numel() > 0
+        and not torch.compiler.is_compiling()
+        and not torch.cuda.is_current_stream_capturing()
+    )
+
+
+def check_expert_ids(topk_ids: torch.Tensor, limit: int | None) -> None:
+    """Check that every id of CPU ``topk_ids`` lies in ``[-1, limit)`` (``limit`` None:
+    ``>= -1``): a ``ValueError`` now. CUDA ids are checked by the route plan's kernels
+    (:func:`plan_routes`); meta and fake tensors have no values to check.
     """
     if topk_ids.numel() == 0 or torch.compiler.is_compiling():
         return
@@ -168,23 +179,13 @@ def check_expert_ids(
 
     if topk_ids.device.type == "meta" or is_fake(topk_ids):
         return
-    if not topk_ids.is_cuda:
-        low, high = (int(v) for v in torch.aminmax(topk_ids))
-        if _is_bad(low, high, limit):
-            raise _id_range_error(low, high, limit)
-        return
-    if torch.cuda.is_current_stream_capturing():
-        return
-    if raise_earlier:
-        _raise_checked(_take_copied())
-    extremes = topk_ids.new_empty(2)
-    torch.aminmax(topk_ids, out=(extremes[0], extremes[1]))  # one reduction
-    host = torch.empty(2, dtype=topk_ids.dtype, pin_memory=True)
-    host.copy_(extremes, non_blocking=True)
-    copied = torch.cuda.Event()
-    copied.record(torch.cuda.current_stream(topk_ids.device))
-    with _pending_lock:
-        _pending.append(_IdExtremes(host, copied, limit, topk_ids.device))
+    if topk_ids.is_cuda:
+        raise ValueError(
+            "topk_ids: CUDA ids are checked on the device by plan_routes(check_ids=True)"
+        )
+    low, high = (int(v) for v in torch.aminmax(topk_ids))
+    if _is_bad(low, high, limit):
+        raise _id_range_error(low, high, limit)
 
 
 def _check_plan_args(
@@ -247,6 +248,7 @@ def plan_routes(
     *,
     expert_begin: int = 0,
     check_ids: bool = True,
+    id_limit: int | None = None,
 ) -> RoutePlan:
     """Plan ``topk_ids`` ``[T, K]`` (int32/int64, -1 = masked) for local experts
     ``expert_begin .. expert_begin + num_local_experts - 1``.
@@ -254,14 +256,17 @@ def plan_routes(
     On CUDA this runs the route-plan kernels on the current stream, with no host
     synchronisation; on CPU it runs :func:`plan_routes_reference`.
 
-    ``check_ids=True`` rejects ids below -1 (:func:`check_expert_ids`: a ``ValueError``
-    now for CPU ids, from a later call or :func:`check_errors` for CUDA ids, which the
-    kernels meanwhile treat as masked). ``False``: the caller has checked them.
+    ``check_ids=True`` rejects ids below -1 and, with ``id_limit``, ids at or past it
+    (a ``ValueError`` now for CPU ids). For CUDA ids the plan's kernels write the ids'
+    extremes into pinned host memory, and a later call or :func:`check_errors` raises
+    while the kernels treat such ids as masked; the earlier calls' finished checks raise
+    here, before this plan launches. Not under CUDA-graph capture or torch.compile
+    tracing. ``False``: the caller has checked them.
     """
     _check_plan_args(topk_ids, num_local_experts, block_m, expert_begin)
-    if check_ids:
-        check_expert_ids(topk_ids, None)
     if not topk_ids.is_cuda:
+        if check_ids:
+            check_expert_ids(topk_ids, id_limit)
         return plan_routes_reference(
             topk_ids, num_local_experts, block_m, expert_begin=expert_begin
         )
@@ -273,7 +278,13 @@ def plan_routes(
     def int32(*shape: int) -> torch.Tensor:
         return torch.empty(shape, dtype=torch.int32, device=device)
 
-    scratch = int32(route_plan_num_tiles(num_routes), num_local_experts)
+    num_tiles = route_plan_num_tiles(num_routes)
+    scratch = int32(num_tiles, num_local_experts)
+    tile_extremes = host_extremes = None
+    if check_ids and _checks_on_device(topk_ids):
+        raise_finished_id_checks()  # the earlier calls' errors, before this launch
+        tile_extremes = torch.empty(num_tiles, 2, dtype=torch.int64, device=device)
+        host_extremes = torch.empty(2, dtype=torch.int64, pin_memory=True)
     plan = RoutePlan(
         expert_counts=int32(num_local_experts),
         expert_pool_offsets=int32(num_local_experts + 1),
@@ -293,6 +304,10 @@ def plan_routes(
             dl(plan.expert_pool_offsets),
             dl(plan.route_to_pool_row.view(-1)),
             dl(plan.pool_row_to_route),
+            None if tile_extremes is None else dl(tile_extremes),
+            0 if host_extremes is None else host_extremes.data_ptr(),
             _native.current_stream(device),
         )
+    if host_extremes is not None:
+        _record_id_check(host_extremes, topk_ids, id_limit)
     return plan
