@@ -7,10 +7,13 @@ one's inclusive host time per layer call (nested entries overlap), for a side-Lo
 forward and a forward + backward at ep4rank dims. A small-token call is bound by this time, not by
 its kernels (``docs/PERFORMANCE.md``, eighth session).
 
-    python tools/host_time_per_call.py --tokens 512 --format bf16 [--op-route]
+    python tools/host_time_per_call.py --tokens 512 --format bf16 [--op-route] [--plain]
 
 ``--op-route`` sends ``mm.moe`` through the registered custom ops instead of its eager
-route, for an A/B in one process.
+route, for an A/B in one process. ``--plain`` times without the wrappers instead, medians
+over ``--calls`` calls: the host time to return from one call that starts on an idle GPU,
+that call's wall time until its kernels are done, and the host time per call of calls
+enqueued back to back.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
+import statistics
 import sys
 import time
 import types
@@ -31,6 +35,7 @@ def main() -> int:
     parser.add_argument("--format", choices=("bf16", "mxfp4"), default="bf16")
     parser.add_argument("--calls", type=int, default=30, help="timed calls per pass")
     parser.add_argument("--op-route", action="store_true", help="force the custom ops")
+    parser.add_argument("--plain", action="store_true", help="no per-function timers")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("host_time_per_call: needs a CUDA GPU", file=sys.stderr)
@@ -47,6 +52,9 @@ def main() -> int:
     layer = shape.make_layer(ordinary=False, device="cuda", requires_grad=True, format=args.format)
     dout = torch.randn_like(layer.x)
     leaves = list(layer.grad_leaves().values())
+
+    if args.plain:
+        return plain_times(layer, leaves, dout, args)
 
     totals: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
     timing = [False]
@@ -119,6 +127,43 @@ def main() -> int:
                 f"{seconds / args.calls * 1e6:9.1f} {count / args.calls:6.1f} "
                 f"{seconds / count * 1e6:8.1f}  {name}"
             )
+    return 0
+
+
+def plain_times(layer, leaves, dout, args) -> int:
+    """Uninstrumented host and wall times per call (see the module docstring)."""
+    import megamoe as mm
+
+    def forward():
+        return layer.call(mm.moe)
+
+    def forward_backward():
+        torch.autograd.grad(layer.call(mm.moe), leaves, dout)
+
+    route = "op" if args.op_route else "eager"
+    print(f"{route} route, T={args.tokens} {args.format}, medians of {args.calls} calls (ms)")
+    print(f"{'pass':8} {'host, idle GPU':>15} {'synced wall':>12} {'host, back to back':>19}")
+    for label, fn in (("forward", forward), ("fwd+bwd", forward_backward)):
+        for _ in range(10):
+            fn()
+        host, wall = [], []
+        for _ in range(args.calls):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn()
+            host.append(time.perf_counter() - start)
+            torch.cuda.synchronize()
+            wall.append(time.perf_counter() - start)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(args.calls):
+            fn()
+        queued = (time.perf_counter() - start) / args.calls
+        torch.cuda.synchronize()
+        print(
+            f"{label:8} {statistics.median(host) * 1e3:15.3f} "
+            f"{statistics.median(wall) * 1e3:12.3f} {queued * 1e3:19.3f}"
+        )
     return 0
 
 
