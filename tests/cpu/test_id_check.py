@@ -69,7 +69,7 @@ def test_check_errors_waits_and_raises_the_first_bad_call_once(pending: list) ->
         r"earlier call on cuda:0 .*masked; 1 later call\(s\) too\)",
     ):
         routing.check_errors()
-    assert bad.copied.waited and worse.copied.waited
+    assert bad.landed.waited and worse.landed.waited
     assert pending == []  # each error is reported once
     routing.check_errors()
 
@@ -77,11 +77,11 @@ def test_check_errors_waits_and_raises_the_first_bad_call_once(pending: list) ->
 def test_a_later_call_reads_only_what_has_reached_the_host(pending: list) -> None:
     in_flight = _snapshot(-1, 99, 8, done=False)
     pending.append(in_flight)
-    assert routing._take_copied() == []  # no wait: the copy has not landed
-    assert pending == [in_flight] and not in_flight.copied.waited
-    in_flight.copied.done = True
+    assert routing._take_landed() == []  # no wait: the extremes have not landed
+    assert pending == [in_flight] and not in_flight.landed.waited
+    in_flight.landed.done = True
     with pytest.raises(ValueError, match=r"got values in \[-1, 99\] in an earlier call"):
-        routing._raise_checked(routing._take_copied())
+        routing._raise_checked(routing._take_landed())
     assert pending == []
 
 
@@ -92,8 +92,8 @@ def test_the_forward_raises_finished_checks_before_launching(pending: list) -> N
     in_flight = _snapshot(-1, 99, 8, done=False)
     pending.append(in_flight)
     routing.raise_finished_id_checks()
-    assert pending == [in_flight] and not in_flight.copied.waited
-    in_flight.copied.done = True
+    assert pending == [in_flight] and not in_flight.landed.waited
+    in_flight.landed.done = True
     with pytest.raises(ValueError, match=r"got values in \[-1, 99\] in an earlier call"):
         routing.raise_finished_id_checks()
     assert pending == []

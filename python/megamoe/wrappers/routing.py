@@ -6,11 +6,10 @@ rows follow ascending route index ``t * K + k`` (a stable sort), so the plan and
 everything gathered through it are deterministic. Padding rows map to -1.
 
 Expert ids outside the valid range are found without a host synchronisation: ids on
-the CPU are read at once; on a GPU the route-plan kernels also write the ids' extremes
-into pinned host memory (:func:`plan_routes`; :func:`check_expert_ids` is the same check
-as one reduction and a copy, for ids that are not planned), and the host reads them once
-the GPU has passed the plan, at the next planning call or in :func:`check_errors` (which
-waits for it). The kernels treat such ids as masked.
+the CPU are read at once (:func:`check_expert_ids`); on a GPU the route-plan kernels also
+write the ids' extremes into pinned host memory (:func:`plan_routes`), and the host reads
+them once the GPU has passed the plan, at the next planning call or in
+:func:`check_errors` (which waits for it). The kernels treat such ids as masked.
 """
 
 from __future__ import annotations
@@ -68,8 +67,8 @@ def route_plan_num_tiles(num_routes: int) -> int:
 class _IdExtremes:
     """One GPU call's ``(min, max)`` of its ids, on its way to the host."""
 
-    host: torch.Tensor  # [2] pinned: (min, max), valid once ``copied`` has completed
-    copied: torch.cuda.Event
+    host: torch.Tensor  # [2] pinned: (min, max), valid once ``landed`` has completed
+    landed: torch.cuda.Event  # recorded after the plan that writes ``host``
     limit: int | None  # ids must lie in [-1, limit) (None: no upper bound)
     device: torch.device
 
@@ -91,7 +90,7 @@ def _is_bad(low: int, high: int, limit: int | None) -> bool:
 
 
 def _raise_checked(snapshots: list[_IdExtremes]) -> None:
-    """Raise for the first of ``snapshots`` (all copied) whose ids were out of range."""
+    """Raise for the first of ``snapshots`` (all landed) whose ids were out of range."""
     bad = [s for s in snapshots if _is_bad(*s.host.tolist(), s.limit)]
     if not bad:
         return
@@ -108,10 +107,10 @@ def _raise_checked(snapshots: list[_IdExtremes]) -> None:
     )
 
 
-def _take_copied() -> list[_IdExtremes]:
-    """Remove and return the pending checks whose copy has reached the host (no wait)."""
+def _take_landed() -> list[_IdExtremes]:
+    """Remove and return the pending checks whose extremes have reached the host (no wait)."""
     with _pending_lock:
-        done = [s for s in _pending if s.copied.query()]
+        done = [s for s in _pending if s.landed.query()]
         _pending[:] = [s for s in _pending if s not in done]
     return done
 
@@ -132,8 +131,8 @@ def check_errors() -> None:
     with _pending_lock:
         snapshots = list(_pending)
     for snapshot in snapshots:
-        snapshot.copied.synchronize()
-    _raise_checked(_take_copied())
+        snapshot.landed.synchronize()
+    _raise_checked(_take_landed())
 
 
 def raise_finished_id_checks() -> None:
@@ -145,16 +144,16 @@ def raise_finished_id_checks() -> None:
         return
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return
-    _raise_checked(_take_copied())
+    _raise_checked(_take_landed())
 
 
 def _record_id_check(host: torch.Tensor, topk_ids: torch.Tensor, limit: int | None) -> None:
     """Queue ``host`` (pinned ``[2]``, written by the current stream's work so far) as the
     ids' ``(min, max)`` of one call, read once an event after that work has completed."""
-    copied = torch.cuda.Event()
-    copied.record(torch.cuda.current_stream(topk_ids.device))
+    landed = torch.cuda.Event()
+    landed.record(torch.cuda.current_stream(topk_ids.device))
     with _pending_lock:
-        _pending.append(_IdExtremes(host, copied, limit, topk_ids.device))
+        _pending.append(_IdExtremes(host, landed, limit, topk_ids.device))
 
 
 def _checks_on_device(topk_ids: torch.Tensor) -> bool:
