@@ -10,10 +10,10 @@ its kernels (``docs/PERFORMANCE.md``, eighth session).
     python tools/host_time_per_call.py --tokens 512 --format bf16 [--op-route] [--plain]
 
 ``--op-route`` sends ``mm.moe`` through the registered custom ops instead of its eager
-route, for an A/B in one process. ``--plain`` times without the wrappers instead, medians
-over ``--calls`` calls: the host time to return from one call that starts on an idle GPU,
-that call's wall time until its kernels are done, and the host time per call of calls
-enqueued back to back.
+route, for an A/B in one process. ``--plain`` times without the wrappers instead: the
+medians over ``--calls`` calls of the host time to return from one call that starts on
+an idle GPU and of that call's wall time until its kernels are done, and the mean host
+time per call of ``--calls`` calls enqueued back to back.
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ struct ActivationBackwardEpilogue {
                  : "l"(at));
     return v;
   }
-  // A row's route and weight: strong loads like g and u. ptxas re-issues a non-coherent
+  // A row's route and weight: coherent loads (.cg) like g and u. ptxas re-issues a .nc
   // load at its first use to save registers, and the row's math then waits a full load.
   __device__ __forceinline__ static uint32_t load_global_4(const void* at) {
     uint32_t v;
@@ -69,7 +69,7 @@ struct ActivationBackwardEpilogue {
   // kVectors lanes, all at once: the first butterfly step trades two partials per lane
   // (a lane keeps the two rows its top vector bit picks), the second one, the rest the
   // one left. The same additions as a butterfly per row, so the same bits, in 6 shuffles
-  // instead of 4 log2(kVectors). Returns row `kept`'s sum (kept = 0..3).
+  // (5 for 16-lane rows) instead of 4 log2(kVectors). Returns row `kept`'s sum (kept = 0..3).
   __device__ __forceinline__ static float sum_row_dots(const float (&dot)[4], int vector,
                                                        int& kept) {
     constexpr int kTop = kVectors / 2;
@@ -141,7 +141,9 @@ struct ActivationBackwardEpilogue {
         dot[k] = 0.0f;
         if (!live[k]) continue;
         __nv_bfloat16* dgrad_row = dgrad + element(row[k], two_i, col);
-        __nv_bfloat16* weighted_row = weighted + element(row[k], inter, col);
+        // As an integer: `weighted` is null when w h is not wanted (nothing is stored then).
+        const uintptr_t weighted_row = reinterpret_cast<uintptr_t>(weighted) +
+                                       sizeof(__nv_bfloat16) * element(row[k], inter, col);
         // Padding rows (route -1) give zeros whatever their inputs hold. One unsigned
         // compare: -1 wraps past every route (num_routes < 2^31, int32 ids).
         if (static_cast<uint32_t>(route[k]) >= static_cast<uint32_t>(p.num_routes)) {
@@ -149,7 +151,7 @@ struct ActivationBackwardEpilogue {
             const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
             store_global_16(dgrad_row, zero);
             store_global_16(dgrad_row + inter, zero);
-            if (weighted != nullptr) store_global_16(weighted_row, zero);
+            if (weighted != nullptr) store_global_16(reinterpret_cast<void*>(weighted_row), zero);
           }
           continue;
         }
@@ -191,7 +193,8 @@ struct ActivationBackwardEpilogue {
           store_global_16(dgrad_row, make_uint4(dg[0], dg[1], dg[2], dg[3]));
           store_global_16(dgrad_row + inter, make_uint4(du[0], du[1], du[2], du[3]));
           if (weighted != nullptr)
-            store_global_16(weighted_row, make_uint4(wh[0], wh[1], wh[2], wh[3]));
+            store_global_16(reinterpret_cast<void*>(weighted_row),
+                            make_uint4(wh[0], wh[1], wh[2], wh[3]));
         }
       }
       // Each row's dot over its kVectors lanes, in a fixed order.

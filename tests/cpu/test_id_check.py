@@ -97,3 +97,14 @@ def test_the_forward_raises_finished_checks_before_launching(pending: list) -> N
     with pytest.raises(ValueError, match=r"got values in \[-1, 99\] in an earlier call"):
         routing.raise_finished_id_checks()
     assert pending == []
+
+
+def test_planning_cpu_ids_checks_them_at_once(pending: list) -> None:
+    ids = torch.tensor([[0, 7], [3, -1], [-1, 9]])
+    with pytest.raises(ValueError, match=r"^topk_ids: expected expert ids in \[-1, 8\), got "):
+        routing.plan_routes(ids, 8, 64, id_limit=8)
+    routing.plan_routes(ids, 8, 64)  # no limit: 9 may be another rank's expert
+    with pytest.raises(ValueError, match=r"^topk_ids: expected expert ids >= -1"):
+        routing.plan_routes(ids - 1, 8, 64)
+    routing.plan_routes(ids - 1, 8, 64, check_ids=False)  # the caller checked them
+    assert pending == []  # CPU ids leave nothing to read later

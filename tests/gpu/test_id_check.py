@@ -55,3 +55,22 @@ def test_good_calls_leave_nothing_to_report():
         for _ in range(3):
             layer.call(mm.moe)
     check_errors()
+
+
+@pytest.mark.parametrize("id_limit", [None, 8])
+def test_plan_routes_checks_ids_on_the_device(id_limit):
+    """plan_routes itself: ids below -1 always, and ids at or past id_limit, reported by
+    check_errors; the plan treats them as masked."""
+    check_errors()
+    ids = torch.tensor([[0, 7], [3, -1], [-3, 9]], dtype=torch.int64, device="cuda")
+    plan = mm.plan_routes(ids, 8, 64, id_limit=id_limit)
+    low = r"-3" if id_limit is None else r"\[-3, 9\]"
+    with pytest.raises(ValueError, match=rf"^topk_ids: expected expert ids .*{low}"):
+        check_errors()
+    masked = ids.clone()
+    masked[2] = -1
+    reference = mm.plan_routes_reference(masked.cpu(), 8, 64)
+    assert torch.equal(plan.expert_counts.cpu(), reference.expert_counts)
+    assert torch.equal(plan.route_to_pool_row.cpu(), reference.route_to_pool_row)
+    mm.plan_routes(masked, 8, 64, id_limit=id_limit)
+    check_errors()  # in range: nothing to report

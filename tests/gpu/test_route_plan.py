@@ -165,10 +165,11 @@ def test_native_launcher_checks_its_arguments():
 
 
 @pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64])
-@pytest.mark.parametrize("tokens", [1, 700, 5000])
+@pytest.mark.parametrize("tokens", [1, 700, 5000, 400_000])
 def test_route_plan_records_the_id_extremes(id_dtype, tokens):
-    """The plan's id check: all ids' [min, max] (over several tiles and partial ones),
-    in pinned host memory, against torch.aminmax."""
+    """The plan's id check: all ids' [min, max] (over one tile, several and partial ones,
+    and more tiles than the offsets pass has threads), in pinned host memory, against
+    torch.aminmax."""
     from megamoe import _C
     from megamoe.wrappers._native import current_stream, dlpack
 
@@ -179,6 +180,7 @@ def test_route_plan_records_the_id_extremes(id_dtype, tokens):
     ids.view(-1)[(7 * tokens) % ids.numel()] = 3 * experts
     routes = ids.numel()
     num_tiles = _C.route_plan_num_tiles(routes)
+    assert tokens < 400_000 or num_tiles > 1024  # the offsets pass's 1024 threads stride
 
     def i32(*shape):
         return torch.zeros(shape, dtype=torch.int32, device="cuda")
@@ -189,7 +191,8 @@ def test_route_plan_records_the_id_extremes(id_dtype, tokens):
         *(dlpack(cuda_ids), 0, experts, block_m, dlpack(i32(num_tiles, experts))),
         *(dlpack(i32(experts)), dlpack(i32(experts + 1)), dlpack(i32(routes))),
         dlpack(i32(mm.pool_capacity(routes, experts, block_m))),
-        dlpack(torch.zeros(num_tiles, 2, dtype=torch.int64, device="cuda")),
+        # A sentinel no id reaches: a tile the count pass skipped would show.
+        dlpack(torch.full((num_tiles, 2), 2**62, dtype=torch.int64, device="cuda")),
         pinned.data_ptr(),
         current_stream(cuda_ids.device),
     )

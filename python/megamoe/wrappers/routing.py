@@ -279,11 +279,6 @@ def plan_routes(
 
     num_tiles = route_plan_num_tiles(num_routes)
     scratch = int32(num_tiles, num_local_experts)
-    tile_extremes = host_extremes = None
-    if check_ids and _checks_on_device(topk_ids):
-        raise_finished_id_checks()  # the earlier calls' errors, before this launch
-        tile_extremes = torch.empty(num_tiles, 2, dtype=torch.int64, device=device)
-        host_extremes = torch.empty(2, dtype=torch.int64, pin_memory=True)
     plan = RoutePlan(
         expert_counts=int32(num_local_experts),
         expert_pool_offsets=int32(num_local_experts + 1),
@@ -292,21 +287,31 @@ def plan_routes(
         block_m=block_m,
     )
     dl = _native.dlpack
-    with _native.on_device(device):
-        _native.native().route_plan(
-            dl(topk_ids),
-            expert_begin,
-            num_local_experts,
-            block_m,
-            dl(scratch),
-            dl(plan.expert_counts),
-            dl(plan.expert_pool_offsets),
-            dl(plan.route_to_pool_row.view(-1)),
-            dl(plan.pool_row_to_route),
-            None if tile_extremes is None else dl(tile_extremes),
-            0 if host_extremes is None else host_extremes.data_ptr(),
-            _native.current_stream(device),
-        )
-    if host_extremes is not None:
-        _record_id_check(host_extremes, topk_ids, id_limit)
+    with _native.on_device(device):  # the capture query asks the current device's stream
+        tile_extremes = host_extremes = None
+        if check_ids and _checks_on_device(topk_ids):
+            raise_finished_id_checks()  # the earlier calls' errors, before this launch
+            tile_extremes = torch.empty(num_tiles, 2, dtype=torch.int64, device=device)
+            # Zeros read as in range if the launches stop before the plan writes them.
+            host_extremes = torch.zeros(2, dtype=torch.int64, pin_memory=True)
+        try:
+            _native.native().route_plan(
+                dl(topk_ids),
+                expert_begin,
+                num_local_experts,
+                block_m,
+                dl(scratch),
+                dl(plan.expert_counts),
+                dl(plan.expert_pool_offsets),
+                dl(plan.route_to_pool_row.view(-1)),
+                dl(plan.pool_row_to_route),
+                None if tile_extremes is None else dl(tile_extremes),
+                0 if host_extremes is None else host_extremes.data_ptr(),
+                _native.current_stream(device),
+            )
+        finally:
+            # Queued even if a launch failed: the pinned memory then lives until the
+            # stream has passed whatever of the plan did launch.
+            if host_extremes is not None:
+                _record_id_check(host_extremes, topk_ids, id_limit)
     return plan
