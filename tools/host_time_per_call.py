@@ -53,8 +53,16 @@ def main() -> int:
     dout = torch.randn_like(layer.x)
     leaves = list(layer.grad_leaves().values())
 
+    # mm.moe is looked up at each call, so the timers patched in below see these too.
+    def forward():
+        return layer.call(mm.moe)
+
+    def forward_backward():
+        torch.autograd.grad(layer.call(mm.moe), leaves, dout)
+
+    passes = (("forward", forward), ("fwd+bwd", forward_backward))
     if args.plain:
-        return plain_times(layer, leaves, dout, args)
+        return plain_times(passes, args)
 
     totals: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
     timing = [False]
@@ -95,14 +103,8 @@ def main() -> int:
         setattr(torch, name, timed(f"torch.{name}", getattr(torch, name)))
     torch.Tensor.__matmul__ = timed("Tensor.__matmul__", torch.Tensor.__matmul__)
 
-    def forward():
-        return layer.call(mm.moe)
-
-    def forward_backward():
-        torch.autograd.grad(layer.call(mm.moe), leaves, dout)
-
     route = "op" if args.op_route else "eager"
-    for label, fn in (("forward", forward), ("fwd+bwd", forward_backward)):
+    for label, fn in passes:
         for _ in range(5):
             fn()
         torch.cuda.synchronize()
@@ -130,20 +132,13 @@ def main() -> int:
     return 0
 
 
-def plain_times(layer, leaves, dout, args) -> int:
-    """Uninstrumented host and wall times per call (see the module docstring)."""
-    import megamoe as mm
-
-    def forward():
-        return layer.call(mm.moe)
-
-    def forward_backward():
-        torch.autograd.grad(layer.call(mm.moe), leaves, dout)
-
+def plain_times(passes, args) -> int:
+    """Uninstrumented host and wall times per call of each ``(label, call)`` of
+    ``passes`` (see the module docstring)."""
     route = "op" if args.op_route else "eager"
     print(f"{route} route, T={args.tokens} {args.format}, medians of {args.calls} calls (ms)")
     print(f"{'pass':8} {'host, idle GPU':>15} {'synced wall':>12} {'host, back to back':>19}")
-    for label, fn in (("forward", forward), ("fwd+bwd", forward_backward)):
+    for label, fn in passes:
         for _ in range(10):
             fn()
         host, wall = [], []

@@ -156,15 +156,10 @@ def _record_id_check(host: torch.Tensor, topk_ids: torch.Tensor, limit: int | No
         _pending.append(_IdExtremes(host, landed, limit, topk_ids.device))
 
 
-def _checks_on_device(topk_ids: torch.Tensor) -> bool:
-    """Whether CUDA ids get a device-side check now: not while torch.compile traces
-    (fake tensors have no values) and not during CUDA-graph capture (no event query)."""
-    return (
-        topk_ids.is_cuda
-        and topk_ids.numel() > 0
-        and not torch.compiler.is_compiling()
-        and not torch.cuda.is_current_stream_capturing()
-    )
+def _checks_on_device() -> bool:
+    """Whether a CUDA plan checks its ids now: not while torch.compile traces (fake
+    tensors have no values) and not during CUDA-graph capture (no event query)."""
+    return not torch.compiler.is_compiling() and not torch.cuda.is_current_stream_capturing()
 
 
 def check_expert_ids(topk_ids: torch.Tensor, limit: int | None) -> None:
@@ -289,7 +284,7 @@ def plan_routes(
     dl = _native.dlpack
     with _native.on_device(device):  # the capture query asks the current device's stream
         tile_extremes = host_extremes = None
-        if check_ids and _checks_on_device(topk_ids):
+        if check_ids and _checks_on_device():
             raise_finished_id_checks()  # the earlier calls' errors, before this launch
             tile_extremes = torch.empty(num_tiles, 2, dtype=torch.int64, device=device)
             # Zeros read as in range if the launches stop before the plan writes them.
