@@ -14,6 +14,7 @@
 #include "pool_ops.h"
 #include "route_plan.h"
 #include "variant_table.h"
+#include "weight_stream_launch.h"
 
 namespace nb = nanobind;
 
@@ -73,4 +74,5 @@ NB_MODULE(_C, m) {
   megamoe::register_pool_ops(m);
   megamoe::register_engine(m);
   megamoe::register_mxfp4_decode(m);
+  megamoe::register_weight_stream(m);
 }

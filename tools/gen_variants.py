@@ -43,6 +43,12 @@ FAMILIES = {
         "make": "megamoe::kernels::engine_kernels<megamoe::EngineKind::{kind}, "
         "megamoe::BFormat::{b_format}, {block_m}, {block_n}>()",
     },
+    "weight_stream": {
+        "header": "engine/weight_stream_kernel.cuh",
+        "params_header": "engine/weight_stream_params.h",
+        "table_type": "WeightStreamKernels",
+        "make": "megamoe::kernels::weight_stream_kernels<{tokens}>()",
+    },
 }
 
 BANNER = "// Generated from python/megamoe/variants.toml by tools/gen_variants.py. Do not edit.\n"

@@ -89,3 +89,20 @@ def mxfp4_decodes_in_pipeline(pool_rows: int, num_experts: int) -> bool:
     check_int("pool_rows", pool_rows, minimum=0)
     check_int("num_experts", num_experts, minimum=1)
     return pool_rows <= MXFP4_PIPELINE_MAX_ROWS_PER_EXPERT * num_experts
+
+
+#: Expected pool rows per expert up to which the weight-streaming GEMM1 walks each
+#: expert's rows in chunks of 32 (wgmma N = 32); above it, chunks of 64. A chunk decodes
+#: its weight tile once, so the chunk should hold an expert's rows; a narrower MMA costs
+#: the tensor cores less beside the decode.
+WEIGHT_STREAM_SMALL_CHUNK_MAX_ROWS = 24
+
+
+def weight_stream_chunk(num_routes: int, num_experts: int) -> int:
+    """Pool rows per chunk (32 or 64) of the weight-streaming GEMM1 for ``num_routes``
+    routes over ``num_experts`` experts (see :data:`WEIGHT_STREAM_SMALL_CHUNK_MAX_ROWS`).
+    Host values only: no synchronisation."""
+    check_int("num_routes", num_routes, minimum=0)
+    check_int("num_experts", num_experts, minimum=1)
+    small = num_routes <= WEIGHT_STREAM_SMALL_CHUNK_MAX_ROWS * num_experts
+    return 32 if small else 64

@@ -269,6 +269,35 @@ def test_engine_gated(block_m, tokens, top_k, num_sms, b_format, monkeypatch):
         assert_close_to_oracle("preact", preact[:rows], gu)
 
 
+@pytest.mark.parametrize("tokens,top_k,num_sms", GEMM_CASES)
+@pytest.mark.parametrize("block_m", BLOCK_MS)
+def test_weight_stream_gated(block_m, tokens, top_k, num_sms, monkeypatch):
+    # GEMM1 with an MXFP4 w13 in the weight-streaming kernel (I = 256: two 128-column
+    # tiles), the codes by TMA and decoded into the wgmma's A registers, the scales read
+    # from global memory four steps ahead; r = 16 (side steps over q1 and q3 whose boxes
+    # run past r, zero-filled); chunks of padding rows written as zeros. Bit for bit the
+    # engine's GEMM1 on the BF16 decode (every row in use).
+    use_sms(num_sms, monkeypatch)
+    experts, hidden, inter, rank = 8, 256, 256, 16
+    plan, _, _ = gpu_plan(tokens, experts, top_k, block_m, kind="empty", seed=tokens)
+    a = bf16((plan.pool_capacity, hidden + 2 * rank), 8)
+    a[plan.pool_row_to_route < 0] = 0  # the gather's zero padding rows
+    side = dict(
+        side_b_gate=bf16((experts, rank, inter), 10, rank**-0.5),
+        side_b_up=bf16((experts, rank, inter), 11, rank**-0.5),
+        side_scale=0.25,
+    )
+    args = dict(k=hidden, activation="swiglu", activation_clamp=None, **side)
+    rows = rows_used(plan)
+    codes, scales, decoded = mxfp4_b((experts, 2 * inter, hidden), 9)
+    preact = torch.empty(plan.pool_capacity, 2 * inter, dtype=torch.bfloat16, device="cuda")
+    h = gated_grouped_gemm(a, codes, plan, w13_scales=scales, preact_out=preact, **args)
+    twin_preact = torch.empty_like(preact)
+    twin = gated_grouped_gemm(a, decoded, plan, preact_out=twin_preact, **args)
+    assert_bitwise(h[:rows], twin[:rows])
+    assert_bitwise(preact[:rows], twin_preact[:rows])
+
+
 @pytest.mark.parametrize("b_format", ["bf16", "mxfp4"])
 @pytest.mark.parametrize("tokens,top_k,num_sms", GEMM_CASES)
 @pytest.mark.parametrize("block_m", BLOCK_MS)

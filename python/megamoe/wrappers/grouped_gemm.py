@@ -28,7 +28,7 @@ import math
 import torch
 
 from ..env import num_sms as resolve_device_sms
-from ..heuristics import mxfp4_decodes_in_pipeline
+from ..heuristics import mxfp4_decodes_in_pipeline, weight_stream_chunk
 from ..validation.arguments import check_choice, check_tensor
 from . import _native
 from .routing import RoutePlan
@@ -340,6 +340,29 @@ def gated_grouped_gemm(
         )
         return out
     dl = _native.dlpack
+    if decode_scales is not None and two_i % 256 == 0:
+        # MXFP4 with few rows per expert: decoded into the wgmma's A registers.
+        chunk = weight_stream_chunk(plan.route_to_pool_row.numel(), w13.shape[0])
+        with _native.on_device(a.device):
+            _native.native().weight_stream_gated(
+                dl(a),
+                k,
+                dl(w13),
+                dl(decode_scales),
+                dl(plan.expert_pool_offsets),
+                dl(plan.expert_counts),
+                dl(out),
+                None if preact_out is None else dl(preact_out),
+                None if side_b_gate is None else dl(side_b_gate),
+                None if side_b_up is None else dl(side_b_up),
+                float(side_scale),
+                ACTIVATIONS[activation],
+                clamp,
+                chunk,
+                _device_sms(a.device),
+                _native.current_stream(a.device),
+            )
+        return out
     with _native.on_device(a.device):
         _native.native().engine_gated(
             dl(a),

@@ -1,0 +1,135 @@
+// Host launcher of the weight-streaming GEMM1 (kernels/engine/weight_stream_kernel.cuh):
+// checks the operands once, builds the tensor maps and the parameter block, picks the
+// variant by chunk size and launches persistently on the caller's stream.
+#include "weight_stream_launch.h"
+
+#include <cuda.h>
+#include <nanobind/stl/optional.h>
+
+#include <cmath>
+#include <optional>
+#include <string>
+
+#include "gemm_launch.h"
+#include "tensor_checks.h"
+#include "variant_table.h"
+
+namespace megamoe {
+
+namespace {
+
+constexpr int kBlockK = 64;
+constexpr int kTileColumns = 128;  // h columns per tile (two consumer warpgroups)
+
+std::string str(int64_t v) { return std::to_string(v); }
+
+const WeightStreamKernels& select_stream_variant(int tokens) {
+  for (const auto& variant : variants::kWeightStreamVariants)
+    if (variant.kernels->tokens == tokens) return *variant.kernels;
+  throw nb::value_error(("tokens: no weight-stream variant for chunks of " + str(tokens)).c_str());
+}
+
+// GEMM1 over the pool with an MXFP4 w13 in the swapped form: h = act(g) * u, g | u =
+// [x | q1 | q3] . [w13_e ; side], for pools whose segments are padded to a multiple of
+// `tokens` rows.
+void weight_stream_gated(const Tensor& a, int64_t k_base, const Tensor& w13,
+                         const Tensor& w13_scales, const Tensor& offsets, const Tensor& counts,
+                         const Tensor& h, std::optional<Tensor> preact,
+                         std::optional<Tensor> side_gate, std::optional<Tensor> side_up,
+                         double side_scale, int activation, double activation_clamp, int tokens,
+                         int num_sms, uintptr_t stream) {
+  const int device = a.device_id();
+  if (a.dtype() != bfloat16_dtype() || a.ndim() != 2 || a.stride(1) != 1 ||
+      a.stride(0) < static_cast<int64_t>(a.shape(1)))
+    throw nb::value_error("a: expected a BF16 [P, cols] pool with unit column stride");
+  const int64_t rows = a.shape(0);
+  if (k_base < kBlockK || k_base % kBlockK != 0)
+    throw nb::value_error(("k_base: expected a multiple of 64, got " + str(k_base)).c_str());
+  check_tensor<uint8_t>("w13", w13, {-1, -1, k_base / 2}, device);
+  const int64_t experts = w13.shape(0), two_i = w13.shape(1), inter = two_i / 2;
+  if (experts < 1) throw nb::value_error("w13: expected at least one expert");
+  if (two_i % 2 != 0 || inter % kTileColumns != 0)
+    throw nb::value_error(
+        ("w13: expected 2I rows with I a multiple of 128, got " + str(two_i)).c_str());
+  check_tensor<uint8_t>("w13_scales", w13_scales, {experts, two_i, k_base / 32}, device);
+  // The consumers load two scale bytes per step as one 16-bit word.
+  if (reinterpret_cast<uintptr_t>(w13_scales.data()) % 2 != 0)
+    throw nb::value_error("w13_scales: expected a 2-byte aligned address");
+  check_tensor<int32_t>("expert_pool_offsets", offsets, {experts + 1}, device);
+  check_tensor<int32_t>("expert_counts", counts, {experts}, device);
+  if (activation != 0 && activation != 1)
+    throw nb::value_error(
+        ("activation: expected 0 (swiglu) or 1 (geglu), got " + str(activation)).c_str());
+  if (std::isnan(activation_clamp) || activation_clamp <= 0)
+    throw nb::value_error("activation_clamp: expected a positive value (inf = no clamp)");
+  if (side_gate.has_value() != side_up.has_value())
+    throw nb::value_error("side_gate/side_up: give both or neither");
+  int64_t rank = 0;
+  if (side_gate) {
+    check_tensor("side_gate", *side_gate, bfloat16_dtype(), {experts, -1, inter}, device);
+    rank = side_gate->shape(1);
+    check_tensor("side_up", *side_up, bfloat16_dtype(), {experts, rank, inter}, device);
+    if (rank < 8 || rank % 8 != 0)
+      throw nb::value_error(("side_gate: rank must be a multiple of 8, got " + str(rank)).c_str());
+    if (!std::isfinite(side_scale)) throw nb::value_error("side_scale: expected a finite value");
+  }
+  if (k_base + 2 * rank > static_cast<int64_t>(a.shape(1)))
+    throw nb::value_error(("a: expected at least k_base + 2r = " + str(k_base + 2 * rank) +
+                           " columns, got " + str(a.shape(1)))
+                              .c_str());
+  check_tensor("h", h, bfloat16_dtype(), {rows, inter}, device);
+  if (preact) check_tensor("preact_out", *preact, bfloat16_dtype(), {rows, two_i}, device);
+  const WeightStreamKernels& kernels = select_stream_variant(tokens);
+  if (rows % tokens != 0)
+    throw nb::value_error(
+        ("a: pool rows " + str(rows) + " are not a multiple of the chunk " + str(tokens)).c_str());
+  if (rows >= (int64_t{1} << 31)) throw nb::value_error("a: more than 2^31 - 1 pool rows");
+
+  WeightStreamParams p{};
+  p.expert_pool_offsets = static_cast<const int32_t*>(offsets.data());
+  p.expert_counts = static_cast<const int32_t*>(counts.data());
+  p.num_experts = static_cast<int32_t>(experts);
+  p.pool_rows = static_cast<int32_t>(rows);
+  p.n_blocks = static_cast<int32_t>(inter / kTileColumns);
+  p.side_steps = static_cast<int32_t>(2 * ((rank + kBlockK - 1) / kBlockK));
+  p.base_steps = static_cast<int32_t>(k_base / kBlockK);
+  p.pool = bf16_rows("a", a.data(), rows, k_base + 2 * rank, a.stride(0), tokens);
+  p.codes =
+      tensor_map("w13", w13.data(), CU_TENSOR_MAP_DATA_TYPE_UINT8, {k_base / 2, inter, 2, experts},
+                 {k_base / 2, inter * k_base / 2, two_i * k_base / 2},
+                 {kBlockK / 2, kTileColumns, 2, 1}, false);
+  if (side_gate) {
+    // b1 and b3 as given [E, r, I]: [64 I, 64 r] boxes, the A of the side steps.
+    p.side_gate =
+        tensor_map("side_gate", side_gate->data(), CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                   {inter, rank, experts}, {inter * 2, rank * inter * 2}, {64, kBlockK, 1}, true);
+    p.side_up =
+        tensor_map("side_up", side_up->data(), CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                   {inter, rank, experts}, {inter * 2, rank * inter * 2}, {64, kBlockK, 1}, true);
+  }
+  p.scales = static_cast<const uint8_t*>(w13_scales.data());
+  p.k_base = static_cast<int32_t>(k_base);
+  p.side_rank = static_cast<int32_t>(rank);
+  p.intermediate = static_cast<int32_t>(inter);
+  p.side_scale = static_cast<float>(side_scale);
+  p.h = h.data();
+  p.preact = preact ? preact->data() : nullptr;
+  p.activation = activation;
+  p.activation_clamp = static_cast<float>(activation_clamp);
+  launch_persistent(kernels.kernel, p, kernels.num_threads, kernels.smem_bytes, device, num_sms,
+                    stream, "weight_stream_gated launch");
+}
+
+}  // namespace
+
+void register_weight_stream(nb::module_& m) {
+  m.def("weight_stream_gated", &weight_stream_gated, nb::arg("a"), nb::arg("k_base"),
+        nb::arg("w13"), nb::arg("w13_scales"), nb::arg("expert_pool_offsets"),
+        nb::arg("expert_counts"), nb::arg("h"), nb::arg("preact_out").none(),
+        nb::arg("side_gate").none(), nb::arg("side_up").none(), nb::arg("side_scale"),
+        nb::arg("activation"), nb::arg("activation_clamp"), nb::arg("tokens"), nb::arg("num_sms"),
+        nb::arg("stream"),
+        "GEMM1 with an MXFP4 w13 decoded into the wgmma's A registers (few rows per expert).");
+}
+
+}  // namespace megamoe

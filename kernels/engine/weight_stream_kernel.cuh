@@ -1,0 +1,499 @@
+// The weight-streaming GEMM1 (MXFP4 w13, few pool rows per expert): the swapped form of
+// EngineKind::Gated, where the weights are the wgmma's A operand, decoded from their
+// codes straight into the A-fragment registers (fragment_decode.cuh), and a chunk of an
+// expert's pool rows is its N (TOKENS = 32 or 64). No decoded tile passes through shared
+// memory, and every consumer warp decodes: the decode's integer work, which bounds an
+// MXFP4 GEMM when each weight meets few rows, spreads over all four schedulers.
+//
+// Warp roles (384 threads):
+//  - producer (warp 0, one thread): per K step, TMA loads into a ring stage the step's
+//    codes of the tile's 128 gate rows and 128 up rows ([2][128][32] bytes) and the
+//    chunk's [TOKENS][64] pool tile; per side step, one [64 r][64 I] box of b1 (gate
+//    steps) or b3 (up steps) per consumer warpgroup and the pool's q1 or q3 columns;
+//  - consumers (warpgroups 1 and 2, 64 h columns each): per base step, read their rows'
+//    codes and decode the gate weight's fragment, issue its MMAs (register A), then
+//    decode the up weight's fragment while they run and issue its MMAs: two batches per
+//    step, each fragment rewritten only after its batch retired; side steps
+//    are shared-memory wgmma (b1/b3 read MN-major); then the gated activation in
+//    registers and the stores of h (and g | u) for the chunk's rows.
+// Contract: `full`/`empty` per stage as in the engine (pipeline.cuh); the producer and
+// the consumers walk the same tiles and steps.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+
+#include <cute/arch/copy_sm90_tma.hpp>
+#include <cute/arch/mma_sm90_gmma.hpp>
+#include <utility>
+
+#include "activation_math.cuh"
+#include "engine_params.h"
+#include "fragment_decode.cuh"
+#include "pipeline.cuh"
+#include "weight_stream_params.h"
+#include "wgmma.cuh"
+
+namespace megamoe::kernels::engine {
+
+// ---- schedule: (TOKENS-row pool chunk, 128-column block of h), columns fastest ----
+struct StreamTile {
+  int expert;
+  int row0;  // first pool row of the chunk
+  int rows;  // the chunk's data rows (0: padding only, written as zeros, nothing loaded)
+  int n0;    // first h column
+};
+
+template <int Tokens>
+struct StreamTiles {
+  const WeightStreamParams& p;
+  int rows_used, chunks;
+
+  __device__ __forceinline__ explicit StreamTiles(const WeightStreamParams& params)
+      : p(params),
+        rows_used(
+            min(max(__ldg(params.expert_pool_offsets + params.num_experts), 0), params.pool_rows)),
+        chunks(rows_used / Tokens) {}
+
+  __device__ __forceinline__ int num_tiles() const { return chunks * p.n_blocks; }
+
+  __device__ __forceinline__ int start(int e) const {
+    return min(max(__ldg(p.expert_pool_offsets + e), 0), rows_used);
+  }
+
+  __device__ __forceinline__ StreamTile tile(int t) const {
+    const int chunk = t / p.n_blocks;
+    StreamTile info;
+    info.row0 = chunk * Tokens;
+    info.n0 = (t - chunk * p.n_blocks) * 128;
+    // The expert whose segment holds the chunk: the last e starting at or before it.
+    int lo = 0, hi = p.num_experts - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if (start(mid) <= info.row0)
+        lo = mid;
+      else
+        hi = mid - 1;
+    }
+    info.expert = lo;
+    const int first = start(lo), end = max(start(lo + 1), first);
+    const int data_end = min(first + max(__ldg(p.expert_counts + lo), 0), end);
+    info.rows = min(max(data_end - info.row0, 0), Tokens);
+    return info;
+  }
+};
+
+template <int Tokens>
+struct StreamConfig {
+  static_assert(Tokens == 32 || Tokens == 64, "wgmma N of the chunk");
+  static constexpr int kTokensPerChunk = Tokens;
+  static constexpr int kConsumers = 2;
+  static constexpr int kThreads = (1 + kConsumers) * kWarpgroupThreads;
+  static constexpr int kColumns = 64 * kConsumers;  // h columns per tile
+  static constexpr int kCodeBytes = 2 * kColumns * 32;
+  static constexpr int kSideBytes = kConsumers * kBoxBytes;
+  static constexpr int kABytes = kSideBytes > kCodeBytes ? kSideBytes : kCodeBytes;
+  static constexpr int kBBytes = Tokens * kRowBytes;
+  static constexpr int kStageBytes = kABytes + kBBytes;
+  static_assert(kStageBytes % 1024 == 0, "stages stay 1024-byte aligned (128-byte swizzle)");
+  static constexpr int kSmemLimit = 232448;
+  static constexpr int kBarrierBytes = 256;
+  static constexpr int kStagesFit = (kSmemLimit - 1024 - kBarrierBytes) / kStageBytes;
+  static constexpr int kStages = kStagesFit > 8 ? 8 : kStagesFit;
+  static constexpr int kSmemBytes = 1024 + kStages * kStageBytes + kBarrierBytes;
+  // setmaxnreg: the producer's warpgroup gives its registers to the two consumers.
+  static constexpr int kProducerRegisters = 40;
+  static constexpr int kConsumerRegisters = 232;
+  static_assert(kProducerRegisters + 2 * kConsumerRegisters <= 3 * 168, "the launch's registers");
+};
+
+template <class C>
+struct StreamStorage {
+  uint8_t* stages;
+  uint64_t* full;
+  uint64_t* empty;
+  __device__ __forceinline__ explicit StreamStorage(uint8_t* raw) {
+    stages =
+        reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t{1023});
+    full = reinterpret_cast<uint64_t*>(stages + C::kStages * C::kStageBytes);
+    empty = full + C::kStages;
+  }
+  __device__ __forceinline__ uint8_t* a(int s) const { return stages + s * C::kStageBytes; }
+  __device__ __forceinline__ uint8_t* b(int s) const { return a(s) + C::kABytes; }
+};
+
+// ---- producer ----
+template <class C>
+__device__ __forceinline__ void stream_produce(const WeightStreamParams& p,
+                                               const StreamStorage<C>& smem) {
+  const StreamTiles<C::kTokensPerChunk> schedule(p);
+  RingState<C::kStages> ring;
+  const int side_half = p.side_steps / 2;
+  for (int t = blockIdx.x; t < schedule.num_tiles(); t += gridDim.x) {
+    const StreamTile tile = schedule.tile(t);
+    if (tile.rows == 0) continue;
+    for (int step = 0; step < p.side_steps + p.base_steps; ++step) {
+      Barrier::wait(&smem.empty[ring.stage], ring.phase ^ 1u);
+      uint64_t* bar = &smem.full[ring.stage];
+      uint8_t* a = smem.a(ring.stage);
+      if (step < p.side_steps) {
+        TransactionBarrier::arrive_and_expect_tx(bar, C::kSideBytes + C::kBBytes);
+        const bool up = step >= side_half;
+        const int j = up ? step - side_half : step;
+        const CUtensorMap* map = up ? &p.side_up : &p.side_gate;
+#pragma unroll
+        for (int wg = 0; wg < C::kConsumers; ++wg)
+          cute::SM90_TMA_LOAD_3D::copy(map, bar, kCacheHint, a + wg * kBoxBytes, tile.n0 + 64 * wg,
+                                       kBlockK * j, tile.expert);
+        cute::SM90_TMA_LOAD_2D::copy(&p.pool, bar, kCacheHint, smem.b(ring.stage),
+                                     p.k_base + (up ? p.side_rank : 0) + kBlockK * j, tile.row0);
+      } else {
+        TransactionBarrier::arrive_and_expect_tx(bar, C::kCodeBytes + C::kBBytes);
+        const int k_step = step - p.side_steps;
+        cute::SM90_TMA_LOAD_4D::copy(&p.codes, bar, kCacheHint, a, k_step * (kBlockK / 2), tile.n0,
+                                     0, tile.expert);
+        cute::SM90_TMA_LOAD_2D::copy(&p.pool, bar, kCacheHint, smem.b(ring.stage), k_step * kBlockK,
+                                     tile.row0);
+      }
+      ring.advance();
+    }
+  }
+}
+
+// ---- the MMAs: m64 x TOKENS x k16 into TOKENS / 2 accumulators per thread ----
+using Fragment = uint32_t[4][4];  // one weight's A fragment of a base step: [k16][a0..a3]
+
+template <int N>
+struct StreamMmaOps;
+template <>
+struct StreamMmaOps<32> {
+  using Side = cute::SM90::GMMA::MMA_64x32x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::MN,
+                                                             cute::SM90::GMMA::Major::K>;
+  using Registers = cute::SM90::GMMA::MMA_64x32x16_F32BF16BF16_RS<cute::SM90::GMMA::Major::K,
+                                                                  cute::SM90::GMMA::Major::K>;
+};
+template <>
+struct StreamMmaOps<64> {
+  using Side = cute::SM90::GMMA::MMA_64x64x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::MN,
+                                                             cute::SM90::GMMA::Major::K>;
+  using Registers = cute::SM90::GMMA::MMA_64x64x16_F32BF16BF16_RS<cute::SM90::GMMA::Major::K,
+                                                                  cute::SM90::GMMA::Major::K>;
+};
+
+template <int N>
+struct StreamMma {
+  using Ops = StreamMmaOps<N>;
+  template <size_t... I>
+  __device__ __forceinline__ static void side(uint64_t a, uint64_t b, float* d,
+                                              std::index_sequence<I...>) {
+    Ops::Side::fma(a, b, d[I]..., cute::SM90::GMMA::ScaleOut::One);
+  }
+  template <size_t... I>
+  __device__ __forceinline__ static void registers(const uint32_t (&a)[4], uint64_t b, float* d,
+                                                   std::index_sequence<I...>) {
+    Ops::Registers::fma(a[0], a[1], a[2], a[3], b, d[I]..., cute::SM90::GMMA::ScaleOut::One);
+  }
+  // A side step: the b1 or b3 box (MN-major) against the pool's side columns.
+  __device__ __forceinline__ static void side_step(uint64_t desc_a, uint64_t desc_b, float* d) {
+#pragma unroll
+    for (int k16 = 0; k16 < kBlockK / 16; ++k16)
+      side(advance_k16<true>(desc_a, k16), advance_k16<false>(desc_b, k16), d,
+           std::make_index_sequence<N / 2>{});
+  }
+  // Half a base step: one weight's decoded fragment against the pool tile.
+  __device__ __forceinline__ static void base_half_step(const Fragment& a, uint64_t desc_b,
+                                                        float* acc) {
+#pragma unroll
+    for (int k16 = 0; k16 < kBlockK / 16; ++k16)
+      registers(a[k16], advance_k16<false>(desc_b, k16), acc, std::make_index_sequence<N / 2>{});
+  }
+};
+
+// ---- the consumer's view of its rows: codes, scales and the decode ----
+// A thread holds A rows r and r + 8 (r = 16 warp + lane / 4) of its warpgroup's 64, for
+// the gate and the up weights: four weight rows ("lines": gate r, gate r + 8, up r, up
+// r + 8). Per base step each line's 32 code bytes are eight words; word 2j / 2j + 1 feed
+// k16 step j's a0|a1 / a2|a3, and words 0-3 / 4-7 share scale bytes 0 / 1.
+
+struct StreamLines {
+  // Line l's codes are at code_offset + line_code_offset(l) in a stage's code area, its
+  // scale pairs (one 16-bit pair per base step) at scales + scale_line_offset(l).
+  __device__ __forceinline__ static constexpr uint32_t line_code_offset(int line) {
+    return (line % 2 ? 8 * 32 : 0) + (line / 2 ? 128 * 32 : 0);
+  }
+  uint32_t code_offset;
+  const uint16_t* scales;
+  uint32_t eight_rows, up_rows;  // pair offsets of line 1 and of line 2 from line 0
+  uint32_t selector;
+
+  __device__ __forceinline__ StreamLines(const WeightStreamParams& p, int consumer, int thread,
+                                         const StreamTile& tile, int lane) {
+    const int row = 16 * (thread / 32) + lane / 4 + 64 * consumer;  // of the tile's 128
+    code_offset = static_cast<uint32_t>(row * 32);
+    const uint32_t pairs_per_row = static_cast<uint32_t>(p.k_base / 64);
+    const int64_t w_row = static_cast<int64_t>(tile.expert) * 2 * p.intermediate + tile.n0 + row;
+    scales = reinterpret_cast<const uint16_t*>(p.scales) + w_row * pairs_per_row;
+    eight_rows = 8 * pairs_per_row;
+    up_rows = static_cast<uint32_t>(p.intermediate) * pairs_per_row;
+    selector = mxfp4::fragment_selector(static_cast<uint32_t>(lane % 4));
+  }
+
+  __device__ __forceinline__ uint32_t scale_line_offset(int line) const {
+    return (line % 2 ? eight_rows : 0u) + (line / 2 ? up_rows : 0u);
+  }
+
+  // The four lines' scale pairs of base step `k_step`, two per register (line 2j in the
+  // low half of pairs[j]; in each pair the low byte is words 0-3's scale).
+  __device__ __forceinline__ void load_scales(int k_step, uint32_t (&pairs)[2]) const {
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+      pairs[j] =
+          static_cast<uint32_t>(__ldg(scales + scale_line_offset(2 * j) + k_step)) |
+          (static_cast<uint32_t>(__ldg(scales + scale_line_offset(2 * j + 1) + k_step)) << 16);
+  }
+
+  // Decode a landed stage's codes of lines `first` and `first` + 1 (the gate's rows r
+  // and r + 8, or the up's) into `fragment` with their scale pairs (`pairs`: line
+  // `first` in the low half), one line at a time (eight code words live).
+  __device__ __forceinline__ void decode(const uint8_t* code_area, int first, uint32_t pairs,
+                                         Fragment& fragment) const {
+    const uint32_t base = shared_address(code_area) + code_offset;
+    // Scale bytes above 128 (2^(s - 1) is no BF16) are rare: one branch per half step.
+    const bool fast = __vcmpgtu4(pairs, 0x80808080u) == 0u;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      uint32_t words[8];
+      const uint32_t at = base + line_code_offset(first + half);
+      asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(words[0]), "=r"(words[1]), "=r"(words[2]), "=r"(words[3])
+                   : "r"(at));
+      asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(words[4]), "=r"(words[5]), "=r"(words[6]), "=r"(words[7])
+                   : "r"(at + 16));
+      const uint32_t pair = (pairs >> (16 * half)) & 0xFFFFu;
+      uint32_t out[8];
+      if (fast) {
+        const uint32_t factor[2] = {mxfp4::pair_factor(pair & 0xFFu),
+                                    mxfp4::pair_factor(pair >> 8)};
+#pragma unroll
+        for (int w = 0; w < 8; ++w)
+          out[w] = mxfp4::pair_times_factor(
+              mxfp4::pair_bits_times_2_pow_minus_126(words[w], selector), factor[w / 4]);
+      } else {
+#pragma unroll
+        for (int w = 0; w < 8; ++w)
+          out[w] = mxfp4::pair_any_scale(mxfp4::pair_bits_times_2_pow_minus_126(words[w], selector),
+                                         w < 4 ? pair & 0xFFu : pair >> 8);
+      }
+      // Row r (half 0) or r + 8; word 2j / 2j + 1 is k16 step j's first / second eight
+      // columns.
+#pragma unroll
+      for (int k16 = 0; k16 < 4; ++k16) {
+        fragment[k16][half] = out[2 * k16];
+        fragment[k16][2 + half] = out[2 * k16 + 1];
+      }
+    }
+  }
+};
+
+__device__ __forceinline__ void fence_fragment(Fragment& f) {
+#pragma unroll
+  for (int k16 = 0; k16 < 4; ++k16)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(f[k16][i])::"memory");
+}
+
+// ---- the epilogue: g, u -> h (and g | u) for the chunk's rows, from registers ----
+// Every row of every chunk in use is written, padding rows too, as the engine writes its
+// whole tiles: the pool's padding rows are zeros, so theirs are exact zeros and h and g |
+// u are the engine's bits on every row in use.
+// Accumulator i of a thread: A row r (i % 4 < 2) or r + 8, chunk row 8 (i / 4) + 2 (lane
+// % 4) + i % 2. As the engine's gated epilogue: g and u rounded to BF16, then
+// h = act(min(g, c)) * clamp(u, -c, c) in FP32, rounded once.
+template <int Tokens, bool kGeGLU, bool kClamp>
+__device__ __forceinline__ void stream_epilogue(const WeightStreamParams& p, const StreamTile& tile,
+                                                const float (&acc_gate)[Tokens / 2],
+                                                const float (&acc_up)[Tokens / 2], int consumer,
+                                                int thread) {
+  const int lane = thread % 32;
+  const int row = 16 * (thread / 32) + lane / 4;
+  const int64_t inter = p.intermediate;
+  __nv_bfloat16* h = static_cast<__nv_bfloat16*>(p.h);
+  __nv_bfloat16* preact = static_cast<__nv_bfloat16*>(p.preact);
+  const float clamp = p.activation_clamp;
+#pragma unroll
+  for (int i = 0; i < Tokens / 2; ++i) {
+    const int token = 8 * (i / 4) + 2 * (lane % 4) + i % 2;
+    const int64_t column = tile.n0 + 64 * consumer + row + 8 * ((i % 4) / 2);
+    const int64_t pool_row = tile.row0 + token;
+    const __nv_bfloat16 g = __float2bfloat16_rn(acc_gate[i]);
+    const __nv_bfloat16 u = __float2bfloat16_rn(acc_up[i]);
+    if (preact != nullptr) {
+      preact[pool_row * 2 * inter + column] = g;
+      preact[pool_row * 2 * inter + inter + column] = u;
+    }
+    const float gf = __bfloat162float(g), uf = __bfloat162float(u);
+    const float gc = kClamp ? fminf(gf, clamp) : gf;
+    const float uc = kClamp ? fminf(fmaxf(uf, -clamp), clamp) : uf;
+    h[pool_row * inter + column] = __float2bfloat16_rn(activation<kGeGLU>(gc) * uc);
+  }
+}
+
+// ---- consumers ----
+template <class C>
+__device__ __forceinline__ void stream_consume(const WeightStreamParams& p,
+                                               const StreamStorage<C>& smem, int consumer) {
+  constexpr int kTokens = C::kTokensPerChunk;
+  constexpr int kScaleSteps = 4;
+  using Mma = StreamMma<kTokens>;
+  const StreamTiles<kTokens> schedule(p);
+  const int thread = threadIdx.x % kWarpgroupThreads;
+  const int lane = threadIdx.x % 32;
+  const int side_half = p.side_steps / 2;
+  float acc_gate[kTokens / 2], acc_up[kTokens / 2];
+  Fragment gate_fragment, up_fragment;
+  RingState<C::kStages> ring, release;
+  const bool clamped = is_clamped(p.activation_clamp);
+  const bool geglu = p.activation == static_cast<int>(Activation::GeGLU);
+  auto finish = [&](const StreamTile& tile) {
+    if (geglu) {
+      if (clamped)
+        stream_epilogue<kTokens, true, true>(p, tile, acc_gate, acc_up, consumer, thread);
+      else
+        stream_epilogue<kTokens, true, false>(p, tile, acc_gate, acc_up, consumer, thread);
+    } else if (clamped) {
+      stream_epilogue<kTokens, false, true>(p, tile, acc_gate, acc_up, consumer, thread);
+    } else {
+      stream_epilogue<kTokens, false, false>(p, tile, acc_gate, acc_up, consumer, thread);
+    }
+  };
+  for (int t = blockIdx.x; t < schedule.num_tiles(); t += gridDim.x) {
+    const StreamTile tile = schedule.tile(t);
+#pragma unroll
+    for (int i = 0; i < kTokens / 2; ++i) acc_gate[i] = acc_up[i] = 0.0f;
+    fence_accumulators(acc_gate);
+    fence_accumulators(acc_up);
+    if (tile.rows == 0) {  // padding only: its (zero) pool rows give exact zeros
+      finish(tile);
+      continue;
+    }
+    int issued = 0;  // steps of this tile whose MMAs were issued
+    // After a step's first batch: the previous step's batches retired, its stage goes
+    // back to the producer.
+    auto retire_previous = [&] {
+      cute::warpgroup_wait<1>();
+      if (issued > 0) {
+        if (lane == 0) Barrier::arrive(&smem.empty[release.stage]);
+        release.advance();
+      }
+      ++issued;
+    };
+    auto side_steps = [&](float* acc, int first, int last) {
+      for (int step = first; step < last; ++step) {
+        TransactionBarrier::wait(&smem.full[ring.stage], ring.phase);
+        cute::warpgroup_arrive();
+        Mma::side_step(descriptor_mn_major(smem.a(ring.stage) + consumer * kBoxBytes),
+                       descriptor_k_major(smem.b(ring.stage)), acc);
+        cute::warpgroup_commit_batch();
+        retire_previous();
+        ring.advance();
+      }
+    };
+    if (p.side_steps > 0) {
+      side_steps(acc_gate, 0, side_half);
+      side_steps(acc_up, side_half, p.side_steps);
+      // The side sums are complete: scale them before the base adds on (FP32, exact
+      // adapter term as in the engine).
+      cute::warpgroup_wait<0>();
+      fence_accumulators(acc_gate);
+      fence_accumulators(acc_up);
+#pragma unroll
+      for (int i = 0; i < kTokens / 2; ++i) {
+        acc_gate[i] *= p.side_scale;
+        acc_up[i] *= p.side_scale;
+      }
+      fence_accumulators(acc_gate);
+      fence_accumulators(acc_up);
+    }
+    const StreamLines lines(p, consumer, thread, tile, lane);
+    // Scale pairs four steps ahead (their loads miss L2 as often as not, and a step is
+    // shorter than a DRAM round trip): [0] is this step's.
+    uint32_t scale_pairs[kScaleSteps][2];
+#pragma unroll
+    for (int ahead = 0; ahead < kScaleSteps; ++ahead)
+      if (ahead < p.base_steps) lines.load_scales(ahead, scale_pairs[ahead]);
+    // A base step in two batches, the gate weight's MMAs, then the up weight's: each
+    // fragment is decoded while the other's batch runs, and rewritten only after the
+    // wait that retires the batch which read it.
+    for (int k_step = 0; k_step < p.base_steps; ++k_step) {
+      TransactionBarrier::wait(&smem.full[ring.stage], ring.phase);
+      const uint8_t* codes = smem.a(ring.stage);
+      const uint64_t desc_b = descriptor_k_major(smem.b(ring.stage));
+      lines.decode(codes, 0, scale_pairs[0][0], gate_fragment);
+      fence_fragment(gate_fragment);
+      cute::warpgroup_arrive();
+      Mma::base_half_step(gate_fragment, desc_b, acc_gate);
+      cute::warpgroup_commit_batch();
+      retire_previous();
+      lines.decode(codes, 2, scale_pairs[0][1], up_fragment);
+      fence_fragment(up_fragment);
+      cute::warpgroup_arrive();
+      Mma::base_half_step(up_fragment, desc_b, acc_up);
+      cute::warpgroup_commit_batch();
+      cute::warpgroup_wait<1>();
+      ring.advance();
+#pragma unroll
+      for (int ahead = 0; ahead + 1 < kScaleSteps; ++ahead) {
+        scale_pairs[ahead][0] = scale_pairs[ahead + 1][0];
+        scale_pairs[ahead][1] = scale_pairs[ahead + 1][1];
+      }
+      if (k_step + kScaleSteps < p.base_steps)
+        lines.load_scales(k_step + kScaleSteps, scale_pairs[kScaleSteps - 1]);
+    }
+    cute::warpgroup_wait<0>();
+    fence_accumulators(acc_gate);
+    fence_accumulators(acc_up);
+    if (lane == 0) Barrier::arrive(&smem.empty[release.stage]);
+    release.advance();
+    finish(tile);
+  }
+}
+
+}  // namespace megamoe::kernels::engine
+
+namespace megamoe::kernels {
+
+template <int Tokens>
+__global__ void __launch_bounds__(engine::StreamConfig<Tokens>::kThreads, 1)
+    weight_stream_kernel(const __grid_constant__ WeightStreamParams p) {
+  using namespace engine;
+  using C = engine::StreamConfig<Tokens>;
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  const StreamStorage<C> smem(smem_raw);
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < C::kStages; ++s) {
+      TransactionBarrier::init(&smem.full[s], 1);
+      Barrier::init(&smem.empty[s], C::kConsumers * 4);  // one arrival per consumer warp
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+  const int warpgroup = threadIdx.x / kWarpgroupThreads;
+  if (warpgroup == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<C::kProducerRegisters>();
+    if (threadIdx.x == 0) stream_produce<C>(p, smem);
+    return;
+  }
+  cutlass::arch::warpgroup_reg_alloc<C::kConsumerRegisters>();
+  stream_consume<C>(p, smem, warpgroup - 1);
+}
+
+template <int Tokens>
+WeightStreamKernels weight_stream_kernels() {
+  using C = engine::StreamConfig<Tokens>;
+  return WeightStreamKernels{&weight_stream_kernel<Tokens>, Tokens, C::kThreads, C::kSmemBytes};
+}
+
+}  // namespace megamoe::kernels

@@ -1,0 +1,186 @@
+"""The weight-streaming GEMM1 (kernels/engine/weight_stream_kernel.cuh): an MXFP4 w13
+decoded into the wgmma's A registers, the pool's rows in chunks of 32 or 64 as N.
+
+Oracles: the engine's GEMM1 on the BF16 decode of the same codes
+(:func:`~megamoe.wrappers.mxfp4_decode.decode_mxfp4_bf16`), which sums the same products
+in the same order, so h and g | u must be the same bits; the float64 per-expert reference
+at the DESIGN §6 gates; and, for the decode alone, one-hot rows whose pre-activations are
+the decoded weights themselves.
+"""
+
+import math
+
+import pytest
+import torch
+
+import megamoe as mm
+from megamoe.testing import assert_close_to_oracle
+from megamoe.testing.inputs import make_routing
+from megamoe.wrappers import _native
+from megamoe.wrappers.grouped_gemm import gated_grouped_gemm, gated_grouped_gemm_reference
+from megamoe.wrappers.mxfp4_decode import decode_mxfp4_bf16
+
+pytestmark = pytest.mark.gpu
+
+CHUNKS = [32, 64]
+ACTIVATIONS = {"swiglu": 0, "geglu": 1}
+
+
+def stream_gemm1(a, codes, scales, plan, *, k, chunk, activation="swiglu", clamp=None,
+                 side=None, preact=None):  # fmt: skip
+    """The native launcher with an explicit chunk (the layer picks it by routes/expert)."""
+    inter = codes.shape[1] // 2
+    h = torch.full((a.shape[0], inter), float("nan"), dtype=torch.bfloat16, device="cuda")
+    dl = _native.dlpack
+    side = side or {}
+    b1, b3 = side.get("side_b_gate"), side.get("side_b_up")
+    _native.native().weight_stream_gated(
+        dl(a),
+        k,
+        dl(codes),
+        dl(scales),
+        dl(plan.expert_pool_offsets),
+        dl(plan.expert_counts),
+        dl(h),
+        None if preact is None else dl(preact),
+        None if b1 is None else dl(b1),
+        None if b3 is None else dl(b3),
+        float(side.get("side_scale", 0.0)),
+        ACTIVATIONS[activation],
+        math.inf if clamp is None else float(clamp),
+        chunk,
+        torch.cuda.get_device_properties(0).multi_processor_count,
+        torch.cuda.current_stream().cuda_stream,
+    )
+    return h
+
+
+def operands(tokens, experts, top_k, hidden, inter, rank, *, block_m=64, kind="skewed", seed=0,
+             scale_low=112, scale_high=136):  # fmt: skip
+    ids, _ = make_routing(tokens, experts, top_k, kind=kind, seed=seed)
+    plan = mm.plan_routes(ids.cuda(), experts, block_m)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    a = torch.randn(plan.pool_capacity, hidden + 2 * rank, device="cuda", generator=g).bfloat16()
+    a[plan.pool_row_to_route < 0] = 0  # the gather's zero padding rows
+    codes = torch.randint(0, 256, (experts, 2 * inter, hidden // 2), dtype=torch.uint8,
+                          device="cuda", generator=g)  # fmt: skip
+    scales = torch.randint(scale_low, scale_high, (experts, 2 * inter, hidden // 32),
+                           dtype=torch.uint8, device="cuda", generator=g)  # fmt: skip
+    side = None
+    if rank:
+        side = dict(
+            side_b_gate=torch.randn(experts, rank, inter, device="cuda", generator=g).bfloat16(),
+            side_b_up=torch.randn(experts, rank, inter, device="cuda", generator=g).bfloat16(),
+            side_scale=0.75,
+        )
+    return plan, a, codes, scales, side
+
+
+def same_bits(actual, expected):
+    return torch.equal(actual.view(torch.int16), expected.view(torch.int16))
+
+
+@pytest.mark.parametrize("chunk", CHUNKS)
+@pytest.mark.parametrize(
+    "tokens,experts,top_k,rank,block_m",
+    [
+        (1, 8, 1, 0, 64),  # one row: seven empty experts
+        (40, 8, 2, 16, 64),  # ~10 rows per expert, r = 16: side steps straddle q1 | q3
+        (300, 8, 2, 64, 64),  # ~75 rows: several chunks per expert
+        (700, 16, 6, 128, 128),  # pool padded to 128
+        (96, 4, 4, 48, 64),  # every token on every expert
+    ],
+)
+@pytest.mark.parametrize("activation,clamp", [("swiglu", None), ("geglu", 7.0), ("swiglu", 0.5)])
+def test_stream_is_the_engine_on_the_decoded_weights(
+    chunk, tokens, experts, top_k, rank, block_m, activation, clamp
+):
+    hidden, inter = 512, 256
+    plan, a, codes, scales, side = operands(
+        tokens, experts, top_k, hidden, inter, rank, block_m=block_m, seed=tokens + rank
+    )
+    preact = torch.empty(a.shape[0], 2 * inter, dtype=torch.bfloat16, device="cuda")
+    h = stream_gemm1(a, codes, scales, plan, k=hidden, chunk=chunk, activation=activation,
+                     clamp=clamp, side=side, preact=preact)  # fmt: skip
+    decoded = decode_mxfp4_bf16(codes, scales)
+    twin_preact = torch.empty_like(preact)
+    kwargs = dict(k=hidden, activation=activation, activation_clamp=clamp, **(side or {}))
+    twin = gated_grouped_gemm(a, decoded, plan, preact_out=twin_preact, **kwargs)
+    rows = int(plan.expert_pool_offsets[-1])
+    # Every row in use, padding rows (exact zeros) included; none past them.
+    assert same_bits(h[:rows], twin[:rows])
+    assert same_bits(preact[:rows], twin_preact[:rows])
+    assert bool(torch.isnan(h[rows:].float()).all())
+    data = plan.pool_row_to_route[:rows] >= 0
+    assert not bool(h[:rows][~data].any())
+    expected = gated_grouped_gemm_reference(a, decoded, plan, **kwargs)  # [rows in use, I]
+    assert_close_to_oracle("h", h[:rows][data], expected[data])
+
+
+@pytest.mark.parametrize("chunk", CHUNKS)
+def test_decode_of_every_code_and_scale_byte(chunk):
+    """One-hot pool rows: each pre-activation is one decoded weight (a product with 1.0,
+    exact), for every code in every byte position and scale bytes 2..252 (2^-125 ..
+    2^125: every product an FP32 normal, the FP32 path above 128), bit for bit the
+    transient decode. (Scale bytes 0 and 1 give values below FP32's normal range, which
+    the tensor cores' FP32 sums flush: the next test compares those with the engine.)"""
+    experts, hidden, inter = 2, 512, 128
+    tokens = experts * hidden  # token t -> expert t % E, one-hot at column t // E
+    ids = (torch.arange(tokens, device="cuda") % experts).view(tokens, 1)
+    plan = mm.plan_routes(ids, experts, 64)
+    route = plan.pool_row_to_route
+    a = torch.zeros(plan.pool_capacity, hidden, dtype=torch.bfloat16, device="cuda")
+    used = route >= 0
+    a[used, route[used] // experts] = 1.0
+    g = torch.Generator(device="cuda").manual_seed(5)
+    codes = torch.randint(0, 256, (experts, 2 * inter, hidden // 2), dtype=torch.uint8,
+                          device="cuda", generator=g)  # fmt: skip
+    scales = (torch.arange(experts * 2 * inter * hidden // 32, device="cuda") % 251 + 2).to(
+        torch.uint8
+    )
+    scales = scales.view(experts, 2 * inter, hidden // 32)
+    preact = torch.empty(a.shape[0], 2 * inter, dtype=torch.bfloat16, device="cuda")
+    stream_gemm1(a, codes, scales, plan, k=hidden, chunk=chunk, preact=preact)
+    decoded = decode_mxfp4_bf16(codes, scales)  # [E, 2I, H]
+    rows = used.nonzero().squeeze(1)
+    token = route[rows]
+    expected = decoded[token % experts, :, token // experts]  # [rows, 2I]
+    assert same_bits(preact[rows], expected)
+
+
+@pytest.mark.parametrize("chunk", CHUNKS)
+@pytest.mark.parametrize("scale_mod", [256, 3])
+def test_every_scale_byte_matches_the_engine(chunk, scale_mod):
+    """Every scale byte (0 = 2^-127, subnormal values; 254: overflow to Inf; 0xFF = NaN)
+    and, separately, only bytes 0..2: the same bits as the engine on the decoded
+    weights, NaN and Inf included."""
+    plan, a, codes, scales, _ = operands(200, 4, 2, 256, 128, 0, seed=3)
+    scales = (torch.arange(scales.numel(), device="cuda") % scale_mod).to(torch.uint8)
+    scales = scales.view(4, 256, 256 // 32)
+    preact = torch.empty(a.shape[0], 256, dtype=torch.bfloat16, device="cuda")
+    h = stream_gemm1(a, codes, scales, plan, k=256, chunk=chunk, preact=preact)
+    twin_preact = torch.empty_like(preact)
+    twin = gated_grouped_gemm(
+        a, decode_mxfp4_bf16(codes, scales), plan, k=256, preact_out=twin_preact
+    )
+    rows = int(plan.expert_pool_offsets[-1])
+    if scale_mod == 256:
+        assert bool(torch.isnan(h[:rows].float()).any())
+    assert same_bits(preact[:rows], twin_preact[:rows])
+    assert same_bits(h[:rows], twin[:rows])
+
+
+def test_repeated_runs_are_bitwise_equal():
+    plan, a, codes, scales, side = operands(512, 64, 6, 1024, 512, 128, kind="balanced", seed=8)
+    first = gated_grouped_gemm(a, codes, plan, k=1024, w13_scales=scales, **side)
+    for _ in range(3):
+        again = gated_grouped_gemm(a, codes, plan, k=1024, w13_scales=scales, **side)
+        assert same_bits(again, first)
+
+
+def test_launcher_rejects_a_pool_not_in_whole_chunks():
+    plan, a, codes, scales, _ = operands(10, 2, 1, 256, 128, 0, seed=1)
+    with pytest.raises(ValueError, match="tokens: no weight-stream variant"):
+        stream_gemm1(a, codes, scales, plan, k=256, chunk=48)
+    with pytest.raises(ValueError, match="not a multiple of the chunk"):
+        stream_gemm1(a[:-32], codes, scales, plan, k=256, chunk=64)

@@ -1,0 +1,122 @@
+#!/usr/bin/env python3
+"""GEMM1 with an MXFP4 w13 at few rows per expert: the weight-streaming kernel (chunks of
+32 and 64 rows) against the engine's in-pipeline decode and the engine on BF16 weights,
+in one process, with the weight-read floor of each format.
+
+Times GEMM1 (gated SwiGLU, optional side segment) at ep4rank dims for each token count;
+CUDA-event medians of ``--iters`` launches after warm-up. Checks that the streaming
+kernel's h is the engine's, bit for bit, on the data rows. Needs a Hopper GPU:
+
+    python tools/weight_stream_ab.py [--tokens 128,512,2048,4096] [--rank 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+
+import megamoe as mm
+from megamoe.bench.timing import time_fn
+from megamoe.testing.inputs import make_routing
+from megamoe.wrappers import _native
+from megamoe.wrappers.grouped_gemm import GROUP_M, gated_grouped_gemm
+
+
+def _side_args(side: dict) -> tuple:
+    """The launchers' (side_gate, side_up, side_scale) arguments."""
+    if not side:
+        return None, None, 0.0
+    dl = _native.dlpack
+    return dl(side["side_b_gate"]), dl(side["side_b_up"]), float(side["side_scale"])
+
+
+def measure(tokens: int, args: argparse.Namespace, w13, codes, scales, side: dict) -> str:
+    """One row of the table: GEMM1 at ``tokens`` tokens on each path."""
+    dev = w13.device
+    e, k, h, i, r = args.experts, args.top_k, args.hidden, args.intermediate, args.rank
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    stream = torch.cuda.current_stream().cuda_stream
+    dl = _native.dlpack
+    native = _native.native()
+    ids, _ = make_routing(tokens, e, k, kind="balanced", seed=0)
+    plan = mm.plan_routes(ids.to(dev), e, mm.get_block_m(tokens, k, e))
+    a = torch.randn(plan.pool_capacity, h + 2 * r, device=dev).bfloat16()
+    a[plan.pool_row_to_route < 0] = 0
+    out = torch.empty(plan.pool_capacity, i, dtype=torch.bfloat16, device=dev)
+    offsets, counts = dl(plan.expert_pool_offsets), dl(plan.expert_counts)
+
+    def engine_mxfp4() -> None:
+        native.engine_gated(
+            dl(a), h, dl(codes), dl(scales), offsets, dl(out), None, *_side_args(side), 0,
+            math.inf, plan.block_m, GROUP_M, sms, stream,
+        )  # fmt: skip
+
+    def stream_mxfp4(chunk: int) -> torch.Tensor:
+        result = torch.empty_like(out)
+        native.weight_stream_gated(
+            dl(a), h, dl(codes), dl(scales), offsets, counts, dl(result), None,
+            *_side_args(side), 0, math.inf, chunk, sms, stream,
+        )  # fmt: skip
+        return result
+
+    def median(fn) -> float:
+        return time_fn(fn, device=dev, warmup=3, iters=args.iters).median_ms
+
+    t_bf16 = median(lambda: gated_grouped_gemm(a, w13, plan, k=h, **side))
+    t_engine = median(engine_mxfp4)
+    t32 = median(lambda: stream_mxfp4(32))
+    t64 = median(lambda: stream_mxfp4(64))
+    engine_mxfp4()
+    rows = int(plan.expert_pool_offsets[-1])
+    same = all(
+        torch.equal(stream_mxfp4(c)[:rows].view(torch.int16), out[:rows].view(torch.int16))
+        for c in (32, 64)
+    )
+    best = min(t32, t64)
+    return (
+        f"{tokens:>6} {t_bf16:8.3f} {t_engine:8.3f} {t32:8.3f} {t64:8.3f} "
+        f"{best / t_engine:8.3f} {t_bf16 / best:9.2f} {'same' if same else 'DIFFER'}"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--tokens", default="128,512,2048,4096")
+    parser.add_argument("--experts", type=int, default=64)
+    parser.add_argument("--top-k", type=int, default=6)
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--intermediate", type=int, default=2048)
+    parser.add_argument("--rank", type=int, default=128, help="side-LoRA rank (0: none)")
+    parser.add_argument("--iters", type=int, default=20)
+    args = parser.parse_args()
+    dev = torch.device("cuda")
+    e, h, i, r = args.experts, args.hidden, args.intermediate, args.rank
+    w13 = (torch.randn(e, 2 * i, h, device=dev) * h**-0.5).bfloat16()
+    codes, scales = mm.quantize_mxfp4(w13, axis=-1)
+    side = {}
+    if r:
+        side = dict(
+            side_b_gate=(torch.randn(e, r, i, device=dev) * r**-0.5).bfloat16(),
+            side_b_up=(torch.randn(e, r, i, device=dev) * r**-0.5).bfloat16(),
+            side_scale=0.25,
+        )
+    bf16_bytes = w13.numel() * 2
+    mxfp4_bytes = codes.numel() + scales.numel()
+    copy = torch.empty_like(w13)
+    copy_ms = time_fn(lambda: copy.copy_(w13), device=dev, warmup=3, iters=10).median_ms
+    bandwidth = 2 * bf16_bytes / (copy_ms * 1e-3)
+    print(
+        f"copy bandwidth {bandwidth / 1e9:.0f} GB/s; w13 read floor: BF16 "
+        f"{bf16_bytes / bandwidth * 1e3:.3f} ms, MXFP4 {mxfp4_bytes / bandwidth * 1e3:.3f} ms"
+    )
+    print(
+        f"{'T':>6} {'bf16':>8} {'engine':>8} {'s32':>8} {'s64':>8} {'best/eng':>8} bf16/best bits"
+    )
+    for tokens in (int(t) for t in args.tokens.split(",")):
+        print(measure(tokens, args, w13, codes, scales, side), flush=True)
+
+
+if __name__ == "__main__":
+    main()
