@@ -1,6 +1,6 @@
-// Host launcher of the weight-streaming GEMM1 (kernels/engine/weight_stream_kernel.cuh):
-// checks the operands once, builds the tensor maps and the parameter block, picks the
-// variant by chunk size and launches persistently on the caller's stream.
+// Host launchers of the weight-streaming GEMMs (kernels/engine/weight_stream_kernel.cuh):
+// each checks its operands once, builds the tensor maps and the parameter block, picks
+// the variant by kind and chunk size and launches persistently on the caller's stream.
 #include "weight_stream_launch.h"
 
 #include <cuda.h>
@@ -19,14 +19,46 @@ namespace megamoe {
 namespace {
 
 constexpr int kBlockK = 64;
-constexpr int kTileColumns = 128;  // h columns per tile (two consumer warpgroups)
+constexpr int kGatedColumns = 128;  // h columns per gated tile (two consumer warpgroups)
+constexpr int kStoreColumns = 256;  // output columns per store tile
 
 std::string str(int64_t v) { return std::to_string(v); }
 
-const WeightStreamKernels& select_stream_variant(int tokens) {
+const WeightStreamKernels& select_stream_variant(StreamKind kind, int tokens) {
   for (const auto& variant : variants::kWeightStreamVariants)
-    if (variant.kernels->tokens == tokens) return *variant.kernels;
+    if (variant.kernels->kind == kind && variant.kernels->tokens == tokens) return *variant.kernels;
   throw nb::value_error(("tokens: no weight-stream variant for chunks of " + str(tokens)).c_str());
+}
+
+// The pool [P, cols] BF16 with unit column stride, in whole chunks.
+void check_pool(const Tensor& a, int tokens) {
+  if (a.dtype() != bfloat16_dtype() || a.ndim() != 2 || a.stride(1) != 1 ||
+      a.stride(0) < static_cast<int64_t>(a.shape(1)))
+    throw nb::value_error("a: expected a BF16 [P, cols] pool with unit column stride");
+  const int64_t rows = a.shape(0);
+  if (rows % tokens != 0)
+    throw nb::value_error(
+        ("a: pool rows " + str(rows) + " are not a multiple of the chunk " + str(tokens)).c_str());
+  if (rows >= (int64_t{1} << 31)) throw nb::value_error("a: more than 2^31 - 1 pool rows");
+}
+
+// MXFP4 scales [E, rows, K / 32] as stored: the consumers load two bytes per step as one
+// 16-bit word.
+void check_scales(const char* name, const Tensor& scales, int64_t experts, int64_t rows, int64_t k,
+                  int device) {
+  check_tensor<uint8_t>(name, scales, {experts, rows, k / 32}, device);
+  if (reinterpret_cast<uintptr_t>(scales.data()) % 2 != 0)
+    throw nb::value_error((std::string(name) + ": expected a 2-byte aligned address").c_str());
+}
+
+void set_schedule(WeightStreamParams& p, const Tensor& offsets, const Tensor& counts,
+                  int64_t experts, int64_t rows, int device) {
+  check_tensor<int32_t>("expert_pool_offsets", offsets, {experts + 1}, device);
+  check_tensor<int32_t>("expert_counts", counts, {experts}, device);
+  p.expert_pool_offsets = static_cast<const int32_t*>(offsets.data());
+  p.expert_counts = static_cast<const int32_t*>(counts.data());
+  p.num_experts = static_cast<int32_t>(experts);
+  p.pool_rows = static_cast<int32_t>(rows);
 }
 
 // GEMM1 over the pool with an MXFP4 w13 in the swapped form: h = act(g) * u, g | u =
@@ -39,24 +71,18 @@ void weight_stream_gated(const Tensor& a, int64_t k_base, const Tensor& w13,
                          double side_scale, int activation, double activation_clamp, int tokens,
                          int num_sms, uintptr_t stream) {
   const int device = a.device_id();
-  if (a.dtype() != bfloat16_dtype() || a.ndim() != 2 || a.stride(1) != 1 ||
-      a.stride(0) < static_cast<int64_t>(a.shape(1)))
-    throw nb::value_error("a: expected a BF16 [P, cols] pool with unit column stride");
+  const WeightStreamKernels& kernels = select_stream_variant(StreamKind::Gated, tokens);
+  check_pool(a, tokens);
   const int64_t rows = a.shape(0);
   if (k_base < kBlockK || k_base % kBlockK != 0)
     throw nb::value_error(("k_base: expected a multiple of 64, got " + str(k_base)).c_str());
   check_tensor<uint8_t>("w13", w13, {-1, -1, k_base / 2}, device);
   const int64_t experts = w13.shape(0), two_i = w13.shape(1), inter = two_i / 2;
   if (experts < 1) throw nb::value_error("w13: expected at least one expert");
-  if (two_i % 2 != 0 || inter % kTileColumns != 0)
+  if (two_i % 2 != 0 || inter % kGatedColumns != 0)
     throw nb::value_error(
         ("w13: expected 2I rows with I a multiple of 128, got " + str(two_i)).c_str());
-  check_tensor<uint8_t>("w13_scales", w13_scales, {experts, two_i, k_base / 32}, device);
-  // The consumers load two scale bytes per step as one 16-bit word.
-  if (reinterpret_cast<uintptr_t>(w13_scales.data()) % 2 != 0)
-    throw nb::value_error("w13_scales: expected a 2-byte aligned address");
-  check_tensor<int32_t>("expert_pool_offsets", offsets, {experts + 1}, device);
-  check_tensor<int32_t>("expert_counts", counts, {experts}, device);
+  check_scales("w13_scales", w13_scales, experts, two_i, k_base, device);
   if (activation != 0 && activation != 1)
     throw nb::value_error(
         ("activation: expected 0 (swiglu) or 1 (geglu), got " + str(activation)).c_str());
@@ -79,45 +105,99 @@ void weight_stream_gated(const Tensor& a, int64_t k_base, const Tensor& w13,
                               .c_str());
   check_tensor("h", h, bfloat16_dtype(), {rows, inter}, device);
   if (preact) check_tensor("preact_out", *preact, bfloat16_dtype(), {rows, two_i}, device);
-  const WeightStreamKernels& kernels = select_stream_variant(tokens);
-  if (rows % tokens != 0)
-    throw nb::value_error(
-        ("a: pool rows " + str(rows) + " are not a multiple of the chunk " + str(tokens)).c_str());
-  if (rows >= (int64_t{1} << 31)) throw nb::value_error("a: more than 2^31 - 1 pool rows");
 
   WeightStreamParams p{};
-  p.expert_pool_offsets = static_cast<const int32_t*>(offsets.data());
-  p.expert_counts = static_cast<const int32_t*>(counts.data());
-  p.num_experts = static_cast<int32_t>(experts);
-  p.pool_rows = static_cast<int32_t>(rows);
-  p.n_blocks = static_cast<int32_t>(inter / kTileColumns);
-  p.side_steps = static_cast<int32_t>(2 * ((rank + kBlockK - 1) / kBlockK));
+  set_schedule(p, offsets, counts, experts, rows, device);
+  p.n_base_blocks = static_cast<int32_t>(inter / kGatedColumns);
+  // Side steps: the gate's over q1 (b1 rows), then the up's over q3 (b3 rows).
+  p.segment_half = static_cast<int32_t>((rank + kBlockK - 1) / kBlockK);
+  p.segment_steps = 2 * p.segment_half;
   p.base_steps = static_cast<int32_t>(k_base / kBlockK);
   p.pool = bf16_rows("a", a.data(), rows, k_base + 2 * rank, a.stride(0), tokens);
   p.codes =
       tensor_map("w13", w13.data(), CU_TENSOR_MAP_DATA_TYPE_UINT8, {k_base / 2, inter, 2, experts},
                  {k_base / 2, inter * k_base / 2, two_i * k_base / 2},
-                 {kBlockK / 2, kTileColumns, 2, 1}, false);
+                 {kBlockK / 2, kGatedColumns, 2, 1}, false);
   if (side_gate) {
     // b1 and b3 as given [E, r, I]: [64 I, 64 r] boxes, the A of the side steps.
-    p.side_gate =
+    p.segment_lo =
         tensor_map("side_gate", side_gate->data(), CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
                    {inter, rank, experts}, {inter * 2, rank * inter * 2}, {64, kBlockK, 1}, true);
-    p.side_up =
+    p.segment_hi =
         tensor_map("side_up", side_up->data(), CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
                    {inter, rank, experts}, {inter * 2, rank * inter * 2}, {64, kBlockK, 1}, true);
   }
   p.scales = static_cast<const uint8_t*>(w13_scales.data());
   p.k_base = static_cast<int32_t>(k_base);
   p.side_rank = static_cast<int32_t>(rank);
-  p.intermediate = static_cast<int32_t>(inter);
+  p.weight_rows = static_cast<int32_t>(two_i);
+  p.half_rows = static_cast<int32_t>(inter);
   p.side_scale = static_cast<float>(side_scale);
-  p.h = h.data();
+  p.out = h.data();
+  p.out_columns = static_cast<int32_t>(inter);
   p.preact = preact ? preact->data() : nullptr;
   p.activation = activation;
   p.activation_clamp = static_cast<float>(activation_clamp);
   launch_persistent(kernels.kernel, p, kernels.num_threads, kernels.smem_bytes, device, num_sms,
                     stream, "weight_stream_gated launch");
+}
+
+// GEMM2 over the pool with an MXFP4 b in the swapped form: out = a . [b_e^T | b_extra_e]
+// (b codes [E, N, K/2] K-major, b_extra as given [E, K, N_x]), for pools whose segments
+// are padded to a multiple of `tokens` rows.
+void weight_stream_store(const Tensor& a, int64_t k_base, const Tensor& b, const Tensor& b_scales,
+                         std::optional<Tensor> b_extra, const Tensor& offsets, const Tensor& counts,
+                         const Tensor& out, int tokens, int num_sms, uintptr_t stream) {
+  const int device = a.device_id();
+  const WeightStreamKernels& kernels = select_stream_variant(StreamKind::Store, tokens);
+  check_pool(a, tokens);
+  const int64_t rows = a.shape(0);
+  if (k_base < kBlockK || k_base % kBlockK != 0 || k_base > static_cast<int64_t>(a.shape(1)))
+    throw nb::value_error(("k_base: expected a multiple of 64 in [64, " + str(a.shape(1)) +
+                           "] (a's columns), got " + str(k_base))
+                              .c_str());
+  check_tensor<uint8_t>("b", b, {-1, -1, k_base / 2}, device);
+  const int64_t experts = b.shape(0), n = b.shape(1);
+  if (experts < 1) throw nb::value_error("b: expected at least one expert");
+  if (n < kStoreColumns || n % kStoreColumns != 0)
+    throw nb::value_error(("b: expected N a multiple of 256, got " + str(n)).c_str());
+  check_scales("b_scales", b_scales, experts, n, k_base, device);
+  int64_t n_extra = 0;
+  if (b_extra) {
+    check_tensor("b_extra", *b_extra, bfloat16_dtype(), {experts, k_base, -1}, device);
+    n_extra = b_extra->shape(2);
+    if (n_extra < 8 || n_extra % 8 != 0 || n_extra > kStoreColumns)
+      throw nb::value_error(
+          ("b_extra: expected N_x a multiple of 8 up to 256, got " + str(n_extra)).c_str());
+  }
+  check_tensor("out", out, bfloat16_dtype(), {rows, n + n_extra}, device);
+
+  WeightStreamParams p{};
+  set_schedule(p, offsets, counts, experts, rows, device);
+  p.n_base_blocks = static_cast<int32_t>(n / kStoreColumns);
+  p.base_steps = static_cast<int32_t>(k_base / kBlockK);
+  if (b_extra) {
+    // The extra tile: a2 columns 0..127 into the first half, 128.. into the second, each
+    // over all of K.
+    p.n_extra_blocks = 1;
+    p.segment_half = p.base_steps;
+    p.segment_steps = (n_extra > kStoreColumns / 2 ? 2 : 1) * p.base_steps;
+    p.segment_lo = tensor_map("b_extra", b_extra->data(), CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                              {n_extra, k_base, experts}, {n_extra * 2, k_base * n_extra * 2},
+                              {64, kBlockK, 1}, true);
+  }
+  p.pool = bf16_rows("a", a.data(), rows, k_base, a.stride(0), tokens);
+  p.codes = tensor_map("b", b.data(), CU_TENSOR_MAP_DATA_TYPE_UINT8, {k_base / 2, n, experts},
+                       {k_base / 2, n * k_base / 2}, {kBlockK / 2, kStoreColumns, 1}, false);
+  p.scales = static_cast<const uint8_t*>(b_scales.data());
+  p.k_base = static_cast<int32_t>(k_base);
+  p.weight_rows = static_cast<int32_t>(n);
+  p.half_rows = kStoreColumns / 2;
+  p.side_scale = 1.0f;
+  p.out = out.data();
+  p.out_columns = static_cast<int32_t>(n + n_extra);
+  launch_persistent(kernels.kernel, p, kernels.num_threads, kernels.smem_bytes, device, num_sms,
+                    stream, "weight_stream_store launch");
 }
 
 }  // namespace
@@ -130,6 +210,11 @@ void register_weight_stream(nb::module_& m) {
         nb::arg("activation"), nb::arg("activation_clamp"), nb::arg("tokens"), nb::arg("num_sms"),
         nb::arg("stream"),
         "GEMM1 with an MXFP4 w13 decoded into the wgmma's A registers (few rows per expert).");
+  m.def("weight_stream_store", &weight_stream_store, nb::arg("a"), nb::arg("k_base"), nb::arg("b"),
+        nb::arg("b_scales"), nb::arg("b_extra").none(), nb::arg("expert_pool_offsets"),
+        nb::arg("expert_counts"), nb::arg("out"), nb::arg("tokens"), nb::arg("num_sms"),
+        nb::arg("stream"),
+        "GEMM2 with an MXFP4 b decoded into the wgmma's A registers (few rows per expert).");
 }
 
 }  // namespace megamoe

@@ -1,11 +1,11 @@
-// Host launcher of the weight-streaming GEMM1 (kernels/engine/weight_stream_kernel.cuh).
+// Host launchers of the weight-streaming GEMMs (kernels/engine/weight_stream_kernel.cuh).
 #pragma once
 
 #include <nanobind/nanobind.h>
 
 namespace megamoe {
 
-// Registers `_C.weight_stream_gated`.
+// Registers `_C.weight_stream_gated` and `_C.weight_stream_store`.
 void register_weight_stream(nanobind::module_& m);
 
 }  // namespace megamoe

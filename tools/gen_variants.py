@@ -47,7 +47,7 @@ FAMILIES = {
         "header": "engine/weight_stream_kernel.cuh",
         "params_header": "engine/weight_stream_params.h",
         "table_type": "WeightStreamKernels",
-        "make": "megamoe::kernels::weight_stream_kernels<{tokens}>()",
+        "make": "megamoe::kernels::weight_stream_kernels<megamoe::StreamKind::{kind}, {tokens}>()",
     },
 }
 

@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
-"""GEMM1 with an MXFP4 w13 at few rows per expert: the weight-streaming kernel (chunks of
-32 and 64 rows) against the engine's in-pipeline decode and the engine on BF16 weights,
-in one process, with the weight-read floor of each format.
+"""The forward GEMMs with an MXFP4 base at few rows per expert: the weight-streaming
+kernels (chunks of 32 and 64 rows) against the engine's in-pipeline decode and the
+engine on BF16 weights, in one process, with the weight-read floor of each format.
 
-Times GEMM1 (gated SwiGLU, optional side segment) at ep4rank dims for each token count;
-CUDA-event medians of ``--iters`` launches after warm-up. Checks that the streaming
-kernel's h is the engine's, bit for bit, on the data rows. Needs a Hopper GPU:
+Times GEMM1 (gated SwiGLU, optional side segment) and GEMM2 (optional a2 extra columns)
+at ep4rank dims for each token count; CUDA-event medians of ``--iters`` launches after
+warm-up. Checks that each streaming kernel's output is the engine's, bit for bit, on the
+rows in use. Needs a Hopper GPU:
 
     python tools/weight_stream_ab.py [--tokens 128,512,2048,4096] [--rank 128]
 """
@@ -21,7 +22,7 @@ import megamoe as mm
 from megamoe.bench.timing import time_fn
 from megamoe.testing.inputs import make_routing
 from megamoe.wrappers import _native
-from megamoe.wrappers.grouped_gemm import GROUP_M, gated_grouped_gemm
+from megamoe.wrappers.grouped_gemm import GROUP_M, gated_grouped_gemm, grouped_gemm
 
 
 def _side_args(side: dict) -> tuple:
@@ -74,11 +75,62 @@ def measure(tokens: int, args: argparse.Namespace, w13, codes, scales, side: dic
         torch.equal(stream_mxfp4(c)[:rows].view(torch.int16), out[:rows].view(torch.int16))
         for c in (32, 64)
     )
+    return _row("gemm1", tokens, t_bf16, t_engine, t32, t64, same)
+
+
+def _row(gemm, tokens, t_bf16, t_engine, t32, t64, same) -> str:
     best = min(t32, t64)
     return (
-        f"{tokens:>6} {t_bf16:8.3f} {t_engine:8.3f} {t32:8.3f} {t64:8.3f} "
+        f"{gemm:>5} {tokens:>6} {t_bf16:8.3f} {t_engine:8.3f} {t32:8.3f} {t64:8.3f} "
         f"{best / t_engine:8.3f} {t_bf16 / best:9.2f} {'same' if same else 'DIFFER'}"
     )
+
+
+def measure_gemm2(tokens: int, args: argparse.Namespace, w2, codes, scales, a2) -> str:
+    """GEMM2 at ``tokens`` tokens on each path (``a2``: the extra columns, or None)."""
+    dev = w2.device
+    e, k, h, i = args.experts, args.top_k, args.hidden, args.intermediate
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    stream = torch.cuda.current_stream().cuda_stream
+    dl = _native.dlpack
+    native = _native.native()
+    ids, _ = make_routing(tokens, e, k, kind="balanced", seed=0)
+    plan = mm.plan_routes(ids.to(dev), e, mm.get_block_m(tokens, k, e))
+    a = torch.randn(plan.pool_capacity, i, device=dev).bfloat16()
+    a[plan.pool_row_to_route < 0] = 0
+    n = h + (0 if a2 is None else a2.shape[2])
+    out = torch.empty(plan.pool_capacity, n, dtype=torch.bfloat16, device=dev)
+    offsets, counts = dl(plan.expert_pool_offsets), dl(plan.expert_counts)
+    extra = None if a2 is None else dl(a2)
+
+    def engine_mxfp4() -> None:
+        native.engine_store(
+            dl(a), i, dl(codes), dl(scales), False, extra, None, offsets, dl(out),
+            plan.block_m, GROUP_M, sms, stream,
+        )  # fmt: skip
+
+    def stream_mxfp4(chunk: int) -> torch.Tensor:
+        result = torch.empty_like(out)
+        native.weight_stream_store(
+            dl(a), i, dl(codes), dl(scales), extra, offsets, counts, dl(result), chunk, sms,
+            stream,
+        )  # fmt: skip
+        return result
+
+    def median(fn) -> float:
+        return time_fn(fn, device=dev, warmup=3, iters=args.iters).median_ms
+
+    t_bf16 = median(lambda: grouped_gemm(a, w2, plan, b_extra=a2))
+    t_engine = median(engine_mxfp4)
+    t32 = median(lambda: stream_mxfp4(32))
+    t64 = median(lambda: stream_mxfp4(64))
+    engine_mxfp4()
+    rows = int(plan.expert_pool_offsets[-1])
+    same = all(
+        torch.equal(stream_mxfp4(c)[:rows].view(torch.int16), out[:rows].view(torch.int16))
+        for c in (32, 64)
+    )
+    return _row("gemm2", tokens, t_bf16, t_engine, t32, t64, same)
 
 
 def main() -> None:
@@ -102,6 +154,9 @@ def main() -> None:
             side_b_up=(torch.randn(e, r, i, device=dev) * r**-0.5).bfloat16(),
             side_scale=0.25,
         )
+    w2 = (torch.randn(e, h, i, device=dev) * i**-0.5).bfloat16()
+    codes2, scales2 = mm.quantize_mxfp4(w2, axis=-1)
+    a2 = (torch.randn(e, i, r, device=dev) * i**-0.5).bfloat16() if r else None
     bf16_bytes = w13.numel() * 2
     mxfp4_bytes = codes.numel() + scales.numel()
     copy = torch.empty_like(w13)
@@ -112,10 +167,12 @@ def main() -> None:
         f"{bf16_bytes / bandwidth * 1e3:.3f} ms, MXFP4 {mxfp4_bytes / bandwidth * 1e3:.3f} ms"
     )
     print(
-        f"{'T':>6} {'bf16':>8} {'engine':>8} {'s32':>8} {'s64':>8} {'best/eng':>8} bf16/best bits"
+        f"{'gemm':>5} {'T':>6} {'bf16':>8} {'engine':>8} {'s32':>8} {'s64':>8} {'best/eng':>8} "
+        "bf16/best bits"
     )
     for tokens in (int(t) for t in args.tokens.split(",")):
         print(measure(tokens, args, w13, codes, scales, side), flush=True)
+        print(measure_gemm2(tokens, args, w2, codes2, scales2, a2), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,21 +1,26 @@
-// The weight-streaming GEMM1 (MXFP4 w13, few pool rows per expert): the swapped form of
-// EngineKind::Gated, where the weights are the wgmma's A operand, decoded from their
-// codes straight into the A-fragment registers (fragment_decode.cuh), and a chunk of an
-// expert's pool rows is its N (TOKENS = 32 or 64). No decoded tile passes through shared
-// memory, and every consumer warp decodes: the decode's integer work, which bounds an
-// MXFP4 GEMM when each weight meets few rows, spreads over all four schedulers.
+// The weight-streaming GEMMs (an MXFP4 base, few pool rows per expert): the swapped
+// form of the engine's forward kinds, where the weights are the wgmma's A operand,
+// decoded from their codes straight into the A-fragment registers (fragment_decode.cuh),
+// and a chunk of an expert's pool rows is its N (TOKENS = 32 or 64). No decoded tile
+// passes through shared memory, and every consumer warp decodes: the decode's integer
+// work, which bounds an MXFP4 GEMM when each weight meets few rows, spreads over all
+// four schedulers. Two kinds (StreamKind):
+//  - Gated (GEMM1): a tile is 128 h columns, the gate rows and the up rows of w13 as the
+//    two halves of each step's codes; K side steps (b1, then b3, as given) before the
+//    base; the gated activation;
+//  - Store (GEMM2): a tile is 256 output columns of w2, two 128-row halves; extra tiles
+//    over the a2 shrink's columns (a2 as given); a plain store.
 //
 // Warp roles (384 threads):
-//  - producer (warp 0, one thread): per K step, TMA loads into a ring stage the step's
-//    codes of the tile's 128 gate rows and 128 up rows ([2][128][32] bytes) and the
-//    chunk's [TOKENS][64] pool tile; per side step, one [64 r][64 I] box of b1 (gate
-//    steps) or b3 (up steps) per consumer warpgroup and the pool's q1 or q3 columns;
-//  - consumers (warpgroups 1 and 2, 64 h columns each): per base step, read their rows'
-//    codes and decode the gate weight's fragment, issue its MMAs (register A), then
-//    decode the up weight's fragment while they run and issue its MMAs: two batches per
-//    step, each fragment rewritten only after its batch retired; side steps
-//    are shared-memory wgmma (b1/b3 read MN-major); then the gated activation in
-//    registers and the stores of h (and g | u) for the chunk's rows.
+//  - producer (warp 0, one thread): per base step, TMA loads into a ring stage the
+//    step's codes of the tile's two halves ([2][128][32] bytes) and the chunk's
+//    [TOKENS][64] pool tile; per segment step (GEMM1's side, GEMM2's extra), one
+//    [64][64] BF16 box of the adapter factor per consumer warpgroup and the pool tile;
+//  - consumers (warpgroups 1 and 2, 64 rows of each half): per base step, read their
+//    rows' codes and decode the first half's fragment, issue its MMAs (register A), then
+//    decode the second half's fragment while they run and issue its MMAs: two batches
+//    per step, each fragment rewritten only after its batch retired; segment steps are
+//    shared-memory wgmma (the factor read MN-major); then the epilogue from registers.
 // Contract: `full`/`empty` per stage as in the engine (pipeline.cuh); the producer and
 // the consumers walk the same tiles and steps.
 #pragma once
@@ -38,15 +43,16 @@
 
 namespace megamoe::kernels::engine {
 
-// ---- schedule: (TOKENS-row pool chunk, 128-column block of h), columns fastest ----
+// ---- schedule: (TOKENS-row pool chunk, column block), column blocks fastest ----
 struct StreamTile {
   int expert;
-  int row0;  // first pool row of the chunk
-  int rows;  // the chunk's data rows (0: padding only, written as zeros, nothing loaded)
-  int n0;    // first h column
+  int row0;    // first pool row of the chunk
+  int rows;    // the chunk's data rows (0: padding only, written as zeros, nothing loaded)
+  int n0;      // first output column (an extra tile: the extra columns' first)
+  bool extra;  // Store: the tile of the extra columns (segment steps only)
 };
 
-template <int Tokens>
+template <int Tokens, int Columns>
 struct StreamTiles {
   const WeightStreamParams& p;
   int rows_used, chunks;
@@ -57,17 +63,20 @@ struct StreamTiles {
             min(max(__ldg(params.expert_pool_offsets + params.num_experts), 0), params.pool_rows)),
         chunks(rows_used / Tokens) {}
 
-  __device__ __forceinline__ int num_tiles() const { return chunks * p.n_blocks; }
+  __device__ __forceinline__ int blocks() const { return p.n_base_blocks + p.n_extra_blocks; }
+  __device__ __forceinline__ int num_tiles() const { return chunks * blocks(); }
 
   __device__ __forceinline__ int start(int e) const {
     return min(max(__ldg(p.expert_pool_offsets + e), 0), rows_used);
   }
 
   __device__ __forceinline__ StreamTile tile(int t) const {
-    const int chunk = t / p.n_blocks;
+    const int chunk = t / blocks();
+    const int block = t - chunk * blocks();
     StreamTile info;
     info.row0 = chunk * Tokens;
-    info.n0 = (t - chunk * p.n_blocks) * 128;
+    info.extra = block >= p.n_base_blocks;
+    info.n0 = info.extra ? p.n_base_blocks * Columns : block * Columns;
     // The expert whose segment holds the chunk: the last e starting at or before it.
     int lo = 0, hi = p.num_experts - 1;
     while (lo < hi) {
@@ -85,14 +94,18 @@ struct StreamTiles {
   }
 };
 
-template <int Tokens>
+template <StreamKind kKind, int Tokens>
 struct StreamConfig {
   static_assert(Tokens == 32 || Tokens == 64, "wgmma N of the chunk");
+  static constexpr bool kGated = kKind == StreamKind::Gated;
   static constexpr int kTokensPerChunk = Tokens;
   static constexpr int kConsumers = 2;
   static constexpr int kThreads = (1 + kConsumers) * kWarpgroupThreads;
-  static constexpr int kColumns = 64 * kConsumers;  // h columns per tile
-  static constexpr int kCodeBytes = 2 * kColumns * 32;
+  // Output columns per tile: a gated tile's two halves are the gate and up rows of the
+  // same 128 h columns; a store tile's are 256 columns.
+  static constexpr int kColumns = (kGated ? 1 : 2) * 64 * kConsumers;
+  using Schedule = StreamTiles<Tokens, kColumns>;
+  static constexpr int kCodeBytes = 2 * 128 * 32;  // two halves of 128 rows
   static constexpr int kSideBytes = kConsumers * kBoxBytes;
   static constexpr int kABytes = kSideBytes > kCodeBytes ? kSideBytes : kCodeBytes;
   static constexpr int kBBytes = Tokens * kRowBytes;
@@ -128,32 +141,42 @@ struct StreamStorage {
 template <class C>
 __device__ __forceinline__ void stream_produce(const WeightStreamParams& p,
                                                const StreamStorage<C>& smem) {
-  const StreamTiles<C::kTokensPerChunk> schedule(p);
+  const typename C::Schedule schedule(p);
   RingState<C::kStages> ring;
-  const int side_half = p.side_steps / 2;
   for (int t = blockIdx.x; t < schedule.num_tiles(); t += gridDim.x) {
     const StreamTile tile = schedule.tile(t);
     if (tile.rows == 0) continue;
-    for (int step = 0; step < p.side_steps + p.base_steps; ++step) {
+    const int segment_steps = C::kGated || tile.extra ? p.segment_steps : 0;
+    const int base_steps = C::kGated || !tile.extra ? p.base_steps : 0;
+    for (int step = 0; step < segment_steps + base_steps; ++step) {
       Barrier::wait(&smem.empty[ring.stage], ring.phase ^ 1u);
       uint64_t* bar = &smem.full[ring.stage];
       uint8_t* a = smem.a(ring.stage);
-      if (step < p.side_steps) {
+      if (step < segment_steps) {
+        // Gated: b1 (then b3) rows 64 j.. at h columns n0..; Store: a2 rows 64 j.. (K)
+        // at extra columns 128 half..; against the pool's side columns or its K.
         TransactionBarrier::arrive_and_expect_tx(bar, C::kSideBytes + C::kBBytes);
-        const bool up = step >= side_half;
-        const int j = up ? step - side_half : step;
-        const CUtensorMap* map = up ? &p.side_up : &p.side_gate;
+        const int half = step >= p.segment_half ? 1 : 0;
+        const int j = step - half * p.segment_half;
+        const CUtensorMap* map = C::kGated && half ? &p.segment_hi : &p.segment_lo;
+        const int column0 = C::kGated ? tile.n0 : 128 * half;
+        const int pool_column =
+            C::kGated ? p.k_base + half * p.side_rank + kBlockK * j : kBlockK * j;
 #pragma unroll
         for (int wg = 0; wg < C::kConsumers; ++wg)
-          cute::SM90_TMA_LOAD_3D::copy(map, bar, kCacheHint, a + wg * kBoxBytes, tile.n0 + 64 * wg,
+          cute::SM90_TMA_LOAD_3D::copy(map, bar, kCacheHint, a + wg * kBoxBytes, column0 + 64 * wg,
                                        kBlockK * j, tile.expert);
-        cute::SM90_TMA_LOAD_2D::copy(&p.pool, bar, kCacheHint, smem.b(ring.stage),
-                                     p.k_base + (up ? p.side_rank : 0) + kBlockK * j, tile.row0);
+        cute::SM90_TMA_LOAD_2D::copy(&p.pool, bar, kCacheHint, smem.b(ring.stage), pool_column,
+                                     tile.row0);
       } else {
         TransactionBarrier::arrive_and_expect_tx(bar, C::kCodeBytes + C::kBBytes);
-        const int k_step = step - p.side_steps;
-        cute::SM90_TMA_LOAD_4D::copy(&p.codes, bar, kCacheHint, a, k_step * (kBlockK / 2), tile.n0,
-                                     0, tile.expert);
+        const int k_step = step - segment_steps;
+        if constexpr (C::kGated)
+          cute::SM90_TMA_LOAD_4D::copy(&p.codes, bar, kCacheHint, a, k_step * (kBlockK / 2),
+                                       tile.n0, 0, tile.expert);
+        else
+          cute::SM90_TMA_LOAD_3D::copy(&p.codes, bar, kCacheHint, a, k_step * (kBlockK / 2),
+                                       tile.n0, tile.expert);
         cute::SM90_TMA_LOAD_2D::copy(&p.pool, bar, kCacheHint, smem.b(ring.stage), k_step * kBlockK,
                                      tile.row0);
       }
@@ -212,10 +235,11 @@ struct StreamMma {
 };
 
 // ---- the consumer's view of its rows: codes, scales and the decode ----
-// A thread holds A rows r and r + 8 (r = 16 warp + lane / 4) of its warpgroup's 64, for
-// the gate and the up weights: four weight rows ("lines": gate r, gate r + 8, up r, up
-// r + 8). Per base step each line's 32 code bytes are eight words; word 2j / 2j + 1 feed
-// k16 step j's a0|a1 / a2|a3, and words 0-3 / 4-7 share scale bytes 0 / 1.
+// A thread holds A rows r and r + 8 (r = 16 warp + lane / 4) of its warpgroup's 64, in
+// each half of the tile (Gated: the gate and the up weight): four weight rows ("lines":
+// r, r + 8 of the first half, then of the second). Per base step each line's 32 code
+// bytes are eight words; word 2j / 2j + 1 feed k16 step j's a0|a1 / a2|a3, and words
+// 0-3 / 4-7 share scale bytes 0 / 1.
 
 struct StreamLines {
   // Line l's codes are at code_offset + line_code_offset(l) in a stage's code area, its
@@ -225,7 +249,7 @@ struct StreamLines {
   }
   uint32_t code_offset;
   const uint16_t* scales;
-  uint32_t eight_rows, up_rows;  // pair offsets of line 1 and of line 2 from line 0
+  uint32_t eight_rows, half_rows;  // pair offsets of line 1 and of line 2 from line 0
   uint32_t selector;
 
   __device__ __forceinline__ StreamLines(const WeightStreamParams& p, int consumer, int thread,
@@ -233,15 +257,15 @@ struct StreamLines {
     const int row = 16 * (thread / 32) + lane / 4 + 64 * consumer;  // of the tile's 128
     code_offset = static_cast<uint32_t>(row * 32);
     const uint32_t pairs_per_row = static_cast<uint32_t>(p.k_base / 64);
-    const int64_t w_row = static_cast<int64_t>(tile.expert) * 2 * p.intermediate + tile.n0 + row;
+    const int64_t w_row = static_cast<int64_t>(tile.expert) * p.weight_rows + tile.n0 + row;
     scales = reinterpret_cast<const uint16_t*>(p.scales) + w_row * pairs_per_row;
     eight_rows = 8 * pairs_per_row;
-    up_rows = static_cast<uint32_t>(p.intermediate) * pairs_per_row;
+    half_rows = static_cast<uint32_t>(p.half_rows) * pairs_per_row;
     selector = mxfp4::fragment_selector(static_cast<uint32_t>(lane % 4));
   }
 
   __device__ __forceinline__ uint32_t scale_line_offset(int line) const {
-    return (line % 2 ? eight_rows : 0u) + (line / 2 ? up_rows : 0u);
+    return (line % 2 ? eight_rows : 0u) + (line / 2 ? half_rows : 0u);
   }
 
   // The four lines' scale pairs of base step `k_step`, two per register (line 2j in the
@@ -254,8 +278,8 @@ struct StreamLines {
           (static_cast<uint32_t>(__ldg(scales + scale_line_offset(2 * j + 1) + k_step)) << 16);
   }
 
-  // Decode a landed stage's codes of lines `first` and `first` + 1 (the gate's rows r
-  // and r + 8, or the up's) into `fragment` with their scale pairs (`pairs`: line
+  // Decode a landed stage's codes of lines `first` and `first` + 1 (rows r and r + 8 of
+  // one half) into `fragment` with their scale pairs (`pairs`: line
   // `first` in the low half), one line at a time (eight code words live).
   __device__ __forceinline__ void decode(const uint8_t* code_area, int first, uint32_t pairs,
                                          Fragment& fragment) const {
@@ -305,29 +329,36 @@ __device__ __forceinline__ void fence_fragment(Fragment& f) {
     for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(f[k16][i])::"memory");
 }
 
-// ---- the epilogue: g, u -> h (and g | u) for the chunk's rows, from registers ----
+// ---- the epilogues, from registers ----
 // Every row of every chunk in use is written, padding rows too, as the engine writes its
-// whole tiles: the pool's padding rows are zeros, so theirs are exact zeros and h and g |
-// u are the engine's bits on every row in use.
-// Accumulator i of a thread: A row r (i % 4 < 2) or r + 8, chunk row 8 (i / 4) + 2 (lane
-// % 4) + i % 2. As the engine's gated epilogue: g and u rounded to BF16, then
-// h = act(min(g, c)) * clamp(u, -c, c) in FP32, rounded once.
+// whole tiles: the pool's padding rows are zeros, so theirs are exact zeros and the
+// outputs are the engine's bits on every row in use. Accumulator i of a thread: A row r
+// (i % 4 < 2) or r + 8 of its half, chunk row 8 (i / 4) + 2 (lane % 4) + i % 2.
+template <int Tokens>
+struct StreamFragmentRows {
+  int lane, row;  // row: r of the warpgroup's 64
+  __device__ __forceinline__ explicit StreamFragmentRows(int thread)
+      : lane(thread % 32), row(16 * (thread / 32) + (thread % 32) / 4) {}
+  __device__ __forceinline__ int token(int i) const { return 8 * (i / 4) + 2 * (lane % 4) + i % 2; }
+  __device__ __forceinline__ int row_of(int i) const { return row + 8 * ((i % 4) / 2); }
+};
+
+// Gated: g and u rounded to BF16 (stored as g | u when asked), then h = act(min(g, c)) *
+// clamp(u, -c, c) in FP32, rounded once, as the engine's gated epilogue.
 template <int Tokens, bool kGeGLU, bool kClamp>
-__device__ __forceinline__ void stream_epilogue(const WeightStreamParams& p, const StreamTile& tile,
-                                                const float (&acc_gate)[Tokens / 2],
-                                                const float (&acc_up)[Tokens / 2], int consumer,
-                                                int thread) {
-  const int lane = thread % 32;
-  const int row = 16 * (thread / 32) + lane / 4;
-  const int64_t inter = p.intermediate;
-  __nv_bfloat16* h = static_cast<__nv_bfloat16*>(p.h);
+__device__ __forceinline__ void gated_epilogue(const WeightStreamParams& p, const StreamTile& tile,
+                                               const float (&acc_gate)[Tokens / 2],
+                                               const float (&acc_up)[Tokens / 2], int consumer,
+                                               int thread) {
+  const StreamFragmentRows<Tokens> at(thread);
+  const int64_t inter = p.out_columns;
+  __nv_bfloat16* h = static_cast<__nv_bfloat16*>(p.out);
   __nv_bfloat16* preact = static_cast<__nv_bfloat16*>(p.preact);
   const float clamp = p.activation_clamp;
 #pragma unroll
   for (int i = 0; i < Tokens / 2; ++i) {
-    const int token = 8 * (i / 4) + 2 * (lane % 4) + i % 2;
-    const int64_t column = tile.n0 + 64 * consumer + row + 8 * ((i % 4) / 2);
-    const int64_t pool_row = tile.row0 + token;
+    const int64_t column = tile.n0 + 64 * consumer + at.row_of(i);
+    const int64_t pool_row = tile.row0 + at.token(i);
     const __nv_bfloat16 g = __float2bfloat16_rn(acc_gate[i]);
     const __nv_bfloat16 u = __float2bfloat16_rn(acc_up[i]);
     if (preact != nullptr) {
@@ -341,6 +372,26 @@ __device__ __forceinline__ void stream_epilogue(const WeightStreamParams& p, con
   }
 }
 
+// Store: both halves' sums rounded to BF16, columns past the output's (the extra tile's
+// block past N_x) not stored.
+template <int Tokens>
+__device__ __forceinline__ void store_epilogue(const WeightStreamParams& p, const StreamTile& tile,
+                                               const float (&acc_lo)[Tokens / 2],
+                                               const float (&acc_hi)[Tokens / 2], int consumer,
+                                               int thread) {
+  const StreamFragmentRows<Tokens> at(thread);
+  const int64_t columns = p.out_columns;
+  __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out);
+#pragma unroll
+  for (int i = 0; i < Tokens / 2; ++i) {
+    const int64_t column = tile.n0 + 64 * consumer + at.row_of(i);
+    const int64_t pool_row = tile.row0 + at.token(i);
+    if (column < columns) out[pool_row * columns + column] = __float2bfloat16_rn(acc_lo[i]);
+    if (column + 128 < columns)
+      out[pool_row * columns + column + 128] = __float2bfloat16_rn(acc_hi[i]);
+  }
+}
+
 // ---- consumers ----
 template <class C>
 __device__ __forceinline__ void stream_consume(const WeightStreamParams& p,
@@ -348,37 +399,43 @@ __device__ __forceinline__ void stream_consume(const WeightStreamParams& p,
   constexpr int kTokens = C::kTokensPerChunk;
   constexpr int kScaleSteps = 4;
   using Mma = StreamMma<kTokens>;
-  const StreamTiles<kTokens> schedule(p);
+  const typename C::Schedule schedule(p);
   const int thread = threadIdx.x % kWarpgroupThreads;
   const int lane = threadIdx.x % 32;
-  const int side_half = p.side_steps / 2;
-  float acc_gate[kTokens / 2], acc_up[kTokens / 2];
-  Fragment gate_fragment, up_fragment;
+  // The tile's two halves (Gated: g and u).
+  float acc_lo[kTokens / 2], acc_hi[kTokens / 2];
+  Fragment fragment_lo, fragment_hi;
   RingState<C::kStages> ring, release;
   const bool clamped = is_clamped(p.activation_clamp);
   const bool geglu = p.activation == static_cast<int>(Activation::GeGLU);
   auto finish = [&](const StreamTile& tile) {
-    if (geglu) {
-      if (clamped)
-        stream_epilogue<kTokens, true, true>(p, tile, acc_gate, acc_up, consumer, thread);
-      else
-        stream_epilogue<kTokens, true, false>(p, tile, acc_gate, acc_up, consumer, thread);
-    } else if (clamped) {
-      stream_epilogue<kTokens, false, true>(p, tile, acc_gate, acc_up, consumer, thread);
+    if constexpr (C::kGated) {
+      if (geglu) {
+        if (clamped)
+          gated_epilogue<kTokens, true, true>(p, tile, acc_lo, acc_hi, consumer, thread);
+        else
+          gated_epilogue<kTokens, true, false>(p, tile, acc_lo, acc_hi, consumer, thread);
+      } else if (clamped) {
+        gated_epilogue<kTokens, false, true>(p, tile, acc_lo, acc_hi, consumer, thread);
+      } else {
+        gated_epilogue<kTokens, false, false>(p, tile, acc_lo, acc_hi, consumer, thread);
+      }
     } else {
-      stream_epilogue<kTokens, false, false>(p, tile, acc_gate, acc_up, consumer, thread);
+      store_epilogue<kTokens>(p, tile, acc_lo, acc_hi, consumer, thread);
     }
   };
   for (int t = blockIdx.x; t < schedule.num_tiles(); t += gridDim.x) {
     const StreamTile tile = schedule.tile(t);
 #pragma unroll
-    for (int i = 0; i < kTokens / 2; ++i) acc_gate[i] = acc_up[i] = 0.0f;
-    fence_accumulators(acc_gate);
-    fence_accumulators(acc_up);
+    for (int i = 0; i < kTokens / 2; ++i) acc_lo[i] = acc_hi[i] = 0.0f;
+    fence_accumulators(acc_lo);
+    fence_accumulators(acc_hi);
     if (tile.rows == 0) {  // padding only: its (zero) pool rows give exact zeros
       finish(tile);
       continue;
     }
+    const int segment_steps = C::kGated || tile.extra ? p.segment_steps : 0;
+    const int base_steps = C::kGated || !tile.extra ? p.base_steps : 0;
     int issued = 0;  // steps of this tile whose MMAs were issued
     // After a step's first batch: the previous step's batches retired, its stage goes
     // back to the producer.
@@ -390,7 +447,7 @@ __device__ __forceinline__ void stream_consume(const WeightStreamParams& p,
       }
       ++issued;
     };
-    auto side_steps = [&](float* acc, int first, int last) {
+    auto run_segment = [&](float* acc, int first, int last) {
       for (int step = first; step < last; ++step) {
         TransactionBarrier::wait(&smem.full[ring.stage], ring.phase);
         cute::warpgroup_arrive();
@@ -401,21 +458,23 @@ __device__ __forceinline__ void stream_consume(const WeightStreamParams& p,
         ring.advance();
       }
     };
-    if (p.side_steps > 0) {
-      side_steps(acc_gate, 0, side_half);
-      side_steps(acc_up, side_half, p.side_steps);
-      // The side sums are complete: scale them before the base adds on (FP32, exact
-      // adapter term as in the engine).
-      cute::warpgroup_wait<0>();
-      fence_accumulators(acc_gate);
-      fence_accumulators(acc_up);
+    if (segment_steps > 0) {
+      run_segment(acc_lo, 0, p.segment_half);
+      run_segment(acc_hi, p.segment_half, segment_steps);
+      if constexpr (C::kGated) {
+        // The side sums are complete: scale them before the base adds on (FP32, exact
+        // adapter term as in the engine).
+        cute::warpgroup_wait<0>();
+        fence_accumulators(acc_lo);
+        fence_accumulators(acc_hi);
 #pragma unroll
-      for (int i = 0; i < kTokens / 2; ++i) {
-        acc_gate[i] *= p.side_scale;
-        acc_up[i] *= p.side_scale;
+        for (int i = 0; i < kTokens / 2; ++i) {
+          acc_lo[i] *= p.side_scale;
+          acc_hi[i] *= p.side_scale;
+        }
+        fence_accumulators(acc_lo);
+        fence_accumulators(acc_hi);
       }
-      fence_accumulators(acc_gate);
-      fence_accumulators(acc_up);
     }
     const StreamLines lines(p, consumer, thread, tile, lane);
     // Scale pairs four steps ahead (their loads miss L2 as often as not, and a step is
@@ -423,24 +482,24 @@ __device__ __forceinline__ void stream_consume(const WeightStreamParams& p,
     uint32_t scale_pairs[kScaleSteps][2];
 #pragma unroll
     for (int ahead = 0; ahead < kScaleSteps; ++ahead)
-      if (ahead < p.base_steps) lines.load_scales(ahead, scale_pairs[ahead]);
-    // A base step in two batches, the gate weight's MMAs, then the up weight's: each
+      if (ahead < base_steps) lines.load_scales(ahead, scale_pairs[ahead]);
+    // A base step in two batches, the first half's MMAs, then the second's: each
     // fragment is decoded while the other's batch runs, and rewritten only after the
     // wait that retires the batch which read it.
-    for (int k_step = 0; k_step < p.base_steps; ++k_step) {
+    for (int k_step = 0; k_step < base_steps; ++k_step) {
       TransactionBarrier::wait(&smem.full[ring.stage], ring.phase);
       const uint8_t* codes = smem.a(ring.stage);
       const uint64_t desc_b = descriptor_k_major(smem.b(ring.stage));
-      lines.decode(codes, 0, scale_pairs[0][0], gate_fragment);
-      fence_fragment(gate_fragment);
+      lines.decode(codes, 0, scale_pairs[0][0], fragment_lo);
+      fence_fragment(fragment_lo);
       cute::warpgroup_arrive();
-      Mma::base_half_step(gate_fragment, desc_b, acc_gate);
+      Mma::base_half_step(fragment_lo, desc_b, acc_lo);
       cute::warpgroup_commit_batch();
       retire_previous();
-      lines.decode(codes, 2, scale_pairs[0][1], up_fragment);
-      fence_fragment(up_fragment);
+      lines.decode(codes, 2, scale_pairs[0][1], fragment_hi);
+      fence_fragment(fragment_hi);
       cute::warpgroup_arrive();
-      Mma::base_half_step(up_fragment, desc_b, acc_up);
+      Mma::base_half_step(fragment_hi, desc_b, acc_hi);
       cute::warpgroup_commit_batch();
       cute::warpgroup_wait<1>();
       ring.advance();
@@ -449,12 +508,12 @@ __device__ __forceinline__ void stream_consume(const WeightStreamParams& p,
         scale_pairs[ahead][0] = scale_pairs[ahead + 1][0];
         scale_pairs[ahead][1] = scale_pairs[ahead + 1][1];
       }
-      if (k_step + kScaleSteps < p.base_steps)
+      if (k_step + kScaleSteps < base_steps)
         lines.load_scales(k_step + kScaleSteps, scale_pairs[kScaleSteps - 1]);
     }
     cute::warpgroup_wait<0>();
-    fence_accumulators(acc_gate);
-    fence_accumulators(acc_up);
+    fence_accumulators(acc_lo);
+    fence_accumulators(acc_hi);
     if (lane == 0) Barrier::arrive(&smem.empty[release.stage]);
     release.advance();
     finish(tile);
@@ -465,11 +524,11 @@ __device__ __forceinline__ void stream_consume(const WeightStreamParams& p,
 
 namespace megamoe::kernels {
 
-template <int Tokens>
-__global__ void __launch_bounds__(engine::StreamConfig<Tokens>::kThreads, 1)
+template <StreamKind kKind, int Tokens>
+__global__ void __launch_bounds__(engine::StreamConfig<kKind, Tokens>::kThreads, 1)
     weight_stream_kernel(const __grid_constant__ WeightStreamParams p) {
   using namespace engine;
-  using C = engine::StreamConfig<Tokens>;
+  using C = engine::StreamConfig<kKind, Tokens>;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const StreamStorage<C> smem(smem_raw);
   if (threadIdx.x == 0) {
@@ -490,10 +549,11 @@ __global__ void __launch_bounds__(engine::StreamConfig<Tokens>::kThreads, 1)
   stream_consume<C>(p, smem, warpgroup - 1);
 }
 
-template <int Tokens>
+template <StreamKind kKind, int Tokens>
 WeightStreamKernels weight_stream_kernels() {
-  using C = engine::StreamConfig<Tokens>;
-  return WeightStreamKernels{&weight_stream_kernel<Tokens>, Tokens, C::kThreads, C::kSmemBytes};
+  using C = engine::StreamConfig<kKind, Tokens>;
+  return WeightStreamKernels{&weight_stream_kernel<kKind, Tokens>, kKind, Tokens, C::kThreads,
+                             C::kSmemBytes};
 }
 
 }  // namespace megamoe::kernels

@@ -1,4 +1,4 @@
-// The weight-streaming GEMM1's parameter block and kernel table (weight_stream_kernel.cuh),
+// The weight-streaming GEMMs' parameter block and kernel table (weight_stream_kernel.cuh),
 // shared by device and host code. Plain C++ plus the driver's CUtensorMap type.
 #pragma once
 
@@ -8,34 +8,49 @@
 
 namespace megamoe {
 
-// GEMM1 with an MXFP4 w13 for pools with few rows per expert, in the swapped form: the
-// weights are the wgmma's A (decoded into registers), a chunk of an expert's pool rows
-// its N. h = act(g) * u with g | u = [x | q1 | q3] . [w13_e ; side] as EngineKind::Gated.
+// The forward GEMMs with an MXFP4 base for pools with few rows per expert, in the swapped
+// form: the weights are the wgmma's A (decoded into registers), a chunk of an expert's
+// pool rows its N.
+enum class StreamKind : int32_t {
+  // GEMM1: h = act(g) * u, g | u = [x | q1 | q3] . [w13_e ; side] (EngineKind::Gated).
+  Gated,
+  // GEMM2: out = h . [w2_e^T | a2_e] (EngineKind::StoreKMajor with its N extra segment).
+  Store,
+};
+
 struct WeightStreamParams {
   // Schedule: the pool in chunks of TOKENS rows (segments are padded to a multiple of
-  // it), each chunk against every block of 128 h columns.
+  // it), each chunk against every column block (Gated: 128 h columns; Store: 256 output
+  // columns, then the extra columns' block).
   const int32_t* expert_pool_offsets;  // [E + 1] segment starts; [E] = pool rows in use
   const int32_t* expert_counts;        // [E] data rows per segment
   int32_t num_experts;
-  int32_t pool_rows;   // rows of the pool: a corrupt plan is clamped to them
-  int32_t n_blocks;    // I / 128
-  int32_t side_steps;  // gate steps then up steps, ceil(r / 64) each; 0: no side segment
-  int32_t base_steps;  // H / 64
-  // Operands. `pool` [P, H + 2r] BF16 K-major, box [64, TOKENS]; `codes` w13's codes 4-D
-  // [E][2][I][H / 2] bytes, box [32, 128, 2, 1]; `side_gate` / `side_up` b1 and b3 as
-  // given, 3-D [E][r][I], box [64 I, 64 r, 1] (the A of the side steps, MN-major).
+  int32_t pool_rows;       // rows of the pool: a corrupt plan is clamped to them
+  int32_t n_base_blocks;   // Gated: I / 128; Store: N / 256
+  int32_t n_extra_blocks;  // Store: 1 with extra columns, else 0
+  int32_t segment_steps;   // Gated: side steps; Store: an extra tile's steps (0: none)
+  int32_t segment_half;    // segment steps into the first accumulator half
+  int32_t base_steps;      // K / 64
+  // Operands. `pool` [P, cols] BF16 K-major, box [64, TOKENS]. `codes`: Gated w13's
+  // 4-D [E][2][I][K / 2], box [32, 128, 2, 1]; Store w2's 3-D [E][N][K / 2], box [32,
+  // 256, 1]. Segment factors as given, box [64, 64, 1], the A of the segment steps
+  // (MN-major): Gated b1 (`segment_lo`) and b3 (`segment_hi`) 3-D [E][r][I]; Store a2
+  // (`segment_lo`) 3-D [E][K][N_x].
   CUtensorMap pool;
   CUtensorMap codes;
-  CUtensorMap side_gate;
-  CUtensorMap side_up;
-  const uint8_t* scales;  // [E][2I][H / 32] UE8M0 as stored
-  int32_t k_base;         // H
-  int32_t side_rank;      // r (0: no side segment)
-  int32_t intermediate;   // I
-  float side_scale;       // the side sum is scaled by this before the base adds on
-  // Epilogue: h [P, I] BF16 and, optionally, preact [P, 2I] BF16 (g | u).
-  void* h;
+  CUtensorMap segment_lo;
+  CUtensorMap segment_hi;
+  const uint8_t* scales;  // [E][weight_rows][K / 32] UE8M0 as stored
+  int32_t k_base;         // K
+  int32_t side_rank;      // Gated: r (the q1 | q3 boundary of the pool's side columns)
+  int32_t weight_rows;    // rows of one expert's weight: Gated 2I, Store N
+  int32_t half_rows;      // row offset of a tile's second half: Gated I, Store 128
+  float side_scale;       // Gated: the side sum is scaled by this before the base adds on
+  // Epilogue: Gated: h [P, I] and, optionally, preact [P, 2I] (g | u), BF16; Store: out
+  // [P, N + N_x] BF16.
+  void* out;
   void* preact;
+  int32_t out_columns;     // columns (and row stride) of `out`
   int32_t activation;      // Activation (engine_params.h)
   float activation_clamp;  // +inf: no clamp
 };
@@ -44,6 +59,7 @@ using WeightStreamKernel = void (*)(WeightStreamParams);
 
 struct WeightStreamKernels {
   WeightStreamKernel kernel;
+  StreamKind kind;
   int tokens;  // pool rows per chunk (the wgmma N)
   int num_threads;
   int smem_bytes;

@@ -34,6 +34,9 @@ def pool_for(num_tokens, experts, top_k, block_m, cols, *, kind="skewed", seed=0
     plan = mm.plan_routes(ids.cuda(), experts, block_m)
     generator = torch.Generator(device="cuda").manual_seed(seed)
     a = torch.randn(plan.pool_capacity, cols, device="cuda", generator=generator)
+    # Padding rows are zeros, as the gather writes them: the weight-streaming GEMMs (few
+    # rows per expert) write a chunk of padding rows as zeros without reading it.
+    a[plan.pool_row_to_route < 0] = 0
     return plan, a.bfloat16()
 
 
@@ -89,13 +92,10 @@ def test_store_decode_is_the_engine_on_the_decoded_weights(
 @pytest.mark.parametrize("rank", [0, 64])
 @pytest.mark.parametrize("activation,clamp", [("swiglu", None), ("geglu", 7.0)])
 def test_gated_decode_is_the_engine_on_the_decoded_weights(block_m, rank, activation, clamp):
-    """GEMM1 (the weight-streaming kernel: I a multiple of 128) on w13 in the user's
-    layout, the BF16 side segment, the pre-activations g | u."""
+    """GEMM1 on w13 in the user's layout (a tile's gate rows and up rows: two boxes of
+    codes and scales), the BF16 side segment, the pre-activations g | u."""
     tokens, experts, top_k, hidden, inter = 1100, 8, 3, 1024, 512
     plan, a = pool_for(tokens, experts, top_k, block_m, hidden + 2 * rank, seed=rank + 3)
-    # The gather's zero padding rows: the weight-streaming GEMM1 (few rows per expert)
-    # writes a chunk of padding rows as zeros without reading it.
-    a[plan.pool_row_to_route < 0] = 0
     codes, scales = mxfp4_operand(experts, 2 * inter, hidden, seed=rank + 4, scale_high=124)
     side = {}
     if rank:

@@ -1,7 +1,8 @@
-"""The weight-streaming GEMM1 (kernels/engine/weight_stream_kernel.cuh): an MXFP4 w13
-decoded into the wgmma's A registers, the pool's rows in chunks of 32 or 64 as N.
+"""The weight-streaming GEMMs (kernels/engine/weight_stream_kernel.cuh): an MXFP4 base
+decoded into the wgmma's A registers, the pool's rows in chunks of 32 or 64 as N; GEMM1
+(gated, side K segment) and GEMM2 (store, a2 extra columns).
 
-Oracles: the engine's GEMM1 on the BF16 decode of the same codes
+Oracles: the engine's GEMM on the BF16 decode of the same codes
 (:func:`~megamoe.wrappers.mxfp4_decode.decode_mxfp4_bf16`), which sums the same products
 in the same order, so h and g | u must be the same bits; the float64 per-expert reference
 at the DESIGN §6 gates; and, for the decode alone, one-hot rows whose pre-activations are
@@ -17,7 +18,12 @@ import megamoe as mm
 from megamoe.testing import assert_close_to_oracle
 from megamoe.testing.inputs import make_routing
 from megamoe.wrappers import _native
-from megamoe.wrappers.grouped_gemm import gated_grouped_gemm, gated_grouped_gemm_reference
+from megamoe.wrappers.grouped_gemm import (
+    gated_grouped_gemm,
+    gated_grouped_gemm_reference,
+    grouped_gemm,
+    grouped_gemm_reference,
+)
 from megamoe.wrappers.mxfp4_decode import decode_mxfp4_bf16
 
 pytestmark = pytest.mark.gpu
@@ -53,6 +59,27 @@ def stream_gemm1(a, codes, scales, plan, *, k, chunk, activation="swiglu", clamp
         torch.cuda.current_stream().cuda_stream,
     )
     return h
+
+
+def stream_gemm2(a, codes, scales, plan, *, chunk, b_extra=None):
+    """GEMM2's native launcher with an explicit chunk."""
+    n = codes.shape[1] + (0 if b_extra is None else b_extra.shape[2])
+    out = torch.full((a.shape[0], n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    dl = _native.dlpack
+    _native.native().weight_stream_store(
+        dl(a),
+        codes.shape[2] * 2,
+        dl(codes),
+        dl(scales),
+        None if b_extra is None else dl(b_extra),
+        dl(plan.expert_pool_offsets),
+        dl(plan.expert_counts),
+        dl(out),
+        chunk,
+        torch.cuda.get_device_properties(0).multi_processor_count,
+        torch.cuda.current_stream().cuda_stream,
+    )
+    return out
 
 
 def operands(tokens, experts, top_k, hidden, inter, rank, *, block_m=64, kind="skewed", seed=0,
@@ -184,3 +211,52 @@ def test_launcher_rejects_a_pool_not_in_whole_chunks():
         stream_gemm1(a, codes, scales, plan, k=256, chunk=48)
     with pytest.raises(ValueError, match="not a multiple of the chunk"):
         stream_gemm1(a[:-32], codes, scales, plan, k=256, chunk=64)
+
+
+@pytest.mark.parametrize("chunk", CHUNKS)
+@pytest.mark.parametrize(
+    "tokens,experts,top_k,extra,block_m",
+    [
+        (1, 8, 1, 0, 64),
+        (40, 8, 2, 16, 64),
+        (300, 8, 2, 128, 64),  # a2 columns in the extra tile's first half only
+        (700, 16, 6, 200, 128),  # ... and in both halves
+    ],
+)
+def test_store_is_the_engine_on_the_decoded_weights(chunk, tokens, experts, top_k, extra, block_m):
+    """GEMM2: [pool, I] x [E, N, I]^T (N = 512: two 256-column tiles) with the BF16 a2
+    segment as extra columns (a2 as given [E, I, N_x], read MN-major)."""
+    n, k = 512, 384
+    plan, a, _, _, _ = operands(tokens, experts, top_k, k, 64, 0, block_m=block_m, seed=tokens)
+    g = torch.Generator(device="cuda").manual_seed(tokens + 1)
+    codes = torch.randint(
+        0, 256, (experts, n, k // 2), dtype=torch.uint8, device="cuda", generator=g
+    )
+    scales = torch.randint(
+        112, 136, (experts, n, k // 32), dtype=torch.uint8, device="cuda", generator=g
+    )
+    b_extra = None
+    if extra:
+        b_extra = torch.randn(experts, k, extra, device="cuda", generator=g).bfloat16()
+    out = stream_gemm2(a, codes, scales, plan, chunk=chunk, b_extra=b_extra)
+    decoded = decode_mxfp4_bf16(codes, scales)
+    twin = grouped_gemm(a, decoded, plan, b_extra=b_extra)
+    rows = int(plan.expert_pool_offsets[-1])
+    assert same_bits(out[:rows], twin[:rows])
+    assert bool(torch.isnan(out[rows:].float()).all())
+    data = plan.pool_row_to_route[:rows] >= 0
+    assert not bool(out[:rows][~data].any())
+    expected = grouped_gemm_reference(a, decoded, plan, b_extra=b_extra)
+    assert_close_to_oracle("out", out[:rows][data], expected[data])
+
+
+def test_store_launcher_checks():
+    plan, a, _, _, _ = operands(10, 2, 1, 256, 64, 0, seed=1)
+    codes = torch.zeros(2, 384, 128, dtype=torch.uint8, device="cuda")
+    scales = torch.full((2, 384, 8), 127, dtype=torch.uint8, device="cuda")
+    with pytest.raises(ValueError, match="N a multiple of 256"):
+        stream_gemm2(a, codes, scales, plan, chunk=32)
+    codes, scales = codes[:, :256].contiguous(), scales[:, :256].contiguous()
+    wide = torch.zeros(2, 256, 264, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(ValueError, match="up to 256"):
+        stream_gemm2(a, codes, scales, plan, chunk=32, b_extra=wide)

@@ -244,6 +244,24 @@ def grouped_gemm(
         return out
     extra_lo, extra_hi = (b_extra, None) if b_extra_blocks is None else b_extra_blocks
     dl = _native.dlpack
+    if mxfp4 and not major_mn and n_base % 256 == 0 and n_extra <= 256:
+        # MXFP4 with few rows per expert: decoded into the wgmma's A registers.
+        chunk = weight_stream_chunk(plan.route_to_pool_row.numel(), b.shape[0])
+        with _native.on_device(a.device):
+            _native.native().weight_stream_store(
+                dl(a),
+                k,
+                dl(b),
+                dl(decode_scales),
+                None if b_extra is None else dl(b_extra),
+                dl(plan.expert_pool_offsets),
+                dl(plan.expert_counts),
+                dl(out),
+                chunk,
+                _device_sms(a.device),
+                _native.current_stream(a.device),
+            )
+        return out
     with _native.on_device(a.device):
         _native.native().engine_store(
             dl(a),
