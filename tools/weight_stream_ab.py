@@ -46,18 +46,19 @@ def measure(tokens: int, args: argparse.Namespace, w13, codes, scales, side: dic
     a = torch.randn(plan.pool_capacity, h + 2 * r, device=dev).bfloat16()
     a[plan.pool_row_to_route < 0] = 0
     out = torch.empty(plan.pool_capacity, i, dtype=torch.bfloat16, device=dev)
-    offsets, counts = dl(plan.expert_pool_offsets), dl(plan.expert_counts)
 
     def engine_mxfp4() -> None:
         native.engine_gated(
-            dl(a), h, dl(codes), dl(scales), offsets, dl(out), None, *_side_args(side), 0,
+            dl(a), h, dl(codes), dl(scales), dl(plan.expert_pool_offsets), dl(out), None,
+            *_side_args(side), 0,
             math.inf, plan.block_m, GROUP_M, sms, stream,
         )  # fmt: skip
 
     def stream_mxfp4(chunk: int) -> torch.Tensor:
         result = torch.empty_like(out)
         native.weight_stream_gated(
-            dl(a), h, dl(codes), dl(scales), offsets, counts, dl(result), None,
+            dl(a), h, dl(codes), dl(scales), dl(plan.expert_pool_offsets),
+            dl(plan.expert_counts), dl(result), None,
             *_side_args(side), 0, math.inf, chunk, sms, stream,
         )  # fmt: skip
         return result
@@ -100,20 +101,19 @@ def measure_gemm2(tokens: int, args: argparse.Namespace, w2, codes, scales, a2) 
     a[plan.pool_row_to_route < 0] = 0
     n = h + (0 if a2 is None else a2.shape[2])
     out = torch.empty(plan.pool_capacity, n, dtype=torch.bfloat16, device=dev)
-    offsets, counts = dl(plan.expert_pool_offsets), dl(plan.expert_counts)
-    extra = None if a2 is None else dl(a2)
 
     def engine_mxfp4() -> None:
         native.engine_store(
-            dl(a), i, dl(codes), dl(scales), False, extra, None, offsets, dl(out),
+            dl(a), i, dl(codes), dl(scales), False, None if a2 is None else dl(a2), None,
+            dl(plan.expert_pool_offsets), dl(out),
             plan.block_m, GROUP_M, sms, stream,
         )  # fmt: skip
 
     def stream_mxfp4(chunk: int) -> torch.Tensor:
         result = torch.empty_like(out)
         native.weight_stream_store(
-            dl(a), i, dl(codes), dl(scales), extra, offsets, counts, dl(result), chunk, sms,
-            stream,
+            dl(a), i, dl(codes), dl(scales), None if a2 is None else dl(a2),
+            dl(plan.expert_pool_offsets), dl(plan.expert_counts), dl(result), chunk, sms, stream,
         )  # fmt: skip
         return result
 

@@ -14,7 +14,8 @@
 //     three magnitude bits are exponent e and mantissa m; e = 0 reads as the subnormal
 //     m x 2^-127, which is E2M1's 0.5 x 2^-126);
 //  4. one BF16x2 multiply by 2^(scale - 1) (exact: two significant bits, subnormals
-//     kept) gives E2M1 x 2^(scale - 127), the transient decode's value bit for bit.
+//     kept; an FMA adding -0, so -0 codes stay -0) gives E2M1 x 2^(scale - 127), the
+//     transient decode's value bit for bit.
 // 2^(scale - 1) is a BF16 for scale <= 128 (`fast`); larger scales take FP32 math.
 #pragma once
 
@@ -67,10 +68,11 @@ __host__ __device__ __forceinline__ uint32_t pair_factor(uint32_t scale) {
 
 __host__ __device__ __forceinline__ bool pair_factor_fast(uint32_t scale) { return scale <= 128u; }
 
-// The fast path's product (mul.rn.bf16x2: exact here, subnormals kept).
+// The fast path's product (exact here, subnormals kept), as an FMA with a -0 addend:
+// mul.rn.bf16x2 compiles to an FMA adding +0, which turns a -0 code into +0.
 __device__ __forceinline__ uint32_t pair_times_factor(uint32_t bits, uint32_t factor) {
   uint32_t out;
-  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(out) : "r"(bits), "r"(factor));
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(out) : "r"(bits), "r"(factor), "r"(0x80008000u));
   return out;
 }
 

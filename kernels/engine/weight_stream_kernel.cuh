@@ -17,10 +17,10 @@
 //    [TOKENS][64] pool tile; per segment step (GEMM1's side, GEMM2's extra), one
 //    [64][64] BF16 box of the adapter factor per consumer warpgroup and the pool tile;
 //  - consumers (warpgroups 1 and 2, 64 rows of each half): per base step, read their
-//    rows' codes and decode the first half's fragment, issue its MMAs (register A), then
-//    decode the second half's fragment while they run and issue its MMAs: two batches
-//    per step, each fragment rewritten only after its batch retired; segment steps are
-//    shared-memory wgmma (the factor read MN-major); then the epilogue from registers.
+//    rows' codes, decode both halves' fragments into one of two register buffers while
+//    the previous step's MMAs run, then issue the step's MMAs (register A) as one batch;
+//    segment steps are shared-memory wgmma (the factor read MN-major); then the
+//    epilogue from registers.
 // Contract: `full`/`empty` per stage as in the engine (pipeline.cuh); the producer and
 // the consumers walk the same tiles and steps.
 #pragma once
@@ -286,39 +286,52 @@ struct StreamLines {
     const uint32_t base = shared_address(code_area) + code_offset;
     // Scale bytes above 128 (2^(s - 1) is no BF16) are rare: one branch per half step.
     const bool fast = __vcmpgtu4(pairs, 0x80808080u) == 0u;
+    // Both lines' words first: sixteen independent pairs to interleave.
+    uint32_t words[2][8];
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      uint32_t words[8];
       const uint32_t at = base + line_code_offset(first + half);
       asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                   : "=r"(words[0]), "=r"(words[1]), "=r"(words[2]), "=r"(words[3])
+                   : "=r"(words[half][0]), "=r"(words[half][1]), "=r"(words[half][2]),
+                     "=r"(words[half][3])
                    : "r"(at));
       asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                   : "=r"(words[4]), "=r"(words[5]), "=r"(words[6]), "=r"(words[7])
+                   : "=r"(words[half][4]), "=r"(words[half][5]), "=r"(words[half][6]),
+                     "=r"(words[half][7])
                    : "r"(at + 16));
-      const uint32_t pair = (pairs >> (16 * half)) & 0xFFFFu;
-      uint32_t out[8];
-      if (fast) {
+    }
+    uint32_t out[2][8];
+    if (fast) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const uint32_t pair = (pairs >> (16 * half)) & 0xFFFFu;
         const uint32_t factor[2] = {mxfp4::pair_factor(pair & 0xFFu),
                                     mxfp4::pair_factor(pair >> 8)};
 #pragma unroll
         for (int w = 0; w < 8; ++w)
-          out[w] = mxfp4::pair_times_factor(
-              mxfp4::pair_bits_times_2_pow_minus_126(words[w], selector), factor[w / 4]);
-      } else {
+          out[half][w] = mxfp4::pair_times_factor(
+              mxfp4::pair_bits_times_2_pow_minus_126(words[half][w], selector), factor[w / 4]);
+      }
+    } else {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const uint32_t pair = (pairs >> (16 * half)) & 0xFFFFu;
 #pragma unroll
         for (int w = 0; w < 8; ++w)
-          out[w] = mxfp4::pair_any_scale(mxfp4::pair_bits_times_2_pow_minus_126(words[w], selector),
-                                         w < 4 ? pair & 0xFFu : pair >> 8);
-      }
-      // Row r (half 0) or r + 8; word 2j / 2j + 1 is k16 step j's first / second eight
-      // columns.
-#pragma unroll
-      for (int k16 = 0; k16 < 4; ++k16) {
-        fragment[k16][half] = out[2 * k16];
-        fragment[k16][2 + half] = out[2 * k16 + 1];
+          out[half][w] = mxfp4::pair_any_scale(
+              mxfp4::pair_bits_times_2_pow_minus_126(words[half][w], selector),
+              w < 4 ? pair & 0xFFu : pair >> 8);
       }
     }
+    // Row r (half 0) or r + 8; word 2j / 2j + 1 is k16 step j's first / second eight
+    // columns.
+#pragma unroll
+    for (int half = 0; half < 2; ++half)
+#pragma unroll
+      for (int k16 = 0; k16 < 4; ++k16) {
+        fragment[k16][half] = out[half][2 * k16];
+        fragment[k16][2 + half] = out[half][2 * k16 + 1];
+      }
   }
 };
 
@@ -397,14 +410,14 @@ template <class C>
 __device__ __forceinline__ void stream_consume(const WeightStreamParams& p,
                                                const StreamStorage<C>& smem, int consumer) {
   constexpr int kTokens = C::kTokensPerChunk;
-  constexpr int kScaleSteps = 4;
+  constexpr int kScaleSteps = 2;  // scale prefetch distance = fragment buffers
   using Mma = StreamMma<kTokens>;
   const typename C::Schedule schedule(p);
   const int thread = threadIdx.x % kWarpgroupThreads;
   const int lane = threadIdx.x % 32;
   // The tile's two halves (Gated: g and u).
   float acc_lo[kTokens / 2], acc_hi[kTokens / 2];
-  Fragment fragment_lo, fragment_hi;
+  Fragment fragments[2][2];  // [buffer][half]
   RingState<C::kStages> ring, release;
   const bool clamped = is_clamped(p.activation_clamp);
   const bool geglu = p.activation == static_cast<int>(Activation::GeGLU);
@@ -477,40 +490,41 @@ __device__ __forceinline__ void stream_consume(const WeightStreamParams& p,
       }
     }
     const StreamLines lines(p, consumer, thread, tile, lane);
-    // Scale pairs four steps ahead (their loads miss L2 as often as not, and a step is
-    // shorter than a DRAM round trip): [0] is this step's.
+    // Scale pairs two steps ahead (their loads miss L2 as often as not, and a step is
+    // about a DRAM round trip), in two slots by step parity: a slot is refilled right
+    // after its step read it and read again two steps on, so no instruction waits on a
+    // load before then (moving a loading register into another slot would).
     uint32_t scale_pairs[kScaleSteps][2];
 #pragma unroll
-    for (int ahead = 0; ahead < kScaleSteps; ++ahead)
-      if (ahead < base_steps) lines.load_scales(ahead, scale_pairs[ahead]);
-    // A base step in two batches, the first half's MMAs, then the second's: each
-    // fragment is decoded while the other's batch runs, and rewritten only after the
-    // wait that retires the batch which read it.
-    for (int k_step = 0; k_step < base_steps; ++k_step) {
+    for (int slot = 0; slot < kScaleSteps; ++slot)
+      if (slot < base_steps) lines.load_scales(slot, scale_pairs[slot]);
+    // A base step: both halves' fragments decoded, then their MMAs as one batch. The
+    // fragments alternate between two buffers (by step parity too): a buffer is
+    // rewritten only after the batch that read it retired, which the step between
+    // guarantees (one batch in flight), so a step's decode overlaps the previous step's
+    // MMAs.
+    auto base_step = [&](int k_step, Fragment& lo, Fragment& hi, uint32_t (&pairs)[2]) {
       TransactionBarrier::wait(&smem.full[ring.stage], ring.phase);
       const uint8_t* codes = smem.a(ring.stage);
-      const uint64_t desc_b = descriptor_k_major(smem.b(ring.stage));
-      lines.decode(codes, 0, scale_pairs[0][0], fragment_lo);
-      fence_fragment(fragment_lo);
+      lines.decode(codes, 0, pairs[0], lo);
+      lines.decode(codes, 2, pairs[1], hi);
+      if (k_step + kScaleSteps < base_steps) lines.load_scales(k_step + kScaleSteps, pairs);
+      fence_fragment(lo);
+      fence_fragment(hi);
       cute::warpgroup_arrive();
-      Mma::base_half_step(fragment_lo, desc_b, acc_lo);
+      const uint64_t desc_b = descriptor_k_major(smem.b(ring.stage));
+      Mma::base_half_step(lo, desc_b, acc_lo);
+      Mma::base_half_step(hi, desc_b, acc_hi);
       cute::warpgroup_commit_batch();
       retire_previous();
-      lines.decode(codes, 2, scale_pairs[0][1], fragment_hi);
-      fence_fragment(fragment_hi);
-      cute::warpgroup_arrive();
-      Mma::base_half_step(fragment_hi, desc_b, acc_hi);
-      cute::warpgroup_commit_batch();
-      cute::warpgroup_wait<1>();
       ring.advance();
-#pragma unroll
-      for (int ahead = 0; ahead + 1 < kScaleSteps; ++ahead) {
-        scale_pairs[ahead][0] = scale_pairs[ahead + 1][0];
-        scale_pairs[ahead][1] = scale_pairs[ahead + 1][1];
-      }
-      if (k_step + kScaleSteps < base_steps)
-        lines.load_scales(k_step + kScaleSteps, scale_pairs[kScaleSteps - 1]);
+    };
+    int k_step = 0;
+    for (; k_step + 1 < base_steps; k_step += 2) {
+      base_step(k_step, fragments[0][0], fragments[0][1], scale_pairs[0]);
+      base_step(k_step + 1, fragments[1][0], fragments[1][1], scale_pairs[1]);
     }
+    if (k_step < base_steps) base_step(k_step, fragments[0][0], fragments[0][1], scale_pairs[0]);
     cute::warpgroup_wait<0>();
     fence_accumulators(acc_lo);
     fence_accumulators(acc_hi);

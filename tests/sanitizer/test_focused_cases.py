@@ -298,6 +298,25 @@ def test_weight_stream_gated(block_m, tokens, top_k, num_sms, monkeypatch):
     assert_bitwise(preact[:rows], twin_preact[:rows])
 
 
+@pytest.mark.parametrize("tokens,top_k,num_sms", GEMM_CASES)
+@pytest.mark.parametrize("block_m", BLOCK_MS)
+def test_weight_stream_store(block_m, tokens, top_k, num_sms, monkeypatch):
+    # GEMM2 with an MXFP4 w2 in the weight-streaming kernel (N = 256: one tile), with the
+    # a2 shrink's 16 extra columns (a tile of SS-wgmma steps over a2 as given, its
+    # columns past 16 never stored). Bit for bit the engine on the BF16 decode.
+    use_sms(num_sms, monkeypatch)
+    experts, n, k, extra = 8, 256, 192, 16
+    plan, _, _ = gpu_plan(tokens, experts, top_k, block_m, kind="empty", seed=tokens)
+    a = bf16((plan.pool_capacity, k), 12)
+    a[plan.pool_row_to_route < 0] = 0  # the gather's zero padding rows
+    b_extra = bf16((experts, k, extra), 13, k**-0.5)  # a2 as given [E, I, r]
+    codes, scales, decoded = mxfp4_b((experts, n, k), 14)
+    rows = rows_used(plan)
+    out = grouped_gemm(a, codes, plan, b_scales=scales, b_extra=b_extra)
+    twin = grouped_gemm(a, decoded, plan, b_extra=b_extra)
+    assert_bitwise(out[:rows], twin[:rows])
+
+
 @pytest.mark.parametrize("b_format", ["bf16", "mxfp4"])
 @pytest.mark.parametrize("tokens,top_k,num_sms", GEMM_CASES)
 @pytest.mark.parametrize("block_m", BLOCK_MS)

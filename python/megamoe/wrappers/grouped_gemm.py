@@ -28,7 +28,7 @@ import math
 import torch
 
 from ..env import num_sms as resolve_device_sms
-from ..heuristics import mxfp4_decodes_in_pipeline, weight_stream_chunk
+from ..heuristics import mxfp4_decodes_in_pipeline, weight_stream_chunk, weight_stream_store
 from ..validation.arguments import check_choice, check_tensor
 from . import _native
 from .routing import RoutePlan
@@ -244,9 +244,11 @@ def grouped_gemm(
         return out
     extra_lo, extra_hi = (b_extra, None) if b_extra_blocks is None else b_extra_blocks
     dl = _native.dlpack
-    if mxfp4 and not major_mn and n_base % 256 == 0 and n_extra <= 256:
+    routes = plan.route_to_pool_row.numel()
+    streams = mxfp4 and not major_mn and weight_stream_store(routes, b.shape[0])
+    if streams and n_base % 256 == 0 and n_extra <= 256:
         # MXFP4 with few rows per expert: decoded into the wgmma's A registers.
-        chunk = weight_stream_chunk(plan.route_to_pool_row.numel(), b.shape[0])
+        chunk = weight_stream_chunk(routes, b.shape[0])
         with _native.on_device(a.device):
             _native.native().weight_stream_store(
                 dl(a),
