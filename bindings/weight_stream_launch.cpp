@@ -30,15 +30,20 @@ const WeightStreamKernels& select_stream_variant(StreamKind kind, int tokens) {
   throw nb::value_error(("tokens: no weight-stream variant for chunks of " + str(tokens)).c_str());
 }
 
-// The pool [P, cols] BF16 with unit column stride, in whole chunks.
-void check_pool(const Tensor& a, int tokens) {
+// The pool [P, cols] BF16 with unit column stride, its segments padded to `block_m`
+// rows: a chunk of `tokens` rows must lie in one expert's segment.
+void check_pool(const Tensor& a, int tokens, int block_m) {
   if (a.dtype() != bfloat16_dtype() || a.ndim() != 2 || a.stride(1) != 1 ||
       a.stride(0) < static_cast<int64_t>(a.shape(1)))
     throw nb::value_error("a: expected a BF16 [P, cols] pool with unit column stride");
+  if (block_m < tokens || block_m % tokens != 0)
+    throw nb::value_error(("block_m: the pool's segment padding " + str(block_m) +
+                           " is not a multiple of the chunk " + str(tokens))
+                              .c_str());
   const int64_t rows = a.shape(0);
-  if (rows % tokens != 0)
+  if (rows % block_m != 0)
     throw nb::value_error(
-        ("a: pool rows " + str(rows) + " are not a multiple of the chunk " + str(tokens)).c_str());
+        ("a: pool rows " + str(rows) + " are not a multiple of BLOCK_M " + str(block_m)).c_str());
   if (rows >= (int64_t{1} << 31)) throw nb::value_error("a: more than 2^31 - 1 pool rows");
 }
 
@@ -68,11 +73,11 @@ void weight_stream_gated(const Tensor& a, int64_t k_base, const Tensor& w13,
                          const Tensor& w13_scales, const Tensor& offsets, const Tensor& counts,
                          const Tensor& h, std::optional<Tensor> preact,
                          std::optional<Tensor> side_gate, std::optional<Tensor> side_up,
-                         double side_scale, int activation, double activation_clamp, int tokens,
-                         int num_sms, uintptr_t stream) {
+                         double side_scale, int activation, double activation_clamp, int block_m,
+                         int tokens, int num_sms, uintptr_t stream) {
   const int device = a.device_id();
   const WeightStreamKernels& kernels = select_stream_variant(StreamKind::Gated, tokens);
-  check_pool(a, tokens);
+  check_pool(a, tokens, block_m);
   const int64_t rows = a.shape(0);
   if (k_base < kBlockK || k_base % kBlockK != 0)
     throw nb::value_error(("k_base: expected a multiple of 64, got " + str(k_base)).c_str());
@@ -147,10 +152,11 @@ void weight_stream_gated(const Tensor& a, int64_t k_base, const Tensor& w13,
 // are padded to a multiple of `tokens` rows.
 void weight_stream_store(const Tensor& a, int64_t k_base, const Tensor& b, const Tensor& b_scales,
                          std::optional<Tensor> b_extra, const Tensor& offsets, const Tensor& counts,
-                         const Tensor& out, int tokens, int num_sms, uintptr_t stream) {
+                         const Tensor& out, int block_m, int tokens, int num_sms,
+                         uintptr_t stream) {
   const int device = a.device_id();
   const WeightStreamKernels& kernels = select_stream_variant(StreamKind::Store, tokens);
-  check_pool(a, tokens);
+  check_pool(a, tokens, block_m);
   const int64_t rows = a.shape(0);
   if (k_base < kBlockK || k_base % kBlockK != 0 || k_base > static_cast<int64_t>(a.shape(1)))
     throw nb::value_error(("k_base: expected a multiple of 64 in [64, " + str(a.shape(1)) +
@@ -207,13 +213,13 @@ void register_weight_stream(nb::module_& m) {
         nb::arg("w13"), nb::arg("w13_scales"), nb::arg("expert_pool_offsets"),
         nb::arg("expert_counts"), nb::arg("h"), nb::arg("preact_out").none(),
         nb::arg("side_gate").none(), nb::arg("side_up").none(), nb::arg("side_scale"),
-        nb::arg("activation"), nb::arg("activation_clamp"), nb::arg("tokens"), nb::arg("num_sms"),
-        nb::arg("stream"),
+        nb::arg("activation"), nb::arg("activation_clamp"), nb::arg("block_m"), nb::arg("tokens"),
+        nb::arg("num_sms"), nb::arg("stream"),
         "GEMM1 with an MXFP4 w13 decoded into the wgmma's A registers (few rows per expert).");
   m.def("weight_stream_store", &weight_stream_store, nb::arg("a"), nb::arg("k_base"), nb::arg("b"),
         nb::arg("b_scales"), nb::arg("b_extra").none(), nb::arg("expert_pool_offsets"),
-        nb::arg("expert_counts"), nb::arg("out"), nb::arg("tokens"), nb::arg("num_sms"),
-        nb::arg("stream"),
+        nb::arg("expert_counts"), nb::arg("out"), nb::arg("block_m"), nb::arg("tokens"),
+        nb::arg("num_sms"), nb::arg("stream"),
         "GEMM2 with an MXFP4 b decoded into the wgmma's A registers (few rows per expert).");
 }
 

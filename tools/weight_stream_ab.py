@@ -59,7 +59,7 @@ def measure(tokens: int, args: argparse.Namespace, w13, codes, scales, side: dic
         native.weight_stream_gated(
             dl(a), h, dl(codes), dl(scales), dl(plan.expert_pool_offsets),
             dl(plan.expert_counts), dl(result), None,
-            *_side_args(side), 0, math.inf, chunk, sms, stream,
+            *_side_args(side), 0, math.inf, plan.block_m, chunk, sms, stream,
         )  # fmt: skip
         return result
 
@@ -113,7 +113,8 @@ def measure_gemm2(tokens: int, args: argparse.Namespace, w2, codes, scales, a2) 
         result = torch.empty_like(out)
         native.weight_stream_store(
             dl(a), i, dl(codes), dl(scales), None if a2 is None else dl(a2),
-            dl(plan.expert_pool_offsets), dl(plan.expert_counts), dl(result), chunk, sms, stream,
+            dl(plan.expert_pool_offsets), dl(plan.expert_counts), dl(result), plan.block_m,
+            chunk, sms, stream,
         )  # fmt: skip
         return result
 

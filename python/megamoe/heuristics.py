@@ -91,10 +91,13 @@ def mxfp4_decodes_in_pipeline(pool_rows: int, num_experts: int) -> bool:
     return pool_rows <= MXFP4_PIPELINE_MAX_ROWS_PER_EXPERT * num_experts
 
 
-#: Expected pool rows per expert up to which the weight-streaming GEMM1 walks each
+#: Expected pool rows per expert up to which the weight-streaming GEMMs walk each
 #: expert's rows in chunks of 32 (wgmma N = 32); above it, chunks of 64. A chunk decodes
 #: its weight tile once, so the chunk should hold an expert's rows; a narrower MMA costs
-#: the tensor cores less beside the decode.
+#: the tensor cores less beside the decode. Neither this choice nor streaming at all
+#: changes a bit of the result (every form sums the same products in the same order:
+#: tests/gpu/test_weight_stream.py), so the ranks of an EP group, which see different
+#: route counts, may choose differently.
 WEIGHT_STREAM_SMALL_CHUNK_MAX_ROWS = 24
 
 

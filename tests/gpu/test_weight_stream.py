@@ -54,6 +54,7 @@ def stream_gemm1(a, codes, scales, plan, *, k, chunk, activation="swiglu", clamp
         float(side.get("side_scale", 0.0)),
         ACTIVATIONS[activation],
         math.inf if clamp is None else float(clamp),
+        plan.block_m,
         chunk,
         torch.cuda.get_device_properties(0).multi_processor_count,
         torch.cuda.current_stream().cuda_stream,
@@ -75,6 +76,7 @@ def stream_gemm2(a, codes, scales, plan, *, chunk, b_extra=None):
         dl(plan.expert_pool_offsets),
         dl(plan.expert_counts),
         dl(out),
+        plan.block_m,
         chunk,
         torch.cuda.get_device_properties(0).multi_processor_count,
         torch.cuda.current_stream().cuda_stream,
@@ -212,20 +214,25 @@ def test_every_scale_byte_matches_the_engine(chunk, scale_mod):
     assert same_bits(h[:rows][data], twin[:rows][data])
 
 
-def test_repeated_runs_are_bitwise_equal():
+def test_repeated_runs_are_bitwise_equal(monkeypatch):
+    native = _native.native()
+    launches = []
+    stream = native.weight_stream_gated
+    monkeypatch.setattr(native, "weight_stream_gated", lambda *a: launches.append(1) or stream(*a))
     plan, a, codes, scales, side = operands(512, 64, 6, 1024, 512, 128, kind="balanced", seed=8)
     rows = int(plan.expert_pool_offsets[-1])  # rows past it are not written
     first = gated_grouped_gemm(a, codes, plan, k=1024, w13_scales=scales, **side)[:rows]
     for _ in range(3):
         again = gated_grouped_gemm(a, codes, plan, k=1024, w13_scales=scales, **side)[:rows]
         assert same_bits(again, first)
+    assert len(launches) == 4, "the layer's routing took the weight-streaming GEMM1"
 
 
 def test_launcher_rejects_a_pool_not_in_whole_chunks():
     plan, a, codes, scales, _ = operands(10, 2, 1, 256, 128, 0, seed=1)
     with pytest.raises(ValueError, match="tokens: no weight-stream variant"):
         stream_gemm1(a, codes, scales, plan, k=256, chunk=48)
-    with pytest.raises(ValueError, match="not a multiple of the chunk"):
+    with pytest.raises(ValueError, match="not a multiple of BLOCK_M"):
         stream_gemm1(a[:-32], codes, scales, plan, k=256, chunk=64)
 
 
@@ -276,3 +283,36 @@ def test_store_launcher_checks():
     wide = torch.zeros(2, 256, 264, dtype=torch.bfloat16, device="cuda")
     with pytest.raises(ValueError, match="up to 256"):
         stream_gemm2(a, codes, scales, plan, chunk=32, b_extra=wide)
+
+
+@pytest.mark.parametrize("chunk", CHUNKS)
+@pytest.mark.parametrize("k", [64, 320])  # one K step; an odd count (the loop's tail)
+def test_odd_step_counts(chunk, k):
+    plan, a, codes, scales, side = operands(150, 8, 2, k, 128, 16, seed=k)
+    h = stream_gemm1(a, codes, scales, plan, k=k, chunk=chunk, side=side)
+    decoded = decode_mxfp4_bf16(codes, scales)
+    twin = gated_grouped_gemm(a, decoded, plan, k=k, **side)
+    rows = int(plan.expert_pool_offsets[-1])
+    assert same_bits(h[:rows], twin[:rows])
+    g = torch.Generator(device="cuda").manual_seed(k + 1)
+    codes2 = torch.randint(0, 256, (8, 256, k // 2), dtype=torch.uint8, device="cuda", generator=g)
+    scales2 = torch.randint(
+        112, 136, (8, 256, k // 32), dtype=torch.uint8, device="cuda", generator=g
+    )
+    pool2 = a[:, :k].contiguous()
+    out = stream_gemm2(pool2, codes2, scales2, plan, chunk=chunk)
+    twin2 = grouped_gemm(pool2, decode_mxfp4_bf16(codes2, scales2), plan)
+    assert same_bits(out[:rows], twin2[:rows])
+
+
+def test_launchers_reject_chunks_across_segments():
+    plan, a, codes, scales, _ = operands(10, 2, 1, 256, 128, 0, block_m=64, seed=2)
+    dl = _native.dlpack
+    h = torch.empty(a.shape[0], 128, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(ValueError, match="block_m: the pool's segment padding 32"):
+        _native.native().weight_stream_gated(
+            dl(a), 256, dl(codes), dl(scales), dl(plan.expert_pool_offsets),
+            dl(plan.expert_counts), dl(h), None, None, None, 0.0, 0, math.inf, 32, 64,
+            torch.cuda.get_device_properties(0).multi_processor_count,
+            torch.cuda.current_stream().cuda_stream,
+        )  # fmt: skip

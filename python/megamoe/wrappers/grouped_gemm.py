@@ -102,6 +102,13 @@ def mxfp4_b(
     return k, _dequantized(codes, scales), None
 
 
+def _streams(columns: int, tile: int, scales: torch.Tensor, plan: RoutePlan, chunk: int) -> bool:
+    """Whether the weight-streaming kernel takes an MXFP4 GEMM its shape allows:
+    ``columns`` (GEMM1's ``I``, GEMM2's ``N``) in whole tiles, segments padded to whole
+    chunks, and scales it can read two bytes at a time."""
+    return columns % tile == 0 and plan.block_m % chunk == 0 and scales.data_ptr() % 2 == 0
+
+
 def _dequantized(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """The exact BF16 values of an MXFP4 B (one decode kernel on CUDA)."""
     from .mxfp4_decode import decode_mxfp4_bf16
@@ -157,7 +164,8 @@ def grouped_gemm(
     Args:
         a: ``[pool rows, >= k]`` BF16 pool (rows grouped as ``plan`` says).
         b: ``[E, N, k]`` BF16 expert weights, K-major (nn.Linear layout).
-        plan: the route plan (only ``expert_pool_offsets`` and ``block_m`` are read).
+        plan: the route plan (``expert_pool_offsets`` and ``block_m``; the
+            weight-streaming path also reads ``expert_counts`` and the route count).
         k: reduction length (defaults to ``b``'s); columns of ``a`` past it are ignored.
         b_extra: optional ``[E, k, N_x]`` BF16, ``b_major="k"`` only (read as it is,
             MN-major): ``N_x`` more output columns ``a @ b_extra[e]`` (GEMM2's ``a2``
@@ -245,10 +253,10 @@ def grouped_gemm(
     extra_lo, extra_hi = (b_extra, None) if b_extra_blocks is None else b_extra_blocks
     dl = _native.dlpack
     routes = plan.route_to_pool_row.numel()
+    chunk = weight_stream_chunk(routes, b.shape[0])
     streams = mxfp4 and not major_mn and weight_stream_store(routes, b.shape[0])
-    if streams and n_base % 256 == 0 and n_extra <= 256:
+    if streams and n_extra <= 256 and _streams(n_base, 256, decode_scales, plan, chunk):
         # MXFP4 with few rows per expert: decoded into the wgmma's A registers.
-        chunk = weight_stream_chunk(routes, b.shape[0])
         with _native.on_device(a.device):
             _native.native().weight_stream_store(
                 dl(a),
@@ -259,6 +267,7 @@ def grouped_gemm(
                 dl(plan.expert_pool_offsets),
                 dl(plan.expert_counts),
                 dl(out),
+                plan.block_m,
                 chunk,
                 _device_sms(a.device),
                 _native.current_stream(a.device),
@@ -360,9 +369,9 @@ def gated_grouped_gemm(
         )
         return out
     dl = _native.dlpack
-    if decode_scales is not None and two_i % 256 == 0:
+    chunk = weight_stream_chunk(plan.route_to_pool_row.numel(), w13.shape[0])
+    if decode_scales is not None and _streams(two_i // 2, 128, decode_scales, plan, chunk):
         # MXFP4 with few rows per expert: decoded into the wgmma's A registers.
-        chunk = weight_stream_chunk(plan.route_to_pool_row.numel(), w13.shape[0])
         with _native.on_device(a.device):
             _native.native().weight_stream_gated(
                 dl(a),
@@ -378,6 +387,7 @@ def gated_grouped_gemm(
                 float(side_scale),
                 ACTIVATIONS[activation],
                 clamp,
+                plan.block_m,
                 chunk,
                 _device_sms(a.device),
                 _native.current_stream(a.device),
