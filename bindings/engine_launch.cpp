@@ -64,14 +64,6 @@ void check_rows(const char* name, const Tensor& t, int64_t rows, int device) {
                               .c_str());
 }
 
-void check_activation(int activation, double clamp) {
-  if (activation != 0 && activation != 1)
-    throw nb::value_error(
-        ("activation: expected 0 (swiglu) or 1 (geglu), got " + str(activation)).c_str());
-  if (std::isnan(clamp) || clamp <= 0)
-    throw nb::value_error("activation_clamp: expected a positive value (inf = no clamp)");
-}
-
 // The pool schedule shared by the pool kinds: the plan's offsets, the rows in use
 // clamped to the pool on the device.
 ScheduleParams pool_schedule(const Tensor& offsets, int64_t experts, int64_t pool_rows, int block_m,
@@ -111,15 +103,6 @@ void set_store_outputs(EpilogueParams& e, const Tensor& out, int64_t rows, int64
         bf16_rows("out (extra columns)", static_cast<const uint16_t*>(out.data()) + n_base, rows,
                   n_extra, stride, block_m);
   }
-}
-
-// A BF16 [E, K, N] operand as stored (weights, or adapter factors as given), read
-// MN-major in [64 N, 64 K] boxes.
-CUtensorMap mn_major_map(const char* name, const Tensor& w, int device) {
-  check_tensor(name, w, bfloat16_dtype(), {-1, -1, -1}, device);
-  const int64_t e = w.shape(0), k = w.shape(1), n = w.shape(2);
-  return tensor_map(name, w.data(), CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, {n, k, e}, {n * 2, k * n * 2},
-                    {64, kBlockK, 1}, true);
 }
 
 // A BF16 [E, N, K] operand as stored (nn.Linear-like), read K-major in [64 K, BLOCK_N

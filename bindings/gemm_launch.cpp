@@ -3,6 +3,7 @@
 
 #include <cudaTypedefs.h>
 
+#include <cmath>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -71,6 +72,21 @@ CUtensorMap bf16_rows(const char* name, const void* base, int64_t rows, int64_t 
                       int64_t row_stride, int box_rows) {
   return tensor_map(name, base, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, {cols, rows}, {row_stride * 2},
                     {kGemmBlockK, box_rows}, true);
+}
+
+CUtensorMap mn_major_map(const char* name, const Tensor& w, int device) {
+  check_tensor(name, w, bfloat16_dtype(), {-1, -1, -1}, device);
+  const int64_t e = w.shape(0), k = w.shape(1), n = w.shape(2);
+  return tensor_map(name, w.data(), CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, {n, k, e}, {n * 2, k * n * 2},
+                    {64, kGemmBlockK, 1}, true);
+}
+
+void check_activation(int activation, double clamp) {
+  if (activation != 0 && activation != 1)
+    throw nb::value_error(
+        ("activation: expected 0 (swiglu) or 1 (geglu), got " + str(activation)).c_str());
+  if (std::isnan(clamp) || clamp <= 0)
+    throw nb::value_error("activation_clamp: expected a positive value (inf = no clamp)");
 }
 
 }  // namespace megamoe

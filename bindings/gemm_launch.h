@@ -10,6 +10,7 @@
 #include <string>
 
 #include "cuda_check.h"
+#include "tensor_checks.h"
 
 namespace megamoe {
 
@@ -28,6 +29,14 @@ CUtensorMap tensor_map(const char* name, const void* base, CUtensorMapDataType t
 // BF16 [rows, cols] with `row_stride` elements between rows, box [box_rows, 64], swizzled.
 CUtensorMap bf16_rows(const char* name, const void* base, int64_t rows, int64_t cols,
                       int64_t row_stride, int box_rows);
+
+// A BF16 [E, K, N] operand as stored (weights, or adapter factors as given), read
+// MN-major in [64 N, 64 K] boxes (checked: a dense 3-D BF16 tensor on `device`).
+CUtensorMap mn_major_map(const char* name, const Tensor& w, int device);
+
+// The gated activation's arguments: 0 (SwiGLU) or 1 (GeGLU), and a positive clamp (inf:
+// none).
+void check_activation(int activation, double clamp);
 
 // Launch a persistent kernel taking one parameter block: one CTA per SM (`num_sms`),
 // `threads` threads and `smem_bytes` of dynamic shared memory, on `stream`. Checks that

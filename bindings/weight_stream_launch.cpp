@@ -88,11 +88,7 @@ void weight_stream_gated(const Tensor& a, int64_t k_base, const Tensor& w13,
     throw nb::value_error(
         ("w13: expected 2I rows with I a multiple of 128, got " + str(two_i)).c_str());
   check_scales("w13_scales", w13_scales, experts, two_i, k_base, device);
-  if (activation != 0 && activation != 1)
-    throw nb::value_error(
-        ("activation: expected 0 (swiglu) or 1 (geglu), got " + str(activation)).c_str());
-  if (std::isnan(activation_clamp) || activation_clamp <= 0)
-    throw nb::value_error("activation_clamp: expected a positive value (inf = no clamp)");
+  check_activation(activation, activation_clamp);
   if (side_gate.has_value() != side_up.has_value())
     throw nb::value_error("side_gate/side_up: give both or neither");
   int64_t rank = 0;
@@ -125,12 +121,8 @@ void weight_stream_gated(const Tensor& a, int64_t k_base, const Tensor& w13,
                  {kBlockK / 2, kGatedColumns, 2, 1}, false);
   if (side_gate) {
     // b1 and b3 as given [E, r, I]: [64 I, 64 r] boxes, the A of the side steps.
-    p.segment_lo =
-        tensor_map("side_gate", side_gate->data(), CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-                   {inter, rank, experts}, {inter * 2, rank * inter * 2}, {64, kBlockK, 1}, true);
-    p.segment_hi =
-        tensor_map("side_up", side_up->data(), CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-                   {inter, rank, experts}, {inter * 2, rank * inter * 2}, {64, kBlockK, 1}, true);
+    p.segment_lo = mn_major_map("side_gate", *side_gate, device);
+    p.segment_hi = mn_major_map("side_up", *side_up, device);
   }
   p.scales = static_cast<const uint8_t*>(w13_scales.data());
   p.k_base = static_cast<int32_t>(k_base);
@@ -188,9 +180,7 @@ void weight_stream_store(const Tensor& a, int64_t k_base, const Tensor& b, const
     p.n_extra_blocks = 1;
     p.segment_half = p.base_steps;
     p.segment_steps = (n_extra > kStoreColumns / 2 ? 2 : 1) * p.base_steps;
-    p.segment_lo = tensor_map("b_extra", b_extra->data(), CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-                              {n_extra, k_base, experts}, {n_extra * 2, k_base * n_extra * 2},
-                              {64, kBlockK, 1}, true);
+    p.segment_lo = mn_major_map("b_extra", *b_extra, device);
   }
   p.pool = bf16_rows("a", a.data(), rows, k_base, a.stride(0), tokens);
   p.codes = tensor_map("b", b.data(), CU_TENSOR_MAP_DATA_TYPE_UINT8, {k_base / 2, n, experts},

@@ -63,23 +63,25 @@ def measure(tokens: int, args: argparse.Namespace, w13, codes, scales, side: dic
         )  # fmt: skip
         return result
 
-    def median(fn) -> float:
-        return time_fn(fn, device=dev, warmup=3, iters=args.iters).median_ms
+    bf16 = lambda: gated_grouped_gemm(a, w13, plan, k=h, **side)  # noqa: E731
+    return _row("gemm1", tokens, args.iters, plan, out, bf16, engine_mxfp4, stream_mxfp4)
 
-    t_bf16 = median(lambda: gated_grouped_gemm(a, w13, plan, k=h, **side))
-    t_engine = median(engine_mxfp4)
-    t32 = median(lambda: stream_mxfp4(32))
-    t64 = median(lambda: stream_mxfp4(64))
-    engine_mxfp4()
+
+def _row(gemm, tokens, iters, plan, out, bf16, engine, stream) -> str:
+    """Times the BF16 GEMM, the engine's MXFP4 one (writing ``out``) and the streaming
+    one at both chunks; checks the streaming outputs against ``out`` on the rows in use."""
+
+    def median(fn) -> float:
+        return time_fn(fn, device=out.device, warmup=3, iters=iters).median_ms
+
+    t_bf16, t_engine = median(bf16), median(engine)
+    t32, t64 = median(lambda: stream(32)), median(lambda: stream(64))
+    engine()
     rows = int(plan.expert_pool_offsets[-1])
     same = all(
-        torch.equal(stream_mxfp4(c)[:rows].view(torch.int16), out[:rows].view(torch.int16))
+        torch.equal(stream(c)[:rows].view(torch.int16), out[:rows].view(torch.int16))
         for c in (32, 64)
     )
-    return _row("gemm1", tokens, t_bf16, t_engine, t32, t64, same)
-
-
-def _row(gemm, tokens, t_bf16, t_engine, t32, t64, same) -> str:
     best = min(t32, t64)
     return (
         f"{gemm:>5} {tokens:>6} {t_bf16:8.3f} {t_engine:8.3f} {t32:8.3f} {t64:8.3f} "
@@ -118,20 +120,8 @@ def measure_gemm2(tokens: int, args: argparse.Namespace, w2, codes, scales, a2) 
         )  # fmt: skip
         return result
 
-    def median(fn) -> float:
-        return time_fn(fn, device=dev, warmup=3, iters=args.iters).median_ms
-
-    t_bf16 = median(lambda: grouped_gemm(a, w2, plan, b_extra=a2))
-    t_engine = median(engine_mxfp4)
-    t32 = median(lambda: stream_mxfp4(32))
-    t64 = median(lambda: stream_mxfp4(64))
-    engine_mxfp4()
-    rows = int(plan.expert_pool_offsets[-1])
-    same = all(
-        torch.equal(stream_mxfp4(c)[:rows].view(torch.int16), out[:rows].view(torch.int16))
-        for c in (32, 64)
-    )
-    return _row("gemm2", tokens, t_bf16, t_engine, t32, t64, same)
+    bf16 = lambda: grouped_gemm(a, w2, plan, b_extra=a2)  # noqa: E731
+    return _row("gemm2", tokens, args.iters, plan, out, bf16, engine_mxfp4, stream_mxfp4)
 
 
 def main() -> None:

@@ -66,8 +66,6 @@ __host__ __device__ __forceinline__ uint32_t pair_factor(uint32_t scale) {
   return ((scale + 126u) << 7) * 0x00010001u;
 }
 
-__host__ __device__ __forceinline__ bool pair_factor_fast(uint32_t scale) { return scale <= 128u; }
-
 // The fast path's product (exact here, subnormals kept), as an FMA with a -0 addend:
 // mul.rn.bf16x2 compiles to an FMA adding +0, which turns a -0 code into +0.
 __device__ __forceinline__ uint32_t pair_times_factor(uint32_t bits, uint32_t factor) {

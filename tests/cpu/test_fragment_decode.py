@@ -12,26 +12,13 @@ against the transient decode.
 
 from __future__ import annotations
 
-import shutil
-import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-DRIVER = ROOT / "tests" / "cpu" / "host" / "fragment_decode.cu"
-RANDOM_WORDS = 1024
 E2M1_MAGNITUDES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
-
-
-def _words() -> np.ndarray:
-    words = [byte * 0x01010101 for byte in range(256)]
-    state = 12345
-    for _ in range(RANDOM_WORDS):
-        state = (state * 1664525 + 1013904223) & 0xFFFFFFFF
-        words.append(state)
-    return np.array(words, dtype=np.uint64)
 
 
 def _bf16_values(bits: np.ndarray) -> np.ndarray:
@@ -45,18 +32,8 @@ def _e2m1(codes: np.ndarray) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def placed(tmp_path_factory: pytest.TempPathFactory) -> tuple[np.ndarray, np.ndarray]:
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        pytest.skip("nvcc is not on PATH")
-    build = tmp_path_factory.mktemp("fragment_decode")
-    binary, out = build / "fragment_decode", build / "placed.bin"
-    subprocess.run(
-        [nvcc, "-std=c++17", "-O2", "-I", str(ROOT / "kernels"), str(DRIVER), "-o", str(binary)],
-        check=True,
-    )
-    subprocess.run([str(binary), str(out)], check=True)
-    raw = np.fromfile(out, dtype=np.uint32)
+def placed(run_host_driver: Callable[[str], Path]) -> tuple[np.ndarray, np.ndarray]:
+    raw = np.fromfile(run_host_driver("fragment_decode"), dtype=np.uint32)
     return raw[:129], raw[129:].reshape(4, -1)
 
 
@@ -68,10 +45,10 @@ def test_factor_is_two_to_the_scale_minus_one(placed: tuple[np.ndarray, np.ndarr
 
 
 def test_placed_pairs_are_the_codes_times_2_pow_minus_126(
-    placed: tuple[np.ndarray, np.ndarray],
+    placed: tuple[np.ndarray, np.ndarray], mxfp4_words: np.ndarray
 ) -> None:
     _, pairs = placed
-    words = _words()
+    words = mxfp4_words
     for c in range(4):
         low_codes = ((words >> np.uint64(8 * c)) & 0xF).astype(np.int64)
         high_codes = ((words >> np.uint64(8 * c + 4)) & 0xF).astype(np.int64)

@@ -9,26 +9,13 @@ oracle is E2M1 x 2^(scale - 127) in float64, whose BF16 bits are exact in that r
 
 from __future__ import annotations
 
-import shutil
-import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-DRIVER = ROOT / "tests" / "cpu" / "host" / "mxfp4_scale_tables.cu"
-RANDOM_WORDS = 1024
 E2M1_MAGNITUDES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
-
-
-def _words() -> np.ndarray:
-    words = [byte * 0x01010101 for byte in range(256)]
-    state = 12345
-    for _ in range(RANDOM_WORDS):
-        state = (state * 1664525 + 1013904223) & 0xFFFFFFFF
-        words.append(state)
-    return np.array(words, dtype=np.uint64)
 
 
 def _reference_bf16(words: np.ndarray, scale: int) -> np.ndarray:
@@ -43,18 +30,8 @@ def _reference_bf16(words: np.ndarray, scale: int) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def decoded(tmp_path_factory: pytest.TempPathFactory) -> tuple[np.ndarray, np.ndarray]:
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        pytest.skip("nvcc is not on PATH")
-    build = tmp_path_factory.mktemp("mxfp4_scale_tables")
-    binary, out = build / "mxfp4_scale_tables", build / "decoded.bin"
-    subprocess.run(
-        [nvcc, "-std=c++17", "-O2", "-I", str(ROOT / "kernels"), str(DRIVER), "-o", str(binary)],
-        check=True,
-    )
-    subprocess.run([str(binary), str(out)], check=True)
-    raw = np.fromfile(out, dtype=np.uint8)
+def decoded(run_host_driver: Callable[[str], Path]) -> tuple[np.ndarray, np.ndarray]:
+    raw = np.fromfile(run_host_driver("mxfp4_scale_tables"), dtype=np.uint8)
     return raw[:256].astype(bool), raw[256:].view(np.uint16)
 
 
@@ -64,9 +41,11 @@ def test_fast_range_is_the_normal_bf16_products(decoded: tuple[np.ndarray, np.nd
     assert fast.tolist() == [2 <= scale <= 252 for scale in range(256)]
 
 
-def test_table_path_matches_e2m1_times_scale(decoded: tuple[np.ndarray, np.ndarray]) -> None:
+def test_table_path_matches_e2m1_times_scale(
+    decoded: tuple[np.ndarray, np.ndarray], mxfp4_words: np.ndarray
+) -> None:
     fast, values = decoded
-    words = _words()
+    words = mxfp4_words
     scales = [scale for scale in range(256) if fast[scale]]
     got = values.reshape(len(scales), len(words), 8)
     for index, scale in enumerate(scales):

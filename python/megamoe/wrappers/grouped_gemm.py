@@ -102,11 +102,17 @@ def mxfp4_b(
     return k, _dequantized(codes, scales), None
 
 
-def _streams(columns: int, tile: int, scales: torch.Tensor, plan: RoutePlan, chunk: int) -> bool:
-    """Whether the weight-streaming kernel takes an MXFP4 GEMM its shape allows:
-    ``columns`` (GEMM1's ``I``, GEMM2's ``N``) in whole tiles, segments padded to whole
-    chunks, and scales it can read two bytes at a time."""
-    return columns % tile == 0 and plan.block_m % chunk == 0 and scales.data_ptr() % 2 == 0
+def _stream_chunk(
+    columns: int, tile: int, scales: torch.Tensor, plan: RoutePlan, experts: int
+) -> int | None:
+    """The chunk of the weight-streaming kernel for an MXFP4 GEMM decoded in its
+    pipeline, or None where its shape does not allow it: ``columns`` (GEMM1's ``I``,
+    GEMM2's ``N``) in whole tiles, segments padded to whole chunks, and scales it can
+    read two bytes at a time."""
+    chunk = weight_stream_chunk(plan.route_to_pool_row.numel(), experts)
+    if columns % tile or plan.block_m % chunk or scales.data_ptr() % 2:
+        return None
+    return chunk
 
 
 def _dequantized(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -252,10 +258,11 @@ def grouped_gemm(
         return out
     extra_lo, extra_hi = (b_extra, None) if b_extra_blocks is None else b_extra_blocks
     dl = _native.dlpack
-    routes = plan.route_to_pool_row.numel()
-    chunk = weight_stream_chunk(routes, b.shape[0])
-    streams = mxfp4 and not major_mn and weight_stream_store(routes, b.shape[0])
-    if streams and n_extra <= 256 and _streams(n_base, 256, decode_scales, plan, chunk):
+    chunk = None
+    store_streams = mxfp4 and not major_mn and n_extra <= 256
+    if store_streams and weight_stream_store(plan.route_to_pool_row.numel(), b.shape[0]):
+        chunk = _stream_chunk(n_base, 256, decode_scales, plan, b.shape[0])
+    if chunk is not None:
         # MXFP4 with few rows per expert: decoded into the wgmma's A registers.
         with _native.on_device(a.device):
             _native.native().weight_stream_store(
@@ -369,8 +376,10 @@ def gated_grouped_gemm(
         )
         return out
     dl = _native.dlpack
-    chunk = weight_stream_chunk(plan.route_to_pool_row.numel(), w13.shape[0])
-    if decode_scales is not None and _streams(two_i // 2, 128, decode_scales, plan, chunk):
+    chunk = None
+    if decode_scales is not None:
+        chunk = _stream_chunk(two_i // 2, 128, decode_scales, plan, w13.shape[0])
+    if chunk is not None:
         # MXFP4 with few rows per expert: decoded into the wgmma's A registers.
         with _native.on_device(a.device):
             _native.native().weight_stream_gated(

@@ -4,15 +4,16 @@
 //
 // Writes, to the file named by argv[1]: the factor bits pair_factor(scale) for scales
 // 0..128, then for each byte position c = 0..3 and every word of the word list the
-// placed pair pair_bits_times_2_pow_minus_126(word, fragment_selector(c)). The word list
-// is the 256 words whose four bytes are equal, then kRandomWords words of a fixed LCG.
+// placed pair pair_bits_times_2_pow_minus_126(word, fragment_selector(c)). The word list:
+// mxfp4_test_words.h.
 #include <cstdio>
 #include <vector>
 
 #include "engine/fragment_decode.cuh"
+#include "mxfp4_test_words.h"
 
 namespace {
-constexpr int kRandomWords = 1024;
+constexpr int kRandomWords = 1024;  // MXFP4_RANDOM_WORDS in tests/cpu/conftest.py
 }
 
 int main(int argc, char** argv) {
@@ -21,13 +22,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "usage: %s OUT\n", argv[0]);
     return 2;
   }
-  std::vector<uint32_t> words;
-  for (uint32_t byte = 0; byte < 256; ++byte) words.push_back(byte * 0x01010101u);
-  uint32_t state = 12345u;
-  for (int i = 0; i < kRandomWords; ++i) {
-    state = state * 1664525u + 1013904223u;
-    words.push_back(state);
-  }
+  const std::vector<uint32_t> words = mxfp4_test_words(kRandomWords);
   FILE* out = std::fopen(argv[1], "wb");
   if (out == nullptr) return 1;
   for (uint32_t scale = 0; scale <= 128; ++scale) {

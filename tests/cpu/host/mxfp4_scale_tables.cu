@@ -3,16 +3,15 @@
 //
 // Writes, to the file named by argv[1]: the 256 ScaleTables::fast flags (one byte per
 // scale byte), then for every fast scale byte and every word of the word list the four
-// decoded 32-bit words (eight BF16, code 0 first). The word list is the 256 words whose
-// four bytes are equal (every code pair in every byte), then kRandomWords words of a
-// fixed 32-bit LCG.
+// decoded 32-bit words (eight BF16, code 0 first). The word list: mxfp4_test_words.h.
 #include <cstdio>
 #include <vector>
 
+#include "mxfp4_test_words.h"
 #include "mxfp4_tile_decode.cuh"
 
 namespace {
-constexpr int kRandomWords = 1024;
+constexpr int kRandomWords = 1024;  // MXFP4_RANDOM_WORDS in tests/cpu/conftest.py
 }
 
 int main(int argc, char** argv) {
@@ -21,13 +20,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "usage: %s OUT\n", argv[0]);
     return 2;
   }
-  std::vector<uint32_t> words;
-  for (uint32_t byte = 0; byte < 256; ++byte) words.push_back(byte * 0x01010101u);
-  uint32_t state = 12345u;
-  for (int i = 0; i < kRandomWords; ++i) {
-    state = state * 1664525u + 1013904223u;
-    words.push_back(state);
-  }
+  const std::vector<uint32_t> words = mxfp4_test_words(kRandomWords);
   FILE* out = std::fopen(argv[1], "wb");
   if (out == nullptr) return 1;
   for (uint32_t scale = 0; scale < 256; ++scale) {
