@@ -16,12 +16,15 @@
 //  4. one BF16x2 multiply by 2^(scale - 1) (exact: two significant bits, subnormals
 //     kept; an FMA adding -0, so -0 codes stay -0) gives E2M1 x 2^(scale - 127), the
 //     transient decode's value bit for bit.
-// 2^(scale - 1) is a BF16 for scale <= 128 (`fast`); larger scales take FP32 math.
+// 2^(scale - 1) is a BF16 for scale <= 128; larger scales take FP32 math. decode_rows is
+// a thread's whole step (two rows' words to its A-fragment registers); everything here
+// also runs on the host, for tests/cpu/test_fragment_decode.py.
 #pragma once
 
 #include <cuda_bf16.h>
 
 #include <cstdint>
+#include <cstring>
 
 #include "../mxfp4_values.cuh"
 
@@ -67,21 +70,89 @@ __host__ __device__ __forceinline__ uint32_t pair_factor(uint32_t scale) {
 }
 
 // The fast path's product (exact here, subnormals kept), as an FMA with a -0 addend:
-// mul.rn.bf16x2 compiles to an FMA adding +0, which turns a -0 code into +0.
-__device__ __forceinline__ uint32_t pair_times_factor(uint32_t bits, uint32_t factor) {
+// mul.rn.bf16x2 compiles to an FMA adding +0, which turns a -0 code into +0. On the host
+// (tests) the same exact product in FP32, its sign kept.
+__host__ __device__ __forceinline__ uint32_t pair_times_factor(uint32_t bits, uint32_t factor) {
+#ifdef __CUDA_ARCH__
   uint32_t out;
   asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(out) : "r"(bits), "r"(factor), "r"(0x80008000u));
   return out;
+#else
+  uint32_t out = 0;
+  for (int half = 0; half < 2; ++half) {
+    const float product = float_from_bits(((bits >> (16 * half)) & 0xFFFFu) << 16) *
+                          float_from_bits(((factor >> (16 * half)) & 0xFFFFu) << 16);
+    uint32_t product_bits;
+    std::memcpy(&product_bits, &product, sizeof(product_bits));
+    out |= (product_bits >> 16) << (16 * half);
+  }
+  return out;
+#endif
 }
 
 // Any scale: the transient decode's FP32 arithmetic (code x 2^126 x 2^(scale - 127),
 // exact, then one rounding to BF16; scale 0xFF gives NaN).
-__device__ __forceinline__ uint32_t pair_any_scale(uint32_t bits, uint32_t scale) {
-  const float two_pow_126 = __uint_as_float((126u + 127u) << 23), factor = ue8m0(scale);
-  const float low = __uint_as_float(bits << 16) * two_pow_126 * factor;
-  const float high = __uint_as_float(bits & 0xFFFF0000u) * two_pow_126 * factor;
+__host__ __device__ __forceinline__ uint32_t pair_any_scale(uint32_t bits, uint32_t scale) {
+  const float two_pow_126 = float_from_bits((126u + 127u) << 23), factor = ue8m0(scale);
+  const float low = float_from_bits(bits << 16) * two_pow_126 * factor;
+  const float high = float_from_bits(bits & 0xFFFF0000u) * two_pow_126 * factor;
   const __nv_bfloat162 pair = __floats2bfloat162_rn(low, high);
-  return *reinterpret_cast<const uint32_t*>(&pair);
+  uint32_t out;
+  std::memcpy(&out, &pair, sizeof(out));
+  return out;
+}
+
+// One weight's A fragment of a 64-deep step (four m64nNk16 MMAs): [k16][a0..a3].
+using StepFragment = uint32_t[4][4];
+
+// Whether any of the four scale bytes of `pairs` is above 128.
+__host__ __device__ __forceinline__ bool any_scale_above_128(uint32_t pairs) {
+#ifdef __CUDA_ARCH__
+  return __vcmpgtu4(pairs, 0x80808080u) != 0u;
+#else
+  for (int i = 0; i < 4; ++i)
+    if (((pairs >> (8 * i)) & 0xFFu) > 0x80u) return true;
+  return false;
+#endif
+}
+
+// A thread's A-fragment registers of one step from its two rows' codes: `words[0]` the
+// eight code words of row r (16 warp + lane / 4 of the warpgroup's 64), `words[1]` those
+// of row r + 8; `pairs` their scale bytes (bits 0-7: row r's words 0-3, 8-15: its words
+// 4-7, 16-31: row r + 8's likewise); `selector` the lane's (fragment_selector(lane % 4)).
+// Word 2j / 2j + 1 is k16 step j's first / second eight columns: a0 / a2 from row r, a1
+// / a3 from row r + 8 (the PTX ISA's wgmma A-fragment layout for 16-bit types).
+__host__ __device__ __forceinline__ void decode_rows(const uint32_t (&words)[2][8], uint32_t pairs,
+                                                     uint32_t selector, StepFragment& fragment) {
+  uint32_t out[2][8];
+  // Scale bytes above 128 (2^(s - 1) is no BF16) are rare: one branch for both rows.
+  if (!any_scale_above_128(pairs)) {
+#pragma unroll
+    for (int row = 0; row < 2; ++row) {
+      const uint32_t pair = (pairs >> (16 * row)) & 0xFFFFu;
+      const uint32_t factor[2] = {pair_factor(pair & 0xFFu), pair_factor(pair >> 8)};
+#pragma unroll
+      for (int w = 0; w < 8; ++w)
+        out[row][w] = pair_times_factor(pair_bits_times_2_pow_minus_126(words[row][w], selector),
+                                        factor[w / 4]);
+    }
+  } else {
+#pragma unroll
+    for (int row = 0; row < 2; ++row) {
+      const uint32_t pair = (pairs >> (16 * row)) & 0xFFFFu;
+#pragma unroll
+      for (int w = 0; w < 8; ++w)
+        out[row][w] = pair_any_scale(pair_bits_times_2_pow_minus_126(words[row][w], selector),
+                                     w < 4 ? pair & 0xFFu : pair >> 8);
+    }
+  }
+#pragma unroll
+  for (int row = 0; row < 2; ++row)
+#pragma unroll
+    for (int k16 = 0; k16 < 4; ++k16) {
+      fragment[k16][row] = out[row][2 * k16];
+      fragment[k16][2 + row] = out[row][2 * k16 + 1];
+    }
 }
 
 }  // namespace megamoe::kernels::mxfp4

@@ -186,7 +186,7 @@ __device__ __forceinline__ void stream_produce(const WeightStreamParams& p,
 }
 
 // ---- the MMAs: m64 x TOKENS x k16 into TOKENS / 2 accumulators per thread ----
-using Fragment = uint32_t[4][4];  // one weight's A fragment of a base step: [k16][a0..a3]
+using Fragment = mxfp4::StepFragment;  // one weight's A fragment of a base step
 
 template <int N>
 struct StreamMmaOps;
@@ -279,14 +279,11 @@ struct StreamLines {
   }
 
   // Decode a landed stage's codes of lines `first` and `first` + 1 (rows r and r + 8 of
-  // one half) into `fragment` with their scale pairs (`pairs`: line
-  // `first` in the low half), one line at a time (eight code words live).
+  // one half) into `fragment` with their scale pairs (`pairs`: line `first` in the low
+  // half). Both lines' words are loaded first: sixteen independent pairs to interleave.
   __device__ __forceinline__ void decode(const uint8_t* code_area, int first, uint32_t pairs,
                                          Fragment& fragment) const {
     const uint32_t base = shared_address(code_area) + code_offset;
-    // Scale bytes above 128 (2^(s - 1) is no BF16) are rare: one branch per half step.
-    const bool fast = __vcmpgtu4(pairs, 0x80808080u) == 0u;
-    // Both lines' words first: sixteen independent pairs to interleave.
     uint32_t words[2][8];
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -300,38 +297,7 @@ struct StreamLines {
                      "=r"(words[half][7])
                    : "r"(at + 16));
     }
-    uint32_t out[2][8];
-    if (fast) {
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const uint32_t pair = (pairs >> (16 * half)) & 0xFFFFu;
-        const uint32_t factor[2] = {mxfp4::pair_factor(pair & 0xFFu),
-                                    mxfp4::pair_factor(pair >> 8)};
-#pragma unroll
-        for (int w = 0; w < 8; ++w)
-          out[half][w] = mxfp4::pair_times_factor(
-              mxfp4::pair_bits_times_2_pow_minus_126(words[half][w], selector), factor[w / 4]);
-      }
-    } else {
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const uint32_t pair = (pairs >> (16 * half)) & 0xFFFFu;
-#pragma unroll
-        for (int w = 0; w < 8; ++w)
-          out[half][w] = mxfp4::pair_any_scale(
-              mxfp4::pair_bits_times_2_pow_minus_126(words[half][w], selector),
-              w < 4 ? pair & 0xFFu : pair >> 8);
-      }
-    }
-    // Row r (half 0) or r + 8; word 2j / 2j + 1 is k16 step j's first / second eight
-    // columns.
-#pragma unroll
-    for (int half = 0; half < 2; ++half)
-#pragma unroll
-      for (int k16 = 0; k16 < 4; ++k16) {
-        fragment[k16][half] = out[half][2 * k16];
-        fragment[k16][2 + half] = out[half][2 * k16 + 1];
-      }
+    mxfp4::decode_rows(words, pairs, selector, fragment);
   }
 };
 

@@ -8,6 +8,12 @@ with nvcc) runs the placement for every byte position against 1,280 words and wr
 the factors; the oracle is E2M1 x 2^(scale - 127) in float64. The multiply itself is
 the GPU's (mul.rn.bf16x2): tests/gpu/test_weight_stream.py checks it bit for bit
 against the transient decode.
+
+The driver also runs ``decode_rows``, the kernel's whole step for one thread (two rows'
+words and scale bytes to the 16 A-fragment registers of four k16 MMAs), with the host's
+exact FP32 product in place of the device multiply. Its oracle places each decoded value
+by the PTX ISA's wgmma A-fragment layout for 16-bit types: register i of k16 step j
+holds row r + 8 (i % 2), columns 16 j + 8 (i // 2) + 2c and + 1.
 """
 
 from __future__ import annotations
@@ -31,10 +37,31 @@ def _e2m1(codes: np.ndarray) -> np.ndarray:
     return np.where(codes & 8, -values, values)
 
 
+#: Cases per byte position in the driver (kFragmentCases in tests/cpu/host/fragment_decode.cu).
+FRAGMENT_CASES = 256
+#: Per case: c, the scale pairs, 2 x 8 words, 4 x 4 fragment registers.
+CASE_WORDS = 2 + 16 + 16
+
+
 @pytest.fixture(scope="module")
-def placed(run_host_driver: Callable[[str], Path]) -> tuple[np.ndarray, np.ndarray]:
-    raw = np.fromfile(run_host_driver("fragment_decode"), dtype=np.uint32)
-    return raw[:129], raw[129:].reshape(4, -1)
+def driver_output(run_host_driver: Callable[[str], Path]) -> np.ndarray:
+    return np.fromfile(run_host_driver("fragment_decode"), dtype=np.uint32)
+
+
+@pytest.fixture(scope="module")
+def placed(driver_output: np.ndarray, mxfp4_words: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    placed_end = 129 + 4 * len(mxfp4_words)
+    return driver_output[:129], driver_output[129:placed_end].reshape(4, -1)
+
+
+@pytest.fixture(scope="module")
+def fragment_cases(driver_output: np.ndarray, mxfp4_words: np.ndarray) -> np.ndarray:
+    """[cases, CASE_WORDS]: c, pairs, words [2][8], fragment [4][4] per row."""
+    start = 129 + 4 * len(mxfp4_words)
+    count = int(driver_output[start])
+    cases = driver_output[start + 1 :]
+    assert count == 4 * FRAGMENT_CASES and cases.size == count * CASE_WORDS
+    return cases.reshape(count, CASE_WORDS)
 
 
 def test_factor_is_two_to_the_scale_minus_one(placed: tuple[np.ndarray, np.ndarray]) -> None:
@@ -72,3 +99,42 @@ def test_products_are_exact_bf16(placed: tuple[np.ndarray, np.ndarray]) -> None:
             (products.astype(np.float32).view(np.uint32) >> 16).astype(np.uint32)
         )
         np.testing.assert_array_equal(as_bf16, products)
+
+
+def _expected_fragment(c: int, pairs: int, words: np.ndarray) -> np.ndarray:
+    """The [4][4] registers' (low, high) float64 values by the wgmma A-fragment layout:
+    row (0: r, 1: r + 8) and column of each half, the code at that column, its scale."""
+    expected = np.empty((4, 4, 2))
+    for k16 in range(4):
+        for reg in range(4):
+            row = reg % 2
+            for half in range(2):
+                column = 16 * k16 + 8 * (reg // 2) + 2 * c + half
+                code = (int(words[row, column // 8]) >> (4 * (column % 8))) & 0xF
+                scale = (pairs >> (16 * row + 8 * (column // 32))) & 0xFF
+                if scale == 0xFF:
+                    expected[k16, reg, half] = np.nan
+                else:
+                    value = np.float32(np.ldexp(_e2m1(np.array(code)), scale - 127))
+                    expected[k16, reg, half] = float(value)  # inf past the FP32 range
+    return expected
+
+
+def test_step_fragment_follows_the_wgmma_layout(fragment_cases: np.ndarray) -> None:
+    """decode_rows puts each code of a thread's two rows, times its row's and column
+    block's scale, where the wgmma A fragment wants it: every register of every case,
+    both scale paths (bytes up to 128, and any byte above), bit for bit."""
+    slow = 0
+    with np.errstate(over="ignore"):
+        for case in fragment_cases:
+            c, pairs = int(case[0]), int(case[1])
+            words = case[2:18].reshape(2, 8)
+            fragment = case[18:].reshape(4, 4)
+            got = np.stack([_bf16_values(fragment & 0xFFFF), _bf16_values(fragment >> 16)], axis=-1)
+            expected = _expected_fragment(c, pairs, words)
+            np.testing.assert_array_equal(got, expected, err_msg=f"c={c} pairs={pairs:#010x}")
+            # -0 codes stay -0 (the FMA's -0 addend; the FP32 path keeps it too).
+            zeros = expected == 0
+            np.testing.assert_array_equal(np.signbit(got[zeros]), np.signbit(expected[zeros]))
+            slow += any(((pairs >> (8 * b)) & 0xFF) > 128 for b in range(4))
+    assert 0 < slow < len(fragment_cases), "both scale paths ran"

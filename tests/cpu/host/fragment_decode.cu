@@ -5,7 +5,9 @@
 // Writes, to the file named by argv[1]: the factor bits pair_factor(scale) for scales
 // 0..128, then for each byte position c = 0..3 and every word of the word list the
 // placed pair pair_bits_times_2_pow_minus_126(word, fragment_selector(c)). The word list:
-// mxfp4_test_words.h.
+// mxfp4_test_words.h. Then the step fragments: a case count, and per case its byte
+// position c, scale pairs, two rows' eight words and decode_rows' 16 fragment registers
+// ([k16][a0..a3]), all uint32.
 #include <cstdio>
 #include <vector>
 
@@ -13,8 +15,23 @@
 #include "mxfp4_test_words.h"
 
 namespace {
-constexpr int kRandomWords = 1024;  // MXFP4_RANDOM_WORDS in tests/cpu/conftest.py
+constexpr int kRandomWords = 1024;   // MXFP4_RANDOM_WORDS in tests/cpu/conftest.py
+constexpr int kFragmentCases = 256;  // per byte position: FRAGMENT_CASES in the test
+
+// Scale pairs of the fragment cases: the fast path's edges, one byte past it (both rows
+// take the FP32 path), NaN, then random bytes up to 128 (fast) and over all 256.
+uint32_t case_pairs(int i, uint32_t& state) {
+  const uint32_t fixed[] = {0x00000000u, 0x80808080u, 0x7F7F0101u, 0x81808080u,
+                            0x80808180u, 0xFFFFFFFFu, 0xFE01FE01u, 0x7F80FF00u};
+  if (i < 8) return fixed[i];
+  uint32_t pairs = 0;
+  for (int b = 0; b < 4; ++b) {
+    state = state * 1664525u + 1013904223u;
+    pairs |= ((state >> 8) % (i < kFragmentCases / 2 ? 129u : 256u)) << (8 * b);
+  }
+  return pairs;
 }
+}  // namespace
 
 int main(int argc, char** argv) {
   namespace mx = megamoe::kernels::mxfp4;
@@ -36,5 +53,22 @@ int main(int argc, char** argv) {
       std::fwrite(&bits, sizeof(bits), 1, out);
     }
   }
+  const uint32_t cases = 4 * kFragmentCases;
+  std::fwrite(&cases, sizeof(cases), 1, out);
+  uint32_t state = 777u;
+  for (uint32_t c = 0; c < 4; ++c)
+    for (int i = 0; i < kFragmentCases; ++i) {
+      uint32_t rows[2][8];  // rows r and r + 8, eight words each
+      for (int row = 0; row < 2; ++row)
+        for (int w = 0; w < 8; ++w)
+          rows[row][w] = words[(16 * i + 8 * row + w + 5 * c) % words.size()];
+      const uint32_t pairs = case_pairs(i, state);
+      mx::StepFragment fragment;
+      mx::decode_rows(rows, pairs, mx::fragment_selector(c), fragment);
+      std::fwrite(&c, sizeof(c), 1, out);
+      std::fwrite(&pairs, sizeof(pairs), 1, out);
+      std::fwrite(rows, sizeof(rows), 1, out);
+      std::fwrite(fragment, sizeof(fragment), 1, out);
+    }
   return std::fclose(out) == 0 ? 0 : 1;
 }
