@@ -89,4 +89,25 @@ void check_activation(int activation, double clamp) {
     throw nb::value_error("activation_clamp: expected a positive value (inf = no clamp)");
 }
 
+int64_t check_gated_side(const std::optional<Tensor>& side_gate,
+                         const std::optional<Tensor>& side_up, double side_scale, int64_t experts,
+                         int64_t inter, int64_t k_base, const Tensor& a, int device) {
+  if (side_gate.has_value() != side_up.has_value())
+    throw nb::value_error("side_gate/side_up: give both or neither");
+  int64_t rank = 0;
+  if (side_gate) {
+    check_tensor("side_gate", *side_gate, bfloat16_dtype(), {experts, -1, inter}, device);
+    rank = side_gate->shape(1);
+    check_tensor("side_up", *side_up, bfloat16_dtype(), {experts, rank, inter}, device);
+    if (rank < 8 || rank % 8 != 0)
+      throw nb::value_error(("side_gate: rank must be a multiple of 8, got " + str(rank)).c_str());
+    if (!std::isfinite(side_scale)) throw nb::value_error("side_scale: expected a finite value");
+  }
+  if (k_base + 2 * rank > static_cast<int64_t>(a.shape(1)))
+    throw nb::value_error(("a: expected at least k_base + 2r = " + str(k_base + 2 * rank) +
+                           " columns, got " + str(a.shape(1)))
+                              .c_str());
+  return rank;
+}
+
 }  // namespace megamoe

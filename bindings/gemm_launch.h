@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <initializer_list>
+#include <optional>
 #include <string>
 
 #include "cuda_check.h"
@@ -37,6 +38,13 @@ CUtensorMap mn_major_map(const char* name, const Tensor& w, int device);
 // The gated activation's arguments: 0 (SwiGLU) or 1 (GeGLU), and a positive clamp (inf:
 // none).
 void check_activation(int activation, double clamp);
+
+// The gated GEMMs' side K segment: `side_gate`/`side_up` (b1 and b3 as given, [E, r, I]
+// BF16, read MN-major) both or neither, r a multiple of 8, a finite `side_scale`, and the
+// pool `a` holding [x | q1 | q3] (at least k_base + 2r columns). Returns r (0: none).
+int64_t check_gated_side(const std::optional<Tensor>& side_gate,
+                         const std::optional<Tensor>& side_up, double side_scale, int64_t experts,
+                         int64_t inter, int64_t k_base, const Tensor& a, int device);
 
 // Launch a persistent kernel taking one parameter block: one CTA per SM (`num_sms`),
 // `threads` threads and `smem_bytes` of dynamic shared memory, on `stream`. Checks that

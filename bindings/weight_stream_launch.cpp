@@ -6,7 +6,6 @@
 #include <cuda.h>
 #include <nanobind/stl/optional.h>
 
-#include <cmath>
 #include <optional>
 #include <string>
 
@@ -89,21 +88,8 @@ void weight_stream_gated(const Tensor& a, int64_t k_base, const Tensor& w13,
         ("w13: expected 2I rows with I a multiple of 128, got " + str(two_i)).c_str());
   check_scales("w13_scales", w13_scales, experts, two_i, k_base, device);
   check_activation(activation, activation_clamp);
-  if (side_gate.has_value() != side_up.has_value())
-    throw nb::value_error("side_gate/side_up: give both or neither");
-  int64_t rank = 0;
-  if (side_gate) {
-    check_tensor("side_gate", *side_gate, bfloat16_dtype(), {experts, -1, inter}, device);
-    rank = side_gate->shape(1);
-    check_tensor("side_up", *side_up, bfloat16_dtype(), {experts, rank, inter}, device);
-    if (rank < 8 || rank % 8 != 0)
-      throw nb::value_error(("side_gate: rank must be a multiple of 8, got " + str(rank)).c_str());
-    if (!std::isfinite(side_scale)) throw nb::value_error("side_scale: expected a finite value");
-  }
-  if (k_base + 2 * rank > static_cast<int64_t>(a.shape(1)))
-    throw nb::value_error(("a: expected at least k_base + 2r = " + str(k_base + 2 * rank) +
-                           " columns, got " + str(a.shape(1)))
-                              .c_str());
+  const int64_t rank =
+      check_gated_side(side_gate, side_up, side_scale, experts, inter, k_base, a, device);
   check_tensor("h", h, bfloat16_dtype(), {rows, inter}, device);
   if (preact) check_tensor("preact_out", *preact, bfloat16_dtype(), {rows, two_i}, device);
 

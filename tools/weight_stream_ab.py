@@ -33,18 +33,27 @@ def _side_args(side: dict) -> tuple:
     return dl(side["side_b_gate"]), dl(side["side_b_up"]), float(side["side_scale"])
 
 
+def _pool(tokens: int, args: argparse.Namespace, columns: int, dev: torch.device) -> tuple:
+    """The route plan of ``tokens`` balanced tokens and a random BF16 pool of ``columns``
+    columns whose padding rows are zeros, as the layer's are."""
+    ids, _ = make_routing(tokens, args.experts, args.top_k, kind="balanced", seed=0)
+    plan = mm.plan_routes(
+        ids.to(dev), args.experts, mm.get_block_m(tokens, args.top_k, args.experts)
+    )
+    a = torch.randn(plan.pool_capacity, columns, device=dev).bfloat16()
+    a[plan.pool_row_to_route < 0] = 0
+    return plan, a
+
+
 def measure(tokens: int, args: argparse.Namespace, w13, codes, scales, side: dict) -> str:
     """One row of the table: GEMM1 at ``tokens`` tokens on each path."""
     dev = w13.device
-    e, k, h, i, r = args.experts, args.top_k, args.hidden, args.intermediate, args.rank
+    h, i, r = args.hidden, args.intermediate, args.rank
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     stream = torch.cuda.current_stream().cuda_stream
     dl = _native.dlpack
     native = _native.native()
-    ids, _ = make_routing(tokens, e, k, kind="balanced", seed=0)
-    plan = mm.plan_routes(ids.to(dev), e, mm.get_block_m(tokens, k, e))
-    a = torch.randn(plan.pool_capacity, h + 2 * r, device=dev).bfloat16()
-    a[plan.pool_row_to_route < 0] = 0
+    plan, a = _pool(tokens, args, h + 2 * r, dev)
     out = torch.empty(plan.pool_capacity, i, dtype=torch.bfloat16, device=dev)
 
     def engine_mxfp4() -> None:
@@ -92,15 +101,12 @@ def _row(gemm, tokens, iters, plan, out, bf16, engine, stream) -> str:
 def measure_gemm2(tokens: int, args: argparse.Namespace, w2, codes, scales, a2) -> str:
     """GEMM2 at ``tokens`` tokens on each path (``a2``: the extra columns, or None)."""
     dev = w2.device
-    e, k, h, i = args.experts, args.top_k, args.hidden, args.intermediate
+    h, i = args.hidden, args.intermediate
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     stream = torch.cuda.current_stream().cuda_stream
     dl = _native.dlpack
     native = _native.native()
-    ids, _ = make_routing(tokens, e, k, kind="balanced", seed=0)
-    plan = mm.plan_routes(ids.to(dev), e, mm.get_block_m(tokens, k, e))
-    a = torch.randn(plan.pool_capacity, i, device=dev).bfloat16()
-    a[plan.pool_row_to_route < 0] = 0
+    plan, a = _pool(tokens, args, i, dev)
     n = h + (0 if a2 is None else a2.shape[2])
     out = torch.empty(plan.pool_capacity, n, dtype=torch.bfloat16, device=dev)
 
