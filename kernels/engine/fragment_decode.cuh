@@ -17,7 +17,7 @@
 //     kept; an FMA adding -0, so -0 codes stay -0) gives E2M1 x 2^(scale - 127), the
 //     transient decode's value bit for bit.
 // 2^(scale - 1) is a BF16 for scale <= 128; larger scales take FP32 math. decode_rows is
-// a thread's whole step (two rows' words to its A-fragment registers); everything here
+// a thread's whole step (its rows' words to its A-fragment registers); everything here
 // also runs on the host, for tests/cpu/test_fragment_decode.py.
 #pragma once
 
@@ -105,31 +105,39 @@ __host__ __device__ __forceinline__ uint32_t pair_any_scale(uint32_t bits, uint3
 // One weight's A fragment of a 64-deep step (four m64nNk16 MMAs): [k16][a0..a3].
 using StepFragment = uint32_t[4][4];
 
-// Whether any of the four scale bytes of `pairs` is above 128.
-__host__ __device__ __forceinline__ bool any_scale_above_128(uint32_t pairs) {
-#ifdef __CUDA_ARCH__
-  return __vcmpgtu4(pairs, 0x80808080u) != 0u;
-#else
-  for (int i = 0; i < 4; ++i)
-    if (((pairs >> (8 * i)) & 0xFFu) > 0x80u) return true;
-  return false;
-#endif
+// Whether every scale byte of `pairs` is at most 128 (2^(s - 1) a BF16): a byte is above
+// 128 when bit 7 and a lower bit are set, and (byte & 0x7F) + 0x7F carries into bit 7
+// exactly when a lower bit is set (no carry leaves the byte). Plain integer math, the
+// same on the host: fewer instructions than a per-byte compare (__vcmpgtu4 is emulated).
+template <int Weights>
+__host__ __device__ __forceinline__ bool scales_at_most_128(const uint32_t (&pairs)[Weights]) {
+  uint32_t above = 0;
+#pragma unroll
+  for (int j = 0; j < Weights; ++j) above |= ((pairs[j] & 0x7F7F7F7Fu) + 0x7F7F7F7Fu) & pairs[j];
+  return (above & 0x80808080u) == 0u;
 }
 
-// A thread's A-fragment registers of one step from its two rows' codes: `words[0]` the
-// eight code words of row r (16 warp + lane / 4 of the warpgroup's 64), `words[1]` those
-// of row r + 8; `pairs` their scale bytes (bits 0-7: row r's words 0-3, 8-15: its words
-// 4-7, 16-31: row r + 8's likewise); `selector` the lane's (fragment_selector(lane % 4)).
-// Word 2j / 2j + 1 is k16 step j's first / second eight columns: a0 / a2 from row r, a1
-// / a3 from row r + 8 (the PTX ISA's wgmma A-fragment layout for 16-bit types).
-__host__ __device__ __forceinline__ void decode_rows(const uint32_t (&words)[2][8], uint32_t pairs,
-                                                     uint32_t selector, StepFragment& fragment) {
-  uint32_t out[2][8];
-  // Scale bytes above 128 (2^(s - 1) is no BF16) are rare: one branch for both rows.
-  if (!any_scale_above_128(pairs)) {
+// A thread's A-fragment registers of one step for `Weights` weights (the streaming
+// GEMM's gate and up halves: two) from its rows' codes: `words[2j]` the eight code words
+// of weight j's row r (16 warp + lane / 4 of the warpgroup's 64), `words[2j + 1]` those
+// of its row r + 8; `pairs[j]` their scale bytes (bits 0-7: row r's words 0-3, 8-15: its
+// words 4-7, 16-31: row r + 8's likewise); `selector` the lane's (fragment_selector(lane
+// % 4)). Word 2i / 2i + 1 is k16 step i's first / second eight columns: a0 / a2 from row
+// r, a1 / a3 from row r + 8 (the PTX ISA's wgmma A-fragment layout for 16-bit types).
+// One scale check covers every row, so the common path has all 16 x Weights pairs
+// independent to interleave.
+template <int Weights>
+__host__ __device__ __forceinline__ void decode_rows(const uint32_t (&words)[2 * Weights][8],
+                                                     const uint32_t (&pairs)[Weights],
+                                                     uint32_t selector,
+                                                     StepFragment (&fragments)[Weights]) {
+  constexpr int kRows = 2 * Weights;
+  uint32_t out[kRows][8];
+  // Scale bytes above 128 (2^(s - 1) is no BF16) are rare: one branch for the step.
+  if (scales_at_most_128(pairs)) {
 #pragma unroll
-    for (int row = 0; row < 2; ++row) {
-      const uint32_t pair = (pairs >> (16 * row)) & 0xFFFFu;
+    for (int row = 0; row < kRows; ++row) {
+      const uint32_t pair = (pairs[row / 2] >> (16 * (row % 2))) & 0xFFFFu;
       const uint32_t factor[2] = {pair_factor(pair & 0xFFu), pair_factor(pair >> 8)};
 #pragma unroll
       for (int w = 0; w < 8; ++w)
@@ -138,8 +146,8 @@ __host__ __device__ __forceinline__ void decode_rows(const uint32_t (&words)[2][
     }
   } else {
 #pragma unroll
-    for (int row = 0; row < 2; ++row) {
-      const uint32_t pair = (pairs >> (16 * row)) & 0xFFFFu;
+    for (int row = 0; row < kRows; ++row) {
+      const uint32_t pair = (pairs[row / 2] >> (16 * (row % 2))) & 0xFFFFu;
 #pragma unroll
       for (int w = 0; w < 8; ++w)
         out[row][w] = pair_any_scale(pair_bits_times_2_pow_minus_126(words[row][w], selector),
@@ -147,11 +155,11 @@ __host__ __device__ __forceinline__ void decode_rows(const uint32_t (&words)[2][
     }
   }
 #pragma unroll
-  for (int row = 0; row < 2; ++row)
+  for (int row = 0; row < kRows; ++row)
 #pragma unroll
     for (int k16 = 0; k16 < 4; ++k16) {
-      fragment[k16][row] = out[row][2 * k16];
-      fragment[k16][2 + row] = out[row][2 * k16 + 1];
+      fragments[row / 2][k16][row % 2] = out[row][2 * k16];
+      fragments[row / 2][k16][2 + row % 2] = out[row][2 * k16 + 1];
     }
 }
 

@@ -268,36 +268,43 @@ struct StreamLines {
     return (line % 2 ? eight_rows : 0u) + (line / 2 ? half_rows : 0u);
   }
 
-  // The four lines' scale pairs of base step `k_step`, two per register (line 2j in the
-  // low half of pairs[j]; in each pair the low byte is words 0-3's scale).
-  __device__ __forceinline__ void load_scales(int k_step, uint32_t (&pairs)[2]) const {
+  // The four lines' scale pairs of base step `k_step`, as loaded: line l's in bits 0-15
+  // of raw[l] (the low byte is words 0-3's scale). Packed (pack_scales) only when their
+  // step decodes: packed here, the packing instruction would wait on the loads at once.
+  __device__ __forceinline__ void load_scales(int k_step, uint32_t (&raw)[4]) const {
 #pragma unroll
-    for (int j = 0; j < 2; ++j)
-      pairs[j] =
-          static_cast<uint32_t>(__ldg(scales + scale_line_offset(2 * j) + k_step)) |
-          (static_cast<uint32_t>(__ldg(scales + scale_line_offset(2 * j + 1) + k_step)) << 16);
+    for (int line = 0; line < 4; ++line)
+      raw[line] = static_cast<uint32_t>(__ldg(scales + scale_line_offset(line) + k_step));
   }
 
-  // Decode a landed stage's codes of lines `first` and `first` + 1 (rows r and r + 8 of
-  // one half) into `fragment` with their scale pairs (`pairs`: line `first` in the low
-  // half). Both lines' words are loaded first: sixteen independent pairs to interleave.
-  __device__ __forceinline__ void decode(const uint8_t* code_area, int first, uint32_t pairs,
-                                         Fragment& fragment) const {
+  // Two lines' pairs per register, as decode takes them: line 2j in the low half of
+  // pairs[j].
+  __device__ __forceinline__ static void pack_scales(const uint32_t (&raw)[4],
+                                                     uint32_t (&pairs)[2]) {
+    pairs[0] = __byte_perm(raw[0], raw[1], 0x5410);
+    pairs[1] = __byte_perm(raw[2], raw[3], 0x5410);
+  }
+
+  // Decode a landed stage's codes of the four lines into both halves' fragments with
+  // their scale pairs (pack_scales). Every line's words are loaded first: 32 independent
+  // pairs to interleave.
+  __device__ __forceinline__ void decode(const uint8_t* code_area, const uint32_t (&pairs)[2],
+                                         Fragment (&fragments)[2]) const {
     const uint32_t base = shared_address(code_area) + code_offset;
-    uint32_t words[2][8];
+    uint32_t words[4][8];
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const uint32_t at = base + line_code_offset(first + half);
+    for (int line = 0; line < 4; ++line) {
+      const uint32_t at = base + line_code_offset(line);
       asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                   : "=r"(words[half][0]), "=r"(words[half][1]), "=r"(words[half][2]),
-                     "=r"(words[half][3])
+                   : "=r"(words[line][0]), "=r"(words[line][1]), "=r"(words[line][2]),
+                     "=r"(words[line][3])
                    : "r"(at));
       asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                   : "=r"(words[half][4]), "=r"(words[half][5]), "=r"(words[half][6]),
-                     "=r"(words[half][7])
+                   : "=r"(words[line][4]), "=r"(words[line][5]), "=r"(words[line][6]),
+                     "=r"(words[line][7])
                    : "r"(at + 16));
     }
-    mxfp4::decode_rows(words, pairs, selector, fragment);
+    mxfp4::decode_rows<2>(words, pairs, selector, fragments);
   }
 };
 
@@ -459,8 +466,9 @@ __device__ __forceinline__ void stream_consume(const WeightStreamParams& p,
     // Scale pairs two steps ahead (their loads miss L2 as often as not, and a step is
     // about a DRAM round trip), in two slots by step parity: a slot is refilled right
     // after its step read it and read again two steps on, so no instruction waits on a
-    // load before then (moving a loading register into another slot would).
-    uint32_t scale_pairs[kScaleSteps][2];
+    // load before then (moving a loading register into another slot would, and so would
+    // packing a pair of loads: load_scales keeps them apart).
+    uint32_t scale_pairs[kScaleSteps][4];
 #pragma unroll
     for (int slot = 0; slot < kScaleSteps; ++slot)
       if (slot < base_steps) lines.load_scales(slot, scale_pairs[slot]);
@@ -469,28 +477,29 @@ __device__ __forceinline__ void stream_consume(const WeightStreamParams& p,
     // rewritten only after the batch that read it retired, which the step between
     // guarantees (one batch in flight), so a step's decode overlaps the previous step's
     // MMAs.
-    auto base_step = [&](int k_step, Fragment& lo, Fragment& hi, uint32_t (&pairs)[2]) {
+    auto base_step = [&](int k_step, Fragment(&halves)[2], uint32_t (&slot)[4]) {
+      // The slot is refilled before the decode: the loads get the decode's time too.
+      uint32_t pairs[2];
+      StreamLines::pack_scales(slot, pairs);
+      if (k_step + kScaleSteps < base_steps) lines.load_scales(k_step + kScaleSteps, slot);
       TransactionBarrier::wait(&smem.full[ring.stage], ring.phase);
-      const uint8_t* codes = smem.a(ring.stage);
-      lines.decode(codes, 0, pairs[0], lo);
-      lines.decode(codes, 2, pairs[1], hi);
-      if (k_step + kScaleSteps < base_steps) lines.load_scales(k_step + kScaleSteps, pairs);
-      fence_fragment(lo);
-      fence_fragment(hi);
+      lines.decode(smem.a(ring.stage), pairs, halves);
+      fence_fragment(halves[0]);
+      fence_fragment(halves[1]);
       cute::warpgroup_arrive();
       const uint64_t desc_b = descriptor_k_major(smem.b(ring.stage));
-      Mma::base_half_step(lo, desc_b, acc_lo);
-      Mma::base_half_step(hi, desc_b, acc_hi);
+      Mma::base_half_step(halves[0], desc_b, acc_lo);
+      Mma::base_half_step(halves[1], desc_b, acc_hi);
       cute::warpgroup_commit_batch();
       retire_previous();
       ring.advance();
     };
     int k_step = 0;
     for (; k_step + 1 < base_steps; k_step += 2) {
-      base_step(k_step, fragments[0][0], fragments[0][1], scale_pairs[0]);
-      base_step(k_step + 1, fragments[1][0], fragments[1][1], scale_pairs[1]);
+      base_step(k_step, fragments[0], scale_pairs[0]);
+      base_step(k_step + 1, fragments[1], scale_pairs[1]);
     }
-    if (k_step < base_steps) base_step(k_step, fragments[0][0], fragments[0][1], scale_pairs[0]);
+    if (k_step < base_steps) base_step(k_step, fragments[0], scale_pairs[0]);
     cute::warpgroup_wait<0>();
     fence_accumulators(acc_lo);
     fence_accumulators(acc_hi);

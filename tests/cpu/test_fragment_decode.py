@@ -9,11 +9,13 @@ the factors; the oracle is E2M1 x 2^(scale - 127) in float64. The multiply itsel
 the GPU's (mul.rn.bf16x2): tests/gpu/test_weight_stream.py checks it bit for bit
 against the transient decode.
 
-The driver also runs ``decode_rows``, the kernel's whole step for one thread (two rows'
-words and scale bytes to the 16 A-fragment registers of four k16 MMAs), with the host's
-exact FP32 product in place of the device multiply. Its oracle places each decoded value
-by the PTX ISA's wgmma A-fragment layout for 16-bit types: register i of k16 step j
-holds row r + 8 (i % 2), columns 16 j + 8 (i // 2) + 2c and + 1.
+The driver also runs ``decode_rows<2>``, the kernel's whole step for one thread (two
+weights' rows r and r + 8: their words and scale bytes to each weight's 16 A-fragment
+registers of four k16 MMAs), with the host's exact FP32 product in place of the device
+multiply. Each call decodes two cases under one scale check, so a case within the fast
+path beside one past it takes the FP32 path and must give the same bits. Its oracle
+places each decoded value by the PTX ISA's wgmma A-fragment layout for 16-bit types:
+register i of k16 step j holds row r + 8 (i % 2), columns 16 j + 8 (i // 2) + 2c and + 1.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ def _e2m1(codes: np.ndarray) -> np.ndarray:
 #: Cases per byte position in the driver (kFragmentCases in tests/cpu/host/fragment_decode.cu).
 FRAGMENT_CASES = 256
 #: Per case: c, the scale pairs, 2 x 8 words, 4 x 4 fragment registers.
-CASE_WORDS = 2 + 16 + 16
+CASE_WORDS = 2 + 16 + 16 + 1
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +58,8 @@ def placed(driver_output: np.ndarray, mxfp4_words: np.ndarray) -> tuple[np.ndarr
 
 @pytest.fixture(scope="module")
 def fragment_cases(driver_output: np.ndarray, mxfp4_words: np.ndarray) -> np.ndarray:
-    """[cases, CASE_WORDS]: c, pairs, words [2][8], fragment [4][4] per row."""
+    """[cases, CASE_WORDS]: c, pairs, words [2][8], fragment [4][4], then the fast-path
+    check of the case's own pairs (scales_at_most_128), per row."""
     start = 129 + 4 * len(mxfp4_words)
     count = int(driver_output[start])
     cases = driver_output[start + 1 :]
@@ -123,13 +126,14 @@ def _expected_fragment(c: int, pairs: int, words: np.ndarray) -> np.ndarray:
 def test_step_fragment_follows_the_wgmma_layout(fragment_cases: np.ndarray) -> None:
     """decode_rows puts each code of a thread's two rows, times its row's and column
     block's scale, where the wgmma A fragment wants it: every register of every case,
-    both scale paths (bytes up to 128, and any byte above), bit for bit."""
+    both scale paths (bytes up to 128, and any byte above, in either case of a call),
+    bit for bit."""
     slow = 0
     with np.errstate(over="ignore"):
         for case in fragment_cases:
             c, pairs = int(case[0]), int(case[1])
             words = case[2:18].reshape(2, 8)
-            fragment = case[18:].reshape(4, 4)
+            fragment = case[18:34].reshape(4, 4)
             got = np.stack([_bf16_values(fragment & 0xFFFF), _bf16_values(fragment >> 16)], axis=-1)
             expected = _expected_fragment(c, pairs, words)
             np.testing.assert_array_equal(got, expected, err_msg=f"c={c} pairs={pairs:#010x}")
@@ -138,3 +142,13 @@ def test_step_fragment_follows_the_wgmma_layout(fragment_cases: np.ndarray) -> N
             np.testing.assert_array_equal(np.signbit(got[zeros]), np.signbit(expected[zeros]))
             slow += any(((pairs >> (8 * b)) & 0xFF) > 128 for b in range(4))
     assert 0 < slow < len(fragment_cases), "both scale paths ran"
+
+
+def test_fast_path_check_is_every_scale_byte_at_most_128(fragment_cases: np.ndarray) -> None:
+    """scales_at_most_128, the check that picks the fast path, is true exactly when every
+    scale byte is at most 128: a check that picks the FP32 path too often would still give
+    the right values, so it is compared on its own."""
+    pairs = fragment_cases[:, 1].astype(np.int64)
+    expected = np.all([((pairs >> (8 * b)) & 0xFF) <= 128 for b in range(4)], axis=0)
+    np.testing.assert_array_equal(fragment_cases[:, 34].astype(bool), expected)
+    assert 0 < expected.sum() < len(expected)

@@ -7,7 +7,8 @@
 // placed pair pair_bits_times_2_pow_minus_126(word, fragment_selector(c)). The word list:
 // mxfp4_test_words.h. Then the step fragments: a case count, and per case its byte
 // position c, scale pairs, two rows' eight words and decode_rows' 16 fragment registers
-// ([k16][a0..a3]), all uint32.
+// ([k16][a0..a3]) for them, then scales_at_most_128 of its own pairs, all uint32 (two
+// cases per decode_rows<2> call).
 #include <cstdio>
 #include <vector>
 
@@ -56,19 +57,30 @@ int main(int argc, char** argv) {
   const uint32_t cases = 4 * kFragmentCases;
   std::fwrite(&cases, sizeof(cases), 1, out);
   uint32_t state = 777u;
+  // The kernel decodes two weights' rows per step (decode_rows<2>, one scale check for
+  // both): cases i and i + 1 go through one call, so a fast case beside one past the fast
+  // path takes the FP32 path too, and must give the same bits.
   for (uint32_t c = 0; c < 4; ++c)
-    for (int i = 0; i < kFragmentCases; ++i) {
-      uint32_t rows[2][8];  // rows r and r + 8, eight words each
-      for (int row = 0; row < 2; ++row)
-        for (int w = 0; w < 8; ++w)
-          rows[row][w] = words[(16 * i + 8 * row + w + 5 * c) % words.size()];
-      const uint32_t pairs = case_pairs(i, state);
-      mx::StepFragment fragment;
-      mx::decode_rows(rows, pairs, mx::fragment_selector(c), fragment);
-      std::fwrite(&c, sizeof(c), 1, out);
-      std::fwrite(&pairs, sizeof(pairs), 1, out);
-      std::fwrite(rows, sizeof(rows), 1, out);
-      std::fwrite(fragment, sizeof(fragment), 1, out);
+    for (int i = 0; i < kFragmentCases; i += 2) {
+      uint32_t rows[4][8];  // per case: rows r and r + 8, eight words each
+      uint32_t pairs[2];
+      for (int j = 0; j < 2; ++j) {
+        for (int row = 0; row < 2; ++row)
+          for (int w = 0; w < 8; ++w)
+            rows[2 * j + row][w] = words[(16 * (i + j) + 8 * row + w + 5 * c) % words.size()];
+        pairs[j] = case_pairs(i + j, state);
+      }
+      mx::StepFragment fragments[2];
+      mx::decode_rows<2>(rows, pairs, mx::fragment_selector(c), fragments);
+      for (int j = 0; j < 2; ++j) {
+        std::fwrite(&c, sizeof(c), 1, out);
+        std::fwrite(&pairs[j], sizeof(pairs[j]), 1, out);
+        std::fwrite(rows[2 * j], sizeof(rows[0]), 2, out);
+        std::fwrite(fragments[j], sizeof(fragments[j]), 1, out);
+        const uint32_t own[1] = {pairs[j]};
+        const uint32_t fast = mx::scales_at_most_128(own) ? 1u : 0u;
+        std::fwrite(&fast, sizeof(fast), 1, out);
+      }
     }
   return std::fclose(out) == 0 ? 0 : 1;
 }
