@@ -464,21 +464,21 @@ __device__ __forceinline__ void stream_consume(const WeightStreamParams& p,
     }
     const StreamLines lines(p, consumer, thread, tile, lane);
     // Scale pairs two steps ahead (their loads miss L2 as often as not, and a step is
-    // about a DRAM round trip), in two slots by step parity: a slot is refilled right
-    // after its step read it and read again two steps on, so no instruction waits on a
-    // load before then (moving a loading register into another slot would, and so would
-    // packing a pair of loads: load_scales keeps them apart).
-    uint32_t scale_pairs[kScaleSteps][4];
+    // about a DRAM round trip), in two slots by step parity: a step packs its slot, then
+    // refills it for two steps on, so no instruction waits on a load it just issued
+    // (moving a loading register into another slot would, and so did packing a pair at
+    // load time: load_scales keeps them apart).
+    uint32_t scale_slots[kScaleSteps][4];
 #pragma unroll
     for (int slot = 0; slot < kScaleSteps; ++slot)
-      if (slot < base_steps) lines.load_scales(slot, scale_pairs[slot]);
+      if (slot < base_steps) lines.load_scales(slot, scale_slots[slot]);
     // A base step: both halves' fragments decoded, then their MMAs as one batch. The
     // fragments alternate between two buffers (by step parity too): a buffer is
     // rewritten only after the batch that read it retired, which the step between
     // guarantees (one batch in flight), so a step's decode overlaps the previous step's
     // MMAs.
     auto base_step = [&](int k_step, Fragment(&halves)[2], uint32_t (&slot)[4]) {
-      // The slot is refilled before the decode: the loads get the decode's time too.
+      // Refilled before the decode: the loads get the decode's time too.
       uint32_t pairs[2];
       StreamLines::pack_scales(slot, pairs);
       if (k_step + kScaleSteps < base_steps) lines.load_scales(k_step + kScaleSteps, slot);
@@ -496,10 +496,10 @@ __device__ __forceinline__ void stream_consume(const WeightStreamParams& p,
     };
     int k_step = 0;
     for (; k_step + 1 < base_steps; k_step += 2) {
-      base_step(k_step, fragments[0], scale_pairs[0]);
-      base_step(k_step + 1, fragments[1], scale_pairs[1]);
+      base_step(k_step, fragments[0], scale_slots[0]);
+      base_step(k_step + 1, fragments[1], scale_slots[1]);
     }
-    if (k_step < base_steps) base_step(k_step, fragments[0], scale_pairs[0]);
+    if (k_step < base_steps) base_step(k_step, fragments[0], scale_slots[0]);
     cute::warpgroup_wait<0>();
     fence_accumulators(acc_lo);
     fence_accumulators(acc_hi);
