@@ -41,7 +41,7 @@ def _e2m1(codes: np.ndarray) -> np.ndarray:
 
 #: Cases per byte position in the driver (kFragmentCases in tests/cpu/host/fragment_decode.cu).
 FRAGMENT_CASES = 256
-#: Per case: c, the scale pairs, 2 x 8 words, 4 x 4 fragment registers.
+#: Per case: c, the scale pairs, 2 x 8 words, 4 x 4 fragment registers, the fast-path check.
 CASE_WORDS = 2 + 16 + 16 + 1
 
 
