@@ -16,9 +16,12 @@
 //  4. one BF16x2 multiply by 2^(scale - 1) (exact: two significant bits, subnormals
 //     kept; an FMA adding -0, so -0 codes stay -0) gives E2M1 x 2^(scale - 127), the
 //     transient decode's value bit for bit.
-// 2^(scale - 1) is a BF16 for scale <= 128; larger scales take FP32 math. decode_rows is
-// a thread's whole step (its rows' words to its A-fragment registers); everything here
-// also runs on the host, for tests/cpu/test_fragment_decode.py.
+// A row's two factors of a step (one per 32 codes) share one register, and the multiply
+// reads the half it needs (the .H0_H0 / .H1_H1 operand of HMUL2, no copy). The fast path
+// takes scale bytes below 128 (one test of the OR of a step's bytes); a step with any
+// byte from 128 up takes FP32 math (rare in real weights: |w| >= 8 in a block).
+// decode_rows is a thread's whole step (its rows' words to its A-fragment registers);
+// everything here also runs on the host, for tests/cpu/test_fragment_decode.py.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -53,8 +56,10 @@ __host__ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32
 // The PRMT selector of the thread owning byte `c` (0..3) of each word: byte 1 = byte c
 // of word << 4 (the low code in its top nibble), byte 2 = that byte's sign replicated,
 // byte 3 = byte c of the word (the high code in its top nibble); byte 0 is shifted out.
+// (c | c << 4 | (c | 8) << 8 | (4 + c) << 12, as one multiply-add: ptxas recomputes it
+// where registers are short.)
 __host__ __device__ constexpr uint32_t fragment_selector(uint32_t c) {
-  return c | (c << 4) | ((c | 8u) << 8) | ((4u + c) << 12);
+  return c * 0x1111u + 0x4800u;
 }
 
 // Codes 2c (low half) and 2c + 1 (high half) of `word` as BF16x2 bits, times 2^-126.
@@ -64,24 +69,38 @@ __host__ __device__ __forceinline__ uint32_t pair_bits_times_2_pow_minus_126(uin
   return static_cast<uint32_t>(static_cast<int32_t>(placed) >> 6) & 0x81C081C0u;
 }
 
-// The BF16x2 factor 2^(scale - 1) for both halves (scale <= 128).
-__host__ __device__ __forceinline__ uint32_t pair_factor(uint32_t scale) {
-  return ((scale + 126u) << 7) * 0x00010001u;
+// A row's scale bytes of a step (bits 0-7: its words 0-3, bits 8-15: its words 4-7, as
+// loaded) as the BF16 pair [2^(b0 - 1) | 2^(b1 - 1)] (bytes below 128): PRMT puts each
+// byte in its own half, then the exponent field is b + 126.
+__host__ __device__ __forceinline__ uint32_t row_factors(uint32_t scales) {
+  return (prmt(scales, 0u, 0x4140u) << 7) + 0x3F003F00u;
 }
 
-// The fast path's product (exact here, subnormals kept), as an FMA with a -0 addend:
-// mul.rn.bf16x2 compiles to an FMA adding +0, which turns a -0 code into +0. On the host
-// (tests) the same exact product in FP32, its sign kept.
-__host__ __device__ __forceinline__ uint32_t pair_times_factor(uint32_t bits, uint32_t factor) {
+// The fast path's product with one half of `factors` in both lanes (exact here,
+// subnormals kept), as an FMA with a -0 addend: mul.rn.bf16x2 compiles to an FMA adding
+// +0, which turns a -0 code into +0. The half is split off in PTX, which ptxas folds into
+// the multiply's operand. On the host (tests) the same exact product in FP32, its sign
+// kept.
+template <int Half>
+__host__ __device__ __forceinline__ uint32_t pair_times_factor(uint32_t bits, uint32_t factors) {
 #ifdef __CUDA_ARCH__
   uint32_t out;
-  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(out) : "r"(bits), "r"(factor), "r"(0x80008000u));
+  if constexpr (Half == 0)
+    asm("{.reg .b16 lo, hi; .reg .b32 f; mov.b32 {lo, hi}, %2; mov.b32 f, {lo, lo};"
+        " fma.rn.bf16x2 %0, %1, f, %3;}"
+        : "=r"(out)
+        : "r"(bits), "r"(factors), "r"(0x80008000u));
+  else
+    asm("{.reg .b16 lo, hi; .reg .b32 f; mov.b32 {lo, hi}, %2; mov.b32 f, {hi, hi};"
+        " fma.rn.bf16x2 %0, %1, f, %3;}"
+        : "=r"(out)
+        : "r"(bits), "r"(factors), "r"(0x80008000u));
   return out;
 #else
+  const float factor = float_from_bits(((factors >> (16 * Half)) & 0xFFFFu) << 16);
   uint32_t out = 0;
   for (int half = 0; half < 2; ++half) {
-    const float product = float_from_bits(((bits >> (16 * half)) & 0xFFFFu) << 16) *
-                          float_from_bits(((factor >> (16 * half)) & 0xFFFFu) << 16);
+    const float product = float_from_bits(((bits >> (16 * half)) & 0xFFFFu) << 16) * factor;
     uint32_t product_bits;
     std::memcpy(&product_bits, &product, sizeof(product_bits));
     out |= (product_bits >> 16) << (16 * half);
@@ -105,54 +124,70 @@ __host__ __device__ __forceinline__ uint32_t pair_any_scale(uint32_t bits, uint3
 // One weight's A fragment of a 64-deep step (four m64nNk16 MMAs): [k16][a0..a3].
 using StepFragment = uint32_t[4][4];
 
-// Whether every scale byte of `pairs` is at most 128 (2^(s - 1) a BF16): a byte is above
-// 128 when bit 7 and a lower bit are set, and (byte & 0x7F) + 0x7F carries into bit 7
-// exactly when a lower bit is set (no carry leaves the byte). Plain integer math, the
-// same on the host: fewer instructions than a per-byte compare (__vcmpgtu4 is emulated).
-template <int Weights>
-__host__ __device__ __forceinline__ bool scales_at_most_128(const uint32_t (&pairs)[Weights]) {
-  uint32_t above = 0;
+// A step's scales for `Rows` rows, ready for the decode: each row's factor pair
+// (row_factors) and whether every byte is below 128, the fast path's range (bit 7 clear
+// in their OR: two instructions for a step; 128 itself would need a compare per byte).
+// Built from the bytes as loaded (each register one row's pair in bits 0-15), so the
+// registers they came in are free again at once.
+template <int Rows>
+struct StepScales {
+  uint32_t factors[Rows];
+  bool fast;
+  __host__ __device__ __forceinline__ explicit StepScales(const uint32_t (&loaded)[Rows]) {
+    uint32_t any = 0;
 #pragma unroll
-  for (int j = 0; j < Weights; ++j) above |= ((pairs[j] & 0x7F7F7F7Fu) + 0x7F7F7F7Fu) & pairs[j];
-  return (above & 0x80808080u) == 0u;
-}
+    for (int row = 0; row < Rows; ++row) {
+      any |= loaded[row];
+      factors[row] = row_factors(loaded[row]);
+    }
+    fast = (any & 0x8080u) == 0u;
+  }
+  // The scale byte of `row`'s words 0-3 (Half 0) or 4-7 (Half 1), from its factor's
+  // exponent field b + 126 (nine bits wide for bytes from 130 up, still inside the half).
+  template <int Half>
+  __host__ __device__ __forceinline__ uint32_t byte(int row) const {
+    return ((factors[row] >> (16 * Half + 7)) & 0x1FFu) - 126u;
+  }
+};
 
 // A thread's A-fragment registers of one step for `Weights` weights (the streaming
 // GEMM's gate and up halves: two) from its rows' codes: `words[2j]` the eight code words
 // of weight j's row r (16 warp + lane / 4 of the warpgroup's 64), `words[2j + 1]` those
-// of its row r + 8; `pairs[j]` their scale bytes (bits 0-7: row r's words 0-3, 8-15: its
-// words 4-7, 16-31: row r + 8's likewise); `selector` the lane's (fragment_selector(lane
-// % 4)). Word 2i / 2i + 1 is k16 step i's first / second eight columns: a0 / a2 from row
-// r, a1 / a3 from row r + 8 (the PTX ISA's wgmma A-fragment layout for 16-bit types).
-// One scale check covers every row, so the common path has all 16 x Weights pairs
+// of its row r + 8; `scales` rows 2j and 2j + 1 those rows' (StepScales, from the bytes
+// of words 0-3 and 4-7); `selector` the lane's (fragment_selector(lane % 4)).
+// Word 2i / 2i + 1 is k16 step i's first / second eight columns: a0 / a2 from row r,
+// a1 / a3 from row r + 8 (the PTX ISA's wgmma A-fragment layout for 16-bit types). One
+// scale check covers every row, so the common path has all 16 x Weights pairs
 // independent to interleave.
 template <int Weights>
 __host__ __device__ __forceinline__ void decode_rows(const uint32_t (&words)[2 * Weights][8],
-                                                     const uint32_t (&pairs)[Weights],
+                                                     const StepScales<2 * Weights>& scales,
                                                      uint32_t selector,
                                                      StepFragment (&fragments)[Weights]) {
   constexpr int kRows = 2 * Weights;
   uint32_t out[kRows][8];
-  // Scale bytes above 128 (2^(s - 1) is no BF16) are rare: one branch for the step.
-  if (scales_at_most_128(pairs)) {
+  // Scale bytes from 128 up are rare: one branch for the step.
+  if (scales.fast) {
 #pragma unroll
-    for (int row = 0; row < kRows; ++row) {
-      const uint32_t pair = (pairs[row / 2] >> (16 * (row % 2))) & 0xFFFFu;
-      const uint32_t factor[2] = {pair_factor(pair & 0xFFu), pair_factor(pair >> 8)};
+    for (int row = 0; row < kRows; ++row)
 #pragma unroll
-      for (int w = 0; w < 8; ++w)
-        out[row][w] = pair_times_factor(pair_bits_times_2_pow_minus_126(words[row][w], selector),
-                                        factor[w / 4]);
-    }
+      for (int w = 0; w < 4; ++w) {
+        out[row][w] = pair_times_factor<0>(
+            pair_bits_times_2_pow_minus_126(words[row][w], selector), scales.factors[row]);
+        out[row][w + 4] = pair_times_factor<1>(
+            pair_bits_times_2_pow_minus_126(words[row][w + 4], selector), scales.factors[row]);
+      }
   } else {
 #pragma unroll
-    for (int row = 0; row < kRows; ++row) {
-      const uint32_t pair = (pairs[row / 2] >> (16 * (row % 2))) & 0xFFFFu;
+    for (int row = 0; row < kRows; ++row)
 #pragma unroll
-      for (int w = 0; w < 8; ++w)
+      for (int w = 0; w < 4; ++w) {
         out[row][w] = pair_any_scale(pair_bits_times_2_pow_minus_126(words[row][w], selector),
-                                     w < 4 ? pair & 0xFFu : pair >> 8);
-    }
+                                     scales.template byte<0>(row));
+        out[row][w + 4] = pair_any_scale(
+            pair_bits_times_2_pow_minus_126(words[row][w + 4], selector),
+            scales.template byte<1>(row));
+      }
   }
 #pragma unroll
   for (int row = 0; row < kRows; ++row)

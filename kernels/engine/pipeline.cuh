@@ -62,4 +62,20 @@ __device__ __forceinline__ uint32_t shared_address(const void* pointer) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(pointer));
 }
 
+// A ring's wait and arrival on a barrier's shared address: for loops that keep their
+// stage addresses in registers, with no generic-to-shared conversion per step.
+__device__ __forceinline__ void wait_barrier(uint32_t barrier, uint32_t phase) {
+  asm volatile(
+      "{\n\t.reg .pred done;\n"
+      "WAIT_AGAIN:\n\t"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1, %2;\n\t"
+      "@!done bra WAIT_AGAIN;\n\t}"
+      :
+      : "r"(barrier), "r"(phase), "r"(0x989680u)
+      : "memory");
+}
+__device__ __forceinline__ void arrive_barrier(uint32_t barrier) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" : : "r"(barrier) : "memory");
+}
+
 }  // namespace megamoe::kernels::engine

@@ -239,18 +239,20 @@ struct StreamMma {
 // each half of the tile (Gated: the gate and the up weight): four weight rows ("lines":
 // r, r + 8 of the first half, then of the second). Per base step each line's 32 code
 // bytes are eight words; word 2j / 2j + 1 feed k16 step j's a0|a1 / a2|a3, and words
-// 0-3 / 4-7 share scale bytes 0 / 1.
+// 0-3 / 4-7 share scale bytes 0 / 1 (one 16-bit pair per line and step).
 
 struct StreamLines {
-  // Line l's codes are at code_offset + line_code_offset(l) in a stage's code area, its
-  // scale pairs (one 16-bit pair per base step) at scales + scale_line_offset(l).
+  // Line l's codes are at code_offset + line_code_offset(l) in a stage's code area.
   __device__ __forceinline__ static constexpr uint32_t line_code_offset(int line) {
     return (line % 2 ? 8 * 32 : 0) + (line / 2 ? 128 * 32 : 0);
   }
   uint32_t code_offset;
-  const uint16_t* scales;
-  uint32_t eight_rows, half_rows;  // pair offsets of line 1 and of line 2 from line 0
   uint32_t selector;
+  // Line 0's scale pair of the next step to load (advanced per load: a loop-carried
+  // pointer, so no per-step address math from the parameters), and lines 1-3's pairs'
+  // distances from line 0's.
+  const uint16_t* scale_cursor;
+  uint32_t line_scale_offset[3];
 
   __device__ __forceinline__ StreamLines(const WeightStreamParams& p, int consumer, int thread,
                                          const StreamTile& tile, int lane) {
@@ -258,39 +260,32 @@ struct StreamLines {
     code_offset = static_cast<uint32_t>(row * 32);
     const uint32_t pairs_per_row = static_cast<uint32_t>(p.k_base / 64);
     const int64_t w_row = static_cast<int64_t>(tile.expert) * p.weight_rows + tile.n0 + row;
-    scales = reinterpret_cast<const uint16_t*>(p.scales) + w_row * pairs_per_row;
-    eight_rows = 8 * pairs_per_row;
-    half_rows = static_cast<uint32_t>(p.half_rows) * pairs_per_row;
+    scale_cursor = reinterpret_cast<const uint16_t*>(p.scales) + w_row * pairs_per_row;
+    line_scale_offset[0] = 8 * pairs_per_row;
+    line_scale_offset[1] = static_cast<uint32_t>(p.half_rows) * pairs_per_row;
+    line_scale_offset[2] = line_scale_offset[0] + line_scale_offset[1];
     selector = mxfp4::fragment_selector(static_cast<uint32_t>(lane % 4));
   }
 
-  __device__ __forceinline__ uint32_t scale_line_offset(int line) const {
-    return (line % 2 ? eight_rows : 0u) + (line / 2 ? half_rows : 0u);
-  }
-
-  // The four lines' scale pairs of base step `k_step`, as loaded: line l's in bits 0-15
-  // of raw[l] (the low byte is words 0-3's scale). Packed (pack_scales) only when their
-  // step decodes: packed here, the packing instruction would wait on the loads at once.
-  __device__ __forceinline__ void load_scales(int k_step, uint32_t (&raw)[4]) const {
+  // The four lines' scale pairs of the cursor's step, as loaded (line l's in bits 0-15 of
+  // raw[l], the low byte words 0-3's scale), when `load` (the step exists); the cursor
+  // moves to the next step either way (unpredicated: no moves around a predicated add).
+  __device__ __forceinline__ void load_next_scales(bool load, uint32_t (&raw)[4]) {
+    if (load) {
+      raw[0] = static_cast<uint32_t>(__ldg(scale_cursor));
 #pragma unroll
-    for (int line = 0; line < 4; ++line)
-      raw[line] = static_cast<uint32_t>(__ldg(scales + scale_line_offset(line) + k_step));
+      for (int line = 1; line < 4; ++line)
+        raw[line] = static_cast<uint32_t>(__ldg(scale_cursor + line_scale_offset[line - 1]));
+    }
+    ++scale_cursor;
   }
 
-  // Two lines' pairs per register, as decode takes them: line 2j in the low half of
-  // pairs[j].
-  __device__ __forceinline__ static void pack_scales(const uint32_t (&raw)[4],
-                                                     uint32_t (&pairs)[2]) {
-    pairs[0] = __byte_perm(raw[0], raw[1], 0x5410);
-    pairs[1] = __byte_perm(raw[2], raw[3], 0x5410);
-  }
-
-  // Decode a landed stage's codes of the four lines into both halves' fragments with
-  // their scale pairs (pack_scales). Every line's words are loaded first: 32 independent
-  // pairs to interleave.
-  __device__ __forceinline__ void decode(const uint8_t* code_area, const uint32_t (&pairs)[2],
+  // Decode a landed stage's codes of the four lines (the code area at shared address
+  // `code_area`) into both halves' fragments with their scales. Every line's words
+  // are loaded first: 32 independent pairs to interleave.
+  __device__ __forceinline__ void decode(uint32_t code_area, const mxfp4::StepScales<4>& scales,
                                          Fragment (&fragments)[2]) const {
-    const uint32_t base = shared_address(code_area) + code_offset;
+    const uint32_t base = code_area + code_offset;
     uint32_t words[4][8];
 #pragma unroll
     for (int line = 0; line < 4; ++line) {
@@ -304,7 +299,7 @@ struct StreamLines {
                      "=r"(words[line][7])
                    : "r"(at + 16));
     }
-    mxfp4::decode_rows<2>(words, pairs, selector, fragments);
+    mxfp4::decode_rows<2>(words, scales, selector, fragments);
   }
 };
 
@@ -379,6 +374,30 @@ __device__ __forceinline__ void store_epilogue(const WeightStreamParams& p, cons
 }
 
 // ---- consumers ----
+// The consumer's position in the ring as shared addresses: the current stage, its full
+// barrier (its empty barrier kStages barriers on) and the phase, all advanced in
+// registers, so a step converts no generic pointer and reads no parameter.
+template <class C>
+struct StreamConsumerRing {
+  uint32_t stage_address, full, phase = 0;
+  int stage = 0;
+  __device__ __forceinline__ explicit StreamConsumerRing(const StreamStorage<C>& smem)
+      : stage_address(shared_address(smem.stages)), full(shared_address(smem.full)) {}
+  __device__ __forceinline__ uint32_t a() const { return stage_address; }
+  __device__ __forceinline__ uint32_t b() const { return stage_address + C::kABytes; }
+  __device__ __forceinline__ uint32_t empty() const { return full + 8 * C::kStages; }
+  __device__ __forceinline__ void advance() {
+    stage_address += C::kStageBytes;
+    full += 8;
+    if (++stage == C::kStages) {
+      stage = 0;
+      stage_address -= C::kStages * C::kStageBytes;
+      full -= 8 * C::kStages;
+      phase ^= 1u;
+    }
+  }
+};
+
 template <class C>
 __device__ __forceinline__ void stream_consume(const WeightStreamParams& p,
                                                const StreamStorage<C>& smem, int consumer) {
@@ -391,7 +410,7 @@ __device__ __forceinline__ void stream_consume(const WeightStreamParams& p,
   // The tile's two halves (Gated: g and u).
   float acc_lo[kTokens / 2], acc_hi[kTokens / 2];
   Fragment fragments[2][2];  // [buffer][half]
-  RingState<C::kStages> ring, release;
+  StreamConsumerRing<C> ring(smem);
   const bool clamped = is_clamped(p.activation_clamp);
   const bool geglu = p.activation == static_cast<int>(Activation::GeGLU);
   auto finish = [&](const StreamTile& tile) {
@@ -422,23 +441,20 @@ __device__ __forceinline__ void stream_consume(const WeightStreamParams& p,
     }
     const int segment_steps = C::kGated || tile.extra ? p.segment_steps : 0;
     const int base_steps = C::kGated || !tile.extra ? p.base_steps : 0;
-    int issued = 0;  // steps of this tile whose MMAs were issued
-    // After a step's first batch: the previous step's batches retired, its stage goes
-    // back to the producer.
+    // After a step's batch: the previous step's batch retired, its stage (empty barrier
+    // `previous`, 0 before the tile's first step) goes back to the producer.
+    uint32_t previous = 0;
     auto retire_previous = [&] {
       cute::warpgroup_wait<1>();
-      if (issued > 0) {
-        if (lane == 0) Barrier::arrive(&smem.empty[release.stage]);
-        release.advance();
-      }
-      ++issued;
+      if (previous != 0 && lane == 0) arrive_barrier(previous);
+      previous = ring.empty();
     };
     auto run_segment = [&](float* acc, int first, int last) {
       for (int step = first; step < last; ++step) {
-        TransactionBarrier::wait(&smem.full[ring.stage], ring.phase);
+        wait_barrier(ring.full, ring.phase);
         cute::warpgroup_arrive();
-        Mma::side_step(descriptor_mn_major(smem.a(ring.stage) + consumer * kBoxBytes),
-                       descriptor_k_major(smem.b(ring.stage)), acc);
+        Mma::side_step(descriptor_mn_major(ring.a() + consumer * kBoxBytes),
+                       descriptor_k_major(ring.b()), acc);
         cute::warpgroup_commit_batch();
         retire_previous();
         ring.advance();
@@ -462,32 +478,30 @@ __device__ __forceinline__ void stream_consume(const WeightStreamParams& p,
         fence_accumulators(acc_hi);
       }
     }
-    const StreamLines lines(p, consumer, thread, tile, lane);
+    StreamLines lines(p, consumer, thread, tile, lane);
     // Scale pairs two steps ahead (their loads miss L2 as often as not, and a step is
-    // about a DRAM round trip), in two slots by step parity: a step packs its slot, then
-    // refills it for two steps on, so no instruction waits on a load it just issued
-    // (moving a loading register into another slot would, and so did packing a pair at
-    // load time: load_scales keeps them apart).
+    // about a DRAM round trip), in two slots by step parity: a step reads its slot, then
+    // refills it for two steps on, so no instruction waits on a load it just issued.
     uint32_t scale_slots[kScaleSteps][4];
 #pragma unroll
     for (int slot = 0; slot < kScaleSteps; ++slot)
-      if (slot < base_steps) lines.load_scales(slot, scale_slots[slot]);
+      lines.load_next_scales(slot < base_steps, scale_slots[slot]);
     // A base step: both halves' fragments decoded, then their MMAs as one batch. The
     // fragments alternate between two buffers (by step parity too): a buffer is
     // rewritten only after the batch that read it retired, which the step between
     // guarantees (one batch in flight), so a step's decode overlaps the previous step's
     // MMAs.
     auto base_step = [&](int k_step, Fragment(&halves)[2], uint32_t (&slot)[4]) {
-      // Refilled before the decode: the loads get the decode's time too.
-      uint32_t pairs[2];
-      StreamLines::pack_scales(slot, pairs);
-      if (k_step + kScaleSteps < base_steps) lines.load_scales(k_step + kScaleSteps, slot);
-      TransactionBarrier::wait(&smem.full[ring.stage], ring.phase);
-      lines.decode(smem.a(ring.stage), pairs, halves);
+      // The slot's bytes become factors first, then it is refilled before the decode (the
+      // loads get the decode's time too, and no instruction reads a register being loaded).
+      const mxfp4::StepScales<4> scales(slot);
+      lines.load_next_scales(k_step + kScaleSteps < base_steps, slot);
+      wait_barrier(ring.full, ring.phase);
+      lines.decode(ring.a(), scales, halves);
       fence_fragment(halves[0]);
       fence_fragment(halves[1]);
       cute::warpgroup_arrive();
-      const uint64_t desc_b = descriptor_k_major(smem.b(ring.stage));
+      const uint64_t desc_b = descriptor_k_major(ring.b());
       Mma::base_half_step(halves[0], desc_b, acc_lo);
       Mma::base_half_step(halves[1], desc_b, acc_hi);
       cute::warpgroup_commit_batch();
@@ -503,8 +517,7 @@ __device__ __forceinline__ void stream_consume(const WeightStreamParams& p,
     cute::warpgroup_wait<0>();
     fence_accumulators(acc_lo);
     fence_accumulators(acc_hi);
-    if (lane == 0) Barrier::arrive(&smem.empty[release.stage]);
-    release.advance();
+    if (lane == 0) arrive_barrier(previous);
     finish(tile);
   }
 }

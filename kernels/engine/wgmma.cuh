@@ -20,9 +20,9 @@ static_assert(kRowBytes == 128, "a K-block row must be one 128-byte swizzle span
 
 // K-major tile: rows of 128 bytes (64 BF16 along K); 8-row swizzle atoms are 1024 bytes
 // apart (the stride byte offset).
-__device__ __forceinline__ uint64_t descriptor_k_major(const void* smem) {
+__device__ __forceinline__ uint64_t descriptor_k_major(uint32_t smem_address) {
   cute::GmmaDescriptor desc;
-  desc.bitfield.start_address_ = static_cast<uint16_t>(cute::cast_smem_ptr_to_uint(smem) >> 4);
+  desc.bitfield.start_address_ = static_cast<uint16_t>(smem_address >> 4);
   desc.bitfield.leading_byte_offset_ = 1;  // unused for swizzled K-major layouts
   desc.bitfield.stride_byte_offset_ = 1024 >> 4;
   desc.bitfield.base_offset_ = 0;
@@ -33,14 +33,22 @@ __device__ __forceinline__ uint64_t descriptor_k_major(const void* smem) {
 // MN-major tile made of [64 K rows][64 MN] boxes placed side by side along MN: CuTe's
 // canonical MN-major SW128 layout ((8,n),(8,k)):((1,LBO),(8,SBO)) in 16-byte units, with
 // LBO = the 8 KB between boxes and SBO = the 1 KB between 8-row K groups.
-__device__ __forceinline__ uint64_t descriptor_mn_major(const void* smem) {
+__device__ __forceinline__ uint64_t descriptor_mn_major(uint32_t smem_address) {
   cute::GmmaDescriptor desc;
-  desc.bitfield.start_address_ = static_cast<uint16_t>(cute::cast_smem_ptr_to_uint(smem) >> 4);
+  desc.bitfield.start_address_ = static_cast<uint16_t>(smem_address >> 4);
   desc.bitfield.leading_byte_offset_ = kBoxBytes >> 4;
   desc.bitfield.stride_byte_offset_ = 1024 >> 4;
   desc.bitfield.base_offset_ = 0;
   desc.bitfield.layout_type_ = 1;  // SWIZZLE_128B
   return desc.desc_;
+}
+
+// The same from a generic pointer into shared memory.
+__device__ __forceinline__ uint64_t descriptor_k_major(const void* smem) {
+  return descriptor_k_major(cute::cast_smem_ptr_to_uint(smem));
+}
+__device__ __forceinline__ uint64_t descriptor_mn_major(const void* smem) {
+  return descriptor_mn_major(cute::cast_smem_ptr_to_uint(smem));
 }
 
 template <bool kMNMajor>

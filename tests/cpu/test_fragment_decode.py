@@ -3,17 +3,18 @@
 
 A thread owning byte c of each 8-code word turns it into one BF16 pair with a byte
 permute (in its sign-replicate mode), an arithmetic shift and a mask, then multiplies
-by the BF16 pair 2^(scale - 1). The driver (tests/cpu/host/fragment_decode.cu, built
-with nvcc) runs the placement for every byte position against 1,280 words and writes
-the factors; the oracle is E2M1 x 2^(scale - 127) in float64. The multiply itself is
-the GPU's (mul.rn.bf16x2): tests/gpu/test_weight_stream.py checks it bit for bit
-against the transient decode.
+by 2^(scale - 1), one half of its row's factor pair (one factor per 32 codes). The
+driver (tests/cpu/host/fragment_decode.cu, built with nvcc) runs the placement for
+every byte position against 1,280 words and writes the factor pairs; the oracle is
+E2M1 x 2^(scale - 127) in float64. The multiply itself is the GPU's (fma.rn.bf16x2):
+tests/gpu/test_weight_stream.py checks it bit for bit against the transient decode.
 
 The driver also runs ``decode_rows<2>``, the kernel's whole step for one thread (two
 weights' rows r and r + 8: their words and scale bytes to each weight's 16 A-fragment
 registers of four k16 MMAs), with the host's exact FP32 product in place of the device
-multiply. Each call decodes two cases under one scale check, so a case within the fast
-path beside one past it takes the FP32 path and must give the same bits. Its oracle
+multiply. Each call decodes two cases under one scale check (every byte below 128), so
+a case within the fast path beside one past it takes the FP32 path and must give the
+same bits. Its oracle
 places each decoded value by the PTX ISA's wgmma A-fragment layout for 16-bit types:
 register i of k16 step j holds row r + 8 (i % 2), columns 16 j + 8 (i // 2) + 2c and + 1.
 """
@@ -52,26 +53,30 @@ def driver_output(run_host_driver: Callable[[str], Path]) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def placed(driver_output: np.ndarray, mxfp4_words: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    placed_end = 129 + 4 * len(mxfp4_words)
-    return driver_output[:129], driver_output[129:placed_end].reshape(4, -1)
+    placed_end = 128 + 4 * len(mxfp4_words)
+    return driver_output[:128], driver_output[128:placed_end].reshape(4, -1)
 
 
 @pytest.fixture(scope="module")
 def fragment_cases(driver_output: np.ndarray, mxfp4_words: np.ndarray) -> np.ndarray:
     """[cases, CASE_WORDS]: c, pairs, words [2][8], fragment [4][4], then the fast-path
-    check of the case's own pairs (scales_at_most_128), per row."""
-    start = 129 + 4 * len(mxfp4_words)
+    check of the case's own rows (StepScales' fast flag), per row."""
+    start = 128 + 4 * len(mxfp4_words)
     count = int(driver_output[start])
     cases = driver_output[start + 1 :]
     assert count == 4 * FRAGMENT_CASES and cases.size == count * CASE_WORDS
     return cases.reshape(count, CASE_WORDS)
 
 
-def test_factor_is_two_to_the_scale_minus_one(placed: tuple[np.ndarray, np.ndarray]) -> None:
+def test_factor_pair_is_two_to_each_scale_minus_one(
+    placed: tuple[np.ndarray, np.ndarray],
+) -> None:
+    """row_factors(b0 | b1 << 8) is the BF16 pair [2^(b0 - 1) | 2^(b1 - 1)], for every fast
+    byte in each half (the driver pairs b with 127 - b)."""
     factors, _ = placed
-    assert np.all(factors >> 16 == factors & 0xFFFF), "the same factor in both halves"
-    expected = np.ldexp(1.0, np.arange(129) - 1)
-    assert np.array_equal(_bf16_values(factors & 0xFFFF), expected)
+    scales = np.arange(128)
+    assert np.array_equal(_bf16_values(factors & 0xFFFF), np.ldexp(1.0, scales - 1))
+    assert np.array_equal(_bf16_values(factors >> 16), np.ldexp(1.0, 126 - scales))
 
 
 def test_placed_pairs_are_the_codes_times_2_pow_minus_126(
@@ -96,7 +101,7 @@ def test_products_are_exact_bf16(placed: tuple[np.ndarray, np.ndarray]) -> None:
     every fast scale: the device's rounded multiply has nothing to round."""
     factors, pairs = placed
     values = _bf16_values(pairs & 0xFFFF)
-    for scale in range(129):
+    for scale in range(128):
         products = values * _bf16_values(factors[scale] & 0xFFFF)
         as_bf16 = _bf16_values(
             (products.astype(np.float32).view(np.uint32) >> 16).astype(np.uint32)
@@ -126,8 +131,8 @@ def _expected_fragment(c: int, pairs: int, words: np.ndarray) -> np.ndarray:
 def test_step_fragment_follows_the_wgmma_layout(fragment_cases: np.ndarray) -> None:
     """decode_rows puts each code of a thread's two rows, times its row's and column
     block's scale, where the wgmma A fragment wants it: every register of every case,
-    both scale paths (bytes up to 128, and any byte above, in either case of a call),
-    bit for bit."""
+    both scale paths (bytes below 128, and any byte from 128 up, in either case of a
+    call), bit for bit."""
     slow = 0
     with np.errstate(over="ignore"):
         for case in fragment_cases:
@@ -140,15 +145,15 @@ def test_step_fragment_follows_the_wgmma_layout(fragment_cases: np.ndarray) -> N
             # -0 codes stay -0 (the FMA's -0 addend; the FP32 path keeps it too).
             zeros = expected == 0
             np.testing.assert_array_equal(np.signbit(got[zeros]), np.signbit(expected[zeros]))
-            slow += any(((pairs >> (8 * b)) & 0xFF) > 128 for b in range(4))
+            slow += any(((pairs >> (8 * b)) & 0xFF) >= 128 for b in range(4))
     assert 0 < slow < len(fragment_cases), "both scale paths ran"
 
 
-def test_fast_path_check_is_every_scale_byte_at_most_128(fragment_cases: np.ndarray) -> None:
-    """scales_at_most_128, the check that picks the fast path, is true exactly when every
-    scale byte is at most 128: a check that picks the FP32 path too often would still give
-    the right values, so it is compared on its own."""
+def test_fast_path_check_is_every_scale_byte_below_128(fragment_cases: np.ndarray) -> None:
+    """StepScales' fast flag, the check that picks the fast path, is true exactly when
+    every scale byte of its rows is below 128: a check that picks the FP32 path too often
+    would still give the right values, so it is compared on its own."""
     pairs = fragment_cases[:, 1].astype(np.int64)
-    expected = np.all([((pairs >> (8 * b)) & 0xFF) <= 128 for b in range(4)], axis=0)
+    expected = np.all([((pairs >> (8 * b)) & 0xFF) < 128 for b in range(4)], axis=0)
     np.testing.assert_array_equal(fragment_cases[:, 34].astype(bool), expected)
     assert 0 < expected.sum() < len(expected)
