@@ -18,8 +18,8 @@
 //     transient decode's value bit for bit.
 // A row's two factors of a step (one per 32 codes) share one register, and the multiply
 // reads the half it needs (the .H0_H0 / .H1_H1 operand of HMUL2, no copy). The fast path
-// takes scale bytes below 128 (one test of the OR of a step's bytes); a step with any
-// byte from 128 up takes FP32 math (rare in real weights: |w| >= 8 in a block).
+// takes scale bytes below 128; a step with any byte from 128 up takes FP32 math
+// (scale_word, StepScales).
 // decode_rows is a thread's whole step (its rows' words to its A-fragment registers);
 // everything here also runs on the host, for tests/cpu/test_fragment_decode.py.
 #pragma once
@@ -124,37 +124,46 @@ __host__ __device__ __forceinline__ uint32_t pair_any_scale(uint32_t bits, uint3
 // One weight's A fragment of a 64-deep step (four m64nNk16 MMAs): [k16][a0..a3].
 using StepFragment = uint32_t[4][4];
 
-// A step's scales for `Rows` rows, ready for the decode: each row's factor pair
-// (row_factors) and whether every byte is below 128, the fast path's range (bit 7 clear
-// in their OR: two instructions for a step; 128 itself would need a compare per byte).
-// Built from the bytes as loaded (each register one row's pair in bits 0-15), so the
-// registers they came in are free again at once.
+// A row's scale bytes of a step (bits 0-7: words 0-3, bits 8-15: words 4-7, as loaded)
+// as the word the decode reads: its factor pair (row_factors, bits 15 and 31 clear) when
+// both bytes are below 128, the fast path's range, else the bytes themselves under bit 31
+// (the FP32 path's; rare in real weights: |w| >= 8 in a block). The weight-streaming
+// GEMM's scale loaders write these words; the consumers only test and multiply.
+__host__ __device__ __forceinline__ uint32_t scale_word(uint32_t loaded) {
+  return (loaded & 0x8080u) != 0u ? 0x80000000u | loaded : row_factors(loaded);
+}
+
+// A step's scale words for `Rows` rows (scale_word): whether the step takes the fast
+// path (no word has bit 31: two instructions for a step), and each row's byte for the
+// FP32 path.
 template <int Rows>
 struct StepScales {
-  uint32_t factors[Rows];
+  uint32_t words[Rows];
   bool fast;
-  __host__ __device__ __forceinline__ explicit StepScales(const uint32_t (&loaded)[Rows]) {
+  __host__ __device__ __forceinline__ explicit StepScales(const uint32_t (&scale_words)[Rows]) {
     uint32_t any = 0;
 #pragma unroll
     for (int row = 0; row < Rows; ++row) {
-      any |= loaded[row];
-      factors[row] = row_factors(loaded[row]);
+      words[row] = scale_words[row];
+      any |= scale_words[row];
     }
-    fast = (any & 0x8080u) == 0u;
+    fast = (any & 0x80000000u) == 0u;
   }
-  // The scale byte of `row`'s words 0-3 (Half 0) or 4-7 (Half 1), from its factor's
-  // exponent field b + 126 (nine bits wide for bytes from 130 up, still inside the half).
+  // The scale byte of `row`'s words 0-3 (Half 0) or 4-7 (Half 1): as loaded under bit 31,
+  // else from its factor's exponent field b + 126.
   template <int Half>
   __host__ __device__ __forceinline__ uint32_t byte(int row) const {
-    return ((factors[row] >> (16 * Half + 7)) & 0x1FFu) - 126u;
+    const uint32_t word = words[row];
+    return (word & 0x80000000u) != 0u ? (word >> (8 * Half)) & 0xFFu
+                                       : ((word >> (16 * Half + 7)) & 0xFFu) - 126u;
   }
 };
 
 // A thread's A-fragment registers of one step for `Weights` weights (the streaming
 // GEMM's gate and up halves: two) from its rows' codes: `words[2j]` the eight code words
 // of weight j's row r (16 warp + lane / 4 of the warpgroup's 64), `words[2j + 1]` those
-// of its row r + 8; `scales` rows 2j and 2j + 1 those rows' (StepScales, from the bytes
-// of words 0-3 and 4-7); `selector` the lane's (fragment_selector(lane % 4)).
+// of its row r + 8; `scales` rows 2j and 2j + 1 those rows' scale words (StepScales);
+// `selector` the lane's (fragment_selector(lane % 4)).
 // Word 2i / 2i + 1 is k16 step i's first / second eight columns: a0 / a2 from row r,
 // a1 / a3 from row r + 8 (the PTX ISA's wgmma A-fragment layout for 16-bit types). One
 // scale check covers every row, so the common path has all 16 x Weights pairs
@@ -173,9 +182,9 @@ __host__ __device__ __forceinline__ void decode_rows(const uint32_t (&words)[2 *
 #pragma unroll
       for (int w = 0; w < 4; ++w) {
         out[row][w] = pair_times_factor<0>(
-            pair_bits_times_2_pow_minus_126(words[row][w], selector), scales.factors[row]);
+            pair_bits_times_2_pow_minus_126(words[row][w], selector), scales.words[row]);
         out[row][w + 4] = pair_times_factor<1>(
-            pair_bits_times_2_pow_minus_126(words[row][w + 4], selector), scales.factors[row]);
+            pair_bits_times_2_pow_minus_126(words[row][w + 4], selector), scales.words[row]);
       }
   } else {
 #pragma unroll

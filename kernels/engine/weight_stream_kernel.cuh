@@ -109,13 +109,20 @@ struct StreamConfig {
   static constexpr int kSideBytes = kConsumers * kBoxBytes;
   static constexpr int kABytes = kSideBytes > kCodeBytes ? kSideBytes : kCodeBytes;
   static constexpr int kBBytes = Tokens * kRowBytes;
-  static constexpr int kStageBytes = kABytes + kBBytes;
+  // A base step's scale words (mxfp4::scale_word), one per row of the tile's 256: 16
+  // bytes per consumer quad (its four lines), so a consumer thread reads its own with one
+  // load.
+  static constexpr int kScaleWordBytes = 256 * 4;
+  static constexpr int kStageBytes = kABytes + kBBytes + kScaleWordBytes;
   static_assert(kStageBytes % 1024 == 0, "stages stay 1024-byte aligned (128-byte swizzle)");
   static constexpr int kSmemLimit = 232448;
   static constexpr int kBarrierBytes = 256;
   static constexpr int kStagesFit = (kSmemLimit - 1024 - kBarrierBytes) / kStageBytes;
   static constexpr int kStages = kStagesFit > 8 ? 8 : kStagesFit;
   static constexpr int kSmemBytes = 1024 + kStages * kStageBytes + kBarrierBytes;
+  // Base steps whose scale loads are in flight in the producer warpgroup (their loads
+  // issued this many steps before the words are written).
+  static constexpr int kScaleStepsAhead = 4;
   // setmaxnreg: the producer's warpgroup gives its registers to the two consumers.
   static constexpr int kProducerRegisters = 40;
   static constexpr int kConsumerRegisters = 232;
@@ -135,27 +142,69 @@ struct StreamStorage {
   }
   __device__ __forceinline__ uint8_t* a(int s) const { return stages + s * C::kStageBytes; }
   __device__ __forceinline__ uint8_t* b(int s) const { return a(s) + C::kABytes; }
+  __device__ __forceinline__ uint8_t* scale_words(int s) const { return b(s) + C::kBBytes; }
 };
 
-// ---- producer ----
+// The scale words' place in a stage's area: consumer quad `slot` ((consumer x 4 + warp)
+// x 8 + lane / 4) reads 16 bytes, the words of its lines 0-3 (rows r, r + 8 of the first
+// half, then of the second; r = 64 consumer + 16 warp + lane / 4 of each half's 128).
+__device__ __forceinline__ constexpr int stream_scale_slot_row(int slot) {
+  return 64 * (slot / 32) + 16 * ((slot / 8) % 4) + slot % 8;
+}
+
+// ---- producer warpgroup ----
+// Thread i of the producer warpgroup writes, per base step, the scale words of two lines
+// (scale_word): consumer quad i / 2's lines 2h and 2h + 1 (h = i % 2: rows r and r + 8 of
+// half h), 8 bytes of the stage's scale area. It loads their bytes kScaleStepsAhead base
+// steps before, so the loads' latency passes while the ring fills; the consumers then
+// read ready factors with one shared load and no address math of their own.
+template <class C>
+struct StreamScaleRows {
+  const uint16_t* cursor;  // row r's pair of the next base step to load
+  uint32_t eight_rows;     // pairs from row r to row r + 8
+  uint32_t store_offset;   // this thread's 8 bytes in a stage's scale area
+
+  __device__ __forceinline__ StreamScaleRows(const WeightStreamParams& p, const StreamTile& tile,
+                                             int thread) {
+    const int slot = thread / 2, half = thread % 2;
+    const uint32_t pairs_per_row = static_cast<uint32_t>(p.k_base / 64);
+    const int64_t w_row = static_cast<int64_t>(tile.expert) * p.weight_rows + tile.n0 +
+                          stream_scale_slot_row(slot) + half * p.half_rows;
+    cursor = reinterpret_cast<const uint16_t*>(p.scales) + w_row * pairs_per_row;
+    eight_rows = 8 * pairs_per_row;
+    store_offset = static_cast<uint32_t>(16 * slot + 8 * half);
+  }
+
+  // The two rows' pairs of the cursor's step when `load`; the cursor moves on either way.
+  __device__ __forceinline__ void load_next(bool load, uint32_t (&raw)[2]) {
+    if (load) {
+      raw[0] = static_cast<uint32_t>(__ldg(cursor));
+      raw[1] = static_cast<uint32_t>(__ldg(cursor + eight_rows));
+    }
+    ++cursor;
+  }
+};
+
 template <class C>
 __device__ __forceinline__ void stream_produce(const WeightStreamParams& p,
-                                               const StreamStorage<C>& smem) {
+                                               const StreamStorage<C>& smem, int thread) {
+  constexpr int kAhead = C::kScaleStepsAhead;
   const typename C::Schedule schedule(p);
   RingState<C::kStages> ring;
+  const bool issues_copies = thread == 0;
   for (int t = blockIdx.x; t < schedule.num_tiles(); t += gridDim.x) {
     const StreamTile tile = schedule.tile(t);
     if (tile.rows == 0) continue;
     const int segment_steps = C::kGated || tile.extra ? p.segment_steps : 0;
     const int base_steps = C::kGated || !tile.extra ? p.base_steps : 0;
-    for (int step = 0; step < segment_steps + base_steps; ++step) {
+    for (int step = 0; step < segment_steps; ++step) {
       Barrier::wait(&smem.empty[ring.stage], ring.phase ^ 1u);
       uint64_t* bar = &smem.full[ring.stage];
-      uint8_t* a = smem.a(ring.stage);
-      if (step < segment_steps) {
+      if (issues_copies) {
         // Gated: b1 (then b3) rows 64 j.. at h columns n0..; Store: a2 rows 64 j.. (K)
         // at extra columns 128 half..; against the pool's side columns or its K.
         TransactionBarrier::arrive_and_expect_tx(bar, C::kSideBytes + C::kBBytes);
+        uint8_t* a = smem.a(ring.stage);
         const int half = step >= p.segment_half ? 1 : 0;
         const int j = step - half * p.segment_half;
         const CUtensorMap* map = C::kGated && half ? &p.segment_hi : &p.segment_lo;
@@ -168,19 +217,43 @@ __device__ __forceinline__ void stream_produce(const WeightStreamParams& p,
                                        kBlockK * j, tile.expert);
         cute::SM90_TMA_LOAD_2D::copy(&p.pool, bar, kCacheHint, smem.b(ring.stage), pool_column,
                                      tile.row0);
-      } else {
+      }
+      Barrier::arrive(bar);
+      ring.advance();
+    }
+    StreamScaleRows<C> rows(p, tile, thread);
+    uint32_t pending[kAhead][2];  // the scale pairs of the next kAhead base steps
+#pragma unroll
+    for (int d = 0; d < kAhead; ++d) rows.load_next(d < base_steps, pending[d]);
+    // A base step: its words from the pairs loaded kAhead steps before (which frees their
+    // registers for the loads of kAhead steps on), then the stage's copies and words.
+    auto base_step = [&](int k_step, uint32_t (&pairs)[2]) {
+      const uint32_t words[2] = {mxfp4::scale_word(pairs[0]), mxfp4::scale_word(pairs[1])};
+      rows.load_next(k_step + kAhead < base_steps, pairs);
+      Barrier::wait(&smem.empty[ring.stage], ring.phase ^ 1u);
+      uint64_t* bar = &smem.full[ring.stage];
+      if (issues_copies) {
         TransactionBarrier::arrive_and_expect_tx(bar, C::kCodeBytes + C::kBBytes);
-        const int k_step = step - segment_steps;
+        uint8_t* a = smem.a(ring.stage);
         if constexpr (C::kGated)
           cute::SM90_TMA_LOAD_4D::copy(&p.codes, bar, kCacheHint, a, k_step * (kBlockK / 2),
                                        tile.n0, 0, tile.expert);
         else
           cute::SM90_TMA_LOAD_3D::copy(&p.codes, bar, kCacheHint, a, k_step * (kBlockK / 2),
                                        tile.n0, tile.expert);
-        cute::SM90_TMA_LOAD_2D::copy(&p.pool, bar, kCacheHint, smem.b(ring.stage), k_step * kBlockK,
-                                     tile.row0);
+        cute::SM90_TMA_LOAD_2D::copy(&p.pool, bar, kCacheHint, smem.b(ring.stage),
+                                     k_step * kBlockK, tile.row0);
       }
+      const uint32_t at = shared_address(smem.scale_words(ring.stage)) + rows.store_offset;
+      asm volatile("st.shared.v2.u32 [%0], {%1, %2};" ::"r"(at), "r"(words[0]), "r"(words[1])
+                   : "memory");
+      Barrier::arrive(bar);  // release: the words are visible to the consumers' acquire
       ring.advance();
+    };
+    for (int k_step = 0; k_step < base_steps; k_step += kAhead) {
+#pragma unroll
+      for (int d = 0; d < kAhead; ++d)
+        if (k_step + d < base_steps) base_step(k_step + d, pending[d]);
     }
   }
 }
@@ -222,7 +295,7 @@ struct StreamMma {
   __device__ __forceinline__ static void side_step(uint64_t desc_a, uint64_t desc_b, float* d) {
 #pragma unroll
     for (int k16 = 0; k16 < kBlockK / 16; ++k16)
-      side(advance_k16<true>(desc_a, k16), advance_k16<false>(desc_b, k16), d,
+      side(advance_k16_low_word<true>(desc_a, k16), advance_k16_low_word<false>(desc_b, k16), d,
            std::make_index_sequence<N / 2>{});
   }
   // Half a base step: one weight's decoded fragment against the pool tile.
@@ -230,7 +303,8 @@ struct StreamMma {
                                                         float* acc) {
 #pragma unroll
     for (int k16 = 0; k16 < kBlockK / 16; ++k16)
-      registers(a[k16], advance_k16<false>(desc_b, k16), acc, std::make_index_sequence<N / 2>{});
+      registers(a[k16], advance_k16_low_word<false>(desc_b, k16), acc,
+                std::make_index_sequence<N / 2>{});
   }
 };
 
@@ -247,45 +321,30 @@ struct StreamLines {
     return (line % 2 ? 8 * 32 : 0) + (line / 2 ? 128 * 32 : 0);
   }
   uint32_t code_offset;
+  uint32_t scale_offset;  // the quad's 16 bytes in a stage's scale area
   uint32_t selector;
-  // Line 0's scale pair of the next step to load (advanced per load: a loop-carried
-  // pointer, so no per-step address math from the parameters), and lines 1-3's pairs'
-  // distances from line 0's.
-  const uint16_t* scale_cursor;
-  uint32_t line_scale_offset[3];
 
-  __device__ __forceinline__ StreamLines(const WeightStreamParams& p, int consumer, int thread,
-                                         const StreamTile& tile, int lane) {
-    const int row = 16 * (thread / 32) + lane / 4 + 64 * consumer;  // of the tile's 128
-    code_offset = static_cast<uint32_t>(row * 32);
-    const uint32_t pairs_per_row = static_cast<uint32_t>(p.k_base / 64);
-    const int64_t w_row = static_cast<int64_t>(tile.expert) * p.weight_rows + tile.n0 + row;
-    scale_cursor = reinterpret_cast<const uint16_t*>(p.scales) + w_row * pairs_per_row;
-    line_scale_offset[0] = 8 * pairs_per_row;
-    line_scale_offset[1] = static_cast<uint32_t>(p.half_rows) * pairs_per_row;
-    line_scale_offset[2] = line_scale_offset[0] + line_scale_offset[1];
-    selector = mxfp4::fragment_selector(static_cast<uint32_t>(lane % 4));
+  // From the block's thread index (consumer c's threads are 128 (c + 1) on): row r's 32
+  // bytes, r = 64 c + 16 warp + lane / 4, are at 16 (tid & ~31) + 8 (tid & 28) - 2048,
+  // and its quad's 16 scale bytes ((4 c + warp) 8 + lane / 4) at 4 (tid & ~3) - 4096: few
+  // instructions where ptxas recomputes them instead of holding registers.
+  __device__ __forceinline__ explicit StreamLines(uint32_t tid) {
+    code_offset = 16 * (tid & ~31u) + 8 * (tid & 28u) - 2048u;
+    scale_offset = 4 * (tid & ~3u) - 4096u;
+    selector = mxfp4::fragment_selector(tid % 4);
   }
 
-  // The four lines' scale pairs of the cursor's step, as loaded (line l's in bits 0-15 of
-  // raw[l], the low byte words 0-3's scale), when `load` (the step exists); the cursor
-  // moves to the next step either way (unpredicated: no moves around a predicated add).
-  __device__ __forceinline__ void load_next_scales(bool load, uint32_t (&raw)[4]) {
-    if (load) {
-      raw[0] = static_cast<uint32_t>(__ldg(scale_cursor));
-#pragma unroll
-      for (int line = 1; line < 4; ++line)
-        raw[line] = static_cast<uint32_t>(__ldg(scale_cursor + line_scale_offset[line - 1]));
-    }
-    ++scale_cursor;
-  }
-
-  // Decode a landed stage's codes of the four lines (the code area at shared address
-  // `code_area`) into both halves' fragments with their scales. Every line's words
-  // are loaded first: 32 independent pairs to interleave.
-  __device__ __forceinline__ void decode(uint32_t code_area, const mxfp4::StepScales<4>& scales,
+  // Decode a landed stage's codes of the four lines into both halves' fragments with
+  // their scale words (the code area at shared address `code_area`, the scale words at
+  // `scale_area`). Every load first: 32 independent pairs to interleave.
+  __device__ __forceinline__ void decode(uint32_t code_area, uint32_t scale_area,
                                          Fragment (&fragments)[2]) const {
     const uint32_t base = code_area + code_offset;
+    uint32_t scale_words[4];
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(scale_words[0]), "=r"(scale_words[1]), "=r"(scale_words[2]),
+                   "=r"(scale_words[3])
+                 : "r"(scale_area + scale_offset));
     uint32_t words[4][8];
 #pragma unroll
     for (int line = 0; line < 4; ++line) {
@@ -299,6 +358,7 @@ struct StreamLines {
                      "=r"(words[line][7])
                    : "r"(at + 16));
     }
+    const mxfp4::StepScales<4> scales(scale_words);
     mxfp4::decode_rows<2>(words, scales, selector, fragments);
   }
 };
@@ -385,6 +445,9 @@ struct StreamConsumerRing {
       : stage_address(shared_address(smem.stages)), full(shared_address(smem.full)) {}
   __device__ __forceinline__ uint32_t a() const { return stage_address; }
   __device__ __forceinline__ uint32_t b() const { return stage_address + C::kABytes; }
+  __device__ __forceinline__ uint32_t scale_words() const {
+    return stage_address + C::kABytes + C::kBBytes;
+  }
   __device__ __forceinline__ uint32_t empty() const { return full + 8 * C::kStages; }
   __device__ __forceinline__ void advance() {
     stage_address += C::kStageBytes;
@@ -402,7 +465,6 @@ template <class C>
 __device__ __forceinline__ void stream_consume(const WeightStreamParams& p,
                                                const StreamStorage<C>& smem, int consumer) {
   constexpr int kTokens = C::kTokensPerChunk;
-  constexpr int kScaleSteps = 2;  // scale prefetch distance = fragment buffers
   using Mma = StreamMma<kTokens>;
   const typename C::Schedule schedule(p);
   const int thread = threadIdx.x % kWarpgroupThreads;
@@ -478,26 +540,14 @@ __device__ __forceinline__ void stream_consume(const WeightStreamParams& p,
         fence_accumulators(acc_hi);
       }
     }
-    StreamLines lines(p, consumer, thread, tile, lane);
-    // Scale pairs two steps ahead (their loads miss L2 as often as not, and a step is
-    // about a DRAM round trip), in two slots by step parity: a step reads its slot, then
-    // refills it for two steps on, so no instruction waits on a load it just issued.
-    uint32_t scale_slots[kScaleSteps][4];
-#pragma unroll
-    for (int slot = 0; slot < kScaleSteps; ++slot)
-      lines.load_next_scales(slot < base_steps, scale_slots[slot]);
+    const StreamLines lines(threadIdx.x);
     // A base step: both halves' fragments decoded, then their MMAs as one batch. The
-    // fragments alternate between two buffers (by step parity too): a buffer is
-    // rewritten only after the batch that read it retired, which the step between
-    // guarantees (one batch in flight), so a step's decode overlaps the previous step's
-    // MMAs.
-    auto base_step = [&](int k_step, Fragment(&halves)[2], uint32_t (&slot)[4]) {
-      // The slot's bytes become factors first, then it is refilled before the decode (the
-      // loads get the decode's time too, and no instruction reads a register being loaded).
-      const mxfp4::StepScales<4> scales(slot);
-      lines.load_next_scales(k_step + kScaleSteps < base_steps, slot);
+    // fragments alternate between two buffers (by step parity): a buffer is rewritten
+    // only after the batch that read it retired, which the step between guarantees (one
+    // batch in flight), so a step's decode overlaps the previous step's MMAs.
+    auto base_step = [&](Fragment(&halves)[2]) {
       wait_barrier(ring.full, ring.phase);
-      lines.decode(ring.a(), scales, halves);
+      lines.decode(ring.a(), ring.scale_words(), halves);
       fence_fragment(halves[0]);
       fence_fragment(halves[1]);
       cute::warpgroup_arrive();
@@ -510,10 +560,10 @@ __device__ __forceinline__ void stream_consume(const WeightStreamParams& p,
     };
     int k_step = 0;
     for (; k_step + 1 < base_steps; k_step += 2) {
-      base_step(k_step, fragments[0], scale_slots[0]);
-      base_step(k_step + 1, fragments[1], scale_slots[1]);
+      base_step(fragments[0]);
+      base_step(fragments[1]);
     }
-    if (k_step < base_steps) base_step(k_step, fragments[0], scale_slots[0]);
+    if (k_step < base_steps) base_step(fragments[0]);
     cute::warpgroup_wait<0>();
     fence_accumulators(acc_lo);
     fence_accumulators(acc_hi);
@@ -535,7 +585,8 @@ __global__ void __launch_bounds__(engine::StreamConfig<kKind, Tokens>::kThreads,
   const StreamStorage<C> smem(smem_raw);
   if (threadIdx.x == 0) {
     for (int s = 0; s < C::kStages; ++s) {
-      TransactionBarrier::init(&smem.full[s], 1);
+      // The copies' thread (with the byte count), then every producer thread's words.
+      TransactionBarrier::init(&smem.full[s], 1 + kWarpgroupThreads);
       Barrier::init(&smem.empty[s], C::kConsumers * 4);  // one arrival per consumer warp
     }
     cutlass::arch::fence_barrier_init();
@@ -544,7 +595,7 @@ __global__ void __launch_bounds__(engine::StreamConfig<kKind, Tokens>::kThreads,
   const int warpgroup = threadIdx.x / kWarpgroupThreads;
   if (warpgroup == 0) {
     cutlass::arch::warpgroup_reg_dealloc<C::kProducerRegisters>();
-    if (threadIdx.x == 0) stream_produce<C>(p, smem);
+    stream_produce<C>(p, smem, threadIdx.x);
     return;
   }
   cutlass::arch::warpgroup_reg_alloc<C::kConsumerRegisters>();

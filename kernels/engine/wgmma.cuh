@@ -65,6 +65,16 @@ __device__ __forceinline__ uint64_t advance_k16(uint64_t desc, int k16) {
   return desc + static_cast<uint64_t>(bytes >> 4);
 }
 
+// The same, adding to the descriptor's low word only: the start-address field (bits
+// 0-13, shared addresses >> 4) never carries past bit 13, and a 32-bit add leaves the
+// constant high word to one move where a 64-bit add costs an add with carry per sub-step.
+template <bool kMNMajor>
+__device__ __forceinline__ uint64_t advance_k16_low_word(uint64_t desc, int k16) {
+  const int bytes = kMNMajor ? k16 * 16 * kRowBytes : k16 * 32;
+  const uint32_t low = static_cast<uint32_t>(desc) + static_cast<uint32_t>(bytes >> 4);
+  return (desc & 0xFFFFFFFF00000000ull) | low;
+}
+
 template <int N, cute::SM90::GMMA::Major A, cute::SM90::GMMA::Major B>
 struct WgmmaOp;
 template <cute::SM90::GMMA::Major A, cute::SM90::GMMA::Major B>

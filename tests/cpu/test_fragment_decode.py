@@ -12,8 +12,9 @@ tests/gpu/test_weight_stream.py checks it bit for bit against the transient deco
 The driver also runs ``decode_rows<2>``, the kernel's whole step for one thread (two
 weights' rows r and r + 8: their words and scale bytes to each weight's 16 A-fragment
 registers of four k16 MMAs), with the host's exact FP32 product in place of the device
-multiply. Each call decodes two cases under one scale check (every byte below 128), so
-a case within the fast path beside one past it takes the FP32 path and must give the
+multiply, from each row's scale word (``scale_word``: the factor pair for bytes below
+128, else the bytes under a flag). Each call decodes two cases under one scale check,
+so a case within the fast path beside one past it takes the FP32 path and must give the
 same bits. Its oracle
 places each decoded value by the PTX ISA's wgmma A-fragment layout for 16-bit types:
 register i of k16 step j holds row r + 8 (i % 2), columns 16 j + 8 (i // 2) + 2c and + 1.

@@ -7,9 +7,9 @@
 // list the placed pair pair_bits_times_2_pow_minus_126(word, fragment_selector(c)). The
 // word list: mxfp4_test_words.h. Then the step fragments: a case count, and per case its
 // byte position c, scale pairs (row r's in bits 0-15, row r + 8's in 16-31), two rows'
-// eight words and decode_rows' 16 fragment registers ([k16][a0..a3]) for them, then
-// StepScales' fast-path flag for its own two rows, all uint32 (two cases per
-// decode_rows<2> call).
+// eight words and decode_rows' 16 fragment registers ([k16][a0..a3]) for them (through
+// each row's scale_word, as the kernel's producer writes them), then StepScales' fast-path
+// flag for its own two rows, all uint32 (two cases per decode_rows<2> call).
 #include <cstdio>
 #include <vector>
 
@@ -74,14 +74,17 @@ int main(int argc, char** argv) {
         loaded[2 * j] = pairs[j] & 0xFFFFu;
         loaded[2 * j + 1] = pairs[j] >> 16;
       }
+      uint32_t scale_words[4];
+      for (int row = 0; row < 4; ++row) scale_words[row] = mx::scale_word(loaded[row]);
       mx::StepFragment fragments[2];
-      mx::decode_rows<2>(rows, mx::StepScales<4>(loaded), mx::fragment_selector(c), fragments);
+      mx::decode_rows<2>(rows, mx::StepScales<4>(scale_words), mx::fragment_selector(c),
+                         fragments);
       for (int j = 0; j < 2; ++j) {
         std::fwrite(&c, sizeof(c), 1, out);
         std::fwrite(&pairs[j], sizeof(pairs[j]), 1, out);
         std::fwrite(rows[2 * j], sizeof(rows[0]), 2, out);
         std::fwrite(fragments[j], sizeof(fragments[j]), 1, out);
-        const uint32_t own[2] = {loaded[2 * j], loaded[2 * j + 1]};
+        const uint32_t own[2] = {scale_words[2 * j], scale_words[2 * j + 1]};
         const uint32_t fast = mx::StepScales<2>(own).fast ? 1u : 0u;
         std::fwrite(&fast, sizeof(fast), 1, out);
       }
