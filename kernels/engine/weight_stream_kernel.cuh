@@ -315,6 +315,29 @@ struct StreamMma {
 // bytes are eight words; word 2j / 2j + 1 feed k16 step j's a0|a1 / a2|a3, and words
 // 0-3 / 4-7 share scale bytes 0 / 1 (one 16-bit pair per line and step).
 
+// A consumer thread's places in a stage from its block thread index (consumer c's
+// threads are 128 (c + 1) on): its row r's codes, r = 64 c + 16 warp + lane / 4 of each
+// half's 128, and its quad's 16 bytes of scale words (slot (4 c + warp) 8 + lane / 4).
+// Written in few instructions, since ptxas recomputes them where registers are short;
+// checked against the definitions at compile time.
+__host__ __device__ constexpr uint32_t stream_code_offset(uint32_t tid) {
+  return 16 * (tid & ~31u) + 8 * (tid & 28u) - 2048u;
+}
+__host__ __device__ constexpr uint32_t stream_scale_offset(uint32_t tid) {
+  return 4 * (tid & ~3u) - 512u;
+}
+constexpr bool stream_offsets_follow_the_layout() {
+  for (uint32_t tid = kWarpgroupThreads; tid < 3 * kWarpgroupThreads; ++tid) {
+    const uint32_t consumer = tid / 128 - 1, warp = tid % 128 / 32, quad = tid % 32 / 4;
+    const uint32_t row = 64 * consumer + 16 * warp + quad, slot = (4 * consumer + warp) * 8 + quad;
+    if (stream_code_offset(tid) != 32 * row || stream_scale_offset(tid) != 16 * slot ||
+        stream_scale_slot_row(static_cast<int>(slot)) != static_cast<int>(row))
+      return false;
+  }
+  return true;
+}
+static_assert(stream_offsets_follow_the_layout(), "a consumer reads its own rows and words");
+
 struct StreamLines {
   // Line l's codes are at code_offset + line_code_offset(l) in a stage's code area.
   __device__ __forceinline__ static constexpr uint32_t line_code_offset(int line) {
@@ -324,15 +347,10 @@ struct StreamLines {
   uint32_t scale_offset;  // the quad's 16 bytes in a stage's scale area
   uint32_t selector;
 
-  // From the block's thread index (consumer c's threads are 128 (c + 1) on): row r's 32
-  // bytes, r = 64 c + 16 warp + lane / 4, are at 16 (tid & ~31) + 8 (tid & 28) - 2048,
-  // and its quad's 16 scale bytes ((4 c + warp) 8 + lane / 4) at 4 (tid & ~3) - 4096: few
-  // instructions where ptxas recomputes them instead of holding registers.
-  __device__ __forceinline__ explicit StreamLines(uint32_t tid) {
-    code_offset = 16 * (tid & ~31u) + 8 * (tid & 28u) - 2048u;
-    scale_offset = 4 * (tid & ~3u) - 4096u;
-    selector = mxfp4::fragment_selector(tid % 4);
-  }
+  __device__ __forceinline__ explicit StreamLines(uint32_t tid)
+      : code_offset(stream_code_offset(tid)),
+        scale_offset(stream_scale_offset(tid)),
+        selector(mxfp4::fragment_selector(tid % 4)) {}
 
   // Decode a landed stage's codes of the four lines into both halves' fragments with
   // their scale words (the code area at shared address `code_area`, the scale words at
