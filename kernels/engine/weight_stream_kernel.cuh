@@ -12,17 +12,21 @@
 //    over the a2 shrink's columns (a2 as given); a plain store.
 //
 // Warp roles (384 threads):
-//  - producer (warp 0, one thread): per base step, TMA loads into a ring stage the
-//    step's codes of the tile's two halves ([2][128][32] bytes) and the chunk's
-//    [TOKENS][64] pool tile; per segment step (GEMM1's side, GEMM2's extra), one
-//    [64][64] BF16 box of the adapter factor per consumer warpgroup and the pool tile;
+//  - producer (warpgroup 0): one thread issues the TMA loads into a ring stage, per base
+//    step the step's codes of the tile's two halves ([2][128][32] bytes) and the chunk's
+//    [TOKENS][64] pool tile, per segment step (GEMM1's side, GEMM2's extra) one [64][64]
+//    BF16 box of the adapter factor per consumer warpgroup and the pool tile; all 128
+//    threads write each base step's scale words (the tile's 256 rows' factors) into
+//    the stage, from loads issued a few steps ahead;
 //  - consumers (warpgroups 1 and 2, 64 rows of each half): per base step, read their
-//    rows' codes, decode both halves' fragments into one of two register buffers while
-//    the previous step's MMAs run, then issue the step's MMAs (register A) as one batch;
-//    segment steps are shared-memory wgmma (the factor read MN-major); then the
-//    epilogue from registers.
-// Contract: `full`/`empty` per stage as in the engine (pipeline.cuh); the producer and
-// the consumers walk the same tiles and steps.
+//    rows' codes and scale words, decode both halves' fragments into one of two register
+//    buffers while the previous step's MMAs run, then issue the step's MMAs (register A)
+//    as one batch; segment steps are shared-memory wgmma (the factor read MN-major); then
+//    the epilogue from registers.
+// Contract: `full` completes when the stage's TMA bytes landed and every producer thread
+// arrived after writing its words; `empty` when every consumer warp's MMAs that read the
+// stage retired (pipeline.cuh). The producer and the consumers walk the same tiles and
+// steps.
 #pragma once
 
 #include <cuda.h>
@@ -509,14 +513,22 @@ __device__ __forceinline__ void stream_consume(const WeightStreamParams& p,
       store_epilogue<kTokens>(p, tile, acc_lo, acc_hi, consumer, thread);
     }
   };
-  for (int t = blockIdx.x; t < schedule.num_tiles(); t += gridDim.x) {
-    const StreamTile tile = schedule.tile(t);
+  const int num_tiles = schedule.num_tiles();
+  int t = blockIdx.x;
+  StreamTile tile = t < num_tiles ? schedule.tile(t) : StreamTile{};
+  for (; t < num_tiles; t += gridDim.x) {
+    // The next tile's lookup (a binary search over the experts' offsets: dependent loads)
+    // runs while this tile's last batch does.
+    auto next_tile = [&] {
+      return t + static_cast<int>(gridDim.x) < num_tiles ? schedule.tile(t + gridDim.x) : tile;
+    };
 #pragma unroll
     for (int i = 0; i < kTokens / 2; ++i) acc_lo[i] = acc_hi[i] = 0.0f;
     fence_accumulators(acc_lo);
     fence_accumulators(acc_hi);
     if (tile.rows == 0) {  // padding only: its (zero) pool rows give exact zeros
       finish(tile);
+      tile = next_tile();
       continue;
     }
     const int segment_steps = C::kGated || tile.extra ? p.segment_steps : 0;
@@ -582,11 +594,13 @@ __device__ __forceinline__ void stream_consume(const WeightStreamParams& p,
       base_step(fragments[1]);
     }
     if (k_step < base_steps) base_step(fragments[0]);
+    const StreamTile next = next_tile();
     cute::warpgroup_wait<0>();
     fence_accumulators(acc_lo);
     fence_accumulators(acc_hi);
     if (lane == 0) arrive_barrier(previous);
     finish(tile);
+    tile = next;
   }
 }
 
