@@ -535,9 +535,12 @@ __device__ __forceinline__ void stream_consume(const WeightStreamParams& p,
     const int base_steps = C::kGated || !tile.extra ? p.base_steps : 0;
     // After a step's batch: the previous step's batch retired, its stage (empty barrier
     // `previous`, 0 before the tile's first step) goes back to the producer.
+    // Every lane's shared loads of that stage precede lane 0's release (__syncwarp
+    // orders them): the producer rewrites the stage's scale words with plain stores.
     uint32_t previous = 0;
     auto retire_previous = [&] {
       cute::warpgroup_wait<1>();
+      __syncwarp();
       if (previous != 0 && lane == 0) arrive_barrier(previous);
       previous = ring.empty();
     };
@@ -598,6 +601,7 @@ __device__ __forceinline__ void stream_consume(const WeightStreamParams& p,
     cute::warpgroup_wait<0>();
     fence_accumulators(acc_lo);
     fence_accumulators(acc_hi);
+    __syncwarp();
     if (lane == 0) arrive_barrier(previous);
     finish(tile);
     tile = next;
