@@ -356,36 +356,32 @@ struct StreamLines {
         scale_offset(stream_scale_offset(tid)),
         selector(mxfp4::fragment_selector(tid % 4)) {}
 
-  // A landed stage's words of the four lines and their scale words (the stage at
-  // shared address `stage`, its code area first), loaded a step before their decode.
-  struct Words {
-    uint32_t codes[4][8];
-    uint32_t scales[4];
-  };
-  template <class C>
-  __device__ __forceinline__ void load(uint32_t stage, Words& words) const {
+  // Decode a landed stage's codes of the four lines into both halves' fragments with
+  // their scale words (the code area at shared address `code_area`, the scale words at
+  // `scale_area`). Every load first: 32 independent pairs to interleave.
+  __device__ __forceinline__ void decode(uint32_t code_area, uint32_t scale_area,
+                                         Fragment (&fragments)[2]) const {
+    const uint32_t base = code_area + code_offset;
+    uint32_t scale_words[4];
     asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(words.scales[0]), "=r"(words.scales[1]), "=r"(words.scales[2]),
-                   "=r"(words.scales[3])
-                 : "r"(stage + C::kABytes + C::kBBytes + scale_offset));
-    const uint32_t base = stage + code_offset;
+                 : "=r"(scale_words[0]), "=r"(scale_words[1]), "=r"(scale_words[2]),
+                   "=r"(scale_words[3])
+                 : "r"(scale_area + scale_offset));
+    uint32_t words[4][8];
 #pragma unroll
     for (int line = 0; line < 4; ++line) {
       const uint32_t at = base + line_code_offset(line);
       asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                   : "=r"(words.codes[line][0]), "=r"(words.codes[line][1]),
-                     "=r"(words.codes[line][2]), "=r"(words.codes[line][3])
+                   : "=r"(words[line][0]), "=r"(words[line][1]), "=r"(words[line][2]),
+                     "=r"(words[line][3])
                    : "r"(at));
       asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                   : "=r"(words.codes[line][4]), "=r"(words.codes[line][5]),
-                     "=r"(words.codes[line][6]), "=r"(words.codes[line][7])
+                   : "=r"(words[line][4]), "=r"(words[line][5]), "=r"(words[line][6]),
+                     "=r"(words[line][7])
                    : "r"(at + 16));
     }
-  }
-  // Both halves' fragments from loaded words: 32 independent pairs to interleave.
-  __device__ __forceinline__ void decode(const Words& words, Fragment (&fragments)[2]) const {
-    const mxfp4::StepScales<4> scales(words.scales);
-    mxfp4::decode_rows<2>(words.codes, scales, selector, fragments);
+    const mxfp4::StepScales<4> scales(scale_words);
+    mxfp4::decode_rows<2>(words, scales, selector, fragments);
   }
 };
 
@@ -475,15 +471,6 @@ struct StreamConsumerRing {
     return stage_address + C::kABytes + C::kBBytes;
   }
   __device__ __forceinline__ uint32_t empty() const { return full + 8 * C::kStages; }
-  // Waits for this position's stage to land.
-  __device__ __forceinline__ void wait_full() const { wait_barrier(full, phase); }
-  // The next position's stage: its shared address once landed (waited for here).
-  __device__ __forceinline__ uint32_t wait_next() const {
-    const bool wraps = stage + 1 == C::kStages;
-    wait_barrier(wraps ? full - 8 * (C::kStages - 1) : full + 8, wraps ? phase ^ 1u : phase);
-    return wraps ? stage_address - (C::kStages - 1) * C::kStageBytes
-                 : stage_address + C::kStageBytes;
-  }
   __device__ __forceinline__ void advance() {
     stage_address += C::kStageBytes;
     full += 8;
@@ -551,20 +538,20 @@ __device__ __forceinline__ void stream_consume(const WeightStreamParams& p,
     // Every lane's shared loads of that stage precede lane 0's release (__syncwarp
     // orders them): the producer rewrites the stage's scale words with plain stores.
     uint32_t previous = 0;
-    auto retire_previous = [&](uint32_t this_empty) {
+    auto retire_previous = [&] {
       cute::warpgroup_wait<1>();
       __syncwarp();
       if (previous != 0 && lane == 0) arrive_barrier(previous);
-      previous = this_empty;
+      previous = ring.empty();
     };
     auto run_segment = [&](float* acc, int first, int last) {
       for (int step = first; step < last; ++step) {
-        ring.wait_full();
+        wait_barrier(ring.full, ring.phase);
         cute::warpgroup_arrive();
         Mma::side_step(descriptor_mn_major(ring.a() + consumer * kBoxBytes),
                        descriptor_k_major(ring.b()), acc);
         cute::warpgroup_commit_batch();
-        retire_previous(ring.empty());
+        retire_previous();
         ring.advance();
       }
     };
@@ -587,21 +574,13 @@ __device__ __forceinline__ void stream_consume(const WeightStreamParams& p,
       }
     }
     const StreamLines lines(threadIdx.x);
-    // A base step: both halves' fragments decoded from words loaded the step before,
-    // then the next step's words loaded into the same registers (its stage waited for),
-    // then the step's MMAs as one batch: the loads' latency passes under the MMAs' issue
-    // and the previous batch's retirement. The fragments alternate between two buffers
-    // (by step parity): a buffer is rewritten only after the batch that read it retired,
-    // which the step between guarantees (one batch in flight), so a step's decode
-    // overlaps the previous step's MMAs.
-    StreamLines::Words words;
-    if (base_steps > 0) {
-      ring.wait_full();
-      lines.template load<C>(ring.a(), words);
-    }
-    auto base_step = [&](int k_step, Fragment(&halves)[2]) {
-      lines.decode(words, halves);
-      if (k_step + 1 < base_steps) lines.template load<C>(ring.wait_next(), words);
+    // A base step: both halves' fragments decoded, then their MMAs as one batch. The
+    // fragments alternate between two buffers (by step parity): a buffer is rewritten
+    // only after the batch that read it retired, which the step between guarantees (one
+    // batch in flight), so a step's decode overlaps the previous step's MMAs.
+    auto base_step = [&](Fragment(&halves)[2]) {
+      wait_barrier(ring.full, ring.phase);
+      lines.decode(ring.a(), ring.scale_words(), halves);
       fence_fragment(halves[0]);
       fence_fragment(halves[1]);
       cute::warpgroup_arrive();
@@ -609,15 +588,15 @@ __device__ __forceinline__ void stream_consume(const WeightStreamParams& p,
       Mma::base_half_step(halves[0], desc_b, acc_lo);
       Mma::base_half_step(halves[1], desc_b, acc_hi);
       cute::warpgroup_commit_batch();
-      retire_previous(ring.empty());
+      retire_previous();
       ring.advance();
     };
     int k_step = 0;
     for (; k_step + 1 < base_steps; k_step += 2) {
-      base_step(k_step, fragments[0]);
-      base_step(k_step + 1, fragments[1]);
+      base_step(fragments[0]);
+      base_step(fragments[1]);
     }
-    if (k_step < base_steps) base_step(k_step, fragments[0]);
+    if (k_step < base_steps) base_step(fragments[0]);
     const StreamTile next = next_tile();
     cute::warpgroup_wait<0>();
     fence_accumulators(acc_lo);
