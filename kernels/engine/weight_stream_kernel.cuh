@@ -24,8 +24,8 @@
 //    as one batch; segment steps are shared-memory wgmma (the factor read MN-major); then
 //    the epilogue from registers.
 // Contract: `full` completes when the stage's TMA bytes landed and every producer thread
-// arrived after writing its words; `empty` when every consumer warp's MMAs that read the
-// stage retired (pipeline.cuh). The producer and the consumers walk the same tiles and
+// arrived after writing its words; `empty` when every consumer thread arrived after the
+// MMAs that read the stage retired (pipeline.cuh). The producer and the consumers walk the same tiles and
 // steps.
 #pragma once
 
@@ -490,7 +490,6 @@ __device__ __forceinline__ void stream_consume(const WeightStreamParams& p,
   using Mma = StreamMma<kTokens>;
   const typename C::Schedule schedule(p);
   const int thread = threadIdx.x % kWarpgroupThreads;
-  const int lane = threadIdx.x % 32;
   // The tile's two halves (Gated: g and u).
   float acc_lo[kTokens / 2], acc_hi[kTokens / 2];
   Fragment fragments[2][2];  // [buffer][half]
@@ -535,13 +534,12 @@ __device__ __forceinline__ void stream_consume(const WeightStreamParams& p,
     const int base_steps = C::kGated || !tile.extra ? p.base_steps : 0;
     // After a step's batch: the previous step's batch retired, its stage (empty barrier
     // `previous`, 0 before the tile's first step) goes back to the producer.
-    // Every lane's shared loads of that stage precede lane 0's release (__syncwarp
-    // orders them): the producer rewrites the stage's scale words with plain stores.
+    // Every consumer thread releases the stage itself: the producer rewrites its scale
+    // words with plain stores, so each thread's loads must precede that thread's release.
     uint32_t previous = 0;
     auto retire_previous = [&] {
       cute::warpgroup_wait<1>();
-      __syncwarp();
-      if (previous != 0 && lane == 0) arrive_barrier(previous);
+      if (previous != 0) arrive_barrier(previous);
       previous = ring.empty();
     };
     auto run_segment = [&](float* acc, int first, int last) {
@@ -601,8 +599,7 @@ __device__ __forceinline__ void stream_consume(const WeightStreamParams& p,
     cute::warpgroup_wait<0>();
     fence_accumulators(acc_lo);
     fence_accumulators(acc_hi);
-    __syncwarp();
-    if (lane == 0) arrive_barrier(previous);
+    arrive_barrier(previous);
     finish(tile);
     tile = next;
   }
@@ -623,7 +620,7 @@ __global__ void __launch_bounds__(engine::StreamConfig<kKind, Tokens>::kThreads,
     for (int s = 0; s < C::kStages; ++s) {
       // The copies' thread (with the byte count), then every producer thread's words.
       TransactionBarrier::init(&smem.full[s], 1 + kWarpgroupThreads);
-      Barrier::init(&smem.empty[s], C::kConsumers * 4);  // one arrival per consumer warp
+      Barrier::init(&smem.empty[s], C::kConsumers * kWarpgroupThreads);
     }
     cutlass::arch::fence_barrier_init();
   }
