@@ -155,7 +155,7 @@ struct StepScales {
   __host__ __device__ __forceinline__ uint32_t byte(int row) const {
     const uint32_t word = words[row];
     return (word & 0x80000000u) != 0u ? (word >> (8 * Half)) & 0xFFu
-                                       : ((word >> (16 * Half + 7)) & 0xFFu) - 126u;
+                                      : ((word >> (16 * Half + 7)) & 0xFFu) - 126u;
   }
 };
 
@@ -181,8 +181,8 @@ __host__ __device__ __forceinline__ void decode_rows(const uint32_t (&words)[2 *
     for (int row = 0; row < kRows; ++row)
 #pragma unroll
       for (int w = 0; w < 4; ++w) {
-        out[row][w] = pair_times_factor<0>(
-            pair_bits_times_2_pow_minus_126(words[row][w], selector), scales.words[row]);
+        out[row][w] = pair_times_factor<0>(pair_bits_times_2_pow_minus_126(words[row][w], selector),
+                                           scales.words[row]);
         out[row][w + 4] = pair_times_factor<1>(
             pair_bits_times_2_pow_minus_126(words[row][w + 4], selector), scales.words[row]);
       }
@@ -193,9 +193,9 @@ __host__ __device__ __forceinline__ void decode_rows(const uint32_t (&words)[2 *
       for (int w = 0; w < 4; ++w) {
         out[row][w] = pair_any_scale(pair_bits_times_2_pow_minus_126(words[row][w], selector),
                                      scales.template byte<0>(row));
-        out[row][w + 4] = pair_any_scale(
-            pair_bits_times_2_pow_minus_126(words[row][w + 4], selector),
-            scales.template byte<1>(row));
+        out[row][w + 4] =
+            pair_any_scale(pair_bits_times_2_pow_minus_126(words[row][w + 4], selector),
+                           scales.template byte<1>(row));
       }
   }
 #pragma unroll

@@ -25,8 +25,8 @@
 //    the epilogue from registers.
 // Contract: `full` completes when the stage's TMA bytes landed and every producer thread
 // arrived after writing its words; `empty` when every consumer thread arrived after the
-// MMAs that read the stage retired (pipeline.cuh). The producer and the consumers walk the same tiles and
-// steps.
+// MMAs that read the stage retired (pipeline.cuh). The producer and the consumers walk
+// the same tiles and steps.
 #pragma once
 
 #include <cuda.h>
@@ -245,8 +245,8 @@ __device__ __forceinline__ void stream_produce(const WeightStreamParams& p,
         else
           cute::SM90_TMA_LOAD_3D::copy(&p.codes, bar, kCacheHint, a, k_step * (kBlockK / 2),
                                        tile.n0, tile.expert);
-        cute::SM90_TMA_LOAD_2D::copy(&p.pool, bar, kCacheHint, smem.b(ring.stage),
-                                     k_step * kBlockK, tile.row0);
+        cute::SM90_TMA_LOAD_2D::copy(&p.pool, bar, kCacheHint, smem.b(ring.stage), k_step * kBlockK,
+                                     tile.row0);
       }
       const uint32_t at = shared_address(smem.scale_words(ring.stage)) + rows.store_offset;
       asm volatile("st.shared.v2.u32 [%0], {%1, %2};" ::"r"(at), "r"(words[0]), "r"(words[1])

@@ -77,8 +77,7 @@ int main(int argc, char** argv) {
       uint32_t scale_words[4];
       for (int row = 0; row < 4; ++row) scale_words[row] = mx::scale_word(loaded[row]);
       mx::StepFragment fragments[2];
-      mx::decode_rows<2>(rows, mx::StepScales<4>(scale_words), mx::fragment_selector(c),
-                         fragments);
+      mx::decode_rows<2>(rows, mx::StepScales<4>(scale_words), mx::fragment_selector(c), fragments);
       for (int j = 0; j < 2; ++j) {
         std::fwrite(&c, sizeof(c), 1, out);
         std::fwrite(&pairs[j], sizeof(pairs[j]), 1, out);
