@@ -1,0 +1,104 @@
+"""tools/stream_step_sass.py on synthetic SASS: which loop it picks, which scale-path
+block it drops, and the per-step count it reports (the tool on a real kernel needs nvcc
+and cuobjdump: ``python tools/stream_step_sass.py --variant weight_stream_gated_t32``)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load_tool():
+    spec = importlib.util.spec_from_file_location(
+        "stream_step_sass", ROOT / "tools" / "stream_step_sass.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while it loads
+    spec.loader.exec_module(module)
+    return module
+
+
+tool = _load_tool()
+
+
+def _listing(lines: list[str], start: int = 0x100) -> str:
+    """cuobjdump-style lines, one instruction every 0x10 bytes from ``start``."""
+    return "\n".join(
+        f"        /*{start + 16 * n:04x}*/                   {line} ;  /* 0x000000000000 */"
+        for n, line in enumerate(lines)
+    )
+
+
+def _step(first: int, slow_first: bool) -> list[str]:
+    """One base step at address ``first``: 3 setup instructions, a scale diamond (the
+    branch, a fast block of 2 and an FP32 block of 2, the first of them ending in a
+    branch to the BSYNC), 8 register-A HGMMA and a wait. Its fast path is 16 instructions
+    with the FP32 block first (its branch goes with it), 17 with the fast block first."""
+    body_end = first + 16 * 4  # the block after the branch starts here
+    if slow_first:
+        slow = ["FMUL R1, R2, R3", "F2FP.BF16.F32.PACK_AB R1, R2, R1", "BRA 0x{end:x}"]
+        other = ["PRMT R4, R5, R6, R7", "HMUL2.BF16_V2 R4, R4, R8.H0_H0"]
+        first_block, second_block = slow, other
+    else:
+        fast = ["PRMT R4, R5, R6, R7", "HMUL2.BF16_V2 R4, R4, R8.H0_H0", "BRA 0x{end:x}"]
+        slow = ["FMUL R1, R2, R3", "F2FP.BF16.F32.PACK_AB R1, R2, R1"]
+        first_block, second_block = fast, slow
+    second = body_end + 16 * len(first_block)
+    end = second + 16 * len(second_block)
+    lines = [
+        "LDS.128 R20, [R10]",
+        "LOP3.LUT R11, R12, R13, R14, 0xfe, !PT",
+        "ISETP.GE.AND P0, PT, R11, RZ, PT",
+        f"@!P0 BRA 0x{second:x}",
+        *[line.format(end=end) for line in first_block],
+        *second_block,
+        "BSYNC B0",
+        *[f"HGMMA.64x32x16.F32.BF16 R40, R{120 + 4 * k}, gdesc[UR8], R40" for k in range(8)],
+        "WARPGROUP.DEPBAR.LE gsb0, 0x1",
+    ]
+    return lines
+
+
+@pytest.mark.parametrize("slow_first", [True, False])
+def test_counts_the_fast_path_of_the_register_a_loop(slow_first: bool) -> None:
+    start = 0x100
+    step = _step(start, slow_first)
+    second = _step(start + 16 * len(step), slow_first)
+    loop = [*step, *second, f"@!P1 BRA 0x{start:x}"]
+    # Code before and after the loop (a shared-memory wgmma outside it, an exit).
+    prologue = ["MOV R1, R2", "HGMMA.64x32x16.F32.BF16 R40, gdesc[UR4], R40", "MOV R3, R4"]
+    sass = "\n".join(
+        [
+            _listing(prologue, start - 16 * len(prologue)),
+            _listing(loop, start),
+            _listing(["EXIT"], start + 16 * len(loop)),
+        ]
+    )
+    total, per_opcode = tool.count_per_step(sass)
+    # Per step: the fast path, plus half of the loop's closing branch.
+    assert total == pytest.approx((16 if slow_first else 17) + 0.5)
+    assert per_opcode["HGMMA"] == 8
+    assert per_opcode["HMUL2"] == 1
+    assert "FMUL" not in per_opcode and "F2FP" not in per_opcode
+    assert per_opcode["BRA"] == pytest.approx(1.5 if slow_first else 2.5)
+
+
+def test_picks_the_smallest_loop_with_register_a_hgmma() -> None:
+    start = 0x100
+    step = _step(start, slow_first=False)
+    inner = [*step, f"@!P1 BRA 0x{start:x}"]
+    outer_end = start + 16 * len(inner)
+    sass = _listing([*inner, "IADD3 R1, R1, 0x1, RZ", f"@!P2 BRA 0x{start:x}"], start)
+    loop = tool.base_step_loop(tool.parse(sass))
+    assert loop[0].address == start and loop[-1].address == outer_end - 16
+
+
+def test_rejects_a_kernel_without_the_loop() -> None:
+    sass = _listing(["HGMMA.64x32x16.F32.BF16 R40, gdesc[UR4], R40", "@!P0 BRA 0x100"])
+    with pytest.raises(ValueError, match="register-A HGMMA"):
+        tool.count_per_step(sass)

@@ -1,0 +1,175 @@
+#!/usr/bin/env python3
+"""Instructions per base step of a weight-streaming GEMM, counted in its SASS.
+
+The weight-streaming kernels (kernels/engine/weight_stream_kernel.cuh) spend their time
+in one loop: a consumer warp's base steps, each a decode of MXFP4 codes into A-fragment
+registers and a batch of register-A wgmma (HGMMA with a register A operand). This tool
+finds that loop in a kernel's SASS, drops the rare FP32 scale path (the branch of a
+diamond whose block converts through FP32: FMUL or F2FP), and counts what is left per
+step, by opcode: the static count ncu's per-warp instruction counts match (docs/ENGINE.md,
+"The per-step overhead cut"). Count before tuning; compare trees by their counts.
+
+    python tools/stream_step_sass.py --variant weight_stream_gated_t32
+    python tools/stream_step_sass.py --sass kernel.sass   # cuobjdump -sass output
+
+``--variant`` generates the registry variant (tools/gen_variants.py), compiles it with
+nvcc for sm_90a (the wheel's flags, tools/compile_variants.py) against the pinned CUTLASS
+headers and reads its SASS with cuobjdump. Needs nvcc and cuobjdump; no GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+REGISTRY = ROOT / "python" / "megamoe" / "variants.toml"
+
+# One SASS instruction line of cuobjdump: /*addr*/ [@[!]P] OPCODE operands ;
+INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)([^;]*);")
+REGISTER_A_HGMMA = re.compile(r"HGMMA\.\S+\s+R\d+,\s*R\d+,\s*gdesc")
+# The FP32 scale path converts through FP32; the fast path never does.
+SLOW_PATH = ("FMUL", "F2FP")
+# Register-A HGMMA per step: two weights x four k16 sub-steps.
+HGMMA_PER_STEP = 8
+
+
+@dataclass(frozen=True)
+class Instruction:
+    address: int
+    predicated: bool
+    opcode: str  # with its modifiers, e.g. "SHF.R.S32.HI"
+    operands: str
+
+    @property
+    def name(self) -> str:
+        """The opcode without modifiers (SHF, LOP3, HGMMA, ...)."""
+        return self.opcode.split(".")[0]
+
+    def branch_target(self) -> int | None:
+        if self.name != "BRA":
+            return None
+        match = re.search(r"0x([0-9a-f]+)", self.operands)
+        return int(match.group(1), 16) if match else None
+
+
+def parse(sass: str) -> list[Instruction]:
+    """The instructions of a cuobjdump -sass listing, in address order."""
+    found = []
+    for line in sass.splitlines():
+        match = INSTRUCTION.search(line)
+        if match:
+            address, predicate, opcode, operands = match.groups()
+            found.append(Instruction(int(address, 16), bool(predicate), opcode, operands))
+    return found
+
+
+def base_step_loop(code: list[Instruction]) -> list[Instruction]:
+    """The smallest loop (a backward branch's body) holding register-A HGMMA."""
+    text = {i.address: f"{i.opcode} {i.operands}" for i in code}
+    best: list[Instruction] | None = None
+    for index, instruction in enumerate(code):
+        target = instruction.branch_target()
+        if target is None or target > instruction.address:
+            continue
+        body = [i for i in code[: index + 1] if i.address >= target]
+        if any(REGISTER_A_HGMMA.search(text[i.address]) for i in body) and (
+            best is None or len(body) < len(best)
+        ):
+            best = body
+    if best is None:
+        raise ValueError("no loop with register-A HGMMA (is this a weight-streaming kernel?)")
+    return best
+
+
+def fast_path(loop: list[Instruction]) -> list[Instruction]:
+    """The loop without its FP32-path blocks.
+
+    A scale check is a diamond: ``@P BRA X`` skips a block that ends in an unconditional
+    ``BRA Y``; the other block runs from X to the BSYNC at Y. Whichever of the two
+    converts through FP32 (SLOW_PATH) is dropped."""
+    position = {i.address: n for n, i in enumerate(loop)}
+    dropped: set[int] = set()
+    for n, instruction in enumerate(loop):
+        target = instruction.branch_target()
+        if target is None or not instruction.predicated or target not in position:
+            continue
+        x = position[target]
+        if x <= n or loop[x - 1].name != "BRA" or loop[x - 1].predicated:
+            continue
+        first = range(n + 1, x)
+        end = x
+        while end < len(loop) and loop[end].name != "BSYNC":
+            end += 1
+        second = range(x, end)
+        for block in (first, second):
+            if any(loop[k].name in SLOW_PATH for k in block):
+                dropped.update(block)
+    return [i for n, i in enumerate(loop) if n not in dropped]
+
+
+def count_per_step(sass: str) -> tuple[float, Counter[str]]:
+    """(instructions per base step, per-opcode counts per step) of the kernel's loop."""
+    code = parse(sass)
+    loop = fast_path(base_step_loop(code))
+    text = [f"{i.opcode} {i.operands}" for i in loop]
+    steps = sum(1 for t in text if REGISTER_A_HGMMA.search(t)) / HGMMA_PER_STEP
+    if steps == 0:
+        raise ValueError("the loop's fast path holds no register-A HGMMA")
+    per_opcode = Counter(i.name for i in loop)
+    return len(loop) / steps, Counter({k: v / steps for k, v in per_opcode.items()})
+
+
+def variant_sass(variant: str) -> str:
+    """The SASS of a registry variant, compiled here (nvcc, cuobjdump, CUTLASS headers)."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import compile_variants
+    import gen_variants
+
+    cuobjdump = compile_variants.find_cuobjdump()
+    if cuobjdump is None:
+        raise SystemExit("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp)
+        sources = {s.stem.removeprefix("variant_"): s for s in gen_variants.generate(REGISTRY, out)}
+        if variant not in sources:
+            raise SystemExit(f"--variant: no variant {variant!r} in {REGISTRY}")
+        cubin = out / f"{variant}.cubin"
+        includes = [ROOT / "kernels", out, compile_variants.cutlass_include()]
+        subprocess.run(
+            [
+                compile_variants.find_nvcc(),
+                *compile_variants.NVCC_FLAGS,
+                *(f"-I{d}" for d in includes),
+                "-o",
+                str(cubin),
+                str(sources[variant]),
+            ],
+            check=True,
+            capture_output=True,
+        )
+        return "\n".join(compile_variants.sass_by_kernel(cuobjdump, cubin).values())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--variant", help="a weight_stream_* registry variant to compile")
+    source.add_argument("--sass", type=Path, help="a cuobjdump -sass listing of one kernel")
+    args = parser.parse_args(argv)
+    sass = variant_sass(args.variant) if args.variant else args.sass.read_text()
+    total, per_opcode = count_per_step(sass)
+    print(f"{total:.1f} instructions per base step (fast path)")
+    for opcode, count in per_opcode.most_common():
+        print(f"  {opcode:<10} {count:6.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
