@@ -48,6 +48,11 @@ class Instruction:
     operands: str
 
     @property
+    def text(self) -> str:
+        """Opcode and operands, as cuobjdump prints them."""
+        return f"{self.opcode} {self.operands}"
+
+    @property
     def name(self) -> str:
         """The opcode without modifiers (SHF, LOP3, HGMMA, ...)."""
         return self.opcode.split(".")[0]
@@ -72,14 +77,13 @@ def parse(sass: str) -> list[Instruction]:
 
 def base_step_loop(code: list[Instruction]) -> list[Instruction]:
     """The smallest loop (a backward branch's body) holding register-A HGMMA."""
-    text = {i.address: f"{i.opcode} {i.operands}" for i in code}
     best: list[Instruction] | None = None
     for index, instruction in enumerate(code):
         target = instruction.branch_target()
         if target is None or target > instruction.address:
             continue
         body = [i for i in code[: index + 1] if i.address >= target]
-        if any(REGISTER_A_HGMMA.search(text[i.address]) for i in body) and (
+        if any(REGISTER_A_HGMMA.search(i.text) for i in body) and (
             best is None or len(body) < len(best)
         ):
             best = body
@@ -118,8 +122,7 @@ def count_per_step(sass: str) -> tuple[float, Counter[str]]:
     """(instructions per base step, per-opcode counts per step) of the kernel's loop."""
     code = parse(sass)
     loop = fast_path(base_step_loop(code))
-    text = [f"{i.opcode} {i.operands}" for i in loop]
-    steps = sum(1 for t in text if REGISTER_A_HGMMA.search(t)) / HGMMA_PER_STEP
+    steps = sum(1 for i in loop if REGISTER_A_HGMMA.search(i.text)) / HGMMA_PER_STEP
     if steps == 0:
         raise ValueError("the loop's fast path holds no register-A HGMMA")
     per_opcode = Counter(i.name for i in loop)

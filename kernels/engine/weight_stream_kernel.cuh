@@ -117,7 +117,8 @@ struct StreamConfig {
   // bytes per consumer quad (its four lines), so a consumer thread reads its own with one
   // load.
   static constexpr int kScaleWordBytes = 256 * 4;
-  static constexpr int kStageBytes = kABytes + kBBytes + kScaleWordBytes;
+  static constexpr int kScaleWordOffset = kABytes + kBBytes;  // in a stage
+  static constexpr int kStageBytes = kScaleWordOffset + kScaleWordBytes;
   static_assert(kStageBytes % 1024 == 0, "stages stay 1024-byte aligned (128-byte swizzle)");
   static constexpr int kSmemLimit = 232448;
   static constexpr int kBarrierBytes = 256;
@@ -146,13 +147,15 @@ struct StreamStorage {
   }
   __device__ __forceinline__ uint8_t* a(int s) const { return stages + s * C::kStageBytes; }
   __device__ __forceinline__ uint8_t* b(int s) const { return a(s) + C::kABytes; }
-  __device__ __forceinline__ uint8_t* scale_words(int s) const { return b(s) + C::kBBytes; }
+  __device__ __forceinline__ uint8_t* scale_words(int s) const {
+    return a(s) + C::kScaleWordOffset;
+  }
 };
 
 // The scale words' place in a stage's area: consumer quad `slot` ((consumer x 4 + warp)
 // x 8 + lane / 4) reads 16 bytes, the words of its lines 0-3 (rows r, r + 8 of the first
 // half, then of the second; r = 64 consumer + 16 warp + lane / 4 of each half's 128).
-__device__ __forceinline__ constexpr int stream_scale_slot_row(int slot) {
+__host__ __device__ constexpr int stream_scale_slot_row(int slot) {
   return 64 * (slot / 32) + 16 * ((slot / 8) % 4) + slot % 8;
 }
 
@@ -162,7 +165,6 @@ __device__ __forceinline__ constexpr int stream_scale_slot_row(int slot) {
 // half h), 8 bytes of the stage's scale area. It loads their bytes kScaleStepsAhead base
 // steps before, so the loads' latency passes while the ring fills; the consumers then
 // read ready factors with one shared load and no address math of their own.
-template <class C>
 struct StreamScaleRows {
   const uint16_t* cursor;  // row r's pair of the next base step to load
   uint32_t eight_rows;     // pairs from row r to row r + 8
@@ -225,7 +227,7 @@ __device__ __forceinline__ void stream_produce(const WeightStreamParams& p,
       Barrier::arrive(bar);
       ring.advance();
     }
-    StreamScaleRows<C> rows(p, tile, thread);
+    StreamScaleRows rows(p, tile, thread);
     uint32_t pending[kAhead][2];  // the scale pairs of the next kAhead base steps
 #pragma unroll
     for (int d = 0; d < kAhead; ++d) rows.load_next(d < base_steps, pending[d]);
@@ -468,7 +470,7 @@ struct StreamConsumerRing {
   __device__ __forceinline__ uint32_t a() const { return stage_address; }
   __device__ __forceinline__ uint32_t b() const { return stage_address + C::kABytes; }
   __device__ __forceinline__ uint32_t scale_words() const {
-    return stage_address + C::kABytes + C::kBBytes;
+    return stage_address + C::kScaleWordOffset;
   }
   __device__ __forceinline__ uint32_t empty() const { return full + 8 * C::kStages; }
   __device__ __forceinline__ void advance() {
