@@ -47,7 +47,10 @@
 
 namespace megamoe::kernels::engine {
 
-// ---- schedule: (TOKENS-row pool chunk, column block), column blocks fastest ----
+// ---- schedule: every base tile (TOKENS-row pool chunk, column block; column blocks
+// fastest), then the extra tiles (Store: one per chunk). The persistent CTAs take tiles
+// round-robin, so the extra tiles (segment steps only, no decode, cheaper than a base
+// tile) land first on the CTAs with one base tile fewer. ----
 struct StreamTile {
   int expert;
   int row0;    // first pool row of the chunk
@@ -75,12 +78,12 @@ struct StreamTiles {
   }
 
   __device__ __forceinline__ StreamTile tile(int t) const {
-    const int chunk = t / blocks();
-    const int block = t - chunk * blocks();
+    const int base_tiles = chunks * p.n_base_blocks;
     StreamTile info;
+    info.extra = t >= base_tiles;
+    const int chunk = info.extra ? t - base_tiles : t / p.n_base_blocks;
     info.row0 = chunk * Tokens;
-    info.extra = block >= p.n_base_blocks;
-    info.n0 = info.extra ? p.n_base_blocks * Columns : block * Columns;
+    info.n0 = (info.extra ? p.n_base_blocks : t - chunk * p.n_base_blocks) * Columns;
     // The expert whose segment holds the chunk: the last e starting at or before it.
     int lo = 0, hi = p.num_experts - 1;
     while (lo < hi) {
