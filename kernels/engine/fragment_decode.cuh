@@ -6,20 +6,16 @@
 // So every thread reads its rows' whole words (its quad reads the same words) and
 // decodes one byte of each into one BF16 pair, in four integer instructions and one
 // BF16 multiply:
-//  1. a left shift by 4 of the word puts each byte's low code in its top nibble;
-//  2. PRMT builds a word with that low code in bits 4..7, copies of its sign in bits
-//     8..15 (PRMT's sign-replicate mode), the byte itself (the high code in bits 20..23)
-//     in bits 16..23 and copies of the high code's sign in bits 24..31;
-//  3. a left shift by 2 and a mask move both magnitudes to bits 6..8 and 22..24 and both
-//     signs to bits 15 and 31: each half is the E2M1 value times 2^-126 as a BF16 (the
+//  1. PRMT builds a word with the low code in bits 12..15, copies of its sign in bits
+//     16..23 (PRMT's sign-replicate mode) and the high code in bits 28..31;
+//  2. an arithmetic shift right by 6 moves both magnitudes to bits 6..8 and 22..24 of
+//     their 16-bit halves and the low code's sign to bit 15 (the high code's stays at 31);
+//  3. a mask keeps those bits: each half is the E2M1 value times 2^-126 as a BF16 (the
 //     three magnitude bits are exponent e and mantissa m; e = 0 reads as the subnormal
 //     m x 2^-127, which is E2M1's 0.5 x 2^-126);
 //  4. one BF16x2 multiply by 2^(scale - 1) (exact: two significant bits, subnormals
 //     kept; an FMA adding -0, so -0 codes stay -0) gives E2M1 x 2^(scale - 127), the
 //     transient decode's value bit for bit.
-// Both shifts are left shifts, which ptxas issues as IMAD.SHL on the FMA pipe: the
-// integer pipe, which the decode's bursts of two warps per scheduler saturate, takes
-// only the PRMT and the mask.
 // A row's two factors of a step (one per 32 codes) share one register, and the multiply
 // reads the half it needs (the .H0_H0 / .H1_H1 operand of HMUL2, no copy). The fast path
 // takes scale bytes below 128; a step with any byte from 128 up takes FP32 math
@@ -57,21 +53,20 @@ __host__ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32
 #endif
 }
 
-// The PRMT selector of the thread owning byte `c` (0..3) of each word, with `a` the word
-// shifted left by 4 and `b` the word: byte 0 = byte c of a (the low code in its top
-// nibble), byte 1 = that byte's sign replicated, byte 2 = byte c of b (the high code in
-// its top nibble), byte 3 = that byte's sign replicated.
-// (c | (c | 8) << 4 | (4 + c) << 8 | (12 + c) << 12, as one multiply-add: ptxas
-// recomputes it where registers are short.)
+// The PRMT selector of the thread owning byte `c` (0..3) of each word: byte 1 = byte c
+// of word << 4 (the low code in its top nibble), byte 2 = that byte's sign replicated,
+// byte 3 = byte c of the word (the high code in its top nibble); byte 0 is shifted out.
+// (c | c << 4 | (c | 8) << 8 | (4 + c) << 12, as one multiply-add: ptxas recomputes it
+// where registers are short.)
 __host__ __device__ constexpr uint32_t fragment_selector(uint32_t c) {
-  return c * 0x1111u + 0xC480u;
+  return c * 0x1111u + 0x4800u;
 }
 
 // Codes 2c (low half) and 2c + 1 (high half) of `word` as BF16x2 bits, times 2^-126.
 __host__ __device__ __forceinline__ uint32_t pair_bits_times_2_pow_minus_126(uint32_t word,
                                                                              uint32_t selector) {
   const uint32_t placed = prmt(word << 4, word, selector);
-  return (placed << 2) & 0x81C081C0u;
+  return static_cast<uint32_t>(static_cast<int32_t>(placed) >> 6) & 0x81C081C0u;
 }
 
 // A row's scale bytes of a step (bits 0-7: its words 0-3, bits 8-15: its words 4-7, as
