@@ -134,8 +134,8 @@ void route_plan(const Tensor& topk_ids, int64_t expert_begin, int num_local_expe
   cuda_check(cudaLaunchKernelEx(&config, kernels.offsets, params), "route_plan offsets launch");
 
   config.gridDim = dim3(static_cast<unsigned>(num_tiles));
-  config.blockDim = dim3(32);
-  config.dynamicSmemBytes = histogram_bytes;
+  config.blockDim = dim3(32 * kRoutePlanScatterWarps);
+  config.dynamicSmemBytes = histogram_bytes * kRoutePlanScatterWarps;
   cuda_check(cudaLaunchKernelEx(&config, kernels.scatter, params), "route_plan scatter launch");
 }
 

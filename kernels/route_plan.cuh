@@ -5,7 +5,8 @@
 // decide an order). Three passes on the caller's stream, no host synchronisation:
 //   count   - per-tile expert histogram (shared-memory atomics: counts only, no order)
 //   offsets - per-expert exclusive scan over tiles, then the padded segment starts
-//   scatter - one warp walks each tile in route order and assigns pool rows
+//   scatter - each warp of a tile's block walks its part of the tile in route order and
+//             assigns pool rows (its first row per expert: the earlier warps' counts)
 #pragma once
 
 #include <climits>
@@ -124,49 +125,73 @@ __global__ void __launch_bounds__(kRoutePlanMaxLocalExperts) route_plan_offsets(
 }
 
 template <typename IndexT>
-__global__ void __launch_bounds__(32) route_plan_scatter(RoutePlanParams p) {
-  // next_row[e]: the pool row the next route of expert e in this tile goes to.
-  extern __shared__ int next_row[];  // [E_l]
-  const int lane = threadIdx.x;
+__global__ void __launch_bounds__(32 * kRoutePlanScatterWarps)
+    route_plan_scatter(RoutePlanParams p) {
+  // cursor[w][e]: the pool row the next route of expert e in warp w's part of the tile
+  // goes to. Warp w walks routes w * kRoutesPerScatterWarp.. of the tile in route order.
+  constexpr int kChunks = kRoutesPerScatterWarp / 32;
+  extern __shared__ int cursor[];  // [kRoutePlanScatterWarps][E_l]
+  const int num_experts = p.num_local_experts;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int i = threadIdx.x; i < kRoutePlanScatterWarps * num_experts; i += blockDim.x)
+    cursor[i] = 0;
+  __syncthreads();
+
   const int64_t tile = blockIdx.x;
-  for (int e = lane; e < p.num_local_experts; e += 32)
-    next_row[e] = p.expert_pool_offsets[e] + p.tile_expert_counts[tile * p.num_local_experts + e];
-  __syncwarp();
+  const int64_t tile_end = min((tile + 1) * kRoutePlanRoutesPerTile, p.num_routes);
+  const int64_t warp_begin =
+      tile * kRoutePlanRoutesPerTile + static_cast<int64_t>(warp) * kRoutesPerScatterWarp;
+  int* own = cursor + warp * num_experts;
+  // Every id load of the warp's part first; the lanes routing to the same expert in each
+  // 32-route chunk (a lane's rank among them: the peers below it).
+  int experts[kChunks];
+  unsigned peers[kChunks];
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c) {
+    const int64_t route = warp_begin + 32 * c + lane;
+    experts[c] = route < tile_end ? local_expert_of<IndexT>(p, route) : -1;
+  }
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c) peers[c] = __match_any_sync(0xffffffffu, experts[c]);
+
+  // The warp's routes per expert: the highest peer of each chunk adds its group (chunks
+  // in turn, one lane per expert: no atomics).
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c) {
+    if (experts[c] >= 0 && (peers[c] >> lane) == 1u) own[experts[c]] += __popc(peers[c]);
+    __syncwarp();
+  }
+  __syncthreads();
+  // Each warp's first row per expert: the tile's (offsets pass) plus the earlier warps'.
+  for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
+    int row = p.expert_pool_offsets[e] + p.tile_expert_counts[tile * num_experts + e];
+#pragma unroll
+    for (int w = 0; w < kRoutePlanScatterWarps; ++w) {
+      const int routes = cursor[w * num_experts + e];
+      cursor[w * num_experts + e] = row;
+      row += routes;
+    }
+  }
+  __syncthreads();
 
   const unsigned lanes_below = (1u << lane) - 1u;
-  const int64_t tile_begin = tile * kRoutePlanRoutesPerTile;
-  const int64_t tile_end = min(tile_begin + kRoutePlanRoutesPerTile, p.num_routes);
-  // The id loads of kChunksInFlight chunks are issued before any of their (serial) cursor
-  // updates: one warp walks the whole tile, so otherwise each chunk waits a global load.
-  constexpr int kChunksInFlight = 8;
-  for (int64_t batch = tile_begin; batch < tile_end; batch += 32 * kChunksInFlight) {
-    int experts[kChunksInFlight];
 #pragma unroll
-    for (int c = 0; c < kChunksInFlight; ++c) {
-      const int64_t route = batch + 32 * c + lane;
-      experts[c] = route < tile_end ? local_expert_of<IndexT>(p, route) : -1;
-    }
-#pragma unroll
-    for (int c = 0; c < kChunksInFlight; ++c) {
-      const int64_t route = batch + 32 * c + lane;
-      const bool in_tile = route < tile_end;
-      const int expert = experts[c];
-      // Lanes routing to the same expert; rank among them = lanes below this one.
-      const unsigned peers = __match_any_sync(0xffffffffu, expert);
-      if (in_tile) {
-        if (expert >= 0) {
-          const int row = next_row[expert] + __popc(peers & lanes_below);
-          p.route_to_pool_row[route] = row;
-          p.pool_row_to_route[row] = static_cast<int32_t>(route);
-        } else {
-          p.route_to_pool_row[route] = -1;
-        }
+  for (int c = 0; c < kChunks; ++c) {
+    const int64_t route = warp_begin + 32 * c + lane;
+    const int expert = experts[c];
+    if (route < tile_end) {
+      if (expert >= 0) {
+        const int row = own[expert] + __popc(peers[c] & lanes_below);
+        p.route_to_pool_row[route] = row;
+        p.pool_row_to_route[row] = static_cast<int32_t>(route);
+      } else {
+        p.route_to_pool_row[route] = -1;
       }
-      __syncwarp();
-      // The highest peer advances the expert's cursor past this chunk's routes.
-      if (in_tile && expert >= 0 && (peers >> lane) == 1u) next_row[expert] += __popc(peers);
-      __syncwarp();
     }
+    __syncwarp();
+    // The highest peer advances the expert's cursor past this chunk's routes.
+    if (expert >= 0 && (peers[c] >> lane) == 1u) own[expert] += __popc(peers[c]);
+    __syncwarp();
   }
 }
 

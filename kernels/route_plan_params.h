@@ -8,11 +8,14 @@
 
 namespace megamoe {
 
-// Routes handled by one tile of the route-plan kernels (from the registry). One warp
-// walks a tile in route order, which is what makes the sort stable; 2048 keeps the
-// walk short (64 steps) while pass 2's scan stays under ~200 tiles at the production
-// shape (T*K = 393,216 routes).
+// Routes handled by one tile of the route-plan kernels (from the registry). Pass 3's
+// warps walk a tile's routes in order, which is what makes the sort stable; pass 2's scan
+// over the tiles stays under ~200 of them at the production shape (T*K = 393,216 routes).
 constexpr int kRoutePlanRoutesPerTile = registry::kRoutePlanRoutesPerTile;
+// Pass 3 runs a block of this many warps per tile, each walking a contiguous part of it.
+constexpr int kRoutePlanScatterWarps = 8;
+constexpr int kRoutesPerScatterWarp = kRoutePlanRoutesPerTile / kRoutePlanScatterWarps;
+static_assert(kRoutesPerScatterWarp % 32 == 0, "a scatter warp walks whole 32-route chunks");
 // Pass 2 runs in one block with one thread per local expert.
 constexpr int kRoutePlanMaxLocalExperts = 1024;
 
