@@ -101,22 +101,8 @@ def mxfp4_decodes_in_pipeline(pool_rows: int, num_experts: int) -> bool:
 WEIGHT_STREAM_SMALL_CHUNK_MAX_ROWS = 24
 
 
-#: Expected pool rows per expert up to which GEMM2 (the store kind) streams the weights;
-#: above it the engine's in-pipeline decode measured as fast or faster (GEMM1 streams in
-#: the whole in-pipeline regime). docs/PERFORMANCE.md, "The weight-streaming GEMMs".
-WEIGHT_STREAM_STORE_MAX_ROWS = 64
-
-
-def weight_stream_store(num_routes: int, num_experts: int) -> bool:
-    """Whether GEMM2 with an MXFP4 ``w2`` decoded in its pipeline streams the weights
-    (see :data:`WEIGHT_STREAM_STORE_MAX_ROWS`). Host values only: no synchronisation."""
-    check_int("num_routes", num_routes, minimum=0)
-    check_int("num_experts", num_experts, minimum=1)
-    return num_routes <= WEIGHT_STREAM_STORE_MAX_ROWS * num_experts
-
-
 def weight_stream_chunk(num_routes: int, num_experts: int) -> int:
-    """Pool rows per chunk (32 or 64) of the weight-streaming GEMM1 for ``num_routes``
+    """Pool rows per chunk (32 or 64) of the weight-streaming GEMMs for ``num_routes``
     routes over ``num_experts`` experts (see :data:`WEIGHT_STREAM_SMALL_CHUNK_MAX_ROWS`).
     Host values only: no synchronisation."""
     check_int("num_routes", num_routes, minimum=0)

@@ -28,7 +28,7 @@ import math
 import torch
 
 from ..env import num_sms as resolve_device_sms
-from ..heuristics import mxfp4_decodes_in_pipeline, weight_stream_chunk, weight_stream_store
+from ..heuristics import mxfp4_decodes_in_pipeline, weight_stream_chunk
 from ..validation.arguments import check_choice, check_tensor
 from . import _native
 from .routing import RoutePlan
@@ -259,8 +259,10 @@ def grouped_gemm(
     extra_lo, extra_hi = (b_extra, None) if b_extra_blocks is None else b_extra_blocks
     dl = _native.dlpack
     chunk = None
-    store_streams = mxfp4 and not major_mn and n_extra <= 256
-    if store_streams and weight_stream_store(plan.route_to_pool_row.numel(), b.shape[0]):
+    # An MXFP4 B decoded in the pipeline streams (as GEMM1 does) wherever the kernel
+    # takes the shape: faster than the engine's in-pipeline decode at every token count
+    # of that regime (docs/PERFORMANCE.md, "twenty-fourth session").
+    if mxfp4 and not major_mn and n_extra <= 256:
         chunk = _stream_chunk(n_base, 256, decode_scales, plan, b.shape[0])
     if chunk is not None:
         # MXFP4 with few rows per expert: decoded into the wgmma's A registers.
