@@ -8,6 +8,7 @@
 
 #include <optional>
 #include <string>
+#include <utility>
 
 #include "gemm_launch.h"
 #include "tensor_checks.h"
@@ -182,6 +183,81 @@ void weight_stream_store(const Tensor& a, int64_t k_base, const Tensor& b, const
                     stream, "weight_stream_store launch");
 }
 
+// dgrad1 over the pool with an MXFP4 b read as stored, in the swapped form: out = a .
+// [b_e | blockdiag(lo_e^T, hi_e^T)] (b codes [E, K, N/2] quantized along N; lo [E, N_lo,
+// K_lo] and hi [E, N_hi, K - K_lo] K-major as given, both or neither), for pools whose
+// segments are padded to a multiple of `tokens` rows.
+void weight_stream_store_mn(const Tensor& a, const Tensor& b, const Tensor& b_scales,
+                            std::optional<Tensor> extra_lo, std::optional<Tensor> extra_hi,
+                            const Tensor& offsets, const Tensor& counts, const Tensor& out,
+                            int block_m, int tokens, int num_sms, uintptr_t stream) {
+  const int device = a.device_id();
+  const WeightStreamKernels& kernels = select_stream_variant(StreamKind::StoreMN, tokens);
+  check_pool(a, tokens, block_m);
+  const int64_t rows = a.shape(0);
+  check_tensor<uint8_t>("b", b, {-1, -1, -1}, device);
+  const int64_t experts = b.shape(0), k = b.shape(1), n = 2 * b.shape(2);
+  if (experts < 1) throw nb::value_error("b: expected at least one expert");
+  if (k < kBlockK || k % kBlockK != 0 || k > static_cast<int64_t>(a.shape(1)))
+    throw nb::value_error(("b: expected K a multiple of 64 in [64, " + str(a.shape(1)) +
+                           "] (a's columns), got " + str(k))
+                              .c_str());
+  if (n < kStoreColumns || n % kStoreColumns != 0)
+    throw nb::value_error(("b: expected N a multiple of 256, got " + str(n)).c_str());
+  // Scales [E, K, N / 32]: a producer thread loads two column blocks as one 16-bit word.
+  check_scales("b_scales", b_scales, experts, k, n, device);
+  if (extra_lo.has_value() != extra_hi.has_value())
+    throw nb::value_error("extra_lo/extra_hi: give both or neither");
+  int64_t n_lo = 0, n_hi = 0, k_lo = 0;
+  if (extra_lo) {
+    check_tensor("extra_lo", *extra_lo, bfloat16_dtype(), {experts, -1, -1}, device);
+    n_lo = extra_lo->shape(1);
+    k_lo = extra_lo->shape(2);
+    if (k_lo < kBlockK || k_lo % kBlockK != 0 || k_lo >= k)
+      throw nb::value_error(
+          ("extra_lo: expected K_lo a multiple of 64 below K = " + str(k) + ", got " + str(k_lo))
+              .c_str());
+    check_tensor("extra_hi", *extra_hi, bfloat16_dtype(), {experts, -1, k - k_lo}, device);
+    n_hi = extra_hi->shape(1);
+    // One extra tile: each block's columns in one half (64 per consumer warpgroup, two).
+    for (const auto& [name, cols] : {std::pair{"extra_lo", n_lo}, std::pair{"extra_hi", n_hi}})
+      if (cols < 8 || cols % 8 != 0 || cols > kStoreColumns / 2)
+        throw nb::value_error(
+            (std::string(name) + ": expected a multiple of 8 up to 128 rows, got " + str(cols))
+                .c_str());
+  }
+  check_tensor("out", out, bfloat16_dtype(), {rows, n + n_lo + n_hi}, device);
+  if (reinterpret_cast<uintptr_t>(out.data()) % 8 != 0)
+    throw nb::value_error("out: expected an 8-byte aligned address (four columns a store)");
+
+  WeightStreamParams p{};
+  set_schedule(p, offsets, counts, experts, rows, device);
+  p.n_base_blocks = static_cast<int32_t>(n / kStoreColumns);
+  p.base_steps = static_cast<int32_t>(k / kBlockK);
+  if (extra_lo) {
+    // The extra tile: lo over the pool's columns 0..K_lo into the first half, then hi over
+    // K_lo..K into the second; [64 K, 64 rows] boxes read K-major.
+    p.n_extra_blocks = 1;
+    p.segment_half = static_cast<int32_t>(k_lo / kBlockK);
+    p.segment_steps = p.base_steps;
+    p.segment_k_hi = static_cast<int32_t>(k_lo);
+    p.extra_lo_columns = static_cast<int32_t>(n_lo);
+    p.segment_lo = mn_major_map("extra_lo", *extra_lo, device);  // 64 x 64 boxes of [E, N_lo, K_lo]
+    p.segment_hi = mn_major_map("extra_hi", *extra_hi, device);
+  }
+  p.pool = bf16_rows("a", a.data(), rows, k, a.stride(0), tokens);
+  p.codes = tensor_map("b", b.data(), CU_TENSOR_MAP_DATA_TYPE_UINT8, {n / 2, k, experts},
+                       {n / 2, k * n / 2}, {kStoreColumns / 2, kBlockK, 1}, true);
+  p.scales = static_cast<const uint8_t*>(b_scales.data());
+  p.k_base = static_cast<int32_t>(k);
+  p.weight_rows = static_cast<int32_t>(k);
+  p.side_scale = 1.0f;
+  p.out = out.data();
+  p.out_columns = static_cast<int32_t>(n + n_lo + n_hi);
+  launch_persistent(kernels.kernel, p, kernels.num_threads, kernels.smem_bytes, device, num_sms,
+                    stream, "weight_stream_store_mn launch");
+}
+
 }  // namespace
 
 void register_weight_stream(nb::module_& m) {
@@ -197,6 +273,12 @@ void register_weight_stream(nb::module_& m) {
         nb::arg("expert_counts"), nb::arg("out"), nb::arg("block_m"), nb::arg("tokens"),
         nb::arg("num_sms"), nb::arg("stream"),
         "GEMM2 with an MXFP4 b decoded into the wgmma's A registers (few rows per expert).");
+  m.def("weight_stream_store_mn", &weight_stream_store_mn, nb::arg("a"), nb::arg("b"),
+        nb::arg("b_scales"), nb::arg("extra_lo").none(), nb::arg("extra_hi").none(),
+        nb::arg("expert_pool_offsets"), nb::arg("expert_counts"), nb::arg("out"),
+        nb::arg("block_m"), nb::arg("tokens"), nb::arg("num_sms"), nb::arg("stream"),
+        "dgrad1 with an MXFP4 b read as stored, decoded into the wgmma's A registers (few rows "
+        "per expert).");
 }
 
 }  // namespace megamoe

@@ -5,7 +5,8 @@
 
 namespace megamoe {
 
-// Registers `_C.weight_stream_gated` and `_C.weight_stream_store`.
+// Registers `_C.weight_stream_gated`, `_C.weight_stream_store` and
+// `_C.weight_stream_store_mn`.
 void register_weight_stream(nanobind::module_& m);
 
 }  // namespace megamoe

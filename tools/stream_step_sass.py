@@ -96,7 +96,7 @@ def fast_path(loop: list[Instruction]) -> list[Instruction]:
     """The loop without its FP32-path blocks.
 
     A scale check is a diamond: ``@P BRA X`` skips a block that ends in an unconditional
-    ``BRA Y``; the other block runs from X to the BSYNC at Y. Whichever of the two
+    ``BRA Y``; the other block runs from X to Y (or to a BSYNC before it). Whichever of the two
     converts through FP32 (SLOW_PATH) is dropped."""
     position = {i.address: n for n, i in enumerate(loop)}
     dropped: set[int] = set()
@@ -108,8 +108,11 @@ def fast_path(loop: list[Instruction]) -> list[Instruction]:
         if x <= n or loop[x - 1].name != "BRA" or loop[x - 1].predicated:
             continue
         first = range(n + 1, x)
+        # The other block ends at the join (the first block's BRA target) or at the
+        # BSYNC before it, where ptxas put one.
+        join = position.get(loop[x - 1].branch_target(), len(loop))
         end = x
-        while end < len(loop) and loop[end].name != "BSYNC":
+        while end < join and loop[end].name != "BSYNC":
             end += 1
         second = range(x, end)
         for block in (first, second):

@@ -207,4 +207,102 @@ __host__ __device__ __forceinline__ void decode_rows(const uint32_t (&words)[2 *
     }
 }
 
+// ---- the transposed step (the dgrads: the weights as stored are the A operand, M along
+// their packed columns and K along their rows) ----
+// A fragment register holds a K pair, here two stored rows n and n + 1 at one column, and
+// a stored byte holds two adjacent columns. The dgrad orders its output columns so that
+// fragment rows g and g + 8 are the low and high codes of one byte (columns 2b and 2b +
+// 1): then row g's register holds the low codes of bytes (n, b) and (n + 1, b), row g +
+// 8's their high codes, both under the factor pair [2^(s(n) - 1) | 2^(s(n + 1) - 1)] (one
+// 32-column block). Two m64 tiles of a warpgroup take bytes 2q and 2q + 1, so a thread's
+// codes of one stored row are one 16-bit load, and the two loads of rows n and n + 1 give
+// the four registers of a K pair with the forward's three-instruction placement: PRMT's
+// second source is row n + 1's load, so its byte lands where the forward's high code
+// does (bits 28..31: the byte's high nibble as loaded, its low nibble after a left shift
+// by 4, as row n's goes to bits 12..15).
+
+// Codes of one column at rows n (low half) and n + 1 (high half) as BF16x2 bits times
+// 2^-126, from the rows' 16-bit loads (bits 0-15: bytes 2q, 2q + 1; shifted left by 4
+// for the low codes, columns 2b) with fragment_selector(t) for tile t's byte 2q + t
+// (row n's byte into bytes 1 and 2, sign-replicated, row n + 1's into byte 3).
+__host__ __device__ __forceinline__ uint32_t
+column_pair_bits_times_2_pow_minus_126(uint32_t row_n, uint32_t row_n1, uint32_t selector) {
+  return static_cast<uint32_t>(static_cast<int32_t>(prmt(row_n, row_n1, selector)) >> 6) &
+         0x81C081C0u;
+}
+
+// The fast path's product with a factor per half (rows n and n + 1), as an FMA with a -0
+// addend (see pair_times_factor); on the host the same exact product in FP32.
+__host__ __device__ __forceinline__ uint32_t pair_times_factors(uint32_t bits, uint32_t factors) {
+#ifdef __CUDA_ARCH__
+  uint32_t out;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(out) : "r"(bits), "r"(factors), "r"(0x80008000u));
+  return out;
+#else
+  uint32_t out = 0;
+  for (int half = 0; half < 2; ++half) {
+    const float product = float_from_bits(((bits >> (16 * half)) & 0xFFFFu) << 16) *
+                          float_from_bits(((factors >> (16 * half)) & 0xFFFFu) << 16);
+    uint32_t product_bits;
+    std::memcpy(&product_bits, &product, sizeof(product_bits));
+    out |= (product_bits >> 16) << (16 * half);
+  }
+  return out;
+#endif
+}
+
+// Any scales: pair_any_scale with a scale per half.
+__host__ __device__ __forceinline__ uint32_t pair_any_scales(uint32_t bits, uint32_t scale_lo,
+                                                             uint32_t scale_hi) {
+  const float two_pow_126 = float_from_bits((126u + 127u) << 23);
+  const float low = float_from_bits(bits << 16) * two_pow_126 * ue8m0(scale_lo);
+  const float high = float_from_bits(bits & 0xFFFF0000u) * two_pow_126 * ue8m0(scale_hi);
+  const __nv_bfloat162 pair = __floats2bfloat162_rn(low, high);
+  uint32_t out;
+  std::memcpy(&out, &pair, sizeof(out));
+  return out;
+}
+
+// A thread's A-fragment registers of one transposed step: its two tiles' (bytes 2q and
+// 2q + 1) over 64 stored rows. `rows[4 k16 + d]` is the 16-bit load of stored row 16 k16
+// + 2c + {0, 1, 8, 9}[d] (c = lane % 4); `scales` word 2 k16 + j the scale word
+// (scale_word) of rows 16 k16 + 2c + 8 j and + 1 at the thread's column block. Register
+// a0 / a1 / a2 / a3 of tile t and k16 step k16: fragment row g (low codes) / g + 8 (high
+// codes) of rows 2c, 2c + 1, then of rows 2c + 8, 2c + 9 (the PTX ISA's A layout).
+__host__ __device__ __forceinline__ void decode_column_pairs(const uint32_t (&rows)[16],
+                                                             const StepScales<8>& scales,
+                                                             StepFragment (&fragments)[2]) {
+  uint32_t placed[8][4];  // [2 k16 + j][2 tile + high]
+#pragma unroll
+  for (int pair = 0; pair < 8; ++pair) {
+    const uint32_t row_n = rows[2 * pair], row_n1 = rows[2 * pair + 1];
+#pragma unroll
+    for (int tile = 0; tile < 2; ++tile) {
+      const uint32_t selector = fragment_selector(tile);
+      placed[pair][2 * tile] =
+          column_pair_bits_times_2_pow_minus_126(row_n << 4, row_n1 << 4, selector);
+      placed[pair][2 * tile + 1] = column_pair_bits_times_2_pow_minus_126(row_n, row_n1, selector);
+    }
+  }
+  if (scales.fast) {
+#pragma unroll
+    for (int pair = 0; pair < 8; ++pair)
+#pragma unroll
+      for (int r = 0; r < 4; ++r)
+        placed[pair][r] = pair_times_factors(placed[pair][r], scales.words[pair]);
+  } else {
+#pragma unroll
+    for (int pair = 0; pair < 8; ++pair)
+#pragma unroll
+      for (int r = 0; r < 4; ++r)
+        placed[pair][r] = pair_any_scales(placed[pair][r], scales.template byte<0>(pair),
+                                          scales.template byte<1>(pair));
+  }
+#pragma unroll
+  for (int pair = 0; pair < 8; ++pair)
+#pragma unroll
+    for (int r = 0; r < 4; ++r)
+      fragments[r / 2][pair / 2][2 * (pair % 2) + r % 2] = placed[pair][r];
+}
+
 }  // namespace megamoe::kernels::mxfp4

@@ -9,7 +9,11 @@
 //    two halves of each step's codes; K side steps (b1, then b3, as given) before the
 //    base; the gated activation;
 //  - Store (GEMM2): a tile is 256 output columns of w2, two 128-row halves; extra tiles
-//    over the a2 shrink's columns (a2 as given); a plain store.
+//    over the a2 shrink's columns (a2 as given); a plain store;
+//  - StoreMN (dgrad1): the weights as stored, [K][N / 2] codes, read transposed: a tile is
+//    256 output columns (128 per consumer, its two m64 tiles on the even and odd bytes:
+//    decode_column_pairs), 64 stored rows a step; extra tiles over the two K-major blocks
+//    (b1's columns over dg, then b3's over du, as given); a plain store.
 //
 // Warp roles (384 threads):
 //  - producer (warpgroup 0): one thread issues the TMA loads into a ring stage, per base
@@ -36,6 +40,7 @@
 
 #include <cute/arch/copy_sm90_tma.hpp>
 #include <cute/arch/mma_sm90_gmma.hpp>
+#include <type_traits>
 #include <utility>
 
 #include "activation_math.cuh"
@@ -105,6 +110,8 @@ template <StreamKind kKind, int Tokens>
 struct StreamConfig {
   static_assert(Tokens == 32 || Tokens == 64, "wgmma N of the chunk");
   static constexpr bool kGated = kKind == StreamKind::Gated;
+  // The weights as stored ([K][N / 2] codes): transposed decode, K-major segment factors.
+  static constexpr bool kTransposed = kKind == StreamKind::StoreMN;
   static constexpr int kTokensPerChunk = Tokens;
   static constexpr int kConsumers = 2;
   static constexpr int kThreads = (1 + kConsumers) * kWarpgroupThreads;
@@ -112,7 +119,8 @@ struct StreamConfig {
   // same 128 h columns; a store tile's are 256 columns.
   static constexpr int kColumns = (kGated ? 1 : 2) * 64 * kConsumers;
   using Schedule = StreamTiles<Tokens, kColumns>;
-  static constexpr int kCodeBytes = 2 * 128 * 32;  // two halves of 128 rows
+  // Gated and Store: two halves of 128 rows of 32 bytes; StoreMN: 64 rows of 128 bytes.
+  static constexpr int kCodeBytes = 2 * 128 * 32;
   static constexpr int kSideBytes = kConsumers * kBoxBytes;
   static constexpr int kABytes = kSideBytes > kCodeBytes ? kSideBytes : kCodeBytes;
   static constexpr int kBBytes = Tokens * kRowBytes;
@@ -192,6 +200,59 @@ struct StreamScaleRows {
     }
     ++cursor;
   }
+
+  // The step's words of the two lines, into a stage's scale area.
+  __device__ __forceinline__ void store(uint32_t scale_area, const uint32_t (&raw)[2]) const {
+    const uint32_t words[2] = {mxfp4::scale_word(raw[0]), mxfp4::scale_word(raw[1])};
+    asm volatile("st.shared.v2.u32 [%0], {%1, %2};" ::"r"(scale_area + store_offset), "r"(words[0]),
+                 "r"(words[1])
+                 : "memory");
+  }
+};
+
+// StoreMN: a consumer thread (consumer c, warp w, lane quad t = lane % 4) reads, per base
+// step, the scale words of its column block (n0 / 32 + 4 c + w) for the eight pairs of
+// stored rows (16 k16 + 2 t + 8 j, + 1) it decodes: 32 bytes at slot (4 c + w) 4 + t,
+// word 2 k16 + j. Thread i of the producer warpgroup writes two of them: pair (k16, j)
+// = ((i / 2) % 4, i % 2) for quad t = (i / 8) % 4 of warps w = 2 ((i / 32) % 2) and w +
+// 1 of consumer i / 64, from one 16-bit load of each of the two rows (both blocks).
+struct StreamScaleColumns {
+  const uint16_t* cursor;  // row n's two blocks of the next base step to load
+  uint32_t next_row;       // from row n to row n + 1 (16-bit units)
+  uint32_t store_offset;   // the first word's place in a stage's scale area (the second's
+                           // is 128 bytes on: the next warp's slot)
+
+  __device__ __forceinline__ StreamScaleColumns(const WeightStreamParams& p, const StreamTile& tile,
+                                                int thread) {
+    const int j = thread % 2, k16 = thread / 2 % 4, quad = thread / 8 % 4,
+              warp = 2 * (thread / 32 % 2), consumer = thread / 64;
+    const int64_t blocks_per_row = 8 * static_cast<int64_t>(p.n_base_blocks);  // N / 32
+    const int64_t row =
+        static_cast<int64_t>(tile.expert) * p.weight_rows + 16 * k16 + 2 * quad + 8 * j;
+    cursor = reinterpret_cast<const uint16_t*>(p.scales + row * blocks_per_row + tile.n0 / 32 +
+                                               4 * consumer + warp);
+    next_row = static_cast<uint32_t>(blocks_per_row / 2);
+    store_offset =
+        static_cast<uint32_t>(32 * ((4 * consumer + warp) * 4 + quad) + 4 * (2 * k16 + j));
+  }
+
+  __device__ __forceinline__ void load_next(bool load, uint32_t (&raw)[2]) {
+    if (load) {
+      raw[0] = static_cast<uint32_t>(__ldg(cursor));
+      raw[1] = static_cast<uint32_t>(__ldg(cursor + next_row));
+    }
+    cursor += 64 * next_row;  // 64 stored rows a step
+  }
+
+  // The step's two words: rows n and n + 1 of the first block, then of the second (each
+  // row's 16-bit load holds the two blocks' bytes; its bytes 2 and 3 are zero).
+  __device__ __forceinline__ void store(uint32_t scale_area, const uint32_t (&raw)[2]) const {
+    const uint32_t first = mxfp4::scale_word(mxfp4::prmt(raw[0], raw[1], 0x3240u));
+    const uint32_t second = mxfp4::scale_word(mxfp4::prmt(raw[0], raw[1], 0x3251u));
+    const uint32_t at = scale_area + store_offset;
+    asm volatile("st.shared.u32 [%0], %1;" ::"r"(at), "r"(first) : "memory");
+    asm volatile("st.shared.u32 [%0], %1;" ::"r"(at + 128), "r"(second) : "memory");
+  }
 };
 
 template <class C>
@@ -211,33 +272,41 @@ __device__ __forceinline__ void stream_produce(const WeightStreamParams& p,
       uint64_t* bar = &smem.full[ring.stage];
       if (issues_copies) {
         // Gated: b1 (then b3) rows 64 j.. at h columns n0..; Store: a2 rows 64 j.. (K)
-        // at extra columns 128 half..; against the pool's side columns or its K.
+        // at extra columns 128 half..; StoreMN: lo (then hi) columns 64 j.. (K) at rows
+        // 64 wg..; against the pool's side columns or its K.
         TransactionBarrier::arrive_and_expect_tx(bar, C::kSideBytes + C::kBBytes);
         uint8_t* a = smem.a(ring.stage);
         const int half = step >= p.segment_half ? 1 : 0;
         const int j = step - half * p.segment_half;
-        const CUtensorMap* map = C::kGated && half ? &p.segment_hi : &p.segment_lo;
+        const CUtensorMap* map =
+            (C::kGated || C::kTransposed) && half ? &p.segment_hi : &p.segment_lo;
         const int column0 = C::kGated ? tile.n0 : 128 * half;
-        const int pool_column =
-            C::kGated ? p.k_base + half * p.side_rank + kBlockK * j : kBlockK * j;
+        const int pool_column = C::kGated        ? p.k_base + half * p.side_rank + kBlockK * j
+                                : C::kTransposed ? half * p.segment_k_hi + kBlockK * j
+                                                 : kBlockK * j;
 #pragma unroll
-        for (int wg = 0; wg < C::kConsumers; ++wg)
-          cute::SM90_TMA_LOAD_3D::copy(map, bar, kCacheHint, a + wg * kBoxBytes, column0 + 64 * wg,
-                                       kBlockK * j, tile.expert);
+        for (int wg = 0; wg < C::kConsumers; ++wg) {
+          if constexpr (C::kTransposed)
+            cute::SM90_TMA_LOAD_3D::copy(map, bar, kCacheHint, a + wg * kBoxBytes, kBlockK * j,
+                                         64 * wg, tile.expert);
+          else
+            cute::SM90_TMA_LOAD_3D::copy(map, bar, kCacheHint, a + wg * kBoxBytes,
+                                         column0 + 64 * wg, kBlockK * j, tile.expert);
+        }
         cute::SM90_TMA_LOAD_2D::copy(&p.pool, bar, kCacheHint, smem.b(ring.stage), pool_column,
                                      tile.row0);
       }
       Barrier::arrive(bar);
       ring.advance();
     }
-    StreamScaleRows rows(p, tile, thread);
+    std::conditional_t<C::kTransposed, StreamScaleColumns, StreamScaleRows> rows(p, tile, thread);
     uint32_t pending[kAhead][2];  // the scale pairs of the next kAhead base steps
 #pragma unroll
     for (int d = 0; d < kAhead; ++d) rows.load_next(d < base_steps, pending[d]);
     // A base step: its words from the pairs loaded kAhead steps before (which frees their
     // registers for the loads of kAhead steps on), then the stage's copies and words.
     auto base_step = [&](int k_step, uint32_t (&pairs)[2]) {
-      const uint32_t words[2] = {mxfp4::scale_word(pairs[0]), mxfp4::scale_word(pairs[1])};
+      const uint32_t ready[2] = {pairs[0], pairs[1]};
       rows.load_next(k_step + kAhead < base_steps, pairs);
       Barrier::wait(&smem.empty[ring.stage], ring.phase ^ 1u);
       uint64_t* bar = &smem.full[ring.stage];
@@ -247,15 +316,16 @@ __device__ __forceinline__ void stream_produce(const WeightStreamParams& p,
         if constexpr (C::kGated)
           cute::SM90_TMA_LOAD_4D::copy(&p.codes, bar, kCacheHint, a, k_step * (kBlockK / 2),
                                        tile.n0, 0, tile.expert);
+        else if constexpr (C::kTransposed)
+          cute::SM90_TMA_LOAD_3D::copy(&p.codes, bar, kCacheHint, a, tile.n0 / 2, k_step * kBlockK,
+                                       tile.expert);
         else
           cute::SM90_TMA_LOAD_3D::copy(&p.codes, bar, kCacheHint, a, k_step * (kBlockK / 2),
                                        tile.n0, tile.expert);
         cute::SM90_TMA_LOAD_2D::copy(&p.pool, bar, kCacheHint, smem.b(ring.stage), k_step * kBlockK,
                                      tile.row0);
       }
-      const uint32_t at = shared_address(smem.scale_words(ring.stage)) + rows.store_offset;
-      asm volatile("st.shared.v2.u32 [%0], {%1, %2};" ::"r"(at), "r"(words[0]), "r"(words[1])
-                   : "memory");
+      rows.store(shared_address(smem.scale_words(ring.stage)), ready);
       Barrier::arrive(bar);  // release: the words are visible to the consumers' acquire
       ring.advance();
     };
@@ -270,26 +340,30 @@ __device__ __forceinline__ void stream_produce(const WeightStreamParams& p,
 // ---- the MMAs: m64 x TOKENS x k16 into TOKENS / 2 accumulators per thread ----
 using Fragment = mxfp4::StepFragment;  // one weight's A fragment of a base step
 
-template <int N>
+// kSideMN: the segment steps' A (the adapter factor's box) is MN-major (Gated, Store) or
+// K-major (StoreMN).
+template <int N, bool kSideMN>
 struct StreamMmaOps;
-template <>
-struct StreamMmaOps<32> {
-  using Side = cute::SM90::GMMA::MMA_64x32x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::MN,
+template <bool kSideMN>
+struct StreamMmaOps<32, kSideMN> {
+  using Side = cute::SM90::GMMA::MMA_64x32x16_F32BF16BF16_SS<kSideMN ? cute::SM90::GMMA::Major::MN
+                                                                     : cute::SM90::GMMA::Major::K,
                                                              cute::SM90::GMMA::Major::K>;
   using Registers = cute::SM90::GMMA::MMA_64x32x16_F32BF16BF16_RS<cute::SM90::GMMA::Major::K,
                                                                   cute::SM90::GMMA::Major::K>;
 };
-template <>
-struct StreamMmaOps<64> {
-  using Side = cute::SM90::GMMA::MMA_64x64x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::MN,
+template <bool kSideMN>
+struct StreamMmaOps<64, kSideMN> {
+  using Side = cute::SM90::GMMA::MMA_64x64x16_F32BF16BF16_SS<kSideMN ? cute::SM90::GMMA::Major::MN
+                                                                     : cute::SM90::GMMA::Major::K,
                                                              cute::SM90::GMMA::Major::K>;
   using Registers = cute::SM90::GMMA::MMA_64x64x16_F32BF16BF16_RS<cute::SM90::GMMA::Major::K,
                                                                   cute::SM90::GMMA::Major::K>;
 };
 
-template <int N>
+template <int N, bool kSideMN>
 struct StreamMma {
-  using Ops = StreamMmaOps<N>;
+  using Ops = StreamMmaOps<N, kSideMN>;
   template <size_t... I>
   __device__ __forceinline__ static void side(uint64_t a, uint64_t b, float* d,
                                               std::index_sequence<I...>) {
@@ -300,11 +374,11 @@ struct StreamMma {
                                                    std::index_sequence<I...>) {
     Ops::Registers::fma(a[0], a[1], a[2], a[3], b, d[I]..., cute::SM90::GMMA::ScaleOut::One);
   }
-  // A side step: the b1 or b3 box (MN-major) against the pool's side columns.
+  // A segment step: the factor's box against the pool tile.
   __device__ __forceinline__ static void side_step(uint64_t desc_a, uint64_t desc_b, float* d) {
 #pragma unroll
     for (int k16 = 0; k16 < kBlockK / 16; ++k16)
-      side(advance_k16_low_word<true>(desc_a, k16), advance_k16_low_word<false>(desc_b, k16), d,
+      side(advance_k16_low_word<kSideMN>(desc_a, k16), advance_k16_low_word<false>(desc_b, k16), d,
            std::make_index_sequence<N / 2>{});
   }
   // Half a base step: one weight's decoded fragment against the pool tile.
@@ -390,6 +464,65 @@ struct StreamLines {
   }
 };
 
+// StoreMN: a consumer thread (consumer c, warp w, lane quad t = lane % 4, g = lane / 4)
+// decodes the bytes 2q and 2q + 1 (q = 8 w + g) of its consumer's 64 in each of its 16
+// stored rows of a step (16 k16 + 2 t + {0, 1, 8, 9}): output columns 4q .. 4q + 3 of the
+// consumer's 128 (decode_column_pairs). The code area is [64 rows][128 bytes] under the
+// 128-byte swizzle (16-byte unit u of row n at unit u ^ (n % 8)): the thread's 2 bytes
+// lie in unit 4 c + w, and rows n and n + 8 share a swizzle, so two base offsets (rows 2t
+// and 2t + 1) cover the 16 loads with immediate offsets, and a warp's four quads hit
+// four different units (no bank conflict).
+__host__ __device__ constexpr uint32_t stream_column_offset(uint32_t tid, uint32_t odd) {
+  return 128 * (2 * (tid % 4) + odd) + 16 * (((tid / 32 - 4) ^ (2 * (tid % 4) + odd)) & 7) +
+         2 * (tid % 32 / 4);
+}
+constexpr bool stream_column_offsets_follow_the_layout() {
+  for (uint32_t tid = kWarpgroupThreads; tid < 3 * kWarpgroupThreads; ++tid) {
+    const uint32_t consumer = tid / 128 - 1, warp = tid % 128 / 32, lane = tid % 32;
+    for (uint32_t odd = 0; odd < 2; ++odd) {
+      const uint32_t row = 2 * (lane % 4) + odd, byte = 64 * consumer + 16 * warp + 2 * (lane / 4);
+      const uint32_t swizzled = 128 * row + 16 * ((byte / 16) ^ (row % 8)) + byte % 16;
+      if (stream_column_offset(tid, odd) != swizzled) return false;
+    }
+  }
+  return true;
+}
+static_assert(stream_column_offsets_follow_the_layout(), "a consumer reads its own columns");
+
+struct StreamColumnPairs {
+  uint32_t even_rows, odd_rows;  // offsets of stored rows 2t and 2t + 1 in the code area
+  uint32_t scale_offset;         // the thread's 32 bytes of scale words
+
+  __device__ __forceinline__ explicit StreamColumnPairs(uint32_t tid)
+      : even_rows(stream_column_offset(tid, 0)),
+        odd_rows(stream_column_offset(tid, 1)),
+        scale_offset(32 * ((tid / 32 - 4) * 4 + tid % 4)) {}
+
+  __device__ __forceinline__ void decode(uint32_t code_area, uint32_t scale_area,
+                                         Fragment (&fragments)[2]) const {
+    uint32_t words[8];
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(words[0]), "=r"(words[1]), "=r"(words[2]), "=r"(words[3])
+                 : "r"(scale_area + scale_offset));
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(words[4]), "=r"(words[5]), "=r"(words[6]), "=r"(words[7])
+                 : "r"(scale_area + scale_offset + 16));
+    uint32_t rows[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      // Row 16 k16 + 2 t + {0, 1, 8, 9}[d]: odd d from the odd base, 8 rows on for d >= 2.
+      const int k16 = i / 4, d = i % 4;
+      const uint32_t at =
+          code_area + (d % 2 ? odd_rows : even_rows) + 128 * (16 * k16 + 8 * (d / 2));
+      uint16_t bytes;
+      asm volatile("ld.shared.u16 %0, [%1];" : "=h"(bytes) : "r"(at));
+      rows[i] = bytes;
+    }
+    const mxfp4::StepScales<8> scales(words);
+    mxfp4::decode_column_pairs(rows, scales, fragments);
+  }
+};
+
 __device__ __forceinline__ void fence_fragment(Fragment& f) {
 #pragma unroll
   for (int k16 = 0; k16 < 4; ++k16)
@@ -460,6 +593,56 @@ __device__ __forceinline__ void store_epilogue(const WeightStreamParams& p, cons
   }
 }
 
+// StoreMN's base tile: accumulator i of tile T (acc_lo: T = 0) is fragment row g (i % 4
+// < 2) or g + 8 of the thread's warp, i.e. column 4q + 2T + (i % 4) / 2 of its
+// consumer's 128 (q = 8 warp + g, decode_column_pairs), so a thread's four values of a
+// chunk row are four adjacent columns: one 8-byte store.
+template <int Tokens>
+__device__ __forceinline__ void transposed_store_epilogue(const WeightStreamParams& p,
+                                                          const StreamTile& tile,
+                                                          const float (&acc_lo)[Tokens / 2],
+                                                          const float (&acc_hi)[Tokens / 2],
+                                                          int consumer, int thread) {
+  const StreamFragmentRows<Tokens> at(thread);
+  const int64_t columns = p.out_columns;
+  const int64_t column = tile.n0 + 128 * consumer + 32 * (thread / 32) + 4 * (at.lane / 4);
+  __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out) + column;
+#pragma unroll
+  for (int i = 0; i < Tokens / 2; i += 4)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int64_t pool_row = tile.row0 + at.token(i + e);
+      const __nv_bfloat162 lo = __floats2bfloat162_rn(acc_lo[i + e], acc_lo[i + e + 2]);
+      const __nv_bfloat162 hi = __floats2bfloat162_rn(acc_hi[i + e], acc_hi[i + e + 2]);
+      uint2 four;
+      four.x = *reinterpret_cast<const uint32_t*>(&lo);
+      four.y = *reinterpret_cast<const uint32_t*>(&hi);
+      *reinterpret_cast<uint2*>(out + pool_row * columns) = four;
+    }
+}
+
+// StoreMN's extra tile: lo's columns (A rows 64 consumer + r of the first half, below
+// N_lo) from N on, hi's (of the second half, below N_hi) from N + N_lo on.
+template <int Tokens>
+__device__ __forceinline__ void extra_blocks_epilogue(const WeightStreamParams& p,
+                                                      const StreamTile& tile,
+                                                      const float (&acc_lo)[Tokens / 2],
+                                                      const float (&acc_hi)[Tokens / 2],
+                                                      int consumer, int thread) {
+  const StreamFragmentRows<Tokens> at(thread);
+  const int64_t columns = p.out_columns, lo_columns = p.extra_lo_columns;
+  const int64_t hi_columns = columns - tile.n0 - lo_columns;
+  __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out);
+#pragma unroll
+  for (int i = 0; i < Tokens / 2; ++i) {
+    const int64_t row = 64 * consumer + at.row_of(i);
+    const int64_t pool_row = tile.row0 + at.token(i);
+    if (row < lo_columns) out[pool_row * columns + tile.n0 + row] = __float2bfloat16_rn(acc_lo[i]);
+    if (row < hi_columns)
+      out[pool_row * columns + tile.n0 + lo_columns + row] = __float2bfloat16_rn(acc_hi[i]);
+  }
+}
+
 // ---- consumers ----
 // The consumer's position in the ring as shared addresses: the current stage, its full
 // barrier (its empty barrier kStages barriers on) and the phase, all advanced in
@@ -492,7 +675,7 @@ template <class C>
 __device__ __forceinline__ void stream_consume(const WeightStreamParams& p,
                                                const StreamStorage<C>& smem, int consumer) {
   constexpr int kTokens = C::kTokensPerChunk;
-  using Mma = StreamMma<kTokens>;
+  using Mma = StreamMma<kTokens, !C::kTransposed>;
   const typename C::Schedule schedule(p);
   const int thread = threadIdx.x % kWarpgroupThreads;
   // The tile's two halves (Gated: g and u).
@@ -513,6 +696,11 @@ __device__ __forceinline__ void stream_consume(const WeightStreamParams& p,
       } else {
         gated_epilogue<kTokens, false, false>(p, tile, acc_lo, acc_hi, consumer, thread);
       }
+    } else if constexpr (C::kTransposed) {
+      if (tile.extra)
+        extra_blocks_epilogue<kTokens>(p, tile, acc_lo, acc_hi, consumer, thread);
+      else
+        transposed_store_epilogue<kTokens>(p, tile, acc_lo, acc_hi, consumer, thread);
     } else {
       store_epilogue<kTokens>(p, tile, acc_lo, acc_hi, consumer, thread);
     }
@@ -551,7 +739,8 @@ __device__ __forceinline__ void stream_consume(const WeightStreamParams& p,
       for (int step = first; step < last; ++step) {
         wait_barrier(ring.full, ring.phase);
         cute::warpgroup_arrive();
-        Mma::side_step(descriptor_mn_major(ring.a() + consumer * kBoxBytes),
+        const uint32_t box = ring.a() + consumer * kBoxBytes;
+        Mma::side_step(C::kTransposed ? descriptor_k_major(box) : descriptor_mn_major(box),
                        descriptor_k_major(ring.b()), acc);
         cute::warpgroup_commit_batch();
         retire_previous();
@@ -576,7 +765,7 @@ __device__ __forceinline__ void stream_consume(const WeightStreamParams& p,
         fence_accumulators(acc_hi);
       }
     }
-    const StreamLines lines(threadIdx.x);
+    const std::conditional_t<C::kTransposed, StreamColumnPairs, StreamLines> lines(threadIdx.x);
     // A base step: both halves' fragments decoded, then their MMAs as one batch. The
     // fragments alternate between two buffers (by step parity): a buffer is rewritten
     // only after the batch that read it retired, which the step between guarantees (one

@@ -8,14 +8,18 @@
 
 namespace megamoe {
 
-// The forward GEMMs with an MXFP4 base for pools with few rows per expert, in the swapped
-// form: the weights are the wgmma's A (decoded into registers), a chunk of an expert's
-// pool rows its N.
+// The GEMMs with an MXFP4 base for pools with few rows per expert, in the swapped form:
+// the weights are the wgmma's A (decoded into registers), a chunk of an expert's pool
+// rows its N.
 enum class StreamKind : int32_t {
   // GEMM1: h = act(g) * u, g | u = [x | q1 | q3] . [w13_e ; side] (EngineKind::Gated).
   Gated,
   // GEMM2: out = h . [w2_e^T | a2_e] (EngineKind::StoreKMajor with its N extra segment).
   Store,
+  // dgrad1: out = a . [b_e | blockdiag(lo_e^T, hi_e^T)], b as stored [K][N] (quantized
+  // along N), the extra blocks K-major as given (EngineKind::StoreMNMajor with its extra
+  // blocks): (dg | du) . [w13_e | (b1_e^T, b3_e^T)].
+  StoreMN,
 };
 
 struct WeightStreamParams {
@@ -33,21 +37,24 @@ struct WeightStreamParams {
   int32_t base_steps;      // K / 64
   // Operands. `pool` [P, cols] BF16 K-major, box [64, TOKENS]. `codes`: Gated w13's
   // 4-D [E][2][I][K / 2], box [32, 128, 2, 1]; Store w2's 3-D [E][N][K / 2], box [32,
-  // 256, 1]. Segment factors as given, box [64, 64, 1], the A of the segment steps
-  // (MN-major): Gated b1 (`segment_lo`) and b3 (`segment_hi`) 3-D [E][r][I]; Store a2
-  // (`segment_lo`) 3-D [E][K][N_x].
+  // 256, 1]; StoreMN b's 3-D [E][K][N / 2], box [128, 64, 1], swizzled. Segment factors
+  // as given, box [64, 64, 1], the A of the segment steps: MN-major for Gated b1
+  // (`segment_lo`) and b3 (`segment_hi`) 3-D [E][r][I] and Store a2 (`segment_lo`) 3-D
+  // [E][K][N_x]; K-major for StoreMN lo [E][N_lo][K_lo] and hi [E][N_hi][K - K_lo].
   CUtensorMap pool;
   CUtensorMap codes;
   CUtensorMap segment_lo;
   CUtensorMap segment_hi;
-  const uint8_t* scales;  // [E][weight_rows][K / 32] UE8M0 as stored
-  int32_t k_base;         // K
-  int32_t side_rank;      // Gated: r (the q1 | q3 boundary of the pool's side columns)
-  int32_t weight_rows;    // rows of one expert's weight: Gated 2I, Store N
-  int32_t half_rows;      // row offset of a tile's second half: Gated I, Store 128
-  float side_scale;       // Gated: the side sum is scaled by this before the base adds on
-  // Epilogue: Gated: h [P, I] and, optionally, preact [P, 2I] (g | u), BF16; Store: out
-  // [P, N + N_x] BF16.
+  const uint8_t* scales;     // [E][weight_rows][K / 32] UE8M0 as stored (StoreMN: [E][K][N / 32])
+  int32_t k_base;            // K
+  int32_t side_rank;         // Gated: r (the q1 | q3 boundary of the pool's side columns)
+  int32_t weight_rows;       // rows of one expert's weight: Gated 2I, Store N, StoreMN K
+  int32_t half_rows;         // row offset of a tile's second half: Gated I, Store 128
+  float side_scale;          // Gated: the side sum is scaled by this before the base adds on
+  int32_t segment_k_hi;      // StoreMN: K_lo, the pool column of hi's first step
+  int32_t extra_lo_columns;  // StoreMN: N_lo (hi's columns follow them)
+  // Epilogue: Gated: h [P, I] and, optionally, preact [P, 2I] (g | u), BF16; Store and
+  // StoreMN: out [P, N + N_x] BF16.
   void* out;
   void* preact;
   int32_t out_columns;     // columns (and row stride) of `out`

@@ -158,3 +158,71 @@ def test_fast_path_check_is_every_scale_byte_below_128(fragment_cases: np.ndarra
     expected = np.all([((pairs >> (8 * b)) & 0xFF) < 128 for b in range(4)], axis=0)
     np.testing.assert_array_equal(fragment_cases[:, 34].astype(bool), expected)
     assert 0 < expected.sum() < len(expected)
+
+
+# ---- the transposed step (the dgrads): decode_column_pairs ----
+
+#: Cases of tests/cpu/host/fragment_decode_transposed.cu (kCases).
+TRANSPOSED_CASES = 1024
+#: Per case: 16 row loads, 8 scale pairs, 2 x 4 x 4 fragment registers, the fast flag.
+TRANSPOSED_CASE_WORDS = 16 + 8 + 32 + 1
+
+
+@pytest.fixture(scope="module")
+def transposed_cases(run_host_driver: Callable[[str], Path]) -> np.ndarray:
+    output = np.fromfile(run_host_driver("fragment_decode_transposed"), dtype=np.uint32)
+    assert int(output[0]) == TRANSPOSED_CASES
+    cases = output[1:]
+    assert cases.size == TRANSPOSED_CASES * TRANSPOSED_CASE_WORDS
+    return cases.reshape(TRANSPOSED_CASES, TRANSPOSED_CASE_WORDS)
+
+
+def _expected_transposed(rows: np.ndarray, scale_pairs: np.ndarray) -> np.ndarray:
+    """[tile][k16][reg][half] float64 by the wgmma A layout with the dgrad's column
+    order: register a0 / a2 (fragment row g) holds the low codes of byte 2q + tile, a1 /
+    a3 (row g + 8) its high codes; a0 / a1 the rows 2c, 2c + 1 of the k16 step, a2 / a3
+    rows 2c + 8, 2c + 9; the low half row n, the high half row n + 1, each times its own
+    row's scale."""
+    expected = np.empty((2, 4, 4, 2))
+    for tile in range(2):
+        for k16 in range(4):
+            for reg in range(4):
+                j, high = reg // 2, reg % 2
+                for half in range(2):
+                    load = int(rows[4 * k16 + 2 * j + half])
+                    code = (load >> (8 * tile + 4 * high)) & 0xF
+                    scale = (int(scale_pairs[2 * k16 + j]) >> (8 * half)) & 0xFF
+                    if scale == 0xFF:
+                        value = np.nan
+                    else:
+                        value = float(np.float32(np.ldexp(_e2m1(np.array(code)), scale - 127)))
+                    expected[tile, k16, reg, half] = value
+    return expected
+
+
+def test_transposed_step_follows_the_wgmma_layout(transposed_cases: np.ndarray) -> None:
+    """decode_column_pairs puts each code of a thread's 16 stored rows, times its own
+    row's scale, where the wgmma A fragment of the dgrad's column order wants it: every
+    register of every case (every byte value in both bytes of every row), both scale
+    paths, bit for bit, -0 kept."""
+    slow = 0
+    with np.errstate(over="ignore"):
+        for case in transposed_cases:
+            rows, pairs = case[:16], case[16:24]
+            fragment = case[24:56].reshape(2, 4, 4)
+            got = np.stack([_bf16_values(fragment & 0xFFFF), _bf16_values(fragment >> 16)], axis=-1)
+            expected = _expected_transposed(rows, pairs)
+            np.testing.assert_array_equal(got, expected, err_msg=f"rows={rows} pairs={pairs}")
+            zeros = expected == 0
+            np.testing.assert_array_equal(np.signbit(got[zeros]), np.signbit(expected[zeros]))
+            slow += bool(np.any(pairs & 0x8080))
+    assert 0 < slow < len(transposed_cases), "both scale paths ran"
+
+
+def test_transposed_fast_path_check(transposed_cases: np.ndarray) -> None:
+    """The step's fast flag is true exactly when every scale byte of its 16 rows is below
+    128."""
+    pairs = transposed_cases[:, 16:24]
+    expected = ~np.any(pairs & 0x8080, axis=1)
+    np.testing.assert_array_equal(transposed_cases[:, 56].astype(bool), expected)
+    assert 0 < expected.sum() < len(expected)

@@ -1,6 +1,7 @@
 """The weight-streaming GEMMs (kernels/engine/weight_stream_kernel.cuh): an MXFP4 base
 decoded into the wgmma's A registers, the pool's rows in chunks of 32 or 64 as N; GEMM1
-(gated, side K segment) and GEMM2 (store, a2 extra columns).
+(gated, side K segment), GEMM2 (store, a2 extra columns) and dgrad1 (the weights as
+stored, decoded transposed; the b1/b3 shrinks as extra columns).
 
 Oracles: the engine's GEMM on the BF16 decode of the same codes
 (:func:`~megamoe.wrappers.mxfp4_decode.decode_mxfp4_bf16`), which sums the same products
@@ -316,3 +317,193 @@ def test_launchers_reject_chunks_across_segments():
             torch.cuda.get_device_properties(0).multi_processor_count,
             torch.cuda.current_stream().cuda_stream,
         )  # fmt: skip
+
+
+# ---- dgrad1: (dg | du) . [w13_e | blockdiag(b1_e^T, b3_e^T)], w13 as stored ----
+
+
+def stream_dgrad1(a, codes, scales, plan, *, chunk, extra=None):
+    """dgrad1's native launcher with an explicit chunk: ``a [P, K] . b_e`` (codes
+    ``[E, K, N/2]``, the weights as stored) and ``extra`` = (lo ``[E, N_lo, K_lo]``, hi
+    ``[E, N_hi, K - K_lo]``) or None."""
+    n = 2 * codes.shape[2] + (0 if extra is None else extra[0].shape[1] + extra[1].shape[1])
+    out = torch.full((a.shape[0], n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    dl = _native.dlpack
+    lo, hi = (None, None) if extra is None else (dl(extra[0]), dl(extra[1]))
+    _native.native().weight_stream_store_mn(
+        dl(a),
+        dl(codes),
+        dl(scales),
+        lo,
+        hi,
+        dl(plan.expert_pool_offsets),
+        dl(plan.expert_counts),
+        dl(out),
+        plan.block_m,
+        chunk,
+        torch.cuda.get_device_properties(0).multi_processor_count,
+        torch.cuda.current_stream().cuda_stream,
+    )
+    return out
+
+
+def dgrad1_operands(tokens, experts, top_k, k, n, rank, *, block_m=64, k_lo=None, seed=0,
+                    scale_low=112, scale_high=136):  # fmt: skip
+    """The pool ``dg | du`` ``[P, k]`` (zero padding rows), ``w13`` as stored (codes
+    ``[E, k, n/2]``, scales ``[E, k, n/32]``, quantized along n) and the shrinks (lo
+    ``[E, r, k_lo]``, hi ``[E, r, k - k_lo]``; k_lo = k / 2 unless given) or None."""
+    ids, _ = make_routing(tokens, experts, top_k, kind="skewed", seed=seed)
+    plan = mm.plan_routes(ids.cuda(), experts, block_m)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    a = torch.randn(plan.pool_capacity, k, device="cuda", generator=g).bfloat16()
+    a[plan.pool_row_to_route < 0] = 0
+    codes = torch.randint(0, 256, (experts, k, n // 2), dtype=torch.uint8, device="cuda",
+                          generator=g)  # fmt: skip
+    scales = torch.randint(scale_low, scale_high, (experts, k, n // 32), dtype=torch.uint8,
+                           device="cuda", generator=g)  # fmt: skip
+    extra = None
+    if rank:
+        k_lo = k // 2 if k_lo is None else k_lo
+        extra = (
+            torch.randn(experts, rank, k_lo, device="cuda", generator=g).bfloat16(),
+            torch.randn(experts, rank, k - k_lo, device="cuda", generator=g).bfloat16(),
+        )
+    return plan, a, codes, scales, extra
+
+
+@pytest.mark.parametrize("chunk", CHUNKS)
+@pytest.mark.parametrize(
+    "tokens,experts,top_k,rank,block_m",
+    [
+        (1, 8, 1, 0, 64),  # one row: seven empty experts, no shrinks
+        (40, 8, 2, 16, 64),  # r = 16: the shrinks' boxes mostly past their rows
+        (300, 8, 2, 128, 64),  # several chunks per expert, r = 128 (the production rank)
+        (700, 16, 6, 128, 128),  # pool padded to 128
+        (96, 4, 4, 48, 64),  # every token on every expert
+    ],
+)
+def test_dgrad1_is_the_engine_on_the_decoded_weights(chunk, tokens, experts, top_k, rank, block_m):
+    """[pool, 2I] x [E, 2I, H] as stored (H = 512: two 256-column tiles) with the shrinks'
+    blocks as extra columns: the engine's bits on the BF16 decode (MN-major), every row
+    in use, and the float64 oracle."""
+    k, n = 512, 512
+    plan, a, codes, scales, extra = dgrad1_operands(
+        tokens, experts, top_k, k, n, rank, block_m=block_m, seed=tokens + rank
+    )
+    out = stream_dgrad1(a, codes, scales, plan, chunk=chunk, extra=extra)
+    decoded = decode_mxfp4_bf16(codes, scales)  # [E, K, N]
+    twin = grouped_gemm(a, decoded, plan, b_major="mn", b_extra_blocks=extra)
+    rows = int(plan.expert_pool_offsets[-1])
+    assert same_bits(out[:rows], twin[:rows])
+    assert bool(torch.isnan(out[rows:].float()).all())
+    data = plan.pool_row_to_route[:rows] >= 0
+    assert not bool(out[:rows][~data].any())
+    expected = grouped_gemm_reference(a, decoded.transpose(1, 2), plan, k=k, b_extra_blocks=extra)
+    assert_close_to_oracle("out", out[:rows][data], expected[data])
+
+
+@pytest.mark.parametrize("chunk", CHUNKS)
+def test_dgrad1_decode_of_every_code_and_scale_byte(chunk):
+    """One-hot pool rows: each output row is one stored row of the decoded weight (a
+    product with 1.0, exact; -0 as +0), for every code of every byte position and scale
+    bytes 2..252 (the FP32 path above 128), bit for bit the transient decode."""
+    experts, k, n = 2, 256, 512
+    tokens = experts * k  # token t -> expert t % E, one-hot at column t // E
+    ids = (torch.arange(tokens, device="cuda") % experts).view(tokens, 1)
+    plan = mm.plan_routes(ids, experts, 64)
+    route = plan.pool_row_to_route
+    a = torch.zeros(plan.pool_capacity, k, dtype=torch.bfloat16, device="cuda")
+    used = route >= 0
+    a[used, route[used] // experts] = 1.0
+    g = torch.Generator(device="cuda").manual_seed(6)
+    codes = torch.randint(0, 256, (experts, k, n // 2), dtype=torch.uint8, device="cuda",
+                          generator=g)  # fmt: skip
+    scales = (torch.arange(experts * k * n // 32, device="cuda") % 251 + 2).to(torch.uint8)
+    scales = scales.view(experts, k, n // 32)
+    out = stream_dgrad1(a, codes, scales, plan, chunk=chunk)
+    decoded = decode_mxfp4_bf16(codes, scales)  # [E, K, N]
+    rows = used.nonzero().squeeze(1)
+    token = route[rows]
+    expected = decoded[token % experts, token // experts] + 0.0  # [rows, N]
+    got = out[rows]
+    wrong = (got.view(torch.int16) != expected.view(torch.int16)).nonzero()
+    if wrong.numel():
+        r, col = (int(v) for v in wrong[0])
+        t = int(token[r])
+        e, row = t % experts, t // experts
+        code = int(codes[e, row, col // 2]) >> (4 * (col % 2)) & 0xF
+        pytest.fail(
+            f"{wrong.shape[0]} of {got.numel()} values differ; first: expert {e} row {row} "
+            f"column {col} code {code:#x} scale {int(scales[e, row, col // 32])}: "
+            f"{got[r, col].item()!r} != {expected[r, col].item()!r}"
+        )
+
+
+@pytest.mark.parametrize("chunk", CHUNKS)
+@pytest.mark.parametrize("scale_mod", [256, 3])
+def test_dgrad1_every_scale_byte_matches_the_engine(chunk, scale_mod):
+    """Every scale byte (subnormal values, Inf, NaN) and, separately, bytes 0..2 only: the
+    engine's bits on the decoded weights on every data row."""
+    plan, a, codes, scales, extra = dgrad1_operands(200, 4, 2, 256, 256, 32, seed=4)
+    scales = (torch.arange(scales.numel(), device="cuda") % scale_mod).to(torch.uint8)
+    scales = scales.view(codes.shape[0], 256, 256 // 32)
+    out = stream_dgrad1(a, codes, scales, plan, chunk=chunk, extra=extra)
+    twin = grouped_gemm(
+        a, decode_mxfp4_bf16(codes, scales), plan, b_major="mn", b_extra_blocks=extra
+    )
+    rows = int(plan.expert_pool_offsets[-1])
+    # Padding rows: a chunk of them is written as zeros without the MMAs.
+    data = plan.pool_row_to_route[:rows] >= 0
+    if scale_mod == 256:
+        assert bool(torch.isnan(out[:rows][data].float()).any())
+    assert same_bits(out[:rows][data], twin[:rows][data])
+
+
+@pytest.mark.parametrize("chunk", CHUNKS)
+@pytest.mark.parametrize("k,k_lo", [(64, None), (320, 64)])  # one K step; an odd count
+def test_dgrad1_odd_step_counts(chunk, k, k_lo):
+    rank = 0 if k_lo is None else 24
+    plan, a, codes, scales, extra = dgrad1_operands(150, 8, 2, k, 256, rank, k_lo=k_lo, seed=k)
+    out = stream_dgrad1(a, codes, scales, plan, chunk=chunk, extra=extra)
+    twin = grouped_gemm(
+        a, decode_mxfp4_bf16(codes, scales), plan, b_major="mn", b_extra_blocks=extra
+    )
+    rows = int(plan.expert_pool_offsets[-1])
+    assert same_bits(out[:rows], twin[:rows])
+
+
+def test_dgrad1_layer_path_streams_and_repeats_bitwise(monkeypatch):
+    """grouped_gemm's MXFP4 MN-major B with few rows per expert takes the transposed
+    streaming kernel (ep4rank-like proportions), and repeated runs give the same bits."""
+    native = _native.native()
+    launches = []
+    stream = native.weight_stream_store_mn
+    monkeypatch.setattr(
+        native, "weight_stream_store_mn", lambda *a: launches.append(1) or stream(*a)
+    )
+    plan, a, codes, scales, extra = dgrad1_operands(512, 64, 6, 1024, 1024, 128, seed=9)
+    rows = int(plan.expert_pool_offsets[-1])
+    kwargs = dict(b_major="mn", b_scales=scales, b_extra_blocks=extra)
+    first = grouped_gemm(a, codes, plan, **kwargs)[:rows]
+    for _ in range(3):
+        assert same_bits(grouped_gemm(a, codes, plan, **kwargs)[:rows], first)
+    assert len(launches) == 4, "grouped_gemm took the transposed weight-streaming kernel"
+    twin = grouped_gemm(a, decode_mxfp4_bf16(codes, scales), plan, b_major="mn",
+                        b_extra_blocks=extra)  # fmt: skip
+    assert same_bits(first, twin[:rows])
+
+
+def test_dgrad1_launcher_checks():
+    plan, a, codes, scales, extra = dgrad1_operands(10, 2, 1, 256, 256, 16, seed=1)
+    narrow = codes[:, :, :64].contiguous(), scales[:, :, :4].contiguous()
+    with pytest.raises(ValueError, match="N a multiple of 256"):
+        stream_dgrad1(a, *narrow, plan, chunk=32)
+    wide = (torch.zeros(2, 136, 128, dtype=torch.bfloat16, device="cuda"), extra[1])
+    with pytest.raises(ValueError, match="extra_lo: expected a multiple of 8 up to 128"):
+        stream_dgrad1(a, codes, scales, plan, chunk=32, extra=wide)
+    uneven = (torch.zeros(2, 16, 96, dtype=torch.bfloat16, device="cuda"),
+              torch.zeros(2, 16, 160, dtype=torch.bfloat16, device="cuda"))  # fmt: skip
+    with pytest.raises(ValueError, match="K_lo a multiple of 64"):
+        stream_dgrad1(a, codes, scales, plan, chunk=32, extra=uneven)
+    with pytest.raises(ValueError, match="tokens: no weight-stream variant"):
+        stream_dgrad1(a, codes, scales, plan, chunk=48)

@@ -115,6 +115,13 @@ def _stream_chunk(
     return chunk
 
 
+def _extra_blocks_fit_one_tile(blocks: tuple[torch.Tensor, torch.Tensor] | None) -> bool:
+    """Whether the transposed streaming kernel takes :func:`grouped_gemm`'s extra blocks
+    (checked ones): none, or each block's ``N`` a multiple of 8 up to 128 (one half of
+    its one extra tile)."""
+    return blocks is None or all(0 < x.shape[1] <= 128 and x.shape[1] % 8 == 0 for x in blocks)
+
+
 def _dequantized(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """The exact BF16 values of an MXFP4 B (one decode kernel on CUDA)."""
     from .mxfp4_decode import decode_mxfp4_bf16
@@ -261,9 +268,35 @@ def grouped_gemm(
     chunk = None
     # An MXFP4 B decoded in the pipeline streams (as GEMM1 does) wherever the kernel
     # takes the shape: faster than the engine's in-pipeline decode at every token count
-    # of that regime (docs/PERFORMANCE.md, "twenty-fourth session").
+    # of that regime (docs/PERFORMANCE.md, "twenty-fourth session"; the transposed
+    # dgrad1, "twenty-fifth session").
     if mxfp4 and not major_mn and n_extra <= 256:
         chunk = _stream_chunk(n_base, 256, decode_scales, plan, b.shape[0])
+    if (
+        mxfp4
+        and major_mn
+        and _extra_blocks_fit_one_tile(b_extra_blocks)
+        and out.data_ptr() % 8 == 0
+    ):
+        chunk = _stream_chunk(n_base, 256, decode_scales, plan, b.shape[0])
+        if chunk is not None:
+            # dgrad1: the weights as stored, decoded transposed into the A registers.
+            with _native.on_device(a.device):
+                _native.native().weight_stream_store_mn(
+                    dl(a),
+                    dl(b),
+                    dl(decode_scales),
+                    None if extra_lo is None else dl(extra_lo),
+                    None if extra_hi is None else dl(extra_hi),
+                    dl(plan.expert_pool_offsets),
+                    dl(plan.expert_counts),
+                    dl(out),
+                    plan.block_m,
+                    chunk,
+                    _device_sms(a.device),
+                    _native.current_stream(a.device),
+                )
+            return out
     if chunk is not None:
         # MXFP4 with few rows per expert: decoded into the wgmma's A registers.
         with _native.on_device(a.device):
