@@ -593,10 +593,13 @@ __device__ __forceinline__ void store_epilogue(const WeightStreamParams& p, cons
   }
 }
 
-// StoreMN's base tile: accumulator i of tile T (acc_lo: T = 0) is fragment row g (i % 4
-// < 2) or g + 8 of the thread's warp, i.e. column 4q + 2T + (i % 4) / 2 of its
-// consumer's 128 (q = 8 warp + g, decode_column_pairs), so a thread's four values of a
-// chunk row are four adjacent columns: one 8-byte store.
+// StoreMN: a base tile's accumulator i of tile T (acc_lo: T = 0) is fragment row g (i %
+// 4 < 2) or g + 8 of the thread's warp, i.e. column 4q + 2T + (i % 4) / 2 of its
+// consumer's 128 (q = 8 warp + g, decode_column_pairs); an extra tile's is A row r = 64
+// consumer + 16 warp + g (+ 8) of lo (T = 0: columns from N on, below N_lo) or of hi
+// (from N + N_lo on, below N_hi). One loop for both with the choice in selects: a branch
+// between two epilogues on the tile (a loaded value) costs the whole base-step loop its
+// uniform registers (about 25 more instructions a step, counted in SASS).
 template <int Tokens>
 __device__ __forceinline__ void transposed_store_epilogue(const WeightStreamParams& p,
                                                           const StreamTile& tile,
@@ -604,42 +607,30 @@ __device__ __forceinline__ void transposed_store_epilogue(const WeightStreamPara
                                                           const float (&acc_hi)[Tokens / 2],
                                                           int consumer, int thread) {
   const StreamFragmentRows<Tokens> at(thread);
+  const bool extra = tile.extra;
   const int64_t columns = p.out_columns;
-  const int64_t column = tile.n0 + 128 * consumer + 32 * (thread / 32) + 4 * (at.lane / 4);
-  __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out) + column;
+  const int lo_columns = p.extra_lo_columns;
+  const int hi_columns = static_cast<int>(columns) - tile.n0 - lo_columns;
+  const int row = 64 * consumer + at.row;  // an extra tile's A row of fragment row g
+  // Fragment row g's column in tile 0, the step to row g + 8's, and tile 1's offset.
+  const int first =
+      extra ? tile.n0 + row : tile.n0 + 128 * consumer + 32 * (thread / 32) + 4 * (at.lane / 4);
+  const int step = extra ? 8 : 1;
+  const int hi_offset = extra ? lo_columns : 2;
+  bool lo_in[2], hi_in[2];
 #pragma unroll
-  for (int i = 0; i < Tokens / 2; i += 4)
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int64_t pool_row = tile.row0 + at.token(i + e);
-      const __nv_bfloat162 lo = __floats2bfloat162_rn(acc_lo[i + e], acc_lo[i + e + 2]);
-      const __nv_bfloat162 hi = __floats2bfloat162_rn(acc_hi[i + e], acc_hi[i + e + 2]);
-      uint2 four;
-      four.x = *reinterpret_cast<const uint32_t*>(&lo);
-      four.y = *reinterpret_cast<const uint32_t*>(&hi);
-      *reinterpret_cast<uint2*>(out + pool_row * columns) = four;
-    }
-}
-
-// StoreMN's extra tile: lo's columns (A rows 64 consumer + r of the first half, below
-// N_lo) from N on, hi's (of the second half, below N_hi) from N + N_lo on.
-template <int Tokens>
-__device__ __forceinline__ void extra_blocks_epilogue(const WeightStreamParams& p,
-                                                      const StreamTile& tile,
-                                                      const float (&acc_lo)[Tokens / 2],
-                                                      const float (&acc_hi)[Tokens / 2],
-                                                      int consumer, int thread) {
-  const StreamFragmentRows<Tokens> at(thread);
-  const int64_t columns = p.out_columns, lo_columns = p.extra_lo_columns;
-  const int64_t hi_columns = columns - tile.n0 - lo_columns;
-  __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out);
+  for (int high = 0; high < 2; ++high) {
+    lo_in[high] = !extra || row + 8 * high < lo_columns;
+    hi_in[high] = !extra || row + 8 * high < hi_columns;
+  }
+  __nv_bfloat16* out =
+      static_cast<__nv_bfloat16*>(p.out) + (tile.row0 + 2 * (at.lane % 4)) * columns + first;
 #pragma unroll
   for (int i = 0; i < Tokens / 2; ++i) {
-    const int64_t row = 64 * consumer + at.row_of(i);
-    const int64_t pool_row = tile.row0 + at.token(i);
-    if (row < lo_columns) out[pool_row * columns + tile.n0 + row] = __float2bfloat16_rn(acc_lo[i]);
-    if (row < hi_columns)
-      out[pool_row * columns + tile.n0 + lo_columns + row] = __float2bfloat16_rn(acc_hi[i]);
+    const int high = (i % 4) / 2;
+    __nv_bfloat16* at_row = out + (8 * (i / 4) + i % 2) * columns + high * step;
+    if (lo_in[high]) at_row[0] = __float2bfloat16_rn(acc_lo[i]);
+    if (hi_in[high]) at_row[hi_offset] = __float2bfloat16_rn(acc_hi[i]);
   }
 }
 
@@ -697,10 +688,7 @@ __device__ __forceinline__ void stream_consume(const WeightStreamParams& p,
         gated_epilogue<kTokens, false, false>(p, tile, acc_lo, acc_hi, consumer, thread);
       }
     } else if constexpr (C::kTransposed) {
-      if (tile.extra)
-        extra_blocks_epilogue<kTokens>(p, tile, acc_lo, acc_hi, consumer, thread);
-      else
-        transposed_store_epilogue<kTokens>(p, tile, acc_lo, acc_hi, consumer, thread);
+      transposed_store_epilogue<kTokens>(p, tile, acc_lo, acc_hi, consumer, thread);
     } else {
       store_epilogue<kTokens>(p, tile, acc_lo, acc_hi, consumer, thread);
     }

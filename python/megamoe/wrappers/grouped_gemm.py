@@ -272,12 +272,7 @@ def grouped_gemm(
     # dgrad1, "twenty-fifth session").
     if mxfp4 and not major_mn and n_extra <= 256:
         chunk = _stream_chunk(n_base, 256, decode_scales, plan, b.shape[0])
-    if (
-        mxfp4
-        and major_mn
-        and _extra_blocks_fit_one_tile(b_extra_blocks)
-        and out.data_ptr() % 8 == 0
-    ):
+    if mxfp4 and major_mn and _extra_blocks_fit_one_tile(b_extra_blocks):
         chunk = _stream_chunk(n_base, 256, decode_scales, plan, b.shape[0])
         if chunk is not None:
             # dgrad1: the weights as stored, decoded transposed into the A registers.
