@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
-"""The forward GEMMs with an MXFP4 base at few rows per expert: the weight-streaming
-kernels (chunks of 32 and 64 rows) against the engine's in-pipeline decode and the
-engine on BF16 weights, in one process, with the weight-read floor of each format.
+"""The GEMMs with an MXFP4 base at few rows per expert: the weight-streaming kernels
+(chunks of 32 and 64 rows) against the engine's in-pipeline decode and the engine on
+BF16 weights, in one process, with the weight-read floor of each format.
 
-Times GEMM1 (gated SwiGLU, optional side segment) and GEMM2 (optional a2 extra columns)
-at ep4rank dims for each token count; CUDA-event medians of ``--iters`` launches after
-warm-up. Checks that each streaming kernel's output is the engine's, bit for bit, on the
-rows in use. Needs a Hopper GPU:
+Times GEMM1 (gated SwiGLU, optional side segment), GEMM2 (optional a2 extra columns) and
+dgrad1 (``w13`` as stored, optional b1/b3 shrink columns) at ep4rank dims for each token
+count; CUDA-event medians of ``--iters`` launches after warm-up. Checks that each
+streaming kernel's output is the engine's, bit for bit, on the rows in use. Needs a Hopper GPU:
 
     python tools/weight_stream_ab.py [--tokens 128,512,2048,4096] [--rank 128]
 """
@@ -130,6 +130,42 @@ def measure_gemm2(tokens: int, args: argparse.Namespace, w2, codes, scales, a2) 
     return _row("gemm2", tokens, args.iters, plan, out, bf16, engine_mxfp4, stream_mxfp4)
 
 
+def measure_dgrad1(tokens: int, args: argparse.Namespace, w13, codes, scales, side: dict) -> str:
+    """dgrad1 at ``tokens`` tokens on each path: ``(dg | du) . w13_e`` with ``w13`` as
+    stored (``codes`` ``[E, 2I, H/2]`` quantized along H) and, with a side, the b1/b3
+    shrinks as extra columns."""
+    dev = w13.device
+    h, i = args.hidden, args.intermediate
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    stream = torch.cuda.current_stream().cuda_stream
+    dl = _native.dlpack
+    native = _native.native()
+    plan, a = _pool(tokens, args, 2 * i, dev)
+    extra = (side["side_b_gate"], side["side_b_up"]) if side else None
+    n = h + (0 if extra is None else 2 * args.rank)
+    out = torch.empty(plan.pool_capacity, n, dtype=torch.bfloat16, device=dev)
+
+    def blocks() -> tuple:  # DLPack capsules are single-use: new ones per launch
+        return (None, None) if extra is None else (dl(extra[0]), dl(extra[1]))
+
+    def engine_mxfp4() -> None:
+        native.engine_store(
+            dl(a), 2 * i, dl(codes), dl(scales), True, *blocks(),
+            dl(plan.expert_pool_offsets), dl(out), plan.block_m, GROUP_M, sms, stream,
+        )  # fmt: skip
+
+    def stream_mxfp4(chunk: int) -> torch.Tensor:
+        result = torch.empty_like(out)
+        native.weight_stream_store_mn(
+            dl(a), dl(codes), dl(scales), *blocks(), dl(plan.expert_pool_offsets),
+            dl(plan.expert_counts), dl(result), plan.block_m, chunk, sms, stream,
+        )  # fmt: skip
+        return result
+
+    bf16 = lambda: grouped_gemm(a, w13, plan, b_major="mn", b_extra_blocks=extra)  # noqa: E731
+    return _row("dgrd1", tokens, args.iters, plan, out, bf16, engine_mxfp4, stream_mxfp4)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--tokens", default="128,512,2048,4096")
@@ -139,10 +175,12 @@ def main() -> None:
     parser.add_argument("--intermediate", type=int, default=2048)
     parser.add_argument("--rank", type=int, default=128, help="side-LoRA rank (0: none)")
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--gemms", default="gemm1,gemm2,dgrad1", help="which GEMMs to time")
     args = parser.parse_args()
     dev = torch.device("cuda")
     e, h, i, r = args.experts, args.hidden, args.intermediate, args.rank
     w13 = (torch.randn(e, 2 * i, h, device=dev) * h**-0.5).bfloat16()
+    # Along H: GEMM1's K and, the weights as stored, dgrad1's N.
     codes, scales = mm.quantize_mxfp4(w13, axis=-1)
     side = {}
     if r:
@@ -168,8 +206,13 @@ def main() -> None:
         "bf16/best bits"
     )
     for tokens in (int(t) for t in args.tokens.split(",")):
-        print(measure(tokens, args, w13, codes, scales, side), flush=True)
-        print(measure_gemm2(tokens, args, w2, codes2, scales2, a2), flush=True)
+        gemms = args.gemms.split(",")
+        if "gemm1" in gemms:
+            print(measure(tokens, args, w13, codes, scales, side), flush=True)
+        if "gemm2" in gemms:
+            print(measure_gemm2(tokens, args, w2, codes2, scales2, a2), flush=True)
+        if "dgrad1" in gemms:
+            print(measure_dgrad1(tokens, args, w13, codes, scales, side), flush=True)
 
 
 if __name__ == "__main__":

@@ -201,6 +201,10 @@ struct StreamScaleRows {
     ++cursor;
   }
 
+  // Row r's bytes of 16 steps share a 32-byte sector: the loads hit L1.
+  static constexpr int kPrefetchSteps = 0;
+  __device__ __forceinline__ void prefetch(int, bool, int) const {}
+
   // The step's words of the two lines, into a stage's scale area.
   __device__ __forceinline__ void store(uint32_t scale_area, const uint32_t (&raw)[2]) const {
     const uint32_t words[2] = {mxfp4::scale_word(raw[0]), mxfp4::scale_word(raw[1])};
@@ -242,6 +246,19 @@ struct StreamScaleColumns {
       raw[1] = static_cast<uint32_t>(__ldg(cursor + next_row));
     }
     cursor += 64 * next_row;  // 64 stored rows a step
+  }
+
+  // Every step's rows are new sectors (64 rows on), most of them not yet in L2: one thread
+  // per row pair (the first warp's: consumer 0's, all 64 rows) asks L2 for the rows of the
+  // step `steps_on` steps past the cursor's, kPrefetchSteps steps before their loads, so
+  // the loads meet L2's latency, not DRAM's.
+  static constexpr int kPrefetchSteps = 16;
+  __device__ __forceinline__ void prefetch(int steps_on, bool valid, int thread) const {
+    if (valid && thread < 32) {
+      const uint16_t* at = cursor + steps_on * 64 * next_row;
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(at));
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(at + next_row));
+    }
   }
 
   // The step's two words: rows n and n + 1 of the first block, then of the second (each
@@ -303,11 +320,14 @@ __device__ __forceinline__ void stream_produce(const WeightStreamParams& p,
     uint32_t pending[kAhead][2];  // the scale pairs of the next kAhead base steps
 #pragma unroll
     for (int d = 0; d < kAhead; ++d) rows.load_next(d < base_steps, pending[d]);
+    constexpr int kPrefetch = decltype(rows)::kPrefetchSteps;
+    for (int d = 0; d < kPrefetch; ++d) rows.prefetch(d, kAhead + d < base_steps, thread);
     // A base step: its words from the pairs loaded kAhead steps before (which frees their
     // registers for the loads of kAhead steps on), then the stage's copies and words.
     auto base_step = [&](int k_step, uint32_t (&pairs)[2]) {
       const uint32_t ready[2] = {pairs[0], pairs[1]};
       rows.load_next(k_step + kAhead < base_steps, pairs);
+      rows.prefetch(kPrefetch - 1, k_step + kAhead + kPrefetch < base_steps, thread);
       Barrier::wait(&smem.empty[ring.stage], ring.phase ^ 1u);
       uint64_t* bar = &smem.full[ring.stage];
       if (issues_copies) {
