@@ -335,6 +335,40 @@ def test_weight_stream_store(block_m, tokens, top_k, num_sms, monkeypatch):
         assert_bitwise(out[:rows], twin[:rows])
 
 
+@pytest.mark.parametrize("tokens,top_k,num_sms", GEMM_CASES)
+@pytest.mark.parametrize("block_m", BLOCK_MS)
+def test_weight_stream_store_mn(block_m, tokens, top_k, num_sms, monkeypatch):
+    # dgrad1 with an MXFP4 w13 as stored in the weight-streaming kernel (N = 256: one
+    # tile; K = 192: three transposed steps), with the b1/b3 shrinks' 16 columns each as
+    # the extra tile (K-major boxes mostly past their 16 rows, zero-filled, never stored).
+    # Into a zero-filled output: against the float64 oracle on the CPU, and (not under
+    # initcheck) bit for bit the engine on the decode.
+    use_sms(num_sms, monkeypatch)
+    experts, n, k, k_lo, rank = 8, 256, 192, 64, 16
+    plan, _, _ = gpu_plan(tokens, experts, top_k, block_m, kind="empty", seed=tokens + 2)
+    a = bf16((plan.pool_capacity, k), 19)
+    a[plan.pool_row_to_route < 0] = 0  # the gather's zero padding rows
+    blocks = (
+        bf16((experts, rank, k_lo), 20, k**-0.5),
+        bf16((experts, rank, k - k_lo), 21, k**-0.5),
+    )
+    codes, scales, decoded = mxfp4_b((experts, k, n), 22)
+    rows = rows_used(plan)
+    out = torch.zeros(plan.pool_capacity, n + 2 * rank, dtype=torch.bfloat16, device="cuda")
+    grouped_gemm(a, codes, plan, b_major="mn", b_scales=scales, b_extra_blocks=blocks, out=out)
+    if rows:
+        expected = grouped_gemm_reference(
+            a.cpu(),
+            decoded.transpose(1, 2).contiguous().cpu(),
+            on_cpu(plan),
+            b_extra_blocks=tuple(x.cpu() for x in blocks),
+        )
+        assert_close_to_oracle("out", out[:rows].cpu(), expected)
+    if os.environ.get(UNDER_SANITIZER_ENV) != "initcheck":
+        twin = grouped_gemm(a, decoded, plan, b_major="mn", b_extra_blocks=blocks)
+        assert_bitwise(out[:rows], twin[:rows])
+
+
 @pytest.mark.parametrize("b_format", ["bf16", "mxfp4"])
 @pytest.mark.parametrize("tokens,top_k,num_sms", GEMM_CASES)
 @pytest.mark.parametrize("block_m", BLOCK_MS)
