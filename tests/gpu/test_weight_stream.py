@@ -147,6 +147,40 @@ def test_stream_is_the_engine_on_the_decoded_weights(
     assert_close_to_oracle("h", h[:rows][data], expected[data])
 
 
+def one_hot_pool(experts, columns):
+    """``(plan, a [P, columns], token of each row in use)``: token t goes to expert t % E
+    with a 1.0 at column t // E (every column of every expert once), so its output row
+    is one stored weight row or column."""
+    tokens = experts * columns
+    ids = (torch.arange(tokens, device="cuda") % experts).view(tokens, 1)
+    plan = mm.plan_routes(ids, experts, 64)
+    route = plan.pool_row_to_route
+    a = torch.zeros(plan.pool_capacity, columns, dtype=torch.bfloat16, device="cuda")
+    used = route >= 0
+    a[used, route[used] // experts] = 1.0
+    rows = used.nonzero().squeeze(1)
+    return plan, a, rows, route[rows]
+
+
+def assert_one_hot_outputs(got, expected, token, codes, scales, *, transposed):
+    """``got`` [rows, N] bit for bit ``expected``; else fail naming the first differing
+    weight (expert, stored row and column, code, scale). Output column n of token t is
+    stored element (n, t // E) of expert t % E, or (t // E, n) when ``transposed`` (the
+    weights as stored, dgrad1)."""
+    wrong = (got.view(torch.int16) != expected.view(torch.int16)).nonzero()
+    if wrong.numel():
+        r, n = (int(v) for v in wrong[0])
+        experts = codes.shape[0]
+        e, k = int(token[r]) % experts, int(token[r]) // experts
+        row, col = (k, n) if transposed else (n, k)
+        code = int(codes[e, row, col // 2]) >> (4 * (col % 2)) & 0xF
+        pytest.fail(
+            f"{wrong.shape[0]} of {got.numel()} values differ; first: expert {e} row {row} "
+            f"column {col} code {code:#x} scale {int(scales[e, row, col // 32])}: "
+            f"{got[r, n].item()!r} != {expected[r, n].item()!r}"
+        )
+
+
 @pytest.mark.parametrize("chunk", CHUNKS)
 def test_decode_of_every_code_and_scale_byte(chunk):
     """One-hot pool rows: each pre-activation is one decoded weight (a product with 1.0,
@@ -155,13 +189,7 @@ def test_decode_of_every_code_and_scale_byte(chunk):
     transient decode. (Scale bytes 0 and 1 give values below FP32's normal range, which
     the tensor cores' FP32 sums flush: the next test compares those with the engine.)"""
     experts, hidden, inter = 2, 512, 128
-    tokens = experts * hidden  # token t -> expert t % E, one-hot at column t // E
-    ids = (torch.arange(tokens, device="cuda") % experts).view(tokens, 1)
-    plan = mm.plan_routes(ids, experts, 64)
-    route = plan.pool_row_to_route
-    a = torch.zeros(plan.pool_capacity, hidden, dtype=torch.bfloat16, device="cuda")
-    used = route >= 0
-    a[used, route[used] // experts] = 1.0
+    plan, a, rows, token = one_hot_pool(experts, hidden)
     g = torch.Generator(device="cuda").manual_seed(5)
     codes = torch.randint(0, 256, (experts, 2 * inter, hidden // 2), dtype=torch.uint8,
                           device="cuda", generator=g)  # fmt: skip
@@ -172,22 +200,9 @@ def test_decode_of_every_code_and_scale_byte(chunk):
     preact = torch.empty(a.shape[0], 2 * inter, dtype=torch.bfloat16, device="cuda")
     stream_gemm1(a, codes, scales, plan, k=hidden, chunk=chunk, preact=preact)
     decoded = decode_mxfp4_bf16(codes, scales)  # [E, 2I, H]
-    rows = used.nonzero().squeeze(1)
-    token = route[rows]
     # A -0 weight times 1 added to the zero-initialized FP32 sum is +0 in any GEMM.
     expected = decoded[token % experts, :, token // experts] + 0.0  # [rows, 2I]
-    got = preact[rows]
-    wrong = (got.view(torch.int16) != expected.view(torch.int16)).nonzero()
-    if wrong.numel():
-        r, n = (int(v) for v in wrong[0])
-        t = int(token[r])
-        e, k = t % experts, t // experts
-        code = int(codes[e, n, k // 2]) >> (4 * (k % 2)) & 0xF
-        pytest.fail(
-            f"{wrong.shape[0]} of {got.numel()} values differ; first: expert {e} row {n} "
-            f"column {k} code {code:#x} scale {int(scales[e, n, k // 32])}: "
-            f"{got[r, n].item()!r} != {expected[r, n].item()!r}"
-        )
+    assert_one_hot_outputs(preact[rows], expected, token, codes, scales, transposed=False)
 
 
 @pytest.mark.parametrize("chunk", CHUNKS)
@@ -408,13 +423,7 @@ def test_dgrad1_decode_of_every_code_and_scale_byte(chunk):
     product with 1.0, exact; -0 as +0), for every code of every byte position and scale
     bytes 2..252 (the FP32 path above 128), bit for bit the transient decode."""
     experts, k, n = 2, 256, 512
-    tokens = experts * k  # token t -> expert t % E, one-hot at column t // E
-    ids = (torch.arange(tokens, device="cuda") % experts).view(tokens, 1)
-    plan = mm.plan_routes(ids, experts, 64)
-    route = plan.pool_row_to_route
-    a = torch.zeros(plan.pool_capacity, k, dtype=torch.bfloat16, device="cuda")
-    used = route >= 0
-    a[used, route[used] // experts] = 1.0
+    plan, a, rows, token = one_hot_pool(experts, k)
     g = torch.Generator(device="cuda").manual_seed(6)
     codes = torch.randint(0, 256, (experts, k, n // 2), dtype=torch.uint8, device="cuda",
                           generator=g)  # fmt: skip
@@ -422,21 +431,8 @@ def test_dgrad1_decode_of_every_code_and_scale_byte(chunk):
     scales = scales.view(experts, k, n // 32)
     out = stream_dgrad1(a, codes, scales, plan, chunk=chunk)
     decoded = decode_mxfp4_bf16(codes, scales)  # [E, K, N]
-    rows = used.nonzero().squeeze(1)
-    token = route[rows]
     expected = decoded[token % experts, token // experts] + 0.0  # [rows, N]
-    got = out[rows]
-    wrong = (got.view(torch.int16) != expected.view(torch.int16)).nonzero()
-    if wrong.numel():
-        r, col = (int(v) for v in wrong[0])
-        t = int(token[r])
-        e, row = t % experts, t // experts
-        code = int(codes[e, row, col // 2]) >> (4 * (col % 2)) & 0xF
-        pytest.fail(
-            f"{wrong.shape[0]} of {got.numel()} values differ; first: expert {e} row {row} "
-            f"column {col} code {code:#x} scale {int(scales[e, row, col // 32])}: "
-            f"{got[r, col].item()!r} != {expected[r, col].item()!r}"
-        )
+    assert_one_hot_outputs(out[rows], expected, token, codes, scales, transposed=True)
 
 
 @pytest.mark.parametrize("chunk", CHUNKS)

@@ -27,10 +27,8 @@ uint32_t case_pairs(int i, uint32_t& state) {
                             0x00810000u, 0xFFFFFFFFu, 0xFE01FE01u, 0x7F80FF00u};
   if (i < 8) return fixed[i];
   uint32_t pairs = 0;
-  for (int b = 0; b < 4; ++b) {
-    state = state * 1664525u + 1013904223u;
-    pairs |= ((state >> 8) % (i < kFragmentCases / 2 ? 128u : 256u)) << (8 * b);
-  }
+  for (int b = 0; b < 4; ++b)
+    pairs |= (lcg_next(state) % (i < kFragmentCases / 2 ? 128u : 256u)) << (8 * b);
   return pairs;
 }
 }  // namespace

@@ -12,20 +12,17 @@
 #include <cstdio>
 
 #include "engine/fragment_decode.cuh"
+#include "mxfp4_test_words.h"
 
 namespace {
 constexpr int kCases = 1024;  // TRANSPOSED_CASES in the test
-
-uint32_t next(uint32_t& state) {
-  state = state * 1664525u + 1013904223u;
-  return state >> 8;
-}
 
 uint32_t case_scale_pair(int i, int pair, uint32_t& state) {
   const uint32_t fixed[] = {0x0000u, 0x7F7Fu, 0x7F01u, 0x8000u, 0x0081u, 0xFFFFu, 0xFE01u, 0x807Fu};
   if (i < 8) return fixed[(i + pair) % 8];
   const uint32_t range = i < kCases / 2 ? 128u : 256u;
-  return next(state) % range | (next(state) % range) << 8;
+  const uint32_t row_n = lcg_next(state) % range;  // two statements: a fixed order
+  return row_n | (lcg_next(state) % range) << 8;
 }
 }  // namespace
 
@@ -43,7 +40,7 @@ int main(int argc, char** argv) {
   for (int i = 0; i < kCases; ++i) {
     uint32_t rows[16], loaded[8], words[8];
     for (int r = 0; r < 16; ++r)
-      rows[r] = i < 256 ? static_cast<uint32_t>(i) * 0x0101u : next(state) & 0xFFFFu;
+      rows[r] = i < 256 ? static_cast<uint32_t>(i) * 0x0101u : lcg_next(state) & 0xFFFFu;
     for (int pair = 0; pair < 8; ++pair) {
       loaded[pair] = case_scale_pair(i, pair, state);
       words[pair] = mx::scale_word(loaded[pair]);

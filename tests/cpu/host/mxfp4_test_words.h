@@ -6,6 +6,12 @@
 #include <cstdint>
 #include <vector>
 
+// The drivers' 32-bit LCG: advances `state`, returns its top 24 bits.
+inline uint32_t lcg_next(uint32_t& state) {
+  state = state * 1664525u + 1013904223u;
+  return state >> 8;
+}
+
 inline std::vector<uint32_t> mxfp4_test_words(int random_words) {
   std::vector<uint32_t> words;
   for (uint32_t byte = 0; byte < 256; ++byte) words.push_back(byte * 0x01010101u);
