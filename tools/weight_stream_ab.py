@@ -3,10 +3,12 @@
 (chunks of 32 and 64 rows) against the engine's in-pipeline decode and the engine on
 BF16 weights, in one process, with the weight-read floor of each format.
 
-Times GEMM1 (gated SwiGLU, optional side segment), GEMM2 (optional a2 extra columns) and
-dgrad1 (``w13`` as stored, optional b1/b3 shrink columns) at ep4rank dims for each token
+Times GEMM1 (gated SwiGLU, optional side segment), GEMM2 (optional a2 extra columns),
+dgrad1 (``w13`` as stored, optional b1/b3 shrink columns) and dgrad2 with the activation
+backward (``w2`` as stored, optional a2 side segment) at ep4rank dims for each token
 count; CUDA-event medians of ``--iters`` launches after warm-up. Checks that each
-streaming kernel's output is the engine's, bit for bit, on the rows in use. Needs a Hopper GPU:
+streaming kernel's output is the engine's, bit for bit, on the rows in use. Needs a
+Hopper GPU:
 
     python tools/weight_stream_ab.py [--tokens 128,512,2048,4096] [--rank 128]
 """
@@ -22,7 +24,7 @@ import megamoe as mm
 from megamoe.bench.timing import time_fn
 from megamoe.testing.inputs import make_routing
 from megamoe.wrappers import _native
-from megamoe.wrappers.grouped_gemm import GROUP_M, gated_grouped_gemm, grouped_gemm
+from megamoe.wrappers.grouped_gemm import ACTIVATIONS, GROUP_M, gated_grouped_gemm, grouped_gemm
 
 
 def _side_args(side: dict) -> tuple:
@@ -166,6 +168,84 @@ def measure_dgrad1(tokens: int, args: argparse.Namespace, w13, codes, scales, si
     return _row("dgrd1", tokens, args.iters, plan, out, bf16, engine_mxfp4, stream_mxfp4)
 
 
+def measure_dgrad2(tokens: int, args: argparse.Namespace, w2, codes, scales, a2) -> str:
+    """dgrad2 with the SwiGLU backward (clamp 10) at ``tokens`` tokens on each path:
+    ``[dout | s dout b2^T] . [w2_e ; a2_e^T]`` with ``w2`` as stored (``codes``
+    ``[E, H, I/2]`` quantized along I). The streaming columns are left out ("-") under a
+    build without the streaming launcher; the bits compare dg | du, bf16(w h) and the
+    router-dot partials."""
+    dev = w2.device
+    h, i = args.hidden, args.intermediate
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    stream = torch.cuda.current_stream().cuda_stream
+    dl = _native.dlpack
+    native = _native.native()
+    r = 0 if a2 is None else a2.shape[2]
+    plan, dout = _pool(tokens, args, h + r, dev)
+    gen = torch.Generator(device=dev).manual_seed(1)
+    preact = (torch.randn(plan.pool_capacity, 2 * i, device=dev, generator=gen) * 4).bfloat16()
+    weights = torch.rand(tokens, args.top_k, device=dev, generator=gen)
+    row_weights = weights.reshape(-1)[plan.pool_row_to_route]
+    routes = weights.numel()
+
+    def outputs() -> tuple:
+        return (
+            torch.empty_like(preact),
+            torch.empty(plan.pool_capacity, i, dtype=torch.bfloat16, device=dev),
+            torch.zeros(plan.pool_capacity, i // 256, dtype=torch.float32, device=dev),
+        )
+
+    def tail(outs: tuple) -> tuple:
+        return (
+            dl(preact), dl(row_weights), routes, dl(plan.pool_row_to_route),
+            *(dl(t) for t in outs), ACTIVATIONS["swiglu"], 10.0, plan.block_m,
+        )  # fmt: skip
+
+    engine_outs, bf16_outs = outputs(), outputs()
+    side = None if a2 is None else a2
+
+    def engine(b, b_scales, outs) -> None:
+        native.engine_activation_backward(
+            dl(dout), h, dl(b), None if b_scales is None else dl(b_scales),
+            None if side is None else dl(side), dl(plan.expert_pool_offsets), *tail(outs),
+            GROUP_M, sms, stream,
+        )  # fmt: skip
+
+    def streamed(chunk: int) -> tuple:
+        outs = outputs()
+        native.weight_stream_activation_backward(
+            dl(dout), dl(codes), dl(scales), None if side is None else dl(side),
+            dl(plan.expert_pool_offsets), dl(plan.expert_counts), *tail(outs), chunk, sms,
+            stream,
+        )  # fmt: skip
+        return outs
+
+    def median(fn) -> float:
+        return time_fn(fn, device=dev, warmup=3, iters=args.iters).median_ms
+
+    t_bf16 = median(lambda: engine(w2, None, bf16_outs))
+    t_engine = median(lambda: engine(codes, scales, engine_outs))
+    if not hasattr(native, "weight_stream_activation_backward"):
+        return f"dgrd2 {tokens:>6} {t_bf16:8.3f} {t_engine:8.3f} {'-':>8} {'-':>8}"
+    t32, t64 = median(lambda: streamed(32)), median(lambda: streamed(64))
+    engine(codes, scales, engine_outs)
+    rows = int(plan.expert_pool_offsets[-1])
+
+    def bits(t: torch.Tensor) -> torch.Tensor:
+        return t[:rows].view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
+
+    same = all(
+        torch.equal(bits(got), bits(want))
+        for c in (32, 64)
+        for got, want in zip(streamed(c), engine_outs)
+    )
+    best = min(t32, t64)
+    return (
+        f"dgrd2 {tokens:>6} {t_bf16:8.3f} {t_engine:8.3f} {t32:8.3f} {t64:8.3f} "
+        f"{best / t_engine:8.3f} {t_bf16 / best:9.2f} {'same' if same else 'DIFFER'}"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--tokens", default="128,512,2048,4096")
@@ -175,7 +255,7 @@ def main() -> None:
     parser.add_argument("--intermediate", type=int, default=2048)
     parser.add_argument("--rank", type=int, default=128, help="side-LoRA rank (0: none)")
     parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--gemms", default="gemm1,gemm2,dgrad1", help="which GEMMs to time")
+    parser.add_argument("--gemms", default="gemm1,gemm2,dgrad1,dgrad2", help="which GEMMs to time")
     args = parser.parse_args()
     dev = torch.device("cuda")
     e, h, i, r = args.experts, args.hidden, args.intermediate, args.rank
@@ -213,6 +293,8 @@ def main() -> None:
             print(measure_gemm2(tokens, args, w2, codes2, scales2, a2), flush=True)
         if "dgrad1" in gemms:
             print(measure_dgrad1(tokens, args, w13, codes, scales, side), flush=True)
+        if "dgrad2" in gemms:
+            print(measure_dgrad2(tokens, args, w2, codes2, scales2, a2), flush=True)
 
 
 if __name__ == "__main__":
