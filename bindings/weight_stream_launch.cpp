@@ -6,6 +6,7 @@
 #include <cuda.h>
 #include <nanobind/stl/optional.h>
 
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <utility>
@@ -256,6 +257,99 @@ void weight_stream_store_mn(const Tensor& a, const Tensor& b, const Tensor& b_sc
                     stream, "weight_stream_store_mn launch");
 }
 
+// dgrad2 + activation backward over the pool with an MXFP4 w2 read as stored, in the
+// swapped form: z = a . [w2_e ; a2_e^T] (codes [E, H, I/2] quantized along I; a2 as given
+// [E, I, r], or none), then per pool row and column the activation backward into dg | du
+// (over `preact` when it is the same buffer), w h and the router dot's partials [P, I /
+// 256], for pools whose segments are padded to a multiple of `tokens` rows.
+void weight_stream_activation_backward(
+    const Tensor& a, const Tensor& b, const Tensor& b_scales, std::optional<Tensor> side_a2,
+    const Tensor& offsets, const Tensor& counts, const Tensor& preact, const Tensor& row_weights,
+    int64_t num_routes, const Tensor& pool_row_to_route, const Tensor& dgrad_preact,
+    std::optional<Tensor> weighted_h, const Tensor& drouter_partials, int activation,
+    double activation_clamp, int block_m, int tokens, int num_sms, uintptr_t stream) {
+  const int device = a.device_id();
+  const WeightStreamKernels& kernels =
+      select_stream_variant(StreamKind::ActivationBackward, tokens);
+  check_pool(a, tokens, block_m);
+  const int64_t rows = a.shape(0);
+  check_tensor<uint8_t>("b", b, {-1, -1, -1}, device);
+  const int64_t experts = b.shape(0), hidden = b.shape(1), inter = 2 * b.shape(2);
+  if (experts < 1) throw nb::value_error("b: expected at least one expert");
+  if (hidden < kBlockK || hidden % kBlockK != 0)
+    throw nb::value_error(("b: expected H a multiple of 64, got " + str(hidden)).c_str());
+  if (inter < kStoreColumns || inter % kStoreColumns != 0 || inter >= (int64_t{1} << 30))
+    throw nb::value_error(
+        ("b: expected I a multiple of 256 below 2^30, got " + str(inter)).c_str());
+  check_scales("b_scales", b_scales, experts, hidden, inter, device);
+  int64_t rank = 0;
+  if (side_a2) {
+    check_tensor("side_a2", *side_a2, bfloat16_dtype(), {experts, inter, -1}, device);
+    rank = side_a2->shape(2);
+    if (rank < 8 || rank % 8 != 0)
+      throw nb::value_error(("side_a2: expected r a multiple of 8, got " + str(rank)).c_str());
+  }
+  if (hidden + rank > static_cast<int64_t>(a.shape(1)))
+    throw nb::value_error(
+        ("a: expected at least H + r = " + str(hidden + rank) + " columns, got " + str(a.shape(1)))
+            .c_str());
+  check_activation(activation, activation_clamp);
+  check_tensor("preact", preact, bfloat16_dtype(), {rows, 2 * inter}, device);
+  check_tensor("dgrad_preact", dgrad_preact, bfloat16_dtype(), {rows, 2 * inter}, device);
+  if (weighted_h) check_tensor("weighted_h", *weighted_h, bfloat16_dtype(), {rows, inter}, device);
+  // The epilogue reads and writes four columns (8 bytes) at a time.
+  for (const auto& [name, t] :
+       {std::pair{"preact", &preact}, std::pair{"dgrad_preact", &dgrad_preact}})
+    if (reinterpret_cast<uintptr_t>(t->data()) % 8 != 0)
+      throw nb::value_error((std::string(name) + ": expected an 8-byte aligned address").c_str());
+  if (weighted_h && reinterpret_cast<uintptr_t>(weighted_h->data()) % 8 != 0)
+    throw nb::value_error("weighted_h: expected an 8-byte aligned address");
+  check_tensor<float>("row_weights", row_weights, {rows}, device);
+  check_tensor<int32_t>("pool_row_to_route", pool_row_to_route, {rows}, device);
+  if (num_routes < 0 || num_routes > INT32_MAX)
+    throw nb::value_error("num_routes: expected 0 to 2^31-1");
+  check_tensor<float>("drouter_partials", drouter_partials, {rows, inter / kStoreColumns}, device);
+
+  WeightStreamParams p{};
+  set_schedule(p, offsets, counts, experts, rows, device);
+  p.n_base_blocks = static_cast<int32_t>(inter / kStoreColumns);
+  p.base_steps = static_cast<int32_t>(hidden / kBlockK);
+  if (side_a2) {
+    // The side's K steps (a2's r columns over the pool's columns H..H + r) into tile 0's
+    // accumulators, then tile 1's. Each box row is an I column in the transposed order
+    // (consumer c's column 32 w + 4 g + 2 t + h, t the tile, at box row 16 w + 8 h + g):
+    // a 5-D view of a2 [E, I, r], dims (r, g, h, w, row pairs), tile 1's two rows on.
+    p.segment_half = static_cast<int32_t>((rank + kBlockK - 1) / kBlockK);
+    p.segment_steps = 2 * p.segment_half;
+    const int64_t row_bytes = rank * 2;
+    for (int t = 0; t < 2; ++t) {
+      const auto* base = static_cast<const uint8_t*>(side_a2->data()) + 2 * t * row_bytes;
+      (t == 0 ? p.segment_lo : p.segment_hi) = tensor_map(
+          "side_a2", base, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, {rank, 8, 2, 4, experts * inter / 2},
+          {4 * row_bytes, row_bytes, 32 * row_bytes, 2 * row_bytes}, {kBlockK, 8, 2, 4, 1}, true);
+    }
+  }
+  p.pool = bf16_rows("a", a.data(), rows, hidden + rank, a.stride(0), tokens);
+  p.codes = tensor_map("b", b.data(), CU_TENSOR_MAP_DATA_TYPE_UINT8, {inter / 2, hidden, experts},
+                       {inter / 2, hidden * inter / 2}, {kStoreColumns / 2, kBlockK, 1}, true);
+  p.scales = static_cast<const uint8_t*>(b_scales.data());
+  p.k_base = static_cast<int32_t>(hidden);
+  p.weight_rows = static_cast<int32_t>(hidden);
+  p.side_scale = 1.0f;  // the pool's side columns carry the adapter scale already
+  p.out = dgrad_preact.data();
+  p.preact = preact.data();
+  p.out_columns = static_cast<int32_t>(inter);
+  p.activation = activation;
+  p.activation_clamp = static_cast<float>(activation_clamp);
+  p.pool_row_to_route = static_cast<const int32_t*>(pool_row_to_route.data());
+  p.row_weights = static_cast<const float*>(row_weights.data());
+  p.num_routes = static_cast<int32_t>(num_routes);
+  p.weighted_h = weighted_h ? weighted_h->data() : nullptr;
+  p.drouter_partials = static_cast<float*>(drouter_partials.data());
+  launch_persistent(kernels.kernel, p, kernels.num_threads, kernels.smem_bytes, device, num_sms,
+                    stream, "weight_stream_activation_backward launch");
+}
+
 }  // namespace
 
 void register_weight_stream(nb::module_& m) {
@@ -277,6 +371,15 @@ void register_weight_stream(nb::module_& m) {
         nb::arg("block_m"), nb::arg("tokens"), nb::arg("num_sms"), nb::arg("stream"),
         "dgrad1 with an MXFP4 b read as stored, decoded into the wgmma's A registers (few rows "
         "per expert).");
+  m.def("weight_stream_activation_backward", &weight_stream_activation_backward, nb::arg("a"),
+        nb::arg("b"), nb::arg("b_scales"), nb::arg("side_a2").none(),
+        nb::arg("expert_pool_offsets"), nb::arg("expert_counts"), nb::arg("preact"),
+        nb::arg("row_weights"), nb::arg("num_routes"), nb::arg("pool_row_to_route"),
+        nb::arg("dgrad_preact"), nb::arg("weighted_h").none(), nb::arg("drouter_partials"),
+        nb::arg("activation"), nb::arg("activation_clamp"), nb::arg("block_m"), nb::arg("tokens"),
+        nb::arg("num_sms"), nb::arg("stream"),
+        "dgrad2 + activation backward with an MXFP4 w2 read as stored, decoded into the wgmma's A "
+        "registers (few rows per expert).");
 }
 
 }  // namespace megamoe

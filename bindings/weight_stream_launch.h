@@ -5,8 +5,8 @@
 
 namespace megamoe {
 
-// Registers `_C.weight_stream_gated`, `_C.weight_stream_store` and
-// `_C.weight_stream_store_mn`.
+// Registers `_C.weight_stream_gated`, `_C.weight_stream_store`,
+// `_C.weight_stream_store_mn` and `_C.weight_stream_activation_backward`.
 void register_weight_stream(nanobind::module_& m);
 
 }  // namespace megamoe

@@ -13,6 +13,7 @@
 
 #include <cuda_bf16.h>
 
+#include "activation_backward_math.cuh"
 #include "activation_math.cuh"
 #include "engine_params.h"
 #include "pipeline.cuh"
@@ -164,30 +165,12 @@ struct ActivationBackwardEpilogue {
         // Two columns (one BF16 pair) at a time, packed as they come.
 #pragma unroll
         for (int pair = 0; pair < 4; ++pair) {
-          float dg2[2], du2[2], prod2[2];
-#pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            const float z = bf16_bits_to_float(zw[pair], c);
-            const float g = bf16_bits_to_float(gw[pair], c);
-            const float u = bf16_bits_to_float(uw[pair], c);
-            const float gc = kClamp ? fminf(g, clamp) : g;
-            const float uc = kClamp ? fminf(fmaxf(u, -clamp), clamp) : u;
-            float act, derivative;
-            activation_and_derivative<kGeGLU>(gc, act, derivative);
-            const float dh = w * z;
-            // Boundary values pass the gradient, like torch.clamp's.
-            dg2[c] = !kClamp || g <= clamp ? dh * uc * derivative : 0.0f;
-            du2[c] = !kClamp || (u >= -clamp && u <= clamp) ? dh * act : 0.0f;
-            prod2[c] = act * uc;
-          }
-          // h = bf16(act(gc) uc), the forward's h bit for bit; both of the pair at once.
-          const uint32_t h_pair = pack_bf16(prod2[0], prod2[1]);
-          const float h0 = bf16_bits_to_float(h_pair, 0), h1 = bf16_bits_to_float(h_pair, 1);
-          dot[k] += bf16_bits_to_float(zw[pair], 0) * h0;
-          dot[k] += bf16_bits_to_float(zw[pair], 1) * h1;
-          dg[pair] = pack_bf16(dg2[0], dg2[1]);
-          du[pair] = pack_bf16(du2[0], du2[1]);
-          wh[pair] = pack_bf16(w * h0, w * h1);
+          const ActivationBackwardPair out =
+              activation_backward_pair<kGeGLU, kClamp>(zw[pair], gw[pair], uw[pair], w, clamp);
+          router_dot_add(dot[k], zw[pair], out.h);
+          dg[pair] = out.dg;
+          du[pair] = out.du;
+          wh[pair] = out.weighted_h;
         }
         if (in_n) {
           store_global_16(dgrad_row, make_uint4(dg[0], dg[1], dg[2], dg[3]));

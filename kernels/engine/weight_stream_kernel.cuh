@@ -13,7 +13,10 @@
 //  - StoreMN (dgrad1): the weights as stored, [K][N / 2] codes, read transposed: a tile is
 //    256 output columns (128 per consumer, its two m64 tiles on the even and odd bytes:
 //    decode_column_pairs), 64 stored rows a step; extra tiles over the two K-major blocks
-//    (b1's columns over dg, then b3's over du, as given); a plain store.
+//    (b1's columns over dg, then b3's over du, as given); a plain store;
+//  - ActivationBackward (dgrad2): w2 as stored, read transposed as StoreMN does; the a2
+//    side's K steps first (a2 as given, its rows boxed in the transposed column order);
+//    the activation backward, with the router dot summed in the engine's order.
 //
 // Warp roles (384 threads):
 //  - producer (warpgroup 0): one thread issues the TMA loads into a ring stage, per base
@@ -43,6 +46,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "activation_backward_math.cuh"
 #include "activation_math.cuh"
 #include "engine_params.h"
 #include "fragment_decode.cuh"
@@ -110,8 +114,11 @@ template <StreamKind kKind, int Tokens>
 struct StreamConfig {
   static_assert(Tokens == 32 || Tokens == 64, "wgmma N of the chunk");
   static constexpr bool kGated = kKind == StreamKind::Gated;
+  static constexpr bool kActivation = kKind == StreamKind::ActivationBackward;
   // The weights as stored ([K][N / 2] codes): transposed decode, K-major segment factors.
-  static constexpr bool kTransposed = kKind == StreamKind::StoreMN;
+  static constexpr bool kTransposed = kKind == StreamKind::StoreMN || kActivation;
+  // Segment steps on every tile (GEMM1's side, dgrad2's a2), not on extra tiles only.
+  static constexpr bool kSegmentEveryTile = kGated || kActivation;
   static constexpr int kTokensPerChunk = Tokens;
   static constexpr int kConsumers = 2;
   static constexpr int kThreads = (1 + kConsumers) * kWarpgroupThreads;
@@ -133,9 +140,12 @@ struct StreamConfig {
   static_assert(kStageBytes % 1024 == 0, "stages stay 1024-byte aligned (128-byte swizzle)");
   static constexpr int kSmemLimit = 232448;
   static constexpr int kBarrierBytes = 256;
-  static constexpr int kStagesFit = (kSmemLimit - 1024 - kBarrierBytes) / kStageBytes;
+  // dgrad2: the router dot's 32 vector sums of each chunk row, two buffers (by tile
+  // parity), after the stages.
+  static constexpr int kDotBytes = kActivation ? 2 * Tokens * 32 * 4 : 0;
+  static constexpr int kStagesFit = (kSmemLimit - 1024 - kBarrierBytes - kDotBytes) / kStageBytes;
   static constexpr int kStages = kStagesFit > 8 ? 8 : kStagesFit;
-  static constexpr int kSmemBytes = 1024 + kStages * kStageBytes + kBarrierBytes;
+  static constexpr int kSmemBytes = 1024 + kStages * kStageBytes + kDotBytes + kBarrierBytes;
   // Base steps whose scale loads are in flight in the producer warpgroup (their loads
   // issued this many steps before the words are written).
   static constexpr int kScaleStepsAhead = 4;
@@ -148,12 +158,14 @@ struct StreamConfig {
 template <class C>
 struct StreamStorage {
   uint8_t* stages;
+  uint8_t* dots;  // dgrad2's router-dot sums (C::kDotBytes)
   uint64_t* full;
   uint64_t* empty;
   __device__ __forceinline__ explicit StreamStorage(uint8_t* raw) {
     stages =
         reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t{1023});
-    full = reinterpret_cast<uint64_t*>(stages + C::kStages * C::kStageBytes);
+    dots = stages + C::kStages * C::kStageBytes;
+    full = reinterpret_cast<uint64_t*>(dots + C::kDotBytes);
     empty = full + C::kStages;
   }
   __device__ __forceinline__ uint8_t* a(int s) const { return stages + s * C::kStageBytes; }
@@ -282,15 +294,16 @@ __device__ __forceinline__ void stream_produce(const WeightStreamParams& p,
   for (int t = blockIdx.x; t < schedule.num_tiles(); t += gridDim.x) {
     const StreamTile tile = schedule.tile(t);
     if (tile.rows == 0) continue;
-    const int segment_steps = C::kGated || tile.extra ? p.segment_steps : 0;
-    const int base_steps = C::kGated || !tile.extra ? p.base_steps : 0;
+    const int segment_steps = C::kSegmentEveryTile || tile.extra ? p.segment_steps : 0;
+    const int base_steps = C::kSegmentEveryTile || !tile.extra ? p.base_steps : 0;
     for (int step = 0; step < segment_steps; ++step) {
       Barrier::wait(&smem.empty[ring.stage], ring.phase ^ 1u);
       uint64_t* bar = &smem.full[ring.stage];
       if (issues_copies) {
         // Gated: b1 (then b3) rows 64 j.. at h columns n0..; Store: a2 rows 64 j.. (K)
         // at extra columns 128 half..; StoreMN: lo (then hi) columns 64 j.. (K) at rows
-        // 64 wg..; against the pool's side columns or its K.
+        // 64 wg..; ActivationBackward: a2 columns 64 j.. (K) at the rows of tile `half`
+        // of consumer wg's 128 I columns; against the pool's side columns or its K.
         TransactionBarrier::arrive_and_expect_tx(bar, C::kSideBytes + C::kBBytes);
         uint8_t* a = smem.a(ring.stage);
         const int half = step >= p.segment_half ? 1 : 0;
@@ -299,11 +312,16 @@ __device__ __forceinline__ void stream_produce(const WeightStreamParams& p,
             (C::kGated || C::kTransposed) && half ? &p.segment_hi : &p.segment_lo;
         const int column0 = C::kGated ? tile.n0 : 128 * half;
         const int pool_column = C::kGated        ? p.k_base + half * p.side_rank + kBlockK * j
+                                : C::kActivation ? p.k_base + kBlockK * j
                                 : C::kTransposed ? half * p.segment_k_hi + kBlockK * j
                                                  : kBlockK * j;
 #pragma unroll
         for (int wg = 0; wg < C::kConsumers; ++wg) {
-          if constexpr (C::kTransposed)
+          if constexpr (C::kActivation)  // the 5-D view's row pairs: expert, tile, consumer
+            cute::SM90_TMA_LOAD_5D::copy(map, bar, kCacheHint, a + wg * kBoxBytes, kBlockK * j, 0,
+                                         0, 0,
+                                         (tile.expert * p.out_columns + tile.n0 + 128 * wg) / 2);
+          else if constexpr (C::kTransposed)
             cute::SM90_TMA_LOAD_3D::copy(map, bar, kCacheHint, a + wg * kBoxBytes, kBlockK * j,
                                          64 * wg, tile.expert);
           else
@@ -654,6 +672,110 @@ __device__ __forceinline__ void transposed_store_epilogue(const WeightStreamPara
   }
 }
 
+// dgrad2 (ActivationBackward): a thread's four accumulators of a chunk row are z at its
+// four adjacent columns 4q .. 4q + 3 of its consumer's 128 (StoreMN's map), rounded to
+// BF16 once as the engine stages z; then per pair of columns the activation backward
+// (activation_backward_math.cuh), read from and written to g | u / dg | du with one 8-byte
+// access each. The router dot of a row's 256 columns is summed in the engine's order:
+// each 8-column vector sequentially (the even-g lane's four columns, then its odd
+// neighbour's, which restarts its chain from the even lane's sum), then the tile's 32
+// vector sums as the engine's butterfly (v + v ^ 16, then ^ 8, ...), through shared
+// memory `dots` (this tile's buffer), one thread per chunk row, after both consumers
+// wrote theirs (named barrier 1).
+__device__ __forceinline__ uint2 load_global_8_cg(const void* at) {
+  uint2 v;
+  asm volatile("ld.global.cg.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(at));
+  return v;
+}
+__device__ __forceinline__ void store_global_8(void* at, uint2 v) {
+  asm volatile("st.global.v2.u32 [%0], {%1, %2};" ::"l"(at), "r"(v.x), "r"(v.y) : "memory");
+}
+
+template <int Tokens, bool kGeGLU, bool kClamp>
+__device__ __forceinline__ void activation_backward_epilogue(
+    const WeightStreamParams& p, const StreamTile& tile, const float (&acc_lo)[Tokens / 2],
+    const float (&acc_hi)[Tokens / 2], int consumer, int thread, uint32_t dots) {
+  const StreamFragmentRows<Tokens> at(thread);
+  const int g = at.lane / 4, warp = thread / 32;
+  const int64_t inter = p.out_columns;
+  const int64_t column = tile.n0 + 128 * consumer + 32 * warp + 4 * g;
+  const int vector = 16 * consumer + 4 * warp + g / 2;  // of the tile's 32 (8 columns each)
+  const float clamp = p.activation_clamp;
+  const __nv_bfloat16* preact = static_cast<const __nv_bfloat16*>(p.preact);
+  __nv_bfloat16* dgrad = static_cast<__nv_bfloat16*>(p.out);
+  __nv_bfloat16* weighted = static_cast<__nv_bfloat16*>(p.weighted_h);
+#pragma unroll
+  for (int i = 0; i < Tokens / 2; i += 4)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int token = at.token(i + e);
+      const int64_t row = tile.row0 + token;
+      const int route = static_cast<int>(__ldcg(p.pool_row_to_route + row));
+      const float w = __ldcg(p.row_weights + row);
+      // Padding rows (route -1) give zeros whatever their inputs hold (unsigned compare).
+      const bool live = static_cast<uint32_t>(route) < static_cast<uint32_t>(p.num_routes);
+      const uint32_t z[2] = {pack_bf16(acc_lo[i + e], acc_lo[i + e + 2]),
+                             pack_bf16(acc_hi[i + e], acc_hi[i + e + 2])};
+      __nv_bfloat16* dgrad_at = dgrad + row * 2 * inter + column;
+      uint2 dg = make_uint2(0u, 0u), du = dg, wh = dg, h = dg;
+      if (live) {
+        const uint2 g2 = load_global_8_cg(preact + row * 2 * inter + column);
+        const uint2 u2 = load_global_8_cg(preact + row * 2 * inter + inter + column);
+        const ActivationBackwardPair lo =
+            activation_backward_pair<kGeGLU, kClamp>(z[0], g2.x, u2.x, w, clamp);
+        const ActivationBackwardPair hi =
+            activation_backward_pair<kGeGLU, kClamp>(z[1], g2.y, u2.y, w, clamp);
+        dg = make_uint2(lo.dg, hi.dg);
+        du = make_uint2(lo.du, hi.du);
+        wh = make_uint2(lo.weighted_h, hi.weighted_h);
+        h = make_uint2(lo.h, hi.h);
+      }
+      store_global_8(dgrad_at, dg);
+      store_global_8(dgrad_at + inter, du);
+      if (weighted != nullptr) store_global_8(weighted + row * inter + column, wh);
+      // The vector's chain: the even lane's four columns from 0, the odd lane's from the
+      // even lane's sum (padding rows: zeros, as the engine's).
+      float sum = 0.0f;
+      if (live) {
+        router_dot_add(sum, z[0], h.x);
+        router_dot_add(sum, z[1], h.y);
+      }
+      const float even = __shfl_xor_sync(0xffffffffu, sum, 4);
+      if (g % 2 == 1) {
+        sum = even;
+        if (live) {
+          router_dot_add(sum, z[0], h.x);
+          router_dot_add(sum, z[1], h.y);
+        }
+        asm volatile("st.shared.f32 [%0], %1;" ::"r"(dots + 4 * (32 * token + vector)), "f"(sum)
+                     : "memory");
+      }
+    }
+  asm volatile("bar.sync 1, 256;" ::: "memory");  // both consumers' vector sums are in
+  const int own_row = 128 * consumer + thread;
+  if (own_row < Tokens) {
+    float v[32];
+#pragma unroll
+    for (int k = 0; k < 32; k += 4)
+      asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];"
+                   : "=f"(v[k]), "=f"(v[k + 1]), "=f"(v[k + 2]), "=f"(v[k + 3])
+                   : "r"(dots + 4 * (32 * own_row + k)));
+    // The butterfly's sums: v + v ^ 16, then ^ 8, ^ 4, ^ 2, ^ 1 (each level's count fixed,
+    // so the array stays in registers).
+#pragma unroll
+    for (int k = 0; k < 16; ++k) v[k] = v[k] + v[k + 16];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) v[k] = v[k] + v[k + 8];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) v[k] = v[k] + v[k + 4];
+#pragma unroll
+    for (int k = 0; k < 2; ++k) v[k] = v[k] + v[k + 2];
+    v[0] = v[0] + v[1];
+    p.drouter_partials[(tile.row0 + own_row) * static_cast<int64_t>(p.n_base_blocks) +
+                       tile.n0 / 256] = v[0];
+  }
+}
+
 // ---- consumers ----
 // The consumer's position in the ring as shared addresses: the current stage, its full
 // barrier (its empty barrier kStages barriers on) and the phase, all advanced in
@@ -695,6 +817,7 @@ __device__ __forceinline__ void stream_consume(const WeightStreamParams& p,
   StreamConsumerRing<C> ring(smem);
   const bool clamped = is_clamped(p.activation_clamp);
   const bool geglu = p.activation == static_cast<int>(Activation::GeGLU);
+  int tiles_done = 0;  // dgrad2: picks the tile's router-dot buffer
   auto finish = [&](const StreamTile& tile) {
     if constexpr (C::kGated) {
       if (geglu) {
@@ -707,6 +830,25 @@ __device__ __forceinline__ void stream_consume(const WeightStreamParams& p,
       } else {
         gated_epilogue<kTokens, false, false>(p, tile, acc_lo, acc_hi, consumer, thread);
       }
+    } else if constexpr (C::kActivation) {
+      // This tile's dot buffer (by tile parity: the barrier of the next tile orders this
+      // tile's reads before the writes of the one after).
+      const uint32_t dots = shared_address(smem.dots) + (tiles_done & 1) * (C::kDotBytes / 2);
+      if (geglu) {
+        if (clamped)
+          activation_backward_epilogue<kTokens, true, true>(p, tile, acc_lo, acc_hi, consumer,
+                                                            thread, dots);
+        else
+          activation_backward_epilogue<kTokens, true, false>(p, tile, acc_lo, acc_hi, consumer,
+                                                             thread, dots);
+      } else if (clamped) {
+        activation_backward_epilogue<kTokens, false, true>(p, tile, acc_lo, acc_hi, consumer,
+                                                           thread, dots);
+      } else {
+        activation_backward_epilogue<kTokens, false, false>(p, tile, acc_lo, acc_hi, consumer,
+                                                            thread, dots);
+      }
+      ++tiles_done;
     } else if constexpr (C::kTransposed) {
       transposed_store_epilogue<kTokens>(p, tile, acc_lo, acc_hi, consumer, thread);
     } else {
@@ -731,8 +873,8 @@ __device__ __forceinline__ void stream_consume(const WeightStreamParams& p,
       tile = next_tile();
       continue;
     }
-    const int segment_steps = C::kGated || tile.extra ? p.segment_steps : 0;
-    const int base_steps = C::kGated || !tile.extra ? p.base_steps : 0;
+    const int segment_steps = C::kSegmentEveryTile || tile.extra ? p.segment_steps : 0;
+    const int base_steps = C::kSegmentEveryTile || !tile.extra ? p.base_steps : 0;
     // After a step's batch: the previous step's batch retired, its stage (empty barrier
     // `previous`, 0 before the tile's first step) goes back to the producer.
     // Every consumer thread releases the stage itself: the producer rewrites its scale

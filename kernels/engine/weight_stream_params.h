@@ -20,6 +20,10 @@ enum class StreamKind : int32_t {
   // along N), the extra blocks K-major as given (EngineKind::StoreMNMajor with its extra
   // blocks): (dg | du) . [w13_e | (b1_e^T, b3_e^T)].
   StoreMN,
+  // dgrad2: z = [dout | s dout b2^T] . [w2_e ; a2_e^T], w2 as stored [H][I / 2] (quantized
+  // along I), a2 as given [E, I, r], with the activation backward as the epilogue
+  // (EngineKind::ActivationBackward with its side segment).
+  ActivationBackward,
 };
 
 struct WeightStreamParams {
@@ -40,7 +44,9 @@ struct WeightStreamParams {
   // 256, 1]; StoreMN b's 3-D [E][K][N / 2], box [128, 64, 1], swizzled. Segment factors
   // as given, box [64, 64, 1], the A of the segment steps: MN-major for Gated b1
   // (`segment_lo`) and b3 (`segment_hi`) 3-D [E][r][I] and Store a2 (`segment_lo`) 3-D
-  // [E][K][N_x]; K-major for StoreMN lo [E][N_lo][K_lo] and hi [E][N_hi][K - K_lo].
+  // [E][K][N_x]; K-major for StoreMN lo [E][N_lo][K_lo] and hi [E][N_hi][K - K_lo], and
+  // for ActivationBackward a2 [E][I][r] as 5-D views whose box rows follow the transposed
+  // column order (`segment_lo` tile 0's columns, `segment_hi` tile 1's).
   CUtensorMap pool;
   CUtensorMap codes;
   CUtensorMap segment_lo;
@@ -54,12 +60,20 @@ struct WeightStreamParams {
   int32_t segment_k_hi;      // StoreMN: K_lo, the pool column of hi's first step
   int32_t extra_lo_columns;  // StoreMN: N_lo (hi's columns follow them)
   // Epilogue: Gated: h [P, I] and, optionally, preact [P, 2I] (g | u), BF16; Store and
-  // StoreMN: out [P, N + N_x] BF16.
+  // StoreMN: out [P, N + N_x] BF16; ActivationBackward: preact g | u in, out dg | du [P,
+  // 2I] (may be preact: each element is read, then written, by one thread).
   void* out;
   void* preact;
-  int32_t out_columns;     // columns (and row stride) of `out`
+  int32_t out_columns;     // columns (and row stride) of `out`; ActivationBackward: I
   int32_t activation;      // Activation (engine_params.h)
   float activation_clamp;  // +inf: no clamp
+  // ActivationBackward: each pool row's route (-1: padding) and weight, w h [P, I] BF16
+  // (null: not wanted) and the router dot's partials [P, I / 256] FP32.
+  const int32_t* pool_row_to_route;
+  const float* row_weights;
+  int32_t num_routes;
+  void* weighted_h;
+  float* drouter_partials;
 };
 
 using WeightStreamKernel = void (*)(WeightStreamParams);

@@ -1,7 +1,8 @@
 """The weight-streaming GEMMs (kernels/engine/weight_stream_kernel.cuh): an MXFP4 base
 decoded into the wgmma's A registers, the pool's rows in chunks of 32 or 64 as N; GEMM1
-(gated, side K segment), GEMM2 (store, a2 extra columns) and dgrad1 (the weights as
-stored, decoded transposed; the b1/b3 shrinks as extra columns).
+(gated, side K segment), GEMM2 (store, a2 extra columns), dgrad1 (the weights as
+stored, decoded transposed; the b1/b3 shrinks as extra columns) and dgrad2 (w2 as stored,
+decoded transposed; the a2 side segment; the activation backward).
 
 Oracles: the engine's GEMM on the BF16 decode of the same codes
 (:func:`~megamoe.wrappers.mxfp4_decode.decode_mxfp4_bf16`), which sums the same products
@@ -19,6 +20,10 @@ import megamoe as mm
 from megamoe.testing import assert_close_to_oracle
 from megamoe.testing.inputs import make_routing
 from megamoe.wrappers import _native
+from megamoe.wrappers.activation_backward import (
+    activation_backward_reference,
+    fused_dgrad2_activation_backward,
+)
 from megamoe.wrappers.grouped_gemm import (
     gated_grouped_gemm,
     gated_grouped_gemm_reference,
@@ -503,3 +508,188 @@ def test_dgrad1_launcher_checks():
         stream_dgrad1(a, codes, scales, plan, chunk=32, extra=uneven)
     with pytest.raises(ValueError, match="tokens: no weight-stream variant"):
         stream_dgrad1(a, codes, scales, plan, chunk=48)
+
+
+# ---- dgrad2 + activation backward: z = [dout | s dout b2^T] . [w2_e ; a2_e^T] ----
+
+
+def stream_dgrad2(dout_pool, codes, scales, side_a2, preact, weights, plan, *, chunk,
+                  activation="swiglu", clamp=None, dgrad_out=None):  # fmt: skip
+    """The native launcher with an explicit chunk: ``(dg | du, w h, drouter)`` as the
+    wrapper returns them (rows past the rows in use NaN in dg | du and w h)."""
+    capacity, inter = plan.pool_capacity, 2 * codes.shape[2]
+    nan = float("nan")
+    dgrad = dgrad_out
+    if dgrad is None:
+        dgrad = torch.full((capacity, 2 * inter), nan, dtype=torch.bfloat16, device="cuda")
+    weighted = torch.full((capacity, inter), nan, dtype=torch.bfloat16, device="cuda")
+    partials = torch.zeros(capacity, inter // 256, dtype=torch.float32, device="cuda")
+    flat = weights.reshape(-1)
+    row_weights = flat[plan.pool_row_to_route] if flat.numel() else flat.new_zeros(capacity)
+    dl = _native.dlpack
+    _native.native().weight_stream_activation_backward(
+        dl(dout_pool),
+        dl(codes),
+        dl(scales),
+        None if side_a2 is None else dl(side_a2),
+        dl(plan.expert_pool_offsets),
+        dl(plan.expert_counts),
+        dl(preact),
+        dl(row_weights),
+        flat.numel(),
+        dl(plan.pool_row_to_route),
+        dl(dgrad),
+        dl(weighted),
+        dl(partials),
+        ACTIVATIONS[activation],
+        math.inf if clamp is None else float(clamp),
+        plan.block_m,
+        chunk,
+        torch.cuda.get_device_properties(0).multi_processor_count,
+        torch.cuda.current_stream().cuda_stream,
+    )
+    return dgrad, weighted, partials.sum(dim=1)
+
+
+def dgrad2_operands(tokens, experts, top_k, hidden, inter, rank, *, block_m=64, seed=0,
+                    scale_low=112, scale_high=136):  # fmt: skip
+    """``(plan, weights, dout_pool [P, H + r], codes [E, H, I/2], scales [E, H, I/32],
+    side_a2 [E, I, r] or None, preact [P, 2I])``; padding rows hold values too (the
+    kernel must give them zeros whatever they hold)."""
+    ids, weights = make_routing(tokens, experts, top_k, kind="skewed", seed=seed)
+    plan = mm.plan_routes(ids.cuda(), experts, block_m)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    rows = plan.pool_capacity
+    dout_pool = torch.randn(rows, hidden + rank, device="cuda", generator=g).bfloat16()
+    codes = torch.randint(0, 256, (experts, hidden, inter // 2), dtype=torch.uint8,
+                          device="cuda", generator=g)  # fmt: skip
+    scales = torch.randint(scale_low, scale_high, (experts, hidden, inter // 32),
+                           dtype=torch.uint8, device="cuda", generator=g)  # fmt: skip
+    side_a2 = None
+    if rank:
+        side_a2 = (torch.randn(experts, inter, rank, device="cuda", generator=g) * 0.1).bfloat16()
+    preact = (torch.randn(rows, 2 * inter, device="cuda", generator=g) * 2).bfloat16()
+    return plan, weights.cuda(), dout_pool, codes, scales, side_a2, preact
+
+
+def engine_dgrad2(dout_pool, decoded, side_a2, preact, weights, plan, **kwargs):
+    """The engine's fused dgrad2 on the BF16 decode (its own copy of ``preact``)."""
+    return fused_dgrad2_activation_backward(
+        dout_pool, decoded, preact.clone(), weights, plan, side_a2=side_a2, weighted_h=True,
+        **kwargs,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("chunk", CHUNKS)
+@pytest.mark.parametrize(
+    "tokens,experts,top_k,rank,block_m",
+    [
+        (1, 8, 1, 0, 64),  # one row: seven empty experts, no side
+        (40, 8, 2, 16, 64),  # r = 16: one side step per tile half, mostly zero-filled
+        (300, 8, 2, 128, 64),  # several chunks per expert, r = 128
+        (700, 16, 6, 128, 128),  # pool padded to 128
+        (96, 4, 4, 48, 64),  # every token on every expert
+    ],
+)
+@pytest.mark.parametrize("activation,clamp", [("swiglu", None), ("geglu", 7.0), ("swiglu", 0.5)])
+def test_dgrad2_is_the_engine_on_the_decoded_weights(
+    chunk, tokens, experts, top_k, rank, block_m, activation, clamp
+):
+    """dg | du, w h and the router gradient: the engine's bits on the BF16 decode (the
+    same z, the same pair math, the router dot in the same order), every row in use; and
+    the float32 reference on the engine's z."""
+    hidden, inter = 512, 512
+    plan, weights, dout_pool, codes, scales, side_a2, preact = dgrad2_operands(
+        tokens, experts, top_k, hidden, inter, rank, block_m=block_m, seed=tokens + rank
+    )
+    kwargs = dict(activation=activation, activation_clamp=clamp)
+    dgrad, weighted, drouter = stream_dgrad2(
+        dout_pool, codes, scales, side_a2, preact, weights, plan, chunk=chunk,
+        activation=activation, clamp=clamp,
+    )  # fmt: skip
+    decoded = decode_mxfp4_bf16(codes, scales)  # [E, H, I]
+    twin = engine_dgrad2(dout_pool, decoded, side_a2, preact, weights, plan, **kwargs)
+    rows = int(plan.expert_pool_offsets[-1])
+    assert same_bits(dgrad[:rows], twin[0][:rows])
+    assert same_bits(weighted[:rows], twin[1][:rows])
+    assert torch.equal(drouter[:rows], twin[2][:rows])
+    assert bool(torch.isnan(dgrad[rows:].float()).all())
+    data = plan.pool_row_to_route[:rows] >= 0
+    assert not bool(dgrad[:rows][~data].any())
+    b = decoded if side_a2 is None else torch.cat([decoded, side_a2.transpose(1, 2)], dim=1)
+    z = grouped_gemm(dout_pool, b, plan, b_major="mn")
+    expected, _, expected_router = activation_backward_reference(preact, z, weights, plan, **kwargs)
+    assert_close_to_oracle("dg | du", dgrad[:rows][data], expected[:rows][data])
+    assert_close_to_oracle("drouter", drouter[:rows][data], expected_router[:rows][data])
+
+
+@pytest.mark.parametrize("chunk", CHUNKS)
+@pytest.mark.parametrize("scale_mod", [256, 3])
+def test_dgrad2_every_scale_byte_matches_the_engine(chunk, scale_mod):
+    """Every scale byte (subnormal values, Inf, NaN) and, separately, bytes 0..2 only: the
+    engine's bits on the decoded weights on every data row."""
+    plan, weights, dout_pool, codes, scales, side_a2, preact = dgrad2_operands(
+        200, 4, 2, 256, 256, 32, seed=5
+    )
+    scales = (torch.arange(scales.numel(), device="cuda") % scale_mod).to(torch.uint8)
+    scales = scales.view(codes.shape[0], 256, 256 // 32)
+    dgrad, weighted, drouter = stream_dgrad2(
+        dout_pool, codes, scales, side_a2, preact, weights, plan, chunk=chunk
+    )
+    twin = engine_dgrad2(dout_pool, decode_mxfp4_bf16(codes, scales), side_a2, preact, weights,
+                         plan)  # fmt: skip
+    rows = int(plan.expert_pool_offsets[-1])
+    data = plan.pool_row_to_route[:rows] >= 0
+    if scale_mod == 256:
+        assert bool(torch.isnan(dgrad[:rows][data].float()).any())
+    assert same_bits(dgrad[:rows][data], twin[0][:rows][data])
+    assert same_bits(weighted[:rows][data], twin[1][:rows][data])
+    # Bits, not values: a NaN scale puts NaN in the router dot, and NaN != NaN.
+    assert torch.equal(
+        drouter[:rows][data].view(torch.int32), twin[2][:rows][data].view(torch.int32)
+    )
+
+
+def test_dgrad2_layer_path_streams_in_place_and_repeats_bitwise(monkeypatch):
+    """fused_dgrad2_activation_backward with an MXFP4 w2 and few rows per expert takes the
+    streaming kernel, in place over preact too, and repeats bit for bit."""
+    native = _native.native()
+    launches = []
+    stream = native.weight_stream_activation_backward
+    monkeypatch.setattr(
+        native, "weight_stream_activation_backward", lambda *a: launches.append(1) or stream(*a)
+    )
+    plan, weights, dout_pool, codes, scales, side_a2, preact = dgrad2_operands(
+        512, 64, 6, 1024, 1024, 128, seed=10
+    )
+    rows = int(plan.expert_pool_offsets[-1])
+
+    def run(dgrad_out=None, source=preact):
+        return fused_dgrad2_activation_backward(
+            dout_pool, codes, source, weights, plan, side_a2=side_a2, w2_scales=scales,
+            dgrad_out=dgrad_out,
+        )  # fmt: skip
+
+    first = run()
+    again = run()
+    assert all(same_bits(a[:rows], b[:rows]) for a, b in zip(first[:2], again[:2]))
+    assert torch.equal(first[2], again[2])
+    in_place = preact.clone()
+    third = run(dgrad_out=in_place, source=in_place)
+    assert same_bits(third[0][:rows], first[0][:rows])
+    assert len(launches) == 3, "the streaming dgrad2 ran"
+
+
+def test_dgrad2_launcher_checks():
+    plan, weights, dout_pool, codes, scales, side_a2, preact = dgrad2_operands(
+        10, 2, 1, 256, 256, 16, seed=2
+    )
+    narrow = codes[:, :, :64].contiguous(), scales[:, :, :4].contiguous()
+    with pytest.raises(ValueError, match="I a multiple of 256"):
+        stream_dgrad2(dout_pool, *narrow, side_a2, preact[:, :256].contiguous(), weights, plan,
+                      chunk=32)  # fmt: skip
+    with pytest.raises(ValueError, match="columns"):
+        stream_dgrad2(dout_pool[:, :256].contiguous(), codes, scales, side_a2, preact, weights,
+                      plan, chunk=32)  # fmt: skip
+    with pytest.raises(ValueError, match="tokens: no weight-stream variant"):
+        stream_dgrad2(dout_pool, codes, scales, side_a2, preact, weights, plan, chunk=48)

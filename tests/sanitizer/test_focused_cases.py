@@ -481,6 +481,30 @@ def test_engine_fused_dgrad2(block_m, tokens, top_k, num_sms, b_format, monkeypa
     assert torch.count_nonzero(drouter[:rows][padding]) == 0
 
 
+@pytest.mark.parametrize("tokens,top_k,num_sms", GEMM_CASES)
+@pytest.mark.parametrize("block_m", BLOCK_MS)
+def test_weight_stream_activation_backward(block_m, tokens, top_k, num_sms, monkeypatch):
+    """dgrad2 with an MXFP4 w2 in the weight-streaming kernel (I = 256: one tile; H = 128:
+    two transposed steps), the a2 side (r = 16, its 5-D boxes mostly past r), the
+    activation backward with its router dot through shared memory; masked routes and
+    padding rows holding values. Bit for bit the engine on the decode."""
+    use_sms(num_sms, monkeypatch)
+    experts, hidden, inter, rank = 8, 128, 256, 16
+    plan, _, weights = gpu_plan(tokens, experts, top_k, block_m, kind="masked", seed=tokens + 3)
+    preact = bf16((plan.pool_capacity, 2 * inter), 25, 2.0)
+    dout_pool = bf16((plan.pool_capacity, hidden + rank), 26)
+    side_a2 = bf16((experts, inter, rank), 27, rank**-0.5)
+    args = dict(activation="geglu", activation_clamp=1.0, side_a2=side_a2)
+    codes, scales, decoded = mxfp4_b((experts, hidden, inter), 28)
+    rows = rows_used(plan)
+    got = fused_dgrad2_activation_backward(
+        dout_pool, codes, preact, weights, plan, w2_scales=scales, **args
+    )
+    want = fused_dgrad2_activation_backward(dout_pool, decoded, preact, weights, plan, **args)
+    for got_t, want_t in zip(got, want, strict=True):
+        assert_bitwise(got_t[:rows], want_t[:rows])
+
+
 @pytest.mark.parametrize("num_sms", [None, "2"], ids=["all-sms", "two-ctas"])
 @pytest.mark.parametrize("m,n", [(200, 16), (32, 264)])  # BLOCK_N 128 and 256, M/N tails
 @pytest.mark.parametrize("tokens,top_k", [(1, 1), (150, 2)])

@@ -1,5 +1,6 @@
 """dgrad2 with the gated-activation backward as its epilogue (the engine's
-ActivationBackward kind, kernels/engine/epilogue_activation_backward.cuh).
+ActivationBackward kind, kernels/engine/epilogue_activation_backward.cuh; with an MXFP4
+``w2`` and few rows per expert the weight-streaming kernel's, which gives the same bits).
 
 ``z = [dout | s dout b2^T]_pool @ [w2_e ; a2_e^T]`` (the unweighted ``dL/dh``, adapter
 term included: ``a2^T`` is a K side segment over the pool's ``s dout b2^T`` columns) is
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 
 from ..validation.arguments import check_choice, check_tensor
 from . import _native
-from .grouped_gemm import ACTIVATIONS, GROUP_M, _device_sms, grouped_gemm, mxfp4_b
+from .grouped_gemm import ACTIVATIONS, GROUP_M, _device_sms, _stream_chunk, grouped_gemm, mxfp4_b
 from .routing import RoutePlan
 
 __all__ = ["activation_backward_reference", "fused_dgrad2_activation_backward"]
@@ -200,6 +201,38 @@ def fused_dgrad2_activation_backward(
     else:  # no routes: every row is padding
         row_weights = flat_weights.new_zeros(plan.pool_capacity)
     dl = _native.dlpack
+    # An MXFP4 w2 decoded in the pipeline streams (the weights as stored, decoded
+    # transposed into the wgmma's A registers) wherever the kernel takes the shape.
+    chunk = None
+    if decode_scales is not None and all(
+        t.data_ptr() % 8 == 0
+        for t in (preact, dgrad_preact, *(() if weighted is None else (weighted,)))
+    ):
+        chunk = _stream_chunk(intermediate, 256, decode_scales, plan, experts)
+    if chunk is not None:
+        with _native.on_device(device):
+            _native.native().weight_stream_activation_backward(
+                dl(dout_pool),
+                dl(w2),
+                dl(decode_scales),
+                None if side_a2 is None else dl(side_a2),
+                dl(plan.expert_pool_offsets),
+                dl(plan.expert_counts),
+                dl(preact),
+                dl(row_weights),
+                flat_weights.numel(),
+                dl(plan.pool_row_to_route),
+                dl(dgrad_preact),
+                None if weighted is None else dl(weighted),
+                dl(partials),
+                ACTIVATIONS[activation],
+                clamp,
+                plan.block_m,
+                chunk,
+                _device_sms(device),
+                _native.current_stream(device),
+            )
+        return dgrad_preact, weighted, partials.sum(dim=1)
     with _native.on_device(device):
         _native.native().engine_activation_backward(
             dl(dout_pool),

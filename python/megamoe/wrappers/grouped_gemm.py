@@ -107,7 +107,7 @@ def _stream_chunk(
 ) -> int | None:
     """The chunk of the weight-streaming kernel for an MXFP4 GEMM decoded in its
     pipeline, or None where its shape does not allow it: ``columns`` (GEMM1's ``I``,
-    GEMM2's and dgrad1's ``N``) in whole tiles, segments padded to whole chunks, and
+    GEMM2's and dgrad1's ``N``, dgrad2's ``I``) in whole tiles, segments padded to whole chunks, and
     scales it can read two bytes at a time."""
     chunk = weight_stream_chunk(plan.route_to_pool_row.numel(), experts)
     if columns % tile or plan.block_m % chunk or scales.data_ptr() % 2:
