@@ -54,7 +54,9 @@ void mxfp4_decode(const Tensor& packed, const Tensor& scales, const Tensor& out,
       cudaOccupancyMaxActiveBlocksPerMultiprocessor(
           &blocks_per_sm, reinterpret_cast<const void*>(kernels.kernel), kMxfp4DecodeThreads, 0),
       "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
-  const int64_t needed = (params.num_blocks + kMxfp4DecodeThreads - 1) / kMxfp4DecodeThreads;
+  // One thread per 8-code word until the device is full; then grid-stride.
+  const int64_t words = params.num_blocks * (kMxfp4Block / 8);
+  const int64_t needed = (words + kMxfp4DecodeThreads - 1) / kMxfp4DecodeThreads;
   const int64_t resident = int64_t{sm_count} * std::max(blocks_per_sm, 1);
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(static_cast<unsigned>(std::max<int64_t>(1, std::min(needed, resident))));

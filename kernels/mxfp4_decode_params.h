@@ -6,7 +6,7 @@
 
 namespace megamoe {
 
-// Threads per block of the decode kernel; one thread decodes one 32-element block.
+// Threads per block of the decode kernel (each decodes 8-code words, grid-stride).
 constexpr int kMxfp4DecodeThreads = 256;
 // Elements per UE8M0 scale (OCP MX): 16 packed bytes, 64 output bytes.
 constexpr int kMxfp4Block = 32;

@@ -4,7 +4,9 @@ BF16 buffer first (megamoe.heuristics.MXFP4_PIPELINE_MAX_ROWS_PER_EXPERT).
 
 Times GEMM1 (gated, no side) and GEMM2 at ep4rank dims for each token count, with the
 in-pipeline decode forced on (``pipe``) and off (``trans``), beside the BF16 weights;
-CUDA-event medians. Needs a Hopper GPU and the built extension:
+CUDA-event medians. First the transient decode on its own: its time per weight and its
+bytes moved per second against a device-to-device copy of the BF16 weight. Needs a
+Hopper GPU and the built extension:
 
     python tools/mxfp4_decode_crossover.py [--tokens 128,512,2048,4096,8192,16384,65536]
 """
@@ -20,6 +22,23 @@ import megamoe.heuristics as heuristics
 from megamoe.bench.timing import time_fn
 from megamoe.testing.inputs import make_routing
 from megamoe.wrappers.grouped_gemm import gated_grouped_gemm, grouped_gemm
+from megamoe.wrappers.mxfp4_decode import decode_mxfp4_bf16
+
+
+def time_decode(name: str, weight: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> str:
+    """The transient decode of one weight: its median time and bytes moved per second
+    (codes and scales read, BF16 written), beside a copy of the BF16 weight."""
+    dev = weight.device
+    copy = torch.empty_like(weight)
+    copy_ms = time_fn(lambda: copy.copy_(weight), device=dev, warmup=3, iters=20).median_ms
+    decode_ms = time_fn(
+        lambda: decode_mxfp4_bf16(codes, scales), device=dev, warmup=3, iters=20
+    ).median_ms
+    moved = codes.numel() + scales.numel() + 2 * weight.numel()
+    return (
+        f"decode {name}: {decode_ms:.3f} ms, {moved / decode_ms / 1e6:.0f} GB/s "
+        f"(BF16 copy {copy_ms:.3f} ms, {4 * weight.numel() / copy_ms / 1e6:.0f} GB/s)"
+    )
 
 
 def main() -> None:
@@ -37,6 +56,8 @@ def main() -> None:
     c13, s13 = mm.quantize_mxfp4(w13, axis=-1)
     c2, s2 = mm.quantize_mxfp4(w2, axis=-1)
     limit = heuristics.MXFP4_PIPELINE_MAX_ROWS_PER_EXPERT
+    for name, weight, codes, scales in (("w13", w13, c13, s13), ("w2", w2, c2, s2)):
+        print(time_decode(name, weight, codes, scales))
     print(f"{'T':>6} {'rows/e':>6} {'gemm':>6} {'bf16 ms':>8} {'pipe ms':>8} {'trans ms':>8}")
     for tokens in (int(t) for t in args.tokens.split(",")):
         ids, _ = make_routing(tokens, e, k, kind="balanced", seed=0)
