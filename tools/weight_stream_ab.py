@@ -35,6 +35,12 @@ def _side_args(side: dict) -> tuple:
     return dl(side["side_b_gate"]), dl(side["side_b_up"]), float(side["side_scale"])
 
 
+def _launch_context(dev: torch.device) -> tuple:
+    """(SM count, current stream handle, DLPack export, native module) for the launchers."""
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    return sms, torch.cuda.current_stream().cuda_stream, _native.dlpack, _native.native()
+
+
 def _pool(tokens: int, args: argparse.Namespace, columns: int, dev: torch.device) -> tuple:
     """The route plan of ``tokens`` balanced tokens and a random BF16 pool of ``columns``
     columns whose padding rows are zeros, as the layer's are."""
@@ -51,10 +57,7 @@ def measure(tokens: int, args: argparse.Namespace, w13, codes, scales, side: dic
     """One row of the table: GEMM1 at ``tokens`` tokens on each path."""
     dev = w13.device
     h, i, r = args.hidden, args.intermediate, args.rank
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    stream = torch.cuda.current_stream().cuda_stream
-    dl = _native.dlpack
-    native = _native.native()
+    sms, stream, dl, native = _launch_context(dev)
     plan, a = _pool(tokens, args, h + 2 * r, dev)
     out = torch.empty(plan.pool_capacity, i, dtype=torch.bfloat16, device=dev)
 
@@ -104,10 +107,7 @@ def measure_gemm2(tokens: int, args: argparse.Namespace, w2, codes, scales, a2) 
     """GEMM2 at ``tokens`` tokens on each path (``a2``: the extra columns, or None)."""
     dev = w2.device
     h, i = args.hidden, args.intermediate
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    stream = torch.cuda.current_stream().cuda_stream
-    dl = _native.dlpack
-    native = _native.native()
+    sms, stream, dl, native = _launch_context(dev)
     plan, a = _pool(tokens, args, i, dev)
     n = h + (0 if a2 is None else a2.shape[2])
     out = torch.empty(plan.pool_capacity, n, dtype=torch.bfloat16, device=dev)
@@ -138,10 +138,7 @@ def measure_dgrad1(tokens: int, args: argparse.Namespace, w13, codes, scales, si
     shrinks as extra columns."""
     dev = w13.device
     h, i = args.hidden, args.intermediate
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    stream = torch.cuda.current_stream().cuda_stream
-    dl = _native.dlpack
-    native = _native.native()
+    sms, stream, dl, native = _launch_context(dev)
     plan, a = _pool(tokens, args, 2 * i, dev)
     extra = (side["side_b_gate"], side["side_b_up"]) if side else None
     n = h + (0 if extra is None else 2 * args.rank)
@@ -176,10 +173,7 @@ def measure_dgrad2(tokens: int, args: argparse.Namespace, w2, codes, scales, a2)
     router-dot partials."""
     dev = w2.device
     h, i = args.hidden, args.intermediate
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    stream = torch.cuda.current_stream().cuda_stream
-    dl = _native.dlpack
-    native = _native.native()
+    sms, stream, dl, native = _launch_context(dev)
     r = 0 if a2 is None else a2.shape[2]
     plan, dout = _pool(tokens, args, h + r, dev)
     gen = torch.Generator(device=dev).manual_seed(1)

@@ -209,52 +209,34 @@ def fused_dgrad2_activation_backward(
         for t in (preact, dgrad_preact, *(() if weighted is None else (weighted,)))
     ):
         chunk = _stream_chunk(intermediate, 256, decode_scales, plan, experts)
-    if chunk is not None:
-        with _native.on_device(device):
-            _native.native().weight_stream_activation_backward(
-                dl(dout_pool),
-                dl(w2),
-                dl(decode_scales),
-                None if side_a2 is None else dl(side_a2),
-                dl(plan.expert_pool_offsets),
-                dl(plan.expert_counts),
-                dl(preact),
-                dl(row_weights),
-                flat_weights.numel(),
-                dl(plan.pool_row_to_route),
-                dl(dgrad_preact),
-                None if weighted is None else dl(weighted),
-                dl(partials),
-                ACTIVATIONS[activation],
-                clamp,
-                plan.block_m,
-                chunk,
-                _device_sms(device),
-                _native.current_stream(device),
-            )
-        return dgrad_preact, weighted, partials.sum(dim=1)
+    # The epilogue's operands, in the order both launchers take them.
+    epilogue = (
+        dl(preact),
+        dl(row_weights),
+        flat_weights.numel(),
+        dl(plan.pool_row_to_route),
+        dl(dgrad_preact),
+        None if weighted is None else dl(weighted),
+        dl(partials),
+        ACTIVATIONS[activation],
+        clamp,
+        plan.block_m,
+    )
+    side = None if side_a2 is None else dl(side_a2)
+    native = _native.native()
     with _native.on_device(device):
-        _native.native().engine_activation_backward(
-            dl(dout_pool),
-            hidden,
-            dl(w2),
-            None if decode_scales is None else dl(decode_scales),
-            None if side_a2 is None else dl(side_a2),
-            dl(plan.expert_pool_offsets),
-            dl(preact),
-            dl(row_weights),
-            flat_weights.numel(),
-            dl(plan.pool_row_to_route),
-            dl(dgrad_preact),
-            None if weighted is None else dl(weighted),
-            dl(partials),
-            ACTIVATIONS[activation],
-            clamp,
-            plan.block_m,
-            GROUP_M,
-            _device_sms(device),
-            _native.current_stream(device),
-        )
+        sms, stream = _device_sms(device), _native.current_stream(device)
+        if chunk is not None:
+            native.weight_stream_activation_backward(
+                dl(dout_pool), dl(w2), dl(decode_scales), side, dl(plan.expert_pool_offsets),
+                dl(plan.expert_counts), *epilogue, chunk, sms, stream,
+            )  # fmt: skip
+        else:
+            native.engine_activation_backward(
+                dl(dout_pool), hidden, dl(w2),
+                None if decode_scales is None else dl(decode_scales), side,
+                dl(plan.expert_pool_offsets), *epilogue, GROUP_M, sms, stream,
+            )  # fmt: skip
     # One deterministic reduction over the tiles' partials (a fixed order for a shape).
     return dgrad_preact, weighted, partials.sum(dim=1)
 
