@@ -43,7 +43,7 @@ def test_sizes(rows, blocks):
     assert_same_bits_or_nan(decode_mxfp4_bf16(packed.cuda(), scales.cuda()).cpu(), expected)
 
 
-def test_mxfp4_decode_kernel_is_bitwise_the_dequantizer():
+def test_extreme_scales_zero_blocks_and_negative_zero():
     """Every code with scale bytes at the extremes (0 = 2^-127, 1, 126, 127, 128, 253,
     254, and 0xFF = NaN), all-zero blocks and -0 codes."""
     gen = torch.Generator().manual_seed(5)
@@ -54,6 +54,5 @@ def test_mxfp4_decode_kernel_is_bitwise_the_dequantizer():
     packed[8, 0, :16] = 0  # an all-zero block
     packed[9, 0, :16] = 0x88  # -0 codes
     expected = mm.dequantize_mxfp4(packed, scales, axis=-1, dtype=torch.bfloat16)
-    actual = decode_mxfp4_bf16(packed.cuda(), scales.cuda()).cpu()
-    # NaN blocks: any NaN (the GPU's canonical NaN has other bits than torch's CPU one).
-    assert_same_bits_or_nan(actual, expected)
+    assert bool(torch.isnan(expected).any())  # the 0xFF block
+    assert_same_bits_or_nan(decode_mxfp4_bf16(packed.cuda(), scales.cuda()).cpu(), expected)
