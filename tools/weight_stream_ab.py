@@ -196,19 +196,18 @@ def measure_dgrad2(tokens: int, args: argparse.Namespace, w2, codes, scales, a2)
         )  # fmt: skip
 
     engine_outs, bf16_outs = outputs(), outputs()
-    side = None if a2 is None else a2
 
     def engine(b, b_scales, outs) -> None:
         native.engine_activation_backward(
             dl(dout), h, dl(b), None if b_scales is None else dl(b_scales),
-            None if side is None else dl(side), dl(plan.expert_pool_offsets), *tail(outs),
+            None if a2 is None else dl(a2), dl(plan.expert_pool_offsets), *tail(outs),
             GROUP_M, sms, stream,
         )  # fmt: skip
 
     def streamed(chunk: int) -> tuple:
         outs = outputs()
         native.weight_stream_activation_backward(
-            dl(dout), dl(codes), dl(scales), None if side is None else dl(side),
+            dl(dout), dl(codes), dl(scales), None if a2 is None else dl(a2),
             dl(plan.expert_pool_offsets), dl(plan.expert_counts), *tail(outs), chunk, sms,
             stream,
         )  # fmt: skip
