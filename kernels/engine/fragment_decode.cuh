@@ -215,19 +215,28 @@ __host__ __device__ __forceinline__ void decode_rows(const uint32_t (&words)[2 *
 // 1): then row g's register holds the low codes of bytes (n, b) and (n + 1, b), row g +
 // 8's their high codes, both under the factor pair [2^(s(n) - 1) | 2^(s(n + 1) - 1)] (one
 // 32-column block). Two m64 tiles of a warpgroup take bytes 2q and 2q + 1, so a thread's
-// codes of one stored row are one 16-bit load, and the two loads of rows n and n + 1 give
-// the four registers of a K pair with the forward's three-instruction placement: PRMT's
-// second source is row n + 1's load, so its byte lands where the forward's high code
+// codes of one stored row are 16 bits, and `ldmatrix.trans` (8x8 matrices of 16-bit
+// elements, the rows stored rows) hands each thread rows n and n + 1 of its 16-bit column
+// as one register: row n in bits 0-15, row n + 1 in bits 16-31. That register gives the
+// four registers of a K pair with the forward's three-instruction placement: PRMT puts
+// row n's byte where the forward's low code goes and row n + 1's where its high code
 // does (bits 28..31: the byte's high nibble as loaded, its low nibble after a left shift
 // by 4, as row n's goes to bits 12..15).
 
+// The PRMT selector of tile t's byte (2q + t) in a row pair (bytes 0, 1: row n's bytes 2q,
+// 2q + 1; bytes 2, 3: row n + 1's): row n's byte into bytes 1 and 2 (sign-replicated),
+// row n + 1's into byte 3; byte 0 is shifted out.
+__host__ __device__ constexpr uint32_t column_pair_selector(uint32_t tile) {
+  return tile * 0x1111u + 0x2800u;
+}
+
 // Codes of one column at rows n (low half) and n + 1 (high half) as BF16x2 bits times
-// 2^-126, from the rows' 16-bit loads (bits 0-15: bytes 2q, 2q + 1; shifted left by 4
-// for the low codes, columns 2b) with fragment_selector(t) for tile t's byte 2q + t
-// (row n's byte into bytes 1 and 2, sign-replicated, row n + 1's into byte 3).
+// 2^-126, from their row pair (shifted left by 4 for the low codes, columns 2b; a byte's
+// low nibble then holds its neighbour's high nibble, which the mask drops) with
+// column_pair_selector(t) for tile t.
 __host__ __device__ __forceinline__ uint32_t
-column_pair_bits_times_2_pow_minus_126(uint32_t row_n, uint32_t row_n1, uint32_t selector) {
-  return static_cast<uint32_t>(static_cast<int32_t>(prmt(row_n, row_n1, selector)) >> 6) &
+column_pair_bits_times_2_pow_minus_126(uint32_t row_pair, uint32_t selector) {
+  return static_cast<uint32_t>(static_cast<int32_t>(prmt(row_pair, row_pair, selector)) >> 6) &
          0x81C081C0u;
 }
 
@@ -264,24 +273,24 @@ __host__ __device__ __forceinline__ uint32_t pair_any_scales(uint32_t bits, uint
 }
 
 // A thread's A-fragment registers of one transposed step: its two tiles' (bytes 2q and
-// 2q + 1) over 64 stored rows. `rows[4 k16 + d]` is the 16-bit load of stored row 16 k16
-// + 2c + {0, 1, 8, 9}[d] (c = lane % 4); `scales` word 2 k16 + j the scale word
+// 2q + 1) over 64 stored rows. `row_pairs[2 k16 + j]` holds the thread's 16 bits of stored
+// rows 16 k16 + 2c + 8 j (bits 0-15) and + 1 (bits 16-31), c = lane % 4, as ldmatrix.trans
+// delivers them; `scales` word 2 k16 + j the scale word
 // (scale_word) of rows 16 k16 + 2c + 8 j and + 1 at the thread's column block. Register
 // a0 / a1 / a2 / a3 of tile t and k16 step k16: fragment row g (low codes) / g + 8 (high
 // codes) of rows 2c, 2c + 1, then of rows 2c + 8, 2c + 9 (the PTX ISA's A layout).
-__host__ __device__ __forceinline__ void decode_column_pairs(const uint32_t (&rows)[16],
+__host__ __device__ __forceinline__ void decode_column_pairs(const uint32_t (&row_pairs)[8],
                                                              const StepScales<8>& scales,
                                                              StepFragment (&fragments)[2]) {
   uint32_t placed[8][4];  // [2 k16 + j][2 tile + high]
 #pragma unroll
   for (int pair = 0; pair < 8; ++pair) {
-    const uint32_t row_n = rows[2 * pair], row_n1 = rows[2 * pair + 1];
+    const uint32_t row_pair = row_pairs[pair];
 #pragma unroll
     for (int tile = 0; tile < 2; ++tile) {
-      const uint32_t selector = fragment_selector(tile);
-      placed[pair][2 * tile] =
-          column_pair_bits_times_2_pow_minus_126(row_n << 4, row_n1 << 4, selector);
-      placed[pair][2 * tile + 1] = column_pair_bits_times_2_pow_minus_126(row_n, row_n1, selector);
+      const uint32_t selector = column_pair_selector(tile);
+      placed[pair][2 * tile] = column_pair_bits_times_2_pow_minus_126(row_pair << 4, selector);
+      placed[pair][2 * tile + 1] = column_pair_bits_times_2_pow_minus_126(row_pair, selector);
     }
   }
   if (scales.fast) {

@@ -506,34 +506,33 @@ struct StreamLines {
 // decodes the bytes 2q and 2q + 1 (q = 8 w + g) of its consumer's 64 in each of its 16
 // stored rows of a step (16 k16 + 2 t + {0, 1, 8, 9}): output columns 4q .. 4q + 3 of the
 // consumer's 128 (decode_column_pairs). The code area is [64 rows][128 bytes] under the
-// 128-byte swizzle (16-byte unit u of row n at unit u ^ (n % 8)): the thread's 2 bytes
-// lie in unit 4 c + w, and rows n and n + 8 share a swizzle, so two base offsets (rows 2t
-// and 2t + 1) cover the 16 loads with immediate offsets, and a warp's four quads hit
-// four different units (no bank conflict).
-__host__ __device__ constexpr uint32_t stream_column_offset(uint32_t tid, uint32_t odd) {
-  return 128 * (2 * (tid % 4) + odd) + 16 * (((tid / 32 - 4) ^ (2 * (tid % 4) + odd)) & 7) +
-         2 * (tid % 32 / 4);
+// 128-byte swizzle (16-byte unit u of row n at unit u ^ (n % 8)); a warp's bytes are unit
+// 4 c + w of every row. Two ldmatrix.x4.trans read them: matrix m of load x is stored
+// rows 32 x + 8 m .. + 7 of that unit, lane L gives row L % 8 of matrix L / 8, and thread
+// (g, t) receives rows 2t and 2t + 1 at its 16-bit column g, the row pair 4 x + m of
+// decode_column_pairs. One shared-memory instruction per 16 rows instead of one per row:
+// the loads no longer fill the memory-input queue. A matrix's eight rows lie in eight
+// different units, so a load has no bank conflict.
+__host__ __device__ constexpr uint32_t stream_column_lane_offset(uint32_t tid) {
+  return 128 * (tid % 32) + 16 * (((tid / 32 - 4) ^ tid) & 7);
 }
-constexpr bool stream_column_offsets_follow_the_layout() {
+constexpr bool stream_column_lane_offsets_follow_the_layout() {
   for (uint32_t tid = kWarpgroupThreads; tid < 3 * kWarpgroupThreads; ++tid) {
     const uint32_t consumer = tid / 128 - 1, warp = tid % 128 / 32, lane = tid % 32;
-    for (uint32_t odd = 0; odd < 2; ++odd) {
-      const uint32_t row = 2 * (lane % 4) + odd, byte = 64 * consumer + 16 * warp + 2 * (lane / 4);
-      const uint32_t swizzled = 128 * row + 16 * ((byte / 16) ^ (row % 8)) + byte % 16;
-      if (stream_column_offset(tid, odd) != swizzled) return false;
-    }
+    const uint32_t row = 8 * (lane / 8) + lane % 8, byte = 64 * consumer + 16 * warp;
+    const uint32_t swizzled = 128 * row + 16 * ((byte / 16) ^ (row % 8));
+    if (stream_column_lane_offset(tid) != swizzled) return false;
   }
   return true;
 }
-static_assert(stream_column_offsets_follow_the_layout(), "a consumer reads its own columns");
+static_assert(stream_column_lane_offsets_follow_the_layout(), "a warp reads its own unit");
 
 struct StreamColumnPairs {
-  uint32_t even_rows, odd_rows;  // offsets of stored rows 2t and 2t + 1 in the code area
-  uint32_t scale_offset;         // the thread's 32 bytes of scale words
+  uint32_t lane_offset;   // the row of the code area whose unit this lane points ldmatrix at
+  uint32_t scale_offset;  // the thread's 32 bytes of scale words
 
   __device__ __forceinline__ explicit StreamColumnPairs(uint32_t tid)
-      : even_rows(stream_column_offset(tid, 0)),
-        odd_rows(stream_column_offset(tid, 1)),
+      : lane_offset(stream_column_lane_offset(tid)),
         scale_offset(32 * ((tid / 32 - 4) * 4 + tid % 4)) {}
 
   __device__ __forceinline__ void decode(uint32_t code_area, uint32_t scale_area,
@@ -545,19 +544,15 @@ struct StreamColumnPairs {
     asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
                  : "=r"(words[4]), "=r"(words[5]), "=r"(words[6]), "=r"(words[7])
                  : "r"(scale_area + scale_offset + 16));
-    uint32_t rows[16];
+    uint32_t row_pairs[8];
 #pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      // Row 16 k16 + 2 t + {0, 1, 8, 9}[d]: odd d from the odd base, 8 rows on for d >= 2.
-      const int k16 = i / 4, d = i % 4;
-      const uint32_t at =
-          code_area + (d % 2 ? odd_rows : even_rows) + 128 * (16 * k16 + 8 * (d / 2));
-      uint16_t bytes;
-      asm volatile("ld.shared.u16 %0, [%1];" : "=h"(bytes) : "r"(at));
-      rows[i] = bytes;
-    }
+    for (int x = 0; x < 2; ++x)
+      asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(row_pairs[4 * x]), "=r"(row_pairs[4 * x + 1]), "=r"(row_pairs[4 * x + 2]),
+                     "=r"(row_pairs[4 * x + 3])
+                   : "r"(code_area + lane_offset + 128 * 32 * x));
     const mxfp4::StepScales<8> scales(words);
-    mxfp4::decode_column_pairs(rows, scales, fragments);
+    mxfp4::decode_column_pairs(row_pairs, scales, fragments);
   }
 };
 

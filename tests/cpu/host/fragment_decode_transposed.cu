@@ -3,7 +3,8 @@
 // the CPU, with the host's exact FP32 product in place of the device multiply.
 //
 // Writes, to the file named by argv[1], a case count and per case (all uint32): the 16
-// stored rows' 16-bit loads (bytes 2q and 2q + 1 of rows 16 k16 + 2c + {0, 1, 8, 9}),
+// stored rows' 16 bits (bytes 2q and 2q + 1 of rows 16 k16 + 2c + {0, 1, 8, 9}; the
+// decode takes them in pairs, as ldmatrix.trans delivers them),
 // the 8 row pairs' scale bytes as loaded (row n's in bits 0-7, row n + 1's in 8-15), the
 // 32 fragment registers ([tile][k16][a0..a3]) and StepScales' fast-path flag. The first
 // 256 cases run every byte value in both positions of every row (so every code in every
@@ -38,16 +39,18 @@ int main(int argc, char** argv) {
   std::fwrite(&cases, sizeof(cases), 1, out);
   uint32_t state = 2024u;
   for (int i = 0; i < kCases; ++i) {
-    uint32_t rows[16], loaded[8], words[8];
+    uint32_t rows[16], row_pairs[8], loaded[8], words[8];
     for (int r = 0; r < 16; ++r)
       rows[r] = i < 256 ? static_cast<uint32_t>(i) * 0x0101u : lcg_next(state) & 0xFFFFu;
+    for (int pair = 0; pair < 8; ++pair)
+      row_pairs[pair] = rows[2 * pair] | rows[2 * pair + 1] << 16;
     for (int pair = 0; pair < 8; ++pair) {
       loaded[pair] = case_scale_pair(i, pair, state);
       words[pair] = mx::scale_word(loaded[pair]);
     }
     const mx::StepScales<8> scales(words);
     mx::StepFragment fragments[2];
-    mx::decode_column_pairs(rows, scales, fragments);
+    mx::decode_column_pairs(row_pairs, scales, fragments);
     const uint32_t fast = scales.fast ? 1u : 0u;
     std::fwrite(rows, sizeof(rows), 1, out);
     std::fwrite(loaded, sizeof(loaded), 1, out);
