@@ -228,6 +228,9 @@ void weight_stream_store_mn(const Tensor& a, const Tensor& b, const Tensor& b_sc
                 .c_str());
   }
   check_tensor("out", out, bfloat16_dtype(), {rows, n + n_lo + n_hi}, device);
+  // A base tile's epilogue writes four columns (8 bytes) at a time.
+  if (reinterpret_cast<uintptr_t>(out.data()) % 8 != 0)
+    throw nb::value_error("out: expected an 8-byte aligned address");
 
   WeightStreamParams p{};
   set_schedule(p, offsets, counts, experts, rows, device);

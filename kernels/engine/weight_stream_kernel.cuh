@@ -626,13 +626,40 @@ __device__ __forceinline__ void store_epilogue(const WeightStreamParams& p, cons
   }
 }
 
+__device__ __forceinline__ uint2 load_global_8_cg(const void* at) {
+  uint2 v;
+  asm volatile("ld.global.cg.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(at));
+  return v;
+}
+__device__ __forceinline__ void store_global_8(void* at, uint2 v) {
+  asm volatile("st.global.v2.u32 [%0], {%1, %2};" ::"l"(at), "r"(v.x), "r"(v.y) : "memory");
+}
+
+// Predicated stores: the StoreMN epilogue picks between a base tile's and an extra tile's
+// stores without a branch on the tile (a loaded value), which would cost the base-step
+// loop its uniform registers (about 25 more instructions a step, counted in SASS).
+__device__ __forceinline__ void store_global_8_if(bool store, void* at, uint2 v) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %0, 0;\n @p st.global.v2.u32 [%1], {%2, %3};\n}" ::"r"(
+          static_cast<uint32_t>(store)),
+      "l"(at), "r"(v.x), "r"(v.y)
+      : "memory");
+}
+__device__ __forceinline__ void store_global_2_if(bool store, void* at, uint16_t v) {
+  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %0, 0;\n @p st.global.b16 [%1], %2;\n}" ::"r"(
+                   static_cast<uint32_t>(store)),
+               "l"(at), "h"(v)
+               : "memory");
+}
+
 // StoreMN: a base tile's accumulator i of tile T (acc_lo: T = 0) is fragment row g (i %
 // 4 < 2) or g + 8 of the thread's warp, i.e. column 4q + 2T + (i % 4) / 2 of its
-// consumer's 128 (q = 8 warp + g, decode_column_pairs); an extra tile's is A row r = 64
-// consumer + 16 warp + g (+ 8) of lo (T = 0: columns from N on, below N_lo) or of hi
-// (from N + N_lo on, below N_hi). One loop for both with the choice in selects: a branch
-// between two epilogues on the tile (a loaded value) costs the whole base-step loop its
-// uniform registers (about 25 more instructions a step, counted in SASS).
+// consumer's 128 (q = 8 warp + g, decode_column_pairs): a thread's four columns of a
+// chunk row are adjacent, and go out as one 8-byte store (a warp then writes whole
+// sectors; one 2-byte store per column wrote each sector in four partial pieces). An
+// extra tile's accumulator is A row r = 64 consumer + 16 warp + g (+ 8) of lo (T = 0:
+// columns from N on, below N_lo) or of hi (from N + N_lo on, below N_hi), stored per
+// column.
 template <int Tokens>
 __device__ __forceinline__ void transposed_store_epilogue(const WeightStreamParams& p,
                                                           const StreamTile& tile,
@@ -645,26 +672,31 @@ __device__ __forceinline__ void transposed_store_epilogue(const WeightStreamPara
   const int lo_columns = p.extra_lo_columns;
   const int hi_columns = static_cast<int>(columns) - tile.n0 - lo_columns;
   const int row = 64 * consumer + at.row;  // an extra tile's A row of fragment row g
-  // Fragment row g's column in tile 0, the step to row g + 8's, and tile 1's offset.
+  // A base tile's first column, or an extra tile's column of fragment row g.
   const int first =
       extra ? tile.n0 + row : tile.n0 + 128 * consumer + 32 * (thread / 32) + 4 * (at.lane / 4);
-  const int step = extra ? 8 : 1;
-  const int hi_offset = extra ? lo_columns : 2;
   bool lo_in[2], hi_in[2];
 #pragma unroll
   for (int high = 0; high < 2; ++high) {
-    lo_in[high] = !extra || row + 8 * high < lo_columns;
-    hi_in[high] = !extra || row + 8 * high < hi_columns;
+    lo_in[high] = extra && row + 8 * high < lo_columns;
+    hi_in[high] = extra && row + 8 * high < hi_columns;
   }
   __nv_bfloat16* out =
       static_cast<__nv_bfloat16*>(p.out) + (tile.row0 + 2 * (at.lane % 4)) * columns + first;
 #pragma unroll
-  for (int i = 0; i < Tokens / 2; ++i) {
-    const int high = (i % 4) / 2;
-    __nv_bfloat16* at_row = out + (8 * (i / 4) + i % 2) * columns + high * step;
-    if (lo_in[high]) at_row[0] = __float2bfloat16_rn(acc_lo[i]);
-    if (hi_in[high]) at_row[hi_offset] = __float2bfloat16_rn(acc_hi[i]);
-  }
+  for (int i = 0; i < Tokens / 2; i += 4)
+#pragma unroll
+    for (int odd = 0; odd < 2; ++odd) {
+      const int low = i + odd;  // fragment row g; low + 2: row g + 8
+      __nv_bfloat16* at_row = out + (8 * (i / 4) + odd) * columns;
+      const uint2 v = make_uint2(pack_bf16(acc_lo[low], acc_lo[low + 2]),
+                                 pack_bf16(acc_hi[low], acc_hi[low + 2]));
+      store_global_8_if(!extra, at_row, v);
+      store_global_2_if(lo_in[0], at_row, static_cast<uint16_t>(v.x));
+      store_global_2_if(lo_in[1], at_row + 8, static_cast<uint16_t>(v.x >> 16));
+      store_global_2_if(hi_in[0], at_row + lo_columns, static_cast<uint16_t>(v.y));
+      store_global_2_if(hi_in[1], at_row + lo_columns + 8, static_cast<uint16_t>(v.y >> 16));
+    }
 }
 
 // dgrad2 (ActivationBackward): a thread's four accumulators of a chunk row are z at its
@@ -677,14 +709,6 @@ __device__ __forceinline__ void transposed_store_epilogue(const WeightStreamPara
 // vector sums as the engine's butterfly (v + v ^ 16, then ^ 8, ...), through shared
 // memory `dots` (this tile's buffer), one thread per chunk row, after both consumers
 // wrote theirs (named barrier 1).
-__device__ __forceinline__ uint2 load_global_8_cg(const void* at) {
-  uint2 v;
-  asm volatile("ld.global.cg.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(at));
-  return v;
-}
-__device__ __forceinline__ void store_global_8(void* at, uint2 v) {
-  asm volatile("st.global.v2.u32 [%0], {%1, %2};" ::"l"(at), "r"(v.x), "r"(v.y) : "memory");
-}
 
 template <int Tokens, bool kGeGLU, bool kClamp>
 __device__ __forceinline__ void activation_backward_epilogue(
