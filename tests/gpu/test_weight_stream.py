@@ -342,12 +342,13 @@ def test_launchers_reject_chunks_across_segments():
 # ---- dgrad1: (dg | du) . [w13_e | blockdiag(b1_e^T, b3_e^T)], w13 as stored ----
 
 
-def stream_dgrad1(a, codes, scales, plan, *, chunk, extra=None):
+def stream_dgrad1(a, codes, scales, plan, *, chunk, extra=None, out=None):
     """dgrad1's native launcher with an explicit chunk: ``a [P, K] . b_e`` (codes
     ``[E, K, N/2]``, the weights as stored) and ``extra`` = (lo ``[E, N_lo, K_lo]``, hi
-    ``[E, N_hi, K - K_lo]``) or None."""
+    ``[E, N_hi, K - K_lo]``) or None, into ``out`` (None: a new NaN-filled one)."""
     n = 2 * codes.shape[2] + (0 if extra is None else extra[0].shape[1] + extra[1].shape[1])
-    out = torch.full((a.shape[0], n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    if out is None:
+        out = torch.full((a.shape[0], n), float("nan"), dtype=torch.bfloat16, device="cuda")
     dl = _native.dlpack
     lo, hi = (None, None) if extra is None else (dl(extra[0]), dl(extra[1]))
     _native.native().weight_stream_store_mn(
@@ -508,6 +509,13 @@ def test_dgrad1_launcher_checks():
         stream_dgrad1(a, codes, scales, plan, chunk=32, extra=uneven)
     with pytest.raises(ValueError, match="tokens: no weight-stream variant"):
         stream_dgrad1(a, codes, scales, plan, chunk=48)
+    # A base tile writes 8 bytes a store: an out 2 bytes past an 8-byte boundary is refused.
+    columns = 256 + 2 * 16
+    buffer = torch.zeros(a.shape[0] * columns + 1, dtype=torch.bfloat16, device="cuda")
+    shifted = buffer[1:].view(a.shape[0], columns)
+    with pytest.raises(ValueError, match="out: expected an 8-byte aligned address"):
+        stream_dgrad1(a, codes, scales, plan, chunk=32, extra=extra, out=shifted)
+    assert not buffer.any(), "nothing was written"
 
 
 # ---- dgrad2 + activation backward: z = [dout | s dout b2^T] . [w2_e ; a2_e^T] ----
