@@ -11,6 +11,7 @@
 #include <string>
 
 #include "cuda_check.h"
+#include "launch_queries.h"
 #include "tensor_checks.h"
 
 namespace megamoe {
@@ -59,10 +60,7 @@ void launch_persistent(void (*kernel)(Params), const Params& params, int threads
                            " but the current device is cuda:" + std::to_string(current_device))
                               .c_str());
   if (num_sms < 1) throw nb::value_error("num_sms: expected >= 1");
-  // Not a stream operation: cheap, and allowed during CUDA-graph capture.
-  cuda_check(cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel),
-                                  cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes),
-             "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
+  ensure_dynamic_smem(reinterpret_cast<const void*>(kernel), device, smem_bytes);
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(static_cast<unsigned>(num_sms));
   config.blockDim = dim3(static_cast<unsigned>(threads));

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "cuda_check.h"
+#include "launch_queries.h"
 #include "tensor_checks.h"
 #include "variant_table.h"
 
@@ -47,17 +48,11 @@ void mxfp4_decode(const Tensor& packed, const Tensor& scales, const Tensor& out,
   if (params.num_blocks == 0) return;
 
   const Mxfp4DecodeKernels& kernels = variants::mxfp4_decode;
-  int sm_count = 0, blocks_per_sm = 0;
-  cuda_check(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device),
-             "cudaDeviceGetAttribute(MultiProcessorCount)");
-  cuda_check(
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-          &blocks_per_sm, reinterpret_cast<const void*>(kernels.kernel), kMxfp4DecodeThreads, 0),
-      "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
   // One thread per 8-code word until the device is full; then grid-stride.
   const int64_t words = params.num_blocks * (kMxfp4Block / 8);
   const int64_t needed = (words + kMxfp4DecodeThreads - 1) / kMxfp4DecodeThreads;
-  const int64_t resident = int64_t{sm_count} * std::max(blocks_per_sm, 1);
+  const int64_t resident =
+      resident_blocks(reinterpret_cast<const void*>(kernels.kernel), device, kMxfp4DecodeThreads);
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(static_cast<unsigned>(std::max<int64_t>(1, std::min(needed, resident))));
   config.blockDim = dim3(kMxfp4DecodeThreads);

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "cuda_check.h"
+#include "launch_queries.h"
 #include "tensor_checks.h"
 #include "variant_table.h"
 
@@ -57,16 +58,10 @@ void check_current_device(const char* name, int device) {
 
 // A persistent grid: as many blocks as fit on the device at once, fewer if the work
 // needs fewer. The kernels grid-stride, so any count is correct; more than fit would
-// only add scheduling waves. Host-only queries: no stream work, fine under capture.
+// only add scheduling waves. The resident count is asked of the driver once per kernel
+// and device (launch_queries.h): no stream work, fine under capture.
 unsigned persistent_blocks(const void* kernel, int device, int64_t blocks_needed) {
-  int sm_count = 0;
-  cuda_check(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device),
-             "cudaDeviceGetAttribute(MultiProcessorCount)");
-  int blocks_per_sm = 0;
-  cuda_check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel,
-                                                           kPoolThreadsPerBlock, 0),
-             "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
-  const int64_t resident = int64_t{sm_count} * std::max(blocks_per_sm, 1);
+  const int64_t resident = resident_blocks(kernel, device, kPoolThreadsPerBlock);
   return static_cast<unsigned>(std::max<int64_t>(1, std::min(blocks_needed, resident)));
 }
 
