@@ -144,7 +144,9 @@ struct StreamConfig {
   // parity), after the stages.
   static constexpr int kDotBytes = kActivation ? 2 * Tokens * 32 * 4 : 0;
   static constexpr int kStagesFit = (kSmemLimit - 1024 - kBarrierBytes - kDotBytes) / kStageBytes;
-  static constexpr int kStages = kStagesFit > 8 ? 8 : kStagesFit;
+  // Six stages, not as many as fit: shared memory takes its room from L1 (one 256 KB
+  // array per SM), and deeper rings measured slower (docs/ENGINE.md, "The ring's depth").
+  static constexpr int kStages = kStagesFit > 6 ? 6 : kStagesFit;
   static constexpr int kSmemBytes = 1024 + kStages * kStageBytes + kDotBytes + kBarrierBytes;
   // Base steps whose scale loads are in flight in the producer warpgroup (their loads
   // issued this many steps before the words are written).
