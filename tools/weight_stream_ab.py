@@ -9,9 +9,8 @@ backward (``w2`` as stored, optional a2 side segment) at ep4rank dims for each t
 count; CUDA-event medians of ``--iters`` launches after warm-up, each queued behind a
 short GPU busy-wait so that the host's work for the launch (DLPack exports, tensor maps,
 the launcher's checks: tens of microseconds against kernels of a few hundred) falls
-outside the timed window. Checks that each
-streaming kernel's output is the engine's, bit for bit, on the rows in use. Needs a
-Hopper GPU:
+outside the timed window. Checks that each streaming kernel's output is the engine's,
+bit for bit, on the rows in use. Needs a Hopper GPU:
 
     python tools/weight_stream_ab.py [--tokens 128,512,2048,4096] [--rank 128]
 """
