@@ -35,16 +35,14 @@ gets outputs of the right shapes.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch.autograd.function import once_differentiable
 
 from ..pipeline.fused_backward import moe_backward
 from ..pipeline.fused_forward import SAVE_MODES, ForwardState, moe_forward, stage
 from ..side_lora import SideLoRA
-from ..validation import check_backward_inputs, check_block_m, check_moe_inputs
-from ..validation.arguments import check_choice
+from ..validation import check_backward_inputs, check_block_m, check_devices, check_moe_inputs
+from ..validation.arguments import check_choice, check_tensor
 from ..weights import BaseWeights
 from ..wrappers.routing import RoutePlan, pool_capacity
 from .inputs import (
@@ -282,10 +280,48 @@ def _moe_backward_impl(
         pool_row_to_route, preact, q13, p_sum,
     )  # fmt: skip
     check_block_m(block_m)
-    plan = RoutePlan(
-        expert_counts, expert_pool_offsets, route_to_pool_row, pool_row_to_route, block_m
+    saved = (expert_counts, expert_pool_offsets, route_to_pool_row, pool_row_to_route)
+    state = dict(zip(_STATE_NAMES, (*saved, preact, q13, p_sum), strict=True))
+    return _run_backward(
+        dout,
+        x,
+        topk_weights,
+        base,
+        side,
+        state,
+        activation=activation,
+        activation_clamp=activation_clamp,
+        base_grads=base_grads,
+        side_grads=side_grads,
+        block_m=block_m,
     )
-    state = ForwardState(
+
+
+def _run_backward(
+    dout: torch.Tensor,
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    base: BaseWeights,
+    side: SideLoRA | None,
+    state: dict[str, torch.Tensor],
+    *,
+    activation: str,
+    activation_clamp: float | None,
+    base_grads: bool,
+    side_grads: bool,
+    block_m: int,
+) -> tuple[torch.Tensor, ...]:
+    """The backward op's result (see :func:`_moe_backward_impl`) from checked inputs:
+    ``state`` by :data:`_STATE_NAMES`, the forward's plan and saved tensors."""
+    plan = RoutePlan(
+        state["expert_counts"],
+        state["expert_pool_offsets"],
+        state["route_to_pool_row"],
+        state["pool_row_to_route"],
+        block_m,
+    )
+    preact, q13, p_sum = state["preact"], state["q13"], state["p_sum"]
+    forward_state = ForwardState(
         plan=plan,
         preact=preact if preact.numel() else None,
         q13=q13 if q13.numel() else None,
@@ -297,13 +333,48 @@ def _moe_backward_impl(
         topk_weights,
         base,
         side,
-        state,
+        forward_state,
         activation=activation,
         activation_clamp=activation_clamp,
         base_grads=base_grads,
         side_grads=side_grads,
     )
     return tuple(empty(x) if grads[name] is None else grads[name] for name in GRAD_NAMES)
+
+
+def _eager_backward(
+    dout: torch.Tensor,
+    inputs: dict[str, torch.Tensor | None],
+    options: dict[str, object],
+    state: dict[str, torch.Tensor],
+    *,
+    base_grads: bool,
+    side_grads: bool,
+    block_m: int,
+) -> tuple[torch.Tensor, ...]:
+    """mm.moe's eager route into the backward: the forward's implementation checked
+    every input and made the state itself (autograd's saved-tensor check stops a backward
+    after either was changed in place), so only ``dout`` is checked again here, not the
+    whole of :func:`_backward_inputs` (about 0.2 ms of host time a small-token step,
+    docs/PERFORMANCE.md, twenty-eighth session). Same result as the op."""
+    x = inputs["x"]
+    check_tensor("dout", dout, shape=tuple(x.shape), dtypes=(torch.bfloat16,))
+    check_devices([("x", x), ("dout", dout)], "x")
+    base = base_weights(inputs["w13"], inputs["w2"], inputs["w13_scales"], inputs["w2_scales"])
+    side = side_lora_of(tuple(inputs[name] for name in SIDE_NAMES), options["scale"])
+    return _run_backward(
+        dout,
+        x,
+        inputs["topk_weights"],
+        base,
+        side,
+        state,
+        activation=options["activation"],
+        activation_clamp=options["activation_clamp"],
+        base_grads=base_grads,
+        side_grads=side_grads,
+        block_m=block_m,
+    )
 
 
 _moe_backward_op = torch.library.custom_op("megamoe::moe_backward", mutates_args=("preact",))(
@@ -424,16 +495,16 @@ def _forward_backward(ctx, dout, *_state_grads):
     # The forward's plan (its saved index maps) and BLOCK_M: nothing is planned again.
     # On mm.moe's eager route the backward op's implementation is called directly, in
     # a profiler range of the op's name (see _EagerMoeForward).
-    with stage("moe_backward") if ctx.eager else contextlib.nullcontext():
-        grads = (_moe_backward_impl if ctx.eager else _moe_backward_op)(
-            dout=dout.contiguous(),
-            **inputs,
-            **ctx.options,
-            **state,
-            base_grads=needs["w13"] or needs["w2"],
-            side_grads=ctx.has_side and any(needs[name] for name in SIDE_NAMES),
-            block_m=ctx.block_m,
-        )
+    which = dict(
+        base_grads=needs["w13"] or needs["w2"],
+        side_grads=ctx.has_side and any(needs[name] for name in SIDE_NAMES),
+        block_m=ctx.block_m,
+    )
+    if ctx.eager:
+        with stage("moe_backward"):
+            grads = _eager_backward(dout.contiguous(), inputs, ctx.options, state, **which)
+    else:
+        grads = _moe_backward_op(dout=dout.contiguous(), **inputs, **ctx.options, **state, **which)
     return grads_for_inputs(
         _FORWARD_INPUTS, grads, needs, inputs, has_side=ctx.has_side, scale=ctx.options["scale"]
     )
