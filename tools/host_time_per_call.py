@@ -16,7 +16,10 @@ megamoe module with no-ops: an upper bound of what the checks cost (a measuremen
 the layer then accepts anything). ``--plain`` times without the wrappers instead: the
 medians over ``--calls`` calls of the host time to return from one call that starts on
 an idle GPU and of that call's wall time until its kernels are done, and the mean host
-time per call of ``--calls`` calls enqueued back to back.
+time per call of ``--calls`` calls enqueued back to back. ``--ab-backward-checks`` times
+the eager F+B with the backward's input check as the eager route runs it (``dout``
+only) and as the backward op runs it (everything again), in alternating rounds of one
+process: the host's speed differs more between processes than the check costs.
 """
 
 from __future__ import annotations
@@ -41,6 +44,11 @@ def main() -> int:
     parser.add_argument("--plain", action="store_true", help="no per-function timers")
     parser.add_argument(
         "--without-checks", action="store_true", help="the primitive argument checks as no-ops"
+    )
+    parser.add_argument(
+        "--ab-backward-checks",
+        action="store_true",
+        help="the eager backward checking dout only against checking everything, alternated",
     )
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -70,6 +78,8 @@ def main() -> int:
     if args.without_checks:
         forward_backward()  # every module of a pass loaded, then its checks disabled
         _disable_checks()
+    if args.ab_backward_checks:
+        return backward_checks_ab(forward_backward, args)
     if args.plain:
         return plain_times(passes, args)
 
@@ -168,6 +178,54 @@ def plain_times(passes, args) -> int:
             f"{label:8} {statistics.median(host) * 1e3:15.3f} "
             f"{statistics.median(wall) * 1e3:12.3f} {queued * 1e3:19.3f}"
         )
+    return 0
+
+
+def backward_checks_ab(forward_backward, args, rounds: int = 10) -> int:
+    """Host time of an eager F+B whose backward checks ``dout`` only (the eager route's
+    ``_eager_backward``) and one that first runs the backward op's whole input check
+    (``_backward_inputs``), in ``rounds`` alternating rounds of ``--calls`` calls each."""
+    from megamoe.custom_ops import layer as layer_ops
+    from megamoe.custom_ops.inputs import SAVED_INPUTS, SIDE_NAMES
+
+    dout_only = layer_ops._eager_backward
+    weights = SAVED_INPUTS[: SAVED_INPUTS.index(SIDE_NAMES[0])]  # x .. w2_scales
+
+    def checks_all(dout, inputs, options, state, **which):
+        layer_ops._backward_inputs(
+            dout, *(inputs[name] for name in weights), tuple(inputs[name] for name in SIDE_NAMES),
+            options["scale"], options["activation"], options["activation_clamp"],
+            *state.values(),
+        )  # fmt: skip
+        return dout_only(dout, inputs, options, state, **which)
+
+    cases = {"dout only": dout_only, "everything": checks_all}
+    medians: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(10):
+        forward_backward()
+    try:
+        for round_ in range(rounds):
+            for name in list(cases)[round_ % 2 :] + list(cases)[: round_ % 2]:
+                layer_ops._eager_backward = cases[name]
+                host = []
+                for _ in range(args.calls):
+                    torch.cuda.synchronize()
+                    start = time.perf_counter()
+                    forward_backward()
+                    host.append(time.perf_counter() - start)
+                medians[name].append(statistics.median(host) * 1e3)
+    finally:
+        layer_ops._eager_backward = dout_only
+    torch.cuda.synchronize()
+    saved = [full - only for full, only in zip(medians["everything"], medians["dout only"])]
+    print(
+        f"eager F+B, T={args.tokens} {args.format}: host ms, medians of {args.calls} calls "
+        f"per round, {rounds} alternating rounds"
+    )
+    for name, values in medians.items():
+        print(f"  backward checks {name:10}: median {statistics.median(values):.3f} "
+              f"(rounds {min(values):.3f}-{max(values):.3f})")  # fmt: skip
+    print(f"  saved per F+B: median {statistics.median(saved):.3f} ms over the rounds")
     return 0
 
 
