@@ -355,8 +355,8 @@ def _eager_backward(
     """mm.moe's eager route into the backward: the forward's implementation checked
     every input and made the state itself (autograd's saved-tensor check stops a backward
     after either was changed in place), so only ``dout`` is checked again here, not the
-    whole of :func:`_backward_inputs` (about 0.2 ms of host time a small-token step,
-    docs/PERFORMANCE.md, twenty-eighth session). Same result as the op."""
+    whole of :func:`_backward_inputs`, host time a small-token step pays
+    (docs/DESIGN-NOTES.md, "The op layer"). Same result as the op."""
     x = inputs["x"]
     check_tensor("dout", dout, shape=tuple(x.shape), dtypes=(torch.bfloat16,))
     check_devices([("x", x), ("dout", dout)], "x")
