@@ -134,10 +134,10 @@ def ep_forward_stages(
     side_expand = p_sum = None
     if use_side:
         with stage("adapter_expand"):
-            p_sum = pool.side_sum(returned, back, topk_weights, hidden)  # [T, r]
+            p_sum = pool.side_sum_unchecked(returned, back, topk_weights, hidden)  # [T, r]
             side_expand = p_sum @ side.b2
     with stage("combine"):
-        out = pool.combine(
+        out = pool.combine_unchecked(
             returned, back, topk_weights, side_expand, scale=side.scale if use_side else 0.0,
             hidden=hidden,
         )  # fmt: skip
@@ -223,7 +223,7 @@ def ep_backward_stages(
         )
         if routes.pool_capacity:
             with stage("recompute_gemm1"):
-                pool_input = pool.gather_pool(recv, None, routes)
+                pool_input = pool.gather_pool_unchecked(recv, None, routes)
                 gemm1(
                     pool_input, routes, base, side if use_side else None,
                     activation=activation, activation_clamp=activation_clamp,
@@ -302,9 +302,9 @@ def ep_backward_stages(
     ones = torch.ones_like(topk_weights)
     side_expand = shrink = None
     if use_side:
-        shrink = pool.side_sum(returned, back, ones, hidden)  # [T, 2r] = [sg | su]
+        shrink = pool.side_sum_unchecked(returned, back, ones, hidden)  # [T, 2r] = [sg | su]
         side_expand = shrink @ torch.cat([side.a1, side.a3], dim=1).T
-    grads["x"] = pool.combine(returned, back, ones, side_expand, scale=s, hidden=hidden)
+    grads["x"] = pool.combine_unchecked(returned, back, ones, side_expand, scale=s, hidden=hidden)
     if use_side:
         rank = side.rank
         shared = [s * mm_fp32(x.T, shrink), s * mm_fp32(saved["p_sum"].T, dout)]

@@ -43,7 +43,7 @@ from ..weights import BaseWeights
 from ..wrappers import pool
 from ..wrappers.activation_backward import fused_dgrad2_activation_backward
 from ..wrappers.grouped_gemm import grouped_gemm
-from ..wrappers.k_grouped_gemm import k_grouped_gemm
+from ..wrappers.k_grouped_gemm import k_grouped_gemm_unchecked
 from ..wrappers.routing import RoutePlan
 from .fused_forward import ForwardState, recompute_preact, stage
 
@@ -168,7 +168,7 @@ def _side_lora_pool_backward(
     local: dict[str, torch.Tensor | None] = dict.fromkeys(_LOCAL_NAMES)
     # dgrad2 + activation backward: z = [dout | s dout b2^T]_pool @ [w2_e ; a2_e^T].
     with stage("gather_dout"):
-        dout_pool = pool.gather_pool(dout_rows, db2_rows, plan)  # [P, H + r]
+        dout_pool = pool.gather_pool_unchecked(dout_rows, db2_rows, plan)  # [P, H + r]
     dgrad_preact, weighted_h, drouter = _dgrad2(
         dout_pool, preact, route_weights, plan, base, side.a2,
         activation=activation, activation_clamp=activation_clamp,
@@ -178,10 +178,14 @@ def _side_lora_pool_backward(
     if side_grads:
         with stage("grad_a2"):
             # s is already in the db2 columns.
-            local["a2"] = k_grouped_gemm(weighted_h, dout_pool[:, hidden:], plan)  # [E, I, r]
+            local["a2"] = k_grouped_gemm_unchecked(
+                weighted_h, dout_pool[:, hidden:], plan
+            )  # [E, I, r]
     if base_grads:
         with stage("grad_w2"):
-            local["w2"] = k_grouped_gemm(dout_pool[:, :hidden], weighted_h, plan)  # [E, H, I]
+            local["w2"] = k_grouped_gemm_unchecked(
+                dout_pool[:, :hidden], weighted_h, plan
+            )  # [E, H, I]
     # dw2 and da2 were their last readers: free the [P, H + r] dout pool and w h before
     # the [P, H] x pool arrives.
     del dout_pool, weighted_h
@@ -189,13 +193,13 @@ def _side_lora_pool_backward(
         local["w13"] = _grad_w13(dgrad_preact, x_rows, plan)
     if side_grads:
         with stage("grad_b13"):
-            q13_pool = pool.gather_pool(q13_rows, None, plan)  # [P, 2r]
+            q13_pool = pool.gather_pool_unchecked(q13_rows, None, plan)  # [P, 2r]
             # The two diagonal blocks of [q1 | q3]^T (dg | du) only: db1 = s q1^T dg,
             # db3 = s q3^T du, each [E, r, I] in the adapters' layout (row-strided views in).
-            local["b1"] = k_grouped_gemm(
+            local["b1"] = k_grouped_gemm_unchecked(
                 q13_pool[:, :rank], dgrad_preact[:, :inter], plan, scale=side.scale
             )
-            local["b3"] = k_grouped_gemm(
+            local["b3"] = k_grouped_gemm_unchecked(
                 q13_pool[:, rank:], dgrad_preact[:, inter:], plan, scale=side.scale
             )
             del q13_pool
@@ -230,14 +234,16 @@ def _ordinary_pool_backward(
     local: dict[str, torch.Tensor | None] = dict.fromkeys(_LOCAL_NAMES)
     # dgrad2 + activation backward: z = dout_pool @ w2_e.
     with stage("gather_dout"):
-        dout_pool = pool.gather_pool(dout_rows, None, plan)  # [P, H]
+        dout_pool = pool.gather_pool_unchecked(dout_rows, None, plan)  # [P, H]
     dgrad_preact, weighted_h, drouter = _dgrad2(
         dout_pool, preact, route_weights, plan, base, None,
         activation=activation, activation_clamp=activation_clamp, weighted_h=base_grads,
     )  # fmt: skip
     if base_grads:
         with stage("grad_w2"):
-            local["w2"] = k_grouped_gemm(dout_pool[:, :hidden], weighted_h, plan)  # [E, H, I]
+            local["w2"] = k_grouped_gemm_unchecked(
+                dout_pool[:, :hidden], weighted_h, plan
+            )  # [E, H, I]
     # dw2 was their last reader: free the [P, H] dout pool and w h before the [P, H] x
     # pool arrives (ordinary mode's peak is here).
     del dout_pool, weighted_h
@@ -290,8 +296,8 @@ def _grad_w13(dgrad_preact: torch.Tensor, x_rows: torch.Tensor, plan: RoutePlan)
     """``dw13 [E, 2I, H]`` (a trainable base): the x pool gathered, contracted with
     ``dg | du`` and freed."""
     with stage("grad_w13"):
-        x_pool = pool.gather_pool(x_rows, None, plan)
-        grad = k_grouped_gemm(dgrad_preact, x_pool, plan)  # [E, 2I, H]
+        x_pool = pool.gather_pool_unchecked(x_rows, None, plan)
+        grad = k_grouped_gemm_unchecked(dgrad_preact, x_pool, plan)  # [E, 2I, H]
         del x_pool
     return grad
 
@@ -370,9 +376,11 @@ def moe_backward(
         side_expand = shrink = None
         dx_pool = stage_grads.dx_shrink_pool  # [P, H (+ 2r)]: dx, then the shrinks
         if use_side:
-            shrink = pool.side_sum(dx_pool, plan, ones, hidden)  # [T, 2r] = [sg | su]
+            shrink = pool.side_sum_unchecked(dx_pool, plan, ones, hidden)  # [T, 2r] = [sg | su]
             side_expand = shrink @ torch.cat([side.a1, side.a3], dim=1).T  # [T, H]
-        grads["x"] = pool.combine(dx_pool, plan, ones, side_expand, scale=s, hidden=hidden)
+        grads["x"] = pool.combine_unchecked(
+            dx_pool, plan, ones, side_expand, scale=s, hidden=hidden
+        )
     del stage_grads, dx_pool
 
     # The dense shared-factor gradients, once per token, FP32 sums rounded once.

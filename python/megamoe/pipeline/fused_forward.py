@@ -115,10 +115,10 @@ def moe_forward(
     p_sum = None
     if use_side:
         with stage("adapter_expand"):
-            p_sum = pool.side_sum(pool_output, plan, topk_weights, base.hidden)  # [T, r]
+            p_sum = pool.side_sum_unchecked(pool_output, plan, topk_weights, base.hidden)  # [T, r]
             side_expand = p_sum @ side.b2  # [T, H], once per token
     with stage("combine"):
-        out = pool.combine(
+        out = pool.combine_unchecked(
             pool_output,
             plan,
             topk_weights,
@@ -188,7 +188,7 @@ def expert_stage(
     largest forward buffer, is freed before GEMM2.
     """
     with stage("gather"):
-        pool_input = pool.gather_pool(rows, side_rows, plan)
+        pool_input = pool.gather_pool_unchecked(rows, side_rows, plan)
     hidden_pool = gemm1(
         pool_input,
         plan,
@@ -218,7 +218,7 @@ def recompute_preact(
     plan = state.plan
     use_side = state.q13 is not None
     with stage("gather"):
-        pool_input = pool.gather_pool(x, state.q13, plan)
+        pool_input = pool.gather_pool_unchecked(x, state.q13, plan)
     preact = torch.empty(
         plan.pool_capacity, 2 * base.intermediate, dtype=torch.bfloat16, device=x.device
     )

@@ -39,46 +39,21 @@ VECTOR_BYTES = 16
 __all__ = [
     "combine",
     "combine_reference",
+    "combine_unchecked",
     "gather_pool",
     "gather_pool_reference",
+    "gather_pool_unchecked",
     "gather_rows",
     "side_sum",
     "side_sum_reference",
+    "side_sum_unchecked",
 ]
 
 
 def _check_plan(plan: object) -> RoutePlan:
+    # A RoutePlan checks its index maps when it is made (RoutePlan.__post_init__).
     if not isinstance(plan, RoutePlan):
         raise TypeError(f"plan: expected a megamoe.RoutePlan, got {type(plan).__name__}")
-    device = plan.pool_row_to_route.device
-    check_tensor(
-        "plan.pool_row_to_route",
-        plan.pool_row_to_route,
-        ndim=1,
-        dtypes=(torch.int32,),
-        contiguous=True,
-    )
-    check_tensor(
-        "plan.route_to_pool_row",
-        plan.route_to_pool_row,
-        ndim=2,
-        dtypes=(torch.int32,),
-        device=device,
-        contiguous=True,
-    )
-    check_tensor(
-        "plan.expert_pool_offsets",
-        plan.expert_pool_offsets,
-        ndim=1,
-        dtypes=(torch.int32,),
-        device=device,
-        contiguous=True,
-    )
-    if plan.expert_pool_offsets.shape[0] < 2:
-        raise ValueError(
-            "plan.expert_pool_offsets: expected [E_l + 1] entries with E_l >= 1, got shape "
-            f"{list(plan.expert_pool_offsets.shape)}"
-        )
     return plan
 
 
@@ -200,18 +175,36 @@ def gather_pool(
     token-major for ``K > 1`` (each token's row read once, written to its ``K`` pool
     rows), a warp per row in use for ``K = 1``; on CPU it is :func:`gather_pool_reference`.
     """
-    plan, hidden, side_cols, top_k = _check_gather(x, side, plan, out)
+    plan = _check_gather(x, side, plan, out)[0]
     if not x.is_cuda:
         return gather_pool_reference(x, side, plan, out)
+    return _launch_gather(x, side, plan, out)
+
+
+def gather_pool_unchecked(
+    x: torch.Tensor, side: torch.Tensor | None, plan: RoutePlan
+) -> torch.Tensor:
+    """:func:`gather_pool` for the fused pipelines, whose operands are made from inputs
+    already checked: no argument checks in Python (host time a small-token step pays per
+    check); the native launcher still checks dtypes, shapes, devices and alignment."""
+    if not x.is_cuda:
+        return gather_pool(x, side, plan)
+    return _launch_gather(x, side, plan, None)
+
+
+def _launch_gather(
+    x: torch.Tensor, side: torch.Tensor | None, plan: RoutePlan, out: torch.Tensor | None
+) -> torch.Tensor:
+    side_cols = 0 if side is None else side.shape[1]
     if out is None:
         out = torch.empty(
-            plan.pool_capacity, hidden + side_cols, dtype=torch.bfloat16, device=x.device
+            plan.pool_capacity, x.shape[1] + side_cols, dtype=torch.bfloat16, device=x.device
         )
     dl = _native.dlpack
     stream = _native.current_stream(x.device)
     side_arg = dl(side) if side_cols else None
     with _native.on_device(x.device):
-        if top_k > 1:  # each token's row read once for its K rows
+        if plan.route_to_pool_row.shape[1] > 1:  # each token's row read once for its K rows
             _native.native().pool_gather_tokens(
                 dl(x), side_arg, dl(plan.route_to_pool_row), dl(plan.pool_row_to_route),
                 dl(plan.expert_pool_offsets), dl(out), stream,
@@ -340,12 +333,36 @@ def side_sum(
         ``out[t] = bf16(sum_k w[t, k] * pool_output[row_tk, H:])`` over routes with a pool
         row, float32 in order ``k = 0 .. K-1``; tokens with no local route get zeros.
     """
-    plan, side_rank = _check_side_sum(pool_output, plan, topk_weights, hidden, out)
+    plan = _check_side_sum(pool_output, plan, topk_weights, hidden, out)[0]
     if not pool_output.is_cuda:
         return side_sum_reference(pool_output, plan, topk_weights, hidden, out)
-    num_tokens = plan.route_to_pool_row.shape[0]
+    return _launch_side_sum(pool_output, plan, topk_weights, hidden, out)
+
+
+def side_sum_unchecked(
+    pool_output: torch.Tensor, plan: RoutePlan, topk_weights: torch.Tensor, hidden: int
+) -> torch.Tensor:
+    """:func:`side_sum` for the fused pipelines (unchecked in Python, as
+    :func:`gather_pool_unchecked`)."""
+    if not pool_output.is_cuda:
+        return side_sum(pool_output, plan, topk_weights, hidden)
+    return _launch_side_sum(pool_output, plan, topk_weights, hidden, None)
+
+
+def _launch_side_sum(
+    pool_output: torch.Tensor,
+    plan: RoutePlan,
+    topk_weights: torch.Tensor,
+    hidden: int,
+    out: torch.Tensor | None,
+) -> torch.Tensor:
     if out is None:
-        out = torch.empty(num_tokens, side_rank, dtype=torch.bfloat16, device=pool_output.device)
+        out = torch.empty(
+            plan.route_to_pool_row.shape[0],
+            pool_output.shape[1] - hidden,
+            dtype=torch.bfloat16,
+            device=pool_output.device,
+        )
     dl = _native.dlpack
     with _native.on_device(pool_output.device):
         _native.native().pool_side_sum(
@@ -458,9 +475,38 @@ def combine(
         return combine_reference(
             pool_output, plan, topk_weights, side_expand, scale, out, hidden=hidden
         )
-    num_tokens = plan.route_to_pool_row.shape[0]
+    return _launch_combine(pool_output, plan, topk_weights, side_expand, scale, out, hidden)
+
+
+def combine_unchecked(
+    pool_output: torch.Tensor,
+    plan: RoutePlan,
+    topk_weights: torch.Tensor,
+    side_expand: torch.Tensor | None,
+    *,
+    scale: float,
+    hidden: int,
+) -> torch.Tensor:
+    """:func:`combine` for the fused pipelines (unchecked in Python, as
+    :func:`gather_pool_unchecked`): ``scale`` a Python float, ``hidden`` given."""
+    if not pool_output.is_cuda:
+        return combine(pool_output, plan, topk_weights, side_expand, scale, hidden=hidden)
+    return _launch_combine(pool_output, plan, topk_weights, side_expand, scale, None, hidden)
+
+
+def _launch_combine(
+    pool_output: torch.Tensor,
+    plan: RoutePlan,
+    topk_weights: torch.Tensor,
+    side_expand: torch.Tensor | None,
+    scale: float,
+    out: torch.Tensor | None,
+    hidden: int,
+) -> torch.Tensor:
     if out is None:
-        out = torch.empty(num_tokens, hidden, dtype=torch.bfloat16, device=pool_output.device)
+        out = torch.empty(
+            plan.route_to_pool_row.shape[0], hidden, dtype=torch.bfloat16, device=pool_output.device
+        )
     dl = _native.dlpack
     with _native.on_device(pool_output.device):
         _native.native().pool_combine(

@@ -14,6 +14,7 @@ them once the GPU has passed the plan, at the next planning call or in
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from dataclasses import dataclass
 
@@ -34,6 +35,9 @@ class RoutePlan:
     - ``route_to_pool_row`` ``[T, K]``: pool row of each route, -1 if masked/remote.
     - ``pool_row_to_route`` ``[pool_capacity]``: flat route index ``t*K + k`` of each
       pool row, -1 for padding and unused rows.
+
+    The last three are checked when a plan is made (int32, contiguous, their ranks, one
+    device, ``E_l >= 1``), so the ops that take a plan need not check it again.
     """
 
     expert_counts: torch.Tensor
@@ -41,6 +45,32 @@ class RoutePlan:
     route_to_pool_row: torch.Tensor
     pool_row_to_route: torch.Tensor
     block_m: int
+
+    def __post_init__(self) -> None:
+        # Checked once here rather than by every pool op that reads the plan: a small-token
+        # step pays host time per check (docs/DESIGN-NOTES.md, "The op layer").
+        device = self.pool_row_to_route.device
+        check_tensor(
+            "plan.pool_row_to_route",
+            self.pool_row_to_route,
+            ndim=1,
+            dtypes=(torch.int32,),
+            contiguous=True,
+        )
+        for name in ("route_to_pool_row", "expert_pool_offsets"):
+            check_tensor(
+                f"plan.{name}",
+                getattr(self, name),
+                ndim=2 if name == "route_to_pool_row" else 1,
+                dtypes=(torch.int32,),
+                device=device,
+                contiguous=True,
+            )
+        if self.expert_pool_offsets.shape[0] < 2:
+            raise ValueError(
+                "plan.expert_pool_offsets: expected [E_l + 1] entries with E_l >= 1, got shape "
+                f"{list(self.expert_pool_offsets.shape)}"
+            )
 
     @property
     def pool_capacity(self) -> int:
@@ -71,10 +101,33 @@ class _IdExtremes:
     landed: torch.cuda.Event  # recorded after the plan that writes ``host``
     limit: int | None  # ids must lie in [-1, limit) (None: no upper bound)
     device: torch.device
+    pooled: bool = False  # host and landed go back to the free lists once read
 
 
 _pending: list[_IdExtremes] = []
 _pending_lock = threading.Lock()
+
+# Pinned [2] slots and CUDA events are reused across calls: a pinned allocation and an
+# event's creation and destruction per plan are host time before a small-token forward's
+# first GEMM. A slot or event is free again once its check has been read.
+_SLOTS_PER_SLAB = 64
+_free_slots: list[torch.Tensor] = []
+_free_events: dict[torch.device, list[torch.cuda.Event]] = {}
+
+
+def _take_slot_and_event(device: torch.device) -> tuple[torch.Tensor, torch.cuda.Event]:
+    """A zeroed pinned ``[2]`` int64 slot and an event for ``device`` (events belong to
+    the device they were first recorded on)."""
+    with _pending_lock:
+        if not _free_slots:
+            slab = torch.empty(_SLOTS_PER_SLAB, 2, dtype=torch.int64, pin_memory=True)
+            _free_slots.extend(slab.unbind(0))  # each view keeps the slab alive
+        slot = _free_slots.pop()
+        events = _free_events.get(device)
+        event = events.pop() if events else torch.cuda.Event()
+    # Zeros read as in range if the launches stop before the plan writes them.
+    slot.zero_()
+    return slot, event
 
 
 def _id_range_error(low: int, high: int, limit: int | None, where: str = "") -> ValueError:
@@ -91,11 +144,11 @@ def _is_bad(low: int, high: int, limit: int | None) -> bool:
 
 def _raise_checked(snapshots: list[_IdExtremes]) -> None:
     """Raise for the first of ``snapshots`` (all landed) whose ids were out of range."""
-    bad = [s for s in snapshots if _is_bad(*s.host.tolist(), s.limit)]
+    bad = [s for s in snapshots if _is_bad(*s.host, s.limit)]
     if not bad:
         return
     first = bad[0]
-    low, high = first.host.tolist()
+    low, high = first.host
     more = f"; {len(bad) - 1} later call(s) too" if len(bad) > 1 else ""
     raise _id_range_error(
         low,
@@ -108,11 +161,20 @@ def _raise_checked(snapshots: list[_IdExtremes]) -> None:
 
 
 def _take_landed() -> list[_IdExtremes]:
-    """Remove and return the pending checks whose extremes have reached the host (no wait)."""
+    """Remove and return the pending checks whose extremes have reached the host (no
+    wait), their ``host`` read into a ``(min, max)`` tuple; pooled slots and events are
+    free again."""
     with _pending_lock:
         done = [s for s in _pending if s.landed.query()]
+        if not done:
+            return []
         _pending[:] = [s for s in _pending if s not in done]
-    return done
+        read = [dataclasses.replace(s, host=tuple(s.host.tolist())) for s in done]
+        for s in done:
+            if s.pooled:
+                _free_slots.append(s.host)
+                _free_events.setdefault(s.device, []).append(s.landed)
+    return read
 
 
 def check_errors() -> None:
@@ -147,13 +209,14 @@ def raise_finished_id_checks() -> None:
     _raise_checked(_take_landed())
 
 
-def _record_id_check(host: torch.Tensor, topk_ids: torch.Tensor, limit: int | None) -> None:
-    """Queue ``host`` (pinned ``[2]``, written by the current stream's work so far) as the
-    ids' ``(min, max)`` of one call, read once an event after that work has completed."""
-    landed = torch.cuda.Event()
+def _record_id_check(
+    host: torch.Tensor, landed: torch.cuda.Event, topk_ids: torch.Tensor, limit: int | None
+) -> None:
+    """Queue pooled ``host`` (written by the current stream's work so far) as the ids'
+    ``(min, max)`` of one call, read once ``landed``, recorded here, has completed."""
     landed.record(torch.cuda.current_stream(topk_ids.device))
     with _pending_lock:
-        _pending.append(_IdExtremes(host, landed, limit, topk_ids.device))
+        _pending.append(_IdExtremes(host, landed, limit, topk_ids.device, pooled=True))
 
 
 def _checks_on_device() -> bool:
@@ -283,12 +346,12 @@ def plan_routes(
     )
     dl = _native.dlpack
     with _native.on_device(device):  # the capture query asks the current device's stream
-        tile_extremes = host_extremes = None
+        tile_extremes = host_extremes = landed = None
         if check_ids and _checks_on_device():
-            raise_finished_id_checks()  # the earlier calls' errors, before this launch
+            if _pending:  # the earlier calls' errors, before this launch
+                _raise_checked(_take_landed())
             tile_extremes = torch.empty(num_tiles, 2, dtype=torch.int64, device=device)
-            # Zeros read as in range if the launches stop before the plan writes them.
-            host_extremes = torch.zeros(2, dtype=torch.int64, pin_memory=True)
+            host_extremes, landed = _take_slot_and_event(device)
         try:
             _native.native().route_plan(
                 dl(topk_ids),
@@ -308,5 +371,5 @@ def plan_routes(
             # Queued even if a launch failed: the pinned memory then lives until the
             # stream has passed whatever of the plan did launch.
             if host_extremes is not None:
-                _record_id_check(host_extremes, topk_ids, id_limit)
+                _record_id_check(host_extremes, landed, topk_ids, id_limit)
     return plan
