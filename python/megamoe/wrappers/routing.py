@@ -110,7 +110,6 @@ _pending_lock = threading.Lock()
 # Pinned [2] slots and CUDA events are reused across calls: a pinned allocation and an
 # event's creation and destruction per plan are host time before a small-token forward's
 # first GEMM. A slot or event is free again once its check has been read.
-_SLOTS_PER_SLAB = 64
 _free_slots: list[torch.Tensor] = []
 _free_events: dict[torch.device, list[torch.cuda.Event]] = {}
 
@@ -119,12 +118,13 @@ def _take_slot_and_event(device: torch.device) -> tuple[torch.Tensor, torch.cuda
     """A zeroed pinned ``[2]`` int64 slot and an event for ``device`` (events belong to
     the device they were first recorded on)."""
     with _pending_lock:
-        if not _free_slots:
-            slab = torch.empty(_SLOTS_PER_SLAB, 2, dtype=torch.int64, pin_memory=True)
-            _free_slots.extend(slab.unbind(0))  # each view keeps the slab alive
-        slot = _free_slots.pop()
+        slot = _free_slots.pop() if _free_slots else None
         events = _free_events.get(device)
         event = events.pop() if events else torch.cuda.Event()
+    if slot is None:
+        # A pinned allocation of its own (the launcher maps its start to a device pointer),
+        # made only while more checks are in flight than ever before.
+        slot = torch.empty(2, dtype=torch.int64, pin_memory=True)
     # Zeros read as in range if the launches stop before the plan writes them.
     slot.zero_()
     return slot, event
