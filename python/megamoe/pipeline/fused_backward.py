@@ -41,8 +41,8 @@ import torch.nn.functional as F
 from ..side_lora import SIDE_NAMES, SideLoRA
 from ..weights import BaseWeights
 from ..wrappers import pool
-from ..wrappers.activation_backward import fused_dgrad2_activation_backward
-from ..wrappers.grouped_gemm import grouped_gemm
+from ..wrappers.activation_backward import fused_dgrad2_activation_backward_unchecked
+from ..wrappers.grouped_gemm import grouped_gemm_unchecked
 from ..wrappers.k_grouped_gemm import k_grouped_gemm_unchecked
 from ..wrappers.routing import RoutePlan
 from .fused_forward import ForwardState, recompute_preact, stage
@@ -206,7 +206,7 @@ def _side_lora_pool_backward(
     # dgrad1 with the b1/b3 shrinks as extra columns, b1 and b3 read as given: (dg | du)
     # read once.
     with stage("dgrad1"):
-        dx_shrink_pool = grouped_gemm(
+        dx_shrink_pool = grouped_gemm_unchecked(
             dgrad_preact,
             base.w13,
             plan,
@@ -250,7 +250,7 @@ def _ordinary_pool_backward(
     if base_grads:
         local["w13"] = _grad_w13(dgrad_preact, x_rows, plan)
     with stage("dgrad1"):
-        dx_pool = grouped_gemm(
+        dx_pool = grouped_gemm_unchecked(
             dgrad_preact, base.w13, plan, b_major="mn", b_scales=base.w13_scales, b_extra=None
         )  # [P, H]
     return PoolBackward(dx_pool, drouter, local)
@@ -272,7 +272,7 @@ def _dgrad2(
     drouter)``, ``dg | du`` written over ``preact`` (its last reader), whose version is
     bumped."""
     with stage("dgrad2"):
-        dgrad_preact, weighted_h_out, drouter = fused_dgrad2_activation_backward(
+        dgrad_preact, weighted_h_out, drouter = fused_dgrad2_activation_backward_unchecked(
             dout_pool,
             base.w2,
             preact,

@@ -26,7 +26,7 @@ from ..side_lora import SideLoRA
 from ..validation.arguments import check_choice
 from ..weights import BaseWeights
 from ..wrappers import pool
-from ..wrappers.grouped_gemm import gated_grouped_gemm, grouped_gemm
+from ..wrappers.grouped_gemm import gated_grouped_gemm_unchecked, grouped_gemm_unchecked
 from ..wrappers.routing import RoutePlan, plan_routes
 
 #: What the forward keeps for the backward (see :func:`moe_forward`).
@@ -156,7 +156,7 @@ def gemm1(
                 side_scale=side.scale,
             )
         # MXFP4: the codes and scales, decoded inside the GEMM pipeline.
-        return gated_grouped_gemm(
+        return gated_grouped_gemm_unchecked(
             pool_input,
             base.w13,
             plan,
@@ -201,7 +201,9 @@ def expert_stage(
     del pool_input
     with stage("gemm2"):
         b_extra = None if side is None else side.a2  # [E, I, r] as given, read MN-major
-        return grouped_gemm(hidden_pool, base.w2, plan, b_extra=b_extra, b_scales=base.w2_scales)
+        return grouped_gemm_unchecked(
+            hidden_pool, base.w2, plan, b_extra=b_extra, b_scales=base.w2_scales
+        )
 
 
 def recompute_preact(

@@ -27,10 +27,22 @@ import torch.nn.functional as F
 
 from ..validation.arguments import check_choice, check_tensor
 from . import _native
-from .grouped_gemm import ACTIVATIONS, GROUP_M, _device_sms, _stream_chunk, grouped_gemm, mxfp4_b
+from .grouped_gemm import (
+    ACTIVATIONS,
+    GROUP_M,
+    _device_sms,
+    _stream_chunk,
+    grouped_gemm,
+    mxfp4_b,
+    mxfp4_b_unchecked,
+)
 from .routing import RoutePlan
 
-__all__ = ["activation_backward_reference", "fused_dgrad2_activation_backward"]
+__all__ = [
+    "activation_backward_reference",
+    "fused_dgrad2_activation_backward",
+    "fused_dgrad2_activation_backward_unchecked",
+]
 
 #: The engine's tile width: the router dot's partials come one per 256 columns of I.
 BLOCK_N = 256
@@ -180,6 +192,66 @@ def fused_dgrad2_activation_backward(
         if dgrad_out is not None:
             dgrad = dgrad_out.copy_(dgrad)
         return dgrad, weighted, drouter
+    return _launch(
+        dout_pool, w2, decode_scales, preact, topk_weights, plan, side_a2, activation,
+        activation_clamp, weighted_h, dgrad_out, hidden, intermediate, experts,
+    )  # fmt: skip
+
+
+def fused_dgrad2_activation_backward_unchecked(
+    dout_pool: torch.Tensor,
+    w2: torch.Tensor,
+    preact: torch.Tensor,
+    topk_weights: torch.Tensor,
+    plan: RoutePlan,
+    *,
+    side_a2: torch.Tensor | None,
+    activation: str,
+    activation_clamp: float | None,
+    weighted_h: bool,
+    w2_scales: torch.Tensor | None,
+    dgrad_out: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """:func:`fused_dgrad2_activation_backward` for the fused backward, whose operands are
+    made from inputs already checked: no argument checks in Python (host time a
+    small-token step pays per check); the native launchers still check dtypes, shapes,
+    strides, alignment and devices."""
+    if not preact.is_cuda:
+        return fused_dgrad2_activation_backward(
+            dout_pool, w2, preact, topk_weights, plan, side_a2=side_a2, activation=activation,
+            activation_clamp=activation_clamp, weighted_h=weighted_h, w2_scales=w2_scales,
+            dgrad_out=dgrad_out,
+        )  # fmt: skip
+    decode_scales = None
+    if w2_scales is not None:
+        _, w2, decode_scales = mxfp4_b_unchecked(w2, w2_scales, plan, "mn")
+    experts, hidden = w2.shape[0], w2.shape[1]
+    intermediate = w2.shape[2] * (2 if decode_scales is not None else 1)
+    return _launch(
+        dout_pool, w2, decode_scales, preact, topk_weights, plan, side_a2, activation,
+        activation_clamp, weighted_h, dgrad_out, hidden, intermediate, experts,
+    )  # fmt: skip
+
+
+def _launch(
+    dout_pool: torch.Tensor,
+    w2: torch.Tensor,
+    decode_scales: torch.Tensor | None,
+    preact: torch.Tensor,
+    topk_weights: torch.Tensor,
+    plan: RoutePlan,
+    side_a2: torch.Tensor | None,
+    activation: str,
+    activation_clamp: float | None,
+    weighted_h: bool,
+    dgrad_out: torch.Tensor | None,
+    hidden: int,
+    intermediate: int,
+    experts: int,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """The CUDA launch of :func:`fused_dgrad2_activation_backward`: the streaming kernel
+    where it takes the shape, else the engine; then the partials' reduction."""
+    device, capacity = preact.device, plan.pool_capacity
     n_blocks = -(-intermediate // BLOCK_N)
     dgrad_preact = torch.empty_like(preact) if dgrad_out is None else dgrad_out
     weighted = (

@@ -102,6 +102,17 @@ def mxfp4_b(
     return k, _dequantized(codes, scales), None
 
 
+def mxfp4_b_unchecked(
+    codes: torch.Tensor, scales: torch.Tensor, plan: RoutePlan, b_major: str = "k"
+) -> tuple[int, torch.Tensor, torch.Tensor | None]:
+    """:func:`mxfp4_b` of CUDA codes and scales without the argument checks (the fused
+    pipelines': the weights were checked where they entered)."""
+    k = codes.shape[1] if b_major == "mn" else 2 * codes.shape[2]
+    if mxfp4_decodes_in_pipeline(plan.pool_capacity, codes.shape[0]):
+        return k, codes, scales
+    return k, _dequantized(codes, scales), None
+
+
 def _stream_chunk(
     columns: int, tile: int, scales: torch.Tensor, plan: RoutePlan, experts: int
 ) -> int | None:
@@ -263,6 +274,65 @@ def grouped_gemm(
                     extra[:, :n_lo] = (rows[:, :k_lo] @ lo[e].float().T).bfloat16()
                     extra[:, n_lo:] = (rows[:, k_lo:k] @ hi[e].float().T).bfloat16()
         return out
+    return _launch_store(
+        a, b, plan, k, n_base, n_extra, decode_scales, major_mn, b_extra, b_extra_blocks, out
+    )
+
+
+def grouped_gemm_unchecked(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    plan: RoutePlan,
+    *,
+    b_extra: torch.Tensor | None = None,
+    b_extra_blocks: tuple[torch.Tensor, torch.Tensor] | None = None,
+    b_major: str = "k",
+    b_scales: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`grouped_gemm` (reducing over all of ``b``'s K) for the fused pipelines, whose
+    operands are made from inputs already checked: no argument checks in Python (host
+    time a small-token step pays per check); the native launchers still check dtypes,
+    shapes, strides, alignment and devices."""
+    if not a.is_cuda:
+        return grouped_gemm(
+            a, b, plan, b_extra=b_extra, b_extra_blocks=b_extra_blocks, b_major=b_major,
+            b_scales=b_scales,
+        )  # fmt: skip
+    major_mn = b_major == "mn"
+    decode_scales = None
+    if b_scales is not None:
+        k, b, decode_scales = mxfp4_b_unchecked(b, b_scales, plan, b_major)
+    else:
+        k = b.shape[1] if major_mn else b.shape[2]
+    packed = 2 if decode_scales is not None else 1
+    n_base = b.shape[2] * packed if major_mn else b.shape[1]
+    n_extra = 0
+    if b_extra is not None:
+        n_extra = b_extra.shape[2]
+    elif b_extra_blocks is not None:
+        n_extra = b_extra_blocks[0].shape[1] + b_extra_blocks[1].shape[1]
+    out = torch.empty(a.shape[0], n_base + n_extra, dtype=torch.bfloat16, device=a.device)
+    return _launch_store(
+        a, b, plan, k, n_base, n_extra, decode_scales, major_mn, b_extra, b_extra_blocks, out
+    )
+
+
+def _launch_store(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    plan: RoutePlan,
+    k: int,
+    n_base: int,
+    n_extra: int,
+    decode_scales: torch.Tensor | None,
+    major_mn: bool,
+    b_extra: torch.Tensor | None,
+    b_extra_blocks: tuple[torch.Tensor, torch.Tensor] | None,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """:func:`grouped_gemm`'s CUDA launch: the streaming kernel where it takes the shape,
+    else the engine."""
+    mxfp4 = decode_scales is not None
     extra_lo, extra_hi = (b_extra, None) if b_extra_blocks is None else b_extra_blocks
     dl = _native.dlpack
     chunk = None
@@ -405,6 +475,62 @@ def gated_grouped_gemm(
             a, w13, plan, k, activation, clamp, side_b_gate, side_b_up, side_scale, out, preact_out
         )
         return out
+    return _launch_gated(
+        a, w13, plan, k, decode_scales, activation, clamp, side_b_gate, side_b_up, side_scale,
+        out, preact_out,
+    )  # fmt: skip
+
+
+def gated_grouped_gemm_unchecked(
+    a: torch.Tensor,
+    w13: torch.Tensor,
+    plan: RoutePlan,
+    *,
+    k: int,
+    activation: str,
+    activation_clamp: float | None,
+    side_b_gate: torch.Tensor | None = None,
+    side_b_up: torch.Tensor | None = None,
+    side_scale: float = 0.0,
+    preact_out: torch.Tensor | None = None,
+    w13_scales: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`gated_grouped_gemm` for the fused pipelines (unchecked in Python, as
+    :func:`grouped_gemm_unchecked`)."""
+    if not a.is_cuda:
+        return gated_grouped_gemm(
+            a, w13, plan, k=k, activation=activation, activation_clamp=activation_clamp,
+            side_b_gate=side_b_gate, side_b_up=side_b_up, side_scale=side_scale,
+            preact_out=preact_out, w13_scales=w13_scales,
+        )  # fmt: skip
+    decode_scales = None
+    if w13_scales is not None:
+        _, w13, decode_scales = mxfp4_b_unchecked(w13, w13_scales, plan)
+    out = torch.empty(a.shape[0], w13.shape[1] // 2, dtype=torch.bfloat16, device=a.device)
+    clamp = math.inf if activation_clamp is None else float(activation_clamp)
+    return _launch_gated(
+        a, w13, plan, k, decode_scales, activation, clamp, side_b_gate, side_b_up, side_scale,
+        out, preact_out,
+    )  # fmt: skip
+
+
+def _launch_gated(
+    a: torch.Tensor,
+    w13: torch.Tensor,
+    plan: RoutePlan,
+    k: int,
+    decode_scales: torch.Tensor | None,
+    activation: str,
+    clamp: float,
+    side_b_gate: torch.Tensor | None,
+    side_b_up: torch.Tensor | None,
+    side_scale: float,
+    out: torch.Tensor,
+    preact_out: torch.Tensor | None,
+) -> torch.Tensor:
+    """:func:`gated_grouped_gemm`'s CUDA launch: the streaming kernel where it takes the
+    shape, else the engine."""
+    two_i = w13.shape[1]
     dl = _native.dlpack
     chunk = None
     if decode_scales is not None:
