@@ -7,8 +7,19 @@ import pytest
 import torch
 
 import megamoe as mm
+from megamoe.testing import make_layer
 from megamoe.testing.inputs import make_routing
 from megamoe.wrappers import pool
+from megamoe.wrappers.activation_backward import (
+    fused_dgrad2_activation_backward,
+    fused_dgrad2_activation_backward_unchecked,
+)
+from megamoe.wrappers.grouped_gemm import (
+    gated_grouped_gemm,
+    gated_grouped_gemm_unchecked,
+    grouped_gemm,
+    grouped_gemm_unchecked,
+)
 from megamoe.wrappers.k_grouped_gemm import k_grouped_gemm, k_grouped_gemm_unchecked
 
 pytestmark = pytest.mark.gpu
@@ -74,3 +85,61 @@ def test_bad_operands_raise_from_the_launchers() -> None:
     a = randn(plan.pool_capacity, 128)
     with pytest.raises(ValueError, match=r"^b: "):
         k_grouped_gemm_unchecked(a, randn(plan.pool_capacity - 1, 64), plan)
+
+
+# 40 tokens: the MXFP4 GEMMs stream (few rows per expert); 2048: the engine's paths.
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
+@pytest.mark.parametrize("tokens", [40, 2048])
+def test_gemm_entries_match_the_checked_ones(fmt: str, tokens: int) -> None:
+    hidden, inter, experts, rank = 512, 256, 8, 16
+    layer = make_layer(
+        hidden, inter, experts, 2, rank, num_tokens=tokens, seed=tokens, device="cuda", format=fmt
+    )
+    base, side = layer.base, layer.side
+    plan = mm.plan_routes(layer.topk_ids, experts, 64)
+    rows_used = int(plan.expert_pool_offsets[-1])  # rows past it are not written
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device="cuda", generator=gen).bfloat16()
+
+    def same(got: torch.Tensor, want: torch.Tensor) -> bool:
+        return torch.equal(got[:rows_used], want[:rows_used])
+
+    a = pool.gather_pool(layer.x, randn(tokens, 2 * rank), plan)
+    gated = dict(
+        k=hidden, activation="swiglu", activation_clamp=None, side_b_gate=side.b1,
+        side_b_up=side.b3, side_scale=side.scale, w13_scales=base.w13_scales,
+    )  # fmt: skip
+    preact = torch.empty(plan.pool_capacity, 2 * inter, dtype=torch.bfloat16, device="cuda")
+    preact_unchecked = torch.empty_like(preact)
+    h = gated_grouped_gemm(a, base.w13, plan, preact_out=preact, **gated)
+    h_unchecked = gated_grouped_gemm_unchecked(
+        a, base.w13, plan, preact_out=preact_unchecked, **gated
+    )
+    assert same(h_unchecked, h) and same(preact_unchecked, preact)
+
+    gemm2 = dict(b_extra=side.a2, b_scales=base.w2_scales)
+    assert same(
+        grouped_gemm_unchecked(h, base.w2, plan, **gemm2), grouped_gemm(h, base.w2, plan, **gemm2)
+    )
+
+    dgrad1 = dict(b_major="mn", b_scales=base.w13_scales, b_extra_blocks=(side.b1, side.b3))
+    dgu = randn(plan.pool_capacity, 2 * inter)
+    assert same(
+        grouped_gemm_unchecked(dgu, base.w13, plan, **dgrad1),
+        grouped_gemm(dgu, base.w13, plan, **dgrad1),
+    )
+
+    dgrad2 = dict(
+        side_a2=side.a2, activation="swiglu", activation_clamp=None, weighted_h=True,
+        w2_scales=base.w2_scales, dgrad_out=None,
+    )  # fmt: skip
+    dout_pool = randn(plan.pool_capacity, hidden + rank)
+    weights = layer.topk_weights
+    checked = fused_dgrad2_activation_backward(dout_pool, base.w2, preact, weights, plan, **dgrad2)
+    unchecked = fused_dgrad2_activation_backward_unchecked(
+        dout_pool, base.w2, preact, weights, plan, **dgrad2
+    )
+    assert same(unchecked[0], checked[0]) and same(unchecked[1], checked[1])
+    assert torch.equal(unchecked[2], checked[2])
