@@ -280,6 +280,24 @@ def test_memory_bench_watches_stages_that_exist():
         assert callable(getattr(module, name, None)), f"{module.__name__}.{name}"
 
 
+def test_memory_bench_stages_are_what_the_pipelines_call():
+    """Each watched stage is called in the fused pipelines' source (a pipeline that moves
+    to another entry, e.g. a checked wrapper's ``*_unchecked`` twin, must fail here and
+    not leave that stage silently unwatched; on the CPU the twins call the checked
+    wrappers, so running the pipeline could not tell)."""
+    import inspect
+    import re
+
+    from megamoe.bench.memory import STAGES
+    from megamoe.pipeline import fused_backward, fused_forward
+
+    source = inspect.getsource(fused_forward) + inspect.getsource(fused_backward)
+    for module, name in STAGES:
+        prefix = "pool." if module.__name__.endswith(".pool") else ""
+        called = re.search(rf"(?<![\w.]){re.escape(prefix + name)}\(", source)
+        assert called, f"{module.__name__}.{name}"
+
+
 # ------------------------------------------------------------------- launches
 
 

@@ -26,13 +26,13 @@ GIB = 2**30
 # up at call time (tests/cpu/test_bench.py checks that each still exists).
 STAGES = [
     (fused_forward, "plan_routes"),
-    (fused_forward.pool, "gather_pool"),
+    (fused_forward.pool, "gather_pool_unchecked"),
     (fused_forward, "gated_grouped_gemm"),
     (fused_forward, "grouped_gemm"),
-    (fused_forward.pool, "side_sum"),
-    (fused_forward.pool, "combine"),
+    (fused_forward.pool, "side_sum_unchecked"),
+    (fused_forward.pool, "combine_unchecked"),
     (fused_backward, "fused_dgrad2_activation_backward"),
-    (fused_backward, "k_grouped_gemm"),
+    (fused_backward, "k_grouped_gemm_unchecked"),
     (fused_backward, "grouped_gemm"),  # dgrad1 with the b1/b3 shrink columns
     (fused_backward, "recompute_preact"),
 ]
@@ -48,7 +48,7 @@ def _watch(rows: list[tuple[str, float, float]]) -> list[tuple[object, str, Call
             result = __original(*args, **kwargs)
             rows.append(
                 (
-                    __name,
+                    __name.removesuffix("_unchecked"),  # the pipelines' entries: same stage
                     torch.cuda.memory_allocated() / GIB,
                     torch.cuda.max_memory_allocated() / GIB,
                 )
