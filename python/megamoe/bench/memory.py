@@ -27,13 +27,13 @@ GIB = 2**30
 STAGES = [
     (fused_forward, "plan_routes"),
     (fused_forward.pool, "gather_pool_unchecked"),
-    (fused_forward, "gated_grouped_gemm"),
-    (fused_forward, "grouped_gemm"),
+    (fused_forward, "gated_grouped_gemm_unchecked"),
+    (fused_forward, "grouped_gemm_unchecked"),
     (fused_forward.pool, "side_sum_unchecked"),
     (fused_forward.pool, "combine_unchecked"),
-    (fused_backward, "fused_dgrad2_activation_backward"),
+    (fused_backward, "fused_dgrad2_activation_backward_unchecked"),
     (fused_backward, "k_grouped_gemm_unchecked"),
-    (fused_backward, "grouped_gemm"),  # dgrad1 with the b1/b3 shrink columns
+    (fused_backward, "grouped_gemm_unchecked"),  # dgrad1 with the b1/b3 shrink columns
     (fused_backward, "recompute_preact"),
 ]
 
