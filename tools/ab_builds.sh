@@ -18,7 +18,12 @@
 # OUT_DIR/summary.txt (a line per build and run: exit status, seconds, last log line)
 # and OUT_DIR/logs.tgz (every log), nothing else: the device tool returns at most 8
 # files. The build requirements come from wheels in .whl/ (or MEGAMOE_WHEELS), as in
-# tools/gpu_session.sh.
+# tools/gpu_session.sh. Rounds alternate the order of the builds (A B, then B A, ...).
+#
+# AB_SHARE_BUILD=1: for changes to the Python package only (host-path A/Bs). Only the
+# first tarball is built; every other runs its own python/megamoe with that build's
+# compiled module (_C and _build_info.py copied in), so the native code is the same
+# bits and the lease pays one build.
 set -u
 
 usage="usage: tools/ab_builds.sh AB_DIR OUT_DIR ROUNDS LIMIT -- COMMAND..."
@@ -53,15 +58,20 @@ if compgen -G "$wheels/*.whl" >/dev/null; then
 fi
 base_path=${PYTHONPATH:-}
 
-# Builds side by side, the cores shared among them.
-jobs=$(($(nproc) / ${#tarballs[@]}))
-[ "$jobs" -ge 1 ] || jobs=1
 names=()
 for tarball in "${tarballs[@]}"; do
   name=$(basename "$tarball" .tar)
   names+=("$name")
   mkdir -p "$work/src-$name"
   tar -xf "$tarball" -C "$work/src-$name"
+done
+built=("${names[@]}")
+[ "${AB_SHARE_BUILD:-0}" = 1 ] && built=("${names[0]}")
+
+# Builds side by side, the cores shared among them.
+jobs=$(($(nproc) / ${#built[@]}))
+[ "$jobs" -ge 1 ] || jobs=1
+for name in "${built[@]}"; do
   (
     cd "$work/src-$name" || exit 1
     t0=$(date +%s)
@@ -71,10 +81,24 @@ for tarball in "${tarballs[@]}"; do
   ) &
 done
 wait
+if [ "${AB_SHARE_BUILD:-0}" = 1 ] && [ -d "$work/site-${names[0]}/megamoe" ]; then
+  for name in "${names[@]:1}"; do
+    mkdir -p "$work/site-$name"
+    cp -r "$work/src-$name/python/megamoe" "$work/site-$name/"
+    cp "$work/site-${names[0]}"/megamoe/_C*.so "$work/site-${names[0]}/megamoe/_build_info.py" \
+      "$work/site-$name/megamoe/"
+    echo "python-only $name: ${names[0]}'s compiled module" >>"$logs/summary.txt"
+  done
+fi
 
 cd /tmp || exit 1
 for round in $(seq 1 "$rounds"); do
-  for name in "${names[@]}"; do
+  order=("${names[@]}")
+  if [ $((round % 2)) = 0 ]; then # reversed on even rounds
+    order=()
+    for ((i = ${#names[@]} - 1; i >= 0; i--)); do order+=("${names[i]}"); done
+  fi
+  for name in "${order[@]}"; do
     [ -d "$work/site-$name" ] || continue
     log="$logs/$name-$round.log"
     t0=$(date +%s)
