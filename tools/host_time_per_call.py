@@ -20,6 +20,9 @@ time per call of ``--calls`` calls enqueued back to back. ``--ab-backward-checks
 the eager F+B with the backward's input check as the eager route runs it (``dout``
 only) and as the backward op runs it (everything again), in alternating rounds of one
 process: the host's speed differs more between processes than the check costs.
+``--ab-unchecked`` times the eager F+B with the fused pipelines calling their unchecked
+entries (``*_unchecked``: pool ops, GEMM wrappers, dgrad2's) as they do, and with each
+replaced by its checked twin, in alternating rounds of one process.
 """
 
 from __future__ import annotations
@@ -49,6 +52,11 @@ def main() -> int:
         "--ab-backward-checks",
         action="store_true",
         help="the eager backward checking dout only against checking everything, alternated",
+    )
+    parser.add_argument(
+        "--ab-unchecked",
+        action="store_true",
+        help="the pipelines' unchecked entries against their checked twins, alternated",
     )
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -80,6 +88,8 @@ def main() -> int:
         _disable_checks()
     if args.ab_backward_checks:
         return backward_checks_ab(forward_backward, args)
+    if args.ab_unchecked:
+        return unchecked_entries_ab(forward_backward, args)
     if args.plain:
         return plain_times(passes, args)
 
@@ -181,10 +191,10 @@ def plain_times(passes, args) -> int:
     return 0
 
 
-def backward_checks_ab(forward_backward, args, rounds: int = 10) -> int:
+def backward_checks_ab(forward_backward, args) -> int:
     """Host time of an eager F+B whose backward checks ``dout`` only (the eager route's
     ``_eager_backward``) and one that first runs the backward op's whole input check
-    (``_backward_inputs``), in ``rounds`` alternating rounds of ``--calls`` calls each."""
+    (``_backward_inputs``), in alternating rounds."""
     from megamoe.custom_ops import layer as layer_ops
     from megamoe.custom_ops.inputs import SAVED_INPUTS, SIDE_NAMES
 
@@ -199,14 +209,56 @@ def backward_checks_ab(forward_backward, args, rounds: int = 10) -> int:
         )  # fmt: skip
         return dout_only(dout, inputs, options, state, **which)
 
-    cases = {"dout only": dout_only, "everything": checks_all}
-    medians: dict[str, list[float]] = {name: [] for name in cases}
+    def use(backward):
+        return lambda: setattr(layer_ops, "_eager_backward", backward)
+
+    cases = {"dout only": use(dout_only), "everything": use(checks_all)}
+    return alternating_rounds(forward_backward, cases, "backward checks", args)
+
+
+def unchecked_entries_ab(forward_backward, args) -> int:
+    """Host time of an eager F+B with the fused pipelines' ``*_unchecked`` entries as
+    they are and with each replaced by its checked twin (the same name without the
+    suffix, in the module that defines it), in alternating rounds."""
+    import importlib
+
+    swaps = []  # (namespace, name, unchecked entry, checked twin)
+    for module_name in ("megamoe.pipeline.fused_forward", "megamoe.pipeline.fused_backward"):
+        module = importlib.import_module(module_name)
+        for name, entry in vars(module).items():
+            if name.endswith("_unchecked") and callable(entry):
+                home = sys.modules[entry.__module__]
+                swaps.append((module, name, entry, getattr(home, name.removesuffix("_unchecked"))))
+    from megamoe.wrappers import pool
+
+    for name, entry in vars(pool).items():  # the pipelines call these as pool.<name>
+        if name.endswith("_unchecked") and callable(entry):
+            swaps.append((pool, name, entry, getattr(pool, name.removesuffix("_unchecked"))))
+    print("swapped: " + ", ".join(sorted({name for _, name, _, _ in swaps})))
+
+    def use(checked: bool):
+        def apply():
+            for namespace, name, unchecked, twin in swaps:
+                setattr(namespace, name, twin if checked else unchecked)
+
+        return apply
+
+    cases = {"unchecked": use(False), "checked": use(True)}
+    return alternating_rounds(forward_backward, cases, "pipeline entries", args)
+
+
+def alternating_rounds(forward_backward, cases, what: str, args, rounds: int = 10) -> int:
+    """Host time of an eager F+B under each of two ``cases`` (name -> a function that
+    puts it in place; the first is restored at the end), in ``rounds`` alternating rounds
+    of ``--calls`` calls each; prints the medians and the second's extra time."""
+    names = list(cases)
+    medians: dict[str, list[float]] = {name: [] for name in names}
     for _ in range(10):
         forward_backward()
     try:
         for round_ in range(rounds):
-            for name in list(cases)[round_ % 2 :] + list(cases)[: round_ % 2]:
-                layer_ops._eager_backward = cases[name]
+            for name in names[round_ % 2 :] + names[: round_ % 2]:
+                cases[name]()
                 host = []
                 for _ in range(args.calls):
                     torch.cuda.synchronize()
@@ -215,17 +267,20 @@ def backward_checks_ab(forward_backward, args, rounds: int = 10) -> int:
                     host.append(time.perf_counter() - start)
                 medians[name].append(statistics.median(host) * 1e3)
     finally:
-        layer_ops._eager_backward = dout_only
+        cases[names[0]]()
     torch.cuda.synchronize()
-    saved = [full - only for full, only in zip(medians["everything"], medians["dout only"])]
+    saved = [second - first for first, second in zip(medians[names[0]], medians[names[1]])]
     print(
         f"eager F+B, T={args.tokens} {args.format}: host ms, medians of {args.calls} calls "
         f"per round, {rounds} alternating rounds"
     )
     for name, values in medians.items():
-        print(f"  backward checks {name:10}: median {statistics.median(values):.3f} "
+        print(f"  {what} {name:10}: median {statistics.median(values):.3f} "
               f"(rounds {min(values):.3f}-{max(values):.3f})")  # fmt: skip
-    print(f"  saved per F+B: median {statistics.median(saved):.3f} ms over the rounds")
+    print(
+        f"  saved per F+B by {names[0]}: median {statistics.median(saved):.3f} ms over the "
+        f"rounds (range {min(saved):.3f} to {max(saved):.3f})"
+    )
     return 0
 
 
