@@ -17,7 +17,7 @@ import torch
 import megamoe as mm
 from megamoe.testing import LayerInputs, make_layer
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.cuda_graph]
 
 HIDDEN, INTER, EXPERTS, TOP_K, RANK = 512, 256, 8, 6, 64
 

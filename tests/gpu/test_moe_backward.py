@@ -218,6 +218,7 @@ def test_torch_compile_fullgraph():
         assert torch.equal(a, b)
 
 
+@pytest.mark.cuda_graph
 def test_cuda_graph_capture_and_replay():
     fast, _ = _layers(256, 128, 8, 2, 16, 300, seed=37)
     dout = _dout(300, 256)

@@ -316,6 +316,7 @@ def test_runs_on_a_non_default_stream():
     assert_bitwise(out, pool.combine_reference(cpu, case.plan_cpu, weights, side_expand.cpu(), 0.5))
 
 
+@pytest.mark.cuda_graph
 def test_under_cuda_graph_capture():
     # No host synchronisation: the rows in use are read on the device, so a captured
     # gather follows a new routing on replay.

@@ -76,6 +76,7 @@ def test_repeated_runs_are_bitwise_identical():
         assert_same_plan(mm.plan_routes(ids, 64, 128), first)
 
 
+@pytest.mark.cuda_graph
 def test_runs_on_the_current_stream_and_under_graph_capture():
     ids, _ = make_routing(4000, 32, 6, kind="masked", seed=5)
     ids = ids.cuda()
