@@ -32,6 +32,9 @@ class _Event:
 def pending(monkeypatch: pytest.MonkeyPatch) -> list:
     queue: list = []
     monkeypatch.setattr(routing, "_pending", queue)
+    # Landed checks return their slots and events: keep the stand-ins off the real lists.
+    monkeypatch.setattr(routing, "_free_slots", [])
+    monkeypatch.setattr(routing, "_free_events", {})
     return queue
 
 
@@ -110,24 +113,17 @@ def test_planning_cpu_ids_checks_them_at_once(pending: list) -> None:
     assert pending == []  # CPU ids leave nothing to read later
 
 
-def test_a_landed_pooled_check_frees_its_slot_and_event(
-    pending: list, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # A pooled check's pinned slot and event are reused by later plans once its values
-    # have been read; an unpooled one (made elsewhere) is never put on the free lists.
-    free_slots: list = []
-    free_events: dict = {}
-    monkeypatch.setattr(routing, "_free_slots", free_slots)
-    monkeypatch.setattr(routing, "_free_events", free_events)
+def test_a_landed_check_frees_its_slot_and_event(pending: list) -> None:
+    # A check's pinned slot and event are reused by later plans once its values have
+    # been read; one still in flight keeps both.
     device = torch.device("cuda", 0)
-    landed = routing._IdExtremes(torch.tensor([-1, 9]), _Event(True), 8, device, pooled=True)
-    in_flight = routing._IdExtremes(torch.tensor([0, 3]), _Event(False), 8, device, pooled=True)
-    unpooled = _snapshot(-1, 2, 8, done=True)
-    pending.extend([landed, in_flight, unpooled])
+    landed = routing._IdExtremes(torch.tensor([-1, 9]), _Event(True), 8, device)
+    in_flight = routing._IdExtremes(torch.tensor([0, 3]), _Event(False), 8, device)
+    pending.extend([landed, in_flight])
     taken = routing._take_landed()
-    assert [s.host for s in taken] == [(-1, 9), (-1, 2)]  # read before the slot is freed
-    assert len(free_slots) == 1 and free_slots[0] is landed.host
-    assert free_events == {device: [landed.landed]}
+    assert [s.host for s in taken] == [(-1, 9)]  # read before the slot is freed
+    assert routing._free_slots == [landed.host]
+    assert routing._free_events == {device: [landed.landed]}
     assert pending == [in_flight]
     with pytest.raises(ValueError, match=r"got values in \[-1, 9\] in an earlier call"):
         routing._raise_checked(taken)

@@ -97,8 +97,8 @@ def mxfp4_b(
     its decode warps read both in the caller's layout, no copy), else an exact BF16
     decode (the same values bit for bit) and None; on the CPU the decode."""
     k = _check_mxfp4(name, codes, scales, device, b_major)
-    if codes.is_cuda and mxfp4_decodes_in_pipeline(plan.pool_capacity, codes.shape[0]):
-        return k, codes, scales
+    if codes.is_cuda:
+        return mxfp4_b_unchecked(codes, scales, plan, b_major)
     return k, _dequantized(codes, scales), None
 
 

@@ -101,7 +101,6 @@ class _IdExtremes:
     landed: torch.cuda.Event  # recorded after the plan that writes ``host``
     limit: int | None  # ids must lie in [-1, limit) (None: no upper bound)
     device: torch.device
-    pooled: bool = False  # host and landed go back to the free lists once read
 
 
 _pending: list[_IdExtremes] = []
@@ -162,7 +161,7 @@ def _raise_checked(snapshots: list[_IdExtremes]) -> None:
 
 def _take_landed() -> list[_IdExtremes]:
     """Remove and return the pending checks whose extremes have reached the host (no
-    wait), their ``host`` read into a ``(min, max)`` tuple; pooled slots and events are
+    wait), their ``host`` read into a ``(min, max)`` tuple; their slots and events are
     free again."""
     with _pending_lock:
         done = [s for s in _pending if s.landed.query()]
@@ -171,9 +170,8 @@ def _take_landed() -> list[_IdExtremes]:
         _pending[:] = [s for s in _pending if s not in done]
         read = [dataclasses.replace(s, host=tuple(s.host.tolist())) for s in done]
         for s in done:
-            if s.pooled:
-                _free_slots.append(s.host)
-                _free_events.setdefault(s.device, []).append(s.landed)
+            _free_slots.append(s.host)
+            _free_events.setdefault(s.device, []).append(s.landed)
     return read
 
 
@@ -212,11 +210,12 @@ def raise_finished_id_checks() -> None:
 def _record_id_check(
     host: torch.Tensor, landed: torch.cuda.Event, topk_ids: torch.Tensor, limit: int | None
 ) -> None:
-    """Queue pooled ``host`` (written by the current stream's work so far) as the ids'
-    ``(min, max)`` of one call, read once ``landed``, recorded here, has completed."""
+    """Queue ``host`` (a slot of :func:`_take_slot_and_event`, written by the current
+    stream's work so far) as the ids' ``(min, max)`` of one call, read once ``landed``,
+    recorded here, has completed."""
     landed.record(torch.cuda.current_stream(topk_ids.device))
     with _pending_lock:
-        _pending.append(_IdExtremes(host, landed, limit, topk_ids.device, pooled=True))
+        _pending.append(_IdExtremes(host, landed, limit, topk_ids.device))
 
 
 def _checks_on_device() -> bool:
