@@ -156,7 +156,7 @@ def _dispatch_token_rows(
     to the experts' ranks: the ``[pool routes, H (+ 2r)]`` receive buffer."""
     token_rows = x
     if side is not None:
-        token_rows = torch.cat([x, x @ side.a1, x @ side.a3], dim=1)
+        token_rows = torch.cat([x, x @ torch.cat([side.a1, side.a3], dim=1)], dim=1)
     return _exchange_into(
         plan.pool_routes,
         token_rows.index_select(0, plan.send_tokens),
