@@ -184,6 +184,34 @@ __host__ __device__ constexpr int stream_scale_slot_row(int slot) {
   return 64 * (slot / 32) + 16 * ((slot / 8) % 4) + slot % 8;
 }
 
+// A role's position in the ring as shared addresses: the current stage, its full barrier
+// (its empty barrier kStages barriers on) and the phase, all advanced in registers, so a
+// step converts no generic pointer and reads no parameter (the producer's TMA issue, one
+// thread, takes the stage's generic pointers by index).
+template <class C>
+struct StreamRing {
+  uint32_t stage_address, full, phase = 0;
+  int stage = 0;
+  __device__ __forceinline__ explicit StreamRing(const StreamStorage<C>& smem)
+      : stage_address(shared_address(smem.stages)), full(shared_address(smem.full)) {}
+  __device__ __forceinline__ uint32_t a() const { return stage_address; }
+  __device__ __forceinline__ uint32_t b() const { return stage_address + C::kABytes; }
+  __device__ __forceinline__ uint32_t scale_words() const {
+    return stage_address + C::kScaleWordOffset;
+  }
+  __device__ __forceinline__ uint32_t empty() const { return full + 8 * C::kStages; }
+  __device__ __forceinline__ void advance() {
+    stage_address += C::kStageBytes;
+    full += 8;
+    if (++stage == C::kStages) {
+      stage = 0;
+      stage_address -= C::kStages * C::kStageBytes;
+      full -= 8 * C::kStages;
+      phase ^= 1u;
+    }
+  }
+};
+
 // ---- producer warpgroup ----
 // Thread i of the producer warpgroup writes, per base step, the scale words of two lines
 // (scale_word): consumer quad i / 2's lines 2h and 2h + 1 (h = i % 2: rows r and r + 8 of
@@ -291,7 +319,7 @@ __device__ __forceinline__ void stream_produce(const WeightStreamParams& p,
                                                const StreamStorage<C>& smem, int thread) {
   constexpr int kAhead = C::kScaleStepsAhead;
   const typename C::Schedule schedule(p);
-  RingState<C::kStages> ring;
+  StreamRing<C> ring(smem);
   const bool issues_copies = thread == 0;
   for (int t = blockIdx.x; t < schedule.num_tiles(); t += gridDim.x) {
     const StreamTile tile = schedule.tile(t);
@@ -299,7 +327,7 @@ __device__ __forceinline__ void stream_produce(const WeightStreamParams& p,
     const int segment_steps = C::kSegmentEveryTile || tile.extra ? p.segment_steps : 0;
     const int base_steps = C::kSegmentEveryTile || !tile.extra ? p.base_steps : 0;
     for (int step = 0; step < segment_steps; ++step) {
-      Barrier::wait(&smem.empty[ring.stage], ring.phase ^ 1u);
+      wait_barrier(ring.empty(), ring.phase ^ 1u);
       uint64_t* bar = &smem.full[ring.stage];
       if (issues_copies) {
         // Gated: b1 (then b3) rows 64 j.. at h columns n0..; Store: a2 rows 64 j.. (K)
@@ -333,7 +361,7 @@ __device__ __forceinline__ void stream_produce(const WeightStreamParams& p,
         cute::SM90_TMA_LOAD_2D::copy(&p.pool, bar, kCacheHint, smem.b(ring.stage), pool_column,
                                      tile.row0);
       }
-      Barrier::arrive(bar);
+      arrive_barrier(ring.full);
       ring.advance();
     }
     std::conditional_t<C::kTransposed, StreamScaleColumns, StreamScaleRows> rows(p, tile, thread);
@@ -348,7 +376,7 @@ __device__ __forceinline__ void stream_produce(const WeightStreamParams& p,
       const uint32_t ready[2] = {pairs[0], pairs[1]};
       rows.load_next(k_step + kAhead < base_steps, pairs);
       rows.prefetch(kPrefetch - 1, k_step + kAhead + kPrefetch < base_steps, thread);
-      Barrier::wait(&smem.empty[ring.stage], ring.phase ^ 1u);
+      wait_barrier(ring.empty(), ring.phase ^ 1u);
       uint64_t* bar = &smem.full[ring.stage];
       if (issues_copies) {
         TransactionBarrier::arrive_and_expect_tx(bar, C::kCodeBytes + C::kBBytes);
@@ -365,8 +393,8 @@ __device__ __forceinline__ void stream_produce(const WeightStreamParams& p,
         cute::SM90_TMA_LOAD_2D::copy(&p.pool, bar, kCacheHint, smem.b(ring.stage), k_step * kBlockK,
                                      tile.row0);
       }
-      rows.store(shared_address(smem.scale_words(ring.stage)), ready);
-      Barrier::arrive(bar);  // release: the words are visible to the consumers' acquire
+      rows.store(ring.scale_words(), ready);
+      arrive_barrier(ring.full);  // release: the words are visible to the consumers' acquire
       ring.advance();
     };
     for (int k_step = 0; k_step < base_steps; k_step += kAhead) {
@@ -461,6 +489,12 @@ constexpr bool stream_offsets_follow_the_layout() {
 }
 static_assert(stream_offsets_follow_the_layout(), "a consumer reads its own rows and words");
 
+// A value ptxas must keep in a register: it cannot recompute what it cannot see.
+__device__ __forceinline__ uint32_t opaque(uint32_t v) {
+  asm volatile("" : "+r"(v));
+  return v;
+}
+
 struct StreamLines {
   // Line l's codes are at code_offset + line_code_offset(l) in a stage's code area.
   __device__ __forceinline__ static constexpr uint32_t line_code_offset(int line) {
@@ -471,9 +505,9 @@ struct StreamLines {
   uint32_t selector;
 
   __device__ __forceinline__ explicit StreamLines(uint32_t tid)
-      : code_offset(stream_code_offset(tid)),
-        scale_offset(stream_scale_offset(tid)),
-        selector(mxfp4::fragment_selector(tid % 4)) {}
+      : code_offset(opaque(stream_code_offset(tid))),
+        scale_offset(opaque(stream_scale_offset(tid))),
+        selector(opaque(mxfp4::fragment_selector(tid % 4))) {}
 
   // Decode a landed stage's codes of the four lines into both halves' fragments with
   // their scale words (the code area at shared address `code_area`, the scale words at
@@ -534,8 +568,8 @@ struct StreamColumnPairs {
   uint32_t scale_offset;  // the thread's 32 bytes of scale words
 
   __device__ __forceinline__ explicit StreamColumnPairs(uint32_t tid)
-      : lane_offset(stream_column_lane_offset(tid)),
-        scale_offset(32 * ((tid / 32 - 4) * 4 + tid % 4)) {}
+      : lane_offset(opaque(stream_column_lane_offset(tid))),
+        scale_offset(opaque(32 * ((tid / 32 - 4) * 4 + tid % 4))) {}
 
   __device__ __forceinline__ void decode(uint32_t code_area, uint32_t scale_area,
                                          Fragment (&fragments)[2]) const {
@@ -798,33 +832,6 @@ __device__ __forceinline__ void activation_backward_epilogue(
 }
 
 // ---- consumers ----
-// The consumer's position in the ring as shared addresses: the current stage, its full
-// barrier (its empty barrier kStages barriers on) and the phase, all advanced in
-// registers, so a step converts no generic pointer and reads no parameter.
-template <class C>
-struct StreamConsumerRing {
-  uint32_t stage_address, full, phase = 0;
-  int stage = 0;
-  __device__ __forceinline__ explicit StreamConsumerRing(const StreamStorage<C>& smem)
-      : stage_address(shared_address(smem.stages)), full(shared_address(smem.full)) {}
-  __device__ __forceinline__ uint32_t a() const { return stage_address; }
-  __device__ __forceinline__ uint32_t b() const { return stage_address + C::kABytes; }
-  __device__ __forceinline__ uint32_t scale_words() const {
-    return stage_address + C::kScaleWordOffset;
-  }
-  __device__ __forceinline__ uint32_t empty() const { return full + 8 * C::kStages; }
-  __device__ __forceinline__ void advance() {
-    stage_address += C::kStageBytes;
-    full += 8;
-    if (++stage == C::kStages) {
-      stage = 0;
-      stage_address -= C::kStages * C::kStageBytes;
-      full -= 8 * C::kStages;
-      phase ^= 1u;
-    }
-  }
-};
-
 template <class C>
 __device__ __forceinline__ void stream_consume(const WeightStreamParams& p,
                                                const StreamStorage<C>& smem, int consumer) {
@@ -835,7 +842,7 @@ __device__ __forceinline__ void stream_consume(const WeightStreamParams& p,
   // The tile's two halves (Gated: g and u).
   float acc_lo[kTokens / 2], acc_hi[kTokens / 2];
   Fragment fragments[2][2];  // [buffer][half]
-  StreamConsumerRing<C> ring(smem);
+  StreamRing<C> ring(smem);
   const bool clamped = is_clamped(p.activation_clamp);
   const bool geglu = p.activation == static_cast<int>(Activation::GeGLU);
   int tiles_done = 0;  // dgrad2: picks the tile's router-dot buffer
