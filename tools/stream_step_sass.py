@@ -12,6 +12,13 @@ step, by opcode: the static count ncu's per-warp instruction counts match (docs/
     python tools/stream_step_sass.py --variant weight_stream_gated_t32
     python tools/stream_step_sass.py --sass kernel.sass   # cuobjdump -sass output
 
+It also finds the producer warpgroup's base-step loop (the smallest loop that loads
+scale bytes from global memory, stores words to shared memory and issues no HGMMA) and
+reports its instructions per step and the scale loads whose register the loop reads
+again after the load in the same iteration: such a read waits for the load, so the
+step would pay a global load's latency instead of hiding it under the steps in between
+(docs/ENGINE.md, "The producer's scale loads").
+
 ``--variant`` generates the registry variant (tools/gen_variants.py), compiles it with
 nvcc for sm_90a (the wheel's flags, tools/compile_variants.py) against the pinned CUTLASS
 headers and reads its SASS with cuobjdump. Needs nvcc and cuobjdump; no GPU.
@@ -132,6 +139,100 @@ def count_per_step(sass: str) -> tuple[float, Counter[str]]:
     return len(loop) / steps, Counter({k: v / steps for k, v in per_opcode.items()})
 
 
+GLOBAL_LOAD = re.compile(r"^LDG\b")
+REGISTER = re.compile(r"\bR(\d+)(\.64)?\b")
+STORES = ("STS", "STG", "ST")
+# The producer's arrival on a stage's full barrier after writing its words.
+PRODUCER_ARRIVE = "SYNCS.ARRIVE.TRANS64.A1T0"
+
+
+def _registers(operand: str) -> set[int]:
+    """The general registers an operand names (``R4.64`` names R4 and R5)."""
+    found: set[int] = set()
+    for number, wide in REGISTER.findall(operand):
+        found.update({int(number), int(number) + 1} if wide else {int(number)})
+    return found
+
+
+def written_register(instruction: Instruction) -> int | None:
+    """The register an instruction writes (its first operand), if any."""
+    if instruction.name in STORES:
+        return None
+    first = instruction.operands.split(",")[0].strip()
+    match = re.fullmatch(r"R(\d+)", first)
+    return int(match.group(1)) if match else None
+
+
+def read_registers(instruction: Instruction) -> set[int]:
+    """The general registers an instruction reads (every operand but the one it writes)."""
+    operands = instruction.operands.split(",")
+    if written_register(instruction) is not None:
+        operands = operands[1:]
+    found: set[int] = set()
+    for operand in operands:
+        found |= _registers(operand)
+    return found
+
+
+def producer_loop(code: list[Instruction]) -> list[Instruction]:
+    """The smallest loop (a backward branch's body) that loads from global memory, stores
+    to shared memory, arrives on a barrier and holds no HGMMA (nor a barrier's retry
+    block, whose branch back into the loop spans the kernel's tail): the producer's base
+    steps."""
+    best: list[Instruction] | None = None
+    for index, instruction in enumerate(code):
+        target = instruction.branch_target()
+        if target is None or target > instruction.address:
+            continue
+        body = [i for i in code[: index + 1] if i.address >= target]
+        names = {i.name for i in body}
+        # Not a barrier's out-of-line retry block branching back into the loop.
+        if (
+            {"LDG", "STS"} <= names
+            and not names & {"HGMMA", "NANOSLEEP", "EXIT"}
+            and any(i.opcode == PRODUCER_ARRIVE for i in body)
+            and (best is None or len(body) < len(best))
+        ):
+            best = body
+    if best is None:
+        raise ValueError("no producer loop (global loads, shared stores, an arrival, no HGMMA)")
+    return best
+
+
+def loads_read_in_their_iteration(loop: list[Instruction]) -> list[tuple[Instruction, Instruction]]:
+    """(load, reader) for each global load of ``loop`` whose destination register a later
+    instruction of the same iteration reads before an unpredicated write replaces it."""
+    found = []
+    for n, load in enumerate(loop):
+        register = written_register(load)
+        if not GLOBAL_LOAD.match(load.opcode) or register is None:
+            continue
+        for later in loop[n + 1 :]:
+            if register in read_registers(later):
+                found.append((load, later))
+                break
+            if written_register(later) == register and not later.predicated:
+                break
+    return found
+
+
+def producer_per_step(sass: str) -> tuple[float, list[tuple[Instruction, Instruction]]]:
+    """(instructions per producer step outside the copies' blocks, scale loads read in
+    their own iteration) of the kernel's producer loop. A step is one arrival; the
+    copies' blocks (one thread issues the TMA: BSSY .. BSYNC) are left out."""
+    loop = producer_loop(parse(sass))
+    steps = sum(1 for i in loop if i.opcode == PRODUCER_ARRIVE)
+    inside, all_threads = False, 0
+    for instruction in loop:
+        if instruction.name == "BSSY":
+            inside = True
+        if not inside:
+            all_threads += 1
+        if instruction.name == "BSYNC":
+            inside = False
+    return all_threads / steps, loads_read_in_their_iteration(loop)
+
+
 def variant_sass(variant: str) -> str:
     """The SASS of a registry variant, compiled here (nvcc, cuobjdump, CUTLASS headers)."""
     sys.path.insert(0, str(ROOT / "tools"))
@@ -174,6 +275,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{total:.1f} instructions per base step (fast path)")
     for opcode, count in per_opcode.most_common():
         print(f"  {opcode:<10} {count:6.1f}")
+    per_step, early = producer_per_step(sass)
+    print(f"producer: {per_step:.1f} instructions per step outside the copies' blocks")
+    print(f"producer: {len(early)} scale loads read in the iteration that issued them")
+    for load, reader in early:
+        load_at, reader_at = f"{load.address:#07x}", f"{reader.address:#07x}"
+        print(f"  {load_at} {load.text.strip()}  <- {reader_at} {reader.text.strip()}")
     return 0
 
 

@@ -102,3 +102,66 @@ def test_rejects_a_kernel_without_the_loop() -> None:
     sass = _listing(["HGMMA.64x32x16.F32.BF16 R40, gdesc[UR4], R40", "@!P0 BRA 0x100"])
     with pytest.raises(ValueError, match="register-A HGMMA"):
         tool.count_per_step(sass)
+
+
+def _producer_step(pair: int, rotated: bool) -> list[str]:
+    """One producer step of a loop unrolled over the steps in flight: the words from the
+    pairs loaded an iteration before (R<pair>, R<pair + 1>), the loads for the next
+    iteration, the barrier wait, the copies' block (BSSY .. BSYNC), the words' store and
+    the arrival. ``rotated``: the loads go to temporaries (R12, R13) that the step copies
+    back into the pairs' registers, so the step waits for them."""
+    first, second = f"R{pair}", f"R{pair + 1}"
+    loads = ["LDG.E.U16.CONSTANT R12, desc[UR4][R2.64]", "LDG.E.U16.CONSTANT R13, desc[UR4][R4.64]"]
+    if not rotated:
+        loads = [line.replace("R12", first).replace("R13", second) for line in loads]
+    lines = [
+        f"PRMT R6, {first}, 0x4140, RZ",  # the words from the pairs loaded before
+        f"PRMT R7, {second}, 0x4140, RZ",
+        *loads,
+        "SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR8+0x30], R14",
+        "BSSY B0, 0x0",
+        "UTMALDG.2D [UR8], [UR10], desc[UR12]",
+        "BSYNC B0",
+        "STS.64 [R17+UR8+0x5000], R6",
+        "SYNCS.ARRIVE.TRANS64.A1T0 RZ, [UR9], RZ",
+    ]
+    if rotated:
+        lines += [f"IMAD.MOV.U32 {first}, RZ, RZ, R12", f"IMAD.MOV.U32 {second}, RZ, RZ, R13"]
+    return lines
+
+
+@pytest.mark.parametrize("rotated", [True, False])
+def test_finds_scale_loads_read_in_their_own_iteration(rotated: bool) -> None:
+    start = 0x200
+    body = [*_producer_step(20, rotated), *_producer_step(22, rotated)]
+    loop = [*body, f"@!P1 BRA 0x{start:x}"]
+    # A barrier's retry block after the loop branches back into its last step (a smaller
+    # "loop" that loads, stores and arrives): not the loop.
+    back_to = start + 16 * (len(body) // 2 + 2)
+    retry = [
+        "SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR8+0x30], R14",
+        "NANOSLEEP.SYNCS 0x989680",
+        f"BRA 0x{back_to:x}",
+    ]
+    sass = _listing([*loop, "EXIT", *retry], start)
+    per_step, early = tool.producer_per_step(sass)
+    # Per step, the copies' block (BSSY .. BSYNC) left out, half the loop's branch in.
+    assert per_step == pytest.approx((9 if rotated else 7) + 0.5)
+    if rotated:
+        assert [(load.operands.split(",")[0].strip(), reader.opcode) for load, reader in early] == [
+            ("R12", "IMAD.MOV.U32"),
+            ("R13", "IMAD.MOV.U32"),
+        ] * 2
+    else:
+        assert early == []
+
+
+def test_registers_an_instruction_reads_and_writes() -> None:
+    (load,) = tool.parse(_listing(["LDG.E.U16.CONSTANT R13, desc[UR4][R4.64]"]))
+    assert tool.written_register(load) == 13
+    assert tool.read_registers(load) == {4, 5}  # the 64-bit address pair
+    (store,) = tool.parse(_listing(["STS.64 [R17+UR8+0x5000], R6"]))
+    assert tool.written_register(store) is None
+    assert tool.read_registers(store) == {17, 6}
+    (test,) = tool.parse(_listing(["LOP3.LUT P1, RZ, R15, 0x8080, RZ, 0xc0, !PT"]))
+    assert tool.written_register(test) is None and tool.read_registers(test) == {15}
