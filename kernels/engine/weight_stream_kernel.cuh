@@ -247,9 +247,12 @@ struct StreamScaleRows {
   static constexpr int kPrefetchSteps = 0;
   __device__ __forceinline__ void prefetch(int, bool, int) const {}
 
-  // The step's words of the two lines, into a stage's scale area.
-  __device__ __forceinline__ void store(uint32_t scale_area, const uint32_t (&raw)[2]) const {
-    const uint32_t words[2] = {mxfp4::scale_word(raw[0]), mxfp4::scale_word(raw[1])};
+  // The step's words of the two lines (scale_word), then into a stage's scale area.
+  __device__ __forceinline__ static void words(const uint32_t (&raw)[2], uint32_t (&out)[2]) {
+    out[0] = mxfp4::scale_word(raw[0]);
+    out[1] = mxfp4::scale_word(raw[1]);
+  }
+  __device__ __forceinline__ void store(uint32_t scale_area, const uint32_t (&words)[2]) const {
     asm volatile("st.shared.v2.u32 [%0], {%1, %2};" ::"r"(scale_area + store_offset), "r"(words[0]),
                  "r"(words[1])
                  : "memory");
@@ -304,13 +307,16 @@ struct StreamScaleColumns {
   }
 
   // The step's two words: rows n and n + 1 of the first block, then of the second (each
-  // row's 16-bit load holds the two blocks' bytes; its bytes 2 and 3 are zero).
-  __device__ __forceinline__ void store(uint32_t scale_area, const uint32_t (&raw)[2]) const {
-    const uint32_t first = mxfp4::scale_word(mxfp4::prmt(raw[0], raw[1], 0x3240u));
-    const uint32_t second = mxfp4::scale_word(mxfp4::prmt(raw[0], raw[1], 0x3251u));
+  // row's 16-bit load holds the two blocks' bytes; its bytes 2 and 3 are zero); then into
+  // a stage's scale area.
+  __device__ __forceinline__ static void words(const uint32_t (&raw)[2], uint32_t (&out)[2]) {
+    out[0] = mxfp4::scale_word(mxfp4::prmt(raw[0], raw[1], 0x3240u));
+    out[1] = mxfp4::scale_word(mxfp4::prmt(raw[0], raw[1], 0x3251u));
+  }
+  __device__ __forceinline__ void store(uint32_t scale_area, const uint32_t (&words)[2]) const {
     const uint32_t at = scale_area + store_offset;
-    asm volatile("st.shared.u32 [%0], %1;" ::"r"(at), "r"(first) : "memory");
-    asm volatile("st.shared.u32 [%0], %1;" ::"r"(at + 128), "r"(second) : "memory");
+    asm volatile("st.shared.u32 [%0], %1;" ::"r"(at), "r"(words[0]) : "memory");
+    asm volatile("st.shared.u32 [%0], %1;" ::"r"(at + 128), "r"(words[1]) : "memory");
   }
 };
 
@@ -370,10 +376,13 @@ __device__ __forceinline__ void stream_produce(const WeightStreamParams& p,
     for (int d = 0; d < kAhead; ++d) rows.load_next(d < base_steps, pending[d]);
     constexpr int kPrefetch = decltype(rows)::kPrefetchSteps;
     for (int d = 0; d < kPrefetch; ++d) rows.prefetch(d, kAhead + d < base_steps, thread);
-    // A base step: its words from the pairs loaded kAhead steps before (which frees their
-    // registers for the loads of kAhead steps on), then the stage's copies and words.
+    // A base step: its words from the pairs loaded kAhead steps before, formed before
+    // those registers take the loads of kAhead steps on (formed after, the loads went to
+    // temporaries copied back within the step, so every step waited for the loads it had
+    // just issued), then the stage's copies and words.
     auto base_step = [&](int k_step, uint32_t (&pairs)[2]) {
-      const uint32_t ready[2] = {pairs[0], pairs[1]};
+      uint32_t words[2];
+      rows.words(pairs, words);
       rows.load_next(k_step + kAhead < base_steps, pairs);
       rows.prefetch(kPrefetch - 1, k_step + kAhead + kPrefetch < base_steps, thread);
       wait_barrier(ring.empty(), ring.phase ^ 1u);
@@ -393,7 +402,7 @@ __device__ __forceinline__ void stream_produce(const WeightStreamParams& p,
         cute::SM90_TMA_LOAD_2D::copy(&p.pool, bar, kCacheHint, smem.b(ring.stage), k_step * kBlockK,
                                      tile.row0);
       }
-      rows.store(ring.scale_words(), ready);
+      rows.store(ring.scale_words(), words);
       arrive_barrier(ring.full);  // release: the words are visible to the consumers' acquire
       ring.advance();
     };
