@@ -13,6 +13,9 @@ Checks that hold whatever the baseline says:
 - no ptxas "wgmma.mma_async instructions are serialized" advisory (C7510-C7520): ptxas
   then waits for every wgmma right after issuing it, so nothing overlaps the tensor
   cores (a branch around wgmma, or too few registers for the accumulators, does it);
+- no weight-streaming producer loop reads a scale load again in the iteration that
+  issued it (``tools/stream_step_sass.py``): the step would wait for its own load, and
+  the consumers for the stage (docs/ENGINE.md, "The producer's scale loads");
 - every variant defines at least one kernel.
 
 Checks against the baseline (per variant and mangled kernel symbol):
@@ -51,6 +54,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 import gen_variants  # noqa: E402
+import stream_step_sass  # noqa: E402
 
 GEMM_FAMILIES = {"engine"}  # families whose kernels must issue HGMMA
 REGISTRY = ROOT / "python" / "megamoe" / "variants.toml"
@@ -61,7 +65,7 @@ DEFAULT_REGISTER_TOLERANCE = 8
 MAX_DEFAULT_JOBS = 2
 BASELINE_SCHEMA = 1
 # Bump when a change here alters what a cached compile result means.
-CACHE_VERSION = "1"
+CACHE_VERSION = "2"
 
 # The flags of the wheel build (CMakeLists.txt) plus -cubin/-Xptxas=-v, so the numbers
 # checked here are the numbers shipped.
@@ -100,8 +104,9 @@ class CompileResult:
     log: str
     seconds: float
     cached: bool
-    # Per mangled symbol: (LDL/STL count, HGMMA count); None when SASS was not read.
-    sass_counts: dict[str, tuple[int, int]] | None = None
+    # Per mangled symbol: (LDL/STL count, HGMMA count, producer scale loads read in their
+    # own iteration or None where the kernel has no producer loop); None without SASS.
+    sass_counts: dict[str, tuple[int, int, int | None]] | None = None
 
 
 def cutlass_include() -> Path:
@@ -190,10 +195,23 @@ def parse_ptxas(log: str) -> dict[str, dict[str, int]]:
     return kernels
 
 
-def count_sass(sass: dict[str, str]) -> dict[str, tuple[int, int]]:
-    """(LDL/STL count, HGMMA count) per kernel from its SASS text."""
+def producer_loads_read_in_step(name: str, code: str) -> int | None:
+    """A weight-streaming kernel's scale loads that its producer loop reads again in the
+    iteration that issued them (None for other kernels)."""
+    if "weight_stream_kernel" not in name:
+        return None
+    loop = stream_step_sass.producer_loop(stream_step_sass.parse(code))
+    return len(stream_step_sass.loads_read_in_their_iteration(loop))
+
+
+def count_sass(sass: dict[str, str]) -> dict[str, tuple[int, int, int | None]]:
+    """(LDL/STL count, HGMMA count, producer_loads_read_in_step) per kernel from its SASS."""
     return {
-        name: (len(re.findall(r"\b(?:LDL|STL)\b", code)), len(re.findall(r"\bHGMMA\b", code)))
+        name: (
+            len(re.findall(r"\b(?:LDL|STL)\b", code)),
+            len(re.findall(r"\bHGMMA\b", code)),
+            producer_loads_read_in_step(name, code),
+        )
         for name, code in sass.items()
     }
 
@@ -309,10 +327,10 @@ def measure(results: list[CompileResult], registry: dict[str, dict]) -> list[dic
         kernels = parse_ptxas(result.log)
         pretty = demangle(list(kernels))
         for symbol, usage in sorted(kernels.items()):
-            local, hgmma = (None, None)
+            local, hgmma, early = (None, None, None)
             if result.sass_counts is not None:
                 # A kernel ptxas compiled but cuobjdump did not list counts as empty SASS.
-                local, hgmma = result.sass_counts.get(symbol, (0, 0))
+                local, hgmma, early = result.sass_counts.get(symbol, (0, 0, None))
             rows.append(
                 {
                     "variant": result.variant,
@@ -322,6 +340,7 @@ def measure(results: list[CompileResult], registry: dict[str, dict]) -> list[dic
                     **usage,
                     "local_memory_instructions": local,
                     "hgmma_instructions": hgmma,
+                    "producer_loads_read_in_step": early,
                 }
             )
     return rows
@@ -329,7 +348,7 @@ def measure(results: list[CompileResult], registry: dict[str, dict]) -> list[dic
 
 def check_absolute(rows: list[dict], variants: list[str]) -> list[str]:
     """Failures that no baseline can excuse: spills, local memory, GEMMs without HGMMA,
-    wgmma serialized by ptxas."""
+    wgmma serialized by ptxas, a streaming producer waiting for its own scale loads."""
     failures = []
     built = {row["variant"] for row in rows}
     for name in variants:
@@ -349,6 +368,11 @@ def check_absolute(rows: list[dict], variants: list[str]) -> list[str]:
         if row.get("wgmma_serialized"):
             failures.append(
                 f"{where} has its wgmma serialized by ptxas ({row['wgmma_serialized']})"
+            )
+        if row.get("producer_loads_read_in_step"):
+            failures.append(
+                f"{where}: its producer reads {row['producer_loads_read_in_step']} scale loads "
+                "in the iteration that issued them (each step waits for its own loads)"
             )
     return failures
 

@@ -105,7 +105,30 @@ def test_count_sass():
         "  /*0020*/ LDL.LU R2, [R1+0x4] ;\n  /*0030*/ STL.64 [R1], R4 ;\n",
         "_Zj": "  /*0010*/ FFMA R1, R2, R3, R4 ;\n",
     }
-    assert cv.count_sass(sass) == {"_Zk": (2, 1), "_Zj": (0, 0)}
+    assert cv.count_sass(sass) == {"_Zk": (2, 1, None), "_Zj": (0, 0, None)}
+
+
+def _producer_sass(rotated: bool) -> str:
+    """A streaming producer's loop of one step at 0x100: the words from the slot's pairs
+    (R20), the slot's next load (into R20, or into R12 copied back within the step),
+    the stage's words and the arrival, then the back edge."""
+    load_into = "R12" if rotated else "R20"
+    lines = [
+        "PRMT R6, R20, 0x4140, RZ",
+        f"LDG.E.U16.CONSTANT {load_into}, desc[UR4][R2.64]",
+        "STS [R17+UR8+0x5000], R6",
+        "SYNCS.ARRIVE.TRANS64.A1T0 RZ, [UR9], RZ",
+        *(["IMAD.MOV.U32 R20, RZ, RZ, R12"] if rotated else []),
+        "@!P1 BRA 0x100",
+    ]
+    return "\n".join(f"  /*{0x100 + 16 * n:04x}*/ {line} ;" for n, line in enumerate(lines))
+
+
+@pytest.mark.parametrize("rotated", [True, False])
+def test_count_sass_finds_a_producer_waiting_for_its_own_loads(rotated):
+    name = "_ZN7megamoe7kernels20weight_stream_kernelILi0ELi32EEEvNS_18WeightStreamParamsE"
+    (counts,) = cv.count_sass({name: _producer_sass(rotated)}).values()
+    assert counts == (0, 0, 1 if rotated else 0)
 
 
 @pytest.mark.parametrize(
@@ -132,13 +155,16 @@ def test_absolute_checks():
         row(symbol="_Znohgmma", hgmma_instructions=0),
         row(variant="pool", family="pool_gather", symbol="_Zpool", hgmma_instructions=0),
         row(symbol="_Znosass", local_memory_instructions=None, hgmma_instructions=None),
+        row(variant="ws", family="weight_stream", symbol="_Zws", producer_loads_read_in_step=0),
+        row(variant="ws", family="weight_stream", symbol="_Zwait", producer_loads_read_in_step=8),
     ]
-    failures = cv.check_absolute(rows, ["gemm_v", "pool", "empty_v"])
-    assert len(failures) == 4
+    failures = cv.check_absolute(rows, ["gemm_v", "pool", "empty_v", "ws"])
+    assert len(failures) == 5
     assert "empty_v: defines no kernel" in failures[0]
     assert "_Zspill<1> spills registers (8 B stored, 0 B loaded)" in failures[1]
     assert "_Zlocal<1> has 3 LDL/STL instructions" in failures[2]
     assert "_Znohgmma<1> issues no HGMMA" in failures[3]
+    assert "_Zwait<1>: its producer reads 8 scale loads in the iteration" in failures[4]
 
 
 def test_baseline_comparison():
