@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,18 +83,24 @@ def parse(sass: str) -> list[Instruction]:
     return found
 
 
-def base_step_loop(code: list[Instruction]) -> list[Instruction]:
-    """The smallest loop (a backward branch's body) holding register-A HGMMA."""
+def smallest_loop(
+    code: list[Instruction], holds: Callable[[list[Instruction]], bool]
+) -> list[Instruction] | None:
+    """The smallest loop (a backward branch's body) for which ``holds`` is true."""
     best: list[Instruction] | None = None
     for index, instruction in enumerate(code):
         target = instruction.branch_target()
         if target is None or target > instruction.address:
             continue
         body = [i for i in code[: index + 1] if i.address >= target]
-        if any(REGISTER_A_HGMMA.search(i.text) for i in body) and (
-            best is None or len(body) < len(best)
-        ):
+        if (best is None or len(body) < len(best)) and holds(body):
             best = body
+    return best
+
+
+def base_step_loop(code: list[Instruction]) -> list[Instruction]:
+    """The smallest loop holding register-A HGMMA."""
+    best = smallest_loop(code, lambda body: any(REGISTER_A_HGMMA.search(i.text) for i in body))
     if best is None:
         raise ValueError("no loop with register-A HGMMA (is this a weight-streaming kernel?)")
     return best
@@ -175,25 +182,19 @@ def read_registers(instruction: Instruction) -> set[int]:
 
 
 def producer_loop(code: list[Instruction]) -> list[Instruction]:
-    """The smallest loop (a backward branch's body) that loads from global memory, stores
-    to shared memory, arrives on a barrier and holds no HGMMA (nor a barrier's retry
-    block, whose branch back into the loop spans the kernel's tail): the producer's base
-    steps."""
-    best: list[Instruction] | None = None
-    for index, instruction in enumerate(code):
-        target = instruction.branch_target()
-        if target is None or target > instruction.address:
-            continue
-        body = [i for i in code[: index + 1] if i.address >= target]
+    """The smallest loop that loads from global memory, stores to shared memory, arrives
+    on a barrier and holds no HGMMA (nor a barrier's retry block, whose branch back into
+    the loop spans the kernel's tail): the producer's base steps."""
+
+    def holds(body: list[Instruction]) -> bool:
         names = {i.name for i in body}
-        # Not a barrier's out-of-line retry block branching back into the loop.
-        if (
+        return (
             {"LDG", "STS"} <= names
             and not names & {"HGMMA", "NANOSLEEP", "EXIT"}
             and any(i.opcode == PRODUCER_ARRIVE for i in body)
-            and (best is None or len(body) < len(best))
-        ):
-            best = body
+        )
+
+    best = smallest_loop(code, holds)
     if best is None:
         raise ValueError("no producer loop (global loads, shared stores, an arrival, no HGMMA)")
     return best
