@@ -755,6 +755,25 @@ __device__ __forceinline__ void transposed_store_epilogue(const WeightStreamPara
 // memory `dots` (this tile's buffer), one thread per chunk row, after both consumers
 // wrote theirs (named barrier 1).
 
+// dgrad2: the tile's g | u (Tokens rows, 256 columns of each half: eight 128-byte lines a
+// row), asked of L2 when its main loop starts, so that the epilogue's loads a main loop
+// later meet L2's latency rather than DRAM's (the weights' stream evicts them from L2
+// between the forward that wrote them and this GEMM).
+template <int Tokens>
+__device__ __forceinline__ void prefetch_preact_tile(const WeightStreamParams& p,
+                                                     const StreamTile& tile, int consumer,
+                                                     int thread) {
+  const int64_t inter = p.out_columns;
+  const __nv_bfloat16* preact = static_cast<const __nv_bfloat16*>(p.preact);
+#pragma unroll
+  for (int k = 0; k < Tokens / 32; ++k) {
+    const int line = 256 * k + 128 * consumer + thread;  // of the tile's 8 x Tokens
+    const int64_t row = tile.row0 + line / 8;
+    const int64_t column = (line / 4 % 2) * inter + tile.n0 + 64 * (line % 4);
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(preact + row * 2 * inter + column));
+  }
+}
+
 template <int Tokens, bool kGeGLU, bool kClamp>
 __device__ __forceinline__ void activation_backward_epilogue(
     const WeightStreamParams& p, const StreamTile& tile, const float (&acc_lo)[Tokens / 2],
@@ -768,53 +787,78 @@ __device__ __forceinline__ void activation_backward_epilogue(
   const __nv_bfloat16* preact = static_cast<const __nv_bfloat16*>(p.preact);
   __nv_bfloat16* dgrad = static_cast<__nv_bfloat16*>(p.out);
   __nv_bfloat16* weighted = static_cast<__nv_bfloat16*>(p.weighted_h);
+  // A thread's rows are (i, e), i = 0, 4, .. and e = 0, 1 (its accumulators i + e and
+  // i + e + 2), taken eight at a time (Tokens 64: two groups, within the registers). A
+  // group's loads all come before its stores: the stores are volatile with a memory
+  // clobber, so a row's loads issued after the previous row's stores would cost every row
+  // two round trips (its route, then g | u where it is live); a group waits for two.
+  constexpr int kRows = 8;
 #pragma unroll
-  for (int i = 0; i < Tokens / 2; i += 4)
+  for (int i0 = 0; i0 < Tokens / 2; i0 += 2 * kRows) {
+    int64_t rows[kRows];
+    bool live[kRows];
+    float weight[kRows];
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int token = at.token(i + e);
-      const int64_t row = tile.row0 + token;
-      const int route = static_cast<int>(__ldcg(p.pool_row_to_route + row));
-      const float w = __ldcg(p.row_weights + row);
+    for (int r = 0; r < kRows; ++r) {
+      rows[r] = tile.row0 + at.token(i0 + 4 * (r / 2) + r % 2);
+      const int route = static_cast<int>(__ldcg(p.pool_row_to_route + rows[r]));
+      weight[r] = __ldcg(p.row_weights + rows[r]);
       // Padding rows (route -1) give zeros whatever their inputs hold (unsigned compare).
-      const bool live = static_cast<uint32_t>(route) < static_cast<uint32_t>(p.num_routes);
-      const uint32_t z[2] = {pack_bf16(acc_lo[i + e], acc_lo[i + e + 2]),
-                             pack_bf16(acc_hi[i + e], acc_hi[i + e + 2])};
-      __nv_bfloat16* dgrad_at = dgrad + row * 2 * inter + column;
-      uint2 dg = make_uint2(0u, 0u), du = dg, wh = dg, h = dg;
-      if (live) {
-        const uint2 g2 = load_global_8_cg(preact + row * 2 * inter + column);
-        const uint2 u2 = load_global_8_cg(preact + row * 2 * inter + inter + column);
-        const ActivationBackwardPair lo =
-            activation_backward_pair<kGeGLU, kClamp>(z[0], g2.x, u2.x, w, clamp);
-        const ActivationBackwardPair hi =
-            activation_backward_pair<kGeGLU, kClamp>(z[1], g2.y, u2.y, w, clamp);
-        dg = make_uint2(lo.dg, hi.dg);
-        du = make_uint2(lo.du, hi.du);
-        wh = make_uint2(lo.weighted_h, hi.weighted_h);
-        h = make_uint2(lo.h, hi.h);
+      live[r] = static_cast<uint32_t>(route) < static_cast<uint32_t>(p.num_routes);
+    }
+    uint2 g2[kRows], u2[kRows];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      g2[r] = u2[r] = make_uint2(0u, 0u);
+      if (live[r]) {
+        g2[r] = load_global_8_cg(preact + rows[r] * 2 * inter + column);
+        u2[r] = load_global_8_cg(preact + rows[r] * 2 * inter + inter + column);
       }
-      store_global_8(dgrad_at, dg);
-      store_global_8(dgrad_at + inter, du);
-      if (weighted != nullptr) store_global_8(weighted + row * inter + column, wh);
-      // The vector's chain: the even lane's four columns from 0, the odd lane's from the
-      // even lane's sum (padding rows: zeros, as the engine's).
-      float sum = 0.0f;
-      if (live) {
-        router_dot_add(sum, z[0], h.x);
-        router_dot_add(sum, z[1], h.y);
-      }
-      const float even = __shfl_xor_sync(0xffffffffu, sum, 4);
-      if (g % 2 == 1) {
-        sum = even;
-        if (live) {
+    }
+#pragma unroll
+    for (int i = i0; i < i0 + 2 * kRows; i += 4)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int r = (i - i0) / 2 + e;
+        const int token = at.token(i + e);
+        const int64_t row = rows[r];
+        const float w = weight[r];
+        const uint32_t z[2] = {pack_bf16(acc_lo[i + e], acc_lo[i + e + 2]),
+                               pack_bf16(acc_hi[i + e], acc_hi[i + e + 2])};
+        __nv_bfloat16* dgrad_at = dgrad + row * 2 * inter + column;
+        uint2 dg = make_uint2(0u, 0u), du = dg, wh = dg, h = dg;
+        if (live[r]) {
+          const ActivationBackwardPair lo =
+              activation_backward_pair<kGeGLU, kClamp>(z[0], g2[r].x, u2[r].x, w, clamp);
+          const ActivationBackwardPair hi =
+              activation_backward_pair<kGeGLU, kClamp>(z[1], g2[r].y, u2[r].y, w, clamp);
+          dg = make_uint2(lo.dg, hi.dg);
+          du = make_uint2(lo.du, hi.du);
+          wh = make_uint2(lo.weighted_h, hi.weighted_h);
+          h = make_uint2(lo.h, hi.h);
+        }
+        store_global_8(dgrad_at, dg);
+        store_global_8(dgrad_at + inter, du);
+        if (weighted != nullptr) store_global_8(weighted + row * inter + column, wh);
+        // The vector's chain: the even lane's four columns from 0, the odd lane's from the
+        // even lane's sum (padding rows: zeros, as the engine's).
+        float sum = 0.0f;
+        if (live[r]) {
           router_dot_add(sum, z[0], h.x);
           router_dot_add(sum, z[1], h.y);
         }
-        asm volatile("st.shared.f32 [%0], %1;" ::"r"(dots + 4 * (32 * token + vector)), "f"(sum)
-                     : "memory");
+        const float even = __shfl_xor_sync(0xffffffffu, sum, 4);
+        if (g % 2 == 1) {
+          sum = even;
+          if (live[r]) {
+            router_dot_add(sum, z[0], h.x);
+            router_dot_add(sum, z[1], h.y);
+          }
+          asm volatile("st.shared.f32 [%0], %1;" ::"r"(dots + 4 * (32 * token + vector)), "f"(sum)
+                       : "memory");
+        }
       }
-    }
+  }
   asm volatile("bar.sync 1, 256;" ::: "memory");  // both consumers' vector sums are in
   const int own_row = 128 * consumer + thread;
   if (own_row < Tokens) {
@@ -910,6 +954,7 @@ __device__ __forceinline__ void stream_consume(const WeightStreamParams& p,
       tile = next_tile();
       continue;
     }
+    if constexpr (C::kActivation) prefetch_preact_tile<kTokens>(p, tile, consumer, thread);
     const int segment_steps = C::kSegmentEveryTile || tile.extra ? p.segment_steps : 0;
     const int base_steps = C::kSegmentEveryTile || !tile.extra ? p.base_steps : 0;
     // After a step's batch: the previous step's batch retired, its stage (empty barrier
