@@ -16,6 +16,10 @@ Checks that hold whatever the baseline says:
 - no weight-streaming producer loop reads a scale load again in the iteration that
   issued it (``tools/stream_step_sass.py``): the step would wait for its own load, and
   the consumers for the stage (docs/ENGINE.md, "The producer's scale loads");
+- a weight-streaming epilogue that loads (dgrad2's g | u) issues at least
+  ``EPILOGUE_LOADS_PER_ROUND`` loads per round between its stores: each round is a
+  memory round trip on the consumers' path (docs/ENGINE.md, "The streaming dgrad2's
+  epilogue loads");
 - every variant defines at least one kernel.
 
 Checks against the baseline (per variant and mangled kernel symbol):
@@ -57,6 +61,9 @@ import gen_variants  # noqa: E402
 import stream_step_sass  # noqa: E402
 
 GEMM_FAMILIES = {"engine"}  # families whose kernels must issue HGMMA
+# A streaming epilogue's loads per round (check_absolute): eight rows' g | u in a round
+# give 16; a row at a time between its stores gives 2.
+EPILOGUE_LOADS_PER_ROUND = 8
 REGISTRY = ROOT / "python" / "megamoe" / "variants.toml"
 DEFAULT_BASELINE = ROOT / "tools" / "variant_resources.json"
 # One register allocation granule (registers are allocated per warp in units of 256,
@@ -65,7 +72,7 @@ DEFAULT_REGISTER_TOLERANCE = 8
 MAX_DEFAULT_JOBS = 2
 BASELINE_SCHEMA = 1
 # Bump when a change here alters what a cached compile result means.
-CACHE_VERSION = "2"
+CACHE_VERSION = "3"
 
 # The flags of the wheel build (CMakeLists.txt) plus -cubin/-Xptxas=-v, so the numbers
 # checked here are the numbers shipped.
@@ -105,8 +112,9 @@ class CompileResult:
     seconds: float
     cached: bool
     # Per mangled symbol: (LDL/STL count, HGMMA count, producer scale loads read in their
-    # own iteration or None where the kernel has no producer loop); None without SASS.
-    sass_counts: dict[str, tuple[int, int, int | None]] | None = None
+    # own iteration, epilogue loads per round; the last two None where the kernel has no
+    # producer loop or no loading epilogue); None without SASS.
+    sass_counts: dict[str, tuple[int, int, int | None, float | None]] | None = None
 
 
 def cutlass_include() -> Path:
@@ -204,13 +212,24 @@ def producer_loads_read_in_step(name: str, code: str) -> int | None:
     return len(stream_step_sass.loads_read_in_their_iteration(loop))
 
 
-def count_sass(sass: dict[str, str]) -> dict[str, tuple[int, int, int | None]]:
-    """(LDL/STL count, HGMMA count, producer_loads_read_in_step) per kernel from its SASS."""
+def epilogue_loads_per_round(name: str, code: str) -> float | None:
+    """A weight-streaming kernel's epilogue loads per round between its stores (None for
+    other kernels and for epilogues that load nothing)."""
+    if "weight_stream_kernel" not in name:
+        return None
+    loads, rounds = stream_step_sass.epilogue_load_rounds(stream_step_sass.parse(code))
+    return loads / rounds if rounds else None
+
+
+def count_sass(sass: dict[str, str]) -> dict[str, tuple[int, int, int | None, float | None]]:
+    """(LDL/STL count, HGMMA count, producer_loads_read_in_step, epilogue_loads_per_round)
+    per kernel from its SASS."""
     return {
         name: (
             len(re.findall(r"\b(?:LDL|STL)\b", code)),
             len(re.findall(r"\bHGMMA\b", code)),
             producer_loads_read_in_step(name, code),
+            epilogue_loads_per_round(name, code),
         )
         for name, code in sass.items()
     }
@@ -327,10 +346,10 @@ def measure(results: list[CompileResult], registry: dict[str, dict]) -> list[dic
         kernels = parse_ptxas(result.log)
         pretty = demangle(list(kernels))
         for symbol, usage in sorted(kernels.items()):
-            local, hgmma, early = (None, None, None)
+            local, hgmma, early, per_round = (None, None, None, None)
             if result.sass_counts is not None:
                 # A kernel ptxas compiled but cuobjdump did not list counts as empty SASS.
-                local, hgmma, early = result.sass_counts.get(symbol, (0, 0, None))
+                local, hgmma, early, per_round = result.sass_counts.get(symbol, (0, 0, None, None))
             rows.append(
                 {
                     "variant": result.variant,
@@ -341,6 +360,7 @@ def measure(results: list[CompileResult], registry: dict[str, dict]) -> list[dic
                     "local_memory_instructions": local,
                     "hgmma_instructions": hgmma,
                     "producer_loads_read_in_step": early,
+                    "epilogue_loads_per_round": per_round,
                 }
             )
     return rows
@@ -348,7 +368,8 @@ def measure(results: list[CompileResult], registry: dict[str, dict]) -> list[dic
 
 def check_absolute(rows: list[dict], variants: list[str]) -> list[str]:
     """Failures that no baseline can excuse: spills, local memory, GEMMs without HGMMA,
-    wgmma serialized by ptxas, a streaming producer waiting for its own scale loads."""
+    wgmma serialized by ptxas, a streaming producer waiting for its own scale loads, a
+    streaming epilogue loading a row at a time."""
     failures = []
     built = {row["variant"] for row in rows}
     for name in variants:
@@ -373,6 +394,12 @@ def check_absolute(rows: list[dict], variants: list[str]) -> list[str]:
             failures.append(
                 f"{where}: its producer reads {row['producer_loads_read_in_step']} scale loads "
                 "in the iteration that issued them (each step waits for its own loads)"
+            )
+        per_round = row.get("epilogue_loads_per_round")
+        if per_round is not None and per_round < EPILOGUE_LOADS_PER_ROUND:
+            failures.append(
+                f"{where}: its epilogue issues {per_round:.1f} loads per round between its "
+                f"stores (at least {EPILOGUE_LOADS_PER_ROUND}: each round is a memory round trip)"
             )
     return failures
 

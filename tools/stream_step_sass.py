@@ -17,7 +17,8 @@ scale bytes from global memory, stores words to shared memory and issues no HGMM
 reports its instructions per step and the scale loads whose register the loop reads
 again after the load in the same iteration: such a read waits for the load, so the
 step would pay a global load's latency instead of hiding it under the steps in between
-(docs/ENGINE.md, "The producer's scale loads").
+(docs/ENGINE.md, "The producer's scale loads"). Where the kernel has an epilogue that
+loads (dgrad2's g | u), it reports how many rounds those loads come in.
 
 ``--variant`` generates the registry variant (tools/gen_variants.py), compiles it with
 nvcc for sm_90a (the wheel's flags, tools/compile_variants.py) against the pinned CUTLASS
@@ -234,6 +235,30 @@ def producer_per_step(sass: str) -> tuple[float, list[tuple[Instruction, Instruc
     return all_threads / steps, loads_read_in_their_iteration(loop)
 
 
+# The streaming dgrad2's epilogue reads g | u and writes dg | du with 8-byte accesses; no
+# other part of a streaming kernel makes 8-byte global accesses.
+EPILOGUE_LOAD = re.compile(r"LDG\.E\.64\b")
+EPILOGUE_STORE = re.compile(r"STG\.E\.64\b")
+
+
+def epilogue_load_rounds(code: list[Instruction]) -> tuple[int, int]:
+    """(8-byte global loads, the rounds they come in): a round is a run of such loads
+    that no 8-byte global store splits. The stores are volatile, so a load placed after
+    one waits for the round before it: rows loaded one at a time between their stores
+    give two loads (g and u) a round, and each round is a full memory round trip
+    (docs/ENGINE.md, "The streaming dgrad2's epilogue loads")."""
+    loads = rounds = 0
+    after_store = True
+    for instruction in code:
+        if EPILOGUE_LOAD.match(instruction.opcode):
+            loads += 1
+            rounds += after_store
+            after_store = False
+        elif EPILOGUE_STORE.match(instruction.opcode):
+            after_store = True
+    return loads, rounds
+
+
 def variant_sass(variant: str) -> str:
     """The SASS of a registry variant, compiled here (nvcc, cuobjdump, CUTLASS headers)."""
     sys.path.insert(0, str(ROOT / "tools"))
@@ -282,6 +307,9 @@ def main(argv: list[str] | None = None) -> int:
     for load, reader in early:
         load_at, reader_at = f"{load.address:#07x}", f"{reader.address:#07x}"
         print(f"  {load_at} {load.text.strip()}  <- {reader_at} {reader.text.strip()}")
+    loads, rounds = epilogue_load_rounds(parse(sass))
+    if loads:
+        print(f"epilogue: {loads} 8-byte global loads in {rounds} rounds")
     return 0
 
 

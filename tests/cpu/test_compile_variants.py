@@ -105,7 +105,7 @@ def test_count_sass():
         "  /*0020*/ LDL.LU R2, [R1+0x4] ;\n  /*0030*/ STL.64 [R1], R4 ;\n",
         "_Zj": "  /*0010*/ FFMA R1, R2, R3, R4 ;\n",
     }
-    assert cv.count_sass(sass) == {"_Zk": (2, 1, None), "_Zj": (0, 0, None)}
+    assert cv.count_sass(sass) == {"_Zk": (2, 1, None, None), "_Zj": (0, 0, None, None)}
 
 
 def _producer_sass(rotated: bool) -> str:
@@ -128,7 +128,32 @@ def _producer_sass(rotated: bool) -> str:
 def test_count_sass_finds_a_producer_waiting_for_its_own_loads(rotated):
     name = "_ZN7megamoe7kernels20weight_stream_kernelILi0ELi32EEEvNS_18WeightStreamParamsE"
     (counts,) = cv.count_sass({name: _producer_sass(rotated)}).values()
-    assert counts == (0, 0, 1 if rotated else 0)
+    assert counts == (0, 0, 1 if rotated else 0, None)
+
+
+def _epilogue_sass(batched: bool) -> str:
+    """A streaming producer loop (no early reads), then an epilogue over eight rows: each
+    row's g and u loads then its dg and du stores, or all sixteen loads first."""
+    loads = [f"LDG.E.64.STRONG.GPU R{40 + 2 * k}, desc[UR4][R{10 + k}.64]" for k in range(16)]
+    stores = [f"STG.E.64 desc[UR4][R{60 + k}.64], R{40 + 2 * k}" for k in range(16)]
+    if batched:
+        epilogue = loads + stores
+    else:
+        epilogue = [
+            line
+            for k in range(8)
+            for line in (*loads[2 * k : 2 * k + 2], *stores[2 * k : 2 * k + 2])
+        ]
+    start = 0x100 + 16 * len(_producer_sass(False).splitlines())
+    tail = "\n".join(f"  /*{start + 16 * n:04x}*/ {line} ;" for n, line in enumerate(epilogue))
+    return _producer_sass(False) + "\n" + tail
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_count_sass_finds_an_epilogue_loading_a_row_at_a_time(batched):
+    name = "_ZN7megamoe7kernels20weight_stream_kernelILi3ELi32EEEvNS_18WeightStreamParamsE"
+    (counts,) = cv.count_sass({name: _epilogue_sass(batched)}).values()
+    assert counts == (0, 0, 0, 16.0 if batched else 2.0)
 
 
 @pytest.mark.parametrize(
@@ -157,14 +182,17 @@ def test_absolute_checks():
         row(symbol="_Znosass", local_memory_instructions=None, hgmma_instructions=None),
         row(variant="ws", family="weight_stream", symbol="_Zws", producer_loads_read_in_step=0),
         row(variant="ws", family="weight_stream", symbol="_Zwait", producer_loads_read_in_step=8),
+        row(variant="ws", family="weight_stream", symbol="_Zbatch", epilogue_loads_per_round=16.0),
+        row(variant="ws", family="weight_stream", symbol="_Zrows", epilogue_loads_per_round=2.0),
     ]
     failures = cv.check_absolute(rows, ["gemm_v", "pool", "empty_v", "ws"])
-    assert len(failures) == 5
+    assert len(failures) == 6
     assert "empty_v: defines no kernel" in failures[0]
     assert "_Zspill<1> spills registers (8 B stored, 0 B loaded)" in failures[1]
     assert "_Zlocal<1> has 3 LDL/STL instructions" in failures[2]
     assert "_Znohgmma<1> issues no HGMMA" in failures[3]
     assert "_Zwait<1>: its producer reads 8 scale loads in the iteration" in failures[4]
+    assert "_Zrows<1>: its epilogue issues 2.0 loads per round" in failures[5]
 
 
 def test_baseline_comparison():

@@ -165,3 +165,24 @@ def test_registers_an_instruction_reads_and_writes() -> None:
     assert tool.read_registers(store) == {17, 6}
     (test,) = tool.parse(_listing(["LOP3.LUT P1, RZ, R15, 0x8080, RZ, 0xc0, !PT"]))
     assert tool.written_register(test) is None and tool.read_registers(test) == {15}
+
+
+def test_counts_the_epilogue_loads_rounds_between_stores() -> None:
+    """Rounds of 8-byte global loads split by 8-byte global stores; other accesses (the
+    producer's 2-byte scale loads, 4-byte stores) split nothing."""
+    code = tool.parse(
+        _listing(
+            [
+                "LDG.E.U16.CONSTANT R13, desc[UR4][R4.64]",
+                "LDG.E.64.STRONG.GPU R20, desc[UR4][R2.64]",
+                "@!P0 LDG.E.64.STRONG.GPU R22, desc[UR4][R6.64]",
+                "STG.E desc[UR4][R8.64], R11",
+                "LDG.E.64.STRONG.GPU R24, desc[UR4][R2.64+0x8]",
+                "STG.E.64 desc[UR4][R8.64], R20",
+                "STG.E.64 desc[UR4][R8.64+0x8], R22",
+                "LDG.E.64.STRONG.GPU R26, desc[UR4][R2.64+0x10]",
+            ]
+        )
+    )
+    assert tool.epilogue_load_rounds(code) == (4, 2)
+    assert tool.epilogue_load_rounds(tool.parse(_listing(["FFMA R1, R2, R3, R4"]))) == (0, 0)
