@@ -203,33 +203,27 @@ def parse_ptxas(log: str) -> dict[str, dict[str, int]]:
     return kernels
 
 
-def producer_loads_read_in_step(name: str, code: str) -> int | None:
-    """A weight-streaming kernel's scale loads that its producer loop reads again in the
-    iteration that issued them (None for other kernels)."""
+def stream_checks(name: str, code: str) -> tuple[int | None, float | None]:
+    """A weight-streaming kernel's producer scale loads read again in the iteration that
+    issued them, and its epilogue's loads per round between its stores (None where the
+    epilogue loads nothing); (None, None) for other kernels."""
     if "weight_stream_kernel" not in name:
-        return None
-    loop = stream_step_sass.producer_loop(stream_step_sass.parse(code))
-    return len(stream_step_sass.loads_read_in_their_iteration(loop))
-
-
-def epilogue_loads_per_round(name: str, code: str) -> float | None:
-    """A weight-streaming kernel's epilogue loads per round between its stores (None for
-    other kernels and for epilogues that load nothing)."""
-    if "weight_stream_kernel" not in name:
-        return None
-    loads, rounds = stream_step_sass.epilogue_load_rounds(stream_step_sass.parse(code))
-    return loads / rounds if rounds else None
+        return None, None
+    instructions = stream_step_sass.parse(code)
+    loop = stream_step_sass.producer_loop(instructions)
+    early = len(stream_step_sass.loads_read_in_their_iteration(loop))
+    loads, rounds = stream_step_sass.epilogue_load_rounds(instructions)
+    return early, (loads / rounds if rounds else None)
 
 
 def count_sass(sass: dict[str, str]) -> dict[str, tuple[int, int, int | None, float | None]]:
-    """(LDL/STL count, HGMMA count, producer_loads_read_in_step, epilogue_loads_per_round)
-    per kernel from its SASS."""
+    """(LDL/STL count, HGMMA count, producer loads read in their step, epilogue loads per
+    round: stream_checks) per kernel from its SASS."""
     return {
         name: (
             len(re.findall(r"\b(?:LDL|STL)\b", code)),
             len(re.findall(r"\bHGMMA\b", code)),
-            producer_loads_read_in_step(name, code),
-            epilogue_loads_per_round(name, code),
+            *stream_checks(name, code),
         )
         for name, code in sass.items()
     }

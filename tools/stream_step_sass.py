@@ -236,7 +236,8 @@ def producer_per_step(sass: str) -> tuple[float, list[tuple[Instruction, Instruc
 
 
 # The streaming dgrad2's epilogue reads g | u and writes dg | du with 8-byte accesses; no
-# other part of a streaming kernel makes 8-byte global accesses.
+# other part of a streaming kernel makes 8-byte global loads (dgrad1's epilogue stores 8
+# bytes but loads nothing, so it counts no round).
 EPILOGUE_LOAD = re.compile(r"LDG\.E\.64\b")
 EPILOGUE_STORE = re.compile(r"STG\.E\.64\b")
 
