@@ -120,7 +120,14 @@ def fast_path(loop: list[Instruction]) -> list[Instruction]:
         if target is None or not instruction.predicated or target not in position:
             continue
         x = position[target]
-        if x <= n or loop[x - 1].name != "BRA" or loop[x - 1].predicated:
+        if x <= n:
+            continue
+        if loop[x - 1].name != "BRA" or loop[x - 1].predicated:
+            # No else block: @P BRA X skips the FP32 block alone (the fast values were
+            # formed before the check).
+            skipped = range(n + 1, x)
+            if any(loop[k].name in SLOW_PATH for k in skipped):
+                dropped.update(skipped)
             continue
         first = range(n + 1, x)
         # The other block ends at the join (the first block's BRA target) or at the
