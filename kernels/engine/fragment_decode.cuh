@@ -174,20 +174,19 @@ __host__ __device__ __forceinline__ void decode_rows(const uint32_t (&words)[2 *
                                                      uint32_t selector,
                                                      StepFragment (&fragments)[Weights]) {
   constexpr int kRows = 2 * Weights;
-  // The fast path's values first, whatever the scales: they need no branch, so the
-  // step's work can start as the code loads land, beside the scale check. A step with a
-  // scale byte from 128 up (rare) recomputes its values through FP32.
   uint32_t out[kRows][8];
+  // Scale bytes from 128 up are rare: one branch for the step.
+  if (scales.fast) {
 #pragma unroll
-  for (int row = 0; row < kRows; ++row)
+    for (int row = 0; row < kRows; ++row)
 #pragma unroll
-    for (int w = 0; w < 4; ++w) {
-      out[row][w] = pair_times_factor<0>(pair_bits_times_2_pow_minus_126(words[row][w], selector),
-                                         scales.words[row]);
-      out[row][w + 4] = pair_times_factor<1>(
-          pair_bits_times_2_pow_minus_126(words[row][w + 4], selector), scales.words[row]);
-    }
-  if (!scales.fast) {
+      for (int w = 0; w < 4; ++w) {
+        out[row][w] = pair_times_factor<0>(pair_bits_times_2_pow_minus_126(words[row][w], selector),
+                                           scales.words[row]);
+        out[row][w + 4] = pair_times_factor<1>(
+            pair_bits_times_2_pow_minus_126(words[row][w + 4], selector), scales.words[row]);
+      }
+  } else {
 #pragma unroll
     for (int row = 0; row < kRows; ++row)
 #pragma unroll
@@ -305,24 +304,44 @@ __host__ __device__ __forceinline__ void place_column_pairs(const uint32_t (&row
 // (scale_word) of rows 16 k16 + 2c + 8 j and + 1 at the thread's column block. Register
 // a0 / a1 / a2 / a3 of tile t and k16 step k16: fragment row g (low codes) / g + 8 (high
 // codes) of rows 2c, 2c + 1, then of rows 2c + 8, 2c + 9 (the PTX ISA's A layout).
+// kValuesBeforeCheck: the multiplies come before the step's scale check (the FP32 path
+// then redoes the step), else inside its fast branch; the same bits either way. Which
+// runs faster depends on the chunk (StreamConfig::kValuesBeforeCheck).
+template <bool kValuesBeforeCheck>
 __host__ __device__ __forceinline__ void decode_column_pairs(const uint32_t (&row_pairs)[8],
                                                              const StepScales<8>& scales,
                                                              StepFragment (&fragments)[2]) {
-  // The fast path's values first, whatever the scales (no branch before them); a step
-  // with a scale byte from 128 up (rare) places its codes again from the row pairs (8
-  // registers kept, not the 32 placed ones) and recomputes its values through FP32.
   uint32_t placed[8][4], out[8][4];  // [2 k16 + j][2 tile + high]
   place_column_pairs(row_pairs, placed);
+  if constexpr (kValuesBeforeCheck) {
+    // The fast path's values first, whatever the scales (no branch between the loads
+    // and the multiplies); a step with a scale byte from 128 up (rare) places its codes
+    // again from the row pairs (8 registers kept, not the 32 placed ones) and recomputes
+    // its values through FP32.
 #pragma unroll
-  for (int pair = 0; pair < 8; ++pair)
+    for (int pair = 0; pair < 8; ++pair)
 #pragma unroll
-    for (int r = 0; r < 4; ++r)
-      out[pair][r] = pair_times_factors(placed[pair][r], scales.words[pair]);
-  if (!scales.fast) {
-    uint32_t again[8];
+      for (int r = 0; r < 4; ++r)
+        out[pair][r] = pair_times_factors(placed[pair][r], scales.words[pair]);
+    if (!scales.fast) {
+      uint32_t again[8];
 #pragma unroll
-    for (int pair = 0; pair < 8; ++pair) again[pair] = recomputed(row_pairs[pair]);
-    place_column_pairs(again, placed);
+      for (int pair = 0; pair < 8; ++pair) again[pair] = recomputed(row_pairs[pair]);
+      place_column_pairs(again, placed);
+#pragma unroll
+      for (int pair = 0; pair < 8; ++pair)
+#pragma unroll
+        for (int r = 0; r < 4; ++r)
+          out[pair][r] = pair_any_scales(placed[pair][r], scales.template byte<0>(pair),
+                                         scales.template byte<1>(pair));
+    }
+  } else if (scales.fast) {
+#pragma unroll
+    for (int pair = 0; pair < 8; ++pair)
+#pragma unroll
+      for (int r = 0; r < 4; ++r)
+        out[pair][r] = pair_times_factors(placed[pair][r], scales.words[pair]);
+  } else {
 #pragma unroll
     for (int pair = 0; pair < 8; ++pair)
 #pragma unroll

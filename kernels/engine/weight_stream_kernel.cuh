@@ -148,6 +148,10 @@ struct StreamConfig {
   // array per SM), and deeper rings measured slower (docs/ENGINE.md, "The ring's depth").
   static constexpr int kStages = kStagesFit > 6 ? 6 : kStagesFit;
   static constexpr int kSmemBytes = 1024 + kStages * kStageBytes + kDotBytes + kBarrierBytes;
+  // The transposed decode's multiplies before the step's scale check (64-row chunks) or
+  // inside its fast branch (32-row chunks): each measured faster where it is used
+  // (docs/ENGINE.md, "The transposed decode's multiplies and the scale check").
+  static constexpr bool kValuesBeforeCheck = kTransposed && Tokens == 64;
   // Base steps whose scale loads are in flight in the producer warpgroup (their loads
   // issued this many steps before the words are written).
   static constexpr int kScaleStepsAhead = 4;
@@ -572,6 +576,7 @@ constexpr bool stream_column_lane_offsets_follow_the_layout() {
 }
 static_assert(stream_column_lane_offsets_follow_the_layout(), "a warp reads its own unit");
 
+template <bool kValuesBeforeCheck>
 struct StreamColumnPairs {
   uint32_t lane_offset;   // the row of the code area whose unit this lane points ldmatrix at
   uint32_t scale_offset;  // the thread's 32 bytes of scale words
@@ -597,7 +602,7 @@ struct StreamColumnPairs {
                      "=r"(row_pairs[4 * x + 3])
                    : "r"(code_area + lane_offset + 128 * 32 * x));
     const mxfp4::StepScales<8> scales(words);
-    mxfp4::decode_column_pairs(row_pairs, scales, fragments);
+    mxfp4::decode_column_pairs<kValuesBeforeCheck>(row_pairs, scales, fragments);
   }
 };
 
@@ -997,7 +1002,8 @@ __device__ __forceinline__ void stream_consume(const WeightStreamParams& p,
         fence_accumulators(acc_hi);
       }
     }
-    const std::conditional_t<C::kTransposed, StreamColumnPairs, StreamLines> lines(threadIdx.x);
+    const std::conditional_t<C::kTransposed, StreamColumnPairs<C::kValuesBeforeCheck>, StreamLines>
+        lines(threadIdx.x);
     // A base step: both halves' fragments decoded, then their MMAs as one batch. The
     // fragments alternate between two buffers (by step parity): a buffer is rewritten
     // only after the batch that read it retired, which the step between guarantees (one

@@ -11,6 +11,7 @@
 // nibble of both tiles); the scale bytes are the fast path's edges, NaN, then random
 // bytes below 128 (fast) and over all 256.
 #include <cstdio>
+#include <cstring>
 
 #include "engine/fragment_decode.cuh"
 #include "mxfp4_test_words.h"
@@ -49,8 +50,14 @@ int main(int argc, char** argv) {
       words[pair] = mx::scale_word(loaded[pair]);
     }
     const mx::StepScales<8> scales(words);
-    mx::StepFragment fragments[2];
-    mx::decode_column_pairs(row_pairs, scales, fragments);
+    mx::StepFragment fragments[2], before_check[2];
+    mx::decode_column_pairs<false>(row_pairs, scales, fragments);
+    // Both orders of the multiplies and the scale check give the same registers.
+    mx::decode_column_pairs<true>(row_pairs, scales, before_check);
+    if (std::memcmp(fragments, before_check, sizeof(fragments)) != 0) {
+      std::fprintf(stderr, "case %d: the two decode orders differ\n", i);
+      return 3;
+    }
     const uint32_t fast = scales.fast ? 1u : 0u;
     std::fwrite(rows, sizeof(rows), 1, out);
     std::fwrite(loaded, sizeof(loaded), 1, out);
