@@ -112,7 +112,9 @@ def fast_path(loop: list[Instruction]) -> list[Instruction]:
 
     A scale check is a diamond: ``@P BRA X`` skips a block that ends in an unconditional
     ``BRA Y``; the other block runs from X to Y (or to a BSYNC before it). Whichever of the two
-    converts through FP32 (SLOW_PATH) is dropped."""
+    converts through FP32 (SLOW_PATH) is dropped. Where the fast values come before the
+    check, ``@P BRA X`` skips the FP32 block alone (it does not end in a branch), and that
+    block is dropped."""
     position = {i.address: n for n, i in enumerate(loop)}
     dropped: set[int] = set()
     for n, instruction in enumerate(loop):
