@@ -7,7 +7,9 @@ registers and a batch of register-A wgmma (HGMMA with a register A operand). Thi
 finds that loop in a kernel's SASS, drops the rare FP32 scale path (the branch of a
 diamond whose block converts through FP32: FMUL or F2FP), and counts what is left per
 step, by opcode: the static count ncu's per-warp instruction counts match (docs/ENGINE.md,
-"The per-step overhead cut"). Count before tuning; compare trees by their counts.
+"The per-step overhead cut"), and the stall cycles ptxas scheduled for it (the control
+words' stall counts: what one warp alone needs to issue a step, not a time). Count
+before tuning; compare trees by their counts, and time them.
 
     python tools/stream_step_sass.py --variant weight_stream_gated_t32
     python tools/stream_step_sass.py --sass kernel.sass   # cuobjdump -sass output
@@ -42,6 +44,10 @@ REGISTRY = ROOT / "python" / "megamoe" / "variants.toml"
 
 # One SASS instruction line of cuobjdump: /*addr*/ [@[!]P] OPCODE operands ;
 INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)([^;]*);")
+# The line after it: the instruction's second 64-bit word alone, whose bits 41-44 hold
+# the stall count ptxas scheduled after it (the cycles before the warp's next issue).
+CONTROL_WORD = re.compile(r"^\s*/\*\s*0x([0-9a-f]{16})\s*\*/\s*$")
+STALL_SHIFT, STALL_MASK = 41, 0xF
 REGISTER_A_HGMMA = re.compile(r"HGMMA\.\S+\s+R\d+,\s*R\d+,\s*gdesc")
 # The FP32 scale path converts through FP32; the fast path never does.
 SLOW_PATH = ("FMUL", "F2FP")
@@ -55,6 +61,7 @@ class Instruction:
     predicated: bool
     opcode: str  # with its modifiers, e.g. "SHF.R.S32.HI"
     operands: str
+    stall: int = 0  # the control word's stall count (0 where the listing has none)
 
     @property
     def text(self) -> str:
@@ -74,13 +81,17 @@ class Instruction:
 
 
 def parse(sass: str) -> list[Instruction]:
-    """The instructions of a cuobjdump -sass listing, in address order."""
+    """The instructions of a cuobjdump -sass listing, in address order, each with the
+    stall count of its control word (the next line) where the listing has one."""
     found = []
-    for line in sass.splitlines():
+    lines = sass.splitlines()
+    for n, line in enumerate(lines):
         match = INSTRUCTION.search(line)
         if match:
             address, predicate, opcode, operands = match.groups()
-            found.append(Instruction(int(address, 16), bool(predicate), opcode, operands))
+            control = CONTROL_WORD.match(lines[n + 1]) if n + 1 < len(lines) else None
+            stall = (int(control.group(1), 16) >> STALL_SHIFT) & STALL_MASK if control else 0
+            found.append(Instruction(int(address, 16), bool(predicate), opcode, operands, stall))
     return found
 
 
@@ -154,6 +165,19 @@ def count_per_step(sass: str) -> tuple[float, Counter[str]]:
         raise ValueError("the loop's fast path holds no register-A HGMMA")
     per_opcode = Counter(i.name for i in loop)
     return len(loop) / steps, Counter({k: v / steps for k, v in per_opcode.items()})
+
+
+def stall_cycles_per_step(sass: str) -> float:
+    """The fast path's scheduled stall cycles per base step: the sum of its control words'
+    stall counts, the cycles one warp alone needs to issue a step before any wait on a
+    load or barrier. A count of the schedule, not a time: with two consumer warps per
+    scheduler it did not predict which of two trees ran faster (docs/ENGINE.md, "The
+    transposed decode's multiplies and the scale check")."""
+    loop = fast_path(base_step_loop(parse(sass)))
+    steps = sum(1 for i in loop if REGISTER_A_HGMMA.search(i.text)) / HGMMA_PER_STEP
+    if steps == 0:
+        raise ValueError("the loop's fast path holds no register-A HGMMA")
+    return sum(i.stall for i in loop) / steps
 
 
 GLOBAL_LOAD = re.compile(r"^LDG\b")
@@ -309,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     sass = variant_sass(args.variant) if args.variant else args.sass.read_text()
     total, per_opcode = count_per_step(sass)
     print(f"{total:.1f} instructions per base step (fast path)")
+    print(f"{stall_cycles_per_step(sass):.1f} scheduled stall cycles per base step (one warp)")
     for opcode, count in per_opcode.most_common():
         print(f"  {opcode:<10} {count:6.1f}")
     per_step, early = producer_per_step(sass)

@@ -111,6 +111,35 @@ def test_counts_the_fast_path_of_the_register_a_loop(slow_first: bool | None) ->
     assert per_opcode["BRA"] == pytest.approx(2.5 if slow_first is False else 1.5)
 
 
+def _listing_with_control(lines: list[str], stalls: list[int], start: int = 0x100) -> str:
+    """cuobjdump-style lines, each followed by its control word (stall count in bits
+    41-44, the other fields set, as ptxas writes them)."""
+    out = []
+    for n, (line, stall) in enumerate(zip(lines, stalls, strict=True)):
+        out.append(f"        /*{start + 16 * n:04x}*/                   {line} ;  /* 0x0000 */")
+        control = (stall << 41) | (1 << 45) | (7 << 46) | (7 << 49) | 0xC00
+        out.append(f"                                                 /* 0x{control:016x} */")
+    return "\n".join(out)
+
+
+def test_sums_the_fast_paths_scheduled_stalls() -> None:
+    """The stall counts of the control words are read per instruction and summed over the
+    fast path per step: the FP32 block's stalls are left out, the closing branch's halved."""
+    start = 0x100
+    step = _step(start, slow_first=None)
+    second = _step(start + 16 * len(step), slow_first=None)
+    loop = [*step, *second, f"@!P1 BRA 0x{start:x}"]
+    # Stall 2 on each fast-path instruction, 9 on the FP32 block's, 5 on the loop branch.
+    slow = {"FMUL", "F2FP"}
+    stalls = [9 if line.split()[0].split(".")[0] in slow else 2 for line in loop[:-1]] + [5]
+    sass = _listing_with_control(loop, stalls, start)
+    code = tool.parse(sass)
+    assert [i.stall for i in code] == stalls
+    assert tool.stall_cycles_per_step(sass) == pytest.approx(16 * 2 + 5 / 2)
+    # Listings without control words (as the other tests here) read as stall 0.
+    assert all(i.stall == 0 for i in tool.parse(_listing(loop, start)))
+
+
 def test_picks_the_smallest_loop_with_register_a_hgmma() -> None:
     start = 0x100
     step = _step(start, slow_first=False)
