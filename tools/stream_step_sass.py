@@ -156,13 +156,18 @@ def fast_path(loop: list[Instruction]) -> list[Instruction]:
     return [i for n, i in enumerate(loop) if n not in dropped]
 
 
-def count_per_step(sass: str) -> tuple[float, Counter[str]]:
-    """(instructions per base step, per-opcode counts per step) of the kernel's loop."""
-    code = parse(sass)
-    loop = fast_path(base_step_loop(code))
+def fast_path_steps(sass: str) -> tuple[list[Instruction], float]:
+    """The base-step loop's fast path and how many base steps it holds."""
+    loop = fast_path(base_step_loop(parse(sass)))
     steps = sum(1 for i in loop if REGISTER_A_HGMMA.search(i.text)) / HGMMA_PER_STEP
     if steps == 0:
         raise ValueError("the loop's fast path holds no register-A HGMMA")
+    return loop, steps
+
+
+def count_per_step(sass: str) -> tuple[float, Counter[str]]:
+    """(instructions per base step, per-opcode counts per step) of the kernel's loop."""
+    loop, steps = fast_path_steps(sass)
     per_opcode = Counter(i.name for i in loop)
     return len(loop) / steps, Counter({k: v / steps for k, v in per_opcode.items()})
 
@@ -173,10 +178,7 @@ def stall_cycles_per_step(sass: str) -> float:
     load or barrier. A count of the schedule, not a time: with two consumer warps per
     scheduler it did not predict which of two trees ran faster (docs/ENGINE.md, "The
     transposed decode's multiplies and the scale check")."""
-    loop = fast_path(base_step_loop(parse(sass)))
-    steps = sum(1 for i in loop if REGISTER_A_HGMMA.search(i.text)) / HGMMA_PER_STEP
-    if steps == 0:
-        raise ValueError("the loop's fast path holds no register-A HGMMA")
+    loop, steps = fast_path_steps(sass)
     return sum(i.stall for i in loop) / steps
 
 

@@ -297,6 +297,27 @@ __host__ __device__ __forceinline__ void place_column_pairs(const uint32_t (&row
   }
 }
 
+// A transposed step's values from its placements: the fast path (factor pairs) and the
+// FP32 path (any scales).
+__host__ __device__ __forceinline__ void column_pairs_times_factors(const uint32_t (&placed)[8][4],
+                                                                    const StepScales<8>& scales,
+                                                                    uint32_t (&out)[8][4]) {
+#pragma unroll
+  for (int pair = 0; pair < 8; ++pair)
+#pragma unroll
+    for (int r = 0; r < 4; ++r)
+      out[pair][r] = pair_times_factors(placed[pair][r], scales.words[pair]);
+}
+__host__ __device__ __forceinline__ void column_pairs_any_scales(const uint32_t (&placed)[8][4],
+                                                                 const StepScales<8>& scales,
+                                                                 uint32_t (&out)[8][4]) {
+#pragma unroll
+  for (int pair = 0; pair < 8; ++pair)
+#pragma unroll
+    for (int r = 0; r < 4; ++r)
+      out[pair][r] = pair_any_scales(placed[pair][r], scales.byte<0>(pair), scales.byte<1>(pair));
+}
+
 // A thread's A-fragment registers of one transposed step: its two tiles' (bytes 2q and
 // 2q + 1) over 64 stored rows. `row_pairs[2 k16 + j]` holds the thread's 16 bits of stored
 // rows 16 k16 + 2c + 8 j (bits 0-15) and + 1 (bits 16-31), c = lane % 4, as ldmatrix.trans
@@ -318,36 +339,18 @@ __host__ __device__ __forceinline__ void decode_column_pairs(const uint32_t (&ro
     // and the multiplies); a step with a scale byte from 128 up (rare) places its codes
     // again from the row pairs (8 registers kept, not the 32 placed ones) and recomputes
     // its values through FP32.
-#pragma unroll
-    for (int pair = 0; pair < 8; ++pair)
-#pragma unroll
-      for (int r = 0; r < 4; ++r)
-        out[pair][r] = pair_times_factors(placed[pair][r], scales.words[pair]);
+    column_pairs_times_factors(placed, scales, out);
     if (!scales.fast) {
       uint32_t again[8];
 #pragma unroll
       for (int pair = 0; pair < 8; ++pair) again[pair] = recomputed(row_pairs[pair]);
       place_column_pairs(again, placed);
-#pragma unroll
-      for (int pair = 0; pair < 8; ++pair)
-#pragma unroll
-        for (int r = 0; r < 4; ++r)
-          out[pair][r] = pair_any_scales(placed[pair][r], scales.template byte<0>(pair),
-                                         scales.template byte<1>(pair));
+      column_pairs_any_scales(placed, scales, out);
     }
   } else if (scales.fast) {
-#pragma unroll
-    for (int pair = 0; pair < 8; ++pair)
-#pragma unroll
-      for (int r = 0; r < 4; ++r)
-        out[pair][r] = pair_times_factors(placed[pair][r], scales.words[pair]);
+    column_pairs_times_factors(placed, scales, out);
   } else {
-#pragma unroll
-    for (int pair = 0; pair < 8; ++pair)
-#pragma unroll
-      for (int r = 0; r < 4; ++r)
-        out[pair][r] = pair_any_scales(placed[pair][r], scales.template byte<0>(pair),
-                                       scales.template byte<1>(pair));
+    column_pairs_any_scales(placed, scales, out);
   }
 #pragma unroll
   for (int pair = 0; pair < 8; ++pair)

@@ -26,12 +26,19 @@ def _load_tool():
 tool = _load_tool()
 
 
-def _listing(lines: list[str], start: int = 0x100) -> str:
-    """cuobjdump-style lines, one instruction every 0x10 bytes from ``start``."""
-    return "\n".join(
-        f"        /*{start + 16 * n:04x}*/                   {line} ;  /* 0x000000000000 */"
-        for n, line in enumerate(lines)
-    )
+def _listing(lines: list[str], start: int = 0x100, stalls: list[int] | None = None) -> str:
+    """cuobjdump-style lines, one instruction every 0x10 bytes from ``start``; with
+    ``stalls``, each followed by its control word (the stall count in bits 41-44, the other
+    fields set, as ptxas writes them)."""
+    out = []
+    for n, line in enumerate(lines):
+        out.append(
+            f"        /*{start + 16 * n:04x}*/                   {line} ;  /* 0x000000000000 */"
+        )
+        if stalls is not None:
+            control = (stalls[n] << 41) | (1 << 45) | (7 << 46) | (7 << 49) | 0xC00
+            out.append(f"                                                 /* 0x{control:016x} */")
+    return "\n".join(out)
 
 
 def _skip_step(first: int) -> list[str]:
@@ -111,17 +118,6 @@ def test_counts_the_fast_path_of_the_register_a_loop(slow_first: bool | None) ->
     assert per_opcode["BRA"] == pytest.approx(2.5 if slow_first is False else 1.5)
 
 
-def _listing_with_control(lines: list[str], stalls: list[int], start: int = 0x100) -> str:
-    """cuobjdump-style lines, each followed by its control word (stall count in bits
-    41-44, the other fields set, as ptxas writes them)."""
-    out = []
-    for n, (line, stall) in enumerate(zip(lines, stalls, strict=True)):
-        out.append(f"        /*{start + 16 * n:04x}*/                   {line} ;  /* 0x0000 */")
-        control = (stall << 41) | (1 << 45) | (7 << 46) | (7 << 49) | 0xC00
-        out.append(f"                                                 /* 0x{control:016x} */")
-    return "\n".join(out)
-
-
 def test_sums_the_fast_paths_scheduled_stalls() -> None:
     """The stall counts of the control words are read per instruction and summed over the
     fast path per step: the FP32 block's stalls are left out, the closing branch's halved."""
@@ -132,7 +128,8 @@ def test_sums_the_fast_paths_scheduled_stalls() -> None:
     # Stall 2 on each fast-path instruction, 9 on the FP32 block's, 5 on the loop branch.
     slow = {"FMUL", "F2FP"}
     stalls = [9 if line.split()[0].split(".")[0] in slow else 2 for line in loop[:-1]] + [5]
-    sass = _listing_with_control(loop, stalls, start)
+    assert len(stalls) == len(loop)
+    sass = _listing(loop, start, stalls)
     code = tool.parse(sass)
     assert [i.stall for i in code] == stalls
     assert tool.stall_cycles_per_step(sass) == pytest.approx(16 * 2 + 5 / 2)
