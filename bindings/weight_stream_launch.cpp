@@ -20,8 +20,7 @@ namespace megamoe {
 namespace {
 
 constexpr int kBlockK = 64;
-constexpr int kGatedColumns = 128;  // h columns per gated tile (two consumer warpgroups)
-constexpr int kStoreColumns = 256;  // output columns per store tile
+constexpr int kStoreColumns = 256;  // output columns per transposed tile (dgrad1, dgrad2)
 
 std::string str(int64_t v) { return std::to_string(v); }
 
@@ -32,12 +31,14 @@ const WeightStreamKernels& select_stream_variant(StreamKind kind, int tokens) {
 }
 
 // The pool [P, cols] BF16 with unit column stride, its segments padded to `block_m`
-// rows: a chunk of `tokens` rows must lie in one expert's segment.
+// rows: a chunk of 32 or 64 rows must lie in one expert's segment (wider chunks start at
+// each segment's start).
 void check_pool(const Tensor& a, int tokens, int block_m) {
   if (a.dtype() != bfloat16_dtype() || a.ndim() != 2 || a.stride(1) != 1 ||
       a.stride(0) < static_cast<int64_t>(a.shape(1)))
     throw nb::value_error("a: expected a BF16 [P, cols] pool with unit column stride");
-  if (block_m < tokens || block_m % tokens != 0)
+  if (block_m < 1) throw nb::value_error(("block_m: expected >= 1, got " + str(block_m)).c_str());
+  if (!stream_chunks_from_segment_starts(tokens) && (block_m < tokens || block_m % tokens != 0))
     throw nb::value_error(("block_m: the pool's segment padding " + str(block_m) +
                            " is not a multiple of the chunk " + str(tokens))
                               .c_str());
@@ -68,8 +69,7 @@ void set_schedule(WeightStreamParams& p, const Tensor& offsets, const Tensor& co
 }
 
 // GEMM1 over the pool with an MXFP4 w13 in the swapped form: h = act(g) * u, g | u =
-// [x | q1 | q3] . [w13_e ; side], for pools whose segments are padded to a multiple of
-// `tokens` rows.
+// [x | q1 | q3] . [w13_e ; side], in chunks of `tokens` pool rows (check_pool).
 void weight_stream_gated(const Tensor& a, int64_t k_base, const Tensor& w13,
                          const Tensor& w13_scales, const Tensor& offsets, const Tensor& counts,
                          const Tensor& h, std::optional<Tensor> preact,
@@ -85,9 +85,11 @@ void weight_stream_gated(const Tensor& a, int64_t k_base, const Tensor& w13,
   check_tensor<uint8_t>("w13", w13, {-1, -1, k_base / 2}, device);
   const int64_t experts = w13.shape(0), two_i = w13.shape(1), inter = two_i / 2;
   if (experts < 1) throw nb::value_error("w13: expected at least one expert");
-  if (two_i % 2 != 0 || inter % kGatedColumns != 0)
-    throw nb::value_error(
-        ("w13: expected 2I rows with I a multiple of 128, got " + str(two_i)).c_str());
+  const int columns = kernels.columns;  // h columns per tile
+  if (two_i % 2 != 0 || inter % columns != 0)
+    throw nb::value_error(("w13: expected 2I rows with I a multiple of " + str(columns) +
+                           " (chunks of " + str(tokens) + "), got " + str(two_i))
+                              .c_str());
   check_scales("w13_scales", w13_scales, experts, two_i, k_base, device);
   check_activation(activation, activation_clamp);
   const int64_t rank =
@@ -97,16 +99,15 @@ void weight_stream_gated(const Tensor& a, int64_t k_base, const Tensor& w13,
 
   WeightStreamParams p{};
   set_schedule(p, offsets, counts, experts, rows, device);
-  p.n_base_blocks = static_cast<int32_t>(inter / kGatedColumns);
+  p.n_base_blocks = static_cast<int32_t>(inter / columns);
   // Side steps: the gate's over q1 (b1 rows), then the up's over q3 (b3 rows).
   p.segment_half = static_cast<int32_t>((rank + kBlockK - 1) / kBlockK);
   p.segment_steps = 2 * p.segment_half;
   p.base_steps = static_cast<int32_t>(k_base / kBlockK);
   p.pool = bf16_rows("a", a.data(), rows, k_base + 2 * rank, a.stride(0), tokens);
-  p.codes =
-      tensor_map("w13", w13.data(), CU_TENSOR_MAP_DATA_TYPE_UINT8, {k_base / 2, inter, 2, experts},
-                 {k_base / 2, inter * k_base / 2, two_i * k_base / 2},
-                 {kBlockK / 2, kGatedColumns, 2, 1}, false);
+  p.codes = tensor_map(
+      "w13", w13.data(), CU_TENSOR_MAP_DATA_TYPE_UINT8, {k_base / 2, inter, 2, experts},
+      {k_base / 2, inter * k_base / 2, two_i * k_base / 2}, {kBlockK / 2, columns, 2, 1}, false);
   if (side_gate) {
     // b1 and b3 as given [E, r, I]: [64 I, 64 r] boxes, the A of the side steps.
     p.segment_lo = mn_major_map("side_gate", *side_gate, device);
@@ -128,8 +129,8 @@ void weight_stream_gated(const Tensor& a, int64_t k_base, const Tensor& w13,
 }
 
 // GEMM2 over the pool with an MXFP4 b in the swapped form: out = a . [b_e^T | b_extra_e]
-// (b codes [E, N, K/2] K-major, b_extra as given [E, K, N_x]), for pools whose segments
-// are padded to a multiple of `tokens` rows.
+// (b codes [E, N, K/2] K-major, b_extra as given [E, K, N_x]), in chunks of `tokens` pool
+// rows (check_pool).
 void weight_stream_store(const Tensor& a, int64_t k_base, const Tensor& b, const Tensor& b_scales,
                          std::optional<Tensor> b_extra, const Tensor& offsets, const Tensor& counts,
                          const Tensor& out, int block_m, int tokens, int num_sms,
@@ -145,8 +146,11 @@ void weight_stream_store(const Tensor& a, int64_t k_base, const Tensor& b, const
   check_tensor<uint8_t>("b", b, {-1, -1, k_base / 2}, device);
   const int64_t experts = b.shape(0), n = b.shape(1);
   if (experts < 1) throw nb::value_error("b: expected at least one expert");
-  if (n < kStoreColumns || n % kStoreColumns != 0)
-    throw nb::value_error(("b: expected N a multiple of 256, got " + str(n)).c_str());
+  const int columns = kernels.columns;  // output columns per tile
+  if (n < columns || n % columns != 0)
+    throw nb::value_error(("b: expected N a multiple of " + str(columns) + " (chunks of " +
+                           str(tokens) + "), got " + str(n))
+                              .c_str());
   check_scales("b_scales", b_scales, experts, n, k_base, device);
   int64_t n_extra = 0;
   if (b_extra) {
@@ -160,23 +164,29 @@ void weight_stream_store(const Tensor& a, int64_t k_base, const Tensor& b, const
 
   WeightStreamParams p{};
   set_schedule(p, offsets, counts, experts, rows, device);
-  p.n_base_blocks = static_cast<int32_t>(n / kStoreColumns);
+  p.n_base_blocks = static_cast<int32_t>(n / columns);
   p.base_steps = static_cast<int32_t>(k_base / kBlockK);
   if (b_extra) {
-    // The extra tile: a2 columns 0..127 into the first half, 128.. into the second, each
-    // over all of K.
-    p.n_extra_blocks = 1;
-    p.segment_half = p.base_steps;
-    p.segment_steps = (n_extra > kStoreColumns / 2 ? 2 : 1) * p.base_steps;
     p.segment_lo = mn_major_map("b_extra", *b_extra, device);
+    p.segment_half = p.base_steps;
+    if (columns == kStoreColumns) {
+      // One extra tile: a2 columns 0..127 into the first half, 128.. into the second,
+      // each over all of K.
+      p.n_extra_blocks = 1;
+      p.segment_steps = (n_extra > kStoreColumns / 2 ? 2 : 1) * p.base_steps;
+    } else {
+      // The wide form: an extra tile per `columns` a2 columns, over all of K.
+      p.n_extra_blocks = static_cast<int32_t>((n_extra + columns - 1) / columns);
+      p.segment_steps = p.base_steps;
+    }
   }
   p.pool = bf16_rows("a", a.data(), rows, k_base, a.stride(0), tokens);
   p.codes = tensor_map("b", b.data(), CU_TENSOR_MAP_DATA_TYPE_UINT8, {k_base / 2, n, experts},
-                       {k_base / 2, n * k_base / 2}, {kBlockK / 2, kStoreColumns, 1}, false);
+                       {k_base / 2, n * k_base / 2}, {kBlockK / 2, columns, 1}, false);
   p.scales = static_cast<const uint8_t*>(b_scales.data());
   p.k_base = static_cast<int32_t>(k_base);
   p.weight_rows = static_cast<int32_t>(n);
-  p.half_rows = kStoreColumns / 2;
+  p.half_rows = columns / 2;  // the narrow form's second half (the wide form has one)
   p.side_scale = 1.0f;
   p.out = out.data();
   p.out_columns = static_cast<int32_t>(n + n_extra);
@@ -186,8 +196,8 @@ void weight_stream_store(const Tensor& a, int64_t k_base, const Tensor& b, const
 
 // dgrad1 over the pool with an MXFP4 b read as stored, in the swapped form: out = a .
 // [b_e | blockdiag(lo_e^T, hi_e^T)] (b codes [E, K, N/2] quantized along N; lo [E, N_lo,
-// K_lo] and hi [E, N_hi, K - K_lo] K-major as given, both or neither), for pools whose
-// segments are padded to a multiple of `tokens` rows.
+// K_lo] and hi [E, N_hi, K - K_lo] K-major as given, both or neither), in chunks of
+// `tokens` (32 or 64) pool rows (check_pool).
 void weight_stream_store_mn(const Tensor& a, const Tensor& b, const Tensor& b_scales,
                             std::optional<Tensor> extra_lo, std::optional<Tensor> extra_hi,
                             const Tensor& offsets, const Tensor& counts, const Tensor& out,

@@ -51,8 +51,14 @@ STALL_SHIFT, STALL_MASK = 41, 0xF
 REGISTER_A_HGMMA = re.compile(r"HGMMA\.\S+\s+R\d+,\s*R\d+,\s*gdesc")
 # The FP32 scale path converts through FP32; the fast path never does.
 SLOW_PATH = ("FMUL", "F2FP")
-# Register-A HGMMA per step: two weights x four k16 sub-steps.
+# Register-A HGMMA per step: two weights x four k16 sub-steps; the wide form (chunks of
+# more than 64 rows, read off the kernel's name) decodes one weight a step.
 HGMMA_PER_STEP = 8
+WIDE_HGMMA_PER_STEP = 4
+KERNEL_CHUNK = re.compile(r"weight_stream_kernelILNS_10StreamKindE\dELi(\d+)EE")
+# The decode's byte placement: the base steps' loop has it, the wide GEMM1's side steps
+# (register-A HGMMA from ldmatrix) do not.
+DECODE_OPCODE = "PRMT"
 
 
 @dataclass(frozen=True)
@@ -111,11 +117,24 @@ def smallest_loop(
 
 
 def base_step_loop(code: list[Instruction]) -> list[Instruction]:
-    """The smallest loop holding register-A HGMMA."""
-    best = smallest_loop(code, lambda body: any(REGISTER_A_HGMMA.search(i.text) for i in body))
+    """The smallest loop holding register-A HGMMA and the decode."""
+    best = smallest_loop(
+        code,
+        lambda body: (
+            any(REGISTER_A_HGMMA.search(i.text) for i in body)
+            and any(i.name == DECODE_OPCODE for i in body)
+        ),
+    )
     if best is None:
         raise ValueError("no loop with register-A HGMMA (is this a weight-streaming kernel?)")
     return best
+
+
+def hgmma_per_step(sass: str) -> int:
+    """Register-A HGMMA per base step: WIDE_HGMMA_PER_STEP where the listing names a
+    kernel of chunks over 64 rows, else HGMMA_PER_STEP."""
+    chunk = KERNEL_CHUNK.search(sass)
+    return WIDE_HGMMA_PER_STEP if chunk and int(chunk[1]) > 64 else HGMMA_PER_STEP
 
 
 def fast_path(loop: list[Instruction]) -> list[Instruction]:
@@ -159,7 +178,7 @@ def fast_path(loop: list[Instruction]) -> list[Instruction]:
 def fast_path_steps(sass: str) -> tuple[list[Instruction], float]:
     """The base-step loop's fast path and how many base steps it holds."""
     loop = fast_path(base_step_loop(parse(sass)))
-    steps = sum(1 for i in loop if REGISTER_A_HGMMA.search(i.text)) / HGMMA_PER_STEP
+    steps = sum(1 for i in loop if REGISTER_A_HGMMA.search(i.text)) / hgmma_per_step(sass)
     if steps == 0:
         raise ValueError("the loop's fast path holds no register-A HGMMA")
     return loop, steps

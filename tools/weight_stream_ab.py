@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """The GEMMs with an MXFP4 base at few rows per expert: the weight-streaming kernels
-(chunks of 32 and 64 rows) against the engine's in-pipeline decode and the engine on
-BF16 weights, in one process, with the weight-read floor of each format.
+(chunks of 32 and 64 rows; GEMM1 and GEMM2 also 128 and 256, the wide form) against the
+engine's in-pipeline decode and the engine on BF16 weights, in one process, with the
+weight-read floor of each format.
 
 Times GEMM1 (gated SwiGLU, optional side segment), GEMM2 (optional a2 extra columns),
 dgrad1 (``w13`` as stored, optional b1/b3 shrink columns) and dgrad2 with the activation
@@ -92,24 +93,31 @@ def measure(tokens: int, args: argparse.Namespace, w13, codes, scales, side: dic
     return _row("gemm1", tokens, args.iters, plan, out, bf16, engine_mxfp4, stream_mxfp4)
 
 
-def _row(gemm, tokens, iters, plan, out, bf16, engine, stream) -> str:
+#: The chunk columns of the table; GEMM1 and GEMM2 have every chunk, the dgrads 32 and 64.
+CHUNKS = (32, 64, 128, 256)
+NARROW_CHUNKS = (32, 64)
+
+
+def _row(gemm, tokens, iters, plan, out, bf16, engine, stream, chunks=CHUNKS) -> str:
     """Times the BF16 GEMM, the engine's MXFP4 one (writing ``out``) and the streaming
-    one at both chunks; checks the streaming outputs against ``out`` on the rows in use."""
+    one at each of ``chunks``; checks the streaming outputs against ``out`` on the rows
+    in use."""
 
     def median(fn) -> float:
         return _kernel_ms(fn, out.device, iters)
 
     t_bf16, t_engine = median(bf16), median(engine)
-    t32, t64 = median(lambda: stream(32)), median(lambda: stream(64))
+    times = {c: median(lambda c=c: stream(c)) for c in chunks}
     engine()
     rows = int(plan.expert_pool_offsets[-1])
     same = all(
         torch.equal(stream(c)[:rows].view(torch.int16), out[:rows].view(torch.int16))
-        for c in (32, 64)
+        for c in chunks
     )
-    best = min(t32, t64)
+    best = min(times.values())
+    cells = " ".join(f"{times[c]:8.3f}" if c in times else f"{'-':>8}" for c in CHUNKS)
     return (
-        f"{gemm:>5} {tokens:>6} {t_bf16:8.3f} {t_engine:8.3f} {t32:8.3f} {t64:8.3f} "
+        f"{gemm:>5} {tokens:>6} {t_bf16:8.3f} {t_engine:8.3f} {cells} "
         f"{best / t_engine:8.3f} {t_bf16 / best:9.2f} {'same' if same else 'DIFFER'}"
     )
 
@@ -173,7 +181,9 @@ def measure_dgrad1(tokens: int, args: argparse.Namespace, w13, codes, scales, si
         return result
 
     bf16 = lambda: grouped_gemm(a, w13, plan, b_major="mn", b_extra_blocks=extra)  # noqa: E731
-    return _row("dgrd1", tokens, args.iters, plan, out, bf16, engine_mxfp4, stream_mxfp4)
+    return _row(
+        "dgrd1", tokens, args.iters, plan, out, bf16, engine_mxfp4, stream_mxfp4, NARROW_CHUNKS
+    )
 
 
 def measure_dgrad2(tokens: int, args: argparse.Namespace, w2, codes, scales, a2) -> str:
@@ -230,7 +240,9 @@ def measure_dgrad2(tokens: int, args: argparse.Namespace, w2, codes, scales, a2)
     t_bf16 = median(lambda: engine(w2, None, bf16_outs))
     t_engine = median(lambda: engine(codes, scales, engine_outs))
     if not hasattr(native, "weight_stream_activation_backward"):
-        return f"dgrd2 {tokens:>6} {t_bf16:8.3f} {t_engine:8.3f} {'-':>8} {'-':>8}"
+        return f"dgrd2 {tokens:>6} {t_bf16:8.3f} {t_engine:8.3f} " + " ".join(
+            f"{'-':>8}" for _ in CHUNKS
+        )
     t32, t64 = median(lambda: streamed(32)), median(lambda: streamed(64))
     engine(codes, scales, engine_outs)
     rows = int(plan.expert_pool_offsets[-1])
@@ -246,7 +258,8 @@ def measure_dgrad2(tokens: int, args: argparse.Namespace, w2, codes, scales, a2)
     best = min(t32, t64)
     return (
         f"dgrd2 {tokens:>6} {t_bf16:8.3f} {t_engine:8.3f} {t32:8.3f} {t64:8.3f} "
-        f"{best / t_engine:8.3f} {t_bf16 / best:9.2f} {'same' if same else 'DIFFER'}"
+        + " ".join(f"{'-':>8}" for _ in CHUNKS[2:])
+        + f" {best / t_engine:8.3f} {t_bf16 / best:9.2f} {'same' if same else 'DIFFER'}"
     )
 
 
@@ -286,8 +299,9 @@ def main() -> None:
         f"{bf16_bytes / bandwidth * 1e3:.3f} ms, MXFP4 {mxfp4_bytes / bandwidth * 1e3:.3f} ms"
     )
     print(
-        f"{'gemm':>5} {'T':>6} {'bf16':>8} {'engine':>8} {'s32':>8} {'s64':>8} {'best/eng':>8} "
-        "bf16/best bits"
+        f"{'gemm':>5} {'T':>6} {'bf16':>8} {'engine':>8} "
+        + " ".join(f"{'s' + str(c):>8}" for c in CHUNKS)
+        + f" {'best/eng':>8} bf16/best bits"
     )
     for tokens in (int(t) for t in args.tokens.split(",")):
         gemms = args.gemms.split(",")

@@ -57,19 +57,23 @@
 namespace megamoe::kernels::engine {
 
 // ---- schedule: every base tile (TOKENS-row pool chunk, column block; column blocks
-// fastest), then the extra tiles (Store: one per chunk). The persistent CTAs take tiles
-// round-robin, so the extra tiles (segment steps only, no decode, cheaper than a base
-// tile) land first on the CTAs with one base tile fewer. ----
+// fastest), then the extra tiles (Store: its extra blocks per chunk). The persistent CTAs
+// take tiles round-robin, so the extra tiles (segment steps only, no decode, cheaper than
+// a base tile) land first on the CTAs with one base tile fewer. ----
 struct StreamTile {
   int expert;
   int row0;    // first pool row of the chunk
   int rows;    // the chunk's data rows (0: padding only, written as zeros, nothing loaded)
+  int span;    // the chunk's rows in its segment, the rows written (TOKENS but at a wide
+               // chunk's segment end; rows past it are the next expert's)
   int n0;      // first output column (an extra tile: the extra columns' first)
   bool extra;  // Store: the tile of the extra columns (segment steps only)
 };
 
 template <int Tokens, int Columns>
 struct StreamTiles {
+  // Wide chunks start at each segment's start: segments are padded to BLOCK_M only.
+  static constexpr bool kFromSegmentStarts = stream_chunks_from_segment_starts(Tokens);
   const WeightStreamParams& p;
   int rows_used, chunks;
 
@@ -77,7 +81,7 @@ struct StreamTiles {
       : p(params),
         rows_used(
             min(max(__ldg(params.expert_pool_offsets + params.num_experts), 0), params.pool_rows)),
-        chunks(rows_used / Tokens) {}
+        chunks(kFromSegmentStarts ? segment_chunks_in_use() : rows_used / Tokens) {}
 
   __device__ __forceinline__ int blocks() const { return p.n_base_blocks + p.n_extra_blocks; }
   __device__ __forceinline__ int num_tiles() const { return chunks * blocks(); }
@@ -85,26 +89,86 @@ struct StreamTiles {
   __device__ __forceinline__ int start(int e) const {
     return min(max(__ldg(p.expert_pool_offsets + e), 0), rows_used);
   }
+  __device__ __forceinline__ int end(int e) const { return max(start(e + 1), start(e)); }
+  __device__ __forceinline__ int chunks_of(int e) const {
+    return e < p.num_experts ? (end(e) - start(e) + Tokens - 1) / Tokens : 0;
+  }
+
+  // Wide chunks: the experts' chunk counts summed a warp at a time (32 experts a round).
+  // Every lane of the warp calls it and gets the same count.
+  __device__ __forceinline__ int segment_chunks_in_use() const {
+    const int lane = threadIdx.x % 32;
+    int total = 0;
+    for (int e0 = 0; e0 < p.num_experts; e0 += 32)
+      total += static_cast<int>(__reduce_add_sync(0xffffffffu, chunks_of(e0 + lane)));
+    return total;
+  }
+
+  // Wide chunks: chunk c's expert (the first whose running chunk count passes c) and first
+  // row, from an inclusive scan of 32 experts' counts a round. Warp-uniform.
+  __device__ __forceinline__ void locate(int c, int& expert, int& row0) const {
+    const int lane = threadIdx.x % 32;
+    int before = 0;  // the chunks of the rounds before
+    for (int e0 = 0; e0 < p.num_experts; e0 += 32) {
+      const int own = chunks_of(e0 + lane);
+      int running = own;
+#pragma unroll
+      for (int d = 1; d < 32; d *= 2) {
+        const int v = __shfl_up_sync(0xffffffffu, running, d);
+        if (lane >= d) running += v;
+      }
+      const uint32_t past = __ballot_sync(0xffffffffu, before + running > c);
+      if (past != 0u) {
+        const int l = __ffs(static_cast<int>(past)) - 1;
+        expert = e0 + l;
+        row0 = start(expert) + (c - before - __shfl_sync(0xffffffffu, running - own, l)) * Tokens;
+        return;
+      }
+      before += __shfl_sync(0xffffffffu, running, 31);
+    }
+    expert = p.num_experts - 1;  // not reached for c < chunks
+    row0 = rows_used;
+  }
 
   __device__ __forceinline__ StreamTile tile(int t) const {
     const int base_tiles = chunks * p.n_base_blocks;
     StreamTile info;
     info.extra = t >= base_tiles;
-    const int chunk = info.extra ? t - base_tiles : t / p.n_base_blocks;
-    info.row0 = chunk * Tokens;
-    info.n0 = (info.extra ? p.n_base_blocks : t - chunk * p.n_base_blocks) * Columns;
-    // The expert whose segment holds the chunk: the last e starting at or before it.
-    int lo = 0, hi = p.num_experts - 1;
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) >> 1;
-      if (start(mid) <= info.row0)
-        lo = mid;
-      else
-        hi = mid - 1;
+    int chunk, block;
+    if (!info.extra) {
+      chunk = t / p.n_base_blocks;
+      block = t - chunk * p.n_base_blocks;
+    } else if constexpr (kFromSegmentStarts) {
+      chunk = (t - base_tiles) / p.n_extra_blocks;
+      block = p.n_base_blocks + (t - base_tiles - chunk * p.n_extra_blocks);
+    } else {  // one extra block
+      chunk = t - base_tiles;
+      block = p.n_base_blocks;
     }
-    info.expert = lo;
-    const int first = start(lo), end = max(start(lo + 1), first);
-    const int data_end = min(first + max(__ldg(p.expert_counts + lo), 0), end);
+    info.n0 = block * Columns;
+    int first, end_row;
+    if constexpr (kFromSegmentStarts) {
+      locate(chunk, info.expert, info.row0);
+      first = start(info.expert);
+      end_row = end(info.expert);
+      info.span = min(end_row - info.row0, Tokens);
+    } else {
+      info.row0 = chunk * Tokens;
+      // The expert whose segment holds the chunk: the last e starting at or before it.
+      int lo = 0, hi = p.num_experts - 1;
+      while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (start(mid) <= info.row0)
+          lo = mid;
+        else
+          hi = mid - 1;
+      }
+      info.expert = lo;
+      first = start(lo);
+      end_row = max(start(lo + 1), first);
+      info.span = Tokens;
+    }
+    const int data_end = min(first + max(__ldg(p.expert_counts + info.expert), 0), end_row);
     info.rows = min(max(data_end - info.row0, 0), Tokens);
     return info;
   }
@@ -112,7 +176,8 @@ struct StreamTiles {
 
 template <StreamKind kKind, int Tokens>
 struct StreamConfig {
-  static_assert(Tokens == 32 || Tokens == 64, "wgmma N of the chunk");
+  static_assert(Tokens == 32 || Tokens == 64 || Tokens == 128 || Tokens == 256,
+                "wgmma N of the chunk");
   static constexpr bool kGated = kKind == StreamKind::Gated;
   static constexpr bool kActivation = kKind == StreamKind::ActivationBackward;
   // The weights as stored ([K][N / 2] codes): transposed decode, K-major segment factors.
@@ -120,20 +185,31 @@ struct StreamConfig {
   // Segment steps on every tile (GEMM1's side, dgrad2's a2), not on extra tiles only.
   static constexpr bool kSegmentEveryTile = kGated || kActivation;
   static constexpr int kTokensPerChunk = Tokens;
+  // The wide form (chunks of 128 or 256 rows): one m64 tile per consumer warpgroup, so
+  // the accumulators of a 256-row chunk (128 registers) and two fragment buffers (32)
+  // fit; each weight is decoded once per wide chunk (docs/ENGINE.md, "The wide form").
+  // A thread's rows r and r + 8 are a gated tile's gate and up rows of one h column.
+  static constexpr bool kWide = Tokens > 64;
+  static_assert(!(kWide && kTransposed), "the wide form is built for GEMM1 and GEMM2");
+  static constexpr int kHalves = kWide ? 1 : 2;  // m64 tiles per consumer warpgroup
   static constexpr int kConsumers = 2;
   static constexpr int kThreads = (1 + kConsumers) * kWarpgroupThreads;
   // Output columns per tile: a gated tile's two halves are the gate and up rows of the
-  // same 128 h columns; a store tile's are 256 columns.
-  static constexpr int kColumns = (kGated ? 1 : 2) * 64 * kConsumers;
+  // same 128 h columns (wide: a warpgroup's rows are 32 h columns' gate and up rows); a
+  // store tile's are 256 columns (wide: 128).
+  static constexpr int kColumns = (kGated ? 1 : 2) * 32 * kHalves * kConsumers;
   using Schedule = StreamTiles<Tokens, kColumns>;
-  // Gated and Store: two halves of 128 rows of 32 bytes; StoreMN: 64 rows of 128 bytes.
-  static constexpr int kCodeBytes = 2 * 128 * 32;
-  static constexpr int kSideBytes = kConsumers * kBoxBytes;
+  // A base step's codes: Gated and Store: two halves of 128 rows of 32 bytes (wide: the
+  // gate and up rows of 64 h columns, or 128 rows); StoreMN: 64 rows of 128 bytes.
+  static constexpr int kCodeBytes = kHalves * 128 * 32;
+  // Segment steps' boxes: one per consumer warpgroup (wide Gated: one [64 K][64 h] box of
+  // b1 or b3, both warpgroups' rows).
+  static constexpr int kSideBytes = (kWide && kGated ? 1 : kConsumers) * kBoxBytes;
   static constexpr int kABytes = kSideBytes > kCodeBytes ? kSideBytes : kCodeBytes;
   static constexpr int kBBytes = Tokens * kRowBytes;
-  // A base step's scale words (mxfp4::scale_word), one per row of the tile's 256: 16
-  // bytes per consumer quad (its four lines), so a consumer thread reads its own with one
-  // load.
+  // A base step's scale words (mxfp4::scale_word), one per row of the tile's 256 (wide:
+  // 128): 16 bytes per consumer quad (its four lines; wide: 8, two lines), so a consumer
+  // thread reads its own with one load. Room for 256 keeps the stages 1024-byte aligned.
   static constexpr int kScaleWordBytes = 256 * 4;
   static constexpr int kScaleWordOffset = kABytes + kBBytes;  // in a stage
   static constexpr int kStageBytes = kScaleWordOffset + kScaleWordBytes;
@@ -147,6 +223,7 @@ struct StreamConfig {
   // Six stages, not as many as fit: shared memory takes its room from L1 (one 256 KB
   // array per SM), and deeper rings measured slower (docs/ENGINE.md, "The ring's depth").
   static constexpr int kStages = kStagesFit > 6 ? 6 : kStagesFit;
+  static_assert(kStages >= 3, "a ring deep enough to overlap the loads");
   static constexpr int kSmemBytes = 1024 + kStages * kStageBytes + kDotBytes + kBarrierBytes;
   // The transposed decode's multiplies before the step's scale check (64-row chunks) or
   // inside its fast branch (32-row chunks): each measured faster where it is used
@@ -223,6 +300,7 @@ struct StreamRing {
 // steps before, so the loads' latency passes while the ring fills; the consumers then
 // read ready factors with one shared load and no address math of their own.
 struct StreamScaleRows {
+  static constexpr int kWords = 2;
   const uint16_t* cursor;  // row r's pair of the next base step to load
   uint32_t eight_rows;     // pairs from row r to row r + 8
   uint32_t store_offset;   // this thread's 8 bytes in a stage's scale area
@@ -263,6 +341,41 @@ struct StreamScaleRows {
   }
 };
 
+// The wide form: thread i of the producer warpgroup writes, per base step, the scale
+// word of one line, consumer quad i / 2's line i % 2: row r (line 0) or r + 8 of its
+// warpgroup's m64 tile, Gated the gate and the up row of h column 32 c + 8 warp + lane
+// / 4 (the up rows I on). 4 bytes of the stage's scale area, from one 16-bit load.
+template <bool kGated>
+struct StreamScaleLines {
+  static constexpr int kWords = 1;
+  const uint16_t* cursor;  // the line's pair of the next base step to load
+  uint32_t store_offset;   // this thread's word in a stage's scale area
+
+  __device__ __forceinline__ StreamScaleLines(const WeightStreamParams& p, const StreamTile& tile,
+                                              int thread) {
+    const int slot = thread / 2, line = thread % 2;
+    const int row = kGated ? 32 * (slot / 32) + 8 * (slot / 8 % 4) + slot % 8 + line * p.half_rows
+                           : 64 * (slot / 32) + 16 * (slot / 8 % 4) + slot % 8 + 8 * line;
+    const int64_t w_row = static_cast<int64_t>(tile.expert) * p.weight_rows + tile.n0 + row;
+    cursor = reinterpret_cast<const uint16_t*>(p.scales) + w_row * (p.k_base / 64);
+    store_offset = static_cast<uint32_t>(8 * slot + 4 * line);
+  }
+
+  __device__ __forceinline__ void load_next(bool load, uint32_t (&raw)[1]) {
+    if (load) raw[0] = static_cast<uint32_t>(__ldg(cursor));
+    ++cursor;
+  }
+  static constexpr int kPrefetchSteps = 0;
+  __device__ __forceinline__ void prefetch(int, bool, int) const {}
+  __device__ __forceinline__ static void words(const uint32_t (&raw)[1], uint32_t (&out)[1]) {
+    out[0] = mxfp4::scale_word(raw[0]);
+  }
+  __device__ __forceinline__ void store(uint32_t scale_area, const uint32_t (&words)[1]) const {
+    asm volatile("st.shared.u32 [%0], %1;" ::"r"(scale_area + store_offset), "r"(words[0])
+                 : "memory");
+  }
+};
+
 // StoreMN: a consumer thread (consumer c, warp w, lane quad t = lane % 4) reads, per base
 // step, the scale words of its column block (n0 / 32 + 4 c + w) for the eight pairs of
 // stored rows (16 k16 + 2 t + 8 j, + 1) it decodes: 32 bytes at slot (4 c + w) 4 + t,
@@ -270,6 +383,7 @@ struct StreamScaleRows {
 // = ((i / 2) % 4, i % 2) for quad t = (i / 8) % 4 of warps w = 2 ((i / 32) % 2) and w +
 // 1 of consumer i / 64, from one 16-bit load of each of the two rows (both blocks).
 struct StreamScaleColumns {
+  static constexpr int kWords = 2;
   const uint16_t* cursor;  // row n's two blocks of the next base step to load
   uint32_t next_row;       // from row n to row n + 1 (16-bit units)
   uint32_t store_offset;   // the first word's place in a stage's scale area (the second's
@@ -350,13 +464,14 @@ __device__ __forceinline__ void stream_produce(const WeightStreamParams& p,
         const int j = step - half * p.segment_half;
         const CUtensorMap* map =
             (C::kGated || C::kTransposed) && half ? &p.segment_hi : &p.segment_lo;
-        const int column0 = C::kGated ? tile.n0 : 128 * half;
+        // Store: the extra block's columns (n0 - N on), a half's 128 apart.
+        const int column0 = C::kGated ? tile.n0 : tile.n0 - p.weight_rows + 128 * half;
         const int pool_column = C::kGated        ? p.k_base + half * p.side_rank + kBlockK * j
                                 : C::kActivation ? p.k_base + kBlockK * j
                                 : C::kTransposed ? half * p.segment_k_hi + kBlockK * j
                                                  : kBlockK * j;
 #pragma unroll
-        for (int wg = 0; wg < C::kConsumers; ++wg) {
+        for (int wg = 0; wg < C::kSideBytes / kBoxBytes; ++wg) {
           if constexpr (C::kActivation)  // the 5-D view's row pairs: expert, tile, consumer
             cute::SM90_TMA_LOAD_5D::copy(map, bar, kCacheHint, a + wg * kBoxBytes, kBlockK * j, 0,
                                          0, 0,
@@ -374,8 +489,12 @@ __device__ __forceinline__ void stream_produce(const WeightStreamParams& p,
       arrive_barrier(ring.full);
       ring.advance();
     }
-    std::conditional_t<C::kTransposed, StreamScaleColumns, StreamScaleRows> rows(p, tile, thread);
-    uint32_t pending[kAhead][2];  // the scale pairs of the next kAhead base steps
+    using ScaleLoads = std::conditional_t<
+        C::kTransposed, StreamScaleColumns,
+        std::conditional_t<C::kWide, StreamScaleLines<C::kGated>, StreamScaleRows>>;
+    constexpr int kWords = ScaleLoads::kWords;
+    ScaleLoads rows(p, tile, thread);
+    uint32_t pending[kAhead][kWords];  // the scale pairs of the next kAhead base steps
 #pragma unroll
     for (int d = 0; d < kAhead; ++d) rows.load_next(d < base_steps, pending[d]);
     constexpr int kPrefetch = decltype(rows)::kPrefetchSteps;
@@ -384,8 +503,8 @@ __device__ __forceinline__ void stream_produce(const WeightStreamParams& p,
     // those registers take the loads of kAhead steps on (formed after, the loads went to
     // temporaries copied back within the step, so every step waited for the loads it had
     // just issued), then the stage's copies and words.
-    auto base_step = [&](int k_step, uint32_t (&pairs)[2]) {
-      uint32_t words[2];
+    auto base_step = [&](int k_step, uint32_t (&pairs)[kWords]) {
+      uint32_t words[kWords];
       rows.words(pairs, words);
       rows.load_next(k_step + kAhead < base_steps, pairs);
       rows.prefetch(kPrefetch - 1, k_step + kAhead + kPrefetch < base_steps, thread);
@@ -425,22 +544,22 @@ using Fragment = mxfp4::StepFragment;  // one weight's A fragment of a base step
 // K-major (StoreMN).
 template <int N, bool kSideMN>
 struct StreamMmaOps;
-template <bool kSideMN>
-struct StreamMmaOps<32, kSideMN> {
-  using Side = cute::SM90::GMMA::MMA_64x32x16_F32BF16BF16_SS<kSideMN ? cute::SM90::GMMA::Major::MN
-                                                                     : cute::SM90::GMMA::Major::K,
-                                                             cute::SM90::GMMA::Major::K>;
-  using Registers = cute::SM90::GMMA::MMA_64x32x16_F32BF16BF16_RS<cute::SM90::GMMA::Major::K,
-                                                                  cute::SM90::GMMA::Major::K>;
-};
-template <bool kSideMN>
-struct StreamMmaOps<64, kSideMN> {
-  using Side = cute::SM90::GMMA::MMA_64x64x16_F32BF16BF16_SS<kSideMN ? cute::SM90::GMMA::Major::MN
-                                                                     : cute::SM90::GMMA::Major::K,
-                                                             cute::SM90::GMMA::Major::K>;
-  using Registers = cute::SM90::GMMA::MMA_64x64x16_F32BF16BF16_RS<cute::SM90::GMMA::Major::K,
-                                                                  cute::SM90::GMMA::Major::K>;
-};
+#define MEGAMOE_STREAM_MMA_OPS(N)                                                              \
+  template <bool kSideMN>                                                                      \
+  struct StreamMmaOps<N, kSideMN> {                                                            \
+    using Side =                                                                               \
+        cute::SM90::GMMA::MMA_64x##N##x16_F32BF16BF16_SS<kSideMN ? cute::SM90::GMMA::Major::MN \
+                                                                 : cute::SM90::GMMA::Major::K, \
+                                                         cute::SM90::GMMA::Major::K>;          \
+    using Registers =                                                                          \
+        cute::SM90::GMMA::MMA_64x##N##x16_F32BF16BF16_RS<cute::SM90::GMMA::Major::K,           \
+                                                         cute::SM90::GMMA::Major::K>;          \
+  };
+MEGAMOE_STREAM_MMA_OPS(32)
+MEGAMOE_STREAM_MMA_OPS(64)
+MEGAMOE_STREAM_MMA_OPS(128)
+MEGAMOE_STREAM_MMA_OPS(256)
+#undef MEGAMOE_STREAM_MMA_OPS
 
 template <int N, bool kSideMN>
 struct StreamMma {
@@ -551,6 +670,72 @@ struct StreamLines {
   }
 };
 
+// The wide form: a consumer thread's two lines are rows r and r + 8 (r = 16 warp + lane /
+// 4) of its warpgroup's m64 tile: Gated the gate and the up row of h column 32 c + 8 warp
+// + lane / 4 (the code area is the gate rows' [64][32] bytes, then the up rows'); Store
+// rows 64 c + r and + 8 of the tile's 128 ([128][32]). Its quad's scale words are 8
+// bytes at slot (4 c + warp) 8 + lane / 4.
+template <bool kGated>
+__host__ __device__ constexpr uint32_t stream_line_pair_code_offset(uint32_t tid) {
+  return kGated ? 8 * (tid & ~3u) - 1024u : stream_code_offset(tid);
+}
+__host__ __device__ constexpr uint32_t stream_line_pair_scale_offset(uint32_t tid) {
+  return 2 * (tid & ~3u) - 256u;
+}
+template <bool kGated>
+constexpr bool stream_line_pair_offsets_follow_the_layout() {
+  for (uint32_t tid = kWarpgroupThreads; tid < 3 * kWarpgroupThreads; ++tid) {
+    const uint32_t consumer = tid / 128 - 1, warp = tid % 128 / 32, quad = tid % 32 / 4;
+    const uint32_t row =
+        kGated ? 32 * consumer + 8 * warp + quad : 64 * consumer + 16 * warp + quad;
+    const uint32_t slot = (4 * consumer + warp) * 8 + quad;
+    if (stream_line_pair_code_offset<kGated>(tid) != 32 * row ||
+        stream_line_pair_scale_offset(tid) != 8 * slot)
+      return false;
+  }
+  return true;
+}
+static_assert(stream_line_pair_offsets_follow_the_layout<true>() &&
+                  stream_line_pair_offsets_follow_the_layout<false>(),
+              "a wide consumer reads its own rows and words");
+
+template <bool kGated>
+struct StreamLinePair {
+  static constexpr uint32_t kSecondLine = kGated ? 64 * 32 : 8 * 32;  // row r + 8's codes
+  uint32_t code_offset;
+  uint32_t scale_offset;
+  uint32_t selector;
+
+  __device__ __forceinline__ explicit StreamLinePair(uint32_t tid)
+      : code_offset(opaque(stream_line_pair_code_offset<kGated>(tid))),
+        scale_offset(opaque(stream_line_pair_scale_offset(tid))),
+        selector(opaque(mxfp4::fragment_selector(tid % 4))) {}
+
+  __device__ __forceinline__ void decode(uint32_t code_area, uint32_t scale_area,
+                                         Fragment (&fragments)[1]) const {
+    const uint32_t base = code_area + code_offset;
+    uint32_t scale_words[2];
+    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];"
+                 : "=r"(scale_words[0]), "=r"(scale_words[1])
+                 : "r"(scale_area + scale_offset));
+    uint32_t words[2][8];
+#pragma unroll
+    for (int line = 0; line < 2; ++line) {
+      const uint32_t at = base + line * kSecondLine;
+      asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(words[line][0]), "=r"(words[line][1]), "=r"(words[line][2]),
+                     "=r"(words[line][3])
+                   : "r"(at));
+      asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(words[line][4]), "=r"(words[line][5]), "=r"(words[line][6]),
+                     "=r"(words[line][7])
+                   : "r"(at + 16));
+    }
+    const mxfp4::StepScales<2> scales(scale_words);
+    mxfp4::decode_rows<1>(words, scales, selector, fragments);
+  }
+};
+
 // StoreMN: a consumer thread (consumer c, warp w, lane quad t = lane % 4, g = lane / 4)
 // decodes the bytes 2q and 2q + 1 (q = 8 w + g) of its consumer's 64 in each of its 16
 // stored rows of a step (16 k16 + 2 t + {0, 1, 8, 9}): output columns 4q .. 4q + 3 of the
@@ -613,6 +798,34 @@ __device__ __forceinline__ void fence_fragment(Fragment& f) {
     for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(f[k16][i])::"memory");
 }
 
+// The wide Gated side steps: a side step's box is b1's (or b3's) [64 K][64 h] (MN-major,
+// 128-byte swizzle), and a thread's A rows r and r + 8 are the gate and the up row of one
+// h column, whose side sums run over different pool columns (q1, q3). So the side steps
+// are register MMAs over K = 2r: a q1 step's fragment holds b1 in the gate rows and
+// zeros in the up rows, a q3 step's the reverse (a zero product adds nothing, exactly).
+// Two ldmatrix.x4.trans read a warp's 8 h columns (unit 4 c + warp of every K row, the
+// StoreMN lane offsets): matrix m of load x is K rows 32 x + 8 m .. + 7, and thread
+// (g, t) receives K rows 2t, 2t + 1 (+ 8 m) of its column g: a0 (m even) or a2 of k16
+// step 2x + m / 2.
+template <bool kUpRows>
+__device__ __forceinline__ void side_rows_fragment(uint32_t box, uint32_t lane_offset,
+                                                   Fragment& fragment) {
+  uint32_t r[8];
+#pragma unroll
+  for (int x = 0; x < 2; ++x)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[4 * x]), "=r"(r[4 * x + 1]), "=r"(r[4 * x + 2]), "=r"(r[4 * x + 3])
+                 : "r"(box + lane_offset + 128 * 32 * x));
+#pragma unroll
+  for (int k16 = 0; k16 < 4; ++k16) {
+    const uint32_t low = r[2 * k16], high = r[2 * k16 + 1];  // K 2t (+1), K 2t + 8 (+9)
+    fragment[k16][0] = kUpRows ? 0u : low;
+    fragment[k16][1] = kUpRows ? low : 0u;
+    fragment[k16][2] = kUpRows ? 0u : high;
+    fragment[k16][3] = kUpRows ? high : 0u;
+  }
+}
+
 // ---- the epilogues, from registers ----
 // Every row of every chunk in use is written, padding rows too, as the engine writes its
 // whole tiles: the pool's padding rows are zeros, so theirs are exact zeros and the
@@ -628,23 +841,23 @@ struct StreamFragmentRows {
 };
 
 // Gated: g and u rounded to BF16 (stored as g | u when asked), then h = act(min(g, c)) *
-// clamp(u, -c, c) in FP32, rounded once, as the engine's gated epilogue.
-template <int Tokens, bool kGeGLU, bool kClamp>
-__device__ __forceinline__ void gated_epilogue(const WeightStreamParams& p, const StreamTile& tile,
-                                               const float (&acc_gate)[Tokens / 2],
-                                               const float (&acc_up)[Tokens / 2], int consumer,
-                                               int thread) {
-  const StreamFragmentRows<Tokens> at(thread);
-  const int64_t inter = p.out_columns;
-  __nv_bfloat16* h = static_cast<__nv_bfloat16*>(p.out);
-  __nv_bfloat16* preact = static_cast<__nv_bfloat16*>(p.preact);
-  const float clamp = p.activation_clamp;
-#pragma unroll
-  for (int i = 0; i < Tokens / 2; ++i) {
-    const int64_t column = tile.n0 + 64 * consumer + at.row_of(i);
-    const int64_t pool_row = tile.row0 + at.token(i);
-    const __nv_bfloat16 g = __float2bfloat16_rn(acc_gate[i]);
-    const __nv_bfloat16 u = __float2bfloat16_rn(acc_up[i]);
+// clamp(u, -c, c) in FP32, rounded once, as the engine's gated epilogue. The outputs'
+// places are read once per tile (read per element, they cost the 64-row kernel a spill).
+template <bool kGeGLU, bool kClamp>
+struct GatedOutputs {
+  __nv_bfloat16* h;
+  __nv_bfloat16* preact;
+  int64_t inter;
+  float clamp;
+  __device__ __forceinline__ explicit GatedOutputs(const WeightStreamParams& p)
+      : h(static_cast<__nv_bfloat16*>(p.out)),
+        preact(static_cast<__nv_bfloat16*>(p.preact)),
+        inter(p.out_columns),
+        clamp(p.activation_clamp) {}
+  __device__ __forceinline__ void element(int64_t pool_row, int64_t column, float gate,
+                                          float up) const {
+    const __nv_bfloat16 g = __float2bfloat16_rn(gate);
+    const __nv_bfloat16 u = __float2bfloat16_rn(up);
     if (preact != nullptr) {
       preact[pool_row * 2 * inter + column] = g;
       preact[pool_row * 2 * inter + inter + column] = u;
@@ -654,14 +867,39 @@ __device__ __forceinline__ void gated_epilogue(const WeightStreamParams& p, cons
     const float uc = kClamp ? fminf(fmaxf(uf, -clamp), clamp) : uf;
     h[pool_row * inter + column] = __float2bfloat16_rn(activation<kGeGLU>(gc) * uc);
   }
+};
+
+// Narrow: accumulator i of half 0 is g, of half 1 u, at h column n0 + 64 consumer +
+// row_of(i). Wide: accumulator i is g (i % 4 < 2) or u (i + 2) of h column n0 + 32
+// consumer + 8 warp + lane / 4, and rows past the chunk's span are not written.
+template <int Halves, int Tokens, bool kGeGLU, bool kClamp>
+__device__ __forceinline__ void gated_epilogue(const WeightStreamParams& p, const StreamTile& tile,
+                                               const float (&acc)[Halves][Tokens / 2], int consumer,
+                                               int thread) {
+  const StreamFragmentRows<Tokens> at(thread);
+  const GatedOutputs<kGeGLU, kClamp> outputs(p);
+  if constexpr (Halves == 2) {
+#pragma unroll
+    for (int i = 0; i < Tokens / 2; ++i)
+      outputs.element(tile.row0 + at.token(i), tile.n0 + 64 * consumer + at.row_of(i), acc[0][i],
+                      acc[1][i]);
+  } else {
+    const int64_t column = tile.n0 + 32 * consumer + 8 * (thread / 32) + at.lane / 4;
+#pragma unroll
+    for (int i = 0; i < Tokens / 2; i += 4)
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+        if (at.token(i + e) < tile.span)
+          outputs.element(tile.row0 + at.token(i + e), column, acc[0][i + e], acc[0][i + e + 2]);
+  }
 }
 
-// Store: both halves' sums rounded to BF16, columns past the output's (the extra tile's
-// block past N_x) not stored.
-template <int Tokens>
+// Store: the sums rounded to BF16, columns past the output's (an extra tile's block past
+// N_x) not stored. Narrow: half 1's columns are 128 on; wide: rows past the chunk's span
+// are not written.
+template <int Halves, int Tokens>
 __device__ __forceinline__ void store_epilogue(const WeightStreamParams& p, const StreamTile& tile,
-                                               const float (&acc_lo)[Tokens / 2],
-                                               const float (&acc_hi)[Tokens / 2], int consumer,
+                                               const float (&acc)[Halves][Tokens / 2], int consumer,
                                                int thread) {
   const StreamFragmentRows<Tokens> at(thread);
   const int64_t columns = p.out_columns;
@@ -670,9 +908,11 @@ __device__ __forceinline__ void store_epilogue(const WeightStreamParams& p, cons
   for (int i = 0; i < Tokens / 2; ++i) {
     const int64_t column = tile.n0 + 64 * consumer + at.row_of(i);
     const int64_t pool_row = tile.row0 + at.token(i);
-    if (column < columns) out[pool_row * columns + column] = __float2bfloat16_rn(acc_lo[i]);
-    if (column + 128 < columns)
-      out[pool_row * columns + column + 128] = __float2bfloat16_rn(acc_hi[i]);
+    if (Halves == 1 && at.token(i) >= tile.span) continue;
+#pragma unroll
+    for (int half = 0; half < Halves; ++half)
+      if (column + 128 * half < columns)
+        out[pool_row * columns + column + 128 * half] = __float2bfloat16_rn(acc[half][i]);
   }
 }
 
@@ -894,12 +1134,13 @@ template <class C>
 __device__ __forceinline__ void stream_consume(const WeightStreamParams& p,
                                                const StreamStorage<C>& smem, int consumer) {
   constexpr int kTokens = C::kTokensPerChunk;
+  constexpr int kHalves = C::kHalves;
   using Mma = StreamMma<kTokens, !C::kTransposed>;
   const typename C::Schedule schedule(p);
   const int thread = threadIdx.x % kWarpgroupThreads;
-  // The tile's two halves (Gated: g and u).
-  float acc_lo[kTokens / 2], acc_hi[kTokens / 2];
-  Fragment fragments[2][2];  // [buffer][half]
+  // The tile's halves (Gated: g and u; wide: one m64 tile, g and u in rows r and r + 8).
+  float acc[kHalves][kTokens / 2];
+  Fragment fragments[2][kHalves];  // [buffer][half]
   StreamRing<C> ring(smem);
   const bool clamped = is_clamped(p.activation_clamp);
   const bool geglu = p.activation == static_cast<int>(Activation::GeGLU);
@@ -908,13 +1149,13 @@ __device__ __forceinline__ void stream_consume(const WeightStreamParams& p,
     if constexpr (C::kGated) {
       if (geglu) {
         if (clamped)
-          gated_epilogue<kTokens, true, true>(p, tile, acc_lo, acc_hi, consumer, thread);
+          gated_epilogue<kHalves, kTokens, true, true>(p, tile, acc, consumer, thread);
         else
-          gated_epilogue<kTokens, true, false>(p, tile, acc_lo, acc_hi, consumer, thread);
+          gated_epilogue<kHalves, kTokens, true, false>(p, tile, acc, consumer, thread);
       } else if (clamped) {
-        gated_epilogue<kTokens, false, true>(p, tile, acc_lo, acc_hi, consumer, thread);
+        gated_epilogue<kHalves, kTokens, false, true>(p, tile, acc, consumer, thread);
       } else {
-        gated_epilogue<kTokens, false, false>(p, tile, acc_lo, acc_hi, consumer, thread);
+        gated_epilogue<kHalves, kTokens, false, false>(p, tile, acc, consumer, thread);
       }
     } else if constexpr (C::kActivation) {
       // This tile's dot buffer (by tile parity: the barrier of the next tile orders this
@@ -922,38 +1163,43 @@ __device__ __forceinline__ void stream_consume(const WeightStreamParams& p,
       const uint32_t dots = shared_address(smem.dots) + (tiles_done & 1) * (C::kDotBytes / 2);
       if (geglu) {
         if (clamped)
-          activation_backward_epilogue<kTokens, true, true>(p, tile, acc_lo, acc_hi, consumer,
+          activation_backward_epilogue<kTokens, true, true>(p, tile, acc[0], acc[1], consumer,
                                                             thread, dots);
         else
-          activation_backward_epilogue<kTokens, true, false>(p, tile, acc_lo, acc_hi, consumer,
+          activation_backward_epilogue<kTokens, true, false>(p, tile, acc[0], acc[1], consumer,
                                                              thread, dots);
       } else if (clamped) {
-        activation_backward_epilogue<kTokens, false, true>(p, tile, acc_lo, acc_hi, consumer,
+        activation_backward_epilogue<kTokens, false, true>(p, tile, acc[0], acc[1], consumer,
                                                            thread, dots);
       } else {
-        activation_backward_epilogue<kTokens, false, false>(p, tile, acc_lo, acc_hi, consumer,
+        activation_backward_epilogue<kTokens, false, false>(p, tile, acc[0], acc[1], consumer,
                                                             thread, dots);
       }
       ++tiles_done;
     } else if constexpr (C::kTransposed) {
-      transposed_store_epilogue<kTokens>(p, tile, acc_lo, acc_hi, consumer, thread);
+      transposed_store_epilogue<kTokens>(p, tile, acc[0], acc[1], consumer, thread);
     } else {
-      store_epilogue<kTokens>(p, tile, acc_lo, acc_hi, consumer, thread);
+      store_epilogue<kHalves, kTokens>(p, tile, acc, consumer, thread);
     }
+  };
+  auto fence_all_accumulators = [&] {
+#pragma unroll
+    for (int half = 0; half < kHalves; ++half) fence_accumulators(acc[half]);
   };
   const int num_tiles = schedule.num_tiles();
   int t = blockIdx.x;
   StreamTile tile = t < num_tiles ? schedule.tile(t) : StreamTile{};
   for (; t < num_tiles; t += gridDim.x) {
-    // The next tile's lookup (a binary search over the experts' offsets: dependent loads)
-    // runs while this tile's last batch does.
+    // The next tile's lookup (a search over the experts' offsets: dependent loads) runs
+    // while this tile's last batch does.
     auto next_tile = [&] {
       return t + static_cast<int>(gridDim.x) < num_tiles ? schedule.tile(t + gridDim.x) : tile;
     };
 #pragma unroll
-    for (int i = 0; i < kTokens / 2; ++i) acc_lo[i] = acc_hi[i] = 0.0f;
-    fence_accumulators(acc_lo);
-    fence_accumulators(acc_hi);
+    for (int half = 0; half < kHalves; ++half)
+#pragma unroll
+      for (int i = 0; i < kTokens / 2; ++i) acc[half][i] = 0.0f;
+    fence_all_accumulators();
     if (tile.rows == 0) {  // padding only: its (zero) pool rows give exact zeros
       finish(tile);
       tile = next_tile();
@@ -972,51 +1218,76 @@ __device__ __forceinline__ void stream_consume(const WeightStreamParams& p,
       if (previous != 0) arrive_barrier(previous);
       previous = ring.empty();
     };
-    auto run_segment = [&](float* acc, int first, int last) {
+    auto run_segment = [&](float* sums, int first, int last) {
       for (int step = first; step < last; ++step) {
         wait_barrier(ring.full, ring.phase);
         cute::warpgroup_arrive();
         const uint32_t box = ring.a() + consumer * kBoxBytes;
         Mma::side_step(C::kTransposed ? descriptor_k_major(box) : descriptor_mn_major(box),
-                       descriptor_k_major(ring.b()), acc);
+                       descriptor_k_major(ring.b()), sums);
         cute::warpgroup_commit_batch();
         retire_previous();
         ring.advance();
       }
     };
+    // The wide Gated side steps (side_rows_fragment), register MMAs into the one m64 tile
+    // from one fragment, each retired before the next step: a few steps a tile, and with
+    // their batches left in flight ptxas serialized every wgmma of the 256-row kernel for
+    // want of registers.
+    auto run_side_rows = [&](auto up_rows, int first, int last) {
+      const uint32_t lane_offset = stream_column_lane_offset(threadIdx.x);
+      Fragment fragment;
+      for (int step = first; step < last; ++step) {
+        wait_barrier(ring.full, ring.phase);
+        side_rows_fragment<decltype(up_rows)::value>(ring.a(), lane_offset, fragment);
+        fence_fragment(fragment);
+        cute::warpgroup_arrive();
+        Mma::base_half_step(fragment, descriptor_k_major(ring.b()), acc[0]);
+        cute::warpgroup_commit_batch();
+        cute::warpgroup_wait<0>();
+        retire_previous();
+        ring.advance();
+      }
+    };
     if (segment_steps > 0) {
-      run_segment(acc_lo, 0, p.segment_half);
-      run_segment(acc_hi, p.segment_half, segment_steps);
+      if constexpr (C::kWide && C::kGated) {
+        run_side_rows(std::false_type{}, 0, p.segment_half);
+        run_side_rows(std::true_type{}, p.segment_half, segment_steps);
+      } else {
+        run_segment(acc[0], 0, p.segment_half);
+        run_segment(acc[kHalves - 1], p.segment_half, segment_steps);
+      }
       if constexpr (C::kGated) {
         // The side sums are complete: scale them before the base adds on (FP32, exact
-        // adapter term as in the engine).
+        // adapter term as in the engine). The wait also retires the side steps' fragments.
         cute::warpgroup_wait<0>();
-        fence_accumulators(acc_lo);
-        fence_accumulators(acc_hi);
+        fence_all_accumulators();
 #pragma unroll
-        for (int i = 0; i < kTokens / 2; ++i) {
-          acc_lo[i] *= p.side_scale;
-          acc_hi[i] *= p.side_scale;
-        }
-        fence_accumulators(acc_lo);
-        fence_accumulators(acc_hi);
+        for (int half = 0; half < kHalves; ++half)
+#pragma unroll
+          for (int i = 0; i < kTokens / 2; ++i) acc[half][i] *= p.side_scale;
+        fence_all_accumulators();
       }
     }
-    const std::conditional_t<C::kTransposed, StreamColumnPairs<C::kValuesBeforeCheck>, StreamLines>
-        lines(threadIdx.x);
-    // A base step: both halves' fragments decoded, then their MMAs as one batch. The
+    using Lines =
+        std::conditional_t<C::kTransposed, StreamColumnPairs<C::kValuesBeforeCheck>,
+                           std::conditional_t<C::kWide, StreamLinePair<C::kGated>, StreamLines>>;
+    const Lines lines(threadIdx.x);
+    // A base step: the halves' fragments decoded, then their MMAs as one batch. The
     // fragments alternate between two buffers (by step parity): a buffer is rewritten
     // only after the batch that read it retired, which the step between guarantees (one
     // batch in flight), so a step's decode overlaps the previous step's MMAs.
-    auto base_step = [&](Fragment(&halves)[2]) {
+    auto base_step = [&](Fragment(&halves)[kHalves]) {
       wait_barrier(ring.full, ring.phase);
       lines.decode(ring.a(), ring.scale_words(), halves);
+      // Written out, not as loops over the halves: the loops cost the narrow kernels six
+      // uniform moves a step (SASS).
       fence_fragment(halves[0]);
-      fence_fragment(halves[1]);
+      if constexpr (kHalves == 2) fence_fragment(halves[1]);
       cute::warpgroup_arrive();
       const uint64_t desc_b = descriptor_k_major(ring.b());
-      Mma::base_half_step(halves[0], desc_b, acc_lo);
-      Mma::base_half_step(halves[1], desc_b, acc_hi);
+      Mma::base_half_step(halves[0], desc_b, acc[0]);
+      if constexpr (kHalves == 2) Mma::base_half_step(halves[1], desc_b, acc[1]);
       cute::warpgroup_commit_batch();
       retire_previous();
       ring.advance();
@@ -1029,8 +1300,7 @@ __device__ __forceinline__ void stream_consume(const WeightStreamParams& p,
     if (k_step < base_steps) base_step(fragments[0]);
     const StreamTile next = next_tile();
     cute::warpgroup_wait<0>();
-    fence_accumulators(acc_lo);
-    fence_accumulators(acc_hi);
+    fence_all_accumulators();
     arrive_barrier(previous);
     finish(tile);
     tile = next;
@@ -1070,8 +1340,8 @@ __global__ void __launch_bounds__(engine::StreamConfig<kKind, Tokens>::kThreads,
 template <StreamKind kKind, int Tokens>
 WeightStreamKernels weight_stream_kernels() {
   using C = engine::StreamConfig<kKind, Tokens>;
-  return WeightStreamKernels{&weight_stream_kernel<kKind, Tokens>, kKind, Tokens, C::kThreads,
-                             C::kSmemBytes};
+  return WeightStreamKernels{
+      &weight_stream_kernel<kKind, Tokens>, kKind, Tokens, C::kColumns, C::kThreads, C::kSmemBytes};
 }
 
 }  // namespace megamoe::kernels

@@ -26,22 +26,27 @@ enum class StreamKind : int32_t {
   ActivationBackward,
 };
 
+// Chunks of more than 64 rows (the wide form: one m64 tile per consumer warpgroup) start
+// at each expert's segment start, so the pool's segments need not be padded to them;
+// chunks of 32 and 64 rows tile the pool from row 0 (segments padded to a multiple).
+constexpr bool stream_chunks_from_segment_starts(int tokens) { return tokens > 64; }
+
 struct WeightStreamParams {
-  // Schedule: the pool in chunks of TOKENS rows (segments are padded to a multiple of
-  // it), each chunk against every column block (Gated: 128 h columns; Store: 256 output
-  // columns, then the extra columns' block).
+  // Schedule: the pool in chunks of TOKENS rows, each chunk against every column block
+  // (Gated: 128 h columns, 64 in the wide form; Store: 256 output columns, 128 in the
+  // wide form, then the extra columns' blocks).
   const int32_t* expert_pool_offsets;  // [E + 1] segment starts; [E] = pool rows in use
   const int32_t* expert_counts;        // [E] data rows per segment
   int32_t num_experts;
   int32_t pool_rows;       // rows of the pool: a corrupt plan is clamped to them
-  int32_t n_base_blocks;   // Gated: I / 128; Store: N / 256
-  int32_t n_extra_blocks;  // Store: 1 with extra columns, else 0
+  int32_t n_base_blocks;   // Gated: I / columns; Store: N / columns (WeightStreamKernels)
+  int32_t n_extra_blocks;  // Store: extra columns' blocks (1 in the narrow form), else 0
   int32_t segment_steps;   // Gated: side steps; Store: an extra tile's steps (0: none)
   int32_t segment_half;    // segment steps into the first accumulator half
   int32_t base_steps;      // K / 64
   // Operands. `pool` [P, cols] BF16 K-major, box [64, TOKENS]. `codes`: Gated w13's
-  // 4-D [E][2][I][K / 2], box [32, 128, 2, 1]; Store w2's 3-D [E][N][K / 2], box [32,
-  // 256, 1]; StoreMN b's 3-D [E][K][N / 2], box [128, 64, 1], swizzled. Segment factors
+  // 4-D [E][2][I][K / 2], box [32, columns, 2, 1]; Store w2's 3-D [E][N][K / 2], box
+  // [32, columns, 1]; StoreMN b's 3-D [E][K][N / 2], box [128, 64, 1], swizzled. Segment factors
   // as given, box [64, 64, 1], the A of the segment steps: MN-major for Gated b1
   // (`segment_lo`) and b3 (`segment_hi`) 3-D [E][r][I] and Store a2 (`segment_lo`) 3-D
   // [E][K][N_x]; K-major for StoreMN lo [E][N_lo][K_lo] and hi [E][N_hi][K - K_lo], and
@@ -55,7 +60,8 @@ struct WeightStreamParams {
   int32_t k_base;            // K
   int32_t side_rank;         // Gated: r (the q1 | q3 boundary of the pool's side columns)
   int32_t weight_rows;       // rows of one expert's weight: Gated 2I, Store N, StoreMN K
-  int32_t half_rows;         // row offset of a tile's second half: Gated I, Store 128
+  int32_t half_rows;         // row offset of a tile's second half (Gated: of the up rows):
+                             // Gated I, Store 128 (narrow form)
   float side_scale;          // Gated: the side sum is scaled by this before the base adds on
   int32_t segment_k_hi;      // StoreMN: K_lo, the pool column of hi's first step
   int32_t extra_lo_columns;  // StoreMN: N_lo (hi's columns follow them)
@@ -81,7 +87,8 @@ using WeightStreamKernel = void (*)(WeightStreamParams);
 struct WeightStreamKernels {
   WeightStreamKernel kernel;
   StreamKind kind;
-  int tokens;  // pool rows per chunk (the wgmma N)
+  int tokens;   // pool rows per chunk (the wgmma N)
+  int columns;  // output columns of a base tile (Gated: h columns)
   int num_threads;
   int smem_bytes;
 };

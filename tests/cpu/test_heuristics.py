@@ -104,3 +104,38 @@ def test_block_m_transitions_sit_on_the_heuristic_changes():
         assert below + 1 == at == above - 1
         assert mm.get_block_m(below, 6, 8) != mm.get_block_m(at, 6, 8)
         assert mm.get_block_m(at, 6, 8) == mm.get_block_m(above, 6, 8)
+
+
+def _stream_variants() -> set[tuple[str, int]]:
+    return {(v.params["kind"], v.params["tokens"]) for v in registry().family("weight_stream")}
+
+
+@pytest.mark.parametrize("experts", [8, 64, 256])
+def test_weight_stream_chunk_steps_up_with_the_rows_per_expert(experts):
+    # Rows per expert at the thresholds and one route past them.
+    def chunk(rows, wide):
+        return mm.heuristics.weight_stream_chunk(rows * experts, experts, wide=wide)
+
+    small = mm.heuristics.WEIGHT_STREAM_SMALL_CHUNK_MAX_ROWS
+    narrow = mm.heuristics.WEIGHT_STREAM_NARROW_MAX_ROWS
+    wide128 = mm.heuristics.WEIGHT_STREAM_WIDE_128_MAX_ROWS
+    assert small < narrow < wide128
+    rows = (0, small, small + 1, narrow, narrow + 1)
+    assert [chunk(r, True) for r in rows] == [32, 32, 64, 64, 128]
+    assert [chunk(r, True) for r in (wide128, wide128 + 1, 10_000)] == [128, 256, 256]
+    # The dgrads have no wide form.
+    assert [chunk(r, False) for r in (small, small + 1, narrow + 1, 10_000)] == [32, 64, 64, 64]
+    last = 0
+    for routes in range(0, 300 * experts, max(1, experts // 4)):
+        current = mm.heuristics.weight_stream_chunk(routes, experts, wide=True)
+        assert current >= last
+        last = current
+
+
+def test_every_weight_stream_chunk_has_its_variants():
+    variants = _stream_variants()
+    for routes in (0, 1_000, 3_000, 6_000, 12_000, 100_000):
+        wide = mm.heuristics.weight_stream_chunk(routes, 64, wide=True)
+        narrow = mm.heuristics.weight_stream_chunk(routes, 64)
+        assert {("Gated", wide), ("Store", wide)} <= variants
+        assert {("StoreMN", narrow), ("ActivationBackward", narrow)} <= variants

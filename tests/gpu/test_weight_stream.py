@@ -1,6 +1,7 @@
 """The weight-streaming GEMMs (kernels/engine/weight_stream_kernel.cuh): an MXFP4 base
-decoded into the wgmma's A registers, the pool's rows in chunks of 32 or 64 as N; GEMM1
-(gated, side K segment), GEMM2 (store, a2 extra columns), dgrad1 (the weights as
+decoded into the wgmma's A registers, the pool's rows in chunks of 32 or 64 as N (GEMM1
+and GEMM2 also 128 and 256, the wide form, whose chunks start at each segment's start);
+GEMM1 (gated, side K segment), GEMM2 (store, a2 extra columns), dgrad1 (the weights as
 stored, decoded transposed; the b1/b3 shrinks as extra columns) and dgrad2 (w2 as stored,
 decoded transposed; the a2 side segment; the activation backward).
 
@@ -35,6 +36,7 @@ from megamoe.wrappers.mxfp4_decode import decode_mxfp4_bf16
 pytestmark = pytest.mark.gpu
 
 CHUNKS = [32, 64]
+FORWARD_CHUNKS = [32, 64, 128, 256]  # GEMM1 and GEMM2: the narrow and the wide form
 ACTIVATIONS = {"swiglu": 0, "geglu": 1}
 
 
@@ -115,7 +117,7 @@ def same_bits(actual, expected):
     return torch.equal(actual.view(torch.int16), expected.view(torch.int16))
 
 
-@pytest.mark.parametrize("chunk", CHUNKS)
+@pytest.mark.parametrize("chunk", FORWARD_CHUNKS)
 @pytest.mark.parametrize(
     "tokens,experts,top_k,rank,block_m",
     [
@@ -186,7 +188,7 @@ def assert_one_hot_outputs(got, expected, token, codes, scales, *, transposed):
         )
 
 
-@pytest.mark.parametrize("chunk", CHUNKS)
+@pytest.mark.parametrize("chunk", FORWARD_CHUNKS)
 def test_decode_of_every_code_and_scale_byte(chunk):
     """One-hot pool rows: each pre-activation is one decoded weight (a product with 1.0,
     exact; -0 as +0), for every code in every byte position and scale bytes 2..252 (2^-125 ..
@@ -210,7 +212,7 @@ def test_decode_of_every_code_and_scale_byte(chunk):
     assert_one_hot_outputs(preact[rows], expected, token, codes, scales, transposed=False)
 
 
-@pytest.mark.parametrize("chunk", CHUNKS)
+@pytest.mark.parametrize("chunk", FORWARD_CHUNKS)
 @pytest.mark.parametrize("scale_mod", [256, 3])
 def test_every_scale_byte_matches_the_engine(chunk, scale_mod):
     """Every scale byte (0 = 2^-127, subnormal values; 254: overflow to Inf; 0xFF = NaN)
@@ -235,18 +237,21 @@ def test_every_scale_byte_matches_the_engine(chunk, scale_mod):
     assert same_bits(h[:rows][data], twin[:rows][data])
 
 
-def test_repeated_runs_are_bitwise_equal(monkeypatch):
+@pytest.mark.parametrize("tokens,chunk", [(512, 64), (2048, 256)])  # 48, 192 rows per expert
+def test_repeated_runs_are_bitwise_equal(monkeypatch, tokens, chunk):
     native = _native.native()
     launches = []
     stream = native.weight_stream_gated
-    monkeypatch.setattr(native, "weight_stream_gated", lambda *a: launches.append(1) or stream(*a))
-    plan, a, codes, scales, side = operands(512, 64, 6, 1024, 512, 128, kind="balanced", seed=8)
+    monkeypatch.setattr(
+        native, "weight_stream_gated", lambda *a: launches.append(a[-3]) or stream(*a)
+    )
+    plan, a, codes, scales, side = operands(tokens, 64, 6, 1024, 512, 128, kind="balanced", seed=8)
     rows = int(plan.expert_pool_offsets[-1])  # rows past it are not written
     first = gated_grouped_gemm(a, codes, plan, k=1024, w13_scales=scales, **side)[:rows]
     for _ in range(3):
         again = gated_grouped_gemm(a, codes, plan, k=1024, w13_scales=scales, **side)[:rows]
         assert same_bits(again, first)
-    assert len(launches) == 4, "the layer's routing took the weight-streaming GEMM1"
+    assert launches == [chunk] * 4, "the layer's routing took the weight-streaming GEMM1"
 
 
 def test_launcher_rejects_a_pool_not_in_whole_chunks():
@@ -257,7 +262,7 @@ def test_launcher_rejects_a_pool_not_in_whole_chunks():
         stream_gemm1(a[:-32], codes, scales, plan, k=256, chunk=64)
 
 
-@pytest.mark.parametrize("chunk", CHUNKS)
+@pytest.mark.parametrize("chunk", FORWARD_CHUNKS)
 @pytest.mark.parametrize(
     "tokens,experts,top_k,extra,block_m",
     [
@@ -304,9 +309,14 @@ def test_store_launcher_checks():
     wide = torch.zeros(2, 256, 264, dtype=torch.bfloat16, device="cuda")
     with pytest.raises(ValueError, match="up to 256"):
         stream_gemm2(a, codes, scales, plan, chunk=32, b_extra=wide)
+    # The wide form's tiles are 128 columns.
+    codes = torch.zeros(2, 320, 128, dtype=torch.uint8, device="cuda")
+    scales = torch.full((2, 320, 8), 127, dtype=torch.uint8, device="cuda")
+    with pytest.raises(ValueError, match="N a multiple of 128"):
+        stream_gemm2(a, codes, scales, plan, chunk=128)
 
 
-@pytest.mark.parametrize("chunk", CHUNKS)
+@pytest.mark.parametrize("chunk", FORWARD_CHUNKS)
 @pytest.mark.parametrize("k", [64, 320])  # one K step; an odd count (the loop's tail)
 def test_odd_step_counts(chunk, k):
     plan, a, codes, scales, side = operands(150, 8, 2, k, 128, 16, seed=k)
