@@ -104,7 +104,8 @@ void weight_stream_gated(const Tensor& a, int64_t k_base, const Tensor& w13,
   p.segment_half = static_cast<int32_t>((rank + kBlockK - 1) / kBlockK);
   p.segment_steps = 2 * p.segment_half;
   p.base_steps = static_cast<int32_t>(k_base / kBlockK);
-  p.pool = bf16_rows("a", a.data(), rows, k_base + 2 * rank, a.stride(0), tokens);
+  p.pool =
+      bf16_rows("a", a.data(), rows, k_base + 2 * rank, a.stride(0), stream_pool_box_rows(tokens));
   p.codes = tensor_map(
       "w13", w13.data(), CU_TENSOR_MAP_DATA_TYPE_UINT8, {k_base / 2, inter, 2, experts},
       {k_base / 2, inter * k_base / 2, two_i * k_base / 2}, {kBlockK / 2, columns, 2, 1}, false);
@@ -180,7 +181,7 @@ void weight_stream_store(const Tensor& a, int64_t k_base, const Tensor& b, const
       p.segment_steps = p.base_steps;
     }
   }
-  p.pool = bf16_rows("a", a.data(), rows, k_base, a.stride(0), tokens);
+  p.pool = bf16_rows("a", a.data(), rows, k_base, a.stride(0), stream_pool_box_rows(tokens));
   p.codes = tensor_map("b", b.data(), CU_TENSOR_MAP_DATA_TYPE_UINT8, {k_base / 2, n, experts},
                        {k_base / 2, n * k_base / 2}, {kBlockK / 2, columns, 1}, false);
   p.scales = static_cast<const uint8_t*>(b_scales.data());
@@ -257,7 +258,7 @@ void weight_stream_store_mn(const Tensor& a, const Tensor& b, const Tensor& b_sc
     p.segment_lo = mn_major_map("extra_lo", *extra_lo, device);  // 64 x 64 boxes of [E, N_lo, K_lo]
     p.segment_hi = mn_major_map("extra_hi", *extra_hi, device);
   }
-  p.pool = bf16_rows("a", a.data(), rows, k, a.stride(0), tokens);
+  p.pool = bf16_rows("a", a.data(), rows, k, a.stride(0), stream_pool_box_rows(tokens));
   p.codes = tensor_map("b", b.data(), CU_TENSOR_MAP_DATA_TYPE_UINT8, {n / 2, k, experts},
                        {n / 2, k * n / 2}, {kStoreColumns / 2, kBlockK, 1}, true);
   p.scales = static_cast<const uint8_t*>(b_scales.data());
@@ -342,7 +343,7 @@ void weight_stream_activation_backward(
           {4 * row_bytes, row_bytes, 32 * row_bytes, 2 * row_bytes}, {kBlockK, 8, 2, 4, 1}, true);
     }
   }
-  p.pool = bf16_rows("a", a.data(), rows, hidden + rank, a.stride(0), tokens);
+  p.pool = bf16_rows("a", a.data(), rows, hidden + rank, a.stride(0), stream_pool_box_rows(tokens));
   p.codes = tensor_map("b", b.data(), CU_TENSOR_MAP_DATA_TYPE_UINT8, {inter / 2, hidden, experts},
                        {inter / 2, hidden * inter / 2}, {kStoreColumns / 2, kBlockK, 1}, true);
   p.scales = static_cast<const uint8_t*>(b_scales.data());

@@ -174,10 +174,27 @@ struct StreamTiles {
   }
 };
 
+// The wide form's MMA widths: a chunk's data rows rounded up to the next of them (the
+// wgmma N that CuTe's main GMMA header names; 160 and 224 would need its extension
+// header, a far longer compile, for a few padding rows fewer).
+using StreamWideWidths = std::integer_sequence<int, 32, 64, 96, 128, 192, 256>;
+
+// The width for `rows` data rows: the first of Widths that holds them, else the last.
+template <int... Widths>
+__host__ __device__ constexpr int stream_wide_width(int rows,
+                                                    std::integer_sequence<int, Widths...>) {
+  int width = 0;
+  ((width = width == 0 && rows <= Widths ? Widths : width), ...);
+  return width != 0 ? width : (Widths, ...);
+}
+static_assert(stream_wide_width(1, StreamWideWidths{}) == 32 &&
+                  stream_wide_width(129, StreamWideWidths{}) == 192 &&
+                  stream_wide_width(300, StreamWideWidths{}) == 256,
+              "a chunk's rows round up to the next width");
+
 template <StreamKind kKind, int Tokens>
 struct StreamConfig {
-  static_assert(Tokens == 32 || Tokens == 64 || Tokens == 128 || Tokens == 256,
-                "wgmma N of the chunk");
+  static_assert(Tokens == 32 || Tokens == 64 || Tokens == 256, "wgmma N of the chunk");
   static constexpr bool kGated = kKind == StreamKind::Gated;
   static constexpr bool kActivation = kKind == StreamKind::ActivationBackward;
   // The weights as stored ([K][N / 2] codes): transposed decode, K-major segment factors.
@@ -185,11 +202,12 @@ struct StreamConfig {
   // Segment steps on every tile (GEMM1's side, dgrad2's a2), not on extra tiles only.
   static constexpr bool kSegmentEveryTile = kGated || kActivation;
   static constexpr int kTokensPerChunk = Tokens;
-  // The wide form (chunks of 128 or 256 rows): one m64 tile per consumer warpgroup, so
+  // The wide form (chunks of up to 256 rows): one m64 tile per consumer warpgroup, so
   // the accumulators of a 256-row chunk (128 registers) and two fragment buffers (32)
   // fit; each weight is decoded once per wide chunk (docs/ENGINE.md, "The wide form").
-  // A thread's rows r and r + 8 are a gated tile's gate and up rows of one h column.
-  static constexpr bool kWide = Tokens > 64;
+  // A thread's rows r and r + 8 are a gated tile's gate and up rows of one h column. A
+  // chunk's MMAs are as wide as its data rows rounded up (StreamWideWidths).
+  static constexpr bool kWide = stream_chunks_from_segment_starts(Tokens);
   static_assert(!(kWide && kTransposed), "the wide form is built for GEMM1 and GEMM2");
   static constexpr int kHalves = kWide ? 1 : 2;  // m64 tiles per consumer warpgroup
   static constexpr int kConsumers = 2;
@@ -450,6 +468,23 @@ __device__ __forceinline__ void stream_produce(const WeightStreamParams& p,
     if (tile.rows == 0) continue;
     const int segment_steps = C::kSegmentEveryTile || tile.extra ? p.segment_steps : 0;
     const int base_steps = C::kSegmentEveryTile || !tile.extra ? p.base_steps : 0;
+    // The chunk's pool tile: all of it, or (wide) the rows its MMAs read (its data rows
+    // rounded up to their width) in boxes of 32.
+    const int pool_boxes =
+        C::kWide ? stream_wide_width(tile.rows, StreamWideWidths{}) / kStreamWideRowsPerBox : 1;
+    const uint32_t pool_bytes =
+        C::kWide ? pool_boxes * kStreamWideRowsPerBox * kRowBytes : C::kBBytes;
+    auto load_pool = [&](uint64_t* bar, int column) {
+      if constexpr (C::kWide) {
+        for (int box = 0; box < pool_boxes; ++box)
+          cute::SM90_TMA_LOAD_2D::copy(&p.pool, bar, kCacheHint,
+                                       smem.b(ring.stage) + box * kStreamWideRowsPerBox * kRowBytes,
+                                       column, tile.row0 + box * kStreamWideRowsPerBox);
+      } else {
+        cute::SM90_TMA_LOAD_2D::copy(&p.pool, bar, kCacheHint, smem.b(ring.stage), column,
+                                     tile.row0);
+      }
+    };
     for (int step = 0; step < segment_steps; ++step) {
       wait_barrier(ring.empty(), ring.phase ^ 1u);
       uint64_t* bar = &smem.full[ring.stage];
@@ -458,7 +493,7 @@ __device__ __forceinline__ void stream_produce(const WeightStreamParams& p,
         // at extra columns 128 half..; StoreMN: lo (then hi) columns 64 j.. (K) at rows
         // 64 wg..; ActivationBackward: a2 columns 64 j.. (K) at the rows of tile `half`
         // of consumer wg's 128 I columns; against the pool's side columns or its K.
-        TransactionBarrier::arrive_and_expect_tx(bar, C::kSideBytes + C::kBBytes);
+        TransactionBarrier::arrive_and_expect_tx(bar, C::kSideBytes + pool_bytes);
         uint8_t* a = smem.a(ring.stage);
         const int half = step >= p.segment_half ? 1 : 0;
         const int j = step - half * p.segment_half;
@@ -483,8 +518,7 @@ __device__ __forceinline__ void stream_produce(const WeightStreamParams& p,
             cute::SM90_TMA_LOAD_3D::copy(map, bar, kCacheHint, a + wg * kBoxBytes,
                                          column0 + 64 * wg, kBlockK * j, tile.expert);
         }
-        cute::SM90_TMA_LOAD_2D::copy(&p.pool, bar, kCacheHint, smem.b(ring.stage), pool_column,
-                                     tile.row0);
+        load_pool(bar, pool_column);
       }
       arrive_barrier(ring.full);
       ring.advance();
@@ -511,7 +545,7 @@ __device__ __forceinline__ void stream_produce(const WeightStreamParams& p,
       wait_barrier(ring.empty(), ring.phase ^ 1u);
       uint64_t* bar = &smem.full[ring.stage];
       if (issues_copies) {
-        TransactionBarrier::arrive_and_expect_tx(bar, C::kCodeBytes + C::kBBytes);
+        TransactionBarrier::arrive_and_expect_tx(bar, C::kCodeBytes + pool_bytes);
         uint8_t* a = smem.a(ring.stage);
         if constexpr (C::kGated)
           cute::SM90_TMA_LOAD_4D::copy(&p.codes, bar, kCacheHint, a, k_step * (kBlockK / 2),
@@ -522,8 +556,7 @@ __device__ __forceinline__ void stream_produce(const WeightStreamParams& p,
         else
           cute::SM90_TMA_LOAD_3D::copy(&p.codes, bar, kCacheHint, a, k_step * (kBlockK / 2),
                                        tile.n0, tile.expert);
-        cute::SM90_TMA_LOAD_2D::copy(&p.pool, bar, kCacheHint, smem.b(ring.stage), k_step * kBlockK,
-                                     tile.row0);
+        load_pool(bar, k_step * kBlockK);
       }
       rows.store(ring.scale_words(), words);
       arrive_barrier(ring.full);  // release: the words are visible to the consumers' acquire
@@ -557,7 +590,9 @@ struct StreamMmaOps;
   };
 MEGAMOE_STREAM_MMA_OPS(32)
 MEGAMOE_STREAM_MMA_OPS(64)
+MEGAMOE_STREAM_MMA_OPS(96)
 MEGAMOE_STREAM_MMA_OPS(128)
+MEGAMOE_STREAM_MMA_OPS(192)
 MEGAMOE_STREAM_MMA_OPS(256)
 #undef MEGAMOE_STREAM_MMA_OPS
 
@@ -590,6 +625,21 @@ struct StreamMma {
                 std::make_index_sequence<N / 2>{});
   }
 };
+
+// `op` gets the width for `rows` data rows (stream_wide_width) as an integral constant. The width
+// is uniform over the warpgroup and fixed for a tile, so the branches go alike every step.
+template <int Width, int... Wider, class Op>
+__device__ __forceinline__ void with_mma_width(int rows,
+                                               std::integer_sequence<int, Width, Wider...>,
+                                               Op&& op) {
+  if constexpr (sizeof...(Wider) == 0) {
+    op(std::integral_constant<int, Width>{});
+  } else if (rows <= Width) {
+    op(std::integral_constant<int, Width>{});
+  } else {
+    with_mma_width(rows, std::integer_sequence<int, Wider...>{}, std::forward<Op>(op));
+  }
+}
 
 // ---- the consumer's view of its rows: codes, scales and the decode ----
 // A thread holds A rows r and r + 8 (r = 16 warp + lane / 4) of its warpgroup's 64, in
@@ -1218,86 +1268,100 @@ __device__ __forceinline__ void stream_consume(const WeightStreamParams& p,
       if (previous != 0) arrive_barrier(previous);
       previous = ring.empty();
     };
-    auto run_segment = [&](float* sums, int first, int last) {
-      for (int step = first; step < last; ++step) {
+    // The tile's steps, their MMAs by `ops` (a StreamMma): Tokens wide, or (wide form) as
+    // wide as the chunk's data rows rounded up to one of StreamWideWidths, the whole loop
+    // instantiated per width (with the width chosen per step, ptxas serialized the wide
+    // GEMM1's wgmma for registers).
+    auto main_loop = [&](auto ops) {
+      auto run_segment = [&](float* sums, int first, int last) {
+        for (int step = first; step < last; ++step) {
+          wait_barrier(ring.full, ring.phase);
+          cute::warpgroup_arrive();
+          const uint32_t box = ring.a() + consumer * kBoxBytes;
+          const uint64_t desc_a =
+              C::kTransposed ? descriptor_k_major(box) : descriptor_mn_major(box);
+          const uint64_t desc_b = descriptor_k_major(ring.b());
+          ops.side_step(desc_a, desc_b, sums);
+          cute::warpgroup_commit_batch();
+          retire_previous();
+          ring.advance();
+        }
+      };
+      // The wide Gated side steps (side_rows_fragment), register MMAs into the one m64 tile
+      // from one fragment, each retired before the next step: a few steps a tile, and with
+      // their batches left in flight ptxas serialized every wgmma of the 256-row kernel for
+      // want of registers.
+      auto run_side_rows = [&](auto up_rows, int first, int last) {
+        const uint32_t lane_offset = stream_column_lane_offset(threadIdx.x);
+        Fragment fragment;
+        for (int step = first; step < last; ++step) {
+          wait_barrier(ring.full, ring.phase);
+          side_rows_fragment<decltype(up_rows)::value>(ring.a(), lane_offset, fragment);
+          fence_fragment(fragment);
+          cute::warpgroup_arrive();
+          const uint64_t desc_b = descriptor_k_major(ring.b());
+          ops.base_half_step(fragment, desc_b, acc[0]);
+          cute::warpgroup_commit_batch();
+          cute::warpgroup_wait<0>();
+          retire_previous();
+          ring.advance();
+        }
+      };
+      if (segment_steps > 0) {
+        if constexpr (C::kWide && C::kGated) {
+          run_side_rows(std::false_type{}, 0, p.segment_half);
+          run_side_rows(std::true_type{}, p.segment_half, segment_steps);
+        } else {
+          run_segment(acc[0], 0, p.segment_half);
+          run_segment(acc[kHalves - 1], p.segment_half, segment_steps);
+        }
+        if constexpr (C::kGated) {
+          // The side sums are complete: scale them before the base adds on (FP32, exact
+          // adapter term as in the engine). The wait also retires the side steps' fragments.
+          cute::warpgroup_wait<0>();
+          fence_all_accumulators();
+#pragma unroll
+          for (int half = 0; half < kHalves; ++half)
+#pragma unroll
+            for (int i = 0; i < kTokens / 2; ++i) acc[half][i] *= p.side_scale;
+          fence_all_accumulators();
+        }
+      }
+      using Lines =
+          std::conditional_t<C::kTransposed, StreamColumnPairs<C::kValuesBeforeCheck>,
+                             std::conditional_t<C::kWide, StreamLinePair<C::kGated>, StreamLines>>;
+      const Lines lines(threadIdx.x);
+      // A base step: the halves' fragments decoded, then their MMAs as one batch. The
+      // fragments alternate between two buffers (by step parity): a buffer is rewritten
+      // only after the batch that read it retired, which the step between guarantees (one
+      // batch in flight), so a step's decode overlaps the previous step's MMAs.
+      auto base_step = [&](Fragment(&halves)[kHalves]) {
         wait_barrier(ring.full, ring.phase);
+        lines.decode(ring.a(), ring.scale_words(), halves);
+        // Written out, not as loops over the halves: the loops cost the narrow kernels six
+        // uniform moves a step (SASS).
+        fence_fragment(halves[0]);
+        if constexpr (kHalves == 2) fence_fragment(halves[1]);
         cute::warpgroup_arrive();
-        const uint32_t box = ring.a() + consumer * kBoxBytes;
-        Mma::side_step(C::kTransposed ? descriptor_k_major(box) : descriptor_mn_major(box),
-                       descriptor_k_major(ring.b()), sums);
+        const uint64_t desc_b = descriptor_k_major(ring.b());
+        ops.base_half_step(halves[0], desc_b, acc[0]);
+        if constexpr (kHalves == 2) ops.base_half_step(halves[1], desc_b, acc[1]);
         cute::warpgroup_commit_batch();
         retire_previous();
         ring.advance();
+      };
+      int k_step = 0;
+      for (; k_step + 1 < base_steps; k_step += 2) {
+        base_step(fragments[0]);
+        base_step(fragments[1]);
       }
+      if (k_step < base_steps) base_step(fragments[0]);
     };
-    // The wide Gated side steps (side_rows_fragment), register MMAs into the one m64 tile
-    // from one fragment, each retired before the next step: a few steps a tile, and with
-    // their batches left in flight ptxas serialized every wgmma of the 256-row kernel for
-    // want of registers.
-    auto run_side_rows = [&](auto up_rows, int first, int last) {
-      const uint32_t lane_offset = stream_column_lane_offset(threadIdx.x);
-      Fragment fragment;
-      for (int step = first; step < last; ++step) {
-        wait_barrier(ring.full, ring.phase);
-        side_rows_fragment<decltype(up_rows)::value>(ring.a(), lane_offset, fragment);
-        fence_fragment(fragment);
-        cute::warpgroup_arrive();
-        Mma::base_half_step(fragment, descriptor_k_major(ring.b()), acc[0]);
-        cute::warpgroup_commit_batch();
-        cute::warpgroup_wait<0>();
-        retire_previous();
-        ring.advance();
-      }
-    };
-    if (segment_steps > 0) {
-      if constexpr (C::kWide && C::kGated) {
-        run_side_rows(std::false_type{}, 0, p.segment_half);
-        run_side_rows(std::true_type{}, p.segment_half, segment_steps);
-      } else {
-        run_segment(acc[0], 0, p.segment_half);
-        run_segment(acc[kHalves - 1], p.segment_half, segment_steps);
-      }
-      if constexpr (C::kGated) {
-        // The side sums are complete: scale them before the base adds on (FP32, exact
-        // adapter term as in the engine). The wait also retires the side steps' fragments.
-        cute::warpgroup_wait<0>();
-        fence_all_accumulators();
-#pragma unroll
-        for (int half = 0; half < kHalves; ++half)
-#pragma unroll
-          for (int i = 0; i < kTokens / 2; ++i) acc[half][i] *= p.side_scale;
-        fence_all_accumulators();
-      }
-    }
-    using Lines =
-        std::conditional_t<C::kTransposed, StreamColumnPairs<C::kValuesBeforeCheck>,
-                           std::conditional_t<C::kWide, StreamLinePair<C::kGated>, StreamLines>>;
-    const Lines lines(threadIdx.x);
-    // A base step: the halves' fragments decoded, then their MMAs as one batch. The
-    // fragments alternate between two buffers (by step parity): a buffer is rewritten
-    // only after the batch that read it retired, which the step between guarantees (one
-    // batch in flight), so a step's decode overlaps the previous step's MMAs.
-    auto base_step = [&](Fragment(&halves)[kHalves]) {
-      wait_barrier(ring.full, ring.phase);
-      lines.decode(ring.a(), ring.scale_words(), halves);
-      // Written out, not as loops over the halves: the loops cost the narrow kernels six
-      // uniform moves a step (SASS).
-      fence_fragment(halves[0]);
-      if constexpr (kHalves == 2) fence_fragment(halves[1]);
-      cute::warpgroup_arrive();
-      const uint64_t desc_b = descriptor_k_major(ring.b());
-      Mma::base_half_step(halves[0], desc_b, acc[0]);
-      if constexpr (kHalves == 2) Mma::base_half_step(halves[1], desc_b, acc[1]);
-      cute::warpgroup_commit_batch();
-      retire_previous();
-      ring.advance();
-    };
-    int k_step = 0;
-    for (; k_step + 1 < base_steps; k_step += 2) {
-      base_step(fragments[0]);
-      base_step(fragments[1]);
-    }
-    if (k_step < base_steps) base_step(fragments[0]);
+    if constexpr (C::kWide)
+      with_mma_width(tile.rows, StreamWideWidths{},
+                     [&](auto n) { main_loop(StreamMma<decltype(n)::value, !C::kTransposed>{}); });
+    else
+      main_loop(Mma{});
     const StreamTile next = next_tile();
     cute::warpgroup_wait<0>();
     fence_all_accumulators();

@@ -118,11 +118,9 @@ def test_weight_stream_chunk_steps_up_with_the_rows_per_expert(experts):
 
     small = mm.heuristics.WEIGHT_STREAM_SMALL_CHUNK_MAX_ROWS
     narrow = mm.heuristics.WEIGHT_STREAM_NARROW_MAX_ROWS
-    wide128 = mm.heuristics.WEIGHT_STREAM_WIDE_128_MAX_ROWS
-    assert small < narrow < wide128
-    rows = (0, small, small + 1, narrow, narrow + 1)
-    assert [chunk(r, True) for r in rows] == [32, 32, 64, 64, 128]
-    assert [chunk(r, True) for r in (wide128, wide128 + 1, 10_000)] == [128, 256, 256]
+    assert small < narrow
+    rows = (0, small, small + 1, narrow, narrow + 1, 10_000)
+    assert [chunk(r, True) for r in rows] == [32, 32, 64, 64, 256, 256]
     # The dgrads have no wide form.
     assert [chunk(r, False) for r in (small, small + 1, narrow + 1, 10_000)] == [32, 64, 64, 64]
     last = 0

@@ -147,6 +147,36 @@ def test_picks_the_smallest_loop_with_register_a_hgmma() -> None:
     assert loop[0].address == start and loop[-1].address == outer_end - 16
 
 
+def test_wide_kernels_step_over_one_weight_and_skip_the_side_loop() -> None:
+    """The wide form (a kernel of 256-row chunks, named in the listing) issues four
+    register-A HGMMA a step; its GEMM1's side steps are a smaller loop of register-A HGMMA
+    without a decode, which the count skips."""
+    start = 0x100
+    side = [
+        "LDSM.16.MT88.4 R120, [R10]",
+        *[f"HGMMA.64x32x16.F32.BF16 R40, R{120 + 4 * k}, gdesc[UR8], R40" for k in range(4)],
+        f"@!P1 BRA 0x{start:x}",
+    ]
+    base_start = start + 16 * len(side)
+    step = _step(base_start, slow_first=False)
+    # One step of four HGMMA: the last four of the synthetic step's eight dropped.
+    hgmma = [f"HGMMA.64x32x16.F32.BF16 R40, R{120 + 4 * k}, gdesc[UR8], R40" for k in range(4)]
+    decode = [line for line in step if "HGMMA" not in line][:-1]
+    base = [*decode, *hgmma, "WARPGROUP.DEPBAR.LE gsb0, 0x1", f"@!P2 BRA 0x{base_start:x}"]
+    name = (
+        "_ZN7megamoe7kernels20weight_stream_kernelILNS_10StreamKindE0ELi256EEEvNS_"
+        "18WeightStreamParamsE"
+    )
+    sass = f"\t\tFunction : {name}\n" + _listing([*side, *base], start)
+    assert tool.hgmma_per_step(sass) == 4
+    loop = tool.base_step_loop(tool.parse(sass))
+    assert loop[0].address == base_start
+    total, per_opcode = tool.count_per_step(sass)
+    assert per_opcode["HGMMA"] == 4 and "LDSM" not in per_opcode
+    assert total == pytest.approx(len(base) - 2)  # the FP32 block of 2 dropped
+    assert tool.hgmma_per_step(sass.replace("Li256EE", "Li64EE")) == 8
+
+
 def test_rejects_a_kernel_without_the_loop() -> None:
     sass = _listing(["HGMMA.64x32x16.F32.BF16 R40, gdesc[UR4], R40", "@!P0 BRA 0x100"])
     with pytest.raises(ValueError, match="register-A HGMMA"):

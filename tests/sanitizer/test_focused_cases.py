@@ -206,6 +206,13 @@ GEMM_CASES = [
     pytest.param(150, 2, None, id="150-tokens"),
     pytest.param(150, 2, "2", id="150-tokens-two-ctas"),
 ]
+# GEMM1 and GEMM2 streaming also in the wide form (about 150 rows per expert: chunks of
+# up to 256 rows from each segment's start, MMAs as wide as a chunk's rows).
+STREAM_FORWARD_CASES = [
+    *GEMM_CASES,
+    pytest.param(600, 2, None, id="600-tokens-wide"),
+    pytest.param(600, 2, "2", id="600-tokens-wide-two-ctas"),
+]
 
 
 def use_sms(num_sms: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -269,7 +276,7 @@ def test_engine_gated(block_m, tokens, top_k, num_sms, b_format, monkeypatch):
         assert_close_to_oracle("preact", preact[:rows], gu)
 
 
-@pytest.mark.parametrize("tokens,top_k,num_sms", GEMM_CASES)
+@pytest.mark.parametrize("tokens,top_k,num_sms", STREAM_FORWARD_CASES)
 @pytest.mark.parametrize("block_m", BLOCK_MS)
 def test_weight_stream_gated(block_m, tokens, top_k, num_sms, monkeypatch):
     # GEMM1 with an MXFP4 w13 in the weight-streaming kernel (I = 256: two 128-column
@@ -308,7 +315,7 @@ def test_weight_stream_gated(block_m, tokens, top_k, num_sms, monkeypatch):
         assert_bitwise(preact[:rows], twin_preact[:rows])
 
 
-@pytest.mark.parametrize("tokens,top_k,num_sms", GEMM_CASES)
+@pytest.mark.parametrize("tokens,top_k,num_sms", STREAM_FORWARD_CASES)
 @pytest.mark.parametrize("block_m", BLOCK_MS)
 def test_weight_stream_store(block_m, tokens, top_k, num_sms, monkeypatch):
     # GEMM2 with an MXFP4 w2 in the weight-streaming kernel (N = 256: one tile), with the
