@@ -94,7 +94,7 @@ def measure(tokens: int, args: argparse.Namespace, w13, codes, scales, side: dic
 
 
 #: The chunk columns of the table; GEMM1 and GEMM2 have every chunk, the dgrads 32 and 64.
-CHUNKS = (32, 64, 256)
+CHUNKS = (32, 64, 128, 256)
 NARROW_CHUNKS = (32, 64)
 
 

@@ -174,27 +174,29 @@ struct StreamTiles {
   }
 };
 
-// The wide form's MMA widths: a chunk's data rows rounded up to the next of them (the
-// wgmma N that CuTe's main GMMA header names; 160 and 224 would need its extension
-// header, a far longer compile, for a few padding rows fewer).
-using StreamWideWidths = std::integer_sequence<int, 32, 64, 96, 128, 192, 256>;
+// The wide form's MMA widths: a chunk's data rows rounded up to the next of them. Steps
+// of 64: with widths 32 and 96 as well, ptxas serialized the 128-row kernels' wgmma for
+// registers.
+using StreamWideWidths = std::integer_sequence<int, 64, 128, 192, 256>;
 
 // The width for `rows` data rows: the first of Widths that holds them, else the last.
 template <int... Widths>
 __host__ __device__ constexpr int stream_wide_width(int rows,
                                                     std::integer_sequence<int, Widths...>) {
-  int width = 0;
-  ((width = width == 0 && rows <= Widths ? Widths : width), ...);
-  return width != 0 ? width : (Widths, ...);
+  constexpr int widths[] = {Widths...};
+  for (int width : widths)
+    if (rows <= width) return width;
+  return widths[sizeof...(Widths) - 1];
 }
-static_assert(stream_wide_width(1, StreamWideWidths{}) == 32 &&
+static_assert(stream_wide_width(1, StreamWideWidths{}) == 64 &&
                   stream_wide_width(129, StreamWideWidths{}) == 192 &&
                   stream_wide_width(300, StreamWideWidths{}) == 256,
               "a chunk's rows round up to the next width");
 
 template <StreamKind kKind, int Tokens>
 struct StreamConfig {
-  static_assert(Tokens == 32 || Tokens == 64 || Tokens == 256, "wgmma N of the chunk");
+  static_assert(Tokens == 32 || Tokens == 64 || Tokens == 128 || Tokens == 256,
+                "wgmma N of the chunk");
   static constexpr bool kGated = kKind == StreamKind::Gated;
   static constexpr bool kActivation = kKind == StreamKind::ActivationBackward;
   // The weights as stored ([K][N / 2] codes): transposed decode, K-major segment factors.
@@ -240,7 +242,11 @@ struct StreamConfig {
   static constexpr int kStagesFit = (kSmemLimit - 1024 - kBarrierBytes - kDotBytes) / kStageBytes;
   // Six stages, not as many as fit: shared memory takes its room from L1 (one 256 KB
   // array per SM), and deeper rings measured slower (docs/ENGINE.md, "The ring's depth").
-  static constexpr int kStages = kStagesFit > 6 ? 6 : kStagesFit;
+#ifndef MEGAMOE_WIDE_STAGES
+#define MEGAMOE_WIDE_STAGES 6
+#endif
+  static constexpr int kMaxStages = kWide ? MEGAMOE_WIDE_STAGES : 6;
+  static constexpr int kStages = kStagesFit > kMaxStages ? kMaxStages : kStagesFit;
   static_assert(kStages >= 3, "a ring deep enough to overlap the loads");
   static constexpr int kSmemBytes = 1024 + kStages * kStageBytes + kDotBytes + kBarrierBytes;
   // The transposed decode's multiplies before the step's scale check (64-row chunks) or
@@ -626,18 +632,18 @@ struct StreamMma {
   }
 };
 
-// `op` gets the width for `rows` data rows (stream_wide_width) as an integral constant. The width
-// is uniform over the warpgroup and fixed for a tile, so the branches go alike every step.
-template <int Width, int... Wider, class Op>
+// `op` gets the width for `rows` data rows (stream_wide_width, at most Max: the chunk)
+// as an integral constant. The width is uniform over the warpgroup and fixed for a tile.
+template <int Max, int Width, int... Wider, class Op>
 __device__ __forceinline__ void with_mma_width(int rows,
                                                std::integer_sequence<int, Width, Wider...>,
                                                Op&& op) {
-  if constexpr (sizeof...(Wider) == 0) {
+  if constexpr (sizeof...(Wider) == 0 || Width >= Max) {
     op(std::integral_constant<int, Width>{});
   } else if (rows <= Width) {
     op(std::integral_constant<int, Width>{});
   } else {
-    with_mma_width(rows, std::integer_sequence<int, Wider...>{}, std::forward<Op>(op));
+    with_mma_width<Max>(rows, std::integer_sequence<int, Wider...>{}, std::forward<Op>(op));
   }
 }
 
@@ -1358,8 +1364,9 @@ __device__ __forceinline__ void stream_consume(const WeightStreamParams& p,
       if (k_step < base_steps) base_step(fragments[0]);
     };
     if constexpr (C::kWide)
-      with_mma_width(tile.rows, StreamWideWidths{},
-                     [&](auto n) { main_loop(StreamMma<decltype(n)::value, !C::kTransposed>{}); });
+      with_mma_width<kTokens>(tile.rows, StreamWideWidths{}, [&](auto n) {
+        main_loop(StreamMma<decltype(n)::value, !C::kTransposed>{});
+      });
     else
       main_loop(Mma{});
     const StreamTile next = next_tile();

@@ -30,9 +30,9 @@ enum class StreamKind : int32_t {
 // at each expert's segment start, so the pool's segments need not be padded to them;
 // chunks of 32 and 64 rows tile the pool from row 0 (segments padded to a multiple).
 constexpr bool stream_chunks_from_segment_starts(int tokens) { return tokens > 64; }
-// Pool rows per TMA box: a wide chunk loads only its data rows, in boxes of 32 (its MMA
-// width is its data rows rounded up to 32).
-constexpr int kStreamWideRowsPerBox = 32;
+// Pool rows per TMA box: a wide chunk loads only the rows its MMAs read (its data rows
+// rounded up to 64, StreamWideWidths), in boxes of 64.
+constexpr int kStreamWideRowsPerBox = 64;
 constexpr int stream_pool_box_rows(int tokens) {
   return stream_chunks_from_segment_starts(tokens) ? kStreamWideRowsPerBox : tokens;
 }
