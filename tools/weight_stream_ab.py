@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """The GEMMs with an MXFP4 base at few rows per expert: the weight-streaming kernels
-(chunks of 32 and 64 rows; GEMM1 and GEMM2 also 256, the wide form) against the
+(chunks of 32 and 64 rows; GEMM1 and GEMM2 also 128 and 256, the wide form) against the
 engine's in-pipeline decode and the engine on BF16 weights, in one process, with the
 weight-read floor of each format.
 

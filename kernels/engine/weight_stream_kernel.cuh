@@ -204,7 +204,7 @@ struct StreamConfig {
   // Segment steps on every tile (GEMM1's side, dgrad2's a2), not on extra tiles only.
   static constexpr bool kSegmentEveryTile = kGated || kActivation;
   static constexpr int kTokensPerChunk = Tokens;
-  // The wide form (chunks of up to 256 rows): one m64 tile per consumer warpgroup, so
+  // The wide form (chunks of 128 or 256 rows): one m64 tile per consumer warpgroup, so
   // the accumulators of a 256-row chunk (128 registers) and two fragment buffers (32)
   // fit; each weight is decoded once per wide chunk (docs/ENGINE.md, "The wide form").
   // A thread's rows r and r + 8 are a gated tile's gate and up rows of one h column. A
@@ -241,12 +241,10 @@ struct StreamConfig {
   static constexpr int kDotBytes = kActivation ? 2 * Tokens * 32 * 4 : 0;
   static constexpr int kStagesFit = (kSmemLimit - 1024 - kBarrierBytes - kDotBytes) / kStageBytes;
   // Six stages, not as many as fit: shared memory takes its room from L1 (one 256 KB
-  // array per SM), and deeper rings measured slower (docs/ENGINE.md, "The ring's depth").
-#ifndef MEGAMOE_WIDE_STAGES
-#define MEGAMOE_WIDE_STAGES 6
-#endif
-  static constexpr int kMaxStages = kWide ? MEGAMOE_WIDE_STAGES : 6;
-  static constexpr int kStages = kStagesFit > kMaxStages ? kMaxStages : kStagesFit;
+  // array per SM), and deeper rings measured slower (docs/ENGINE.md, "The ring's depth");
+  // the wide 256-row chunks fit four (Store) or five (Gated), and three stages measured
+  // no faster there.
+  static constexpr int kStages = kStagesFit > 6 ? 6 : kStagesFit;
   static_assert(kStages >= 3, "a ring deep enough to overlap the loads");
   static constexpr int kSmemBytes = 1024 + kStages * kStageBytes + kDotBytes + kBarrierBytes;
   // The transposed decode's multiplies before the step's scale check (64-row chunks) or

@@ -102,8 +102,10 @@ WEIGHT_STREAM_SMALL_CHUNK_MAX_ROWS = 24
 
 #: Expected pool rows per expert up to which GEMM1 and GEMM2 keep the 64-row chunk; above
 #: it they take the wide form (one m64 weight tile per consumer warpgroup), whose chunks
-#: of up to 256 rows start at each segment's start and multiply as many rows as they
-#: hold (rounded up to 32), so that each weight is decoded once per 256 rows, not per 64
+#: of 128 or 256 rows start at each segment's start and multiply as many rows as they
+#: hold (rounded up to 64), so that each weight is decoded once per 128 or 256 rows, not
+#: per 64. A 256-row chunk is the slower per row (fewer stages fit, L1 the smaller), so it
+#: is taken only where an expert's rows need two 128-row chunks but fit one of 256
 #: (docs/ENGINE.md, "The wide form"). The dgrads have no wide form.
 WEIGHT_STREAM_NARROW_MAX_ROWS = 64
 
@@ -111,11 +113,13 @@ WEIGHT_STREAM_NARROW_MAX_ROWS = 64
 def weight_stream_chunk(num_routes: int, num_experts: int, *, wide: bool = False) -> int:
     """Pool rows per chunk of the weight-streaming GEMMs for ``num_routes`` routes over
     ``num_experts`` experts: 32 or 64 (see :data:`WEIGHT_STREAM_SMALL_CHUNK_MAX_ROWS`),
-    and where ``wide`` (GEMM1 and GEMM2) 256 above :data:`WEIGHT_STREAM_NARROW_MAX_ROWS`.
-    Host values only: no synchronisation."""
+    and where ``wide`` (GEMM1 and GEMM2) above :data:`WEIGHT_STREAM_NARROW_MAX_ROWS` 128,
+    or 256 for 129 to 256 rows per expert. Host values only: no synchronisation."""
     check_int("num_routes", num_routes, minimum=0)
     check_int("num_experts", num_experts, minimum=1)
     rows_per_expert = num_routes / num_experts
     if rows_per_expert <= WEIGHT_STREAM_SMALL_CHUNK_MAX_ROWS:
         return 32
-    return 256 if wide and rows_per_expert > WEIGHT_STREAM_NARROW_MAX_ROWS else 64
+    if not wide or rows_per_expert <= WEIGHT_STREAM_NARROW_MAX_ROWS:
+        return 64
+    return 256 if 128 < rows_per_expert <= 256 else 128

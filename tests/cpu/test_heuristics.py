@@ -119,12 +119,13 @@ def test_weight_stream_chunk_steps_up_with_the_rows_per_expert(experts):
     small = mm.heuristics.WEIGHT_STREAM_SMALL_CHUNK_MAX_ROWS
     narrow = mm.heuristics.WEIGHT_STREAM_NARROW_MAX_ROWS
     assert small < narrow
-    rows = (0, small, small + 1, narrow, narrow + 1, 10_000)
-    assert [chunk(r, True) for r in rows] == [32, 32, 64, 64, 256, 256]
+    rows = (0, small, small + 1, narrow, narrow + 1, 128, 129, 256, 257, 10_000)
+    assert [chunk(r, True) for r in rows] == [32, 32, 64, 64, 128, 128, 256, 256, 128, 128]
     # The dgrads have no wide form.
     assert [chunk(r, False) for r in (small, small + 1, narrow + 1, 10_000)] == [32, 64, 64, 64]
+    # Up to 256 rows per expert the chunk only grows.
     last = 0
-    for routes in range(0, 300 * experts, max(1, experts // 4)):
+    for routes in range(0, 256 * experts + 1, max(1, experts // 4)):
         current = mm.heuristics.weight_stream_chunk(routes, experts, wide=True)
         assert current >= last
         last = current

@@ -1,7 +1,7 @@
 """The weight-streaming GEMMs (kernels/engine/weight_stream_kernel.cuh): an MXFP4 base
 decoded into the wgmma's A registers, the pool's rows in chunks of 32 or 64 as N (GEMM1
-and GEMM2 also 256, the wide form, whose chunks start at each segment's start and whose
-MMAs are as wide as a chunk's data rows rounded up to 32);
+and GEMM2 also 128 and 256, the wide form, whose chunks start at each segment's start
+and whose MMAs are as wide as a chunk's data rows rounded up to 64);
 GEMM1 (gated, side K segment), GEMM2 (store, a2 extra columns), dgrad1 (the weights as
 stored, decoded transposed; the b1/b3 shrinks as extra columns) and dgrad2 (w2 as stored,
 decoded transposed; the a2 side segment; the activation backward).
@@ -37,7 +37,7 @@ from megamoe.wrappers.mxfp4_decode import decode_mxfp4_bf16
 pytestmark = pytest.mark.gpu
 
 CHUNKS = [32, 64]
-FORWARD_CHUNKS = [32, 64, 256]  # GEMM1 and GEMM2: the narrow and the wide form
+FORWARD_CHUNKS = [32, 64, 128, 256]  # GEMM1 and GEMM2: the narrow and the wide form
 ACTIVATIONS = {"swiglu": 0, "geglu": 1}
 
 
@@ -238,7 +238,7 @@ def test_every_scale_byte_matches_the_engine(chunk, scale_mod):
     assert same_bits(h[:rows][data], twin[:rows][data])
 
 
-@pytest.mark.parametrize("tokens,chunk", [(512, 64), (2048, 256)])  # 48, 192 rows per expert
+@pytest.mark.parametrize("tokens,chunk", [(512, 64), (1024, 128), (2048, 256)])  # 48 .. 192 rows
 def test_repeated_runs_are_bitwise_equal(monkeypatch, tokens, chunk):
     native = _native.native()
     launches = []
@@ -314,7 +314,7 @@ def test_store_launcher_checks():
     codes = torch.zeros(2, 320, 128, dtype=torch.uint8, device="cuda")
     scales = torch.full((2, 320, 8), 127, dtype=torch.uint8, device="cuda")
     with pytest.raises(ValueError, match="N a multiple of 128"):
-        stream_gemm2(a, codes, scales, plan, chunk=256)
+        stream_gemm2(a, codes, scales, plan, chunk=128)
 
 
 @pytest.mark.parametrize("chunk", FORWARD_CHUNKS)
