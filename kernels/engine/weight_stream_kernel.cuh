@@ -174,10 +174,12 @@ struct StreamTiles {
   }
 };
 
-// The wide form's MMA widths: a chunk's data rows rounded up to the next of them. Steps
-// of 64: with widths 32 and 96 as well, ptxas serialized the 128-row kernels' wgmma for
-// registers.
-using StreamWideWidths = std::integer_sequence<int, 64, 128, 192, 256>;
+// The wide form's MMA widths (StreamConfig::MmaWidths): a 128-row chunk's data rows
+// rounded up to 64 or 128; a 256-row chunk always 256 wide. The tile's loop is
+// instantiated per width, and ptxas serialized the wgmma of the 256-row kernels with
+// more than one width, and of the 128-row kernels with widths 32 and 96, for registers.
+using StreamWideWidths128 = std::integer_sequence<int, 64, 128>;
+using StreamWideWidths256 = std::integer_sequence<int, 256>;
 
 // The width for `rows` data rows: the first of Widths that holds them, else the last.
 template <int... Widths>
@@ -188,9 +190,9 @@ __host__ __device__ constexpr int stream_wide_width(int rows,
     if (rows <= width) return width;
   return widths[sizeof...(Widths) - 1];
 }
-static_assert(stream_wide_width(1, StreamWideWidths{}) == 64 &&
-                  stream_wide_width(129, StreamWideWidths{}) == 192 &&
-                  stream_wide_width(300, StreamWideWidths{}) == 256,
+static_assert(stream_wide_width(1, StreamWideWidths128{}) == 64 &&
+                  stream_wide_width(65, StreamWideWidths128{}) == 128 &&
+                  stream_wide_width(1, StreamWideWidths256{}) == 256,
               "a chunk's rows round up to the next width");
 
 template <StreamKind kKind, int Tokens>
@@ -208,8 +210,9 @@ struct StreamConfig {
   // the accumulators of a 256-row chunk (128 registers) and two fragment buffers (32)
   // fit; each weight is decoded once per wide chunk (docs/ENGINE.md, "The wide form").
   // A thread's rows r and r + 8 are a gated tile's gate and up rows of one h column. A
-  // chunk's MMAs are as wide as its data rows rounded up (StreamWideWidths).
+  // chunk's MMAs are as wide as its data rows rounded up to one of MmaWidths.
   static constexpr bool kWide = stream_chunks_from_segment_starts(Tokens);
+  using MmaWidths = std::conditional_t<Tokens == 256, StreamWideWidths256, StreamWideWidths128>;
   static_assert(!(kWide && kTransposed), "the wide form is built for GEMM1 and GEMM2");
   static constexpr int kHalves = kWide ? 1 : 2;  // m64 tiles per consumer warpgroup
   static constexpr int kConsumers = 2;
@@ -475,7 +478,8 @@ __device__ __forceinline__ void stream_produce(const WeightStreamParams& p,
     // The chunk's pool tile: all of it, or (wide) the rows its MMAs read (its data rows
     // rounded up to their width) in boxes of 32.
     const int pool_boxes =
-        C::kWide ? stream_wide_width(tile.rows, StreamWideWidths{}) / kStreamWideRowsPerBox : 1;
+        C::kWide ? stream_wide_width(tile.rows, typename C::MmaWidths{}) / kStreamWideRowsPerBox
+                 : 1;
     const uint32_t pool_bytes =
         C::kWide ? pool_boxes * kStreamWideRowsPerBox * kRowBytes : C::kBBytes;
     auto load_pool = [&](uint64_t* bar, int column) {
@@ -1273,7 +1277,7 @@ __device__ __forceinline__ void stream_consume(const WeightStreamParams& p,
       previous = ring.empty();
     };
     // The tile's steps, their MMAs by `ops` (a StreamMma): Tokens wide, or (wide form) as
-    // wide as the chunk's data rows rounded up to one of StreamWideWidths, the whole loop
+    // wide as the chunk's data rows rounded up to one of C::MmaWidths, the whole loop
     // instantiated per width (with the width chosen per step, ptxas serialized the wide
     // GEMM1's wgmma for registers).
     auto main_loop = [&](auto ops) {
@@ -1362,7 +1366,7 @@ __device__ __forceinline__ void stream_consume(const WeightStreamParams& p,
       if (k_step < base_steps) base_step(fragments[0]);
     };
     if constexpr (C::kWide)
-      with_mma_width<kTokens>(tile.rows, StreamWideWidths{}, [&](auto n) {
+      with_mma_width<kTokens>(tile.rows, typename C::MmaWidths{}, [&](auto n) {
         main_loop(StreamMma<decltype(n)::value, !C::kTransposed>{});
       });
     else
