@@ -1,10 +1,12 @@
 // The weight-streaming GEMMs (an MXFP4 base, few pool rows per expert): the swapped
 // form of the engine's forward kinds, where the weights are the wgmma's A operand,
 // decoded from their codes straight into the A-fragment registers (fragment_decode.cuh),
-// and a chunk of an expert's pool rows is its N (TOKENS = 32 or 64). No decoded tile
-// passes through shared memory, and every consumer warp decodes: the decode's integer
-// work, which bounds an MXFP4 GEMM when each weight meets few rows, spreads over all
-// four schedulers. Two kinds (StreamKind):
+// and a chunk of an expert's pool rows is its N (TOKENS = 32 or 64; GEMM1 and GEMM2 also
+// 128 or 256, the wide form: one m64 weight tile per consumer warpgroup instead of two,
+// chunks from each segment's start, StreamConfig::kWide). No decoded tile passes
+// through shared memory, and every consumer warp decodes: the decode's integer work,
+// which bounds an MXFP4 GEMM when each weight meets few rows, spreads over all four
+// schedulers. Four kinds (StreamKind):
 //  - Gated (GEMM1): a tile is 128 h columns, the gate rows and the up rows of w13 as the
 //    two halves of each step's codes; K side steps (b1, then b3, as given) before the
 //    base; the gated activation;
@@ -476,7 +478,7 @@ __device__ __forceinline__ void stream_produce(const WeightStreamParams& p,
     const int segment_steps = C::kSegmentEveryTile || tile.extra ? p.segment_steps : 0;
     const int base_steps = C::kSegmentEveryTile || !tile.extra ? p.base_steps : 0;
     // The chunk's pool tile: all of it, or (wide) the rows its MMAs read (its data rows
-    // rounded up to their width) in boxes of 32.
+    // rounded up to their width) in boxes of 64.
     const int pool_boxes =
         C::kWide ? stream_wide_width(tile.rows, typename C::MmaWidths{}) / kStreamWideRowsPerBox
                  : 1;

@@ -31,7 +31,7 @@ enum class StreamKind : int32_t {
 // chunks of 32 and 64 rows tile the pool from row 0 (segments padded to a multiple).
 constexpr bool stream_chunks_from_segment_starts(int tokens) { return tokens > 64; }
 // Pool rows per TMA box: a wide chunk loads only the rows its MMAs read (its data rows
-// rounded up to 64, StreamWideWidths), in boxes of 64.
+// rounded up to its MMA width, StreamConfig::MmaWidths), in boxes of 64.
 constexpr int kStreamWideRowsPerBox = 64;
 constexpr int stream_pool_box_rows(int tokens) {
   return stream_chunks_from_segment_starts(tokens) ? kStreamWideRowsPerBox : tokens;

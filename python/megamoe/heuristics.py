@@ -102,11 +102,11 @@ WEIGHT_STREAM_SMALL_CHUNK_MAX_ROWS = 24
 
 #: Expected pool rows per expert up to which GEMM1 and GEMM2 keep the 64-row chunk; above
 #: it they take the wide form (one m64 weight tile per consumer warpgroup), whose chunks
-#: of 128 or 256 rows start at each segment's start and multiply as many rows as they
-#: hold (rounded up to 64), so that each weight is decoded once per 128 or 256 rows, not
-#: per 64. A 256-row chunk is the slower per row (fewer stages fit, L1 the smaller), so it
-#: is taken only where an expert's rows need two 128-row chunks but fit one of 256
-#: (docs/ENGINE.md, "The wide form"). The dgrads have no wide form.
+#: of 128 or 256 rows start at each segment's start, so that each weight is decoded once
+#: per 128 or 256 rows, not per 64. A 256-row chunk is the slower per row (fewer stages
+#: fit, and its MMAs are 256 wide whatever its rows), so it is taken only where an
+#: expert's rows need two 128-row chunks but fit one of 256 (docs/ENGINE.md, "The wide
+#: form"). The dgrads have no wide form.
 WEIGHT_STREAM_NARROW_MAX_ROWS = 64
 
 
