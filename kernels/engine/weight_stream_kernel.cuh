@@ -687,6 +687,16 @@ __device__ __forceinline__ uint32_t opaque(uint32_t v) {
   return v;
 }
 
+// A line's 32 code bytes of a step (its eight words) from shared address `at`.
+__device__ __forceinline__ void load_line_codes(uint32_t at, uint32_t (&words)[8]) {
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(words[0]), "=r"(words[1]), "=r"(words[2]), "=r"(words[3])
+               : "r"(at));
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(words[4]), "=r"(words[5]), "=r"(words[6]), "=r"(words[7])
+               : "r"(at + 16));
+}
+
 struct StreamLines {
   // Line l's codes are at code_offset + line_code_offset(l) in a stage's code area.
   __device__ __forceinline__ static constexpr uint32_t line_code_offset(int line) {
@@ -714,17 +724,8 @@ struct StreamLines {
                  : "r"(scale_area + scale_offset));
     uint32_t words[4][8];
 #pragma unroll
-    for (int line = 0; line < 4; ++line) {
-      const uint32_t at = base + line_code_offset(line);
-      asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                   : "=r"(words[line][0]), "=r"(words[line][1]), "=r"(words[line][2]),
-                     "=r"(words[line][3])
-                   : "r"(at));
-      asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                   : "=r"(words[line][4]), "=r"(words[line][5]), "=r"(words[line][6]),
-                     "=r"(words[line][7])
-                   : "r"(at + 16));
-    }
+    for (int line = 0; line < 4; ++line)
+      load_line_codes(base + line_code_offset(line), words[line]);
     const mxfp4::StepScales<4> scales(scale_words);
     mxfp4::decode_rows<2>(words, scales, selector, fragments);
   }
@@ -780,17 +781,7 @@ struct StreamLinePair {
                  : "r"(scale_area + scale_offset));
     uint32_t words[2][8];
 #pragma unroll
-    for (int line = 0; line < 2; ++line) {
-      const uint32_t at = base + line * kSecondLine;
-      asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                   : "=r"(words[line][0]), "=r"(words[line][1]), "=r"(words[line][2]),
-                     "=r"(words[line][3])
-                   : "r"(at));
-      asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                   : "=r"(words[line][4]), "=r"(words[line][5]), "=r"(words[line][6]),
-                     "=r"(words[line][7])
-                   : "r"(at + 16));
-    }
+    for (int line = 0; line < 2; ++line) load_line_codes(base + line * kSecondLine, words[line]);
     const mxfp4::StepScales<2> scales(scale_words);
     mxfp4::decode_rows<1>(words, scales, selector, fragments);
   }
