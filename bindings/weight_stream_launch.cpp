@@ -170,7 +170,7 @@ void weight_stream_store(const Tensor& a, int64_t k_base, const Tensor& b, const
   if (b_extra) {
     p.segment_lo = mn_major_map("b_extra", *b_extra, device);
     p.segment_half = p.base_steps;
-    if (columns == kStoreColumns) {
+    if (!stream_chunks_from_segment_starts(tokens)) {
       // One extra tile: a2 columns 0..127 into the first half, 128.. into the second,
       // each over all of K.
       p.n_extra_blocks = 1;

@@ -148,12 +148,8 @@ struct StreamTiles {
       block = p.n_base_blocks;
     }
     info.n0 = block * Columns;
-    int first, end_row;
     if constexpr (kFromSegmentStarts) {
       locate(chunk, info.expert, info.row0);
-      first = start(info.expert);
-      end_row = end(info.expert);
-      info.span = min(end_row - info.row0, Tokens);
     } else {
       info.row0 = chunk * Tokens;
       // The expert whose segment holds the chunk: the last e starting at or before it.
@@ -166,10 +162,9 @@ struct StreamTiles {
           hi = mid - 1;
       }
       info.expert = lo;
-      first = start(lo);
-      end_row = max(start(lo + 1), first);
-      info.span = Tokens;
     }
+    const int first = start(info.expert), end_row = end(info.expert);
+    info.span = kFromSegmentStarts ? min(end_row - info.row0, Tokens) : Tokens;
     const int data_end = min(first + max(__ldg(p.expert_counts + info.expert), 0), end_row);
     info.rows = min(max(data_end - info.row0, 0), Tokens);
     return info;
@@ -600,9 +595,7 @@ struct StreamMmaOps;
   };
 MEGAMOE_STREAM_MMA_OPS(32)
 MEGAMOE_STREAM_MMA_OPS(64)
-MEGAMOE_STREAM_MMA_OPS(96)
 MEGAMOE_STREAM_MMA_OPS(128)
-MEGAMOE_STREAM_MMA_OPS(192)
 MEGAMOE_STREAM_MMA_OPS(256)
 #undef MEGAMOE_STREAM_MMA_OPS
 

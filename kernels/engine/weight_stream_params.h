@@ -50,14 +50,15 @@ struct WeightStreamParams {
   int32_t segment_steps;   // Gated: side steps; Store: an extra tile's steps (0: none)
   int32_t segment_half;    // segment steps into the first accumulator half
   int32_t base_steps;      // K / 64
-  // Operands. `pool` [P, cols] BF16 K-major, box [64, TOKENS]. `codes`: Gated w13's
-  // 4-D [E][2][I][K / 2], box [32, columns, 2, 1]; Store w2's 3-D [E][N][K / 2], box
-  // [32, columns, 1]; StoreMN b's 3-D [E][K][N / 2], box [128, 64, 1], swizzled. Segment factors
-  // as given, box [64, 64, 1], the A of the segment steps: MN-major for Gated b1
-  // (`segment_lo`) and b3 (`segment_hi`) 3-D [E][r][I] and Store a2 (`segment_lo`) 3-D
-  // [E][K][N_x]; K-major for StoreMN lo [E][N_lo][K_lo] and hi [E][N_hi][K - K_lo], and
-  // for ActivationBackward a2 [E][I][r] as 5-D views whose box rows follow the transposed
-  // column order (`segment_lo` tile 0's columns, `segment_hi` tile 1's).
+  // Operands. `pool` [P, cols] BF16 K-major, box [64, stream_pool_box_rows]. `codes`:
+  // Gated w13's 4-D [E][2][I][K / 2], box [32, columns, 2, 1]; Store w2's 3-D [E][N][K /
+  // 2], box [32, columns, 1]; StoreMN b's 3-D [E][K][N / 2], box [128, 64, 1], swizzled.
+  // Segment factors as given, box [64, 64, 1], the A of the segment steps: MN-major for
+  // Gated b1 (`segment_lo`) and b3 (`segment_hi`) 3-D [E][r][I] and Store a2
+  // (`segment_lo`) 3-D [E][K][N_x]; K-major for StoreMN lo [E][N_lo][K_lo] and hi
+  // [E][N_hi][K - K_lo], and for ActivationBackward a2 [E][I][r] as 5-D views whose box
+  // rows follow the transposed column order (`segment_lo` tile 0's columns, `segment_hi`
+  // tile 1's).
   CUtensorMap pool;
   CUtensorMap codes;
   CUtensorMap segment_lo;
