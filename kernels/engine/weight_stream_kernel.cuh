@@ -210,8 +210,12 @@ struct StreamConfig {
   // chunk's MMAs are as wide as its data rows rounded up to one of MmaWidths.
   static constexpr bool kWide = stream_chunks_from_segment_starts(Tokens);
   using MmaWidths = std::conditional_t<Tokens == 256, StreamWideWidths256, StreamWideWidths128>;
-  static_assert(!(kWide && kTransposed), "the wide form is built for GEMM1 and GEMM2");
-  static constexpr int kHalves = kWide ? 1 : 2;  // m64 tiles per consumer warpgroup
+  // The transposed kinds' wide chunks (128 rows) keep the two m64 tiles of the narrow form:
+  // a thread's tiles are the two bytes of its stored 16-bit column, and dgrad2's router
+  // dot sums a whole 256-column tile; 2 x 64 accumulators fit beside the fragments.
+  static_assert(!(kWide && kTransposed) || Tokens == 128,
+                "the transposed kinds' wide chunks are 128 rows");
+  static constexpr int kHalves = kWide && !kTransposed ? 1 : 2;  // m64 tiles per consumer
   static constexpr int kConsumers = 2;
   static constexpr int kThreads = (1 + kConsumers) * kWarpgroupThreads;
   // Output columns per tile: a gated tile's two halves are the gate and up rows of the
@@ -814,22 +818,27 @@ struct StreamColumnPairs {
       : lane_offset(opaque(stream_column_lane_offset(tid))),
         scale_offset(opaque(32 * ((tid / 32 - 4) * 4 + tid % 4))) {}
 
-  __device__ __forceinline__ void decode(uint32_t code_area, uint32_t scale_area,
-                                         Fragment (&fragments)[2]) const {
-    uint32_t words[8];
+  // The thread's scale words and row pairs of a step.
+  __device__ __forceinline__ void load(uint32_t code_area, uint32_t scale_area,
+                                       uint32_t (&words)[8], uint32_t (&row_pairs)[8]) const {
     asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
                  : "=r"(words[0]), "=r"(words[1]), "=r"(words[2]), "=r"(words[3])
                  : "r"(scale_area + scale_offset));
     asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
                  : "=r"(words[4]), "=r"(words[5]), "=r"(words[6]), "=r"(words[7])
                  : "r"(scale_area + scale_offset + 16));
-    uint32_t row_pairs[8];
 #pragma unroll
     for (int x = 0; x < 2; ++x)
       asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
                    : "=r"(row_pairs[4 * x]), "=r"(row_pairs[4 * x + 1]), "=r"(row_pairs[4 * x + 2]),
                      "=r"(row_pairs[4 * x + 3])
                    : "r"(code_area + lane_offset + 128 * 32 * x));
+  }
+
+  __device__ __forceinline__ void decode(uint32_t code_area, uint32_t scale_area,
+                                         Fragment (&fragments)[2]) const {
+    uint32_t words[8], row_pairs[8];
+    load(code_area, scale_area, words, row_pairs);
     const mxfp4::StepScales<8> scales(words);
     mxfp4::decode_column_pairs<kValuesBeforeCheck>(row_pairs, scales, fragments);
   }
@@ -1000,6 +1009,7 @@ __device__ __forceinline__ void transposed_store_epilogue(const WeightStreamPara
                                                           const float (&acc_lo)[Tokens / 2],
                                                           const float (&acc_hi)[Tokens / 2],
                                                           int consumer, int thread) {
+  constexpr bool kSpan = stream_chunks_from_segment_starts(Tokens);
   const StreamFragmentRows<Tokens> at(thread);
   const bool extra = tile.extra;
   const int64_t columns = p.out_columns;
@@ -1022,14 +1032,16 @@ __device__ __forceinline__ void transposed_store_epilogue(const WeightStreamPara
 #pragma unroll
     for (int odd = 0; odd < 2; ++odd) {
       const int low = i + odd;  // fragment row g; low + 2: row g + 8
+      // A wide chunk writes its segment's rows only (past its span: the next expert's).
+      const bool in = !kSpan || at.token(low) < tile.span;
       __nv_bfloat16* at_row = out + (8 * (i / 4) + odd) * columns;
       const uint2 v = make_uint2(pack_bf16(acc_lo[low], acc_lo[low + 2]),
                                  pack_bf16(acc_hi[low], acc_hi[low + 2]));
-      store_global_8_if(!extra, at_row, v);
-      store_global_2_if(lo_in[0], at_row, static_cast<uint16_t>(v.x));
-      store_global_2_if(lo_in[1], at_row + 8, static_cast<uint16_t>(v.x >> 16));
-      store_global_2_if(hi_in[0], at_row + lo_columns, static_cast<uint16_t>(v.y));
-      store_global_2_if(hi_in[1], at_row + lo_columns + 8, static_cast<uint16_t>(v.y >> 16));
+      store_global_8_if(in && !extra, at_row, v);
+      store_global_2_if(in && lo_in[0], at_row, static_cast<uint16_t>(v.x));
+      store_global_2_if(in && lo_in[1], at_row + 8, static_cast<uint16_t>(v.x >> 16));
+      store_global_2_if(in && hi_in[0], at_row + lo_columns, static_cast<uint16_t>(v.y));
+      store_global_2_if(in && hi_in[1], at_row + lo_columns + 8, static_cast<uint16_t>(v.y >> 16));
     }
 }
 
@@ -1055,8 +1067,13 @@ __device__ __forceinline__ void prefetch_preact_tile(const WeightStreamParams& p
   const int64_t inter = p.out_columns;
   const __nv_bfloat16* preact = static_cast<const __nv_bfloat16*>(p.preact);
 #pragma unroll
+  // An opaque copy of the thread: derived from it once, ptxas kept the lines' places
+  // through the tile loop and spilled them.
+  const int self = static_cast<int>(opaque(static_cast<uint32_t>(thread)));
   for (int k = 0; k < Tokens / 32; ++k) {
-    const int line = 256 * k + 128 * consumer + thread;  // of the tile's 8 x Tokens
+    const int line = 256 * k + 128 * consumer + self;  // of the tile's 8 x Tokens
+    // A wide chunk's rows past its segment are not its own.
+    if (stream_chunks_from_segment_starts(Tokens) && line / 8 >= tile.span) break;
     const int64_t row = tile.row0 + line / 8;
     const int64_t column = (line / 4 % 2) * inter + tile.n0 + 64 * (line % 4);
     asm volatile("prefetch.global.L2 [%0];" ::"l"(preact + row * 2 * inter + column));
@@ -1067,11 +1084,8 @@ template <int Tokens, bool kGeGLU, bool kClamp>
 __device__ __forceinline__ void activation_backward_epilogue(
     const WeightStreamParams& p, const StreamTile& tile, const float (&acc_lo)[Tokens / 2],
     const float (&acc_hi)[Tokens / 2], int consumer, int thread, uint32_t dots) {
-  const StreamFragmentRows<Tokens> at(thread);
-  const int g = at.lane / 4, warp = thread / 32;
+  constexpr bool kSpan = stream_chunks_from_segment_starts(Tokens);
   const int64_t inter = p.out_columns;
-  const int64_t column = tile.n0 + 128 * consumer + 32 * warp + 4 * g;
-  const int vector = 16 * consumer + 4 * warp + g / 2;  // of the tile's 32 (8 columns each)
   const float clamp = p.activation_clamp;
   const __nv_bfloat16* preact = static_cast<const __nv_bfloat16*>(p.preact);
   __nv_bfloat16* dgrad = static_cast<__nv_bfloat16*>(p.out);
@@ -1082,16 +1096,52 @@ __device__ __forceinline__ void activation_backward_epilogue(
   // clobber, so a row's loads issued after the previous row's stores would cost every row
   // two round trips (its route, then g | u where it is live); a group waits for two.
   constexpr int kRows = 8;
+  // z of every row first, as BF16 pairs: half the accumulators' registers, which the row
+  // groups' loads then have (with the 128-row chunks' 128 accumulators live through the
+  // rows, the loads spilled).
+  uint32_t staged[Tokens / 4][2];  // [row (i, e): i / 2 + e][tile]
 #pragma unroll
-  for (int i0 = 0; i0 < Tokens / 2; i0 += 2 * kRows) {
-    int64_t rows[kRows];
+  for (int i = 0; i < Tokens / 2; i += 4)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      staged[i / 2 + e][0] = pack_bf16(acc_lo[i + e], acc_lo[i + e + 2]);
+      staged[i / 2 + e][1] = pack_bf16(acc_hi[i + e], acc_hi[i + e + 2]);
+    }
+  // The 128-row chunks run the row groups in a loop, not unrolled: unrolled, the epilogue
+  // was 256 KB of code a variant, and the kernel stalled on its instruction fetch
+  // (docs/ENGINE.md, "The 128-row transposed chunks"). A group takes its rows' z from the
+  // staged registers by a compare per group (constant indices).
+  constexpr int kGroups = Tokens / 2 / (2 * kRows);
+  auto run_group = [&](int group) {
+    const int i0 = group * 2 * kRows;
+    // The thread's places from its index, derived in the loop (an opaque copy): derived
+    // once, ptxas kept them through the main loop and spilled them.
+    const int self = static_cast<int>(opaque(static_cast<uint32_t>(thread)));
+    const StreamFragmentRows<Tokens> at(self);
+    const int g = at.lane / 4, warp = self / 32;
+    const int64_t column = tile.n0 + 128 * consumer + 32 * warp + 4 * g;
+    const int vector = 16 * consumer + 4 * warp + g / 2;  // of the tile's 32 (8 columns each)
+    uint32_t z_rows[kRows][2];
+#pragma unroll
+    for (int k = 0; k < kGroups; ++k)
+      if (k == group)
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+          z_rows[r][0] = staged[k * kRows + r][0];
+          z_rows[r][1] = staged[k * kRows + r][1];
+        }
+    // A row's token and pool row are recomputed where used (a few instructions), not
+    // held: held, they spilled.
+    auto token_of = [&](int r) { return at.token(i0 + 4 * (r / 2) + r % 2); };
+    auto row_of = [&](int r) { return tile.row0 + static_cast<int64_t>(token_of(r)); };
     bool live[kRows];
     float weight[kRows];
+    bool in[kRows];  // a wide chunk's rows of its own segment (all rows of a narrow one)
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
-      rows[r] = tile.row0 + at.token(i0 + 4 * (r / 2) + r % 2);
-      const int route = static_cast<int>(__ldcg(p.pool_row_to_route + rows[r]));
-      weight[r] = __ldcg(p.row_weights + rows[r]);
+      in[r] = !kSpan || token_of(r) < tile.span;
+      const int route = in[r] ? static_cast<int>(__ldcg(p.pool_row_to_route + row_of(r))) : -1;
+      weight[r] = in[r] ? __ldcg(p.row_weights + row_of(r)) : 0.0f;
       // Padding rows (route -1) give zeros whatever their inputs hold (unsigned compare).
       live[r] = static_cast<uint32_t>(route) < static_cast<uint32_t>(p.num_routes);
     }
@@ -1100,57 +1150,62 @@ __device__ __forceinline__ void activation_backward_epilogue(
     for (int r = 0; r < kRows; ++r) {
       g2[r] = u2[r] = make_uint2(0u, 0u);
       if (live[r]) {
-        g2[r] = load_global_8_cg(preact + rows[r] * 2 * inter + column);
-        u2[r] = load_global_8_cg(preact + rows[r] * 2 * inter + inter + column);
+        g2[r] = load_global_8_cg(preact + row_of(r) * 2 * inter + column);
+        u2[r] = load_global_8_cg(preact + row_of(r) * 2 * inter + inter + column);
       }
     }
 #pragma unroll
-    for (int i = i0; i < i0 + 2 * kRows; i += 4)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int r = (i - i0) / 2 + e;
-        const int token = at.token(i + e);
-        const int64_t row = rows[r];
-        const float w = weight[r];
-        const uint32_t z[2] = {pack_bf16(acc_lo[i + e], acc_lo[i + e + 2]),
-                               pack_bf16(acc_hi[i + e], acc_hi[i + e + 2])};
-        __nv_bfloat16* dgrad_at = dgrad + row * 2 * inter + column;
-        uint2 dg = make_uint2(0u, 0u), du = dg, wh = dg, h = dg;
-        if (live[r]) {
-          const ActivationBackwardPair lo =
-              activation_backward_pair<kGeGLU, kClamp>(z[0], g2[r].x, u2[r].x, w, clamp);
-          const ActivationBackwardPair hi =
-              activation_backward_pair<kGeGLU, kClamp>(z[1], g2[r].y, u2[r].y, w, clamp);
-          dg = make_uint2(lo.dg, hi.dg);
-          du = make_uint2(lo.du, hi.du);
-          wh = make_uint2(lo.weighted_h, hi.weighted_h);
-          h = make_uint2(lo.h, hi.h);
-        }
+    for (int r = 0; r < kRows; ++r) {
+      const int64_t row = row_of(r);
+      const float w = weight[r];
+      const uint32_t (&z)[2] = z_rows[r];
+      __nv_bfloat16* dgrad_at = dgrad + row * 2 * inter + column;
+      uint2 dg = make_uint2(0u, 0u), du = dg, wh = dg, h = dg;
+      if (live[r]) {
+        const ActivationBackwardPair lo =
+            activation_backward_pair<kGeGLU, kClamp>(z[0], g2[r].x, u2[r].x, w, clamp);
+        const ActivationBackwardPair hi =
+            activation_backward_pair<kGeGLU, kClamp>(z[1], g2[r].y, u2[r].y, w, clamp);
+        dg = make_uint2(lo.dg, hi.dg);
+        du = make_uint2(lo.du, hi.du);
+        wh = make_uint2(lo.weighted_h, hi.weighted_h);
+        h = make_uint2(lo.h, hi.h);
+      }
+      if (in[r]) {
         store_global_8(dgrad_at, dg);
         store_global_8(dgrad_at + inter, du);
         if (weighted != nullptr) store_global_8(weighted + row * inter + column, wh);
-        // The vector's chain: the even lane's four columns from 0, the odd lane's from the
-        // even lane's sum (padding rows: zeros, as the engine's).
-        float sum = 0.0f;
+      }
+      // The vector's chain: the even lane's four columns from 0, the odd lane's from the
+      // even lane's sum (padding rows: zeros, as the engine's).
+      float sum = 0.0f;
+      if (live[r]) {
+        router_dot_add(sum, z[0], h.x);
+        router_dot_add(sum, z[1], h.y);
+      }
+      const float even = __shfl_xor_sync(0xffffffffu, sum, 4);
+      if (g % 2 == 1) {
+        sum = even;
         if (live[r]) {
           router_dot_add(sum, z[0], h.x);
           router_dot_add(sum, z[1], h.y);
         }
-        const float even = __shfl_xor_sync(0xffffffffu, sum, 4);
-        if (g % 2 == 1) {
-          sum = even;
-          if (live[r]) {
-            router_dot_add(sum, z[0], h.x);
-            router_dot_add(sum, z[1], h.y);
-          }
-          asm volatile("st.shared.f32 [%0], %1;" ::"r"(dots + 4 * (32 * token + vector)), "f"(sum)
-                       : "memory");
-        }
+        asm volatile("st.shared.f32 [%0], %1;" ::"r"(dots + 4 * (32 * token_of(r) + vector)),
+                     "f"(sum)
+                     : "memory");
       }
+    }
+  };
+  if constexpr (kSpan) {
+#pragma unroll 1
+    for (int group = 0; group < kGroups; ++group) run_group(group);
+  } else {  // the 64-row kernels' registers are too few for the rolled loop's (it spilled)
+#pragma unroll
+    for (int group = 0; group < kGroups; ++group) run_group(group);
   }
   asm volatile("bar.sync 1, 256;" ::: "memory");  // both consumers' vector sums are in
   const int own_row = 128 * consumer + thread;
-  if (own_row < Tokens) {
+  if (own_row < (kSpan ? tile.span : Tokens)) {
     float v[32];
 #pragma unroll
     for (int k = 0; k < 32; k += 4)
@@ -1344,12 +1399,42 @@ __device__ __forceinline__ void stream_consume(const WeightStreamParams& p,
         retire_previous();
         ring.advance();
       };
+      // The 128-row transposed chunks: a step's two tiles decoded and multiplied one at a
+      // time, each tile's batch committed on its own. A tile's decode overlaps the other
+      // tile's batch, and one fragment buffer per tile suffices (32 registers beside the
+      // 128 accumulators; with the narrow form's two step buffers ptxas serialized every
+      // wgmma, C7511). After tile 0's batch, the wait retires the previous step's batches
+      // (its stage goes back); after tile 1's, tile 0's (its buffer is rewritten next).
       int k_step = 0;
-      for (; k_step + 1 < base_steps; k_step += 2) {
-        base_step(fragments[0]);
-        base_step(fragments[1]);
+      if constexpr (C::kWide && C::kTransposed) {
+        auto base_step_by_tiles = [&](Fragment(&tiles)[2]) {
+          wait_barrier(ring.full, ring.phase);
+          uint32_t words[8], row_pairs[8];
+          lines.load(ring.a(), ring.scale_words(), words, row_pairs);
+          const mxfp4::StepScales<8> scales(words);
+          const uint64_t desc_b = descriptor_k_major(ring.b());
+          mxfp4::decode_column_pair_tile<0>(row_pairs, scales, tiles[0]);
+          fence_fragment(tiles[0]);
+          cute::warpgroup_arrive();
+          ops.base_half_step(tiles[0], desc_b, acc[0]);
+          cute::warpgroup_commit_batch();
+          retire_previous();
+          mxfp4::decode_column_pair_tile<1>(row_pairs, scales, tiles[1]);
+          fence_fragment(tiles[1]);
+          cute::warpgroup_arrive();
+          ops.base_half_step(tiles[1], desc_b, acc[1]);
+          cute::warpgroup_commit_batch();
+          cute::warpgroup_wait<1>();
+          ring.advance();
+        };
+        for (; k_step < base_steps; ++k_step) base_step_by_tiles(fragments[0]);
+      } else {
+        for (; k_step + 1 < base_steps; k_step += 2) {
+          base_step(fragments[0]);
+          base_step(fragments[1]);
+        }
+        if (k_step < base_steps) base_step(fragments[0]);
       }
-      if (k_step < base_steps) base_step(fragments[0]);
     };
     if constexpr (C::kWide)
       with_mma_width<kTokens>(tile.rows, typename C::MmaWidths{}, [&](auto n) {

@@ -100,26 +100,31 @@ def mxfp4_decodes_in_pipeline(pool_rows: int, num_experts: int) -> bool:
 #: route counts, may choose differently.
 WEIGHT_STREAM_SMALL_CHUNK_MAX_ROWS = 24
 
-#: Expected pool rows per expert up to which GEMM1 and GEMM2 keep the 64-row chunk; above
-#: it they take the wide form (one m64 weight tile per consumer warpgroup), whose chunks
-#: of 128 or 256 rows start at each segment's start, so that each weight is decoded once
-#: per 128 or 256 rows, not per 64. A 256-row chunk is the slower per row (fewer stages
-#: fit, and its MMAs are 256 wide whatever its rows), so it is taken only where an
-#: expert's rows need two 128-row chunks but fit one of 256 (docs/ENGINE.md, "The wide
-#: form"). The dgrads have no wide form.
+#: Expected pool rows per expert up to which the weight-streaming GEMMs keep the 64-row
+#: chunk; above it they take the wide form, whose chunks of 128 rows (and for GEMM1 and
+#: GEMM2 256) start at each segment's start, so that each weight is decoded once per 128
+#: or 256 rows, not per 64. GEMM1 and GEMM2 hold one m64 weight tile per consumer
+#: warpgroup there; the dgrads keep two in 128-row chunks, a step's tiles decoded and
+#: multiplied one at a time (docs/ENGINE.md, "The wide form" and "The 128-row transposed
+#: chunks"). A 256-row chunk is the slower per row (fewer stages fit, and its MMAs are 256
+#: wide whatever its rows), so it is taken only where an expert's rows need two 128-row
+#: chunks but fit one of 256.
 WEIGHT_STREAM_NARROW_MAX_ROWS = 64
 
 
-def weight_stream_chunk(num_routes: int, num_experts: int, *, wide: bool = False) -> int:
+def weight_stream_chunk(num_routes: int, num_experts: int, *, widest: int = 64) -> int:
     """Pool rows per chunk of the weight-streaming GEMMs for ``num_routes`` routes over
     ``num_experts`` experts: 32 or 64 (see :data:`WEIGHT_STREAM_SMALL_CHUNK_MAX_ROWS`),
-    and where ``wide`` (GEMM1 and GEMM2) above :data:`WEIGHT_STREAM_NARROW_MAX_ROWS` 128,
-    or 256 for 129 to 256 rows per expert. Host values only: no synchronisation."""
+    and above :data:`WEIGHT_STREAM_NARROW_MAX_ROWS` rows per expert the wide form up to
+    ``widest`` rows (64: none; 128: the dgrads; 256: GEMM1 and GEMM2, which take 256 for
+    129 to 256 rows per expert). Host values only: no synchronisation."""
     check_int("num_routes", num_routes, minimum=0)
     check_int("num_experts", num_experts, minimum=1)
+    if widest not in (64, 128, 256):
+        raise ValueError(f"widest: expected 64, 128 or 256 rows, got {widest!r}")
     rows_per_expert = num_routes / num_experts
     if rows_per_expert <= WEIGHT_STREAM_SMALL_CHUNK_MAX_ROWS:
         return 32
-    if not wide or rows_per_expert <= WEIGHT_STREAM_NARROW_MAX_ROWS:
+    if widest == 64 or rows_per_expert <= WEIGHT_STREAM_NARROW_MAX_ROWS:
         return 64
-    return 256 if 128 < rows_per_expert <= 256 else 128
+    return 256 if widest == 256 and 128 < rows_per_expert <= 256 else 128

@@ -113,28 +113,37 @@ def _stream_variants() -> set[tuple[str, int]]:
 @pytest.mark.parametrize("experts", [8, 64, 256])
 def test_weight_stream_chunk_steps_up_with_the_rows_per_expert(experts):
     # Rows per expert at the thresholds and one route past them.
-    def chunk(rows, wide):
-        return mm.heuristics.weight_stream_chunk(rows * experts, experts, wide=wide)
+    def chunk(rows, widest):
+        return mm.heuristics.weight_stream_chunk(rows * experts, experts, widest=widest)
 
     small = mm.heuristics.WEIGHT_STREAM_SMALL_CHUNK_MAX_ROWS
     narrow = mm.heuristics.WEIGHT_STREAM_NARROW_MAX_ROWS
     assert small < narrow
     rows = (0, small, small + 1, narrow, narrow + 1, 128, 129, 256, 257, 10_000)
-    assert [chunk(r, True) for r in rows] == [32, 32, 64, 64, 128, 128, 256, 256, 128, 128]
-    # The dgrads have no wide form.
-    assert [chunk(r, False) for r in (small, small + 1, narrow + 1, 10_000)] == [32, 64, 64, 64]
+    assert [chunk(r, 256) for r in rows] == [32, 32, 64, 64, 128, 128, 256, 256, 128, 128]
+    # The dgrads' wide form is 128 rows.
+    assert [chunk(r, 128) for r in rows] == [32, 32, 64, 64, 128, 128, 128, 128, 128, 128]
+    # No wide form.
+    assert [chunk(r, 64) for r in (small, small + 1, narrow + 1, 10_000)] == [32, 64, 64, 64]
     # Up to 256 rows per expert the chunk only grows.
-    last = 0
-    for routes in range(0, 256 * experts + 1, max(1, experts // 4)):
-        current = mm.heuristics.weight_stream_chunk(routes, experts, wide=True)
-        assert current >= last
-        last = current
+    for widest in (128, 256):
+        last = 0
+        for routes in range(0, 256 * experts + 1, max(1, experts // 4)):
+            current = mm.heuristics.weight_stream_chunk(routes, experts, widest=widest)
+            assert current >= last
+            last = current
+
+
+@pytest.mark.parametrize("widest", [0, 32, 96, 512, True])
+def test_weight_stream_chunk_rejects_other_widths(widest):
+    with pytest.raises(ValueError, match="widest"):
+        mm.heuristics.weight_stream_chunk(1_000, 64, widest=widest)
 
 
 def test_every_weight_stream_chunk_has_its_variants():
     variants = _stream_variants()
     for routes in (0, 1_000, 3_000, 6_000, 12_000, 100_000):
-        wide = mm.heuristics.weight_stream_chunk(routes, 64, wide=True)
-        narrow = mm.heuristics.weight_stream_chunk(routes, 64)
-        assert {("Gated", wide), ("Store", wide)} <= variants
-        assert {("StoreMN", narrow), ("ActivationBackward", narrow)} <= variants
+        forward = mm.heuristics.weight_stream_chunk(routes, 64, widest=256)
+        dgrads = mm.heuristics.weight_stream_chunk(routes, 64, widest=128)
+        assert {("Gated", forward), ("Store", forward)} <= variants
+        assert {("StoreMN", dgrads), ("ActivationBackward", dgrads)} <= variants

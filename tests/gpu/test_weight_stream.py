@@ -36,7 +36,7 @@ from megamoe.wrappers.mxfp4_decode import decode_mxfp4_bf16
 
 pytestmark = pytest.mark.gpu
 
-CHUNKS = [32, 64]
+CHUNKS = [32, 64, 128]  # the dgrads: the narrow form and 128-row chunks from segment starts
 FORWARD_CHUNKS = [32, 64, 128, 256]  # GEMM1 and GEMM2: the narrow and the wide form
 ACTIVATIONS = {"swiglu": 0, "geglu": 1}
 
@@ -485,22 +485,24 @@ def test_dgrad1_odd_step_counts(chunk, k, k_lo):
     assert same_bits(out[:rows], twin[:rows])
 
 
-def test_dgrad1_layer_path_streams_and_repeats_bitwise(monkeypatch):
+@pytest.mark.parametrize("tokens,chunk", [(512, 64), (1024, 128)])  # 48 and 96 rows per expert
+def test_dgrad1_layer_path_streams_and_repeats_bitwise(monkeypatch, tokens, chunk):
     """grouped_gemm's MXFP4 MN-major B with few rows per expert takes the transposed
-    streaming kernel (ep4rank-like proportions), and repeated runs give the same bits."""
+    streaming kernel (ep4rank-like proportions) in the chunk the rows call for, and
+    repeated runs give the same bits."""
     native = _native.native()
     launches = []
     stream = native.weight_stream_store_mn
     monkeypatch.setattr(
-        native, "weight_stream_store_mn", lambda *a: launches.append(1) or stream(*a)
+        native, "weight_stream_store_mn", lambda *a: launches.append(a[-3]) or stream(*a)
     )
-    plan, a, codes, scales, extra = dgrad1_operands(512, 64, 6, 1024, 1024, 128, seed=9)
+    plan, a, codes, scales, extra = dgrad1_operands(tokens, 64, 6, 1024, 1024, 128, seed=9)
     rows = int(plan.expert_pool_offsets[-1])
     kwargs = dict(b_major="mn", b_scales=scales, b_extra_blocks=extra)
     first = grouped_gemm(a, codes, plan, **kwargs)[:rows]
     for _ in range(3):
         assert same_bits(grouped_gemm(a, codes, plan, **kwargs)[:rows], first)
-    assert len(launches) == 4, "grouped_gemm took the transposed weight-streaming kernel"
+    assert launches == [chunk] * 4, "grouped_gemm took the transposed weight-streaming kernel"
     twin = grouped_gemm(a, decode_mxfp4_bf16(codes, scales), plan, b_major="mn",
                         b_extra_blocks=extra)  # fmt: skip
     assert same_bits(first, twin[:rows])
@@ -669,17 +671,21 @@ def test_dgrad2_every_scale_byte_matches_the_engine(chunk, scale_mod):
     )
 
 
-def test_dgrad2_layer_path_streams_in_place_and_repeats_bitwise(monkeypatch):
+@pytest.mark.parametrize("tokens,chunk", [(512, 64), (1024, 128)])  # 48 and 96 rows per expert
+def test_dgrad2_layer_path_streams_in_place_and_repeats_bitwise(monkeypatch, tokens, chunk):
     """fused_dgrad2_activation_backward with an MXFP4 w2 and few rows per expert takes the
-    streaming kernel, in place over preact too, and repeats bit for bit."""
+    streaming kernel in the chunk the rows call for, in place over preact too, and repeats
+    bit for bit."""
     native = _native.native()
     launches = []
     stream = native.weight_stream_activation_backward
     monkeypatch.setattr(
-        native, "weight_stream_activation_backward", lambda *a: launches.append(1) or stream(*a)
+        native,
+        "weight_stream_activation_backward",
+        lambda *a: launches.append(a[-3]) or stream(*a),
     )
     plan, weights, dout_pool, codes, scales, side_a2, preact = dgrad2_operands(
-        512, 64, 6, 1024, 1024, 128, seed=10
+        tokens, 64, 6, 1024, 1024, 128, seed=10
     )
     rows = int(plan.expert_pool_offsets[-1])
 
@@ -696,7 +702,7 @@ def test_dgrad2_layer_path_streams_in_place_and_repeats_bitwise(monkeypatch):
     in_place = preact.clone()
     third = run(dgrad_out=in_place, source=in_place)
     assert same_bits(third[0][:rows], first[0][:rows])
-    assert len(launches) == 3, "the streaming dgrad2 ran"
+    assert launches == [chunk] * 3, "the streaming dgrad2 ran"
 
 
 def test_dgrad2_launcher_checks():

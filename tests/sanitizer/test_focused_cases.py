@@ -214,6 +214,13 @@ STREAM_FORWARD_CASES = [
     pytest.param(600, 2, "2", id="600-tokens-wide-two-ctas"),
     pytest.param(400, 2, "2", id="400-tokens-wide-128-two-ctas"),
 ]
+# The dgrads streaming also in 128-row chunks from each segment's start: about 100 rows
+# per expert (one chunk, MMAs 128 wide) and about 150 (a whole chunk and a short one).
+STREAM_TRANSPOSED_CASES = [
+    *GEMM_CASES,
+    pytest.param(400, 2, "2", id="400-tokens-wide-128-two-ctas"),
+    pytest.param(600, 2, None, id="600-tokens-wide-128"),
+]
 
 
 def use_sms(num_sms: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -343,7 +350,7 @@ def test_weight_stream_store(block_m, tokens, top_k, num_sms, monkeypatch):
         assert_bitwise(out[:rows], twin[:rows])
 
 
-@pytest.mark.parametrize("tokens,top_k,num_sms", GEMM_CASES)
+@pytest.mark.parametrize("tokens,top_k,num_sms", STREAM_TRANSPOSED_CASES)
 @pytest.mark.parametrize("block_m", BLOCK_MS)
 def test_weight_stream_store_mn(block_m, tokens, top_k, num_sms, monkeypatch):
     # dgrad1 with an MXFP4 w13 as stored in the weight-streaming kernel (N = 256: one
@@ -489,7 +496,7 @@ def test_engine_fused_dgrad2(block_m, tokens, top_k, num_sms, b_format, monkeypa
     assert torch.count_nonzero(drouter[:rows][padding]) == 0
 
 
-@pytest.mark.parametrize("tokens,top_k,num_sms", GEMM_CASES)
+@pytest.mark.parametrize("tokens,top_k,num_sms", STREAM_TRANSPOSED_CASES)
 @pytest.mark.parametrize("block_m", BLOCK_MS)
 def test_weight_stream_activation_backward(block_m, tokens, top_k, num_sms, monkeypatch):
     """dgrad2 with an MXFP4 w2 in the weight-streaming kernel (I = 256: one tile; H = 128:

@@ -280,7 +280,7 @@ def _launch(
         t.data_ptr() % 8 == 0
         for t in (preact, dgrad_preact, *(() if weighted is None else (weighted,)))
     ):
-        chunk = _stream_chunk(intermediate, 256, decode_scales, plan, experts)
+        chunk = _stream_chunk(intermediate, 256, decode_scales, plan, experts, widest=128)
     # The epilogue's operands, in the order both launchers take them.
     epilogue = (
         dl(preact),

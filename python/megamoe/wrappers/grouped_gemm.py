@@ -120,17 +120,19 @@ def _stream_chunk(
     plan: RoutePlan,
     experts: int,
     *,
-    wide: bool = False,
+    widest: int = 64,
+    wide_tile: int | None = None,
 ) -> int | None:
     """The chunk of the weight-streaming kernel for an MXFP4 GEMM decoded in its
     pipeline, or None where its shape does not allow it: ``columns`` (GEMM1's ``I``,
-    GEMM2's and dgrad1's ``N``, dgrad2's ``I``) in whole tiles of ``tile`` columns (half
-    of it in the wide form, which ``wide`` allows: GEMM1 and GEMM2), segments padded to
-    whole chunks of 32 or 64 rows (wide chunks start at each segment's start), and
-    scales it can read two bytes at a time."""
-    chunk = weight_stream_chunk(plan.route_to_pool_row.numel(), experts, wide=wide)
+    GEMM2's and dgrad1's ``N``, dgrad2's ``I``) in whole tiles of ``tile`` columns
+    (``wide_tile`` in the wide form, chunks over 64 rows up to ``widest``: GEMM1 and
+    GEMM2 halve their tiles there, the dgrads keep theirs), segments padded to whole
+    chunks of 32 or 64 rows (wide chunks start at each segment's start), and scales it
+    can read two bytes at a time."""
+    chunk = weight_stream_chunk(plan.route_to_pool_row.numel(), experts, widest=widest)
     if chunk > 64:
-        tile //= 2
+        tile = tile if wide_tile is None else wide_tile
     elif plan.block_m % chunk:
         return None
     if columns % tile or scales.data_ptr() % 2:
@@ -353,9 +355,11 @@ def _launch_store(
     # of that regime (docs/PERFORMANCE.md, "twenty-fourth session"; the transposed
     # dgrad1, "twenty-fifth session").
     if mxfp4 and not major_mn and n_extra <= 256:
-        chunk = _stream_chunk(n_base, 256, decode_scales, plan, b.shape[0], wide=True)
+        chunk = _stream_chunk(
+            n_base, 256, decode_scales, plan, b.shape[0], widest=256, wide_tile=128
+        )
     if mxfp4 and major_mn and _extra_blocks_fit_one_tile(b_extra_blocks):
-        chunk = _stream_chunk(n_base, 256, decode_scales, plan, b.shape[0])
+        chunk = _stream_chunk(n_base, 256, decode_scales, plan, b.shape[0], widest=128)
         if chunk is not None:
             # dgrad1: the weights as stored, decoded transposed into the A registers.
             with _native.on_device(a.device):
@@ -546,7 +550,9 @@ def _launch_gated(
     dl = _native.dlpack
     chunk = None
     if decode_scales is not None:
-        chunk = _stream_chunk(two_i // 2, 128, decode_scales, plan, w13.shape[0], wide=True)
+        chunk = _stream_chunk(
+            two_i // 2, 128, decode_scales, plan, w13.shape[0], widest=256, wide_tile=64
+        )
     if chunk is not None:
         # MXFP4 with few rows per expert: decoded into the wgmma's A registers.
         with _native.on_device(a.device):
