@@ -51,11 +51,13 @@ STALL_SHIFT, STALL_MASK = 41, 0xF
 REGISTER_A_HGMMA = re.compile(r"HGMMA\.\S+\s+R\d+,\s*R\d+,\s*gdesc")
 # The FP32 scale path converts through FP32; the fast path never does.
 SLOW_PATH = ("FMUL", "F2FP")
-# Register-A HGMMA per step: two weights x four k16 sub-steps; the wide form (chunks of
-# more than 64 rows, read off the kernel's name) decodes one weight a step.
+# Register-A HGMMA per step: two weights x four k16 sub-steps; GEMM1's and GEMM2's wide
+# form (StreamKind 0 and 1 in chunks of more than 64 rows, read off the kernel's name)
+# decodes one weight a step (the dgrads' 128-row chunks keep two).
 HGMMA_PER_STEP = 8
 WIDE_HGMMA_PER_STEP = 4
-KERNEL_CHUNK = re.compile(r"weight_stream_kernelILNS_10StreamKindE\dELi(\d+)EE")
+KERNEL_CHUNK = re.compile(r"weight_stream_kernelILNS_10StreamKindE(\d)ELi(\d+)EE")
+ONE_TILE_KINDS = ("0", "1")  # Gated, Store
 # The decode's byte placement: the base steps' loop has it, the wide GEMM1's side steps
 # (register-A HGMMA from ldmatrix) do not.
 DECODE_OPCODE = "PRMT"
@@ -132,9 +134,10 @@ def base_step_loop(code: list[Instruction]) -> list[Instruction]:
 
 def hgmma_per_step(sass: str) -> int:
     """Register-A HGMMA per base step: WIDE_HGMMA_PER_STEP where the listing names a
-    kernel of chunks over 64 rows, else HGMMA_PER_STEP."""
-    chunk = KERNEL_CHUNK.search(sass)
-    return WIDE_HGMMA_PER_STEP if chunk and int(chunk[1]) > 64 else HGMMA_PER_STEP
+    GEMM1 or GEMM2 kernel of chunks over 64 rows, else HGMMA_PER_STEP."""
+    kernel = KERNEL_CHUNK.search(sass)
+    one_tile = kernel and kernel[1] in ONE_TILE_KINDS and int(kernel[2]) > 64
+    return WIDE_HGMMA_PER_STEP if one_tile else HGMMA_PER_STEP
 
 
 def fast_path(loop: list[Instruction]) -> list[Instruction]:

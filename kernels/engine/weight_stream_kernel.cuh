@@ -1066,10 +1066,10 @@ __device__ __forceinline__ void prefetch_preact_tile(const WeightStreamParams& p
                                                      int thread) {
   const int64_t inter = p.out_columns;
   const __nv_bfloat16* preact = static_cast<const __nv_bfloat16*>(p.preact);
-#pragma unroll
   // An opaque copy of the thread: derived from it once, ptxas kept the lines' places
   // through the tile loop and spilled them.
   const int self = static_cast<int>(opaque(static_cast<uint32_t>(thread)));
+#pragma unroll
   for (int k = 0; k < Tokens / 32; ++k) {
     const int line = 256 * k + 128 * consumer + self;  // of the tile's 8 x Tokens
     // A wide chunk's rows past its segment are not its own.
