@@ -198,7 +198,7 @@ void weight_stream_store(const Tensor& a, int64_t k_base, const Tensor& b, const
 // dgrad1 over the pool with an MXFP4 b read as stored, in the swapped form: out = a .
 // [b_e | blockdiag(lo_e^T, hi_e^T)] (b codes [E, K, N/2] quantized along N; lo [E, N_lo,
 // K_lo] and hi [E, N_hi, K - K_lo] K-major as given, both or neither), in chunks of
-// `tokens` (32 or 64) pool rows (check_pool).
+// `tokens` (32, 64 or 128) pool rows (check_pool).
 void weight_stream_store_mn(const Tensor& a, const Tensor& b, const Tensor& b_scales,
                             std::optional<Tensor> extra_lo, std::optional<Tensor> extra_hi,
                             const Tensor& offsets, const Tensor& counts, const Tensor& out,

@@ -1,9 +1,10 @@
 // The weight-streaming GEMMs (an MXFP4 base, few pool rows per expert): the swapped
 // form of the engine's forward kinds, where the weights are the wgmma's A operand,
 // decoded from their codes straight into the A-fragment registers (fragment_decode.cuh),
-// and a chunk of an expert's pool rows is its N (TOKENS = 32 or 64; GEMM1 and GEMM2 also
-// 128 or 256, the wide form: one m64 weight tile per consumer warpgroup instead of two,
-// chunks from each segment's start, StreamConfig::kWide). No decoded tile passes
+// and a chunk of an expert's pool rows is its N (TOKENS = 32 or 64; also 128, and for
+// GEMM1 and GEMM2 256: the wide form, chunks from each segment's start, StreamConfig::
+// kWide, with one m64 weight tile per consumer warpgroup instead of two in GEMM1 and
+// GEMM2, the dgrads' two tiles a step decoded one at a time). No decoded tile passes
 // through shared memory, and every consumer warp decodes: the decode's integer work,
 // which bounds an MXFP4 GEMM when each weight meets few rows, spreads over all four
 // schedulers. Four kinds (StreamKind):
@@ -203,11 +204,12 @@ struct StreamConfig {
   // Segment steps on every tile (GEMM1's side, dgrad2's a2), not on extra tiles only.
   static constexpr bool kSegmentEveryTile = kGated || kActivation;
   static constexpr int kTokensPerChunk = Tokens;
-  // The wide form (chunks of 128 or 256 rows): one m64 tile per consumer warpgroup, so
-  // the accumulators of a 256-row chunk (128 registers) and two fragment buffers (32)
-  // fit; each weight is decoded once per wide chunk (docs/ENGINE.md, "The wide form").
-  // A thread's rows r and r + 8 are a gated tile's gate and up rows of one h column. A
-  // chunk's MMAs are as wide as its data rows rounded up to one of MmaWidths.
+  // The wide form (chunks of 128 or 256 rows, from each segment's start): each weight is
+  // decoded once per wide chunk (docs/ENGINE.md, "The wide form"). GEMM1 and GEMM2 hold
+  // one m64 tile per consumer warpgroup, so the accumulators of a 256-row chunk (128
+  // registers) and two fragment buffers (32) fit; a thread's rows r and r + 8 are a gated
+  // tile's gate and up rows of one h column. A chunk's MMAs are as wide as its data rows
+  // rounded up to one of MmaWidths.
   static constexpr bool kWide = stream_chunks_from_segment_starts(Tokens);
   using MmaWidths = std::conditional_t<Tokens == 256, StreamWideWidths256, StreamWideWidths128>;
   // The transposed kinds' wide chunks (128 rows) keep the two m64 tiles of the narrow form:

@@ -26,8 +26,8 @@ enum class StreamKind : int32_t {
   ActivationBackward,
 };
 
-// Chunks of more than 64 rows (the wide form: one m64 tile per consumer warpgroup) start
-// at each expert's segment start, so the pool's segments need not be padded to them;
+// Chunks of more than 64 rows (the wide form) start at each expert's segment start, so
+// the pool's segments need not be padded to them;
 // chunks of 32 and 64 rows tile the pool from row 0 (segments padded to a multiple).
 constexpr bool stream_chunks_from_segment_starts(int tokens) { return tokens > 64; }
 // Pool rows per TMA box: a wide chunk loads only the rows its MMAs read (its data rows

@@ -1,7 +1,7 @@
 """The weight-streaming GEMMs (kernels/engine/weight_stream_kernel.cuh): an MXFP4 base
-decoded into the wgmma's A registers, the pool's rows in chunks of 32 or 64 as N (GEMM1
-and GEMM2 also 128 and 256, the wide form, whose chunks start at each segment's start;
-a 128-row chunk's MMAs are 64 or 128 wide, by its rows);
+decoded into the wgmma's A registers, the pool's rows in chunks of 32 or 64 as N (also
+128, and for GEMM1 and GEMM2 256: the wide form, whose chunks start at each segment's
+start; a 128-row chunk's MMAs are 64 or 128 wide, by its rows);
 GEMM1 (gated, side K segment), GEMM2 (store, a2 extra columns), dgrad1 (the weights as
 stored, decoded transposed; the b1/b3 shrinks as extra columns) and dgrad2 (w2 as stored,
 decoded transposed; the a2 side segment; the activation backward).
