@@ -1,6 +1,8 @@
 // Host driver for tests/cpu/test_fragment_decode.py: runs the dgrads' transposed step of
 // the weight-streaming GEMM (decode_column_pairs, kernels/engine/fragment_decode.cuh) on
-// the CPU, with the host's exact FP32 product in place of the device multiply.
+// the CPU, with the host's exact FP32 product in place of the device multiply; both
+// orders of its multiplies and its tile-at-a-time form (decode_column_pair_tile) must give
+// the same registers.
 //
 // Writes, to the file named by argv[1], a case count and per case (all uint32): the 16
 // stored rows' 16 bits (bytes 2q and 2q + 1 of rows 16 k16 + 2c + {0, 1, 8, 9}; the
@@ -57,6 +59,14 @@ int main(int argc, char** argv) {
     if (std::memcmp(fragments, before_check, sizeof(fragments)) != 0) {
       std::fprintf(stderr, "case %d: the two decode orders differ\n", i);
       return 3;
+    }
+    // The 128-row chunks' decode, a tile at a time, gives each tile's registers.
+    mx::StepFragment by_tile[2];
+    mx::decode_column_pair_tile<0>(row_pairs, scales, by_tile[0]);
+    mx::decode_column_pair_tile<1>(row_pairs, scales, by_tile[1]);
+    if (std::memcmp(fragments, by_tile, sizeof(fragments)) != 0) {
+      std::fprintf(stderr, "case %d: the decode a tile at a time differs\n", i);
+      return 4;
     }
     const uint32_t fast = scales.fast ? 1u : 0u;
     std::fwrite(rows, sizeof(rows), 1, out);
