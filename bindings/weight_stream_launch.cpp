@@ -275,7 +275,7 @@ void weight_stream_store_mn(const Tensor& a, const Tensor& b, const Tensor& b_sc
 // swapped form: z = a . [w2_e ; a2_e^T] (codes [E, H, I/2] quantized along I; a2 as given
 // [E, I, r], or none), then per pool row and column the activation backward into dg | du
 // (over `preact` when it is the same buffer), w h and the router dot's partials [P, I /
-// 256], for pools whose segments are padded to a multiple of `tokens` rows.
+// 256], in chunks of `tokens` (32, 64 or 128) pool rows (check_pool).
 void weight_stream_activation_backward(
     const Tensor& a, const Tensor& b, const Tensor& b_scales, std::optional<Tensor> side_a2,
     const Tensor& offsets, const Tensor& counts, const Tensor& preact, const Tensor& row_weights,

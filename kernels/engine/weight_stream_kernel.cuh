@@ -31,8 +31,10 @@
 //  - consumers (warpgroups 1 and 2, 64 rows of each half): per base step, read their
 //    rows' codes and scale words, decode both halves' fragments into one of two register
 //    buffers while the previous step's MMAs run, then issue the step's MMAs (register A)
-//    as one batch; segment steps are shared-memory wgmma (the factor read MN-major); then
-//    the epilogue from registers.
+//    as one batch (the dgrads' 128-row chunks: each tile decoded into its own buffer and
+//    its MMAs committed as a batch of their own, while the other tile's run); segment
+//    steps are shared-memory wgmma (the factor read MN-major); then the epilogue from
+//    registers.
 // Contract: `full` completes when the stage's TMA bytes landed and every producer thread
 // arrived after writing its words; `empty` when every consumer thread arrived after the
 // MMAs that read the stage retired (pipeline.cuh). The producer and the consumers walk
@@ -222,7 +224,7 @@ struct StreamConfig {
   static constexpr int kThreads = (1 + kConsumers) * kWarpgroupThreads;
   // Output columns per tile: a gated tile's two halves are the gate and up rows of the
   // same 128 h columns (wide: a warpgroup's rows are 32 h columns' gate and up rows); a
-  // store tile's are 256 columns (wide: 128).
+  // store tile's are 256 columns (GEMM2's wide form: 128; the dgrads keep 256).
   static constexpr int kColumns = (kGated ? 1 : 2) * 32 * kHalves * kConsumers;
   using Schedule = StreamTiles<Tokens, kColumns>;
   // A base step's codes: Gated and Store: two halves of 128 rows of 32 bytes (wide: the
@@ -233,9 +235,10 @@ struct StreamConfig {
   static constexpr int kSideBytes = (kWide && kGated ? 1 : kConsumers) * kBoxBytes;
   static constexpr int kABytes = kSideBytes > kCodeBytes ? kSideBytes : kCodeBytes;
   static constexpr int kBBytes = Tokens * kRowBytes;
-  // A base step's scale words (mxfp4::scale_word), one per row of the tile's 256 (wide:
-  // 128): 16 bytes per consumer quad (its four lines; wide: 8, two lines), so a consumer
-  // thread reads its own with one load. Room for 256 keeps the stages 1024-byte aligned.
+  // A base step's scale words (mxfp4::scale_word), one per row of the tile's 256 (GEMM1's
+  // and GEMM2's wide form: 128): 16 bytes per consumer quad (its four lines; wide: 8, two
+  // lines), so a consumer thread reads its own with one load (the dgrads: 32 bytes per
+  // quad, StreamScaleColumns). Room for 256 keeps the stages 1024-byte aligned.
   static constexpr int kScaleWordBytes = 256 * 4;
   static constexpr int kScaleWordOffset = kABytes + kBBytes;  // in a stage
   static constexpr int kStageBytes = kScaleWordOffset + kScaleWordBytes;
@@ -1110,9 +1113,9 @@ __device__ __forceinline__ void activation_backward_epilogue(
       staged[i / 2 + e][1] = pack_bf16(acc_hi[i + e], acc_hi[i + e + 2]);
     }
   // The 128-row chunks run the row groups in a loop, not unrolled: unrolled, the epilogue
-  // was 256 KB of code a variant, and the kernel stalled on its instruction fetch
-  // (docs/ENGINE.md, "The 128-row transposed chunks"). A group takes its rows' z from the
-  // staged registers by a compare per group (constant indices).
+  // was 256 KB of code per activation variant (1.1 MB in all), and the kernel stalled on
+  // its instruction fetch (docs/ENGINE.md, "The 128-row transposed chunks"). A group takes
+  // its rows' z from the staged registers by a compare per group (constant indices).
   constexpr int kGroups = Tokens / 2 / (2 * kRows);
   auto run_group = [&](int group) {
     const int i0 = group * 2 * kRows;
