@@ -27,8 +27,8 @@ enum class StreamKind : int32_t {
 };
 
 // Chunks of more than 64 rows (the wide form) start at each expert's segment start, so
-// the pool's segments need not be padded to them;
-// chunks of 32 and 64 rows tile the pool from row 0 (segments padded to a multiple).
+// the pool's segments need not be padded to them; chunks of 32 and 64 rows tile the pool
+// from row 0 (segments padded to a multiple).
 constexpr bool stream_chunks_from_segment_starts(int tokens) { return tokens > 64; }
 // Pool rows per TMA box: a wide chunk loads only the rows its MMAs read (its data rows
 // rounded up to its MMA width, StreamConfig::MmaWidths), in boxes of 64.
@@ -46,7 +46,8 @@ struct WeightStreamParams {
   int32_t num_experts;
   int32_t pool_rows;       // rows of the pool: a corrupt plan is clamped to them
   int32_t n_base_blocks;   // Gated: I / columns; Store: N / columns (WeightStreamKernels)
-  int32_t n_extra_blocks;  // Store: extra columns' blocks (1 in the narrow form), else 0
+  int32_t n_extra_blocks;  // Store: extra columns' blocks (1 in the narrow form); StoreMN:
+                           // 1 with the shrinks; else 0
   int32_t segment_steps;   // Gated: side steps; Store: an extra tile's steps (0: none)
   int32_t segment_half;    // segment steps into the first accumulator half
   int32_t base_steps;      // K / 64
