@@ -20,7 +20,7 @@ namespace megamoe {
 namespace {
 
 constexpr int kBlockK = 64;
-constexpr int kStoreColumns = 256;  // output columns per transposed tile (dgrad1, dgrad2)
+constexpr int kStoreColumns = 256;  // output columns of a tile of two m64 tiles per warpgroup
 
 std::string str(int64_t v) { return std::to_string(v); }
 
@@ -170,13 +170,13 @@ void weight_stream_store(const Tensor& a, int64_t k_base, const Tensor& b, const
   if (b_extra) {
     p.segment_lo = mn_major_map("b_extra", *b_extra, device);
     p.segment_half = p.base_steps;
-    if (!stream_chunks_from_segment_starts(tokens)) {
-      // One extra tile: a2 columns 0..127 into the first half, 128.. into the second,
-      // each over all of K.
+    if (columns == kStoreColumns) {
+      // Two m64 tiles per consumer warpgroup (chunks of up to 128 rows): one extra tile,
+      // a2 columns 0..127 into the first half, 128.. into the second, each over all of K.
       p.n_extra_blocks = 1;
       p.segment_steps = (n_extra > kStoreColumns / 2 ? 2 : 1) * p.base_steps;
     } else {
-      // The wide form: an extra tile per `columns` a2 columns, over all of K.
+      // One m64 tile (256-row chunks): an extra tile per `columns` a2 columns, over all of K.
       p.n_extra_blocks = static_cast<int32_t>((n_extra + columns - 1) / columns);
       p.segment_steps = p.base_steps;
     }
@@ -187,7 +187,7 @@ void weight_stream_store(const Tensor& a, int64_t k_base, const Tensor& b, const
   p.scales = static_cast<const uint8_t*>(b_scales.data());
   p.k_base = static_cast<int32_t>(k_base);
   p.weight_rows = static_cast<int32_t>(n);
-  p.half_rows = columns / 2;  // the narrow form's second half (the wide form has one)
+  p.half_rows = columns / 2;  // the second m64 tile's rows (256-row chunks have one)
   p.side_scale = 1.0f;
   p.out = out.data();
   p.out_columns = static_cast<int32_t>(n + n_extra);

@@ -66,31 +66,39 @@ def _pool(tokens: int, args: argparse.Namespace, columns: int, dev: torch.device
 
 
 def measure(tokens: int, args: argparse.Namespace, w13, codes, scales, side: dict) -> str:
-    """One row of the table: GEMM1 at ``tokens`` tokens on each path."""
+    """One row of the table: GEMM1 at ``tokens`` tokens on each path; with
+    ``args.preact`` as the training forward runs it (``g | u`` stored, clamp 10, the bits
+    compared on both outputs)."""
     dev = w13.device
     h, i, r = args.hidden, args.intermediate, args.rank
     sms, stream, dl, native = _launch_context(dev)
     plan, a = _pool(tokens, args, h + 2 * r, dev)
     out = torch.empty(plan.pool_capacity, i, dtype=torch.bfloat16, device=dev)
+    preact = torch.empty(plan.pool_capacity, 2 * i, dtype=torch.bfloat16, device=dev)
+    clamp = 10.0 if args.preact else math.inf
 
     def engine_mxfp4() -> None:
         native.engine_gated(
-            dl(a), h, dl(codes), dl(scales), dl(plan.expert_pool_offsets), dl(out), None,
-            *_side_args(side), 0,
-            math.inf, plan.block_m, GROUP_M, sms, stream,
+            dl(a), h, dl(codes), dl(scales), dl(plan.expert_pool_offsets), dl(out),
+            dl(preact) if args.preact else None, *_side_args(side), 0,
+            clamp, plan.block_m, GROUP_M, sms, stream,
         )  # fmt: skip
 
-    def stream_mxfp4(chunk: int) -> torch.Tensor:
-        result = torch.empty_like(out)
+    def stream_mxfp4(chunk: int) -> tuple:
+        result, result_preact = torch.empty_like(out), torch.empty_like(preact)
         native.weight_stream_gated(
             dl(a), h, dl(codes), dl(scales), dl(plan.expert_pool_offsets),
-            dl(plan.expert_counts), dl(result), None,
-            *_side_args(side), 0, math.inf, plan.block_m, chunk, sms, stream,
+            dl(plan.expert_counts), dl(result), dl(result_preact) if args.preact else None,
+            *_side_args(side), 0, clamp, plan.block_m, chunk, sms, stream,
         )  # fmt: skip
-        return result
+        return (result, result_preact) if args.preact else (result,)
 
-    bf16 = lambda: gated_grouped_gemm(a, w13, plan, k=h, **side)  # noqa: E731
-    return _row("gemm1", tokens, args.iters, plan, out, bf16, engine_mxfp4, stream_mxfp4)
+    bf16 = lambda: gated_grouped_gemm(  # noqa: E731
+        a, w13, plan, k=h, activation_clamp=None if math.isinf(clamp) else clamp,
+        preact_out=preact if args.preact else None, **side,
+    )  # fmt: skip
+    outs = (out, preact) if args.preact else (out,)
+    return _row("gemm1", tokens, args.iters, plan, outs, bf16, engine_mxfp4, stream_mxfp4)
 
 
 #: The chunk columns of the table; GEMM1 and GEMM2 have every chunk, the dgrads (the
@@ -100,20 +108,26 @@ TRANSPOSED_CHUNKS = (32, 64, 128)
 
 
 def _row(gemm, tokens, iters, plan, out, bf16, engine, stream, chunks=CHUNKS) -> str:
-    """Times the BF16 GEMM, the engine's MXFP4 one (writing ``out``) and the streaming
-    one at each of ``chunks``; checks the streaming outputs against ``out`` on the rows
-    in use."""
+    """Times the BF16 GEMM, the engine's MXFP4 one (writing ``out``: a tensor, or a tuple
+    of them that ``stream`` returns too) and the streaming one at each of ``chunks``;
+    checks the streaming outputs against the engine's on the rows in use."""
+    outs = out if isinstance(out, tuple) else (out,)
 
     def median(fn) -> float:
-        return _kernel_ms(fn, out.device, iters)
+        return _kernel_ms(fn, outs[0].device, iters)
+
+    def streamed(c: int) -> tuple:
+        got = stream(c)
+        return got if isinstance(got, tuple) else (got,)
 
     t_bf16, t_engine = median(bf16), median(engine)
     times = {c: median(lambda c=c: stream(c)) for c in chunks}
     engine()
     rows = int(plan.expert_pool_offsets[-1])
     same = all(
-        torch.equal(stream(c)[:rows].view(torch.int16), out[:rows].view(torch.int16))
+        torch.equal(got[:rows].view(torch.int16), want[:rows].view(torch.int16))
         for c in chunks
+        for got, want in zip(streamed(c), outs)
     )
     best = min(times.values())
     cells = " ".join(f"{times[c]:8.3f}" if c in times else f"{'-':>8}" for c in CHUNKS)
@@ -274,6 +288,11 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=128, help="side-LoRA rank (0: none)")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--gemms", default="gemm1,gemm2,dgrad1,dgrad2", help="which GEMMs to time")
+    parser.add_argument(
+        "--preact",
+        action="store_true",
+        help="GEMM1 as the training forward runs it: g | u stored, clamp 10",
+    )
     args = parser.parse_args()
     dev = torch.device("cuda")
     e, h, i, r = args.experts, args.hidden, args.intermediate, args.rank

@@ -207,38 +207,40 @@ struct StreamConfig {
   static constexpr bool kSegmentEveryTile = kGated || kActivation;
   static constexpr int kTokensPerChunk = Tokens;
   // The wide form (chunks of 128 or 256 rows, from each segment's start): each weight is
-  // decoded once per wide chunk (docs/ENGINE.md, "The wide form"). GEMM1 and GEMM2 hold
-  // one m64 tile per consumer warpgroup, so the accumulators of a 256-row chunk (128
-  // registers) and two fragment buffers (32) fit; a thread's rows r and r + 8 are a gated
-  // tile's gate and up rows of one h column. A chunk's MMAs are as wide as its data rows
-  // rounded up to one of MmaWidths.
+  // decoded once per wide chunk (docs/ENGINE.md, "The wide form"). A chunk's MMAs are as
+  // wide as its data rows rounded up to one of MmaWidths.
   static constexpr bool kWide = stream_chunks_from_segment_starts(Tokens);
   using MmaWidths = std::conditional_t<Tokens == 256, StreamWideWidths256, StreamWideWidths128>;
-  // The transposed kinds' wide chunks (128 rows) keep the two m64 tiles of the narrow form:
-  // a thread's tiles are the two bytes of its stored 16-bit column, and dgrad2's router
-  // dot sums a whole 256-column tile; 2 x 64 accumulators fit beside the fragments.
+  // 128-row chunks keep the narrow form's two m64 tiles per consumer warpgroup (2 x 64
+  // accumulators), a step's tiles decoded and multiplied one at a time so that one
+  // fragment buffer per tile fits beside them. 256-row chunks (GEMM1 and GEMM2 only) hold
+  // one m64 tile per consumer warpgroup, so their 128 accumulators and two fragment
+  // buffers (32) fit; a thread's rows r and r + 8 are a gated tile's gate and up rows of
+  // one h column.
   static_assert(!(kWide && kTransposed) || Tokens == 128,
                 "the transposed kinds' wide chunks are 128 rows");
-  static constexpr int kHalves = kWide && !kTransposed ? 1 : 2;  // m64 tiles per consumer
+  static constexpr bool kOneTile = kWide && Tokens == 256;
+  static constexpr bool kTilesOneAtATime = kWide && !kOneTile;
+  static constexpr int kHalves = kOneTile ? 1 : 2;  // m64 tiles per consumer
   static constexpr int kConsumers = 2;
   static constexpr int kThreads = (1 + kConsumers) * kWarpgroupThreads;
   // Output columns per tile: a gated tile's two halves are the gate and up rows of the
-  // same 128 h columns (wide: a warpgroup's rows are 32 h columns' gate and up rows); a
-  // store tile's are 256 columns (GEMM2's wide form: 128; the dgrads keep 256).
+  // same 128 h columns (one tile: a warpgroup's rows are 32 h columns' gate and up rows);
+  // a store tile's are 256 columns (one tile: 128).
   static constexpr int kColumns = (kGated ? 1 : 2) * 32 * kHalves * kConsumers;
   using Schedule = StreamTiles<Tokens, kColumns>;
-  // A base step's codes: Gated and Store: two halves of 128 rows of 32 bytes (wide: the
-  // gate and up rows of 64 h columns, or 128 rows); StoreMN: 64 rows of 128 bytes.
+  // A base step's codes: Gated and Store: two halves of 128 rows of 32 bytes (one tile:
+  // the gate and up rows of 64 h columns, or 128 rows); StoreMN: 64 rows of 128 bytes.
   static constexpr int kCodeBytes = kHalves * 128 * 32;
-  // Segment steps' boxes: one per consumer warpgroup (wide Gated: one [64 K][64 h] box of
-  // b1 or b3, both warpgroups' rows).
-  static constexpr int kSideBytes = (kWide && kGated ? 1 : kConsumers) * kBoxBytes;
+  // Segment steps' boxes: one per consumer warpgroup (one-tile Gated: one [64 K][64 h]
+  // box of b1 or b3, both warpgroups' rows).
+  static constexpr int kSideBytes = (kOneTile && kGated ? 1 : kConsumers) * kBoxBytes;
   static constexpr int kABytes = kSideBytes > kCodeBytes ? kSideBytes : kCodeBytes;
   static constexpr int kBBytes = Tokens * kRowBytes;
-  // A base step's scale words (mxfp4::scale_word), one per row of the tile's 256 (GEMM1's
-  // and GEMM2's wide form: 128): 16 bytes per consumer quad (its four lines; wide: 8, two
-  // lines), so a consumer thread reads its own with one load (the dgrads: 32 bytes per
-  // quad, StreamScaleColumns). Room for 256 keeps the stages 1024-byte aligned.
+  // A base step's scale words (mxfp4::scale_word), one per row of the tile's 256 (one
+  // tile: 128): 16 bytes per consumer quad (its four lines; one tile: 8, two lines), so a
+  // consumer thread reads its own with one load (the dgrads: 32 bytes per quad,
+  // StreamScaleColumns). Room for 256 keeps the stages 1024-byte aligned.
   static constexpr int kScaleWordBytes = 256 * 4;
   static constexpr int kScaleWordOffset = kABytes + kBBytes;  // in a stage
   static constexpr int kStageBytes = kScaleWordOffset + kScaleWordBytes;
@@ -539,7 +541,7 @@ __device__ __forceinline__ void stream_produce(const WeightStreamParams& p,
     }
     using ScaleLoads = std::conditional_t<
         C::kTransposed, StreamScaleColumns,
-        std::conditional_t<C::kWide, StreamScaleLines<C::kGated>, StreamScaleRows>>;
+        std::conditional_t<C::kOneTile, StreamScaleLines<C::kGated>, StreamScaleRows>>;
     constexpr int kWords = ScaleLoads::kWords;
     ScaleLoads rows(p, tile, thread);
     uint32_t pending[kAhead][kWords];  // the scale pairs of the next kAhead base steps
@@ -730,6 +732,24 @@ struct StreamLines {
       load_line_codes(base + line_code_offset(line), words[line]);
     const mxfp4::StepScales<4> scales(scale_words);
     mxfp4::decode_rows<2>(words, scales, selector, fragments);
+  }
+
+  // 128-row chunks: one half's two lines (2 Half, 2 Half + 1) into its fragment, with
+  // their own scale check; the same values as decode's.
+  template <int Half>
+  __device__ __forceinline__ void decode_half(uint32_t code_area, uint32_t scale_area,
+                                              Fragment& fragment) const {
+    const uint32_t base = code_area + code_offset + line_code_offset(2 * Half);
+    uint32_t scale_words[2];
+    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];"
+                 : "=r"(scale_words[0]), "=r"(scale_words[1])
+                 : "r"(scale_area + scale_offset + 8 * Half));
+    uint32_t words[2][8];
+#pragma unroll
+    for (int line = 0; line < 2; ++line)
+      load_line_codes(base + line_code_offset(line), words[line]);
+    const mxfp4::StepScales<2> scales(scale_words);
+    mxfp4::decode_rows<1>(words, scales, selector, *reinterpret_cast<Fragment(*)[1]>(&fragment));
   }
 };
 
@@ -927,20 +947,22 @@ struct GatedOutputs {
   }
 };
 
-// Narrow: accumulator i of half 0 is g, of half 1 u, at h column n0 + 64 consumer +
-// row_of(i). Wide: accumulator i is g (i % 4 < 2) or u (i + 2) of h column n0 + 32
-// consumer + 8 warp + lane / 4, and rows past the chunk's span are not written.
+// Two tiles: accumulator i of half 0 is g, of half 1 u, at h column n0 + 64 consumer +
+// row_of(i). One tile: accumulator i is g (i % 4 < 2) or u (i + 2) of h column n0 + 32
+// consumer + 8 warp + lane / 4. A wide chunk's rows past its span are not written.
 template <int Halves, int Tokens, bool kGeGLU, bool kClamp>
 __device__ __forceinline__ void gated_epilogue(const WeightStreamParams& p, const StreamTile& tile,
                                                const float (&acc)[Halves][Tokens / 2], int consumer,
                                                int thread) {
+  constexpr bool kSpan = stream_chunks_from_segment_starts(Tokens);
   const StreamFragmentRows<Tokens> at(thread);
   const GatedOutputs<kGeGLU, kClamp> outputs(p);
   if constexpr (Halves == 2) {
 #pragma unroll
     for (int i = 0; i < Tokens / 2; ++i)
-      outputs.element(tile.row0 + at.token(i), tile.n0 + 64 * consumer + at.row_of(i), acc[0][i],
-                      acc[1][i]);
+      if (!kSpan || at.token(i) < tile.span)
+        outputs.element(tile.row0 + at.token(i), tile.n0 + 64 * consumer + at.row_of(i), acc[0][i],
+                        acc[1][i]);
   } else {
     const int64_t column = tile.n0 + 32 * consumer + 8 * (thread / 32) + at.lane / 4;
 #pragma unroll
@@ -953,8 +975,8 @@ __device__ __forceinline__ void gated_epilogue(const WeightStreamParams& p, cons
 }
 
 // Store: the sums rounded to BF16, columns past the output's (an extra tile's block past
-// N_x) not stored. Narrow: half 1's columns are 128 on; wide: rows past the chunk's span
-// are not written.
+// N_x) not stored. Two tiles: half 1's columns are 128 on. A wide chunk's rows past its
+// span are not written.
 template <int Halves, int Tokens>
 __device__ __forceinline__ void store_epilogue(const WeightStreamParams& p, const StreamTile& tile,
                                                const float (&acc)[Halves][Tokens / 2], int consumer,
@@ -966,7 +988,7 @@ __device__ __forceinline__ void store_epilogue(const WeightStreamParams& p, cons
   for (int i = 0; i < Tokens / 2; ++i) {
     const int64_t column = tile.n0 + 64 * consumer + at.row_of(i);
     const int64_t pool_row = tile.row0 + at.token(i);
-    if (Halves == 1 && at.token(i) >= tile.span) continue;
+    if (stream_chunks_from_segment_starts(Tokens) && at.token(i) >= tile.span) continue;
 #pragma unroll
     for (int half = 0; half < Halves; ++half)
       if (column + 128 * half < columns)
@@ -1341,7 +1363,7 @@ __device__ __forceinline__ void stream_consume(const WeightStreamParams& p,
           ring.advance();
         }
       };
-      // The wide Gated side steps (side_rows_fragment), register MMAs into the one m64 tile
+      // The one-tile Gated side steps (side_rows_fragment), register MMAs into the m64 tile
       // from one fragment, each retired before the next step: a few steps a tile, and with
       // their batches left in flight ptxas serialized every wgmma of the 256-row kernel for
       // want of registers.
@@ -1362,7 +1384,7 @@ __device__ __forceinline__ void stream_consume(const WeightStreamParams& p,
         }
       };
       if (segment_steps > 0) {
-        if constexpr (C::kWide && C::kGated) {
+        if constexpr (C::kOneTile && C::kGated) {
           run_side_rows(std::false_type{}, 0, p.segment_half);
           run_side_rows(std::true_type{}, p.segment_half, segment_steps);
         } else {
@@ -1381,9 +1403,9 @@ __device__ __forceinline__ void stream_consume(const WeightStreamParams& p,
           fence_all_accumulators();
         }
       }
-      using Lines =
-          std::conditional_t<C::kTransposed, StreamColumnPairs<C::kValuesBeforeCheck>,
-                             std::conditional_t<C::kWide, StreamLinePair<C::kGated>, StreamLines>>;
+      using Lines = std::conditional_t<
+          C::kTransposed, StreamColumnPairs<C::kValuesBeforeCheck>,
+          std::conditional_t<C::kOneTile, StreamLinePair<C::kGated>, StreamLines>>;
       const Lines lines(threadIdx.x);
       // A base step: the halves' fragments decoded, then their MMAs as one batch. The
       // fragments alternate between two buffers (by step parity): a buffer is rewritten
@@ -1404,31 +1426,41 @@ __device__ __forceinline__ void stream_consume(const WeightStreamParams& p,
         retire_previous();
         ring.advance();
       };
-      // The 128-row transposed chunks: a step's two tiles decoded and multiplied one at a
-      // time, each tile's batch committed on its own. A tile's decode overlaps the other
-      // tile's batch, and one fragment buffer per tile suffices (32 registers beside the
-      // 128 accumulators; with the narrow form's two step buffers ptxas serialized every
+      // 128-row chunks: a step's two tiles decoded and multiplied one at a time, each
+      // tile's batch committed on its own. A tile's decode overlaps the other tile's batch,
+      // and one fragment buffer per tile suffices (32 registers beside the 128
+      // accumulators; with the narrow form's two step buffers ptxas serialized every
       // wgmma, C7511). After tile 0's batch, the wait retires the previous step's batches
       // (its stage goes back); after tile 1's, tile 0's (its buffer is rewritten next).
       int k_step = 0;
-      if constexpr (C::kWide && C::kTransposed) {
+      if constexpr (C::kTilesOneAtATime) {
+        auto tile_batch = [&](Fragment& tile_fragment, uint64_t desc_b,
+                              float (&sums)[kTokens / 2]) {
+          fence_fragment(tile_fragment);
+          cute::warpgroup_arrive();
+          ops.base_half_step(tile_fragment, desc_b, sums);
+          cute::warpgroup_commit_batch();
+        };
         auto base_step_by_tiles = [&](Fragment(&tiles)[2]) {
           wait_barrier(ring.full, ring.phase);
-          uint32_t words[8], row_pairs[8];
-          lines.load(ring.a(), ring.scale_words(), words, row_pairs);
-          const mxfp4::StepScales<8> scales(words);
-          const uint64_t desc_b = descriptor_k_major(ring.b());
-          mxfp4::decode_column_pair_tile<0>(row_pairs, scales, tiles[0]);
-          fence_fragment(tiles[0]);
-          cute::warpgroup_arrive();
-          ops.base_half_step(tiles[0], desc_b, acc[0]);
-          cute::warpgroup_commit_batch();
-          retire_previous();
-          mxfp4::decode_column_pair_tile<1>(row_pairs, scales, tiles[1]);
-          fence_fragment(tiles[1]);
-          cute::warpgroup_arrive();
-          ops.base_half_step(tiles[1], desc_b, acc[1]);
-          cute::warpgroup_commit_batch();
+          if constexpr (C::kTransposed) {
+            uint32_t words[8], row_pairs[8];
+            lines.load(ring.a(), ring.scale_words(), words, row_pairs);
+            const mxfp4::StepScales<8> scales(words);
+            const uint64_t desc_b = descriptor_k_major(ring.b());
+            mxfp4::decode_column_pair_tile<0>(row_pairs, scales, tiles[0]);
+            tile_batch(tiles[0], desc_b, acc[0]);
+            retire_previous();
+            mxfp4::decode_column_pair_tile<1>(row_pairs, scales, tiles[1]);
+            tile_batch(tiles[1], desc_b, acc[1]);
+          } else {  // a half's lines are loaded when it is decoded: fewer registers held
+            const uint64_t desc_b = descriptor_k_major(ring.b());
+            lines.template decode_half<0>(ring.a(), ring.scale_words(), tiles[0]);
+            tile_batch(tiles[0], desc_b, acc[0]);
+            retire_previous();
+            lines.template decode_half<1>(ring.a(), ring.scale_words(), tiles[1]);
+            tile_batch(tiles[1], desc_b, acc[1]);
+          }
           cute::warpgroup_wait<1>();
           ring.advance();
         };

@@ -175,10 +175,11 @@ def test_wide_kernels_step_over_one_weight_and_skip_the_side_loop() -> None:
     assert per_opcode["HGMMA"] == 4 and "LDSM" not in per_opcode
     assert total == pytest.approx(len(base) - 2)  # the FP32 block of 2 dropped
     assert tool.hgmma_per_step(sass.replace("Li256EE", "Li64EE")) == 8
-    # The dgrads' 128-row chunks (StreamKind 2 and 3) keep two tiles a step.
-    for kind in ("2", "3"):
-        transposed = sass.replace("StreamKindE0ELi256EE", f"StreamKindE{kind}ELi128EE")
-        assert tool.hgmma_per_step(transposed) == 8
+    # Every kind's 128-row chunks (GEMM1, GEMM2 and the dgrads) keep two tiles a step.
+    for kind in ("0", "1", "2", "3"):
+        two_tiles = sass.replace("StreamKindE0ELi256EE", f"StreamKindE{kind}ELi128EE")
+        assert tool.hgmma_per_step(two_tiles) == 8
+    assert tool.hgmma_per_step(sass.replace("StreamKindE0", "StreamKindE1")) == 4
 
 
 def test_rejects_a_kernel_without_the_loop() -> None:

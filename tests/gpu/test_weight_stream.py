@@ -310,11 +310,13 @@ def test_store_launcher_checks():
     wide = torch.zeros(2, 256, 264, dtype=torch.bfloat16, device="cuda")
     with pytest.raises(ValueError, match="up to 256"):
         stream_gemm2(a, codes, scales, plan, chunk=32, b_extra=wide)
-    # The wide form's tiles are 128 columns.
+    # 128-row chunks keep the 256-column tiles; 256-row chunks' tiles are 128 columns.
     codes = torch.zeros(2, 320, 128, dtype=torch.uint8, device="cuda")
     scales = torch.full((2, 320, 8), 127, dtype=torch.uint8, device="cuda")
-    with pytest.raises(ValueError, match="N a multiple of 128"):
+    with pytest.raises(ValueError, match="N a multiple of 256"):
         stream_gemm2(a, codes, scales, plan, chunk=128)
+    with pytest.raises(ValueError, match="N a multiple of 128"):
+        stream_gemm2(a, codes, scales, plan, chunk=256)
 
 
 @pytest.mark.parametrize("chunk", FORWARD_CHUNKS)

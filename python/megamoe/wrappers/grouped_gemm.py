@@ -126,14 +126,13 @@ def _stream_chunk(
     """The chunk of the weight-streaming kernel for an MXFP4 GEMM decoded in its
     pipeline, or None where its shape does not allow it: ``columns`` (GEMM1's ``I``,
     GEMM2's and dgrad1's ``N``, dgrad2's ``I``) in whole tiles of ``tile`` columns
-    (``wide_tile`` in the wide form, chunks over 64 rows up to ``widest``: GEMM1 and
-    GEMM2 halve their tiles there, the dgrads keep theirs), segments padded to whole
-    chunks of 32 or 64 rows (wide chunks start at each segment's start), and scales it
-    can read two bytes at a time."""
+    (``wide_tile`` in 256-row chunks, up to ``widest`` rows: GEMM1 and GEMM2 halve their
+    tiles there), segments padded to whole chunks of 32 or 64 rows (wider chunks start
+    at each segment's start), and scales it can read two bytes at a time."""
     chunk = weight_stream_chunk(plan.route_to_pool_row.numel(), experts, widest=widest)
-    if chunk > 64:
-        tile = tile if wide_tile is None else wide_tile
-    elif plan.block_m % chunk:
+    if chunk == 256 and wide_tile is not None:
+        tile = wide_tile
+    elif chunk <= 64 and plan.block_m % chunk:
         return None
     if columns % tile or scales.data_ptr() % 2:
         return None
