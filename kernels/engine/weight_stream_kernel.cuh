@@ -3,8 +3,8 @@
 // decoded from their codes straight into the A-fragment registers (fragment_decode.cuh),
 // and a chunk of an expert's pool rows is its N (TOKENS = 32 or 64; also 128, and for
 // GEMM1 and GEMM2 256: the wide form, chunks from each segment's start, StreamConfig::
-// kWide, with one m64 weight tile per consumer warpgroup instead of two in GEMM1 and
-// GEMM2, the dgrads' two tiles a step decoded one at a time). No decoded tile passes
+// kWide; 128-row chunks decode and multiply a step's two m64 tiles one at a time, 256-row
+// chunks hold one m64 weight tile per consumer warpgroup). No decoded tile passes
 // through shared memory, and every consumer warp decodes: the decode's integer work,
 // which bounds an MXFP4 GEMM when each weight meets few rows, spreads over all four
 // schedulers. Four kinds (StreamKind):
@@ -374,10 +374,10 @@ struct StreamScaleRows {
   }
 };
 
-// The wide form: thread i of the producer warpgroup writes, per base step, the scale
-// word of one line, consumer quad i / 2's line i % 2: row r (line 0) or r + 8 of its
-// warpgroup's m64 tile, Gated the gate and the up row of h column 32 c + 8 warp + lane
-// / 4 (the up rows I on). 4 bytes of the stage's scale area, from one 16-bit load.
+// One tile (256-row chunks): thread i of the producer warpgroup writes, per base step,
+// the scale word of one line, consumer quad i / 2's line i % 2: row r (line 0) or r + 8
+// of its warpgroup's m64 tile, Gated the gate and the up row of h column 32 c + 8 warp +
+// lane / 4 (the up rows I on). 4 bytes of the stage's scale area, from one 16-bit load.
 template <bool kGated>
 struct StreamScaleLines {
   static constexpr int kWords = 1;
@@ -753,11 +753,11 @@ struct StreamLines {
   }
 };
 
-// The wide form: a consumer thread's two lines are rows r and r + 8 (r = 16 warp + lane /
-// 4) of its warpgroup's m64 tile: Gated the gate and the up row of h column 32 c + 8 warp
-// + lane / 4 (the code area is the gate rows' [64][32] bytes, then the up rows'); Store
-// rows 64 c + r and + 8 of the tile's 128 ([128][32]). Its quad's scale words are 8
-// bytes at slot (4 c + warp) 8 + lane / 4.
+// One tile (256-row chunks): a consumer thread's two lines are rows r and r + 8 (r = 16
+// warp + lane / 4) of its warpgroup's m64 tile: Gated the gate and the up row of h column
+// 32 c + 8 warp + lane / 4 (the code area is the gate rows' [64][32] bytes, then the up
+// rows'); Store rows 64 c + r and + 8 of the tile's 128 ([128][32]). Its quad's scale
+// words are 8 bytes at slot (4 c + warp) 8 + lane / 4.
 template <bool kGated>
 __host__ __device__ constexpr uint32_t stream_line_pair_code_offset(uint32_t tid) {
   return kGated ? 8 * (tid & ~3u) - 1024u : stream_code_offset(tid);
@@ -1264,7 +1264,7 @@ __device__ __forceinline__ void stream_consume(const WeightStreamParams& p,
   using Mma = StreamMma<kTokens, !C::kTransposed>;
   const typename C::Schedule schedule(p);
   const int thread = threadIdx.x % kWarpgroupThreads;
-  // The tile's halves (Gated: g and u; wide: one m64 tile, g and u in rows r and r + 8).
+  // The tile's halves (Gated: g and u; one tile: g and u in rows r and r + 8).
   float acc[kHalves][kTokens / 2];
   Fragment fragments[2][kHalves];  // [buffer][half]
   StreamRing<C> ring(smem);

@@ -103,10 +103,11 @@ WEIGHT_STREAM_SMALL_CHUNK_MAX_ROWS = 24
 #: Expected pool rows per expert up to which the weight-streaming GEMMs keep the 64-row
 #: chunk; above it they take the wide form, whose chunks of 128 rows (and for GEMM1 and
 #: GEMM2 256) start at each segment's start, so that each weight is decoded once per 128
-#: or 256 rows, not per 64. GEMM1 and GEMM2 hold one m64 weight tile per consumer
-#: warpgroup there; the dgrads keep two in 128-row chunks, a step's tiles decoded and
-#: multiplied one at a time (docs/ENGINE.md, "The wide form" and "The 128-row transposed
-#: chunks"). A 256-row chunk is the slower per row (fewer stages fit, and its MMAs are 256
+#: or 256 rows, not per 64. Every kind keeps two m64 weight tiles per consumer warpgroup
+#: in 128-row chunks, a step's tiles decoded and multiplied one at a time; GEMM1's and
+#: GEMM2's 256-row chunks hold one (docs/ENGINE.md, "The wide form", "The 128-row
+#: transposed chunks" and "GEMM1 and GEMM2 in the two-tile 128-row form"). A 256-row
+#: chunk is the slower per row beyond 256 rows (fewer stages fit, and its MMAs are 256
 #: wide whatever its rows), so it is taken only where an expert's rows need two 128-row
 #: chunks but fit one of 256.
 WEIGHT_STREAM_NARROW_MAX_ROWS = 64
