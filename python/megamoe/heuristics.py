@@ -71,24 +71,36 @@ def get_block_m(
     return fitting[-1] if fitting else choices[0]
 
 
-#: Pool rows per expert up to which the GEMMs decode an MXFP4 base inside their pipeline
-#: (64-row tiles, the decode and consumer warpgroups decoding each K step's codes in
-#: shared memory; measured crossover 447-896 rows at ep4rank dims). Above it
-#: each GEMM first decodes its weight into a transient BF16 buffer, dropped after it:
-#: with many row tiles per expert the in-pipeline decode rewrites the same weight tile
-#: once per row tile and, with the MMA's operand reads, exceeds the shared-memory
-#: bandwidth, while one decode pass per call is amortised (docs/PERFORMANCE.md,
-#: "MXFP4 in the pipeline").
+#: Pool rows per expert up to which a GEMM that the weight-streaming kernels do not take
+#: decodes an MXFP4 base inside the engine's pipeline (64-row tiles, the decode and
+#: consumer warpgroups decoding each K step's codes in shared memory; measured crossover
+#: 447-896 rows at ep4rank dims). Above it each GEMM first decodes its weight into a
+#: transient BF16 buffer, dropped after it: with many row tiles per expert the
+#: in-pipeline decode rewrites the same weight tile once per row tile and, with the MMA's
+#: operand reads, exceeds the shared-memory bandwidth, while one decode pass per call is
+#: amortised (docs/PERFORMANCE.md, "MXFP4 in the pipeline").
 MXFP4_PIPELINE_MAX_ROWS_PER_EXPERT = 448
 
+#: The same limit for a GEMM whose shape the weight-streaming kernels take
+#: (:func:`weight_stream_chunk`). Pool rows per expert are its capacity, padding
+#: included. Measured on the layer at ep4rank dims (docs/PERFORMANCE.md, thirty-sixth
+#: session, replayed F+B): streaming 13% faster than the transient decode at 704 rows per
+#: expert (T = 6144), even at 896 (T = 8192).
+MXFP4_STREAM_MAX_ROWS_PER_EXPERT = 768
 
-def mxfp4_decodes_in_pipeline(pool_rows: int, num_experts: int) -> bool:
+
+def mxfp4_decodes_in_pipeline(pool_rows: int, num_experts: int, *, streams: bool = False) -> bool:
     """Whether an MXFP4 GEMM over a pool of ``pool_rows`` rows and ``num_experts``
     experts decodes in its pipeline (True) or from a transient BF16 decode (False); see
-    :data:`MXFP4_PIPELINE_MAX_ROWS_PER_EXPERT`. Host values only: no synchronisation."""
+    :data:`MXFP4_PIPELINE_MAX_ROWS_PER_EXPERT`, and :data:`MXFP4_STREAM_MAX_ROWS_PER_EXPERT`
+    where ``streams`` (the weight-streaming kernels take the GEMM's shape). Host values
+    only: no synchronisation."""
     check_int("pool_rows", pool_rows, minimum=0)
     check_int("num_experts", num_experts, minimum=1)
-    return pool_rows <= MXFP4_PIPELINE_MAX_ROWS_PER_EXPERT * num_experts
+    if not isinstance(streams, bool):
+        raise TypeError(f"streams: expected a bool, got {type(streams).__name__}")
+    limit = MXFP4_STREAM_MAX_ROWS_PER_EXPERT if streams else MXFP4_PIPELINE_MAX_ROWS_PER_EXPERT
+    return pool_rows <= limit * num_experts
 
 
 #: Expected pool rows per expert up to which the weight-streaming GEMMs walk each

@@ -1,6 +1,8 @@
-"""get_block_m: choices from the registry, monotone, agreed transitions."""
+"""Host heuristics: get_block_m (choices from the registry, monotone, agreed transitions),
+the weight-streaming chunk, and where an MXFP4 base is decoded."""
 
 import pytest
+import torch
 
 import megamoe as mm
 from megamoe.wrappers.registry import registry
@@ -147,3 +149,47 @@ def test_every_weight_stream_chunk_has_its_variants():
         dgrads = mm.heuristics.weight_stream_chunk(routes, 64, widest=128)
         assert {("Gated", forward), ("Store", forward)} <= variants
         assert {("StoreMN", dgrads), ("ActivationBackward", dgrads)} <= variants
+
+
+def test_mxfp4_decodes_in_pipeline_up_to_each_limit():
+    engine = mm.heuristics.MXFP4_PIPELINE_MAX_ROWS_PER_EXPERT
+    stream = mm.heuristics.MXFP4_STREAM_MAX_ROWS_PER_EXPERT
+    assert engine < stream
+    decodes = mm.heuristics.mxfp4_decodes_in_pipeline
+    for experts in (1, 64):
+        assert decodes(engine * experts, experts) and not decodes(engine * experts + 1, experts)
+        assert decodes(stream * experts, experts, streams=True)
+        assert not decodes(stream * experts + 1, experts, streams=True)
+    with pytest.raises(TypeError, match="streams"):
+        decodes(1_000, 64, streams=1)
+
+
+def _mxfp4_w13(experts, inter, hidden):
+    """Zero codes [E, 2I, H/2] and scales [E, 2I, H/32] (CPU)."""
+    codes = torch.zeros(experts, 2 * inter, hidden // 2, dtype=torch.uint8)
+    return codes, torch.full((experts, 2 * inter, hidden // 32), 127, dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("inter,streams", [(256, True), (192, False)])
+def test_gemm1_decodes_in_pipeline_to_the_streaming_limit_where_it_streams(inter, streams):
+    """GEMM1 over a pool of 704 rows per expert (T = 6144 at ep4rank's routing): decoded
+    in the pipeline where the streaming kernel takes I (a multiple of 128), else from a
+    transient decode (the engine's in-pipeline limit is below it)."""
+    from megamoe.testing.inputs import make_routing
+    from megamoe.wrappers.grouped_gemm import _gated_streams, mxfp4_b_unchecked
+
+    experts, tokens, top_k = 64, 6144, 6
+    ids, _ = make_routing(tokens, experts, top_k, kind="balanced", seed=0)
+    plan = mm.plan_routes(ids, experts, mm.get_block_m(tokens, top_k, experts))
+    rows_per_expert = plan.pool_capacity / experts
+    assert rows_per_expert > mm.heuristics.MXFP4_PIPELINE_MAX_ROWS_PER_EXPERT
+    assert rows_per_expert <= mm.heuristics.MXFP4_STREAM_MAX_ROWS_PER_EXPERT
+    codes, scales = _mxfp4_w13(experts, inter, 128)
+    assert _gated_streams(plan)(codes, scales) is streams
+    k, values, kept_scales = mxfp4_b_unchecked(codes, scales, plan, streams=_gated_streams(plan))
+    assert k == 128
+    if streams:  # the codes as given, decoded in the kernel
+        assert values is codes and kept_scales is scales
+    else:  # the exact BF16 decode: 2^(127 - 127) x 0
+        assert kept_scales is None and values.dtype == torch.bfloat16
+        assert values.shape == (experts, 2 * inter, 128) and not values.any()

@@ -30,6 +30,7 @@ from . import _native
 from .grouped_gemm import (
     ACTIVATIONS,
     GROUP_M,
+    StreamsPredicate,
     _device_sms,
     _stream_chunk,
     grouped_gemm,
@@ -46,6 +47,23 @@ __all__ = [
 
 #: The engine's tile width: the router dot's partials come one per 256 columns of I.
 BLOCK_N = 256
+
+
+def _dgrad2_stream_chunk(
+    intermediate: int, scales: torch.Tensor, plan: RoutePlan, experts: int
+) -> int | None:
+    """dgrad2's streaming chunk (``_stream_chunk``): tiles of 256 ``I`` columns, chunks up
+    to 128 rows."""
+    return _stream_chunk(intermediate, BLOCK_N, scales, plan, experts, widest=128)
+
+
+def _dgrad2_streams(plan: RoutePlan) -> StreamsPredicate:
+    """``StreamsPredicate`` of dgrad2 over ``plan`` (``w2`` codes as stored, ``[E, H,
+    I/2]``). The launch also asks 8-byte aligned epilogue operands, not known here: with
+    unaligned ones the engine's in-pipeline decode runs up to the streaming limit."""
+    return lambda codes, scales: (
+        _dgrad2_stream_chunk(2 * codes.shape[2], scales, plan, codes.shape[0]) is not None
+    )
 
 
 def _check(
@@ -139,7 +157,9 @@ def fused_dgrad2_activation_backward(
     device = preact.device
     decode_scales = None
     if w2_scales is not None:
-        _, w2, decode_scales = mxfp4_b("w2", w2, w2_scales, plan, device, "mn")
+        _, w2, decode_scales = mxfp4_b(
+            "w2", w2, w2_scales, plan, device, "mn", streams=_dgrad2_streams(plan)
+        )
     else:
         check_tensor("w2", w2, ndim=3, dtypes=(torch.bfloat16,), device=device, contiguous=True)
     experts, hidden = w2.shape[0], w2.shape[1]
@@ -224,7 +244,9 @@ def fused_dgrad2_activation_backward_unchecked(
         )  # fmt: skip
     decode_scales = None
     if w2_scales is not None:
-        _, w2, decode_scales = mxfp4_b_unchecked(w2, w2_scales, plan, "mn")
+        _, w2, decode_scales = mxfp4_b_unchecked(
+            w2, w2_scales, plan, "mn", streams=_dgrad2_streams(plan)
+        )
     experts, hidden = w2.shape[0], w2.shape[1]
     intermediate = w2.shape[2] * (2 if decode_scales is not None else 1)
     return _launch(
@@ -280,7 +302,7 @@ def _launch(
         t.data_ptr() % 8 == 0
         for t in (preact, dgrad_preact, *(() if weighted is None else (weighted,)))
     ):
-        chunk = _stream_chunk(intermediate, 256, decode_scales, plan, experts, widest=128)
+        chunk = _dgrad2_stream_chunk(intermediate, decode_scales, plan, experts)
     # The epilogue's operands, in the order both launchers take them.
     epilogue = (
         dl(preact),

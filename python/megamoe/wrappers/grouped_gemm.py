@@ -24,6 +24,7 @@ on them (EP included) can be tested without a GPU; ``mm.moe`` itself requires CU
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -84,6 +85,11 @@ def _check_mxfp4(
     return k
 
 
+#: Whether the weight-streaming kernel takes a GEMM, from its (checked) MXFP4 codes and
+#: scales: the GEMM's shape, for the limit of :func:`mxfp4_decodes_in_pipeline`.
+StreamsPredicate = Callable[[torch.Tensor, torch.Tensor], bool]
+
+
 def mxfp4_b(
     name: str,
     codes: torch.Tensor,
@@ -91,24 +97,33 @@ def mxfp4_b(
     plan: RoutePlan,
     device: torch.device,
     b_major: str = "k",
+    *,
+    streams: StreamsPredicate | None = None,
 ) -> tuple[int, torch.Tensor, torch.Tensor | None]:
     """An MXFP4 B for one GEMM: ``(K, values, scales)``. The codes and scales as given
-    where the pipeline decodes them (:func:`~megamoe.heuristics.mxfp4_decodes_in_pipeline`;
-    its decode warps read both in the caller's layout, no copy), else an exact BF16
-    decode (the same values bit for bit) and None; on the CPU the decode."""
+    where the pipeline decodes them (:func:`~megamoe.heuristics.mxfp4_decodes_in_pipeline`,
+    ``streams`` telling whether the weight-streaming kernel takes the GEMM; its decode
+    reads both in the caller's layout, no copy), else an exact BF16 decode (the same
+    values bit for bit) and None; on the CPU the decode."""
     k = _check_mxfp4(name, codes, scales, device, b_major)
     if codes.is_cuda:
-        return mxfp4_b_unchecked(codes, scales, plan, b_major)
+        return mxfp4_b_unchecked(codes, scales, plan, b_major, streams=streams)
     return k, _dequantized(codes, scales), None
 
 
 def mxfp4_b_unchecked(
-    codes: torch.Tensor, scales: torch.Tensor, plan: RoutePlan, b_major: str = "k"
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    plan: RoutePlan,
+    b_major: str = "k",
+    *,
+    streams: StreamsPredicate | None = None,
 ) -> tuple[int, torch.Tensor, torch.Tensor | None]:
     """:func:`mxfp4_b` of CUDA codes and scales without the argument checks (the fused
     pipelines': the weights were checked where they entered)."""
     k = codes.shape[1] if b_major == "mn" else 2 * codes.shape[2]
-    if mxfp4_decodes_in_pipeline(plan.pool_capacity, codes.shape[0]):
+    stream = streams is not None and streams(codes, scales)
+    if mxfp4_decodes_in_pipeline(plan.pool_capacity, codes.shape[0], streams=stream):
         return k, codes, scales
     return k, _dequantized(codes, scales), None
 
@@ -137,6 +152,66 @@ def _stream_chunk(
     if columns % tile or scales.data_ptr() % 2:
         return None
     return chunk
+
+
+def _gated_stream_chunk(
+    inter: int, scales: torch.Tensor, plan: RoutePlan, experts: int
+) -> int | None:
+    """GEMM1's streaming chunk (:func:`_stream_chunk`): tiles of 128 ``h`` columns, 64 in
+    256-row chunks."""
+    return _stream_chunk(inter, 128, scales, plan, experts, widest=256, wide_tile=64)
+
+
+def _gated_streams(plan: RoutePlan) -> StreamsPredicate:
+    """:data:`StreamsPredicate` of GEMM1 over ``plan`` (codes ``[E, 2I, H/2]``)."""
+    return lambda codes, scales: (
+        _gated_stream_chunk(codes.shape[1] // 2, scales, plan, codes.shape[0]) is not None
+    )
+
+
+def _store_stream_chunk(
+    n_base: int,
+    n_extra: int,
+    b_extra_blocks: tuple[torch.Tensor, torch.Tensor] | None,
+    major_mn: bool,
+    scales: torch.Tensor,
+    plan: RoutePlan,
+    experts: int,
+) -> int | None:
+    """:func:`grouped_gemm`'s streaming chunk (:func:`_stream_chunk`): K-major B (GEMM2)
+    with at most 256 extra columns, tiles of 256 columns (128 in 256-row chunks); MN-major
+    B (dgrad1, the weights as stored) with extra blocks that fit its one extra tile, tiles
+    of 256 columns and chunks up to 128 rows."""
+    if not major_mn and n_extra <= 256:
+        return _stream_chunk(n_base, 256, scales, plan, experts, widest=256, wide_tile=128)
+    if major_mn and _extra_blocks_fit_one_tile(b_extra_blocks):
+        return _stream_chunk(n_base, 256, scales, plan, experts, widest=128)
+    return None
+
+
+def _store_streams(
+    plan: RoutePlan,
+    b_major: str,
+    b_extra: torch.Tensor | None,
+    b_extra_blocks: tuple[torch.Tensor, torch.Tensor] | None,
+) -> StreamsPredicate:
+    """:data:`StreamsPredicate` of :func:`grouped_gemm` over ``plan`` (codes ``[E, N,
+    K/2]``, or ``[E, K, N/2]`` MN-major)."""
+    major_mn = b_major == "mn"
+    n_extra = 0
+    if b_extra is not None:
+        n_extra = b_extra.shape[2]
+    elif b_extra_blocks is not None:
+        n_extra = b_extra_blocks[0].shape[1] + b_extra_blocks[1].shape[1]
+
+    def streams(codes: torch.Tensor, scales: torch.Tensor) -> bool:
+        n_base = 2 * codes.shape[2] if major_mn else codes.shape[1]
+        chunk = _store_stream_chunk(
+            n_base, n_extra, b_extra_blocks, major_mn, scales, plan, codes.shape[0]
+        )
+        return chunk is not None
+
+    return streams
 
 
 def _extra_blocks_fit_one_tile(blocks: tuple[torch.Tensor, torch.Tensor] | None) -> bool:
@@ -237,7 +312,8 @@ def grouped_gemm(
     check_tensor("a", a, ndim=2, dtypes=(torch.bfloat16,), contiguous=True)
     decode_scales = None
     if b_scales is not None:
-        b_k, b, decode_scales = mxfp4_b("b", b, b_scales, plan, a.device, b_major)
+        streams = _store_streams(plan, b_major, b_extra, b_extra_blocks)
+        b_k, b, decode_scales = mxfp4_b("b", b, b_scales, plan, a.device, b_major, streams=streams)
         if k is not None and k != b_k:
             raise ValueError(f"k: an MXFP4 B reduces over all its K={b_k} columns, got k={k}")
         k = b_k
@@ -314,7 +390,8 @@ def grouped_gemm_unchecked(
     major_mn = b_major == "mn"
     decode_scales = None
     if b_scales is not None:
-        k, b, decode_scales = mxfp4_b_unchecked(b, b_scales, plan, b_major)
+        streams = _store_streams(plan, b_major, b_extra, b_extra_blocks)
+        k, b, decode_scales = mxfp4_b_unchecked(b, b_scales, plan, b_major, streams=streams)
     else:
         k = b.shape[1] if major_mn else b.shape[2]
     packed = 2 if decode_scales is not None else 1
@@ -353,30 +430,28 @@ def _launch_store(
     # takes the shape: faster than the engine's in-pipeline decode at every token count
     # of that regime (docs/PERFORMANCE.md, "twenty-fourth session"; the transposed
     # dgrad1, "twenty-fifth session").
-    if mxfp4 and not major_mn and n_extra <= 256:
-        chunk = _stream_chunk(
-            n_base, 256, decode_scales, plan, b.shape[0], widest=256, wide_tile=128
+    if mxfp4:
+        chunk = _store_stream_chunk(
+            n_base, n_extra, b_extra_blocks, major_mn, decode_scales, plan, b.shape[0]
         )
-    if mxfp4 and major_mn and _extra_blocks_fit_one_tile(b_extra_blocks):
-        chunk = _stream_chunk(n_base, 256, decode_scales, plan, b.shape[0], widest=128)
-        if chunk is not None:
-            # dgrad1: the weights as stored, decoded transposed into the A registers.
-            with _native.on_device(a.device):
-                _native.native().weight_stream_store_mn(
-                    dl(a),
-                    dl(b),
-                    dl(decode_scales),
-                    None if extra_lo is None else dl(extra_lo),
-                    None if extra_hi is None else dl(extra_hi),
-                    dl(plan.expert_pool_offsets),
-                    dl(plan.expert_counts),
-                    dl(out),
-                    plan.block_m,
-                    chunk,
-                    _device_sms(a.device),
-                    _native.current_stream(a.device),
-                )
-            return out
+    if major_mn and chunk is not None:
+        # dgrad1: the weights as stored, decoded transposed into the A registers.
+        with _native.on_device(a.device):
+            _native.native().weight_stream_store_mn(
+                dl(a),
+                dl(b),
+                dl(decode_scales),
+                None if extra_lo is None else dl(extra_lo),
+                None if extra_hi is None else dl(extra_hi),
+                dl(plan.expert_pool_offsets),
+                dl(plan.expert_counts),
+                dl(out),
+                plan.block_m,
+                chunk,
+                _device_sms(a.device),
+                _native.current_stream(a.device),
+            )
+        return out
     if chunk is not None:
         # MXFP4 with few rows per expert: decoded into the wgmma's A registers.
         with _native.on_device(a.device):
@@ -455,7 +530,9 @@ def gated_grouped_gemm(
     check_tensor("a", a, ndim=2, dtypes=(torch.bfloat16,), contiguous=True)
     decode_scales = None
     if w13_scales is not None:
-        w13_k, w13, decode_scales = mxfp4_b("w13", w13, w13_scales, plan, a.device)
+        w13_k, w13, decode_scales = mxfp4_b(
+            "w13", w13, w13_scales, plan, a.device, streams=_gated_streams(plan)
+        )
         if w13_k != k:
             raise ValueError(f"k: expected the MXFP4 w13's K={w13_k}, got {k}")
     else:
@@ -520,7 +597,9 @@ def gated_grouped_gemm_unchecked(
         )  # fmt: skip
     decode_scales = None
     if w13_scales is not None:
-        _, w13, decode_scales = mxfp4_b_unchecked(w13, w13_scales, plan)
+        _, w13, decode_scales = mxfp4_b_unchecked(
+            w13, w13_scales, plan, streams=_gated_streams(plan)
+        )
     out = torch.empty(a.shape[0], w13.shape[1] // 2, dtype=torch.bfloat16, device=a.device)
     clamp = math.inf if activation_clamp is None else float(activation_clamp)
     return _launch_gated(
@@ -549,9 +628,7 @@ def _launch_gated(
     dl = _native.dlpack
     chunk = None
     if decode_scales is not None:
-        chunk = _stream_chunk(
-            two_i // 2, 128, decode_scales, plan, w13.shape[0], widest=256, wide_tile=64
-        )
+        chunk = _gated_stream_chunk(two_i // 2, decode_scales, plan, w13.shape[0])
     if chunk is not None:
         # MXFP4 with few rows per expert: decoded into the wgmma's A registers.
         with _native.on_device(a.device):
