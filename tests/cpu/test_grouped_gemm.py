@@ -85,3 +85,22 @@ def test_extra_block_errors_name_the_argument(kwargs, error, message):
         call["b_major"] = "k"
     with pytest.raises(error, match=message):
         grouped_gemm(dgu, w13, plan, **call)
+
+
+def test_streaming_predicate_answers_false_on_malformed_extra_columns():
+    """The MXFP4 decode decision reads the extra columns before their checks run: where
+    they are not well formed it answers False (the checks then name them), else the
+    streaming kernel's own shape rule (GEMM2: N a multiple of 256, N_x up to 256)."""
+    from megamoe.wrappers.grouped_gemm import _extra_columns, _store_streams
+
+    plan, *_ = _setup()
+    codes = torch.zeros(EXPERTS, 256, 32, dtype=torch.uint8)  # [E, N, K/2]
+    scales = torch.full((EXPERTS, 256, 2), 127, dtype=torch.uint8)
+    extra = torch.zeros(EXPERTS, 64, 16, dtype=torch.bfloat16)
+    assert _extra_columns(None, None) == 0 and _extra_columns(extra, None) == 16
+    assert _extra_columns(extra[0], None) is None
+    assert _extra_columns(None, [extra, extra]) is None
+    assert _extra_columns(None, (extra, extra)) == 128
+    assert _store_streams(plan, "k", extra, None)(codes, scales)
+    assert not _store_streams(plan, "k", extra[0], None)(codes, scales)
+    assert not _store_streams(plan, "k", None, None)(codes[:, :192], scales[:, :192])

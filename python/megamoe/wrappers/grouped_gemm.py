@@ -196,15 +196,14 @@ def _store_streams(
     b_extra_blocks: tuple[torch.Tensor, torch.Tensor] | None,
 ) -> StreamsPredicate:
     """:data:`StreamsPredicate` of :func:`grouped_gemm` over ``plan`` (codes ``[E, N,
-    K/2]``, or ``[E, K, N/2]`` MN-major)."""
+    K/2]``, or ``[E, K, N/2]`` MN-major). Called before the extra columns are checked:
+    where they are not well formed it answers False, and their checks then name them."""
     major_mn = b_major == "mn"
-    n_extra = 0
-    if b_extra is not None:
-        n_extra = b_extra.shape[2]
-    elif b_extra_blocks is not None:
-        n_extra = b_extra_blocks[0].shape[1] + b_extra_blocks[1].shape[1]
 
     def streams(codes: torch.Tensor, scales: torch.Tensor) -> bool:
+        n_extra = _extra_columns(b_extra, b_extra_blocks)
+        if n_extra is None:
+            return False
         n_base = 2 * codes.shape[2] if major_mn else codes.shape[1]
         chunk = _store_stream_chunk(
             n_base, n_extra, b_extra_blocks, major_mn, scales, plan, codes.shape[0]
@@ -212,6 +211,22 @@ def _store_streams(
         return chunk is not None
 
     return streams
+
+
+def _extra_columns(b_extra: object, b_extra_blocks: object) -> int | None:
+    """:func:`grouped_gemm`'s extra columns ``N_x`` (0 without), or None where the
+    arguments are not 3-D tensors (a tuple of two, for the blocks)."""
+    if b_extra is not None:
+        return b_extra.shape[2] if isinstance(b_extra, torch.Tensor) and b_extra.ndim == 3 else None
+    if b_extra_blocks is None:
+        return 0
+    if not (
+        isinstance(b_extra_blocks, tuple)
+        and len(b_extra_blocks) == 2
+        and all(isinstance(x, torch.Tensor) and x.ndim == 3 for x in b_extra_blocks)
+    ):
+        return None
+    return b_extra_blocks[0].shape[1] + b_extra_blocks[1].shape[1]
 
 
 def _extra_blocks_fit_one_tile(blocks: tuple[torch.Tensor, torch.Tensor] | None) -> bool:
