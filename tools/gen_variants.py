@@ -13,8 +13,9 @@ import sys
 import tomllib
 from pathlib import Path
 
-# How each kernel family is instantiated: its header, the kernel-table type and the
-# expression that builds the table from the variant's template arguments.
+# How each kernel family is instantiated: its header, the kernel-table type, the
+# expression that builds the table from the variant's template arguments and, optionally,
+# a static_assert that the registry's other fields match the kernel.
 FAMILIES = {
     "route_plan": {
         "header": "route_plan.cuh",
@@ -48,6 +49,9 @@ FAMILIES = {
         "params_header": "engine/weight_stream_params.h",
         "table_type": "WeightStreamKernels",
         "make": "megamoe::kernels::weight_stream_kernels<megamoe::StreamKind::{kind}, {tokens}>()",
+        # The registry's tile columns, which the Python wrappers' shape rules read.
+        "check": "static_assert(megamoe::kernels::engine::StreamConfig<megamoe::StreamKind::"
+        '{kind}, {tokens}>::kColumns == {columns}, "variants.toml: {name}\'s columns");',
     },
 }
 
@@ -98,6 +102,8 @@ def generate(registry_path: Path, out_dir: Path) -> list[Path]:
             + family["make"].format(**params)
             + ";\n}  // namespace megamoe::variants\n"
         )
+        if "check" in family:
+            text += family["check"].format(**entry) + "\n"
         path = out_dir / f"variant_{entry['name']}.cu"
         _write_if_changed(path, text)
         sources.append(path)

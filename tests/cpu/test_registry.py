@@ -38,6 +38,19 @@ def test_generator_writes_one_source_per_variant(tmp_path):
     assert f"kRoutePlanRoutesPerTile = {registry().route_plan_routes_per_tile}" in constants
 
 
+def test_weight_stream_variants_name_their_tile_columns(tmp_path):
+    """Each weight-streaming variant names its tile's output columns, which the wrappers'
+    shape rules read; its generated source checks them against the kernel's
+    StreamConfig::kColumns at compile time (tools/compile_variants.py builds them)."""
+    variants = registry().family("weight_stream")
+    assert variants and all(v.params["columns"] in (64, 128, 256) for v in variants)
+    load_generator().generate(ROOT / "python/megamoe/variants.toml", tmp_path)
+    for v in variants:
+        kind, tokens, columns = v.params["kind"], v.params["tokens"], v.params["columns"]
+        source = (tmp_path / f"variant_{v.name}.cu").read_text()
+        assert f"StreamKind::{kind}, {tokens}>::kColumns == {columns}" in source
+
+
 def test_generator_rewrites_nothing_when_unchanged(tmp_path):
     generator = load_generator()
     generator.generate(ROOT / "python/megamoe/variants.toml", tmp_path)

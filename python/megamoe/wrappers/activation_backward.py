@@ -49,20 +49,13 @@ __all__ = [
 BLOCK_N = 256
 
 
-def _dgrad2_stream_chunk(
-    intermediate: int, scales: torch.Tensor, plan: RoutePlan, experts: int
-) -> int | None:
-    """dgrad2's streaming chunk (``_stream_chunk``): tiles of 256 ``I`` columns, chunks up
-    to 128 rows."""
-    return _stream_chunk(intermediate, BLOCK_N, scales, plan, experts, widest=128)
-
-
 def _dgrad2_streams(plan: RoutePlan) -> StreamsPredicate:
     """``StreamsPredicate`` of dgrad2 over ``plan`` (``w2`` codes as stored, ``[E, H,
     I/2]``). The launch also asks 8-byte aligned epilogue operands, not known here: with
     unaligned ones the engine's in-pipeline decode runs up to the streaming limit."""
     return lambda codes, scales: (
-        _dgrad2_stream_chunk(2 * codes.shape[2], scales, plan, codes.shape[0]) is not None
+        _stream_chunk("ActivationBackward", 2 * codes.shape[2], scales, plan, codes.shape[0])
+        is not None
     )
 
 
@@ -302,7 +295,7 @@ def _launch(
         t.data_ptr() % 8 == 0
         for t in (preact, dgrad_preact, *(() if weighted is None else (weighted,)))
     ):
-        chunk = _dgrad2_stream_chunk(intermediate, decode_scales, plan, experts)
+        chunk = _stream_chunk("ActivationBackward", intermediate, decode_scales, plan, experts)
     # The epilogue's operands, in the order both launchers take them.
     epilogue = (
         dl(preact),

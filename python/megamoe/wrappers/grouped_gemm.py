@@ -32,6 +32,7 @@ from ..env import num_sms as resolve_device_sms
 from ..heuristics import mxfp4_decodes_in_pipeline, weight_stream_chunk
 from ..validation.arguments import check_choice, check_tensor
 from . import _native
+from .registry import registry
 from .routing import RoutePlan
 
 ACTIVATIONS = {"swiglu": 0, "geglu": 1}
@@ -128,44 +129,42 @@ def mxfp4_b_unchecked(
     return k, _dequantized(codes, scales), None
 
 
+def _stream_tile_columns() -> dict[str, dict[int, int]]:
+    """Each weight-streaming kind's tile columns by chunk rows, from the registry
+    (variants.toml's ``columns``, which the generated sources check against the kernels)."""
+    tiles: dict[str, dict[int, int]] = {}
+    for variant in registry().family("weight_stream"):
+        params = variant.params
+        tiles.setdefault(params["kind"], {})[params["tokens"]] = params["columns"]
+    return tiles
+
+
+#: Read once at import, as the registry is.
+_STREAM_TILE_COLUMNS = _stream_tile_columns()
+
+
 def _stream_chunk(
-    columns: int,
-    tile: int,
-    scales: torch.Tensor,
-    plan: RoutePlan,
-    experts: int,
-    *,
-    widest: int = 64,
-    wide_tile: int | None = None,
+    kind: str, columns: int, scales: torch.Tensor, plan: RoutePlan, experts: int
 ) -> int | None:
-    """The chunk of the weight-streaming kernel for an MXFP4 GEMM decoded in its
-    pipeline, or None where its shape does not allow it: ``columns`` (GEMM1's ``I``,
-    GEMM2's and dgrad1's ``N``, dgrad2's ``I``) in whole tiles of ``tile`` columns
-    (``wide_tile`` in 256-row chunks, up to ``widest`` rows: GEMM1 and GEMM2 halve their
-    tiles there), segments padded to whole chunks of 32 or 64 rows (wider chunks start
-    at each segment's start), and scales it can read two bytes at a time."""
-    chunk = weight_stream_chunk(plan.route_to_pool_row.numel(), experts, widest=widest)
-    if chunk == 256 and wide_tile is not None:
-        tile = wide_tile
-    elif chunk <= 64 and plan.block_m % chunk:
+    """The chunk of the weight-streaming kernel of ``kind`` (a StreamKind name) for an
+    MXFP4 GEMM decoded in its pipeline, or None where its shape does not allow it:
+    ``columns`` (GEMM1's ``I``, GEMM2's and dgrad1's ``N``, dgrad2's ``I``) in whole tiles
+    of the chunk's variant, segments padded to whole chunks of 32 or 64 rows (wider chunks
+    start at each segment's start), and scales it can read two bytes at a time. The
+    widest chunk the heuristic may take is the kind's widest variant."""
+    tiles = _STREAM_TILE_COLUMNS[kind]
+    chunk = weight_stream_chunk(plan.route_to_pool_row.numel(), experts, widest=max(tiles))
+    if chunk <= 64 and plan.block_m % chunk:
         return None
-    if columns % tile or scales.data_ptr() % 2:
+    if columns % tiles[chunk] or scales.data_ptr() % 2:
         return None
     return chunk
-
-
-def _gated_stream_chunk(
-    inter: int, scales: torch.Tensor, plan: RoutePlan, experts: int
-) -> int | None:
-    """GEMM1's streaming chunk (:func:`_stream_chunk`): tiles of 128 ``h`` columns, 64 in
-    256-row chunks."""
-    return _stream_chunk(inter, 128, scales, plan, experts, widest=256, wide_tile=64)
 
 
 def _gated_streams(plan: RoutePlan) -> StreamsPredicate:
     """:data:`StreamsPredicate` of GEMM1 over ``plan`` (codes ``[E, 2I, H/2]``)."""
     return lambda codes, scales: (
-        _gated_stream_chunk(codes.shape[1] // 2, scales, plan, codes.shape[0]) is not None
+        _stream_chunk("Gated", codes.shape[1] // 2, scales, plan, codes.shape[0]) is not None
     )
 
 
@@ -178,14 +177,13 @@ def _store_stream_chunk(
     plan: RoutePlan,
     experts: int,
 ) -> int | None:
-    """:func:`grouped_gemm`'s streaming chunk (:func:`_stream_chunk`): K-major B (GEMM2)
-    with at most 256 extra columns, tiles of 256 columns (128 in 256-row chunks); MN-major
-    B (dgrad1, the weights as stored) with extra blocks that fit its one extra tile, tiles
-    of 256 columns and chunks up to 128 rows."""
+    """:func:`grouped_gemm`'s streaming chunk (:func:`_stream_chunk`): K-major B (GEMM2,
+    kind Store) with at most 256 extra columns; MN-major B (dgrad1, the weights as stored,
+    kind StoreMN) with extra blocks that fit its one extra tile."""
     if not major_mn and n_extra <= 256:
-        return _stream_chunk(n_base, 256, scales, plan, experts, widest=256, wide_tile=128)
+        return _stream_chunk("Store", n_base, scales, plan, experts)
     if major_mn and _extra_blocks_fit_one_tile(b_extra_blocks):
-        return _stream_chunk(n_base, 256, scales, plan, experts, widest=128)
+        return _stream_chunk("StoreMN", n_base, scales, plan, experts)
     return None
 
 
@@ -643,7 +641,7 @@ def _launch_gated(
     dl = _native.dlpack
     chunk = None
     if decode_scales is not None:
-        chunk = _gated_stream_chunk(two_i // 2, decode_scales, plan, w13.shape[0])
+        chunk = _stream_chunk("Gated", two_i // 2, decode_scales, plan, w13.shape[0])
     if chunk is not None:
         # MXFP4 with few rows per expert: decoded into the wgmma's A registers.
         with _native.on_device(a.device):
