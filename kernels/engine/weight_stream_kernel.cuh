@@ -701,6 +701,23 @@ __device__ __forceinline__ void load_line_codes(uint32_t at, uint32_t (&words)[8
                : "r"(at + 16));
 }
 
+// Two lines of a step (rows r and r + 8 of one m64 tile: their codes at shared address
+// `first` and `apart` bytes on, their two scale words at `scale_words_at`) into the
+// tile's fragment, under their own scale check. The loads first.
+__device__ __forceinline__ void decode_line_pair(uint32_t first, uint32_t apart,
+                                                 uint32_t scale_words_at, uint32_t selector,
+                                                 Fragment (&fragment)[1]) {
+  uint32_t scale_words[2];
+  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];"
+               : "=r"(scale_words[0]), "=r"(scale_words[1])
+               : "r"(scale_words_at));
+  uint32_t words[2][8];
+#pragma unroll
+  for (int line = 0; line < 2; ++line) load_line_codes(first + line * apart, words[line]);
+  const mxfp4::StepScales<2> scales(scale_words);
+  mxfp4::decode_rows<1>(words, scales, selector, fragment);
+}
+
 struct StreamLines {
   // Line l's codes are at code_offset + line_code_offset(l) in a stage's code area.
   __device__ __forceinline__ static constexpr uint32_t line_code_offset(int line) {
@@ -740,16 +757,8 @@ struct StreamLines {
   __device__ __forceinline__ void decode_half(uint32_t code_area, uint32_t scale_area,
                                               Fragment& fragment) const {
     const uint32_t base = code_area + code_offset + line_code_offset(2 * Half);
-    uint32_t scale_words[2];
-    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];"
-                 : "=r"(scale_words[0]), "=r"(scale_words[1])
-                 : "r"(scale_area + scale_offset + 8 * Half));
-    uint32_t words[2][8];
-#pragma unroll
-    for (int line = 0; line < 2; ++line)
-      load_line_codes(base + line_code_offset(line), words[line]);
-    const mxfp4::StepScales<2> scales(scale_words);
-    mxfp4::decode_rows<1>(words, scales, selector, *reinterpret_cast<Fragment(*)[1]>(&fragment));
+    decode_line_pair(base, line_code_offset(1), scale_area + scale_offset + 8 * Half, selector,
+                     *reinterpret_cast<Fragment(*)[1]>(&fragment));
   }
 };
 
@@ -797,15 +806,7 @@ struct StreamLinePair {
   __device__ __forceinline__ void decode(uint32_t code_area, uint32_t scale_area,
                                          Fragment (&fragments)[1]) const {
     const uint32_t base = code_area + code_offset;
-    uint32_t scale_words[2];
-    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];"
-                 : "=r"(scale_words[0]), "=r"(scale_words[1])
-                 : "r"(scale_area + scale_offset));
-    uint32_t words[2][8];
-#pragma unroll
-    for (int line = 0; line < 2; ++line) load_line_codes(base + line * kSecondLine, words[line]);
-    const mxfp4::StepScales<2> scales(scale_words);
-    mxfp4::decode_rows<1>(words, scales, selector, fragments);
+    decode_line_pair(base, kSecondLine, scale_area + scale_offset, selector, fragments);
   }
 };
 
