@@ -11,9 +11,10 @@ count; CUDA-event medians of ``--iters`` launches after warm-up, each queued beh
 short GPU busy-wait so that the host's work for the launch (DLPack exports, tensor maps,
 the launcher's checks: tens of microseconds against kernels of a few hundred) falls
 outside the timed window. Checks that each streaming kernel's output is the engine's,
-bit for bit, on the rows in use. Needs a Hopper GPU:
+bit for bit, on the rows in use. ``--preact``: GEMM1 as the training forward runs it
+(``g | u`` stored too, clamp 10; both outputs' bits compared). Needs a Hopper GPU:
 
-    python tools/weight_stream_ab.py [--tokens 128,512,2048,4096] [--rank 128]
+    python tools/weight_stream_ab.py [--tokens 128,512,2048,4096] [--rank 128] [--preact]
 """
 
 from __future__ import annotations
