@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Where an MXFP4 base should be decoded: inside the GEMM pipeline or into a transient
-BF16 buffer first (megamoe.heuristics.MXFP4_PIPELINE_MAX_ROWS_PER_EXPERT).
+BF16 buffer first (megamoe.heuristics.MXFP4_PIPELINE_MAX_ROWS_PER_EXPERT, and
+MXFP4_STREAM_MAX_ROWS_PER_EXPERT for the GEMMs the weight-streaming kernels take).
 
 Times GEMM1 (gated, no side) and GEMM2 at ep4rank dims for each token count, with the
 in-pipeline decode forced on (``pipe``) and off (``trans``), beside the BF16 weights;
@@ -41,6 +42,13 @@ def time_decode(name: str, weight: torch.Tensor, codes: torch.Tensor, scales: to
     )
 
 
+def set_limits(pipeline: int, stream: int | None = None) -> None:
+    """Both in-pipeline limits of :mod:`megamoe.heuristics` (rows per expert): the
+    engine's and the streaming kernels' (``stream``: the same as ``pipeline`` if None)."""
+    heuristics.MXFP4_PIPELINE_MAX_ROWS_PER_EXPERT = pipeline
+    heuristics.MXFP4_STREAM_MAX_ROWS_PER_EXPERT = pipeline if stream is None else stream
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--tokens", default="128,512,2048,4096,8192,16384,65536")
@@ -55,7 +63,10 @@ def main() -> None:
     w2 = (torch.randn(e, h, i, device=dev) * i**-0.5).bfloat16()
     c13, s13 = mm.quantize_mxfp4(w13, axis=-1)
     c2, s2 = mm.quantize_mxfp4(w2, axis=-1)
-    limit = heuristics.MXFP4_PIPELINE_MAX_ROWS_PER_EXPERT
+    limits = (
+        heuristics.MXFP4_PIPELINE_MAX_ROWS_PER_EXPERT,
+        heuristics.MXFP4_STREAM_MAX_ROWS_PER_EXPERT,
+    )
     for name, weight, codes, scales in (("w13", w13, c13, s13), ("w2", w2, c2, s2)):
         print(time_decode(name, weight, codes, scales))
     print(f"{'T':>6} {'rows/e':>6} {'gemm':>6} {'bf16 ms':>8} {'pipe ms':>8} {'trans ms':>8}")
@@ -80,11 +91,12 @@ def main() -> None:
             ),
         }
         for name, (bf16, mxfp4) in cases.items():
-            heuristics.MXFP4_PIPELINE_MAX_ROWS_PER_EXPERT = 1 << 30  # always in the pipeline
+            # Both limits: the engine's in-pipeline decode and the streaming kernels'.
+            set_limits(1 << 30)  # always in the pipeline
             pipe = median(mxfp4)
-            heuristics.MXFP4_PIPELINE_MAX_ROWS_PER_EXPERT = 0  # always a transient decode
+            set_limits(0)  # always a transient decode
             trans = median(mxfp4)
-            heuristics.MXFP4_PIPELINE_MAX_ROWS_PER_EXPERT = limit
+            set_limits(*limits)
             rows = plan.pool_capacity // e
             print(f"{tokens:>6} {rows:>6} {name:>6} {median(bf16):8.3f} {pipe:8.3f} {trans:8.3f}")
 

@@ -31,8 +31,8 @@
 //  - consumers (warpgroups 1 and 2, 64 rows of each half): per base step, read their
 //    rows' codes and scale words, decode both halves' fragments into one of two register
 //    buffers while the previous step's MMAs run, then issue the step's MMAs (register A)
-//    as one batch (the dgrads' 128-row chunks: each tile decoded into its own buffer and
-//    its MMAs committed as a batch of their own, while the other tile's run); segment
+//    as one batch (128-row chunks: each tile decoded into its own buffer and its MMAs
+//    committed as a batch of their own, while the other tile's run); segment
 //    steps are shared-memory wgmma (the factor read MN-major); then the epilogue from
 //    registers.
 // Contract: `full` completes when the stage's TMA bytes landed and every producer thread
@@ -789,7 +789,7 @@ constexpr bool stream_line_pair_offsets_follow_the_layout() {
 }
 static_assert(stream_line_pair_offsets_follow_the_layout<true>() &&
                   stream_line_pair_offsets_follow_the_layout<false>(),
-              "a wide consumer reads its own rows and words");
+              "a one-tile consumer reads its own rows and words");
 
 template <bool kGated>
 struct StreamLinePair {
@@ -877,11 +877,12 @@ __device__ __forceinline__ void fence_fragment(Fragment& f) {
     for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(f[k16][i])::"memory");
 }
 
-// The wide Gated side steps: a side step's box is b1's (or b3's) [64 K][64 h] (MN-major,
-// 128-byte swizzle), and a thread's A rows r and r + 8 are the gate and the up row of one
-// h column, whose side sums run over different pool columns (q1, q3). So the side steps
-// are register MMAs over K = 2r: a q1 step's fragment holds b1 in the gate rows and
-// zeros in the up rows, a q3 step's the reverse (a zero product adds nothing, exactly).
+// The one-tile Gated side steps (256-row chunks): a side step's box is b1's (or b3's)
+// [64 K][64 h] (MN-major, 128-byte swizzle), and a thread's A rows r and r + 8 are the
+// gate and the up row of one h column, whose side sums run over different pool columns
+// (q1, q3). So the side steps are register MMAs over K = 2r: a q1 step's fragment holds
+// b1 in the gate rows and zeros in the up rows, a q3 step's the reverse (a zero product
+// adds nothing, exactly).
 // Two ldmatrix.x4.trans read a warp's 8 h columns (unit 4 c + warp of every K row, the
 // StoreMN lane offsets): matrix m of load x is K rows 32 x + 8 m .. + 7, and thread
 // (g, t) receives K rows 2t, 2t + 1 (+ 8 m) of its column g: a0 (m even) or a2 of k16

@@ -85,7 +85,7 @@ MXFP4_PIPELINE_MAX_ROWS_PER_EXPERT = 448
 #: (:func:`weight_stream_chunk`). Pool rows per expert are its capacity, padding
 #: included. Measured on the layer at ep4rank dims (docs/PERFORMANCE.md, thirty-sixth
 #: session, replayed F+B): streaming 13% faster than the transient decode at 704 rows per
-#: expert (T = 6144), even at 896 (T = 8192).
+#: expert (T = 6144), 1% slower at 896 (T = 8192).
 MXFP4_STREAM_MAX_ROWS_PER_EXPERT = 768
 
 

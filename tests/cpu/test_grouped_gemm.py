@@ -104,3 +104,42 @@ def test_streaming_predicate_answers_false_on_malformed_extra_columns():
     assert _store_streams(plan, "k", extra, None)(codes, scales)
     assert not _store_streams(plan, "k", extra[0], None)(codes, scales)
     assert not _store_streams(plan, "k", None, None)(codes[:, :192], scales[:, :192])
+
+
+@pytest.mark.parametrize(
+    "kind,expected",
+    [
+        # (chunk, tile columns) at 16 / 48 / 100 / 200 rows per expert
+        ("Gated", [(32, 128), (64, 128), (128, 128), (256, 64)]),
+        ("Store", [(32, 256), (64, 256), (128, 256), (256, 128)]),
+        ("StoreMN", [(32, 256), (64, 256), (128, 256), (128, 256)]),
+        ("ActivationBackward", [(32, 256), (64, 256), (128, 256), (128, 256)]),
+    ],
+)
+def test_stream_chunk_takes_whole_tiles_of_the_chunks_variant(kind, expected):
+    """Each kind's chunk by rows per expert (GEMM1 and GEMM2 up to 256 rows, the dgrads
+    up to 128) and the tile columns its variant needs (variants.toml): whole tiles stream,
+    one and a half tiles do not; nor does a scales pointer at an odd address."""
+    from megamoe.wrappers.grouped_gemm import _stream_chunk
+
+    experts, top_k = 8, 2
+    scales = torch.zeros(4, dtype=torch.uint8)
+    for rows, (chunk, tile) in zip((16, 48, 100, 200), expected, strict=True):
+        tokens = rows * experts // top_k
+        ids, _ = make_routing(tokens, experts, top_k, kind="balanced", seed=0)
+        plan = mm.plan_routes(ids, experts, mm.get_block_m(tokens, top_k, experts))
+        assert _stream_chunk(kind, 3 * tile, scales, plan, experts) == chunk
+        assert _stream_chunk(kind, 3 * tile // 2, scales, plan, experts) is None
+        assert _stream_chunk(kind, 3 * tile, scales[1:], plan, experts) is None
+
+
+def test_dgrad2_streaming_predicate_reads_i_from_the_codes_as_stored():
+    """dgrad2's predicate: w2's codes as stored, [E, H, I/2], stream where I is whole
+    256-column tiles."""
+    from megamoe.wrappers.activation_backward import _dgrad2_streams
+
+    plan, *_ = _setup()
+    scales = torch.zeros(4, dtype=torch.uint8)
+    streams = _dgrad2_streams(plan)
+    assert streams(torch.zeros(EXPERTS, 64, 128, dtype=torch.uint8), scales)  # I = 256
+    assert not streams(torch.zeros(EXPERTS, 64, 192, dtype=torch.uint8), scales)  # I = 384
