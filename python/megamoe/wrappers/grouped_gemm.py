@@ -123,8 +123,14 @@ def mxfp4_b_unchecked(
     """:func:`mxfp4_b` of CUDA codes and scales without the argument checks (the fused
     pipelines': the weights were checked where they entered)."""
     k = codes.shape[1] if b_major == "mn" else 2 * codes.shape[2]
-    stream = streams is not None and streams(codes, scales)
-    if mxfp4_decodes_in_pipeline(plan.pool_capacity, codes.shape[0], streams=stream):
+    rows, experts = plan.pool_capacity, codes.shape[0]
+    # The predicate only where it decides: below the engine's limit both decode in the
+    # pipeline (the few-token steps, whose host time counts).
+    if mxfp4_decodes_in_pipeline(rows, experts) or (
+        streams is not None
+        and mxfp4_decodes_in_pipeline(rows, experts, streams=True)
+        and streams(codes, scales)
+    ):
         return k, codes, scales
     return k, _dequantized(codes, scales), None
 
@@ -409,11 +415,7 @@ def grouped_gemm_unchecked(
         k = b.shape[1] if major_mn else b.shape[2]
     packed = 2 if decode_scales is not None else 1
     n_base = b.shape[2] * packed if major_mn else b.shape[1]
-    n_extra = 0
-    if b_extra is not None:
-        n_extra = b_extra.shape[2]
-    elif b_extra_blocks is not None:
-        n_extra = b_extra_blocks[0].shape[1] + b_extra_blocks[1].shape[1]
+    n_extra = _extra_columns(b_extra, b_extra_blocks)  # checked where they entered
     out = torch.empty(a.shape[0], n_base + n_extra, dtype=torch.bfloat16, device=a.device)
     return _launch_store(
         a, b, plan, k, n_base, n_extra, decode_scales, major_mn, b_extra, b_extra_blocks, out
