@@ -2,11 +2,12 @@
 //
 // Memory-bound: 0.27 B read per 2 B written. Each thread decodes 32-bit code words (8
 // codes -> one 16-byte store); lane l of a warp owns word base + l, so every load
-// instruction of a warp reads 128 contiguous bytes and every store writes 512. Each
-// thread keeps kWordsInFlight loads in flight per pass, to cover DRAM latency without a
-// deeper grid. A word's four BF16 pairs come from the weight-streaming GEMM's placement
-// (engine/fragment_decode.cuh: PRMT, shift, mask, then one exact BF16x2 multiply by
-// 2^(scale - 1)); scale bytes from 128 up (rare; 0xFF is NaN) take the FP32 path.
+// instruction of a warp reads 128 contiguous bytes and every store writes 512. One word
+// per thread and pass, with the device full of threads: batches of 2 to 8 loads per
+// thread were 2-4% slower (docs/PERFORMANCE.md, thirty-seventh session). A word's four
+// BF16 pairs come from the weight-streaming GEMM's placement (engine/fragment_decode.cuh:
+// PRMT, shift, mask, then one exact BF16x2 multiply by 2^(scale - 1)); scale bytes from
+// 128 up (rare; 0xFF is NaN) take the FP32 path.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -20,7 +21,6 @@ namespace megamoe::kernels {
 
 namespace mxfp4_decode {
 
-constexpr int kWordsInFlight = 4;
 constexpr int kWordsPerBlock = kMxfp4Block / 8;  // 8 codes per 32-bit word
 
 // The 8 BF16 values of one code word under its block's scale byte.
@@ -51,19 +51,8 @@ __global__ void __launch_bounds__(kMxfp4DecodeThreads) mxfp4_decode_words(Mxfp4D
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const uint32_t* __restrict__ words = reinterpret_cast<const uint32_t*>(p.packed);
   uint4* __restrict__ out = static_cast<uint4*>(p.out);
-  int64_t word = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  for (; word + (kWordsInFlight - 1) * stride < num_words; word += kWordsInFlight * stride) {
-    uint32_t codes[kWordsInFlight], scales[kWordsInFlight];
-#pragma unroll
-    for (int i = 0; i < kWordsInFlight; ++i) {
-      codes[i] = __ldg(words + word + i * stride);
-      scales[i] = __ldg(p.scales + (word + i * stride) / kWordsPerBlock);
-    }
-#pragma unroll
-    for (int i = 0; i < kWordsInFlight; ++i)
-      out[word + i * stride] = decode_word(codes[i], scales[i]);
-  }
-  for (; word < num_words; word += stride)
+  for (int64_t word = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; word < num_words;
+       word += stride)
     out[word] = decode_word(__ldg(words + word), __ldg(p.scales + word / kWordsPerBlock));
 }
 

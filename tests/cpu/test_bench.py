@@ -7,11 +7,13 @@ import sys
 import types
 
 import pytest
+import torch
 
 from megamoe.bench import cli
 from megamoe.bench.flops import backward_flops, forward_flops
 from megamoe.bench.shapes import SHAPES, estimate_peak_bytes
 from megamoe.bench.timing import copy_bandwidth, floor_ms
+from megamoe.testing.inputs import make_routing
 
 GIB = 2**30
 QUICK = ["--device", "cpu", "--iters", "1", "--warmup", "0", "--quiet"]
@@ -109,6 +111,11 @@ def test_help_states_every_option_and_its_default(capsys):
         (["--tokens", "128,many"], "--tokens"),
         (["--tokens", "0,16"], "--tokens"),
         (["--ep", "2", "--dtype", "bf16,mxfp4"], "--ep"),
+        (["--routing", "zipf"], "--routing"),
+        (["--skew", "0.5"], "--skew"),
+        (["--routing", "skewed", "--skew", "-1"], "--skew"),
+        (["--routing", "skewed", "--skew", "nan"], "--skew"),
+        (["--ep", "2", "--routing", "skewed"], "--ep"),
     ],
 )
 def test_cli_rejects_bad_options(argv, match, capsys):
@@ -362,6 +369,32 @@ def test_table_shows_graph_replay_times_against_the_floor():
     header, line = cli.format_table(rows).splitlines()
     assert header.endswith("x floor  graph ms  x floor")
     assert line.split()[-3:] == ["2.13x", "0.900", "1.20x"]
+
+
+def test_max_expert_load_hand_counts():
+    ids = torch.tensor([[0, 1], [0, 2], [0, -1], [3, 1]])  # loads 3, 2, 1, 1: mean 7/4
+    assert cli.max_expert_load(ids, 4) == pytest.approx(3 / (7 / 4))
+    assert cli.max_expert_load(ids, 8) == pytest.approx(3 / (7 / 8))  # empty experts count
+    assert cli.max_expert_load(torch.full((2, 2), -1), 4) == 1.0  # no routes
+
+
+def test_skewed_routing_reaches_the_layer_and_the_report(tmp_path, capsys):
+    report = _run(
+        tmp_path, "--shape", "small", "--tokens", "64", "--backend", "baseline",
+        "--pass", "forward", "--dtype", "bf16", "--routing", "skewed", "--skew", "1.5",
+    )  # fmt: skip
+    assert report["routing"] == {"kind": "skewed", "skew": 1.5}
+    (row,) = report["results"]
+    shape = SHAPES["small"]
+    ids, _ = make_routing(64, shape.num_local_experts, shape.top_k, kind="skewed", skew=1.5)
+    assert row["max_load"] == pytest.approx(cli.max_expert_load(ids, shape.num_local_experts))
+    assert row["max_load"] > 1.5 and row["routing"] == "skewed"
+    header, line = capsys.readouterr().out.splitlines()[-2:]
+    assert header.endswith("max load") and line.endswith(f"{row['max_load']:.2f}x")
+    balanced = _run(tmp_path, "--shape", "small", "--backend", "baseline", "--pass", "forward")
+    assert balanced["routing"] == {"kind": "balanced"}
+    assert balanced["results"][0]["max_load"] == pytest.approx(1.0)
+    assert "max load" not in capsys.readouterr().out
 
 
 def test_cuda_graph_option_is_parsed():

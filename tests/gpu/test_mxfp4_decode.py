@@ -35,7 +35,7 @@ def test_every_code_byte_under_every_scale_byte():
 @pytest.mark.parametrize("rows,blocks", [(1, 1), (3, 5), (257, 4), (1031, 300)])
 def test_sizes(rows, blocks):
     """One block; odd counts; and (1031, 300): 1.24M code words, more than four passes of
-    the grid a 132-SM device holds, so the unrolled pass and the tail both run."""
+    the grid a 132-SM device holds (grid-stride passes, the last one partial)."""
     gen = torch.Generator().manual_seed(rows)
     packed = torch.randint(0, 256, (rows, 16 * blocks), generator=gen, dtype=torch.uint8)
     scales = torch.randint(100, 150, (rows, blocks), generator=gen, dtype=torch.uint8)

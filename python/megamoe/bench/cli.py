@@ -19,10 +19,15 @@ Runs:
                    it; --plot draws time against tokens with the floors;
   expert parallel  --ep P: megamoe.bench.ep on P local GPUs under torchrun.
 
+Routing: balanced by default (expert loads even); --routing skewed draws Zipf-like expert
+popularity (--skew), and the table gives each token count's busiest expert's routes
+over the mean ("max load").
+
 Examples:
   python -m megamoe.bench                                   # ep4rank on a GPU
   python -m megamoe.bench --mode side-lora,ordinary --dtype bf16,mxfp4 --json t.json --plot t.png
   python -m megamoe.bench --tokens 128,512,2048,8192,65536 --dtype bf16,mxfp4 --plot sweep.png
+  python -m megamoe.bench --tokens 512,4096 --routing skewed --skew 0.5 --cuda-graph
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from pathlib import Path
 import torch
 
 import megamoe
+from megamoe.testing.inputs import DEFAULT_SKEW
 
 from .flops import backward_flops, forward_flops
 from .shapes import SHAPES, Shape, estimate_peak_bytes, host_memory_available
@@ -50,6 +56,7 @@ BACKENDS = ("fused", "baseline", "reference")
 PASSES = ("forward", "fwd+bwd")
 MODES = ("side-lora", "ordinary")
 DTYPES = ("bf16", "mxfp4")
+ROUTINGS = ("balanced", "skewed")
 GIB = 2**30
 #: Bytes of the copy that measures the device bandwidth: far beyond the H200's 50 MB
 #: L2 (GPU); smaller on a CPU, where the figure only serves the CPU's own sweep.
@@ -177,7 +184,10 @@ def _measure(
         format=dtype,
         requires_grad=True,
         trainable_base=ordinary,
+        routing=args.routing,
+        **({"skew": args.skew} if args.routing == "skewed" else {}),
     )
+    load = max_expert_load(layer.topk_ids, shape.num_local_experts)
     leaves = list(layer.grad_leaves().values())
     # Hold only the weights this backend reads, as a trainer would: the baseline takes
     # the nn.Linear-layout pair, the fused layer the prepared base (for a frozen base the
@@ -257,6 +267,8 @@ def _measure(
             samples_ms=list(timing.samples_ms),
             flops=flops[pass_name],
             tflops=flops[pass_name] / (timing.median_ms * 1e-3) / 1e12,
+            routing=args.routing,
+            max_load=load,
         )
         if device.type == "cuda":
             row["peak_gib"] = torch.cuda.max_memory_allocated(device) / GIB
@@ -270,6 +282,19 @@ def _measure(
         rows.append(row)
     setup()
     return rows
+
+
+def max_expert_load(topk_ids: torch.Tensor, num_experts: int) -> float:
+    """The busiest expert's routes over the mean routes per expert (1.0: even loads).
+
+    Args:
+        topk_ids: ``[T, K]`` integer expert ids in ``0 .. num_experts - 1``, ``-1`` masked.
+        num_experts: ``E``, the experts the mean is taken over.
+    """
+    ids = topk_ids.reshape(-1)
+    loads = torch.bincount(ids[ids >= 0].long().cpu(), minlength=num_experts)
+    mean = float(loads.sum()) / num_experts
+    return float(loads.max()) / mean if mean > 0 else 1.0
 
 
 def _graph_replay_ms(
@@ -318,7 +343,8 @@ def format_table(rows: list[dict]) -> str:
     launched (fused rows on a GPU); ``vs baseline`` is the baseline's time over this
     row's at the same mode, format, tokens and pass; ``x floor`` (token sweeps) the time
     over the weight-read floor; ``graph ms`` (``--cuda-graph``) the pass replayed from a
-    CUDA graph."""
+    CUDA graph; ``max load`` (rows with other than balanced routing) the busiest expert's
+    routes over the mean."""
     baseline = {
         _key(row): row["median_ms"]
         for row in rows
@@ -326,6 +352,7 @@ def format_table(rows: list[dict]) -> str:
     }
     floors = any("x_floor" in row for row in rows)
     graphs = any("graph_ms" in row for row in rows)
+    loads = any(row.get("routing", "balanced") != "balanced" for row in rows)
     header = (
         f"{'mode':<9} {'dtype':<5} {'tokens':>6} {'backend':<9} {'pass':<7} {'median ms':>10} "
         f"{'TFLOP/s':>8} {'peak GiB':>9} {'launches':>8} {'vs baseline':>11}"
@@ -333,6 +360,7 @@ def format_table(rows: list[dict]) -> str:
     header += f" {'x floor':>8}" if floors else ""
     header += f" {'graph ms':>9}" if graphs else ""
     header += f" {'x floor':>8}" if graphs and floors else ""
+    header += f" {'max load':>8}" if loads else ""
     lines = [header]
     for row in rows:
         lead = (
@@ -357,6 +385,8 @@ def format_table(rows: list[dict]) -> str:
             if floors:
                 graph_floor = row.get("graph_x_floor")
                 line += f" {graph_floor:>7.2f}x" if graph_floor else f" {'-':>8}"
+        if loads:
+            line += f" {row['max_load']:>7.2f}x" if "max_load" in row else f" {'-':>8}"
         lines.append(line)
     return "\n".join(lines)
 
@@ -495,6 +525,20 @@ def build_parser() -> argparse.ArgumentParser:
         "128,512,2048,8192,65536; adds the weight-read floor and each time's ratio to it "
         "(default: off, the shape's own T)",
     )
+    add(
+        "--routing",
+        choices=ROUTINGS,
+        default="balanced",
+        help="router output: balanced (expert loads as even as possible) or skewed "
+        "(Zipf-like expert popularity p ~ 1/rank**skew, K distinct experts per token) "
+        "(default: balanced)",
+    )
+    add(
+        "--skew",
+        type=float,
+        help=f"Zipf exponent of --routing skewed, >= 0 (0: uniform draws) (default: "
+        f"{DEFAULT_SKEW})",
+    )
     add("--warmup", type=int, default=3, help="untimed runs before sampling (default: 3)")
     add("--iters", type=int, default=10, help="timed samples; the median is reported (default: 10)")
     add("--seed", type=int, default=0, help="seed of the inputs and routing (default: 0)")
@@ -558,10 +602,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             parser.error(f"--tokens: expected token counts >= 1, got {args.tokens!r}")
     if args.iters < 1 or args.warmup < 0:
         parser.error("--iters must be >= 1 and --warmup >= 0")
+    if args.skew is not None and args.routing != "skewed":
+        parser.error("--skew: applies to --routing skewed only")
+    if args.skew is None:
+        args.skew = DEFAULT_SKEW
+    if not args.skew >= 0:  # NaN too
+        parser.error(f"--skew: expected a Zipf exponent >= 0, got {args.skew}")
     if args.ep < 1:
         parser.error("--ep must be >= 1")
     if args.ep > 1 and (len(args.modes) > 1 or len(args.dtypes) > 1 or args.tokens):
         parser.error("--ep: takes one --mode and one --dtype, and no --tokens")
+    if args.ep > 1 and args.routing != "balanced":
+        parser.error("--ep: routes each rank's tokens itself (--routing balanced only)")
     if args.device.startswith("cuda") and not gpu:
         parser.error("--device cuda: no CUDA GPU is available")
     return args
@@ -685,6 +737,8 @@ def main(argv: list[str] | None = None) -> int:
             "shape": vars(shape) | {"num_routes": shape.num_routes},
             "modes": args.modes,
             "dtypes": args.dtypes,
+            "routing": {"kind": args.routing}
+            | ({"skew": args.skew} if args.routing == "skewed" else {}),
             "warmup": args.warmup,
             "iters": args.iters,
             "sweep": sweep,
@@ -716,6 +770,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{shape.name}: T={tokens} H={shape.hidden} I={shape.intermediate} "
         f"E_l={shape.num_local_experts} K={shape.top_k} r={shape.side_rank} "
+        f"routing={args.routing}{f' (skew {args.skew:g})' if args.routing == 'skewed' else ''} "
         f"device={report['device']} commit={commit or 'unknown'}"
     )
     if sweep:
