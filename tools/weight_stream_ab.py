@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """The GEMMs with an MXFP4 base at few rows per expert: the weight-streaming kernels
-(chunks of 32 and 64 rows; also 128, and for GEMM1 and GEMM2 256, the wide form) against the
+(chunks of 32 and 64 rows; also 128, and for GEMM1 and GEMM2 192 and 256, the wide form) against the
 engine's in-pipeline decode and the engine on BF16 weights, in one process, with the
 weight-read floor of each format.
 
@@ -26,7 +26,7 @@ import torch
 
 import megamoe as mm
 from megamoe.bench.timing import time_fn
-from megamoe.testing.inputs import make_routing
+from megamoe.testing.inputs import DEFAULT_SKEW, make_routing
 from megamoe.wrappers import _native
 from megamoe.wrappers.grouped_gemm import ACTIVATIONS, GROUP_M, gated_grouped_gemm, grouped_gemm
 
@@ -55,9 +55,10 @@ def _kernel_ms(fn, device: torch.device, iters: int) -> float:
 
 
 def _pool(tokens: int, args: argparse.Namespace, columns: int, dev: torch.device) -> tuple:
-    """The route plan of ``tokens`` balanced tokens and a random BF16 pool of ``columns``
+    """The route plan of ``tokens`` tokens (``--routing``) and a random BF16 pool of ``columns``
     columns whose padding rows are zeros, as the layer's are."""
-    ids, _ = make_routing(tokens, args.experts, args.top_k, kind="balanced", seed=0)
+    extra = {"skew": args.skew} if args.routing == "skewed" else {}
+    ids, _ = make_routing(tokens, args.experts, args.top_k, kind=args.routing, seed=0, **extra)
     plan = mm.plan_routes(
         ids.to(dev), args.experts, mm.get_block_m(tokens, args.top_k, args.experts)
     )
@@ -104,7 +105,7 @@ def measure(tokens: int, args: argparse.Namespace, w13, codes, scales, side: dic
 
 #: The chunk columns of the table; GEMM1 and GEMM2 have every chunk, the dgrads (the
 #: transposed kinds) 32, 64 and 128.
-CHUNKS = (32, 64, 128, 256)
+CHUNKS = (32, 64, 128, 192, 256)
 TRANSPOSED_CHUNKS = (32, 64, 128)
 
 
@@ -294,6 +295,8 @@ def main() -> None:
         action="store_true",
         help="GEMM1 as the training forward runs it: g | u stored, clamp 10",
     )
+    parser.add_argument("--routing", choices=("balanced", "skewed"), default="balanced")
+    parser.add_argument("--skew", type=float, default=DEFAULT_SKEW, help="Zipf exponent (skewed)")
     args = parser.parse_args()
     dev = torch.device("cuda")
     e, h, i, r = args.experts, args.hidden, args.intermediate, args.rank

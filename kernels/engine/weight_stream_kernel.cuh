@@ -2,12 +2,12 @@
 // form of the engine's forward kinds, where the weights are the wgmma's A operand,
 // decoded from their codes straight into the A-fragment registers (fragment_decode.cuh),
 // and a chunk of an expert's pool rows is its N (TOKENS = 32 or 64; also 128, and for
-// GEMM1 and GEMM2 256: the wide form, chunks from each segment's start, StreamConfig::
-// kWide; 128-row chunks decode and multiply a step's two m64 tiles one at a time, 256-row
-// chunks hold one m64 weight tile per consumer warpgroup). No decoded tile passes
-// through shared memory, and every consumer warp decodes: the decode's integer work,
-// which bounds an MXFP4 GEMM when each weight meets few rows, spreads over all four
-// schedulers. Four kinds (StreamKind):
+// GEMM1 and GEMM2 192 and 256: the wide form, chunks from each segment's start,
+// StreamConfig::kWide; 128-row chunks decode and multiply a step's two m64 tiles one at a
+// time, 192- and 256-row chunks hold one m64 weight tile per consumer warpgroup). No decoded tile
+// passes through shared memory, and every consumer warp decodes: the decode's integer work, which
+// bounds an MXFP4 GEMM when each weight meets few rows, spreads over all four schedulers. Four
+// kinds (StreamKind):
 //  - Gated (GEMM1): a tile is 128 h columns, the gate rows and the up rows of w13 as the
 //    two halves of each step's codes; K side steps (b1, then b3, as given) before the
 //    base; the gated activation;
@@ -175,10 +175,13 @@ struct StreamTiles {
 };
 
 // The wide form's MMA widths (StreamConfig::MmaWidths): a 128-row chunk's data rows
-// rounded up to 64 or 128; a 256-row chunk always 256 wide. The tile's loop is
-// instantiated per width, and ptxas serialized the wgmma of the 256-row kernels with
-// more than one width, and of the 128-row kernels with widths 32 and 96, for registers.
+// rounded up to 64 or 128; a 192- or 256-row chunk always as wide as the chunk. The
+// tile's loop is instantiated per width, and ptxas serialized the wgmma of the 256-row
+// kernels with more than one width (also 192 and 256, and 192 as a 128- and a 64-wide
+// MMA), and of the 128-row kernels with widths 32 and 96, for registers: a chunk of 192
+// rows is its own kernel (docs/ENGINE.md, "192-row chunks").
 using StreamWideWidths128 = std::integer_sequence<int, 64, 128>;
+using StreamWideWidths192 = std::integer_sequence<int, 192>;
 using StreamWideWidths256 = std::integer_sequence<int, 256>;
 
 // The width for `rows` data rows: the first of Widths that holds them, else the last.
@@ -192,12 +195,13 @@ __host__ __device__ constexpr int stream_wide_width(int rows,
 }
 static_assert(stream_wide_width(1, StreamWideWidths128{}) == 64 &&
                   stream_wide_width(65, StreamWideWidths128{}) == 128 &&
+                  stream_wide_width(1, StreamWideWidths192{}) == 192 &&
                   stream_wide_width(1, StreamWideWidths256{}) == 256,
               "a chunk's rows round up to the next width");
 
 template <StreamKind kKind, int Tokens>
 struct StreamConfig {
-  static_assert(Tokens == 32 || Tokens == 64 || Tokens == 128 || Tokens == 256,
+  static_assert(Tokens == 32 || Tokens == 64 || Tokens == 128 || Tokens == 192 || Tokens == 256,
                 "wgmma N of the chunk");
   static constexpr bool kGated = kKind == StreamKind::Gated;
   static constexpr bool kActivation = kKind == StreamKind::ActivationBackward;
@@ -206,20 +210,22 @@ struct StreamConfig {
   // Segment steps on every tile (GEMM1's side, dgrad2's a2), not on extra tiles only.
   static constexpr bool kSegmentEveryTile = kGated || kActivation;
   static constexpr int kTokensPerChunk = Tokens;
-  // The wide form (chunks of 128 or 256 rows, from each segment's start): each weight is
+  // The wide form (chunks of 128, 192 or 256 rows, from each segment's start): each weight is
   // decoded once per wide chunk (docs/ENGINE.md, "The wide form"). A chunk's MMAs are as
   // wide as its data rows rounded up to one of MmaWidths.
   static constexpr bool kWide = stream_chunks_from_segment_starts(Tokens);
-  using MmaWidths = std::conditional_t<Tokens == 256, StreamWideWidths256, StreamWideWidths128>;
+  using MmaWidths = std::conditional_t<
+      Tokens == 256, StreamWideWidths256,
+      std::conditional_t<Tokens == 192, StreamWideWidths192, StreamWideWidths128>>;
   // 128-row chunks keep the narrow form's two m64 tiles per consumer warpgroup (2 x 64
   // accumulators), a step's tiles decoded and multiplied one at a time so that one
-  // fragment buffer per tile fits beside them. 256-row chunks (GEMM1 and GEMM2 only) hold
-  // one m64 tile per consumer warpgroup, so their 128 accumulators and two fragment
-  // buffers (32) fit; a thread's rows r and r + 8 are a gated tile's gate and up rows of
-  // one h column.
+  // fragment buffer per tile fits beside them. 192- and 256-row chunks (GEMM1 and GEMM2
+  // only) hold one m64 tile per consumer warpgroup, so their 96 or 128 accumulators and
+  // two fragment buffers (32) fit; a thread's rows r and r + 8 are a gated tile's gate and
+  // up rows of one h column.
   static_assert(!(kWide && kTransposed) || Tokens == 128,
                 "the transposed kinds' wide chunks are 128 rows");
-  static constexpr bool kOneTile = kWide && Tokens == 256;
+  static constexpr bool kOneTile = kWide && Tokens >= 192;
   static constexpr bool kTilesOneAtATime = kWide && !kOneTile;
   static constexpr int kHalves = kOneTile ? 1 : 2;  // m64 tiles per consumer
   static constexpr int kConsumers = 2;
@@ -254,7 +260,7 @@ struct StreamConfig {
   // Six stages, not as many as fit: shared memory takes its room from L1 (one 256 KB
   // array per SM), and deeper rings measured slower (docs/ENGINE.md, "The ring's depth");
   // the wide 256-row chunks fit four (Store) or five (Gated), and three stages measured
-  // no faster there.
+  // no faster there; the 192-row chunks fit five (Store) or six (Gated).
   static constexpr int kStages = kStagesFit > 6 ? 6 : kStagesFit;
   static_assert(kStages >= 3, "a ring deep enough to overlap the loads");
   static constexpr int kSmemBytes = 1024 + kStages * kStageBytes + kDotBytes + kBarrierBytes;
@@ -374,7 +380,7 @@ struct StreamScaleRows {
   }
 };
 
-// One tile (256-row chunks): thread i of the producer warpgroup writes, per base step,
+// One tile (192- and 256-row chunks): thread i of the producer warpgroup writes, per base step,
 // the scale word of one line, consumer quad i / 2's line i % 2: row r (line 0) or r + 8
 // of its warpgroup's m64 tile, Gated the gate and the up row of h column 32 c + 8 warp +
 // lane / 4 (the up rows I on). 4 bytes of the stage's scale area, from one 16-bit load.
@@ -607,6 +613,7 @@ struct StreamMmaOps;
 MEGAMOE_STREAM_MMA_OPS(32)
 MEGAMOE_STREAM_MMA_OPS(64)
 MEGAMOE_STREAM_MMA_OPS(128)
+MEGAMOE_STREAM_MMA_OPS(192)
 MEGAMOE_STREAM_MMA_OPS(256)
 #undef MEGAMOE_STREAM_MMA_OPS
 
@@ -762,7 +769,7 @@ struct StreamLines {
   }
 };
 
-// One tile (256-row chunks): a consumer thread's two lines are rows r and r + 8 (r = 16
+// One tile (192- and 256-row chunks): a consumer thread's two lines are rows r and r + 8 (r = 16
 // warp + lane / 4) of its warpgroup's m64 tile: Gated the gate and the up row of h column
 // 32 c + 8 warp + lane / 4 (the code area is the gate rows' [64][32] bytes, then the up
 // rows'); Store rows 64 c + r and + 8 of the tile's 128 ([128][32]). Its quad's scale
@@ -877,7 +884,7 @@ __device__ __forceinline__ void fence_fragment(Fragment& f) {
     for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(f[k16][i])::"memory");
 }
 
-// The one-tile Gated side steps (256-row chunks): a side step's box is b1's (or b3's)
+// The one-tile Gated side steps (192- and 256-row chunks): a side step's box is b1's (or b3's)
 // [64 K][64 h] (MN-major, 128-byte swizzle), and a thread's A rows r and r + 8 are the
 // gate and the up row of one h column, whose side sums run over different pool columns
 // (q1, q3). So the side steps are register MMAs over K = 2r: a q1 step's fragment holds

@@ -114,14 +114,14 @@ WEIGHT_STREAM_SMALL_CHUNK_MAX_ROWS = 24
 
 #: Expected pool rows per expert up to which the weight-streaming GEMMs keep the 64-row
 #: chunk; above it they take the wide form, whose chunks of 128 rows (and for GEMM1 and
-#: GEMM2 256) start at each segment's start, so that each weight is decoded once per 128
-#: or 256 rows, not per 64. Every kind keeps two m64 weight tiles per consumer warpgroup
-#: in 128-row chunks, a step's tiles decoded and multiplied one at a time; GEMM1's and
-#: GEMM2's 256-row chunks hold one (docs/ENGINE.md, "The wide form", "The 128-row
-#: transposed chunks" and "GEMM1 and GEMM2 in the two-tile 128-row form"). A 256-row
-#: chunk is the slower per row beyond 256 rows (fewer stages fit, and its MMAs are 256
-#: wide whatever its rows), so it is taken only where an expert's rows need two 128-row
-#: chunks but fit one of 256.
+#: GEMM2 192 or 256) start at each segment's start, so that each weight is decoded once
+#: per 128, 192 or 256 rows, not per 64. Every kind keeps two m64 weight tiles per
+#: consumer warpgroup in 128-row chunks, a step's tiles decoded and multiplied one at a
+#: time; GEMM1's and GEMM2's 192- and 256-row chunks hold one (docs/ENGINE.md, "The wide
+#: form", "The 128-row transposed chunks", "GEMM1 and GEMM2 in the two-tile 128-row form"
+#: and "192-row chunks"). Their MMAs are as wide as the chunk whatever its rows, so each
+#: is taken only where an expert's rows need two chunks of the next narrower size but fit
+#: one of its own: 192 for 129 to 192 expected rows per expert, 256 for 193 to 256.
 WEIGHT_STREAM_NARROW_MAX_ROWS = 64
 
 
@@ -129,8 +129,9 @@ def weight_stream_chunk(num_routes: int, num_experts: int, *, widest: int = 64) 
     """Pool rows per chunk of the weight-streaming GEMMs for ``num_routes`` routes over
     ``num_experts`` experts: 32 or 64 (see :data:`WEIGHT_STREAM_SMALL_CHUNK_MAX_ROWS`),
     and above :data:`WEIGHT_STREAM_NARROW_MAX_ROWS` rows per expert the wide form up to
-    ``widest`` rows (64: none; 128: the dgrads; 256: GEMM1 and GEMM2, which take 256 for
-    129 to 256 rows per expert). Host values only: no synchronisation."""
+    ``widest`` rows (64: none; 128: the dgrads; 256: GEMM1 and GEMM2, which take 192 for
+    129 to 192 rows per expert and 256 for 193 to 256). Host values only: no
+    synchronisation."""
     check_int("num_routes", num_routes, minimum=0)
     check_int("num_experts", num_experts, minimum=1)
     if widest not in (64, 128, 256):
@@ -140,4 +141,6 @@ def weight_stream_chunk(num_routes: int, num_experts: int, *, widest: int = 64) 
         return 32
     if widest == 64 or rows_per_expert <= WEIGHT_STREAM_NARROW_MAX_ROWS:
         return 64
-    return 256 if widest == 256 and 128 < rows_per_expert <= 256 else 128
+    if widest == 256 and 128 < rows_per_expert <= 256:
+        return 192 if rows_per_expert <= 192 else 256
+    return 128

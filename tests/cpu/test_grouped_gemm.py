@@ -109,11 +109,11 @@ def test_streaming_predicate_answers_false_on_malformed_extra_columns():
 @pytest.mark.parametrize(
     "kind,expected",
     [
-        # (chunk, tile columns) at 16 / 48 / 100 / 200 rows per expert
-        ("Gated", [(32, 128), (64, 128), (128, 128), (256, 64)]),
-        ("Store", [(32, 256), (64, 256), (128, 256), (256, 128)]),
-        ("StoreMN", [(32, 256), (64, 256), (128, 256), (128, 256)]),
-        ("ActivationBackward", [(32, 256), (64, 256), (128, 256), (128, 256)]),
+        # (chunk, tile columns) at 16 / 48 / 100 / 160 / 200 rows per expert
+        ("Gated", [(32, 128), (64, 128), (128, 128), (192, 64), (256, 64)]),
+        ("Store", [(32, 256), (64, 256), (128, 256), (192, 128), (256, 128)]),
+        ("StoreMN", [(32, 256), (64, 256), (128, 256), (128, 256), (128, 256)]),
+        ("ActivationBackward", [(32, 256), (64, 256), (128, 256), (128, 256), (128, 256)]),
     ],
 )
 def test_stream_chunk_takes_whole_tiles_of_the_chunks_variant(kind, expected):
@@ -124,7 +124,7 @@ def test_stream_chunk_takes_whole_tiles_of_the_chunks_variant(kind, expected):
 
     experts, top_k = 8, 2
     scales = torch.zeros(4, dtype=torch.uint8)
-    for rows, (chunk, tile) in zip((16, 48, 100, 200), expected, strict=True):
+    for rows, (chunk, tile) in zip((16, 48, 100, 160, 200), expected, strict=True):
         tokens = rows * experts // top_k
         ids, _ = make_routing(tokens, experts, top_k, kind="balanced", seed=0)
         plan = mm.plan_routes(ids, experts, mm.get_block_m(tokens, top_k, experts))

@@ -121,10 +121,10 @@ def test_weight_stream_chunk_steps_up_with_the_rows_per_expert(experts):
     small = mm.heuristics.WEIGHT_STREAM_SMALL_CHUNK_MAX_ROWS
     narrow = mm.heuristics.WEIGHT_STREAM_NARROW_MAX_ROWS
     assert small < narrow
-    rows = (0, small, small + 1, narrow, narrow + 1, 128, 129, 256, 257, 10_000)
-    assert [chunk(r, 256) for r in rows] == [32, 32, 64, 64, 128, 128, 256, 256, 128, 128]
+    rows = (0, small, small + 1, narrow, narrow + 1, 128, 129, 192, 193, 256, 257, 10_000)
+    assert [chunk(r, 256) for r in rows] == [32, 32, 64, 64, 128, 128, 192, 192, 256, 256, 128, 128]
     # The dgrads' wide form is 128 rows.
-    assert [chunk(r, 128) for r in rows] == [32, 32, 64, 64, 128, 128, 128, 128, 128, 128]
+    assert [chunk(r, 128) for r in rows] == [32, 32, 64, 64] + [128] * 8
     # No wide form.
     assert [chunk(r, 64) for r in (small, small + 1, narrow + 1, 10_000)] == [32, 64, 64, 64]
     # Up to 256 rows per expert the chunk only grows.
@@ -144,7 +144,7 @@ def test_weight_stream_chunk_rejects_other_widths(widest):
 
 def test_every_weight_stream_chunk_has_its_variants():
     variants = _stream_variants()
-    for routes in (0, 1_000, 3_000, 6_000, 12_000, 100_000):
+    for routes in (0, 1_000, 3_000, 6_000, 12_000, 15_000, 100_000):
         forward = mm.heuristics.weight_stream_chunk(routes, 64, widest=256)
         dgrads = mm.heuristics.weight_stream_chunk(routes, 64, widest=128)
         assert {("Gated", forward), ("Store", forward)} <= variants

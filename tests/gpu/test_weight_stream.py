@@ -1,6 +1,6 @@
 """The weight-streaming GEMMs (kernels/engine/weight_stream_kernel.cuh): an MXFP4 base
 decoded into the wgmma's A registers, the pool's rows in chunks of 32 or 64 as N (also
-128, and for GEMM1 and GEMM2 256: the wide form, whose chunks start at each segment's
+128, and for GEMM1 and GEMM2 192 and 256: the wide form, whose chunks start at each segment's
 start; a 128-row chunk's MMAs are 64 or 128 wide, by its rows);
 GEMM1 (gated, side K segment), GEMM2 (store, a2 extra columns), dgrad1 (the weights as
 stored, decoded transposed; the b1/b3 shrinks as extra columns) and dgrad2 (w2 as stored,
@@ -37,7 +37,7 @@ from megamoe.wrappers.mxfp4_decode import decode_mxfp4_bf16
 pytestmark = pytest.mark.gpu
 
 CHUNKS = [32, 64, 128]  # the dgrads: the narrow form and 128-row chunks from segment starts
-FORWARD_CHUNKS = [32, 64, 128, 256]  # GEMM1 and GEMM2: the narrow and the wide form
+FORWARD_CHUNKS = [32, 64, 128, 192, 256]  # GEMM1 and GEMM2: the narrow and the wide form
 ACTIVATIONS = {"swiglu": 0, "geglu": 1}
 
 
@@ -238,7 +238,9 @@ def test_every_scale_byte_matches_the_engine(chunk, scale_mod):
     assert same_bits(h[:rows][data], twin[:rows][data])
 
 
-@pytest.mark.parametrize("tokens,chunk", [(512, 64), (1024, 128), (2048, 256)])  # 48 .. 192 rows
+@pytest.mark.parametrize(
+    "tokens,chunk", [(512, 64), (1024, 128), (2048, 192), (2560, 256)]
+)  # 48 .. 240 rows per expert
 def test_repeated_runs_are_bitwise_equal(monkeypatch, tokens, chunk):
     native = _native.native()
     launches = []

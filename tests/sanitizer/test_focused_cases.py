@@ -207,11 +207,13 @@ GEMM_CASES = [
     pytest.param(150, 2, "2", id="150-tokens-two-ctas"),
 ]
 # GEMM1 and GEMM2 streaming also in the wide form, chunks from each segment's start: of
-# 256 rows (about 150 rows per expert) and of 128 (about 100, MMAs 64 or 128 wide).
+# 192 rows (about 150 rows per expert), of 256 (about 220) and of 128 (about 100, MMAs 64
+# or 128 wide).
 STREAM_FORWARD_CASES = [
     *GEMM_CASES,
     pytest.param(600, 2, None, id="600-tokens-wide"),
     pytest.param(600, 2, "2", id="600-tokens-wide-two-ctas"),
+    pytest.param(880, 2, "2", id="880-tokens-wide-256-two-ctas"),
     pytest.param(400, 2, "2", id="400-tokens-wide-128-two-ctas"),
 ]
 # The dgrads streaming also in 128-row chunks from each segment's start: about 100 rows
