@@ -121,10 +121,11 @@ def test_weight_stream_chunk_steps_up_with_the_rows_per_expert(experts):
     small = mm.heuristics.WEIGHT_STREAM_SMALL_CHUNK_MAX_ROWS
     narrow = mm.heuristics.WEIGHT_STREAM_NARROW_MAX_ROWS
     assert small < narrow
-    rows = (0, small, small + 1, narrow, narrow + 1, 128, 129, 192, 193, 256, 257, 10_000)
-    assert [chunk(r, 256) for r in rows] == [32, 32, 64, 64, 128, 128, 192, 192, 256, 256, 128, 128]
+    rows = (0, small, small + 1, narrow, narrow + 1, 128, 129, 192, 193, 256, 257, 384, 385)
+    assert [chunk(r, 256) for r in rows] == [32, 32, 64, 64, 128, 128, 192, 192, 256, 256, 192,
+                                             192, 256]  # fmt: skip
     # The dgrads' wide form is 128 rows.
-    assert [chunk(r, 128) for r in rows] == [32, 32, 64, 64] + [128] * 8
+    assert [chunk(r, 128) for r in rows] == [32, 32, 64, 64] + [128] * 9
     # No wide form.
     assert [chunk(r, 64) for r in (small, small + 1, narrow + 1, 10_000)] == [32, 64, 64, 64]
     # Up to 256 rows per expert the chunk only grows.
@@ -134,6 +135,24 @@ def test_weight_stream_chunk_steps_up_with_the_rows_per_expert(experts):
             current = mm.heuristics.weight_stream_chunk(routes, experts, widest=widest)
             assert current >= last
             last = current
+
+
+def test_wide_chunk_has_the_fewest_chunk_rounds_by_the_cost_model():
+    """GEMM1's and GEMM2's chunk above 128 rows per expert: the fewest ceil(rows / c) *
+    (c + overhead) over 128 / 192 / 256, by a count written out here (overhead 56)."""
+    assert mm.heuristics.WEIGHT_STREAM_CHUNK_OVERHEAD_ROWS == 56
+    # rows per expert: (128-row rounds, 192, 256) -> costs 184 k, 248 k, 312 k
+    expected = {
+        288: 192,  # 3 x 184 = 552, 2 x 248 = 496, 2 x 312 = 624 (T = 3072 at ep4rank)
+        384: 192,  # 552, 496, 624 (T = 4096)
+        480: 256,  # 4 x 184 = 736, 3 x 248 = 744, 624 (T = 5120)
+        576: 192,  # 5 x 184 = 920, 744, 3 x 312 = 936 (T = 6144)
+        600: 128,  # 920, 4 x 248 = 992, 936
+        700: 256,  # 6 x 184 = 1104, 992, 936
+    }
+    for rows, chunk in expected.items():
+        assert mm.heuristics.weight_stream_chunk(rows * 64, 64, widest=256) == chunk, rows
+        assert mm.heuristics.weight_stream_chunk(rows * 64, 64, widest=128) == 128
 
 
 @pytest.mark.parametrize("widest", [0, 32, 96, 512, True])
@@ -170,11 +189,12 @@ def _mxfp4_w13(experts, inter, hidden):
     return codes, torch.full((experts, 2 * inter, hidden // 32), 127, dtype=torch.uint8)
 
 
-@pytest.mark.parametrize("inter,streams", [(256, True), (192, False)])
+@pytest.mark.parametrize("inter,streams", [(256, True), (160, False)])
 def test_gemm1_decodes_in_pipeline_to_the_streaming_limit_where_it_streams(inter, streams):
     """GEMM1 over a pool of 704 rows per expert (T = 6144 at ep4rank's routing): decoded
-    in the pipeline where the streaming kernel takes I (a multiple of 128), else from a
-    transient decode (the engine's in-pipeline limit is below it)."""
+    in the pipeline where the streaming kernel takes I (a multiple of its chunk's tile
+    columns: 64 in the 192-row chunks it takes there), else from a transient decode (the
+    engine's in-pipeline limit is below it)."""
     from megamoe.testing.inputs import make_routing
     from megamoe.wrappers.grouped_gemm import _gated_streams, mxfp4_b_unchecked
 
