@@ -176,7 +176,8 @@ void weight_stream_store(const Tensor& a, int64_t k_base, const Tensor& b, const
       p.n_extra_blocks = 1;
       p.segment_steps = (n_extra > kStoreColumns / 2 ? 2 : 1) * p.base_steps;
     } else {
-      // One m64 tile (256-row chunks): an extra tile per `columns` a2 columns, over all of K.
+      // One m64 tile (192- and 256-row chunks): an extra tile per `columns` a2 columns, over
+      // all of K.
       p.n_extra_blocks = static_cast<int32_t>((n_extra + columns - 1) / columns);
       p.segment_steps = p.base_steps;
     }
@@ -187,7 +188,7 @@ void weight_stream_store(const Tensor& a, int64_t k_base, const Tensor& b, const
   p.scales = static_cast<const uint8_t*>(b_scales.data());
   p.k_base = static_cast<int32_t>(k_base);
   p.weight_rows = static_cast<int32_t>(n);
-  p.half_rows = columns / 2;  // the second m64 tile's rows (256-row chunks have one)
+  p.half_rows = columns / 2;  // the second m64 tile's rows (192- and 256-row chunks have one)
   p.side_scale = 1.0f;
   p.out = out.data();
   p.out_columns = static_cast<int32_t>(n + n_extra);

@@ -4,7 +4,7 @@
 // codes -> one 16-byte store); lane l of a warp owns word base + l, so every load
 // instruction of a warp reads 128 contiguous bytes and every store writes 512. One word
 // per thread and pass, with the device full of threads: batches of 2 to 8 loads per
-// thread were 2-4% slower (docs/PERFORMANCE.md, thirty-seventh session). A word's four
+// thread were 2-5% slower (docs/PERFORMANCE.md, thirty-seventh session). A word's four
 // BF16 pairs come from the weight-streaming GEMM's placement (engine/fragment_decode.cuh:
 // PRMT, shift, mask, then one exact BF16x2 multiply by 2^(scale - 1)); scale bytes from
 // 128 up (rare; 0xFF is NaN) take the FP32 path.

@@ -52,8 +52,8 @@ REGISTER_A_HGMMA = re.compile(r"HGMMA\.\S+\s+R\d+,\s*R\d+,\s*gdesc")
 # The FP32 scale path converts through FP32; the fast path never does.
 SLOW_PATH = ("FMUL", "F2FP")
 # Register-A HGMMA per step: two weights x four k16 sub-steps; GEMM1's and GEMM2's
-# 256-row chunks (StreamKind 0 and 1, read off the kernel's name) decode one weight a
-# step (every kind's 128-row chunks keep two).
+# 192- and 256-row chunks (StreamKind 0 and 1, read off the kernel's name) decode one
+# weight a step (every kind's 128-row chunks keep two).
 HGMMA_PER_STEP = 8
 WIDE_HGMMA_PER_STEP = 4
 KERNEL_CHUNK = re.compile(r"weight_stream_kernelILNS_10StreamKindE(\d)ELi(\d+)EE")
@@ -134,7 +134,7 @@ def base_step_loop(code: list[Instruction]) -> list[Instruction]:
 
 def hgmma_per_step(sass: str) -> int:
     """Register-A HGMMA per base step: WIDE_HGMMA_PER_STEP where the listing names a
-    GEMM1 or GEMM2 kernel of 256-row chunks, else HGMMA_PER_STEP."""
+    GEMM1 or GEMM2 kernel of 192- or 256-row chunks, else HGMMA_PER_STEP."""
     kernel = KERNEL_CHUNK.search(sass)
     one_tile = kernel and kernel[1] in ONE_TILE_KINDS and int(kernel[2]) > 128
     return WIDE_HGMMA_PER_STEP if one_tile else HGMMA_PER_STEP

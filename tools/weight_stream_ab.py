@@ -296,8 +296,11 @@ def main() -> None:
         help="GEMM1 as the training forward runs it: g | u stored, clamp 10",
     )
     parser.add_argument("--routing", choices=("balanced", "skewed"), default="balanced")
-    parser.add_argument("--skew", type=float, default=DEFAULT_SKEW, help="Zipf exponent (skewed)")
+    parser.add_argument("--skew", type=float, help=f"Zipf exponent (skewed; {DEFAULT_SKEW})")
     args = parser.parse_args()
+    if args.skew is not None and args.routing != "skewed":
+        parser.error("--skew: applies to --routing skewed only")
+    args.skew = DEFAULT_SKEW if args.skew is None else args.skew
     dev = torch.device("cuda")
     e, h, i, r = args.experts, args.hidden, args.intermediate, args.rank
     w13 = (torch.randn(e, 2 * i, h, device=dev) * h**-0.5).bfloat16()

@@ -39,8 +39,8 @@ constexpr int stream_pool_box_rows(int tokens) {
 
 struct WeightStreamParams {
   // Schedule: the pool in chunks of TOKENS rows, each chunk against every column block
-  // (Gated: 128 h columns, 64 in 256-row chunks; Store: 256 output columns, 128 in
-  // 256-row chunks, then the extra columns' blocks).
+  // (Gated: 128 h columns, 64 in 192- and 256-row chunks; Store: 256 output columns, 128
+  // in 192- and 256-row chunks, then the extra columns' blocks).
   const int32_t* expert_pool_offsets;  // [E + 1] segment starts; [E] = pool rows in use
   const int32_t* expert_counts;        // [E] data rows per segment
   int32_t num_experts;

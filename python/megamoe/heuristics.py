@@ -128,7 +128,9 @@ WEIGHT_STREAM_NARROW_MAX_ROWS = 64
 #: rows (its MMAs are as wide as the chunk: 192 and 256; a 128-row chunk's last one may be
 #: 64), so GEMM1 and GEMM2 take the chunk with the fewest ceil(rows / c) * (c + this).
 #: Fitted to GEMM1's times at ep4rank dims, 0.50 / 0.69 / 0.85 ms per chunk of an expert
-#: for 128 / 192 / 256 rows (docs/PERFORMANCE.md, thirty-seventh session).
+#: for 128 / 192 / 256 rows, and checked against every forced chunk of GEMM1 and GEMM2
+#: up to 576 rows per expert (docs/PERFORMANCE.md, thirty-seventh session); past that,
+#: up to the streaming limit, it is extrapolated.
 WEIGHT_STREAM_CHUNK_OVERHEAD_ROWS = 56
 
 

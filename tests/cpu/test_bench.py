@@ -115,6 +115,7 @@ def test_help_states_every_option_and_its_default(capsys):
         (["--skew", "0.5"], "--skew"),
         (["--routing", "skewed", "--skew", "-1"], "--skew"),
         (["--routing", "skewed", "--skew", "nan"], "--skew"),
+        (["--routing", "skewed", "--skew", "inf"], "--skew"),
         (["--ep", "2", "--routing", "skewed"], "--ep"),
     ],
 )

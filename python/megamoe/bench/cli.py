@@ -36,6 +36,7 @@ import argparse
 import datetime
 import importlib
 import json
+import math
 import os
 import platform
 import subprocess
@@ -606,8 +607,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--skew: applies to --routing skewed only")
     if args.skew is None:
         args.skew = DEFAULT_SKEW
-    if not args.skew >= 0:  # NaN too
-        parser.error(f"--skew: expected a Zipf exponent >= 0, got {args.skew}")
+    if not (math.isfinite(args.skew) and args.skew >= 0):
+        parser.error(f"--skew: expected a finite Zipf exponent >= 0, got {args.skew}")
     if args.ep < 1:
         parser.error("--ep must be >= 1")
     if args.ep > 1 and (len(args.modes) > 1 or len(args.dtypes) > 1 or args.tokens):
