@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """The GEMMs with an MXFP4 base at few rows per expert: the weight-streaming kernels
-(chunks of 32 and 64 rows; also 128, and for GEMM1 and GEMM2 192 and 256, the wide form) against the
-engine's in-pipeline decode and the engine on BF16 weights, in one process, with the
-weight-read floor of each format.
+(chunks of 32 and 64 rows; also 128, and for GEMM1 and GEMM2 192 and 256, the wide form)
+against the engine's in-pipeline decode and the engine on BF16 weights, in one process,
+with the weight-read floor of each format.
 
 Times GEMM1 (gated SwiGLU, optional side segment), GEMM2 (optional a2 extra columns),
 dgrad1 (``w13`` as stored, optional b1/b3 shrink columns) and dgrad2 with the activation
@@ -55,8 +55,8 @@ def _kernel_ms(fn, device: torch.device, iters: int) -> float:
 
 
 def _pool(tokens: int, args: argparse.Namespace, columns: int, dev: torch.device) -> tuple:
-    """The route plan of ``tokens`` tokens (``--routing``) and a random BF16 pool of ``columns``
-    columns whose padding rows are zeros, as the layer's are."""
+    """The route plan of ``tokens`` tokens (``--routing``) and a random BF16 pool of
+    ``columns`` columns whose padding rows are zeros, as the layer's are."""
     extra = {"skew": args.skew} if args.routing == "skewed" else {}
     ids, _ = make_routing(tokens, args.experts, args.top_k, kind=args.routing, seed=0, **extra)
     plan = mm.plan_routes(
