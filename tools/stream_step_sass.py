@@ -345,7 +345,9 @@ def variant_sass(variant: str) -> str:
             check=True,
             capture_output=True,
         )
-        return "\n".join(compile_variants.sass_by_kernel(cuobjdump, cubin).values())
+        # With each kernel's name, which hgmma_per_step reads.
+        kernels = compile_variants.sass_by_kernel(cuobjdump, cubin)
+        return "\n".join(f"Function : {name}\n{sass}" for name, sass in kernels.items())
 
 
 def main(argv: list[str] | None = None) -> int:
