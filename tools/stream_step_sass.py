@@ -317,6 +317,12 @@ def epilogue_load_rounds(code: list[Instruction]) -> tuple[int, int]:
     return loads, rounds
 
 
+def named_listing(kernels: dict[str, str]) -> str:
+    """One listing of kernels' SASS (``compile_variants.sass_by_kernel``'s), each under its
+    ``Function :`` line as cuobjdump prints it: hgmma_per_step reads the kernel's name."""
+    return "\n".join(f"\t\tFunction : {name}\n{sass}" for name, sass in kernels.items())
+
+
 def variant_sass(variant: str) -> str:
     """The SASS of a registry variant, compiled here (nvcc, cuobjdump, CUTLASS headers)."""
     sys.path.insert(0, str(ROOT / "tools"))
@@ -345,9 +351,7 @@ def variant_sass(variant: str) -> str:
             check=True,
             capture_output=True,
         )
-        # With each kernel's name, which hgmma_per_step reads.
-        kernels = compile_variants.sass_by_kernel(cuobjdump, cubin)
-        return "\n".join(f"Function : {name}\n{sass}" for name, sass in kernels.items())
+        return named_listing(compile_variants.sass_by_kernel(cuobjdump, cubin))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -180,6 +180,11 @@ def test_wide_kernels_step_over_one_weight_and_skip_the_side_loop() -> None:
         two_tiles = sass.replace("StreamKindE0ELi256EE", f"StreamKindE{kind}ELi128EE")
         assert tool.hgmma_per_step(two_tiles) == 8
     assert tool.hgmma_per_step(sass.replace("StreamKindE0", "StreamKindE1")) == 4
+    # A compiled variant's listing keeps the name (without it the one-tile kernels were
+    # counted per two steps).
+    body = _listing([*side, *base], start)
+    assert tool.hgmma_per_step(tool.named_listing({name: body})) == 4
+    assert tool.count_per_step(tool.named_listing({name: body})) == (total, per_opcode)
 
 
 def test_rejects_a_kernel_without_the_loop() -> None:
