@@ -5,6 +5,8 @@
 // formula.
 #pragma once
 
+#include <type_traits>
+
 #include "engine_params.h"
 
 namespace megamoe::kernels::engine {
@@ -58,6 +60,22 @@ __device__ __forceinline__ void activation_and_derivative(float g, float& act, f
 // Whether a clamp is set (+inf: none).
 __device__ __forceinline__ bool is_clamped(float clamp) {
   return clamp < __int_as_float(0x7f800000);
+}
+
+// `op(kGeGLU, kClamp)` with the activation's kind and clamp as std::bool_constant: the
+// epilogues branch once per tile (or kernel) here, so their per-element math has none.
+template <class Op>
+__device__ __forceinline__ void with_activation(bool geglu, bool clamped, Op&& op) {
+  if (geglu) {
+    if (clamped)
+      op(std::true_type{}, std::true_type{});
+    else
+      op(std::true_type{}, std::false_type{});
+  } else if (clamped) {
+    op(std::false_type{}, std::true_type{});
+  } else {
+    op(std::false_type{}, std::false_type{});
+  }
 }
 
 }  // namespace megamoe::kernels::engine

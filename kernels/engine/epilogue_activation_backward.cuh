@@ -92,16 +92,11 @@ struct ActivationBackwardEpilogue {
                                                 uint8_t* staging, int thread) {
     // One branch per tile: the per-element math below has none.
     const bool clamped = is_clamped(p.activation_clamp);
-    if (p.activation == static_cast<int>(Activation::GeGLU)) {
-      if (clamped)
-        finish_rows<true, true>(p, tile, staging, thread);
-      else
-        finish_rows<true, false>(p, tile, staging, thread);
-    } else if (clamped) {
-      finish_rows<false, true>(p, tile, staging, thread);
-    } else {
-      finish_rows<false, false>(p, tile, staging, thread);
-    }
+    with_activation(p.activation == static_cast<int>(Activation::GeGLU), clamped,
+                    [&](auto kGeGLU, auto kClamp) {
+                      finish_rows<decltype(kGeGLU)::value, decltype(kClamp)::value>(
+                          p, tile, staging, thread);
+                    });
   }
 
   template <bool kGeGLU, bool kClamp>

@@ -66,16 +66,11 @@ struct GatedEpilogue {
     named_barrier_sync(kEpilogueBarrier, kThreads);
     // One branch per tile: the per-element math below has none.
     const bool clamped = is_clamped(p.activation_clamp);
-    if (p.activation == static_cast<int>(Activation::GeGLU)) {
-      if (clamped)
-        activate_in_place<true, true>(p, staging, thread);
-      else
-        activate_in_place<true, false>(p, staging, thread);
-    } else if (clamped) {
-      activate_in_place<false, true>(p, staging, thread);
-    } else {
-      activate_in_place<false, false>(p, staging, thread);
-    }
+    with_activation(p.activation == static_cast<int>(Activation::GeGLU), clamped,
+                    [&](auto kGeGLU, auto kClamp) {
+                      activate_in_place<decltype(kGeGLU)::value, decltype(kClamp)::value>(
+                          p, staging, thread);
+                    });
     fence_generic_to_async();
     named_barrier_sync(kEpilogueBarrier, kThreads);
     if (thread == 0) {
