@@ -32,6 +32,14 @@ Checks against the baseline (per variant and mangled kernel symbol):
 ``--update-baseline`` rewrites the baseline from this run; it refuses while a check
 that holds regardless of the baseline fails, or when SASS could not be read.
 
+``--expect-same-sass RESOURCES`` checks a change that should not touch device code (a
+refactor, a moved header): every kernel's SASS must be byte for byte that of another
+tree's run, whose ``<out>/resources.json`` holds a SHA-256 of each kernel's SASS. Build
+the base tree into one ``--out``, then run the change with this option:
+
+    python3 tools/compile_variants.py --out build/variants-base   # on the base tree
+    python3 tools/compile_variants.py --expect-same-sass build/variants-base/resources.json
+
 Speed: at most two nvcc jobs at once (CI has 2 cores; a CUTLASS-sized TU peaks near
 3 GB). Results are cached by content hash under ``<out>/cache``: the key covers the
 nvcc version, the CUTLASS version, the flags and every local header the variant
@@ -112,9 +120,9 @@ class CompileResult:
     seconds: float
     cached: bool
     # Per mangled symbol: (LDL/STL count, HGMMA count, producer scale loads read in their
-    # own iteration, epilogue loads per round; the last two None where the kernel has no
-    # producer loop or no loading epilogue); None without SASS.
-    sass_counts: dict[str, tuple[int, int, int | None, float | None]] | None = None
+    # own iteration, epilogue loads per round, the SASS's SHA-256; the third and fourth
+    # None where the kernel has no producer loop or no loading epilogue); None without SASS.
+    sass_counts: dict[str, tuple[int, int, int | None, float | None, str]] | None = None
 
 
 def cutlass_include() -> Path:
@@ -216,14 +224,17 @@ def stream_checks(name: str, code: str) -> tuple[int | None, float | None]:
     return early, (loads / rounds if rounds else None)
 
 
-def count_sass(sass: dict[str, str]) -> dict[str, tuple[int, int, int | None, float | None]]:
+def count_sass(
+    sass: dict[str, str],
+) -> dict[str, tuple[int, int, int | None, float | None, str]]:
     """(LDL/STL count, HGMMA count, producer loads read in their step, epilogue loads per
-    round: stream_checks) per kernel from its SASS."""
+    round: stream_checks, the SASS's SHA-256) per kernel from its SASS."""
     return {
         name: (
             len(re.findall(r"\b(?:LDL|STL)\b", code)),
             len(re.findall(r"\bHGMMA\b", code)),
             *stream_checks(name, code),
+            hashlib.sha256(code.encode()).hexdigest(),
         )
         for name, code in sass.items()
     }
@@ -318,7 +329,9 @@ def compile_one(
     if cuobjdump is not None:
         if cached and sass_path.is_file():
             counts = {k: tuple(v) for k, v in json.loads(sass_path.read_text()).items()}
-        else:
+            if any(len(v) != 5 for v in counts.values()):  # an older tool's entry: no digest
+                counts = None
+        if counts is None:
             counts = count_sass(sass_by_kernel(cuobjdump, cubin))
             sass_path.write_text(json.dumps(counts))
     return CompileResult(variant, cubin, log, seconds, cached, counts)
@@ -340,10 +353,12 @@ def measure(results: list[CompileResult], registry: dict[str, dict]) -> list[dic
         kernels = parse_ptxas(result.log)
         pretty = demangle(list(kernels))
         for symbol, usage in sorted(kernels.items()):
-            local, hgmma, early, per_round = (None, None, None, None)
+            local, hgmma, early, per_round, digest = (None, None, None, None, None)
             if result.sass_counts is not None:
                 # A kernel ptxas compiled but cuobjdump did not list counts as empty SASS.
-                local, hgmma, early, per_round = result.sass_counts.get(symbol, (0, 0, None, None))
+                local, hgmma, early, per_round, digest = result.sass_counts.get(
+                    symbol, (0, 0, None, None, hashlib.sha256(b"").hexdigest())
+                )
             rows.append(
                 {
                     "variant": result.variant,
@@ -355,6 +370,7 @@ def measure(results: list[CompileResult], registry: dict[str, dict]) -> list[dic
                     "hgmma_instructions": hgmma,
                     "producer_loads_read_in_step": early,
                     "epilogue_loads_per_round": per_round,
+                    "sass_sha256": digest,
                 }
             )
     return rows
@@ -430,6 +446,27 @@ def compare_to_baseline(
     for key in sorted(set(known) - seen):
         notes.append(f"{key[0]}: {key[1]} is in the baseline but was not built (stale entry)")
     return failures, notes
+
+
+def compare_sass(rows: list[dict], reference: list[dict]) -> list[str]:
+    """Failures for every kernel whose SASS is not byte for byte the reference run's (rows
+    of another tree's ``resources.json``), and for kernels only one run built."""
+    known = {(k["variant"], k["symbol"]): k.get("sass_sha256") for k in reference}
+    failures = []
+    seen = set()
+    for row in rows:
+        key = (row["variant"], row["symbol"])
+        seen.add(key)
+        where = f"{row['variant']}: {short_name(row['kernel'])}"
+        if key not in known:
+            failures.append(f"{where}: not built by the reference run")
+        elif known[key] is None or row.get("sass_sha256") is None:
+            failures.append(f"{where}: no SASS digest in one of the runs (cuobjdump missing?)")
+        elif known[key] != row["sass_sha256"]:
+            failures.append(f"{where}: SASS differs from the reference run's")
+    for key in sorted(set(known) - seen):
+        failures.append(f"{key[0]}: {key[1]} built by the reference run only")
+    return failures
 
 
 def load_baseline(path: Path) -> dict:
@@ -515,6 +552,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="allowed register growth per kernel (default: the baseline's, else 8)",
     )
     parser.add_argument("--no-cache", action="store_true", help="recompile every variant")
+    parser.add_argument(
+        "--expect-same-sass",
+        type=Path,
+        metavar="RESOURCES",
+        help="fail unless every kernel's SASS equals that of the run that wrote this "
+        "resources.json (a change that should not touch device code)",
+    )
     return parser.parse_args(argv)
 
 
@@ -529,7 +573,7 @@ def main(argv: list[str] | None = None) -> int:
     local_dirs = [ROOT / "kernels", gen_dir]
     includes = [*local_dirs, cutlass_include()]
     cuobjdump = find_cuobjdump()
-    if cuobjdump is None and (args.require_sass or args.update_baseline):
+    if cuobjdump is None and (args.require_sass or args.update_baseline or args.expect_same_sass):
         print("cuobjdump not found (pip install nvidia-cuda-cuobjdump)", file=sys.stderr)
         return 1
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
@@ -582,6 +626,14 @@ def main(argv: list[str] | None = None) -> int:
         tolerance = baseline.get("register_tolerance", DEFAULT_REGISTER_TOLERANCE)
     regressions, notes = compare_to_baseline(rows, baseline, tolerance) if baseline else ([], [])
     failures += regressions
+    if args.expect_same_sass is not None:
+        reference = json.loads(args.expect_same_sass.read_text())
+        sass_failures = compare_sass(rows, reference)
+        failures += sass_failures
+        print(
+            f"SASS against {args.expect_same_sass}: {len(rows) - len(sass_failures)} of "
+            f"{len(rows)} kernels byte for byte the same"
+        )
     recorded = baseline.get("toolchain", {})
     if recorded and recorded.get("nvcc") != toolchain["nvcc"]:
         notes.append(

@@ -7,6 +7,7 @@ baseline is consistent with the registry.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import sys
@@ -105,7 +106,14 @@ def test_count_sass():
         "  /*0020*/ LDL.LU R2, [R1+0x4] ;\n  /*0030*/ STL.64 [R1], R4 ;\n",
         "_Zj": "  /*0010*/ FFMA R1, R2, R3, R4 ;\n",
     }
-    assert cv.count_sass(sass) == {"_Zk": (2, 1, None, None), "_Zj": (0, 0, None, None)}
+    counts = cv.count_sass(sass)
+    assert {k: v[:4] for k, v in counts.items()} == {
+        "_Zk": (2, 1, None, None),
+        "_Zj": (0, 0, None, None),
+    }
+    # The last field is the SHA-256 of the kernel's SASS: equal text, equal digest.
+    assert counts["_Zj"][4] == hashlib.sha256(sass["_Zj"].encode()).hexdigest()
+    assert counts["_Zk"][4] != counts["_Zj"][4]
 
 
 def _producer_sass(rotated: bool) -> str:
@@ -128,7 +136,7 @@ def _producer_sass(rotated: bool) -> str:
 def test_count_sass_finds_a_producer_waiting_for_its_own_loads(rotated):
     name = "_ZN7megamoe7kernels20weight_stream_kernelILi0ELi32EEEvNS_18WeightStreamParamsE"
     (counts,) = cv.count_sass({name: _producer_sass(rotated)}).values()
-    assert counts == (0, 0, 1 if rotated else 0, None)
+    assert counts[:4] == (0, 0, 1 if rotated else 0, None)
 
 
 def _epilogue_sass(batched: bool) -> str:
@@ -153,7 +161,7 @@ def _epilogue_sass(batched: bool) -> str:
 def test_count_sass_finds_an_epilogue_loading_a_row_at_a_time(batched):
     name = "_ZN7megamoe7kernels20weight_stream_kernelILi3ELi32EEEvNS_18WeightStreamParamsE"
     (counts,) = cv.count_sass({name: _epilogue_sass(batched)}).values()
-    assert counts == (0, 0, 0, 16.0 if batched else 2.0)
+    assert counts[:4] == (0, 0, 0, 16.0 if batched else 2.0)
 
 
 @pytest.mark.parametrize(
@@ -225,6 +233,29 @@ def test_baseline_comparison():
     better = [row(symbol=s, registers=90, smem=0) for s in ("_Za", "_Zb", "_Zc", "_Zd")]
     failures, notes = cv.compare_to_baseline(better, baseline, tolerance=0)
     assert failures == [] and "gemm_v: _Zc<1> smem 1024 -> 0 bytes" in notes
+
+
+def test_compare_sass_names_every_kernel_that_differs():
+    reference = [
+        row(symbol="_Za", sass_sha256="aa"),
+        row(symbol="_Zb", sass_sha256="bb"),
+        row(symbol="_Zgone", sass_sha256="gg"),
+    ]
+    rows = [
+        row(symbol="_Za", sass_sha256="aa"),  # the same
+        row(symbol="_Zb", sass_sha256="b2"),  # changed
+        row(symbol="_Znew", sass_sha256="nn"),  # only in this run
+    ]
+    assert cv.compare_sass(rows, reference) == [
+        "gemm_v: _Zb<1>: SASS differs from the reference run's",
+        "gemm_v: _Znew<1>: not built by the reference run",
+        "gemm_v: _Zgone built by the reference run only",
+    ]
+    assert cv.compare_sass(rows[:1], reference[:1]) == []
+    # A run without SASS (no cuobjdump) cannot vouch for anything.
+    assert cv.compare_sass([row(symbol="_Za", sass_sha256=None)], reference[:1]) == [
+        "gemm_v: _Za<1>: no SASS digest in one of the runs (cuobjdump missing?)"
+    ]
 
 
 def test_baseline_document_round_trip(tmp_path):
