@@ -1,6 +1,8 @@
 """Host heuristics: get_block_m (choices from the registry, monotone, agreed transitions),
 the weight-streaming chunk, and where an MXFP4 base is decoded."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -106,6 +108,39 @@ def test_block_m_transitions_sit_on_the_heuristic_changes():
         assert below + 1 == at == above - 1
         assert mm.get_block_m(below, 6, 8) != mm.get_block_m(at, 6, 8)
         assert mm.get_block_m(at, 6, 8) == mm.get_block_m(above, 6, 8)
+
+
+def test_mxfp4_schedule_transitions_sit_on_its_changes():
+    from megamoe.heuristics import WEIGHT_STREAM_NARROW_MAX_ROWS, WEIGHT_STREAM_SMALL_CHUNK_MAX_ROWS
+    from megamoe.testing import mxfp4_schedule_transitions
+    from megamoe.testing.inputs import mxfp4_schedule
+
+    top_k, experts = 6, 64  # ep4rank
+    found = mxfp4_schedule_transitions(top_k, experts, max_tokens=9000)
+    assert found and len(found) % 3 == 0
+    middles = found[1::3]
+    for below, at, above in zip(found[::3], middles, found[2::3], strict=True):
+        assert below + 1 == at == above - 1
+        assert mxfp4_schedule(below, top_k, experts) != mxfp4_schedule(at, top_k, experts)
+        assert mxfp4_schedule(at, top_k, experts) == mxfp4_schedule(above, top_k, experts)
+    # Nothing changes between two transitions.
+    for lo, hi in itertools.pairwise(middles):
+        for tokens in (lo + 2, (lo + hi) // 2, hi - 2):
+            if lo < tokens < hi:
+                assert mxfp4_schedule(tokens, top_k, experts) == mxfp4_schedule(lo, top_k, experts)
+    # The chunk steps from 32 to 64 rows past 24 routes per expert, to the wide form past 64
+    # (T = rows x E / K), and BLOCK_M's transition is among them.
+    assert WEIGHT_STREAM_SMALL_CHUNK_MAX_ROWS * experts // top_k + 1 in middles
+    assert WEIGHT_STREAM_NARROW_MAX_ROWS * experts // top_k + 1 in middles
+    block_m = [
+        t
+        for t in range(2, 9000)
+        if mm.get_block_m(t, top_k, experts) != mm.get_block_m(t - 1, top_k, experts)
+    ]
+    assert set(block_m) <= set(middles)
+    # Past the streaming limit (the transient decode) the chunks no longer change it.
+    last = mxfp4_schedule(middles[-1], top_k, experts)
+    assert last[3] is False and all(chunk is None for _, chunk in last[1])
 
 
 def _stream_variants() -> set[tuple[str, int]]:

@@ -9,7 +9,9 @@ the production layer on one Hopper GPU, forward + backward, BF16 and MXFP4 base.
   0.99995, relative L2 <= 1e-2, all finite.
 - Repeatability: the full F+B again, bit for bit (output and every gradient).
 - Token sweep: the DESIGN §6 token list plus every BLOCK_M transition of our heuristic
-  (±1) at production width, against the same oracle in float64, same gates.
+  (±1) at production width, against the same oracle in float64, same gates; for MXFP4
+  also every transition of its schedule (±1): each weight-streaming kind's chunk and the
+  limits of the in-pipeline and streaming decodes (``mxfp4_schedule_transitions``).
 
 Timing (JSON table and PNG plot, side-LoRA and ordinary, BF16 and MXFP4, against
 ``megamoe.testing.baseline``) is ``python -m megamoe.bench``, which ``nox -s production``
@@ -38,7 +40,7 @@ from production_oracle import (
 )
 
 import megamoe as mm
-from megamoe.testing import block_m_transitions, make_layer
+from megamoe.testing import block_m_transitions, make_layer, mxfp4_schedule_transitions
 
 DEVICE = "cuda"
 MIN_GPU_GIB = 100
@@ -68,9 +70,18 @@ pytestmark = [
 ]
 
 
-def sweep_tokens() -> list[int]:
-    """The DESIGN §6 token list and our BLOCK_M transitions (±1) at the production dims."""
-    return sorted(set(DESIGN_TOKENS) | set(block_m_transitions(TOP_K, EXPERTS)))
+def sweep_tokens(format: str) -> list[int]:
+    """The DESIGN §6 token list and our BLOCK_M transitions (±1) at the production dims;
+    for MXFP4 also its schedule's transitions (±1)."""
+    transitions = (
+        mxfp4_schedule_transitions(TOP_K, EXPERTS)
+        if format == "mxfp4"
+        else block_m_transitions(TOP_K, EXPERTS)
+    )
+    return sorted(set(DESIGN_TOKENS) | set(transitions))
+
+
+SWEEP_CASES = [(format, tokens) for format in ("bf16", "mxfp4") for tokens in sweep_tokens(format)]
 
 
 @pytest.fixture(autouse=True)
@@ -186,17 +197,24 @@ def test_production_forward_backward_is_bitwise_repeatable(production: FusedRun)
         assert torch.equal(grad, production.grads[name]), name
 
 
-@pytest.fixture(scope="module", params=["bf16", "mxfp4"])
+@pytest.fixture(scope="module")
 def sweep_layer(request):
-    """Production-width weights and inputs for the largest sweep point, sliced per point."""
+    """Production-width weights and inputs for the format's largest sweep point, sliced
+    per point (one layer per format: pytest groups the cases by it)."""
     _free()
-    layer = _production_layer(request.param, "side-lora", max(sweep_tokens()), grads=False)
+    format = request.param
+    layer = _production_layer(format, "side-lora", max(sweep_tokens(format)), grads=False)
     yield layer
     del layer
     _free()
 
 
-@pytest.mark.parametrize("tokens", sweep_tokens())
+@pytest.mark.parametrize(
+    "sweep_layer,tokens",
+    SWEEP_CASES,
+    indirect=["sweep_layer"],
+    ids=[f"{f}-{t}" for f, t in SWEEP_CASES],
+)
 def test_token_sweep_at_production_width(sweep_layer, tokens: int) -> None:
     x = sweep_layer.x[:tokens].clone().requires_grad_(True)
     ids = sweep_layer.topk_ids[:tokens].contiguous()

@@ -8,7 +8,14 @@ holds the DESIGN §6 oracle gates.
 from __future__ import annotations
 
 from . import baseline, inputs, metrics
-from .inputs import ROUTING_KINDS, LayerInputs, block_m_transitions, make_layer, make_routing
+from .inputs import (
+    ROUTING_KINDS,
+    LayerInputs,
+    block_m_transitions,
+    make_layer,
+    make_routing,
+    mxfp4_schedule_transitions,
+)
 from .metrics import (
     GRAD_MIN_COSINE,
     ORACLE_MAX_REL_L2,
@@ -33,4 +40,5 @@ __all__ = [
     "make_layer",
     "make_routing",
     "metrics",
+    "mxfp4_schedule_transitions",
 ]

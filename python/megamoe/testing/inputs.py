@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..heuristics import get_block_m
+from ..heuristics import get_block_m, mxfp4_decodes_in_pipeline, weight_stream_chunk
 from ..side_lora import SIDE_NAMES, SideLoRA
 from ..validation.arguments import check_choice, check_finite_float, check_int
 from ..weights import BaseWeights, prepare_base_weights
@@ -323,6 +323,45 @@ def make_layer(
         activation=activation,
         activation_clamp=activation_clamp,
     )
+
+
+def mxfp4_schedule(tokens: int, top_k: int, num_experts: int) -> tuple:
+    """What an MXFP4 layer of ``tokens`` tokens (EP1, ``top_k`` routes each, balanced
+    expected loads) runs, as our heuristics choose it from host values: BLOCK_M, each
+    weight-streaming kind's chunk (:func:`~megamoe.heuristics.weight_stream_chunk` up to
+    the kind's widest registry variant), and whether the pool decodes in the pipeline
+    (:func:`~megamoe.heuristics.mxfp4_decodes_in_pipeline`, without and with the
+    streaming kernels; the chunks only where the pool may stream)."""
+    from ..wrappers.registry import registry
+    from ..wrappers.routing import pool_capacity
+
+    block_m = get_block_m(tokens, top_k, num_experts)
+    routes = tokens * top_k
+    widest: dict[str, int] = {}
+    for variant in registry().family("weight_stream"):
+        kind = variant.params["kind"]
+        widest[kind] = max(widest.get(kind, 0), variant.params["tokens"])
+    rows = pool_capacity(routes, num_experts, block_m)
+    streams = mxfp4_decodes_in_pipeline(rows, num_experts, streams=True)
+    # The chunks only where the pool may stream (past the limit: the transient decode).
+    chunks = tuple(
+        (kind, weight_stream_chunk(routes, num_experts, widest=max(64, w)) if streams else None)
+        for kind, w in sorted(widest.items())
+    )
+    return block_m, chunks, mxfp4_decodes_in_pipeline(rows, num_experts), streams
+
+
+def mxfp4_schedule_transitions(top_k: int, num_experts: int, max_tokens: int = 70_000) -> list[int]:
+    """Token counts ``t - 1, t, t + 1`` around every ``t`` below ``max_tokens`` where
+    :func:`mxfp4_schedule` changes: the MXFP4 layer's schedule transitions (BLOCK_M's
+    among them), which the DESIGN §6 sweep runs in addition to its token list."""
+    found, previous = [], mxfp4_schedule(1, top_k, num_experts)
+    for tokens in range(2, max_tokens):
+        current = mxfp4_schedule(tokens, top_k, num_experts)
+        if current != previous:
+            found += [tokens - 1, tokens, tokens + 1]
+            previous = current
+    return found
 
 
 def block_m_transitions(top_k: int, num_experts: int, max_tokens: int = 70_000) -> list[int]:
