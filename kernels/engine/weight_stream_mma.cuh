@@ -13,7 +13,7 @@ namespace megamoe::kernels::engine {
 // ---- the MMAs: m64 x TOKENS x k16 into TOKENS / 2 accumulators per thread ----
 
 // kSideMN: the segment steps' A (the adapter factor's box) is MN-major (Gated, Store) or
-// K-major (StoreMN).
+// K-major (the transposed kinds, StoreMN and ActivationBackward).
 template <int N, bool kSideMN>
 struct StreamMmaOps;
 #define MEGAMOE_STREAM_MMA_OPS(N)                                                              \

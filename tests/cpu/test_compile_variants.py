@@ -249,13 +249,17 @@ def test_compare_sass_names_every_kernel_that_differs():
     assert cv.compare_sass(rows, reference) == [
         "gemm_v: _Zb<1>: SASS differs from the reference run's",
         "gemm_v: _Znew<1>: not built by the reference run",
-        "gemm_v: _Zgone built by the reference run only",
+        "gemm_v: _Zgone<1> built by the reference run only",
     ]
+    assert cv.same_sass_count(rows, reference) == 1
     assert cv.compare_sass(rows[:1], reference[:1]) == []
-    # A run without SASS (no cuobjdump) cannot vouch for anything.
-    assert cv.compare_sass([row(symbol="_Za", sass_sha256=None)], reference[:1]) == [
-        "gemm_v: _Za<1>: no SASS digest in one of the runs (cuobjdump missing?)"
-    ]
+    # A run without SASS (no cuobjdump, or no listing for the kernel) vouches for nothing,
+    # even against another run without it.
+    (failure,) = cv.compare_sass([row(symbol="_Za", sass_sha256=None)], reference[:1])
+    assert failure.startswith("gemm_v: _Za<1>: no SASS digest in one of the runs")
+    both_missing = [row(symbol="_Za", sass_sha256=None)]
+    assert len(cv.compare_sass(both_missing, both_missing)) == 1
+    assert cv.same_sass_count(both_missing, both_missing) == 0
 
 
 def test_baseline_document_round_trip(tmp_path):

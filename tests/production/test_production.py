@@ -198,24 +198,29 @@ def test_production_forward_backward_is_bitwise_repeatable(production: FusedRun)
 
 
 @pytest.fixture(scope="module")
-def sweep_layer(request):
-    """Production-width weights and inputs for the format's largest sweep point, sliced
-    per point (one layer per format: pytest groups the cases by it)."""
-    _free()
-    format = request.param
-    layer = _production_layer(format, "side-lora", max(sweep_tokens(format)), grads=False)
+def sweep_layers():
+    """``layer(format)``: production-width weights and inputs for the format's largest
+    sweep point, sliced per point. One layer at a time: the cases run format by format
+    (SWEEP_CASES's order), and the next format's layer replaces the last one's."""
+    held: dict[str, object] = {}
+
+    def layer(format: str):
+        if format not in held:
+            held.clear()
+            _free()
+            held[format] = _production_layer(
+                format, "side-lora", max(sweep_tokens(format)), grads=False
+            )
+        return held[format]
+
     yield layer
-    del layer
+    held.clear()
     _free()
 
 
-@pytest.mark.parametrize(
-    "sweep_layer,tokens",
-    SWEEP_CASES,
-    indirect=["sweep_layer"],
-    ids=[f"{f}-{t}" for f, t in SWEEP_CASES],
-)
-def test_token_sweep_at_production_width(sweep_layer, tokens: int) -> None:
+@pytest.mark.parametrize("format,tokens", SWEEP_CASES, ids=[f"{f}-{t}" for f, t in SWEEP_CASES])
+def test_token_sweep_at_production_width(sweep_layers, format: str, tokens: int) -> None:
+    sweep_layer = sweep_layers(format)
     x = sweep_layer.x[:tokens].clone().requires_grad_(True)
     ids = sweep_layer.topk_ids[:tokens].contiguous()
     weights = sweep_layer.topk_weights[:tokens].clone().requires_grad_(True)

@@ -331,7 +331,10 @@ def mxfp4_schedule(tokens: int, top_k: int, num_experts: int) -> tuple:
     weight-streaming kind's chunk (:func:`~megamoe.heuristics.weight_stream_chunk` up to
     the kind's widest registry variant), and whether the pool decodes in the pipeline
     (:func:`~megamoe.heuristics.mxfp4_decodes_in_pipeline`, without and with the
-    streaming kernels; the chunks only where the pool may stream)."""
+    streaming kernels; the chunks only where the pool may stream). It does not model the
+    wrappers' per-shape refusals of a streaming kernel (tile columns, scale alignment,
+    BLOCK_M against a narrow chunk): where a shape is refused, its transitions are a
+    superset of the layer's."""
     from ..wrappers.registry import registry
     from ..wrappers.routing import pool_capacity
 
