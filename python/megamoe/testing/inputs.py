@@ -354,27 +354,27 @@ def mxfp4_schedule(tokens: int, top_k: int, num_experts: int) -> tuple:
     return block_m, chunks, mxfp4_decodes_in_pipeline(rows, num_experts), streams
 
 
-def mxfp4_schedule_transitions(top_k: int, num_experts: int, max_tokens: int = 70_000) -> list[int]:
+def _transitions(choice: Callable[[int], object], max_tokens: int) -> list[int]:
     """Token counts ``t - 1, t, t + 1`` around every ``t`` below ``max_tokens`` where
-    :func:`mxfp4_schedule` changes: the MXFP4 layer's schedule transitions (BLOCK_M's
-    among them), which the DESIGN §6 sweep runs in addition to its token list."""
-    found, previous = [], mxfp4_schedule(1, top_k, num_experts)
+    ``choice(t)`` differs from ``choice(t - 1)``."""
+    found, previous = [], choice(1)
     for tokens in range(2, max_tokens):
-        current = mxfp4_schedule(tokens, top_k, num_experts)
+        current = choice(tokens)
         if current != previous:
             found += [tokens - 1, tokens, tokens + 1]
             previous = current
     return found
+
+
+def mxfp4_schedule_transitions(top_k: int, num_experts: int, max_tokens: int = 70_000) -> list[int]:
+    """Token counts ``t - 1, t, t + 1`` around every ``t`` below ``max_tokens`` where
+    :func:`mxfp4_schedule` changes: the MXFP4 layer's schedule transitions (BLOCK_M's
+    among them), which the DESIGN §6 sweep runs in addition to its token list."""
+    return _transitions(lambda t: mxfp4_schedule(t, top_k, num_experts), max_tokens)
 
 
 def block_m_transitions(top_k: int, num_experts: int, max_tokens: int = 70_000) -> list[int]:
     """Token counts ``t - 1, t, t + 1`` around every ``t`` where our own BLOCK_M heuristic
     (:func:`~megamoe.get_block_m`, EP1) changes, for ``t`` below ``max_tokens``; the edge
     matrix tests query it instead of copying the heuristic's thresholds."""
-    found, previous = [], get_block_m(1, top_k, num_experts)
-    for tokens in range(2, max_tokens):
-        current = get_block_m(tokens, top_k, num_experts)
-        if current != previous:
-            found += [tokens - 1, tokens, tokens + 1]
-            previous = current
-    return found
+    return _transitions(lambda t: get_block_m(t, top_k, num_experts), max_tokens)
