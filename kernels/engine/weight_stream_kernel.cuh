@@ -57,7 +57,6 @@
 
 #include <type_traits>
 
-#include "activation_math.cuh"
 #include "weight_stream_config.cuh"
 #include "weight_stream_epilogue_activation_backward.cuh"
 #include "weight_stream_epilogue_gated.cuh"

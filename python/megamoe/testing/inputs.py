@@ -7,6 +7,7 @@ device (a CUDA run can be replayed on the CPU oracle and vice versa).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -17,6 +18,8 @@ from ..heuristics import get_block_m, mxfp4_decodes_in_pipeline, weight_stream_c
 from ..side_lora import SIDE_NAMES, SideLoRA
 from ..validation.arguments import check_choice, check_finite_float, check_int
 from ..weights import BaseWeights, prepare_base_weights
+from ..wrappers.registry import registry
+from ..wrappers.routing import pool_capacity
 
 ROUTING_KINDS = ("balanced", "skewed", "masked", "empty")
 DEFAULT_SKEW = 1.2
@@ -325,6 +328,17 @@ def make_layer(
     )
 
 
+@functools.cache
+def _stream_widest_chunks() -> tuple[tuple[str, int], ...]:
+    """Each weight-streaming kind's widest registry chunk, by kind name (the registry is
+    read once at import)."""
+    widest: dict[str, int] = {}
+    for variant in registry().family("weight_stream"):
+        kind = variant.params["kind"]
+        widest[kind] = max(widest.get(kind, 0), variant.params["tokens"])
+    return tuple(sorted(widest.items()))
+
+
 def mxfp4_schedule(tokens: int, top_k: int, num_experts: int) -> tuple:
     """What an MXFP4 layer of ``tokens`` tokens (EP1, ``top_k`` routes each, balanced
     expected loads) runs, as our heuristics choose it from host values: BLOCK_M, each
@@ -335,21 +349,14 @@ def mxfp4_schedule(tokens: int, top_k: int, num_experts: int) -> tuple:
     wrappers' per-shape refusals of a streaming kernel (tile columns, scale alignment,
     BLOCK_M against a narrow chunk): where a shape is refused, its transitions are a
     superset of the layer's."""
-    from ..wrappers.registry import registry
-    from ..wrappers.routing import pool_capacity
-
     block_m = get_block_m(tokens, top_k, num_experts)
     routes = tokens * top_k
-    widest: dict[str, int] = {}
-    for variant in registry().family("weight_stream"):
-        kind = variant.params["kind"]
-        widest[kind] = max(widest.get(kind, 0), variant.params["tokens"])
     rows = pool_capacity(routes, num_experts, block_m)
     streams = mxfp4_decodes_in_pipeline(rows, num_experts, streams=True)
     # The chunks only where the pool may stream (past the limit: the transient decode).
     chunks = tuple(
         (kind, weight_stream_chunk(routes, num_experts, widest=max(64, w)) if streams else None)
-        for kind, w in sorted(widest.items())
+        for kind, w in _stream_widest_chunks()
     )
     return block_m, chunks, mxfp4_decodes_in_pipeline(rows, num_experts), streams
 
