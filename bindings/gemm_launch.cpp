@@ -35,6 +35,13 @@ PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
 CUtensorMap tensor_map(const char* name, const void* base, CUtensorMapDataType type,
                        std::initializer_list<int64_t> dims, std::initializer_list<int64_t> strides,
                        std::initializer_list<int> box, bool swizzle_128b) {
+  return tensor_map(name, base, type, dims, strides, box,
+                    swizzle_128b ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_NONE);
+}
+
+CUtensorMap tensor_map(const char* name, const void* base, CUtensorMapDataType type,
+                       std::initializer_list<int64_t> dims, std::initializer_list<int64_t> strides,
+                       std::initializer_list<int> box, CUtensorMapSwizzle swizzle) {
   const int rank = static_cast<int>(dims.size());
   if (rank < 1 || rank > 5 || static_cast<int>(box.size()) != rank ||
       static_cast<int>(strides.size()) != rank - 1)
@@ -60,8 +67,7 @@ CUtensorMap tensor_map(const char* name, const void* base, CUtensorMapDataType t
   const CUresult result = encode_tiled()(
       &map, type, static_cast<cuuint32_t>(rank), const_cast<void*>(base), global_dims.data(),
       global_strides.data(), box_dims.data(), element_strides.data(), CU_TENSOR_MAP_INTERLEAVE_NONE,
-      swizzle_128b ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_NONE,
-      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+      swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (result != CUDA_SUCCESS)
     throw std::runtime_error(std::string("megamoe: cuTensorMapEncodeTiled failed for ") + name +
                              " (CUresult " + str(result) + ")");

@@ -27,6 +27,10 @@ namespace nb = nanobind;
 CUtensorMap tensor_map(const char* name, const void* base, CUtensorMapDataType type,
                        std::initializer_list<int64_t> dims, std::initializer_list<int64_t> strides,
                        std::initializer_list<int> box, bool swizzle_128b);
+// The same with any swizzle (the one-tile dgrad1's 64-byte code rows: the 64-byte one).
+CUtensorMap tensor_map(const char* name, const void* base, CUtensorMapDataType type,
+                       std::initializer_list<int64_t> dims, std::initializer_list<int64_t> strides,
+                       std::initializer_list<int> box, CUtensorMapSwizzle swizzle);
 
 // BF16 [rows, cols] with `row_stride` elements between rows, box [box_rows, 64], swizzled.
 CUtensorMap bf16_rows(const char* name, const void* base, int64_t rows, int64_t cols,

@@ -199,7 +199,7 @@ void weight_stream_store(const Tensor& a, int64_t k_base, const Tensor& b, const
 // dgrad1 over the pool with an MXFP4 b read as stored, in the swapped form: out = a .
 // [b_e | blockdiag(lo_e^T, hi_e^T)] (b codes [E, K, N/2] quantized along N; lo [E, N_lo,
 // K_lo] and hi [E, N_hi, K - K_lo] K-major as given, both or neither), in chunks of
-// `tokens` (32, 64 or 128) pool rows (check_pool).
+// `tokens` (32, 64, 128, 192 or 256) pool rows (check_pool).
 void weight_stream_store_mn(const Tensor& a, const Tensor& b, const Tensor& b_scales,
                             std::optional<Tensor> extra_lo, std::optional<Tensor> extra_hi,
                             const Tensor& offsets, const Tensor& counts, const Tensor& out,
@@ -215,9 +215,15 @@ void weight_stream_store_mn(const Tensor& a, const Tensor& b, const Tensor& b_sc
     throw nb::value_error(("b: expected K a multiple of 64 in [64, " + str(a.shape(1)) +
                            "] (a's columns), got " + str(k))
                               .c_str());
-  if (n < kStoreColumns || n % kStoreColumns != 0)
-    throw nb::value_error(("b: expected N a multiple of 256, got " + str(n)).c_str());
-  // Scales [E, K, N / 32]: a producer thread loads two column blocks as one 16-bit word.
+  // Tiles of 256 columns (two m64 tiles per consumer warpgroup) or 128 (one: 192- and
+  // 256-row chunks).
+  const int columns = kernels.columns;
+  if (n < columns || n % columns != 0)
+    throw nb::value_error(("b: expected N a multiple of " + str(columns) + " (chunks of " +
+                           str(tokens) + "), got " + str(n))
+                              .c_str());
+  // Scales [E, K, N / 32]: a producer thread loads two column blocks as one 16-bit word
+  // (one tile: one block's byte).
   check_scales("b_scales", b_scales, experts, k, n, device);
   if (extra_lo.has_value() != extra_hi.has_value())
     throw nb::value_error("extra_lo/extra_hi: give both or neither");
@@ -232,7 +238,8 @@ void weight_stream_store_mn(const Tensor& a, const Tensor& b, const Tensor& b_sc
               .c_str());
     check_tensor("extra_hi", *extra_hi, bfloat16_dtype(), {experts, -1, k - k_lo}, device);
     n_hi = extra_hi->shape(1);
-    // One extra tile: each block's columns in one half (64 per consumer warpgroup, two).
+    // Each block's columns in one half of the extra tile, or (one tile) an extra tile of
+    // its own: 64 per consumer warpgroup.
     for (const auto& [name, cols] : {std::pair{"extra_lo", n_lo}, std::pair{"extra_hi", n_hi}})
       if (cols < 8 || cols % 8 != 0 || cols > kStoreColumns / 2)
         throw nb::value_error(
@@ -240,18 +247,19 @@ void weight_stream_store_mn(const Tensor& a, const Tensor& b, const Tensor& b_sc
                 .c_str());
   }
   check_tensor("out", out, bfloat16_dtype(), {rows, n + n_lo + n_hi}, device);
-  // A base tile's epilogue writes four columns (8 bytes) at a time.
+  // A base tile's epilogue writes four columns (8 bytes) at a time (one tile: two).
   if (reinterpret_cast<uintptr_t>(out.data()) % 8 != 0)
     throw nb::value_error("out: expected an 8-byte aligned address");
 
   WeightStreamParams p{};
   set_schedule(p, offsets, counts, experts, rows, device);
-  p.n_base_blocks = static_cast<int32_t>(n / kStoreColumns);
+  p.n_base_blocks = static_cast<int32_t>(n / columns);
   p.base_steps = static_cast<int32_t>(k / kBlockK);
   if (extra_lo) {
     // The extra tile: lo over the pool's columns 0..K_lo into the first half, then hi over
-    // K_lo..K into the second; [64 K, 64 rows] boxes read K-major.
-    p.n_extra_blocks = 1;
+    // K_lo..K into the second (one tile: lo's tile, then hi's); [64 K, 64 rows] boxes read
+    // K-major.
+    p.n_extra_blocks = stream_one_tile(tokens) ? 2 : 1;
     p.segment_half = static_cast<int32_t>(k_lo / kBlockK);
     p.segment_steps = p.base_steps;
     p.segment_k_hi = static_cast<int32_t>(k_lo);
@@ -260,8 +268,12 @@ void weight_stream_store_mn(const Tensor& a, const Tensor& b, const Tensor& b_sc
     p.segment_hi = mn_major_map("extra_hi", *extra_hi, device);
   }
   p.pool = bf16_rows("a", a.data(), rows, k, a.stride(0), stream_pool_box_rows(tokens));
-  p.codes = tensor_map("b", b.data(), CU_TENSOR_MAP_DATA_TYPE_UINT8, {n / 2, k, experts},
-                       {n / 2, k * n / 2}, {kStoreColumns / 2, kBlockK, 1}, true);
+  // A step's codes: [64 rows][columns / 2 bytes], swizzled as wide as a row (128 or 64
+  // bytes), so that an ldmatrix's eight rows meet eight bank groups.
+  p.codes =
+      tensor_map("b", b.data(), CU_TENSOR_MAP_DATA_TYPE_UINT8, {n / 2, k, experts},
+                 {n / 2, k * n / 2}, {columns / 2, kBlockK, 1},
+                 stream_one_tile(tokens) ? CU_TENSOR_MAP_SWIZZLE_64B : CU_TENSOR_MAP_SWIZZLE_128B);
   p.scales = static_cast<const uint8_t*>(b_scales.data());
   p.k_base = static_cast<int32_t>(k);
   p.weight_rows = static_cast<int32_t>(k);
@@ -276,7 +288,7 @@ void weight_stream_store_mn(const Tensor& a, const Tensor& b, const Tensor& b_sc
 // swapped form: z = a . [w2_e ; a2_e^T] (codes [E, H, I/2] quantized along I; a2 as given
 // [E, I, r], or none), then per pool row and column the activation backward into dg | du
 // (over `preact` when it is the same buffer), w h and the router dot's partials [P, I /
-// 256], in chunks of `tokens` (32, 64 or 128) pool rows (check_pool).
+// 256], in chunks of `tokens` (32, 64, 128, 192 or 256) pool rows (check_pool).
 void weight_stream_activation_backward(
     const Tensor& a, const Tensor& b, const Tensor& b_scales, std::optional<Tensor> side_a2,
     const Tensor& offsets, const Tensor& counts, const Tensor& preact, const Tensor& row_weights,
@@ -312,7 +324,7 @@ void weight_stream_activation_backward(
   check_tensor("preact", preact, bfloat16_dtype(), {rows, 2 * inter}, device);
   check_tensor("dgrad_preact", dgrad_preact, bfloat16_dtype(), {rows, 2 * inter}, device);
   if (weighted_h) check_tensor("weighted_h", *weighted_h, bfloat16_dtype(), {rows, inter}, device);
-  // The epilogue reads and writes four columns (8 bytes) at a time.
+  // The epilogue reads and writes four columns (8 bytes) at a time (one tile: two).
   for (const auto& [name, t] :
        {std::pair{"preact", &preact}, std::pair{"dgrad_preact", &dgrad_preact}})
     if (reinterpret_cast<uintptr_t>(t->data()) % 8 != 0)
@@ -331,11 +343,12 @@ void weight_stream_activation_backward(
   p.base_steps = static_cast<int32_t>(hidden / kBlockK);
   if (side_a2) {
     // The side's K steps (a2's r columns over the pool's columns H..H + r) into tile 0's
-    // accumulators, then tile 1's. Each box row is an I column in the transposed order
-    // (consumer c's column 32 w + 4 g + 2 t + h, t the tile, at box row 16 w + 8 h + g):
-    // a 5-D view of a2 [E, I, r], dims (r, g, h, w, row pairs), tile 1's two rows on.
+    // accumulators, then tile 1's (one tile: each sub-tile's, once, consumer c's rows from
+    // tile c's view). Each box row is an I column in the transposed order (consumer c's
+    // column 32 w + 4 g + 2 t + h, t the tile, at box row 16 w + 8 h + g): a 5-D view of a2
+    // [E, I, r], dims (r, g, h, w, row pairs), tile 1's two rows on.
     p.segment_half = static_cast<int32_t>((rank + kBlockK - 1) / kBlockK);
-    p.segment_steps = 2 * p.segment_half;
+    p.segment_steps = (stream_one_tile(tokens) ? 1 : 2) * p.segment_half;
     const int64_t row_bytes = rank * 2;
     for (int t = 0; t < 2; ++t) {
       const auto* base = static_cast<const uint8_t*>(side_a2->data()) + 2 * t * row_bytes;
@@ -345,8 +358,13 @@ void weight_stream_activation_backward(
     }
   }
   p.pool = bf16_rows("a", a.data(), rows, hidden + rank, a.stride(0), stream_pool_box_rows(tokens));
+  // A step's codes: [64 rows][128 bytes], or (one tile) a sub-tile's 64 bytes under the
+  // 64-byte swizzle.
+  const bool one_tile = stream_one_tile(tokens);
   p.codes = tensor_map("b", b.data(), CU_TENSOR_MAP_DATA_TYPE_UINT8, {inter / 2, hidden, experts},
-                       {inter / 2, hidden * inter / 2}, {kStoreColumns / 2, kBlockK, 1}, true);
+                       {inter / 2, hidden * inter / 2},
+                       {(one_tile ? kStoreColumns / 2 : kStoreColumns) / 2, kBlockK, 1},
+                       one_tile ? CU_TENSOR_MAP_SWIZZLE_64B : CU_TENSOR_MAP_SWIZZLE_128B);
   p.scales = static_cast<const uint8_t*>(b_scales.data());
   p.k_base = static_cast<int32_t>(hidden);
   p.weight_rows = static_cast<int32_t>(hidden);

@@ -51,13 +51,12 @@ STALL_SHIFT, STALL_MASK = 41, 0xF
 REGISTER_A_HGMMA = re.compile(r"HGMMA\.\S+\s+R\d+,\s*R\d+,\s*gdesc")
 # The FP32 scale path converts through FP32; the fast path never does.
 SLOW_PATH = ("FMUL", "F2FP")
-# Register-A HGMMA per step: two weights x four k16 sub-steps; GEMM1's and GEMM2's
-# 192- and 256-row chunks (StreamKind 0 and 1, read off the kernel's name) decode one
-# weight a step (every kind's 128-row chunks keep two).
+# Register-A HGMMA per step: two weights x four k16 sub-steps; the 192- and 256-row
+# chunks (read off the kernel's name) decode one weight a step (the 128-row chunks keep
+# two).
 HGMMA_PER_STEP = 8
 WIDE_HGMMA_PER_STEP = 4
 KERNEL_CHUNK = re.compile(r"weight_stream_kernelILNS_10StreamKindE(\d)ELi(\d+)EE")
-ONE_TILE_KINDS = ("0", "1")  # Gated, Store
 # The decode's byte placement: the base steps' loop has it, the wide GEMM1's side steps
 # (register-A HGMMA from ldmatrix) do not.
 DECODE_OPCODE = "PRMT"
@@ -134,9 +133,9 @@ def base_step_loop(code: list[Instruction]) -> list[Instruction]:
 
 def hgmma_per_step(sass: str) -> int:
     """Register-A HGMMA per base step: WIDE_HGMMA_PER_STEP where the listing names a
-    GEMM1 or GEMM2 kernel of 192- or 256-row chunks, else HGMMA_PER_STEP."""
+    kernel of 192- or 256-row chunks, else HGMMA_PER_STEP."""
     kernel = KERNEL_CHUNK.search(sass)
-    one_tile = kernel and kernel[1] in ONE_TILE_KINDS and int(kernel[2]) > 128
+    one_tile = kernel and int(kernel[2]) > 128
     return WIDE_HGMMA_PER_STEP if one_tile else HGMMA_PER_STEP
 
 
@@ -292,19 +291,21 @@ def producer_per_step(sass: str) -> tuple[float, list[tuple[Instruction, Instruc
     return all_threads / steps, loads_read_in_their_iteration(loop)
 
 
-# The streaming dgrad2's epilogue reads g | u and writes dg | du with 8-byte accesses; no
-# other part of a streaming kernel makes 8-byte global loads (dgrad1's epilogue stores 8
-# bytes but loads nothing, so it counts no round).
-EPILOGUE_LOAD = re.compile(r"LDG\.E\.64\b")
-EPILOGUE_STORE = re.compile(r"STG\.E\.64\b")
+# The streaming dgrad2's epilogue reads g | u and writes dg | du with 8-byte accesses (the
+# one-tile chunks': 4-byte), and loads each row's route and weight with 4-byte coherent
+# (.cg) loads; no other part of a streaming kernel makes coherent or 8-byte global loads
+# (the producer's scale loads are read-only, dgrad1's epilogue stores but loads nothing,
+# so it counts no round). A store splits a round where it is 4 or 8 bytes wide.
+EPILOGUE_LOAD = re.compile(r"LDG\.E(\.64)?\.STRONG\.GPU\b|LDG\.E\.64\b")
+EPILOGUE_STORE = re.compile(r"STG\.E(\.64)?$")
 
 
 def epilogue_load_rounds(code: list[Instruction]) -> tuple[int, int]:
-    """(8-byte global loads, the rounds they come in): a round is a run of such loads
-    that no 8-byte global store splits. The stores are volatile, so a load placed after
-    one waits for the round before it: rows loaded one at a time between their stores
-    give two loads (g and u) a round, and each round is a full memory round trip
-    (docs/ENGINE.md, "The streaming dgrad2's epilogue loads")."""
+    """(the epilogue's global loads, the rounds they come in): a round is a run of such
+    loads that no 4- or 8-byte global store splits. The stores are volatile, so a load
+    placed after one waits for the round before it: rows loaded one at a time between
+    their stores give two loads (g and u) a round, and each round is a full memory round
+    trip (docs/ENGINE.md, "The streaming dgrad2's epilogue loads")."""
     loads = rounds = 0
     after_store = True
     for instruction in code:
@@ -374,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {load_at} {load.text.strip()}  <- {reader_at} {reader.text.strip()}")
     loads, rounds = epilogue_load_rounds(parse(sass))
     if loads:
-        print(f"epilogue: {loads} 8-byte global loads in {rounds} rounds")
+        print(f"epilogue: {loads} coherent global loads in {rounds} rounds")
     return 0
 
 

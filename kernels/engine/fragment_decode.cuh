@@ -358,33 +358,42 @@ __host__ __device__ __forceinline__ void decode_column_pairs(const uint32_t (&ro
     for (int r = 0; r < 4; ++r) fragments[r / 2][pair / 2][2 * (pair % 2) + r % 2] = out[pair][r];
 }
 
-// One tile's fragment of decode_column_pairs (tile `kTile`: byte 2q + kTile), the same
-// bits: the 128-row transposed chunks decode and multiply a tile at a time, so that only
-// one tile's fragment is written while the other tile's MMAs run.
-template <int kTile>
+// One tile's fragment of decode_column_pairs (the tile of PRMT selector `selector`:
+// column_pair_selector(t) for byte 2q + t), the same bits: the 128-row transposed chunks
+// decode and multiply a tile at a time, so that only one tile's fragment is written while
+// the other tile's MMAs run; the one-tile chunks (192 and 256 rows) give consumer
+// warpgroup t the tile of byte 2q + t.
 __host__ __device__ __forceinline__ void decode_column_pair_tile(const uint32_t (&row_pairs)[8],
                                                                  const StepScales<8>& scales,
+                                                                 uint32_t selector,
                                                                  StepFragment& fragment) {
-  constexpr uint32_t kSelector = column_pair_selector(kTile);
   if (scales.fast) {
 #pragma unroll
     for (int pair = 0; pair < 8; ++pair) {
-      const uint32_t low = column_pair_bits_times_2_pow_minus_126(row_pairs[pair] << 4, kSelector);
-      const uint32_t high = column_pair_bits_times_2_pow_minus_126(row_pairs[pair], kSelector);
+      const uint32_t low = column_pair_bits_times_2_pow_minus_126(row_pairs[pair] << 4, selector);
+      const uint32_t high = column_pair_bits_times_2_pow_minus_126(row_pairs[pair], selector);
       fragment[pair / 2][2 * (pair % 2)] = pair_times_factors(low, scales.words[pair]);
       fragment[pair / 2][2 * (pair % 2) + 1] = pair_times_factors(high, scales.words[pair]);
     }
   } else {
 #pragma unroll
     for (int pair = 0; pair < 8; ++pair) {
-      const uint32_t low = column_pair_bits_times_2_pow_minus_126(row_pairs[pair] << 4, kSelector);
-      const uint32_t high = column_pair_bits_times_2_pow_minus_126(row_pairs[pair], kSelector);
+      const uint32_t low = column_pair_bits_times_2_pow_minus_126(row_pairs[pair] << 4, selector);
+      const uint32_t high = column_pair_bits_times_2_pow_minus_126(row_pairs[pair], selector);
       fragment[pair / 2][2 * (pair % 2)] =
           pair_any_scales(low, scales.byte<0>(pair), scales.byte<1>(pair));
       fragment[pair / 2][2 * (pair % 2) + 1] =
           pair_any_scales(high, scales.byte<0>(pair), scales.byte<1>(pair));
     }
   }
+}
+
+// Tile `kTile` with its selector a constant (the two-tile chunks).
+template <int kTile>
+__host__ __device__ __forceinline__ void decode_column_pair_tile(const uint32_t (&row_pairs)[8],
+                                                                 const StepScales<8>& scales,
+                                                                 StepFragment& fragment) {
+  decode_column_pair_tile(row_pairs, scales, column_pair_selector(kTile), fragment);
 }
 
 }  // namespace megamoe::kernels::mxfp4

@@ -1,5 +1,5 @@
 // Global loads and stores in PTX for the weight-streaming epilogues: L2-only (.cg) loads,
-// 8- and 2-byte stores, and stores under a predicate computed from a loaded value.
+// 8-, 4- and 2-byte stores, and stores under a predicate computed from a loaded value.
 #pragma once
 
 #include <cstdint>
@@ -25,11 +25,26 @@ __device__ __forceinline__ void store_global_8_if(bool store, void* at, uint2 v)
       "l"(at), "r"(v.x), "r"(v.y)
       : "memory");
 }
+__device__ __forceinline__ void store_global_4_if(bool store, void* at, uint32_t v) {
+  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %0, 0;\n @p st.global.b32 [%1], %2;\n}" ::"r"(
+                   static_cast<uint32_t>(store)),
+               "l"(at), "r"(v)
+               : "memory");
+}
 __device__ __forceinline__ void store_global_2_if(bool store, void* at, uint16_t v) {
   asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %0, 0;\n @p st.global.b16 [%1], %2;\n}" ::"r"(
                    static_cast<uint32_t>(store)),
                "l"(at), "h"(v)
                : "memory");
+}
+
+__device__ __forceinline__ uint32_t load_global_4_cg(const void* at) {
+  uint32_t v;
+  asm volatile("ld.global.cg.b32 %0, [%1];" : "=r"(v) : "l"(at));
+  return v;
+}
+__device__ __forceinline__ void store_global_4(void* at, uint32_t v) {
+  asm volatile("st.global.b32 [%0], %1;" ::"l"(at), "r"(v) : "memory");
 }
 
 }  // namespace megamoe::kernels::engine

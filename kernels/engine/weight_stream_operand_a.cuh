@@ -233,11 +233,56 @@ struct StreamColumnPairs {
   }
 };
 
+// One-tile StoreMN (192- and 256-row chunks): the code area is [64 rows][64 bytes] under
+// the 64-byte swizzle (16-byte unit u of row n at unit u ^ (n / 2 % 4)); both consumer
+// warpgroups read it whole, warp w unit w of every row, and consumer c decodes the bytes
+// 2q + c (q = 8 w + g) of the 16-bit columns ldmatrix.trans hands it, as the two-tile
+// form's tile c: output columns 4q + 2c and 4q + 2c + 1 of the tile's 128. A matrix's
+// eight rows lie in eight different 16-byte bank groups, so a load has no bank conflict.
+// Its scale words: 32 bytes at slot 4 w + t (StreamScaleColumns<true, ...>).
+__host__ __device__ constexpr uint32_t stream_column_one_tile_lane_offset(uint32_t tid) {
+  return 64 * (tid % 32) + 16 * (((tid / 32) ^ (tid / 2)) & 3);
+}
+constexpr bool stream_column_one_tile_lane_offsets_follow_the_layout() {
+  for (uint32_t tid = kWarpgroupThreads; tid < 3 * kWarpgroupThreads; ++tid) {
+    const uint32_t warp = tid % 128 / 32, row = tid % 32;
+    const uint32_t linear = 64 * row + 16 * warp;
+    const uint32_t swizzled = linear ^ (((linear >> 7) & 3u) << 4);  // CU_TENSOR_MAP_SWIZZLE_64B
+    if (stream_column_one_tile_lane_offset(tid) != swizzled) return false;
+  }
+  return true;
+}
+static_assert(stream_column_one_tile_lane_offsets_follow_the_layout(),
+              "a one-tile warp reads its own unit");
+
+struct StreamColumnPairOneTile {
+  uint32_t lane_offset;   // the row of the code area whose unit this lane points ldmatrix at
+  uint32_t scale_offset;  // the thread's 32 bytes of scale words
+  uint32_t selector;      // the consumer's bytes (column_pair_selector)
+
+  __device__ __forceinline__ explicit StreamColumnPairOneTile(uint32_t tid)
+      : lane_offset(opaque(stream_column_one_tile_lane_offset(tid))),
+        scale_offset(opaque(32 * ((tid / 32 % 4) * 4 + tid % 4))),
+        selector(opaque(mxfp4::column_pair_selector(tid / kWarpgroupThreads - 1))) {}
+
+  __device__ __forceinline__ void decode(uint32_t code_area, uint32_t scale_area,
+                                         Fragment (&fragments)[1]) const {
+    uint32_t words[8], row_pairs[8];
+    load_scale_words_32(scale_area + scale_offset, words);
+    load_64_rows_transposed<64>(code_area + lane_offset, row_pairs);
+    const mxfp4::StepScales<8> scales(words);
+    mxfp4::decode_column_pair_tile(row_pairs, scales, selector, fragments[0]);
+  }
+};
+
 // The consumers' reader of kind C's codes: the forward's rows (two tiles: StreamLines;
-// one: StreamLinePair) or the transposed kinds' columns (StreamColumnPairs).
+// one: StreamLinePair) or the transposed kinds' columns (StreamColumnPairs,
+// StreamColumnPairOneTile).
 template <class C>
 using StreamOperandA =
-    std::conditional_t<C::kTransposed, StreamColumnPairs<C::kValuesBeforeCheck>,
+    std::conditional_t<C::kTransposed,
+                       std::conditional_t<C::kOneTile, StreamColumnPairOneTile,
+                                          StreamColumnPairs<C::kValuesBeforeCheck>>,
                        std::conditional_t<C::kOneTile, StreamLinePair<C::kGated>, StreamLines>>;
 
 __device__ __forceinline__ void fence_fragment(Fragment& f) {

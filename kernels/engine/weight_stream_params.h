@@ -36,6 +36,9 @@ constexpr int kStreamWideRowsPerBox = 64;
 constexpr int stream_pool_box_rows(int tokens) {
   return stream_chunks_from_segment_starts(tokens) ? kStreamWideRowsPerBox : tokens;
 }
+// Chunks of 192 and 256 rows hold one m64 weight tile per consumer warpgroup (their N / 2
+// accumulators leave no room for a second); narrower chunks hold two.
+constexpr bool stream_one_tile(int tokens) { return tokens >= 192; }
 
 struct WeightStreamParams {
   // Schedule: the pool in chunks of TOKENS rows, each chunk against every column block

@@ -20,7 +20,7 @@ namespace megamoe::kernels::engine {
 // steps before, so the loads' latency passes while the ring fills; the consumers then
 // read ready factors with one shared load and no address math of their own.
 struct StreamScaleRows {
-  static constexpr int kWords = 2;
+  static constexpr int kLoads = 2, kWords = 2;
   const uint16_t* cursor;  // row r's pair of the next base step to load
   uint32_t eight_rows;     // pairs from row r to row r + 8
   uint32_t store_offset;   // this thread's 8 bytes in a stage's scale area
@@ -67,7 +67,7 @@ struct StreamScaleRows {
 // lane / 4 (the up rows I on). 4 bytes of the stage's scale area, from one 16-bit load.
 template <bool kGated>
 struct StreamScaleLines {
-  static constexpr int kWords = 1;
+  static constexpr int kLoads = 1, kWords = 1;
   const uint16_t* cursor;  // the line's pair of the next base step to load
   uint32_t store_offset;   // this thread's word in a stage's scale area
 
@@ -102,27 +102,36 @@ struct StreamScaleLines {
 // word 2 k16 + j. Thread i of the producer warpgroup writes two of them: pair (k16, j)
 // = ((i / 2) % 4, i % 2) for quad t = (i / 8) % 4 of warps w = 2 ((i / 32) % 2) and w +
 // 1 of consumer i / 64, from one 16-bit load of each of the two rows (both blocks).
+// One tile (192- and 256-row chunks): both consumer warpgroups decode the same 64 bytes
+// of a stored row, so warp w's threads of either consumer read block n0 / 32 + w at slot
+// 4 w + t; thread i writes one word, pair ((i / 2) % 4, i % 2) of quad (i / 8) % 4 of
+// warp i / 32, from one byte load of each of the two rows.
+template <bool kOneTile, int kColumns>
 struct StreamScaleColumns {
-  static constexpr int kWords = 2;
-  const uint16_t* cursor;  // row n's two blocks of the next base step to load
-  uint32_t next_row;       // from row n to row n + 1 (16-bit units)
-  uint32_t store_offset;   // the first word's place in a stage's scale area (the second's
-                           // is 128 bytes on: the next warp's slot)
+  static constexpr int kLoads = 2, kWords = kOneTile ? 1 : 2;
+  using Unit = std::conditional_t<kOneTile, uint8_t, uint16_t>;  // a load: its blocks' bytes
+  const Unit* cursor;     // row n's unit of the next base step to load
+  uint32_t next_row;      // from row n to row n + 1 (units)
+  uint32_t store_offset;  // the first word's place in a stage's scale area (two tiles: the
+                          // second's is 128 bytes on, the next warp's slot)
 
   __device__ __forceinline__ StreamScaleColumns(const WeightStreamParams& p, const StreamTile& tile,
                                                 int thread) {
-    const int j = thread % 2, k16 = thread / 2 % 4, quad = thread / 8 % 4,
-              warp = 2 * (thread / 32 % 2), consumer = thread / 64;
-    const int64_t blocks_per_row = 8 * static_cast<int64_t>(p.n_base_blocks);  // N / 32
+    const int j = thread % 2, k16 = thread / 2 % 4, quad = thread / 8 % 4;
+    const int warp = kOneTile ? thread / 32 : 2 * (thread / 32 % 2);
+    const int consumer = kOneTile ? 0 : thread / 64;
+    const int64_t blocks_per_row = kColumns / 32 * static_cast<int64_t>(p.n_base_blocks);  // N / 32
     const int64_t row =
         static_cast<int64_t>(tile.expert) * p.weight_rows + 16 * k16 + 2 * quad + 8 * j;
-    cursor = reinterpret_cast<const uint16_t*>(p.scales + row * blocks_per_row + tile.n0 / 32 +
-                                               4 * consumer + warp);
-    next_row = static_cast<uint32_t>(blocks_per_row / 2);
+    cursor = reinterpret_cast<const Unit*>(p.scales + row * blocks_per_row + tile.n0 / 32 +
+                                           4 * consumer + warp);
+    next_row = static_cast<uint32_t>(blocks_per_row / static_cast<int64_t>(sizeof(Unit)));
     store_offset =
         static_cast<uint32_t>(32 * ((4 * consumer + warp) * 4 + quad) + 4 * (2 * k16 + j));
   }
 
+  // The two rows' units stay apart until the step's words are formed (joined here, the
+  // join would wait for the loads in the step that issued them).
   __device__ __forceinline__ void load_next(bool load, uint32_t (&raw)[2]) {
     if (load) {
       raw[0] = static_cast<uint32_t>(__ldg(cursor));
@@ -138,23 +147,29 @@ struct StreamScaleColumns {
   static constexpr int kPrefetchSteps = 16;
   __device__ __forceinline__ void prefetch(int steps_on, bool valid, int thread) const {
     if (valid && thread < 32) {
-      const uint16_t* at = cursor + steps_on * 64 * next_row;
+      const Unit* at = cursor + steps_on * 64 * next_row;
       asm volatile("prefetch.global.L2 [%0];" ::"l"(at));
       asm volatile("prefetch.global.L2 [%0];" ::"l"(at + next_row));
     }
   }
 
-  // The step's two words: rows n and n + 1 of the first block, then of the second (each
-  // row's 16-bit load holds the two blocks' bytes; its bytes 2 and 3 are zero); then into
-  // a stage's scale area.
-  __device__ __forceinline__ static void words(const uint32_t (&raw)[2], uint32_t (&out)[2]) {
-    out[0] = mxfp4::scale_word(mxfp4::prmt(raw[0], raw[1], 0x3240u));
-    out[1] = mxfp4::scale_word(mxfp4::prmt(raw[0], raw[1], 0x3251u));
+  // The step's words: rows n and n + 1 of the first block, then (two tiles) of the second
+  // (a 16-bit load holds the two blocks' bytes; its bytes 2 and 3 are zero); then into a
+  // stage's scale area.
+  __device__ __forceinline__ static void words(const uint32_t (&raw)[2], uint32_t (&out)[kWords]) {
+    if constexpr (kOneTile) {
+      out[0] = mxfp4::scale_word(raw[0] | raw[1] << 8);
+    } else {
+      out[0] = mxfp4::scale_word(mxfp4::prmt(raw[0], raw[1], 0x3240u));
+      out[1] = mxfp4::scale_word(mxfp4::prmt(raw[0], raw[1], 0x3251u));
+    }
   }
-  __device__ __forceinline__ void store(uint32_t scale_area, const uint32_t (&words)[2]) const {
+  __device__ __forceinline__ void store(uint32_t scale_area,
+                                        const uint32_t (&words)[kWords]) const {
     const uint32_t at = scale_area + store_offset;
     asm volatile("st.shared.u32 [%0], %1;" ::"r"(at), "r"(words[0]) : "memory");
-    asm volatile("st.shared.u32 [%0], %1;" ::"r"(at + 128), "r"(words[1]) : "memory");
+    if constexpr (!kOneTile)
+      asm volatile("st.shared.u32 [%0], %1;" ::"r"(at + 128), "r"(words[1]) : "memory");
   }
 };
 
@@ -168,7 +183,7 @@ __device__ __forceinline__ void stream_produce(const WeightStreamParams& p,
   for (int t = blockIdx.x; t < schedule.num_tiles(); t += gridDim.x) {
     const StreamTile tile = schedule.tile(t);
     if (tile.rows == 0) continue;
-    const int segment_steps = C::kSegmentEveryTile || tile.extra ? p.segment_steps : 0;
+    const int2 segment = stream_segment_steps<C>(p, tile);
     const int base_steps = C::kSegmentEveryTile || !tile.extra ? p.base_steps : 0;
     // The chunk's pool tile: all of it, or (wide) the rows its MMAs read (its data rows
     // rounded up to their width) in boxes of 64.
@@ -188,87 +203,97 @@ __device__ __forceinline__ void stream_produce(const WeightStreamParams& p,
                                      tile.row0);
       }
     };
-    for (int step = 0; step < segment_steps; ++step) {
-      wait_barrier(ring.empty(), ring.phase ^ 1u);
-      uint64_t* bar = &smem.full[ring.stage];
-      if (issues_copies) {
-        // Gated: b1 (then b3) rows 64 j.. at h columns n0..; Store: a2 rows 64 j.. (K)
-        // at extra columns 128 half..; StoreMN: lo (then hi) columns 64 j.. (K) at rows
-        // 64 wg..; ActivationBackward: a2 columns 64 j.. (K) at the rows of tile `half`
-        // of consumer wg's 128 I columns; against the pool's side columns or its K.
-        TransactionBarrier::arrive_and_expect_tx(bar, C::kSideBytes + pool_bytes);
-        uint8_t* a = smem.a(ring.stage);
-        const int half = step >= p.segment_half ? 1 : 0;
-        const int j = step - half * p.segment_half;
-        const CUtensorMap* map =
-            (C::kGated || C::kTransposed) && half ? &p.segment_hi : &p.segment_lo;
-        // Store: the extra block's columns (n0 - N on), a half's 128 apart.
-        const int column0 = C::kGated ? tile.n0 : tile.n0 - p.weight_rows + 128 * half;
-        const int pool_column = C::kGated        ? p.k_base + half * p.side_rank + kBlockK * j
-                                : C::kActivation ? p.k_base + kBlockK * j
-                                : C::kTransposed ? half * p.segment_k_hi + kBlockK * j
-                                                 : kBlockK * j;
+    // The tile's sub-tiles in turn (one-tile dgrad2: two; else the tile itself, by
+    // reference: a copy changed the transposed kinds' SASS).
+#pragma unroll 1
+    for (int sub = 0; sub < C::kSubTiles; ++sub) {
+      const StreamTile sub_tile = stream_sub_tile<C>(tile, sub);
+      const StreamTile& part = C::kSubTiles == 1 ? tile : sub_tile;
+      for (int step = segment.x; step < segment.y; ++step) {
+        wait_barrier(ring.empty(), ring.phase ^ 1u);
+        uint64_t* bar = &smem.full[ring.stage];
+        if (issues_copies) {
+          // Gated: b1 (then b3) rows 64 j.. at h columns n0..; Store: a2 rows 64 j.. (K)
+          // at extra columns 128 half..; StoreMN: lo (then hi) columns 64 j.. (K) at rows
+          // 64 wg..; ActivationBackward: a2 columns 64 j.. (K) at the rows of tile `half`
+          // of consumer wg's 128 I columns; against the pool's side columns or its K.
+          TransactionBarrier::arrive_and_expect_tx(bar, C::kSideBytes + pool_bytes);
+          uint8_t* a = smem.a(ring.stage);
+          const int half = step >= p.segment_half ? 1 : 0;
+          const int j = step - half * p.segment_half;
+          const CUtensorMap* map =
+              (C::kGated || C::kTransposed) && half ? &p.segment_hi : &p.segment_lo;
+          // Store: the extra block's columns (n0 - N on), a half's 128 apart.
+          const int column0 = C::kGated ? tile.n0 : tile.n0 - p.weight_rows + 128 * half;
+          const int pool_column = C::kGated        ? p.k_base + half * p.side_rank + kBlockK * j
+                                  : C::kActivation ? p.k_base + kBlockK * j
+                                  : C::kTransposed ? half * p.segment_k_hi + kBlockK * j
+                                                   : kBlockK * j;
 #pragma unroll
-        for (int wg = 0; wg < C::kSideBytes / kBoxBytes; ++wg) {
-          if constexpr (C::kActivation)  // the 5-D view's row pairs: expert, tile, consumer
-            cute::SM90_TMA_LOAD_5D::copy(map, bar, kCacheHint, a + wg * kBoxBytes, kBlockK * j, 0,
-                                         0, 0,
-                                         (tile.expert * p.out_columns + tile.n0 + 128 * wg) / 2);
-          else if constexpr (C::kTransposed)
-            cute::SM90_TMA_LOAD_3D::copy(map, bar, kCacheHint, a + wg * kBoxBytes, kBlockK * j,
-                                         64 * wg, tile.expert);
-          else
-            cute::SM90_TMA_LOAD_3D::copy(map, bar, kCacheHint, a + wg * kBoxBytes,
-                                         column0 + 64 * wg, kBlockK * j, tile.expert);
+          for (int wg = 0; wg < C::kSideBytes / kBoxBytes; ++wg) {
+            if constexpr (C::kActivation) {
+              // The 5-D view's row pairs: expert, tile, consumer (one tile: consumer wg's
+              // bytes are tile wg's of the two-tile view, at the sub-tile's columns).
+              const CUtensorMap* view = C::kOneTile ? (wg ? &p.segment_hi : &p.segment_lo) : map;
+              const int first = C::kOneTile ? part.n0 : part.n0 + 128 * wg;
+              cute::SM90_TMA_LOAD_5D::copy(view, bar, kCacheHint, a + wg * kBoxBytes, kBlockK * j,
+                                           0, 0, 0, (part.expert * p.out_columns + first) / 2);
+            } else if constexpr (C::kTransposed)
+              cute::SM90_TMA_LOAD_3D::copy(map, bar, kCacheHint, a + wg * kBoxBytes, kBlockK * j,
+                                           64 * wg, tile.expert);
+            else
+              cute::SM90_TMA_LOAD_3D::copy(map, bar, kCacheHint, a + wg * kBoxBytes,
+                                           column0 + 64 * wg, kBlockK * j, tile.expert);
+          }
+          load_pool(bar, pool_column);
         }
-        load_pool(bar, pool_column);
+        arrive_barrier(ring.full);
+        ring.advance();
       }
-      arrive_barrier(ring.full);
-      ring.advance();
-    }
-    using ScaleLoads = std::conditional_t<
-        C::kTransposed, StreamScaleColumns,
-        std::conditional_t<C::kOneTile, StreamScaleLines<C::kGated>, StreamScaleRows>>;
-    constexpr int kWords = ScaleLoads::kWords;
-    ScaleLoads rows(p, tile, thread);
-    uint32_t pending[kAhead][kWords];  // the scale pairs of the next kAhead base steps
+      using ScaleLoads = std::conditional_t<
+          C::kTransposed, StreamScaleColumns<C::kOneTile, C::kColumns>,
+          std::conditional_t<C::kOneTile, StreamScaleLines<C::kGated>, StreamScaleRows>>;
+      constexpr int kLoads = ScaleLoads::kLoads, kWords = ScaleLoads::kWords;
+      ScaleLoads rows(p, part, thread);
+      uint32_t pending[kAhead][kLoads];  // the scale bytes of the next kAhead base steps
 #pragma unroll
-    for (int d = 0; d < kAhead; ++d) rows.load_next(d < base_steps, pending[d]);
-    constexpr int kPrefetch = decltype(rows)::kPrefetchSteps;
-    for (int d = 0; d < kPrefetch; ++d) rows.prefetch(d, kAhead + d < base_steps, thread);
-    // A base step: its words from the pairs loaded kAhead steps before, formed before
-    // those registers take the loads of kAhead steps on (formed after, the loads went to
-    // temporaries copied back within the step, so every step waited for the loads it had
-    // just issued), then the stage's copies and words.
-    auto base_step = [&](int k_step, uint32_t (&pairs)[kWords]) {
-      uint32_t words[kWords];
-      rows.words(pairs, words);
-      rows.load_next(k_step + kAhead < base_steps, pairs);
-      rows.prefetch(kPrefetch - 1, k_step + kAhead + kPrefetch < base_steps, thread);
-      wait_barrier(ring.empty(), ring.phase ^ 1u);
-      uint64_t* bar = &smem.full[ring.stage];
-      if (issues_copies) {
-        TransactionBarrier::arrive_and_expect_tx(bar, C::kCodeBytes + pool_bytes);
-        uint8_t* a = smem.a(ring.stage);
-        if constexpr (C::kGated)
-          cute::SM90_TMA_LOAD_4D::copy(&p.codes, bar, kCacheHint, a, k_step * (kBlockK / 2),
-                                       tile.n0, 0, tile.expert);
-        else if constexpr (C::kTransposed)
-          cute::SM90_TMA_LOAD_3D::copy(&p.codes, bar, kCacheHint, a, tile.n0 / 2, k_step * kBlockK,
-                                       tile.expert);
-        else
-          cute::SM90_TMA_LOAD_3D::copy(&p.codes, bar, kCacheHint, a, k_step * (kBlockK / 2),
-                                       tile.n0, tile.expert);
-        load_pool(bar, k_step * kBlockK);
+      for (int d = 0; d < kAhead; ++d) rows.load_next(d < base_steps, pending[d]);
+      constexpr int kPrefetch = decltype(rows)::kPrefetchSteps;
+      for (int d = 0; d < kPrefetch; ++d) rows.prefetch(d, kAhead + d < base_steps, thread);
+      // A base step: its words from the pairs loaded kAhead steps before, formed before
+      // those registers take the loads of kAhead steps on (formed after, the loads went to
+      // temporaries copied back within the step, so every step waited for the loads it had
+      // just issued), then the stage's copies and words.
+      auto base_step = [&](int k_step, uint32_t (&pairs)[kLoads]) {
+        uint32_t words[kWords];
+        rows.words(pairs, words);
+        rows.load_next(k_step + kAhead < base_steps, pairs);
+        rows.prefetch(kPrefetch - 1, k_step + kAhead + kPrefetch < base_steps, thread);
+        wait_barrier(ring.empty(), ring.phase ^ 1u);
+        uint64_t* bar = &smem.full[ring.stage];
+        if (issues_copies) {
+          TransactionBarrier::arrive_and_expect_tx(bar, C::kCodeBytes + pool_bytes);
+          uint8_t* a = smem.a(ring.stage);
+          if constexpr (C::kGated)
+            cute::SM90_TMA_LOAD_4D::copy(&p.codes, bar, kCacheHint, a, k_step * (kBlockK / 2),
+                                         tile.n0, 0, tile.expert);
+          else if constexpr (C::kTransposed)
+            cute::SM90_TMA_LOAD_3D::copy(&p.codes, bar, kCacheHint, a, part.n0 / 2,
+                                         k_step * kBlockK, tile.expert);
+          else
+            cute::SM90_TMA_LOAD_3D::copy(&p.codes, bar, kCacheHint, a, k_step * (kBlockK / 2),
+                                         tile.n0, tile.expert);
+          load_pool(bar, k_step * kBlockK);
+        }
+        rows.store(ring.scale_words(), words);
+        arrive_barrier(ring.full);  // release: the words are visible to the consumers' acquire
+        ring.advance();
+      };
+      for (int k_step = 0; k_step < base_steps; k_step += kAhead) {
+#pragma unroll
+        for (int d = 0; d < kAhead; ++d)
+          if (k_step + d < base_steps) base_step(k_step + d, pending[d]);
       }
-      rows.store(ring.scale_words(), words);
-      arrive_barrier(ring.full);  // release: the words are visible to the consumers' acquire
-      ring.advance();
-    };
-    for (int k_step = 0; k_step < base_steps; k_step += kAhead) {
-#pragma unroll
-      for (int d = 0; d < kAhead; ++d)
-        if (k_step + d < base_steps) base_step(k_step + d, pending[d]);
     }
   }
 }

@@ -114,23 +114,22 @@ def mxfp4_decodes_in_pipeline(pool_rows: int, num_experts: int, *, streams: bool
 WEIGHT_STREAM_SMALL_CHUNK_MAX_ROWS = 24
 
 #: Expected pool rows per expert up to which the weight-streaming GEMMs keep the 64-row
-#: chunk; above it they take the wide form, whose chunks of 128 rows (and for GEMM1 and
-#: GEMM2 also 192 or 256) start at each segment's start, so that each weight is decoded
-#: once per 128, 192 or 256 rows, not per 64. Every kind keeps two m64 weight tiles per
-#: consumer warpgroup in 128-row chunks, a step's tiles decoded and multiplied one at a
-#: time; GEMM1's and GEMM2's 192- and 256-row chunks hold one (docs/ENGINE.md, "The wide
-#: form", "The 128-row transposed chunks", "GEMM1 and GEMM2 in the two-tile 128-row form"
-#: and "192-row chunks").
+#: chunk; above it they take the wide form, whose chunks of 128, 192 or 256 rows start at
+#: each segment's start, so that each weight is decoded once per 128, 192 or 256 rows, not
+#: per 64. Every kind keeps two m64 weight tiles per consumer warpgroup in 128-row chunks,
+#: a step's tiles decoded and multiplied one at a time; the 192- and 256-row chunks hold
+#: one (docs/ENGINE.md, "The wide form", "The 128-row transposed chunks", "GEMM1 and GEMM2
+#: in the two-tile 128-row form", "192-row chunks" and "The dgrads in one-tile chunks").
 WEIGHT_STREAM_NARROW_MAX_ROWS = 64
 
 #: A wide chunk's cost in rows of MMA beyond its own width: the decode of its weight
 #: tiles and its fixed steps. A chunk of c rows costs about c + this whatever its data
 #: rows (its MMAs are as wide as the chunk: 192 and 256; a 128-row chunk's last one may be
-#: 64), so GEMM1 and GEMM2 take the chunk with the fewest ceil(rows / c) * (c + this).
-#: Fitted to GEMM1's times at ep4rank dims, 0.50 / 0.69 / 0.85 ms per chunk of an expert
-#: for 128 / 192 / 256 rows, and checked against every forced chunk of GEMM1 and GEMM2
-#: up to 576 rows per expert (docs/PERFORMANCE.md, thirty-seventh session); past that,
-#: up to the streaming limit, it is extrapolated.
+#: 64), so every kind takes the chunk with the fewest ceil(rows / c) * (c + this). Fitted
+#: to GEMM1's times at ep4rank dims, 0.50 / 0.69 / 0.85 ms per chunk of an expert for 128
+#: / 192 / 256 rows, and checked against every forced chunk of GEMM1 and GEMM2 up to 576
+#: rows per expert (docs/PERFORMANCE.md, thirty-seventh session); past that, up to the
+#: streaming limit, and for the dgrads, it is not yet measured.
 WEIGHT_STREAM_CHUNK_OVERHEAD_ROWS = 56
 
 
@@ -138,10 +137,10 @@ def weight_stream_chunk(num_routes: int, num_experts: int, *, widest: int = 64) 
     """Pool rows per chunk of the weight-streaming GEMMs for ``num_routes`` routes over
     ``num_experts`` experts: 32 or 64 (see :data:`WEIGHT_STREAM_SMALL_CHUNK_MAX_ROWS`),
     and above :data:`WEIGHT_STREAM_NARROW_MAX_ROWS` rows per expert the wide form up to
-    ``widest`` rows (64: none; 128: the dgrads; 256: GEMM1 and GEMM2, which take 128,
+    ``widest`` rows (64: none; 128: 128-row chunks only; 256: every kind's, which take 128,
     192 or 256 by :data:`WEIGHT_STREAM_CHUNK_OVERHEAD_ROWS`: 128 up to 128 rows per
-    expert, 192 for 129 to 192, 256 for 193 to 256, 192 for 257 to 384, ...). Host
-    values only: no synchronisation."""
+    expert, 192 for 129 to 192, 256 for 193 to 256, 192 for 257 to 384, ...). Host values
+    only: no synchronisation."""
     check_int("num_routes", num_routes, minimum=0)
     check_int("num_experts", num_experts, minimum=1)
     if widest not in (64, 128, 256):

@@ -257,21 +257,25 @@ def test_registers_an_instruction_reads_and_writes() -> None:
 
 
 def test_counts_the_epilogue_loads_rounds_between_stores() -> None:
-    """Rounds of 8-byte global loads split by 8-byte global stores; other accesses (the
-    producer's 2-byte scale loads, 4-byte stores) split nothing."""
+    """Rounds of the epilogue's coherent global loads (8-byte g | u, 4-byte g, u, routes
+    and weights) split by 4- or 8-byte global stores; other accesses (the producer's
+    read-only 2-byte scale loads, 2-byte stores) split nothing."""
     code = tool.parse(
         _listing(
             [
                 "LDG.E.U16.CONSTANT R13, desc[UR4][R4.64]",
                 "LDG.E.64.STRONG.GPU R20, desc[UR4][R2.64]",
                 "@!P0 LDG.E.64.STRONG.GPU R22, desc[UR4][R6.64]",
-                "STG.E desc[UR4][R8.64], R11",
+                "LDG.E.STRONG.GPU R9, desc[UR4][R10.64]",
+                "STG.E.U16 desc[UR4][R8.64], R11",
                 "LDG.E.64.STRONG.GPU R24, desc[UR4][R2.64+0x8]",
+                "STG.E desc[UR4][R8.64], R11",
+                "LDG.E.STRONG.GPU R12, desc[UR4][R2.64+0x4]",
                 "STG.E.64 desc[UR4][R8.64], R20",
                 "STG.E.64 desc[UR4][R8.64+0x8], R22",
                 "LDG.E.64.STRONG.GPU R26, desc[UR4][R2.64+0x10]",
             ]
         )
     )
-    assert tool.epilogue_load_rounds(code) == (4, 2)
+    assert tool.epilogue_load_rounds(code) == (6, 3)
     assert tool.epilogue_load_rounds(tool.parse(_listing(["FFMA R1, R2, R3, R4"]))) == (0, 0)

@@ -1,7 +1,7 @@
 """The weight-streaming GEMMs (kernels/engine/weight_stream_kernel.cuh): an MXFP4 base
 decoded into the wgmma's A registers, the pool's rows in chunks of 32 or 64 as N (also
-128, and for GEMM1 and GEMM2 192 and 256: the wide form, whose chunks start at each segment's
-start; a 128-row chunk's MMAs are 64 or 128 wide, by its rows);
+128, 192 and 256: the wide form, whose chunks start at each segment's start; a 128-row
+chunk's MMAs are 64 or 128 wide, by its rows);
 GEMM1 (gated, side K segment), GEMM2 (store, a2 extra columns), dgrad1 (the weights as
 stored, decoded transposed; the b1/b3 shrinks as extra columns) and dgrad2 (w2 as stored,
 decoded transposed; the a2 side segment; the activation backward).
@@ -36,8 +36,7 @@ from megamoe.wrappers.mxfp4_decode import decode_mxfp4_bf16
 
 pytestmark = pytest.mark.gpu
 
-CHUNKS = [32, 64, 128]  # the dgrads: the narrow form and 128-row chunks from segment starts
-FORWARD_CHUNKS = [32, 64, 128, 192, 256]  # GEMM1 and GEMM2: the narrow and the wide form
+CHUNKS = [32, 64, 128, 192, 256]  # every kind: the narrow and the wide form
 ACTIVATIONS = {"swiglu": 0, "geglu": 1}
 
 
@@ -118,7 +117,7 @@ def same_bits(actual, expected):
     return torch.equal(actual.view(torch.int16), expected.view(torch.int16))
 
 
-@pytest.mark.parametrize("chunk", FORWARD_CHUNKS)
+@pytest.mark.parametrize("chunk", CHUNKS)
 @pytest.mark.parametrize(
     "tokens,experts,top_k,rank,block_m",
     [
@@ -189,7 +188,7 @@ def assert_one_hot_outputs(got, expected, token, codes, scales, *, transposed):
         )
 
 
-@pytest.mark.parametrize("chunk", FORWARD_CHUNKS)
+@pytest.mark.parametrize("chunk", CHUNKS)
 def test_decode_of_every_code_and_scale_byte(chunk):
     """One-hot pool rows: each pre-activation is one decoded weight (a product with 1.0,
     exact; -0 as +0), for every code in every byte position and scale bytes 2..252 (2^-125 ..
@@ -213,7 +212,7 @@ def test_decode_of_every_code_and_scale_byte(chunk):
     assert_one_hot_outputs(preact[rows], expected, token, codes, scales, transposed=False)
 
 
-@pytest.mark.parametrize("chunk", FORWARD_CHUNKS)
+@pytest.mark.parametrize("chunk", CHUNKS)
 @pytest.mark.parametrize("scale_mod", [256, 3])
 def test_every_scale_byte_matches_the_engine(chunk, scale_mod):
     """Every scale byte (0 = 2^-127, subnormal values; 254: overflow to Inf; 0xFF = NaN)
@@ -265,7 +264,7 @@ def test_launcher_rejects_a_pool_not_in_whole_chunks():
         stream_gemm1(a[:-32], codes, scales, plan, k=256, chunk=64)
 
 
-@pytest.mark.parametrize("chunk", FORWARD_CHUNKS)
+@pytest.mark.parametrize("chunk", CHUNKS)
 @pytest.mark.parametrize(
     "tokens,experts,top_k,extra,block_m",
     [
@@ -321,7 +320,7 @@ def test_store_launcher_checks():
         stream_gemm2(a, codes, scales, plan, chunk=256)
 
 
-@pytest.mark.parametrize("chunk", FORWARD_CHUNKS)
+@pytest.mark.parametrize("chunk", CHUNKS)
 @pytest.mark.parametrize("k", [64, 320])  # one K step; an odd count (the loop's tail)
 def test_odd_step_counts(chunk, k):
     plan, a, codes, scales, side = operands(150, 8, 2, k, 128, 16, seed=k)
@@ -384,10 +383,11 @@ def stream_dgrad1(a, codes, scales, plan, *, chunk, extra=None, out=None):
 
 
 def dgrad1_operands(tokens, experts, top_k, k, n, rank, *, block_m=64, k_lo=None, seed=0,
-                    scale_low=112, scale_high=136):  # fmt: skip
+                    scale_low=112, scale_high=136, rank_hi=None):  # fmt: skip
     """The pool ``dg | du`` ``[P, k]`` (zero padding rows), ``w13`` as stored (codes
     ``[E, k, n/2]``, scales ``[E, k, n/32]``, quantized along n) and the shrinks (lo
-    ``[E, r, k_lo]``, hi ``[E, r, k - k_lo]``; k_lo = k / 2 unless given) or None."""
+    ``[E, r, k_lo]``, hi ``[E, r_hi, k - k_lo]``; k_lo = k / 2 and r_hi = r unless given)
+    or None."""
     ids, _ = make_routing(tokens, experts, top_k, kind="skewed", seed=seed)
     plan = mm.plan_routes(ids.cuda(), experts, block_m)
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -402,7 +402,7 @@ def dgrad1_operands(tokens, experts, top_k, k, n, rank, *, block_m=64, k_lo=None
         k_lo = k // 2 if k_lo is None else k_lo
         extra = (
             torch.randn(experts, rank, k_lo, device="cuda", generator=g).bfloat16(),
-            torch.randn(experts, rank, k - k_lo, device="cuda", generator=g).bfloat16(),
+            torch.randn(experts, rank_hi or rank, k - k_lo, device="cuda", generator=g).bfloat16(),
         )
     return plan, a, codes, scales, extra
 
@@ -419,9 +419,9 @@ def dgrad1_operands(tokens, experts, top_k, k, n, rank, *, block_m=64, k_lo=None
     ],
 )
 def test_dgrad1_is_the_engine_on_the_decoded_weights(chunk, tokens, experts, top_k, rank, block_m):
-    """[pool, 2I] x [E, 2I, H] as stored (H = 512: two 256-column tiles) with the shrinks'
-    blocks as extra columns: the engine's bits on the BF16 decode (MN-major), every row
-    in use, and the float64 oracle."""
+    """[pool, 2I] x [E, 2I, H] as stored (H = 512: two 256-column tiles, or four of 128 in
+    192- and 256-row chunks) with the shrinks' blocks as extra columns: the engine's bits
+    on the BF16 decode (MN-major), every row in use, and the float64 oracle."""
     k, n = 512, 512
     plan, a, codes, scales, extra = dgrad1_operands(
         tokens, experts, top_k, k, n, rank, block_m=block_m, seed=tokens + rank
@@ -436,6 +436,23 @@ def test_dgrad1_is_the_engine_on_the_decoded_weights(chunk, tokens, experts, top
     assert not bool(out[:rows][~data].any())
     expected = grouped_gemm_reference(a, decoded.transpose(1, 2), plan, k=k, b_extra_blocks=extra)
     assert_close_to_oracle("out", out[:rows][data], expected[data])
+
+
+@pytest.mark.parametrize("chunk", CHUNKS)
+def test_dgrad1_shrink_blocks_of_different_widths(chunk):
+    """lo's 16 columns and hi's 120 (hi's start and its rows past 64 on the second
+    consumer warpgroup; in 192- and 256-row chunks each block an extra tile of its own):
+    the engine's bits on the decoded weights on every row in use."""
+    plan, a, codes, scales, extra = dgrad1_operands(
+        300, 8, 2, 512, 256, 16, k_lo=192, rank_hi=120, seed=12
+    )
+    out = stream_dgrad1(a, codes, scales, plan, chunk=chunk, extra=extra)
+    twin = grouped_gemm(
+        a, decode_mxfp4_bf16(codes, scales), plan, b_major="mn", b_extra_blocks=extra
+    )
+    rows = int(plan.expert_pool_offsets[-1])
+    assert same_bits(out[:rows], twin[:rows])
+    assert not bool(torch.isnan(out[:rows]).any()), "every column of every row is written"
 
 
 @pytest.mark.parametrize("chunk", CHUNKS)
@@ -489,7 +506,8 @@ def test_dgrad1_odd_step_counts(chunk, k, k_lo):
     assert same_bits(out[:rows], twin[:rows])
 
 
-@pytest.mark.parametrize("tokens,chunk", [(512, 64), (1024, 128)])  # 48 and 96 rows per expert
+# 48, 96, 192 and 240 rows per expert
+@pytest.mark.parametrize("tokens,chunk", [(512, 64), (1024, 128), (2048, 192), (2560, 256)])
 def test_dgrad1_layer_path_streams_and_repeats_bitwise(monkeypatch, tokens, chunk):
     """grouped_gemm's MXFP4 MN-major B with few rows per expert takes the transposed
     streaming kernel (ep4rank-like proportions) in the chunk the rows call for, and
@@ -526,6 +544,17 @@ def test_dgrad1_launcher_checks():
         stream_dgrad1(a, codes, scales, plan, chunk=32, extra=uneven)
     with pytest.raises(ValueError, match="tokens: no weight-stream variant"):
         stream_dgrad1(a, codes, scales, plan, chunk=48)
+    # 128-row chunks keep the 256-column tiles; 192- and 256-row chunks' tiles are 128 (N =
+    # 384 here: three).
+    g = torch.Generator(device="cuda").manual_seed(5)
+    odd = torch.randint(0, 256, (2, 256, 192), dtype=torch.uint8, device="cuda", generator=g)
+    odd_scales = torch.full((2, 256, 12), 127, dtype=torch.uint8, device="cuda")
+    with pytest.raises(ValueError, match="N a multiple of 256"):
+        stream_dgrad1(a, odd, odd_scales, plan, chunk=128)
+    out = stream_dgrad1(a, odd, odd_scales, plan, chunk=192)
+    twin = grouped_gemm(a, decode_mxfp4_bf16(odd, odd_scales), plan, b_major="mn")
+    rows = int(plan.expert_pool_offsets[-1])
+    assert same_bits(out[:rows], twin[:rows])
     # A base tile writes 8 bytes a store: an out 2 bytes past an 8-byte boundary is refused.
     columns = 256 + 2 * 16
     buffer = torch.zeros(a.shape[0] * columns + 1, dtype=torch.bfloat16, device="cuda")
@@ -539,9 +568,10 @@ def test_dgrad1_launcher_checks():
 
 
 def stream_dgrad2(dout_pool, codes, scales, side_a2, preact, weights, plan, *, chunk,
-                  activation="swiglu", clamp=None, dgrad_out=None):  # fmt: skip
+                  activation="swiglu", clamp=None, dgrad_out=None, raw=False):  # fmt: skip
     """The native launcher with an explicit chunk: ``(dg | du, w h, drouter)`` as the
-    wrapper returns them (rows past the rows in use NaN in dg | du and w h)."""
+    wrapper returns them (rows past the rows in use NaN in dg | du and w h); ``raw``: the
+    router partials ``[P, I / 256]`` instead of their sum."""
     capacity, inter = plan.pool_capacity, 2 * codes.shape[2]
     nan = float("nan")
     dgrad = dgrad_out
@@ -573,7 +603,7 @@ def stream_dgrad2(dout_pool, codes, scales, side_a2, preact, weights, plan, *, c
         torch.cuda.get_device_properties(0).multi_processor_count,
         torch.cuda.current_stream().cuda_stream,
     )
-    return dgrad, weighted, partials.sum(dim=1)
+    return dgrad, weighted, partials if raw else partials.sum(dim=1)
 
 
 def dgrad2_operands(tokens, experts, top_k, hidden, inter, rank, *, block_m=64, seed=0,
@@ -628,10 +658,11 @@ def test_dgrad2_is_the_engine_on_the_decoded_weights(
         tokens, experts, top_k, hidden, inter, rank, block_m=block_m, seed=tokens + rank
     )
     kwargs = dict(activation=activation, activation_clamp=clamp)
-    dgrad, weighted, drouter = stream_dgrad2(
+    dgrad, weighted, partials = stream_dgrad2(
         dout_pool, codes, scales, side_a2, preact, weights, plan, chunk=chunk,
-        activation=activation, clamp=clamp,
+        activation=activation, clamp=clamp, raw=True,
     )  # fmt: skip
+    drouter = partials.sum(dim=1)
     decoded = decode_mxfp4_bf16(codes, scales)  # [E, H, I]
     twin = engine_dgrad2(dout_pool, decoded, side_a2, preact, weights, plan, **kwargs)
     rows = int(plan.expert_pool_offsets[-1])
@@ -646,6 +677,17 @@ def test_dgrad2_is_the_engine_on_the_decoded_weights(
     expected, _, expected_router = activation_backward_reference(preact, z, weights, plan, **kwargs)
     assert_close_to_oracle("dg | du", dgrad[:rows][data], expected[:rows][data])
     assert_close_to_oracle("drouter", drouter[:rows][data], expected_router[:rows][data])
+    # Each 256-column tile's partial in its own column (a sum of the columns hides a swap).
+    g, u = preact.split(inter, dim=1)
+    for tile in range(inter // 256):
+        cols = slice(256 * tile, 256 * (tile + 1))
+        tile_preact = torch.cat([g[:, cols], u[:, cols]], dim=1)
+        *_, tile_router = activation_backward_reference(
+            tile_preact, z[:, cols].contiguous(), weights, plan, **kwargs
+        )
+        assert_close_to_oracle(
+            f"partials[:, {tile}]", partials[:rows, tile][data], tile_router[:rows][data]
+        )
 
 
 @pytest.mark.parametrize("chunk", CHUNKS)
@@ -675,7 +717,28 @@ def test_dgrad2_every_scale_byte_matches_the_engine(chunk, scale_mod):
     )
 
 
-@pytest.mark.parametrize("tokens,chunk", [(512, 64), (1024, 128)])  # 48 and 96 rows per expert
+@pytest.mark.parametrize("chunk", CHUNKS)
+@pytest.mark.parametrize("hidden,rank", [(64, 0), (320, 24)])  # one K step; an odd count
+def test_dgrad2_odd_step_counts(chunk, hidden, rank):
+    """A base-step count with a tail (the last step's fragment buffer) before the next
+    (sub-)tile: the engine's bits on the decoded weights on every row in use."""
+    plan, weights, dout_pool, codes, scales, side_a2, preact = dgrad2_operands(
+        150, 8, 2, hidden, 512, rank, seed=hidden
+    )
+    dgrad, weighted, drouter = stream_dgrad2(
+        dout_pool, codes, scales, side_a2, preact, weights, plan, chunk=chunk
+    )
+    twin = engine_dgrad2(
+        dout_pool, decode_mxfp4_bf16(codes, scales), side_a2, preact, weights, plan
+    )
+    rows = int(plan.expert_pool_offsets[-1])
+    assert same_bits(dgrad[:rows], twin[0][:rows])
+    assert same_bits(weighted[:rows], twin[1][:rows])
+    assert torch.equal(drouter[:rows], twin[2][:rows])
+
+
+# 48, 96, 192 and 240 rows per expert
+@pytest.mark.parametrize("tokens,chunk", [(512, 64), (1024, 128), (2048, 192), (2560, 256)])
 def test_dgrad2_layer_path_streams_in_place_and_repeats_bitwise(monkeypatch, tokens, chunk):
     """fused_dgrad2_activation_backward with an MXFP4 w2 and few rows per expert takes the
     streaming kernel in the chunk the rows call for, in place over preact too, and repeats

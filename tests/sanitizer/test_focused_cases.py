@@ -206,22 +206,15 @@ GEMM_CASES = [
     pytest.param(150, 2, None, id="150-tokens"),
     pytest.param(150, 2, "2", id="150-tokens-two-ctas"),
 ]
-# GEMM1 and GEMM2 streaming also in the wide form, chunks from each segment's start: of
-# 192 rows (about 150 rows per expert), of 256 (about 220) and of 128 (about 100, MMAs 64
-# or 128 wide).
-STREAM_FORWARD_CASES = [
+# The streaming GEMMs also in the wide form, chunks from each segment's start: of 192 rows
+# (about 150 rows per expert), of 256 (about 220) and of 128 (about 100, MMAs 64 or 128
+# wide).
+STREAM_CASES = [
     *GEMM_CASES,
     pytest.param(600, 2, None, id="600-tokens-wide"),
     pytest.param(600, 2, "2", id="600-tokens-wide-two-ctas"),
     pytest.param(880, 2, "2", id="880-tokens-wide-256-two-ctas"),
     pytest.param(400, 2, "2", id="400-tokens-wide-128-two-ctas"),
-]
-# The dgrads streaming also in 128-row chunks from each segment's start: about 100 rows
-# per expert (one chunk, MMAs 128 wide) and about 150 (a whole chunk and a short one).
-STREAM_TRANSPOSED_CASES = [
-    *GEMM_CASES,
-    pytest.param(400, 2, "2", id="400-tokens-wide-128-two-ctas"),
-    pytest.param(600, 2, None, id="600-tokens-wide-128"),
 ]
 
 
@@ -286,7 +279,7 @@ def test_engine_gated(block_m, tokens, top_k, num_sms, b_format, monkeypatch):
         assert_close_to_oracle("preact", preact[:rows], gu)
 
 
-@pytest.mark.parametrize("tokens,top_k,num_sms", STREAM_FORWARD_CASES)
+@pytest.mark.parametrize("tokens,top_k,num_sms", STREAM_CASES)
 @pytest.mark.parametrize("block_m", BLOCK_MS)
 def test_weight_stream_gated(block_m, tokens, top_k, num_sms, monkeypatch):
     # GEMM1 with an MXFP4 w13 in the weight-streaming kernel (I = 256: two 128-column
@@ -325,7 +318,7 @@ def test_weight_stream_gated(block_m, tokens, top_k, num_sms, monkeypatch):
         assert_bitwise(preact[:rows], twin_preact[:rows])
 
 
-@pytest.mark.parametrize("tokens,top_k,num_sms", STREAM_FORWARD_CASES)
+@pytest.mark.parametrize("tokens,top_k,num_sms", STREAM_CASES)
 @pytest.mark.parametrize("block_m", BLOCK_MS)
 def test_weight_stream_store(block_m, tokens, top_k, num_sms, monkeypatch):
     # GEMM2 with an MXFP4 w2 in the weight-streaming kernel (N = 256: one tile), with the
@@ -352,12 +345,13 @@ def test_weight_stream_store(block_m, tokens, top_k, num_sms, monkeypatch):
         assert_bitwise(out[:rows], twin[:rows])
 
 
-@pytest.mark.parametrize("tokens,top_k,num_sms", STREAM_TRANSPOSED_CASES)
+@pytest.mark.parametrize("tokens,top_k,num_sms", STREAM_CASES)
 @pytest.mark.parametrize("block_m", BLOCK_MS)
 def test_weight_stream_store_mn(block_m, tokens, top_k, num_sms, monkeypatch):
     # dgrad1 with an MXFP4 w13 as stored in the weight-streaming kernel (N = 256: one
-    # tile; K = 192: three transposed steps), with the b1/b3 shrinks' 16 columns each as
-    # the extra tile (K-major boxes mostly past their 16 rows, zero-filled, never stored).
+    # tile, two in 192- and 256-row chunks; K = 192: three transposed steps), with the
+    # b1/b3 shrinks' 16 columns each as the extra tile (one tile: two extra tiles; K-major
+    # boxes mostly past their 16 rows, zero-filled, never stored).
     # Into a zero-filled output: against the float64 oracle on the CPU, and (not under
     # initcheck) bit for bit the engine on the decode.
     use_sms(num_sms, monkeypatch)
@@ -498,7 +492,7 @@ def test_engine_fused_dgrad2(block_m, tokens, top_k, num_sms, b_format, monkeypa
     assert torch.count_nonzero(drouter[:rows][padding]) == 0
 
 
-@pytest.mark.parametrize("tokens,top_k,num_sms", STREAM_TRANSPOSED_CASES)
+@pytest.mark.parametrize("tokens,top_k,num_sms", STREAM_CASES)
 @pytest.mark.parametrize("block_m", BLOCK_MS)
 def test_weight_stream_activation_backward(block_m, tokens, top_k, num_sms, monkeypatch):
     """dgrad2 with an MXFP4 w2 in the weight-streaming kernel (I = 256: one tile; H = 128:

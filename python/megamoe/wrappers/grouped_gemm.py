@@ -185,7 +185,7 @@ def _store_stream_chunk(
 ) -> int | None:
     """:func:`grouped_gemm`'s streaming chunk (:func:`_stream_chunk`): K-major B (GEMM2,
     kind Store) with at most 256 extra columns; MN-major B (dgrad1, the weights as stored,
-    kind StoreMN) with extra blocks that fit its one extra tile."""
+    kind StoreMN) with extra blocks of at most 128 columns each."""
     if not major_mn and n_extra <= 256:
         return _stream_chunk("Store", n_base, scales, plan, experts)
     if major_mn and _extra_blocks_fit_one_tile(b_extra_blocks):
@@ -236,7 +236,7 @@ def _extra_columns(b_extra: object, b_extra_blocks: object) -> int | None:
 def _extra_blocks_fit_one_tile(blocks: tuple[torch.Tensor, torch.Tensor] | None) -> bool:
     """Whether the transposed streaming kernel takes :func:`grouped_gemm`'s extra blocks
     (checked ones): none, or each block's ``N`` a multiple of 8 up to 128 (one half of
-    its one extra tile)."""
+    the extra tile; in 192- and 256-row chunks an extra tile of its own)."""
     return blocks is None or all(0 < x.shape[1] <= 128 and x.shape[1] % 8 == 0 for x in blocks)
 
 

@@ -1,8 +1,9 @@
 // Host driver for tests/cpu/test_fragment_decode.py: runs the dgrads' transposed step of
 // the weight-streaming GEMM (decode_column_pairs, kernels/engine/fragment_decode.cuh) on
 // the CPU, with the host's exact FP32 product in place of the device multiply; both
-// orders of its multiplies and its tile-at-a-time form (decode_column_pair_tile) must give
-// the same registers.
+// orders of its multiplies, its tile-at-a-time form (decode_column_pair_tile) and the
+// one-tile chunks' form (a consumer warpgroup's tile by its selector) must give the same
+// registers.
 //
 // Writes, to the file named by argv[1], a case count and per case (all uint32): the 16
 // stored rows' 16 bits (bytes 2q and 2q + 1 of rows 16 k16 + 2c + {0, 1, 8, 9}; the
@@ -67,6 +68,14 @@ int main(int argc, char** argv) {
     if (std::memcmp(fragments, by_tile, sizeof(fragments)) != 0) {
       std::fprintf(stderr, "case %d: the decode a tile at a time differs\n", i);
       return 4;
+    }
+    // The one-tile chunks' decode: consumer warpgroup t's tile, its selector a value.
+    mx::StepFragment by_consumer[2];
+    for (uint32_t t = 0; t < 2; ++t)
+      mx::decode_column_pair_tile(row_pairs, scales, mx::column_pair_selector(t), by_consumer[t]);
+    if (std::memcmp(fragments, by_consumer, sizeof(fragments)) != 0) {
+      std::fprintf(stderr, "case %d: the one-tile decode differs\n", i);
+      return 5;
     }
     const uint32_t fast = scales.fast ? 1u : 0u;
     std::fwrite(rows, sizeof(rows), 1, out);
