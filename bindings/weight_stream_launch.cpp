@@ -288,7 +288,7 @@ void weight_stream_store_mn(const Tensor& a, const Tensor& b, const Tensor& b_sc
 // swapped form: z = a . [w2_e ; a2_e^T] (codes [E, H, I/2] quantized along I; a2 as given
 // [E, I, r], or none), then per pool row and column the activation backward into dg | du
 // (over `preact` when it is the same buffer), w h and the router dot's partials [P, I /
-// 256], in chunks of `tokens` (32, 64, 128, 192 or 256) pool rows (check_pool).
+// 256], in chunks of `tokens` (32, 64 or 128) pool rows (check_pool).
 void weight_stream_activation_backward(
     const Tensor& a, const Tensor& b, const Tensor& b_scales, std::optional<Tensor> side_a2,
     const Tensor& offsets, const Tensor& counts, const Tensor& preact, const Tensor& row_weights,
@@ -324,7 +324,7 @@ void weight_stream_activation_backward(
   check_tensor("preact", preact, bfloat16_dtype(), {rows, 2 * inter}, device);
   check_tensor("dgrad_preact", dgrad_preact, bfloat16_dtype(), {rows, 2 * inter}, device);
   if (weighted_h) check_tensor("weighted_h", *weighted_h, bfloat16_dtype(), {rows, inter}, device);
-  // The epilogue reads and writes four columns (8 bytes) at a time (one tile: two).
+  // The epilogue reads and writes four columns (8 bytes) at a time.
   for (const auto& [name, t] :
        {std::pair{"preact", &preact}, std::pair{"dgrad_preact", &dgrad_preact}})
     if (reinterpret_cast<uintptr_t>(t->data()) % 8 != 0)
@@ -343,12 +343,11 @@ void weight_stream_activation_backward(
   p.base_steps = static_cast<int32_t>(hidden / kBlockK);
   if (side_a2) {
     // The side's K steps (a2's r columns over the pool's columns H..H + r) into tile 0's
-    // accumulators, then tile 1's (one tile: each sub-tile's, once, consumer c's rows from
-    // tile c's view). Each box row is an I column in the transposed order (consumer c's
-    // column 32 w + 4 g + 2 t + h, t the tile, at box row 16 w + 8 h + g): a 5-D view of a2
-    // [E, I, r], dims (r, g, h, w, row pairs), tile 1's two rows on.
+    // accumulators, then tile 1's. Each box row is an I column in the transposed order
+    // (consumer c's column 32 w + 4 g + 2 t + h, t the tile, at box row 16 w + 8 h + g):
+    // a 5-D view of a2 [E, I, r], dims (r, g, h, w, row pairs), tile 1's two rows on.
     p.segment_half = static_cast<int32_t>((rank + kBlockK - 1) / kBlockK);
-    p.segment_steps = (stream_one_tile(tokens) ? 1 : 2) * p.segment_half;
+    p.segment_steps = 2 * p.segment_half;
     const int64_t row_bytes = rank * 2;
     for (int t = 0; t < 2; ++t) {
       const auto* base = static_cast<const uint8_t*>(side_a2->data()) + 2 * t * row_bytes;
@@ -358,13 +357,8 @@ void weight_stream_activation_backward(
     }
   }
   p.pool = bf16_rows("a", a.data(), rows, hidden + rank, a.stride(0), stream_pool_box_rows(tokens));
-  // A step's codes: [64 rows][128 bytes], or (one tile) a sub-tile's 64 bytes under the
-  // 64-byte swizzle.
-  const bool one_tile = stream_one_tile(tokens);
   p.codes = tensor_map("b", b.data(), CU_TENSOR_MAP_DATA_TYPE_UINT8, {inter / 2, hidden, experts},
-                       {inter / 2, hidden * inter / 2},
-                       {(one_tile ? kStoreColumns / 2 : kStoreColumns) / 2, kBlockK, 1},
-                       one_tile ? CU_TENSOR_MAP_SWIZZLE_64B : CU_TENSOR_MAP_SWIZZLE_128B);
+                       {inter / 2, hidden * inter / 2}, {kStoreColumns / 2, kBlockK, 1}, true);
   p.scales = static_cast<const uint8_t*>(b_scales.data());
   p.k_base = static_cast<int32_t>(hidden);
   p.weight_rows = static_cast<int32_t>(hidden);

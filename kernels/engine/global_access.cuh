@@ -38,13 +38,4 @@ __device__ __forceinline__ void store_global_2_if(bool store, void* at, uint16_t
                : "memory");
 }
 
-__device__ __forceinline__ uint32_t load_global_4_cg(const void* at) {
-  uint32_t v;
-  asm volatile("ld.global.cg.b32 %0, [%1];" : "=r"(v) : "l"(at));
-  return v;
-}
-__device__ __forceinline__ void store_global_4(void* at, uint32_t v) {
-  asm volatile("st.global.b32 [%0], %1;" ::"l"(at), "r"(v) : "memory");
-}
-
 }  // namespace megamoe::kernels::engine

@@ -1,6 +1,6 @@
 // The weight-streaming GEMMs' compile-time configuration (StreamConfig: one per kind
 // and chunk), the shared-memory layout of the stage ring and each role's place in it, and
-// the per-tile facts every role derives alike (segment steps, sub-tiles).
+// the per-tile facts every role derives alike (segment steps).
 #pragma once
 
 #include <cstdint>
@@ -38,22 +38,21 @@ struct StreamConfig {
   // per consumer warpgroup, so their 96 or 128 accumulators and two fragment buffers (32)
   // fit; a thread's rows r and r + 8 are a gated tile's gate and up rows of one h column.
   static constexpr bool kOneTile = kWide && stream_one_tile(Tokens);
+  // dgrad2's one-tile chunks (its 256-column tile as two sub-tiles of 128 in turn, the
+  // router dot's pieces exchanged through shared memory) measured slower than its 128-row
+  // chunks at every token count (docs/PERFORMANCE.md, fortieth session).
+  static_assert(!(kOneTile && kActivation), "dgrad2's widest chunk is 128 rows");
   // One-tile StoreMN: the extra tile's two blocks (lo, hi) are two tiles, each one m64 tile
   // per warpgroup over its own K steps.
   static constexpr bool kExtraTilePerBlock = kOneTile && kKind == StreamKind::StoreMN;
-  // One-tile dgrad2: a tile stays 256 columns, the router dot's tile (so that its
-  // partials are the engine's bits), run as two sub-tiles of 128 columns in turn, each
-  // over all of K (sub-tile 0's vector sums wait in shared memory for sub-tile 1's).
-  static constexpr int kSubTiles = kOneTile && kActivation ? 2 : 1;
   static constexpr bool kTilesOneAtATime = kWide && !kOneTile;
   static constexpr int kHalves = kOneTile ? 1 : 2;  // m64 tiles per consumer
   static constexpr int kConsumers = 2;
   static constexpr int kThreads = (1 + kConsumers) * kWarpgroupThreads;
   // Output columns per tile: a gated tile's two halves are the gate and up rows of the
   // same 128 h columns (one tile: a warpgroup's rows are 32 h columns' gate and up rows);
-  // a store tile's are 256 columns (one tile: 128; one-tile dgrad2: two sub-tiles of 128).
-  static constexpr int kSubTileColumns = (kGated ? 1 : 2) * 32 * kHalves * kConsumers;
-  static constexpr int kColumns = kSubTiles * kSubTileColumns;
+  // a store tile's are 256 columns (one tile: 128).
+  static constexpr int kColumns = (kGated ? 1 : 2) * 32 * kHalves * kConsumers;
   using Schedule = StreamTiles<Tokens, kColumns>;
   // A base step's codes: Gated and Store: two halves of 128 rows of 32 bytes (one tile:
   // the gate and up rows of 64 h columns, or 128 rows); StoreMN: 64 rows of 128 bytes
@@ -75,19 +74,13 @@ struct StreamConfig {
   static constexpr int kSmemLimit = 232448;
   static constexpr int kBarrierBytes = 256;
   // dgrad2: the router dot's 32 vector sums of each chunk row, two buffers (by tile
-  // parity), after the stages. One tile: one buffer of the first butterfly level's 16
-  // sums a row (sub-tile 1's chains add onto sub-tile 0's), then the exchange of a row
-  // group's z and h pairs (16 chunk rows, 16 vectors, four pieces of 8 bytes:
-  // activation_backward_epilogue_one_tile), so that four stages fit at 256 rows.
-  static constexpr int kExchangeBytes = kActivation && kOneTile ? 16 * 16 * 4 * 8 : 0;
-  static constexpr int kDotBytes =
-      kActivation ? (kOneTile ? Tokens * 16 * 4 + kExchangeBytes : 2 * Tokens * 32 * 4) : 0;
+  // parity), after the stages.
+  static constexpr int kDotBytes = kActivation ? 2 * Tokens * 32 * 4 : 0;
   static constexpr int kStagesFit = (kSmemLimit - 1024 - kBarrierBytes - kDotBytes) / kStageBytes;
   // Six stages, not as many as fit: shared memory takes its room from L1 (one 256 KB
   // array per SM), and deeper rings measured slower (docs/ENGINE.md, "The ring's depth");
   // the wide 256-row chunks fit four (Store) or five (Gated), and three stages measured
-  // no faster there; the 192-row chunks fit five (Store) or six (Gated); one-tile dgrad2
-  // four (256) or five (192).
+  // no faster there; the 192-row chunks fit five (Store) or six (Gated).
   static constexpr int kStages = kStagesFit > 6 ? 6 : kStagesFit;
   static_assert(kStages >= 3, "a ring deep enough to overlap the loads");
   static constexpr int kSmemBytes = 1024 + kStages * kStageBytes + kDotBytes + kBarrierBytes;
@@ -171,14 +164,6 @@ template <int Columns>
 __device__ __forceinline__ bool stream_extra_tile_is_hi(const WeightStreamParams& p,
                                                         const StreamTile& tile) {
   return tile.extra && tile.n0 > p.n_base_blocks * Columns;
-}
-
-// Sub-tile `sub` of `tile` (one-tile dgrad2: its 128-column halves; else the tile).
-template <class C>
-__device__ __forceinline__ StreamTile stream_sub_tile(const StreamTile& tile, int sub) {
-  StreamTile part = tile;
-  part.n0 += sub * C::kSubTileColumns;
-  return part;
 }
 
 // A tile's segment steps [first, last): every tile's (GEMM1's side, dgrad2's a2) or an

@@ -1,6 +1,6 @@
 // The weight-streaming dgrad2's epilogue from registers: the activation backward
 // (activation_backward_math.cuh) into dg | du and w h, and the router dot's partials in
-// the engine's summation order, two-tile and one-tile.
+// the engine's summation order.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -24,35 +24,33 @@ namespace megamoe::kernels::engine {
 // wrote theirs (named barrier 1).
 
 // dgrad2: the tile's g | u (Tokens rows, 256 columns of each half: eight 128-byte lines a
-// row; a one-tile sub-tile's 128: four), asked of L2 when its main loop starts, so that
-// the epilogue's loads a main loop later meet L2's latency rather than DRAM's (the
-// weights' stream evicts them from L2 between the forward that wrote them and this GEMM).
-template <int Tokens, bool kOneTile>
+// row), asked of L2 when its main loop starts, so that the epilogue's loads a main loop
+// later meet L2's latency rather than DRAM's (the weights' stream evicts them from L2
+// between the forward that wrote them and this GEMM).
+template <int Tokens>
 __device__ __forceinline__ void prefetch_preact_tile(const WeightStreamParams& p,
                                                      const StreamTile& tile, int consumer,
                                                      int thread) {
-  constexpr int kLinesPerHalf = kOneTile ? 2 : 4;  // a row's 128-byte lines of g (and of u)
   const int64_t inter = p.out_columns;
   const __nv_bfloat16* preact = static_cast<const __nv_bfloat16*>(p.preact);
   // An opaque copy of the thread: derived from it once, ptxas kept the lines' places
   // through the tile loop and spilled them.
   const int self = static_cast<int>(opaque(static_cast<uint32_t>(thread)));
 #pragma unroll
-  for (int k = 0; k < (kOneTile ? Tokens / 64 : Tokens / 32); ++k) {
-    const int line = 256 * k + 128 * consumer + self;  // of the tile's 2 kLinesPerHalf x Tokens
+  for (int k = 0; k < Tokens / 32; ++k) {
+    const int line = 256 * k + 128 * consumer + self;  // of the tile's 8 x Tokens
     // A wide chunk's rows past its segment are not its own.
-    if (stream_chunks_from_segment_starts(Tokens) && line / (2 * kLinesPerHalf) >= tile.span) break;
-    const int64_t row = tile.row0 + line / (2 * kLinesPerHalf);
-    const int64_t column =
-        (line / kLinesPerHalf % 2) * inter + tile.n0 + 64 * (line % kLinesPerHalf);
+    if (stream_chunks_from_segment_starts(Tokens) && line / 8 >= tile.span) break;
+    const int64_t row = tile.row0 + line / 8;
+    const int64_t column = (line / 4 % 2) * inter + tile.n0 + 64 * (line % 4);
     asm volatile("prefetch.global.L2 [%0];" ::"l"(preact + row * 2 * inter + column));
   }
 }
 
 // The router dot's butterfly over a chunk row's N vector sums in shared memory (`at`):
-// v + v ^ N / 2, then ^ N / 4, .., ^ 1, the engine's order (N = 32: the whole butterfly;
-// 16: after its first level). Each level's count is a constant, so the array stays in
-// registers (a loop over the levels put it in local memory).
+// v + v ^ N / 2, then ^ N / 4, .., ^ 1, the engine's order. Each level's count is a
+// constant, so the array stays in registers (a loop over the levels put it in local
+// memory).
 template <int Half, int N>
 __device__ __forceinline__ void butterfly_levels(float (&v)[N]) {
 #pragma unroll
@@ -202,147 +200,9 @@ __device__ __forceinline__ void activation_backward_epilogue(
   }
 }
 
-// One-tile dgrad2 (192- and 256-row chunks): the epilogue of sub-tile `sub` (`part`: 128
-// of its tile's 256 columns). A thread's two accumulators of a chunk row are z at the
-// columns 4q + 2c and 4q + 2c + 1 of the sub-tile (q = 8 warp + g, c the consumer: the
-// transposed one-tile map), rounded to BF16 once as the engine stages z; the activation
-// backward of the pair (activation_backward_math.cuh), with 4-byte loads of g and u and
-// 4-byte stores of dg, du and w h. The router dot keeps the engine's order: an 8-column
-// vector's columns in sequence, which here are four pieces on two warpgroups (consumer 0's
-// and 1's pair of the even-g lane, then of the odd one). So a row group's z and h pairs go
-// through shared memory (`exchange`: [16 rows][16 vectors][4 pieces] of 8 bytes), and
-// after named barrier 1 each consumer thread sums one (row, vector) chain, the same one in
-// both sub-tiles, into `dots` ([Tokens rows][16]): sub-tile 0's sum, then sub-tile 1's
-// added on, which is the engine's butterfly's first level (v + v ^ 16). After sub-tile 1
-// one thread per chunk row adds the row's 16 in the butterfly's other levels. The next
-// tile writes `dots` only after its first group's barrier, which every row's reader
-// reaches after its reads.
-template <int Tokens, bool kGeGLU, bool kClamp>
-__device__ __forceinline__ void activation_backward_epilogue_one_tile(
-    const WeightStreamParams& p, const StreamTile& part, int sub, const float (&acc)[Tokens / 2],
-    int consumer, int thread, uint32_t dots, uint32_t exchange) {
-  const int64_t inter = p.out_columns;
-  const float clamp = p.activation_clamp;
-  const __nv_bfloat16* preact = static_cast<const __nv_bfloat16*>(p.preact);
-  __nv_bfloat16* dgrad = static_cast<__nv_bfloat16*>(p.out);
-  __nv_bfloat16* weighted = static_cast<__nv_bfloat16*>(p.weighted_h);
-  // A thread's rows are (i, e), i = 0, 4, .. and e = 0, 1 (its accumulators i + e and
-  // i + e + 2), four at a time: a group is 16 chunk rows. The group's loads come before
-  // its stores (as in the two-tile epilogue).
-  constexpr int kRows = 4;
-  uint32_t staged[Tokens / 4];  // z of row (i, e) as a BF16 pair: [i / 2 + e]
-#pragma unroll
-  for (int i = 0; i < Tokens / 2; i += 4)
-#pragma unroll
-    for (int e = 0; e < 2; ++e) staged[i / 2 + e] = pack_bf16(acc[i + e], acc[i + e + 2]);
-  constexpr int kGroups = Tokens / 2 / (2 * kRows);
-  auto run_group = [&](int group) {
-    const int i0 = group * 2 * kRows;
-    // The thread's places from its index, derived in the loop (an opaque copy), as in the
-    // two-tile epilogue.
-    const int self = static_cast<int>(opaque(static_cast<uint32_t>(thread)));
-    const StreamFragmentRows<Tokens> at(self);
-    const int g = at.lane / 4, warp = self / 32;
-    const int64_t column = part.n0 + 32 * warp + 4 * g + 2 * consumer;
-    const int vector = 4 * warp + g / 2;       // of the sub-tile's 16 (8 columns each)
-    const int piece = 2 * (g % 2) + consumer;  // the vector's columns 2 piece, 2 piece + 1
-    uint32_t z_rows[kRows];
-#pragma unroll
-    for (int k = 0; k < kGroups; ++k)
-      if (k == group)
-#pragma unroll
-        for (int r = 0; r < kRows; ++r) z_rows[r] = staged[k * kRows + r];
-    auto token_of = [&](int r) { return at.token(i0 + 4 * (r / 2) + r % 2); };
-    auto row_of = [&](int r) { return part.row0 + static_cast<int64_t>(token_of(r)); };
-    bool live[kRows];
-    float weight[kRows];
-    bool in[kRows];  // the chunk's rows of its own segment
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      in[r] = token_of(r) < part.span;
-      const int route = in[r] ? static_cast<int>(__ldcg(p.pool_row_to_route + row_of(r))) : -1;
-      weight[r] = in[r] ? __ldcg(p.row_weights + row_of(r)) : 0.0f;
-      // Padding rows (route -1) give zeros whatever their inputs hold (unsigned compare).
-      live[r] = static_cast<uint32_t>(route) < static_cast<uint32_t>(p.num_routes);
-    }
-    uint32_t g1[kRows], u1[kRows];
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      g1[r] = u1[r] = 0u;
-      if (live[r]) {
-        g1[r] = load_global_4_cg(preact + row_of(r) * 2 * inter + column);
-        u1[r] = load_global_4_cg(preact + row_of(r) * 2 * inter + inter + column);
-      }
-    }
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      const int64_t row = row_of(r);
-      __nv_bfloat16* dgrad_at = dgrad + row * 2 * inter + column;
-      uint32_t dg = 0u, du = 0u, wh = 0u, z = 0u, h = 0u;
-      if (live[r]) {
-        const ActivationBackwardPair out =
-            activation_backward_pair<kGeGLU, kClamp>(z_rows[r], g1[r], u1[r], weight[r], clamp);
-        dg = out.dg;
-        du = out.du;
-        wh = out.weighted_h;
-        z = z_rows[r];
-        h = out.h;
-      }
-      if (in[r]) {
-        store_global_4(dgrad_at, dg);
-        store_global_4(dgrad_at + inter, du);
-        if (weighted != nullptr) store_global_4(weighted + row * inter + column, wh);
-      }
-      // The piece of the row's vector (padding rows: zeros, which add nothing).
-      const int local = token_of(r) - 16 * group;
-      asm volatile("st.shared.v2.u32 [%0], {%1, %2};" ::"r"(
-                       exchange + 8 * (4 * (16 * local + vector) + piece)),
-                   "r"(z), "r"(h)
-                   : "memory");
-    }
-    asm volatile("bar.sync 1, 256;" ::: "memory");  // the group's pieces are in
-    // One chain per consumer thread: (row, vector) = (task / 16, task % 16), the same in
-    // both sub-tiles, so sub-tile 1 adds onto the sum this thread stored in sub-tile 0.
-    const int task = 128 * consumer + self;
-    uint32_t w[8];  // pieces 0..3: z pair, h pair
-    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
-                 : "r"(exchange + 32 * task));
-    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(w[4]), "=r"(w[5]), "=r"(w[6]), "=r"(w[7])
-                 : "r"(exchange + 32 * task + 16));
-    float sum = 0.0f;
-#pragma unroll
-    for (int q = 0; q < 4; ++q) router_dot_add(sum, w[2 * q], w[2 * q + 1]);
-    const uint32_t at_dot = dots + 4 * (16 * (16 * group + task / 16) + task % 16);
-    if (sub == 1) {  // the butterfly's first level: vector v of sub-tile 0 plus v of 1
-      float first;
-      asm volatile("ld.shared.f32 %0, [%1];" : "=f"(first) : "r"(at_dot));
-      sum = first + sum;
-    }
-    asm volatile("st.shared.f32 [%0], %1;" ::"r"(at_dot), "f"(sum) : "memory");
-    asm volatile("bar.sync 1, 256;" ::: "memory");  // the exchange is free again
-  };
-#pragma unroll 1
-  for (int group = 0; group < kGroups; ++group) run_group(group);
-  if (sub == 1) {  // every row's 16 first-level sums are in (the last group's barrier)
-    const int own_row = 128 * consumer + thread;
-    if (own_row < part.span) {
-      // The engine's butterfly after its first level.
-      p.drouter_partials[(part.row0 + own_row) * static_cast<int64_t>(p.n_base_blocks) +
-                         (part.n0 - 128) / 256] = butterfly_sum<16>(dots + 4 * 16 * own_row);
-    }
-    // Not needed for the buffer (the next tile writes it after its first group's barrier),
-    // but without it ptxas kept the next tiles' ring state in vector registers, 10 more
-    // instructions a base step (SASS).
-    asm volatile("bar.sync 1, 256;" ::: "memory");
-  }
-}
-
 // dgrad2's epilogue (StreamEpilogue): the activation's kind and clamp read once per
-// kernel; two tiles: the tile's router-dot buffer by tile parity (the barrier of the next
-// tile orders this tile's reads before the writes of the one after); one tile: the dot
-// buffer and, after it, the exchange.
+// kernel; the tile's router-dot buffer by tile parity (the barrier of the next tile orders
+// this tile's reads before the writes of the one after).
 template <class C>
 struct StreamActivationBackwardEpilogue {
   static constexpr int kTokens = C::kTokensPerChunk;
@@ -355,25 +215,14 @@ struct StreamActivationBackwardEpilogue {
         clamped(is_clamped(p.activation_clamp)),
         geglu(p.activation == static_cast<int>(Activation::GeGLU)) {}
   __device__ __forceinline__ void finish(const WeightStreamParams& p, const StreamTile& tile,
-                                         int sub,
                                          const float (&acc)[C::kHalves][C::kTokensPerChunk / 2],
                                          int consumer, int thread) {
-    if constexpr (C::kOneTile) {
-      const uint32_t dot_area = shared_address(dots);
-      const uint32_t exchange = dot_area + kTokens * 16 * 4;
-      with_activation(geglu, clamped, [&](auto kGeGLU, auto kClamp) {
-        activation_backward_epilogue_one_tile<kTokens, decltype(kGeGLU)::value,
-                                              decltype(kClamp)::value>(
-            p, tile, sub, acc[0], consumer, thread, dot_area, exchange);
-      });
-    } else {
-      const uint32_t dot_area = shared_address(dots) + (tiles_done & 1) * (C::kDotBytes / 2);
-      with_activation(geglu, clamped, [&](auto kGeGLU, auto kClamp) {
-        activation_backward_epilogue<kTokens, decltype(kGeGLU)::value, decltype(kClamp)::value>(
-            p, tile, acc[0], acc[1], consumer, thread, dot_area);
-      });
-      ++tiles_done;
-    }
+    const uint32_t dot_area = shared_address(dots) + (tiles_done & 1) * (C::kDotBytes / 2);
+    with_activation(geglu, clamped, [&](auto kGeGLU, auto kClamp) {
+      activation_backward_epilogue<kTokens, decltype(kGeGLU)::value, decltype(kClamp)::value>(
+          p, tile, acc[0], acc[1], consumer, thread, dot_area);
+    });
+    ++tiles_done;
   }
 };
 

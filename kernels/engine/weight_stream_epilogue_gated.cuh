@@ -74,7 +74,7 @@ struct StreamGatedEpilogue {
                                                  const StreamStorage<C>&)
       : clamped(is_clamped(p.activation_clamp)),
         geglu(p.activation == static_cast<int>(Activation::GeGLU)) {}
-  __device__ __forceinline__ void finish(const WeightStreamParams& p, const StreamTile& tile, int,
+  __device__ __forceinline__ void finish(const WeightStreamParams& p, const StreamTile& tile,
                                          const float (&acc)[C::kHalves][C::kTokensPerChunk / 2],
                                          int consumer, int thread) const {
     with_activation(geglu, clamped, [&](auto kGeGLU, auto kClamp) {

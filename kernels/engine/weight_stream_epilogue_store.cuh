@@ -131,7 +131,7 @@ template <class C>
 struct StreamStoreEpilogue {
   __device__ __forceinline__ StreamStoreEpilogue(const WeightStreamParams&,
                                                  const StreamStorage<C>&) {}
-  __device__ __forceinline__ void finish(const WeightStreamParams& p, const StreamTile& tile, int,
+  __device__ __forceinline__ void finish(const WeightStreamParams& p, const StreamTile& tile,
                                          const float (&acc)[C::kHalves][C::kTokensPerChunk / 2],
                                          int consumer, int thread) const {
     store_epilogue<C::kHalves, C::kTokensPerChunk>(p, tile, acc, consumer, thread);
@@ -143,7 +143,7 @@ template <class C>
 struct StreamTransposedStoreEpilogue {
   __device__ __forceinline__ StreamTransposedStoreEpilogue(const WeightStreamParams&,
                                                            const StreamStorage<C>&) {}
-  __device__ __forceinline__ void finish(const WeightStreamParams& p, const StreamTile& tile, int,
+  __device__ __forceinline__ void finish(const WeightStreamParams& p, const StreamTile& tile,
                                          const float (&acc)[C::kHalves][C::kTokensPerChunk / 2],
                                          int consumer, int thread) const {
     if constexpr (C::kOneTile)

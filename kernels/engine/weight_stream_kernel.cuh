@@ -20,8 +20,8 @@
 //    then b3's over du, as given; one tile: an extra tile for each); a plain store;
 //  - ActivationBackward (dgrad2): w2 as stored, read transposed as StoreMN does; the a2
 //    side's K steps first (a2 as given, its rows boxed in the transposed column order);
-//    the activation backward, with the router dot summed in the engine's order (one
-//    tile: a 256-column tile as two sub-tiles of 128 in turn).
+//    the activation backward, with the router dot summed in the engine's order (32- to
+//    128-row chunks).
 //
 // Warp roles (384 threads):
 //  - producer (warpgroup 0): one thread issues the TMA loads into a ring stage, per base
@@ -105,10 +105,7 @@ __device__ __forceinline__ void stream_consume(const WeightStreamParams& p,
   Fragment fragments[2][kHalves];  // [buffer][half]
   StreamRing<C> ring(smem);
   StreamEpilogue<C> epilogue(p, smem);
-  // The epilogue of (sub-)tile `tile` (`sub`: its place in its tile, one-tile dgrad2).
-  auto finish = [&](const StreamTile& tile, int sub) {
-    epilogue.finish(p, tile, sub, acc, consumer, thread);
-  };
+  auto finish = [&](const StreamTile& tile) { epilogue.finish(p, tile, acc, consumer, thread); };
   auto fence_all_accumulators = [&] {
 #pragma unroll
     for (int half = 0; half < kHalves; ++half) fence_accumulators(acc[half]);
@@ -129,12 +126,11 @@ __device__ __forceinline__ void stream_consume(const WeightStreamParams& p,
         for (int i = 0; i < kTokens / 2; ++i) acc[half][i] = 0.0f;
       fence_all_accumulators();
     };
-    // The MMAs of (sub-)tile `part` (its tile has data rows); returns the empty barrier of
-    // its last stage, which goes back once its batches retired.
-    auto run_part = [&](const StreamTile& part) {
-      if constexpr (C::kActivation)
-        prefetch_preact_tile<kTokens, C::kOneTile>(p, part, consumer, thread);
-      const int2 segment = stream_segment_steps<C>(p, part);
+    // The MMAs of the tile (it has data rows); returns the empty barrier of its last
+    // stage, which goes back once its batches retired.
+    auto run_tile = [&] {
+      if constexpr (C::kActivation) prefetch_preact_tile<kTokens>(p, tile, consumer, thread);
+      const int2 segment = stream_segment_steps<C>(p, tile);
       const int base_steps = C::kSegmentEveryTile || !tile.extra ? p.base_steps : 0;
       // After a step's batch: the previous step's batch retired, its stage (empty barrier
       // `previous`, 0 before the tile's first step) goes back to the producer.
@@ -282,39 +278,19 @@ __device__ __forceinline__ void stream_consume(const WeightStreamParams& p,
         main_loop(Mma{});
       return previous;
     };
-    if constexpr (C::kSubTiles == 1) {
-      zero_accumulators();
-      if (tile.rows == 0) {  // padding only: its (zero) pool rows give exact zeros
-        finish(tile, 0);
-        tile = next_tile();
-        continue;
-      }
-      const uint32_t previous = run_part(tile);
-      const StreamTile next = next_tile();
-      cute::warpgroup_wait<0>();
-      fence_all_accumulators();
-      arrive_barrier(previous);
-      finish(tile, 0);
-      tile = next;
-    } else {  // one-tile dgrad2: the tile's sub-tiles in turn (one copy of the main loop)
-      StreamTile next = tile;
-#pragma unroll 1
-      for (int sub = 0; sub < C::kSubTiles; ++sub) {
-        const StreamTile part = stream_sub_tile<C>(tile, sub);
-        zero_accumulators();
-        if (tile.rows == 0) {
-          finish(part, sub);
-          continue;
-        }
-        const uint32_t previous = run_part(part);
-        if (sub + 1 == C::kSubTiles) next = next_tile();
-        cute::warpgroup_wait<0>();
-        fence_all_accumulators();
-        arrive_barrier(previous);
-        finish(part, sub);
-      }
-      tile = tile.rows == 0 ? next_tile() : next;
+    zero_accumulators();
+    if (tile.rows == 0) {  // padding only: its (zero) pool rows give exact zeros
+      finish(tile);
+      tile = next_tile();
+      continue;
     }
+    const uint32_t previous = run_tile();
+    const StreamTile next = next_tile();
+    cute::warpgroup_wait<0>();
+    fence_all_accumulators();
+    arrive_barrier(previous);
+    finish(tile);
+    tile = next;
   }
 }
 

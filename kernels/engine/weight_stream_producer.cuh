@@ -203,97 +203,87 @@ __device__ __forceinline__ void stream_produce(const WeightStreamParams& p,
                                      tile.row0);
       }
     };
-    // The tile's sub-tiles in turn (one-tile dgrad2: two; else the tile itself, by
-    // reference: a copy changed the transposed kinds' SASS).
-#pragma unroll 1
-    for (int sub = 0; sub < C::kSubTiles; ++sub) {
-      const StreamTile sub_tile = stream_sub_tile<C>(tile, sub);
-      const StreamTile& part = C::kSubTiles == 1 ? tile : sub_tile;
-      for (int step = segment.x; step < segment.y; ++step) {
-        wait_barrier(ring.empty(), ring.phase ^ 1u);
-        uint64_t* bar = &smem.full[ring.stage];
-        if (issues_copies) {
-          // Gated: b1 (then b3) rows 64 j.. at h columns n0..; Store: a2 rows 64 j.. (K)
-          // at extra columns 128 half..; StoreMN: lo (then hi) columns 64 j.. (K) at rows
-          // 64 wg..; ActivationBackward: a2 columns 64 j.. (K) at the rows of tile `half`
-          // of consumer wg's 128 I columns; against the pool's side columns or its K.
-          TransactionBarrier::arrive_and_expect_tx(bar, C::kSideBytes + pool_bytes);
-          uint8_t* a = smem.a(ring.stage);
-          const int half = step >= p.segment_half ? 1 : 0;
-          const int j = step - half * p.segment_half;
-          const CUtensorMap* map =
-              (C::kGated || C::kTransposed) && half ? &p.segment_hi : &p.segment_lo;
-          // Store: the extra block's columns (n0 - N on), a half's 128 apart.
-          const int column0 = C::kGated ? tile.n0 : tile.n0 - p.weight_rows + 128 * half;
-          const int pool_column = C::kGated        ? p.k_base + half * p.side_rank + kBlockK * j
-                                  : C::kActivation ? p.k_base + kBlockK * j
-                                  : C::kTransposed ? half * p.segment_k_hi + kBlockK * j
-                                                   : kBlockK * j;
+    for (int step = segment.x; step < segment.y; ++step) {
+      wait_barrier(ring.empty(), ring.phase ^ 1u);
+      uint64_t* bar = &smem.full[ring.stage];
+      if (issues_copies) {
+        // Gated: b1 (then b3) rows 64 j.. at h columns n0..; Store: a2 rows 64 j.. (K)
+        // at extra columns 128 half..; StoreMN: lo (then hi) columns 64 j.. (K) at rows
+        // 64 wg..; ActivationBackward: a2 columns 64 j.. (K) at the rows of tile `half`
+        // of consumer wg's 128 I columns; against the pool's side columns or its K.
+        TransactionBarrier::arrive_and_expect_tx(bar, C::kSideBytes + pool_bytes);
+        uint8_t* a = smem.a(ring.stage);
+        const int half = step >= p.segment_half ? 1 : 0;
+        const int j = step - half * p.segment_half;
+        const CUtensorMap* map =
+            (C::kGated || C::kTransposed) && half ? &p.segment_hi : &p.segment_lo;
+        // Store: the extra block's columns (n0 - N on), a half's 128 apart.
+        const int column0 = C::kGated ? tile.n0 : tile.n0 - p.weight_rows + 128 * half;
+        const int pool_column = C::kGated        ? p.k_base + half * p.side_rank + kBlockK * j
+                                : C::kActivation ? p.k_base + kBlockK * j
+                                : C::kTransposed ? half * p.segment_k_hi + kBlockK * j
+                                                 : kBlockK * j;
 #pragma unroll
-          for (int wg = 0; wg < C::kSideBytes / kBoxBytes; ++wg) {
-            if constexpr (C::kActivation) {
-              // The 5-D view's row pairs: expert, tile, consumer (one tile: consumer wg's
-              // bytes are tile wg's of the two-tile view, at the sub-tile's columns).
-              const CUtensorMap* view = C::kOneTile ? (wg ? &p.segment_hi : &p.segment_lo) : map;
-              const int first = C::kOneTile ? part.n0 : part.n0 + 128 * wg;
-              cute::SM90_TMA_LOAD_5D::copy(view, bar, kCacheHint, a + wg * kBoxBytes, kBlockK * j,
-                                           0, 0, 0, (part.expert * p.out_columns + first) / 2);
-            } else if constexpr (C::kTransposed)
-              cute::SM90_TMA_LOAD_3D::copy(map, bar, kCacheHint, a + wg * kBoxBytes, kBlockK * j,
-                                           64 * wg, tile.expert);
-            else
-              cute::SM90_TMA_LOAD_3D::copy(map, bar, kCacheHint, a + wg * kBoxBytes,
-                                           column0 + 64 * wg, kBlockK * j, tile.expert);
-          }
-          load_pool(bar, pool_column);
-        }
-        arrive_barrier(ring.full);
-        ring.advance();
-      }
-      using ScaleLoads = std::conditional_t<
-          C::kTransposed, StreamScaleColumns<C::kOneTile, C::kColumns>,
-          std::conditional_t<C::kOneTile, StreamScaleLines<C::kGated>, StreamScaleRows>>;
-      constexpr int kLoads = ScaleLoads::kLoads, kWords = ScaleLoads::kWords;
-      ScaleLoads rows(p, part, thread);
-      uint32_t pending[kAhead][kLoads];  // the scale bytes of the next kAhead base steps
-#pragma unroll
-      for (int d = 0; d < kAhead; ++d) rows.load_next(d < base_steps, pending[d]);
-      constexpr int kPrefetch = decltype(rows)::kPrefetchSteps;
-      for (int d = 0; d < kPrefetch; ++d) rows.prefetch(d, kAhead + d < base_steps, thread);
-      // A base step: its words from the pairs loaded kAhead steps before, formed before
-      // those registers take the loads of kAhead steps on (formed after, the loads went to
-      // temporaries copied back within the step, so every step waited for the loads it had
-      // just issued), then the stage's copies and words.
-      auto base_step = [&](int k_step, uint32_t (&pairs)[kLoads]) {
-        uint32_t words[kWords];
-        rows.words(pairs, words);
-        rows.load_next(k_step + kAhead < base_steps, pairs);
-        rows.prefetch(kPrefetch - 1, k_step + kAhead + kPrefetch < base_steps, thread);
-        wait_barrier(ring.empty(), ring.phase ^ 1u);
-        uint64_t* bar = &smem.full[ring.stage];
-        if (issues_copies) {
-          TransactionBarrier::arrive_and_expect_tx(bar, C::kCodeBytes + pool_bytes);
-          uint8_t* a = smem.a(ring.stage);
-          if constexpr (C::kGated)
-            cute::SM90_TMA_LOAD_4D::copy(&p.codes, bar, kCacheHint, a, k_step * (kBlockK / 2),
-                                         tile.n0, 0, tile.expert);
+        for (int wg = 0; wg < C::kSideBytes / kBoxBytes; ++wg) {
+          if constexpr (C::kActivation)  // the 5-D view's row pairs: expert, tile, consumer
+            cute::SM90_TMA_LOAD_5D::copy(map, bar, kCacheHint, a + wg * kBoxBytes, kBlockK * j, 0,
+                                         0, 0,
+                                         (tile.expert * p.out_columns + tile.n0 + 128 * wg) / 2);
           else if constexpr (C::kTransposed)
-            cute::SM90_TMA_LOAD_3D::copy(&p.codes, bar, kCacheHint, a, part.n0 / 2,
-                                         k_step * kBlockK, tile.expert);
+            cute::SM90_TMA_LOAD_3D::copy(map, bar, kCacheHint, a + wg * kBoxBytes, kBlockK * j,
+                                         64 * wg, tile.expert);
           else
-            cute::SM90_TMA_LOAD_3D::copy(&p.codes, bar, kCacheHint, a, k_step * (kBlockK / 2),
-                                         tile.n0, tile.expert);
-          load_pool(bar, k_step * kBlockK);
+            cute::SM90_TMA_LOAD_3D::copy(map, bar, kCacheHint, a + wg * kBoxBytes,
+                                         column0 + 64 * wg, kBlockK * j, tile.expert);
         }
-        rows.store(ring.scale_words(), words);
-        arrive_barrier(ring.full);  // release: the words are visible to the consumers' acquire
-        ring.advance();
-      };
-      for (int k_step = 0; k_step < base_steps; k_step += kAhead) {
-#pragma unroll
-        for (int d = 0; d < kAhead; ++d)
-          if (k_step + d < base_steps) base_step(k_step + d, pending[d]);
+        load_pool(bar, pool_column);
       }
+      arrive_barrier(ring.full);
+      ring.advance();
+    }
+    using ScaleLoads = std::conditional_t<
+        C::kTransposed, StreamScaleColumns<C::kOneTile, C::kColumns>,
+        std::conditional_t<C::kOneTile, StreamScaleLines<C::kGated>, StreamScaleRows>>;
+    constexpr int kLoads = ScaleLoads::kLoads, kWords = ScaleLoads::kWords;
+    ScaleLoads rows(p, tile, thread);
+    uint32_t pending[kAhead][kLoads];  // the scale bytes of the next kAhead base steps
+#pragma unroll
+    for (int d = 0; d < kAhead; ++d) rows.load_next(d < base_steps, pending[d]);
+    constexpr int kPrefetch = decltype(rows)::kPrefetchSteps;
+    for (int d = 0; d < kPrefetch; ++d) rows.prefetch(d, kAhead + d < base_steps, thread);
+    // A base step: its words from the pairs loaded kAhead steps before, formed before
+    // those registers take the loads of kAhead steps on (formed after, the loads went to
+    // temporaries copied back within the step, so every step waited for the loads it had
+    // just issued), then the stage's copies and words.
+    auto base_step = [&](int k_step, uint32_t (&pairs)[kLoads]) {
+      uint32_t words[kWords];
+      rows.words(pairs, words);
+      rows.load_next(k_step + kAhead < base_steps, pairs);
+      rows.prefetch(kPrefetch - 1, k_step + kAhead + kPrefetch < base_steps, thread);
+      wait_barrier(ring.empty(), ring.phase ^ 1u);
+      uint64_t* bar = &smem.full[ring.stage];
+      if (issues_copies) {
+        TransactionBarrier::arrive_and_expect_tx(bar, C::kCodeBytes + pool_bytes);
+        uint8_t* a = smem.a(ring.stage);
+        if constexpr (C::kGated)
+          cute::SM90_TMA_LOAD_4D::copy(&p.codes, bar, kCacheHint, a, k_step * (kBlockK / 2),
+                                       tile.n0, 0, tile.expert);
+        else if constexpr (C::kTransposed)
+          cute::SM90_TMA_LOAD_3D::copy(&p.codes, bar, kCacheHint, a, tile.n0 / 2,
+                                       k_step * kBlockK, tile.expert);
+        else
+          cute::SM90_TMA_LOAD_3D::copy(&p.codes, bar, kCacheHint, a, k_step * (kBlockK / 2),
+                                       tile.n0, tile.expert);
+        load_pool(bar, k_step * kBlockK);
+      }
+      rows.store(ring.scale_words(), words);
+      arrive_barrier(ring.full);  // release: the words are visible to the consumers' acquire
+      ring.advance();
+    };
+    for (int k_step = 0; k_step < base_steps; k_step += kAhead) {
+#pragma unroll
+      for (int d = 0; d < kAhead; ++d)
+        if (k_step + d < base_steps) base_step(k_step + d, pending[d]);
     }
   }
 }

@@ -119,32 +119,49 @@ WEIGHT_STREAM_SMALL_CHUNK_MAX_ROWS = 24
 #: per 64. Every kind keeps two m64 weight tiles per consumer warpgroup in 128-row chunks,
 #: a step's tiles decoded and multiplied one at a time; the 192- and 256-row chunks hold
 #: one (docs/ENGINE.md, "The wide form", "The 128-row transposed chunks", "GEMM1 and GEMM2
-#: in the two-tile 128-row form", "192-row chunks" and "The dgrads in one-tile chunks").
+#: in the two-tile 128-row form", "192-row chunks" and "dgrad1 in one-tile chunks").
 WEIGHT_STREAM_NARROW_MAX_ROWS = 64
 
-#: A wide chunk's cost in rows of MMA beyond its own width: the decode of its weight
-#: tiles and its fixed steps. A chunk of c rows costs about c + this whatever its data
-#: rows (its MMAs are as wide as the chunk: 192 and 256; a 128-row chunk's last one may be
-#: 64), so every kind takes the chunk with the fewest ceil(rows / c) * (c + this). Fitted
-#: to GEMM1's times at ep4rank dims, 0.50 / 0.69 / 0.85 ms per chunk of an expert for 128
-#: / 192 / 256 rows, and checked against every forced chunk of GEMM1 and GEMM2 up to 576
-#: rows per expert (docs/PERFORMANCE.md, thirty-seventh session); past that, up to the
-#: streaming limit, and for the dgrads, it is not yet measured.
-WEIGHT_STREAM_CHUNK_OVERHEAD_ROWS = 56
+#: The wide chunks' cost per chunk of an expert (ms at ep4rank dims; only their ratios
+#: matter), by kind and chunk: a chunk costs about the same whatever its data rows (its
+#: MMAs are as wide as the chunk at 192 and 256 rows; a 128-row chunk's last one may be
+#: 64), so a kind takes the chunk with the least ceil(rows / c) * cost(c).
+#:
+#: - GEMM1 and GEMM2 (``Gated``, ``Store``): GEMM1's times, about c + 56 rows of MMA a
+#:   chunk (the decode of its weight tiles and its fixed steps), checked against every
+#:   forced chunk of GEMM1 and GEMM2 up to 576 rows per expert (docs/PERFORMANCE.md,
+#:   thirty-seventh session); they take 192 from 129 to 192 rows and from 257 to 384.
+#: - dgrad1 (``StoreMN``): its one-tile chunks cost more per row than GEMM1's (a 192-row
+#:   chunk 1.7 times a 128-row one, against 1.4), so it takes them where one chunk holds
+#:   an expert's rows (129 to 256) and 128-row chunks from 257 to 384 (fortieth session,
+#:   measured from 144 to 384 rows per expert; past that it is extrapolated).
+#: - dgrad2 (``ActivationBackward``) has no one-tile chunks: they measured slower than its
+#:   128-row ones at every token count (fortieth session).
+WEIGHT_STREAM_CHUNK_COSTS: dict[str, dict[int, float]] = {
+    "Gated": {128: 0.50, 192: 0.69, 256: 0.85},
+    "Store": {128: 0.50, 192: 0.69, 256: 0.85},
+    "StoreMN": {128: 0.43, 192: 0.72, 256: 0.85},
+}
 
 
-def weight_stream_chunk(num_routes: int, num_experts: int, *, widest: int = 64) -> int:
+def weight_stream_chunk(
+    num_routes: int, num_experts: int, *, widest: int = 64, kind: str | None = None
+) -> int:
     """Pool rows per chunk of the weight-streaming GEMMs for ``num_routes`` routes over
     ``num_experts`` experts: 32 or 64 (see :data:`WEIGHT_STREAM_SMALL_CHUNK_MAX_ROWS`),
     and above :data:`WEIGHT_STREAM_NARROW_MAX_ROWS` rows per expert the wide form up to
-    ``widest`` rows (64: none; 128: 128-row chunks only; 256: every kind's, which take 128,
-    192 or 256 by :data:`WEIGHT_STREAM_CHUNK_OVERHEAD_ROWS`: 128 up to 128 rows per
-    expert, 192 for 129 to 192, 256 for 193 to 256, 192 for 257 to 384, ...). Host values
-    only: no synchronisation."""
+    ``widest`` rows (64: none; 128: 128-row chunks only; 256: 128, 192 or 256 by ``kind``'s
+    :data:`WEIGHT_STREAM_CHUNK_COSTS`, which ``widest`` 256 needs). Host values only: no
+    synchronisation."""
     check_int("num_routes", num_routes, minimum=0)
     check_int("num_experts", num_experts, minimum=1)
     if widest not in (64, 128, 256):
         raise ValueError(f"widest: expected 64, 128 or 256 rows, got {widest!r}")
+    if widest == 256 and kind not in WEIGHT_STREAM_CHUNK_COSTS:
+        raise ValueError(
+            f"kind: the widest chunk 256 needs one of {sorted(WEIGHT_STREAM_CHUNK_COSTS)}, "
+            f"got {kind!r}"
+        )
     rows_per_expert = num_routes / num_experts
     if rows_per_expert <= WEIGHT_STREAM_SMALL_CHUNK_MAX_ROWS:
         return 32
@@ -152,8 +169,9 @@ def weight_stream_chunk(num_routes: int, num_experts: int, *, widest: int = 64) 
         return 64
     if widest == 128:
         return 128
+    costs = WEIGHT_STREAM_CHUNK_COSTS[kind]
 
     def cost(chunk: int) -> float:
-        return math.ceil(rows_per_expert / chunk) * (chunk + WEIGHT_STREAM_CHUNK_OVERHEAD_ROWS)
+        return math.ceil(rows_per_expert / chunk) * costs[chunk]
 
     return min((128, 192, 256), key=cost)  # the narrowest of equal costs

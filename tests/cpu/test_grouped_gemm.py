@@ -113,13 +113,13 @@ def test_streaming_predicate_answers_false_on_malformed_extra_columns():
         ("Gated", [(32, 128), (64, 128), (128, 128), (192, 64), (256, 64)]),
         ("Store", [(32, 256), (64, 256), (128, 256), (192, 128), (256, 128)]),
         ("StoreMN", [(32, 256), (64, 256), (128, 256), (192, 128), (256, 128)]),
-        ("ActivationBackward", [(32, 256), (64, 256), (128, 256), (192, 256), (256, 256)]),
+        ("ActivationBackward", [(32, 256), (64, 256), (128, 256), (128, 256), (128, 256)]),
     ],
 )
 def test_stream_chunk_takes_whole_tiles_of_the_chunks_variant(kind, expected):
-    """Each kind's chunk by rows per expert (up to 256 rows) and the tile columns its
-    variant needs (variants.toml): whole tiles stream, one and a half tiles do not; nor
-    does a scales pointer at an odd address."""
+    """Each kind's chunk by rows per expert (GEMM1, GEMM2 and dgrad1 up to 256 rows,
+    dgrad2 up to 128) and the tile columns its variant needs (variants.toml): whole tiles
+    stream, one and a half tiles do not; nor does a scales pointer at an odd address."""
     from megamoe.wrappers.grouped_gemm import _stream_chunk
 
     experts, top_k = 8, 2

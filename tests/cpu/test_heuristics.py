@@ -150,8 +150,8 @@ def _stream_variants() -> set[tuple[str, int]]:
 @pytest.mark.parametrize("experts", [8, 64, 256])
 def test_weight_stream_chunk_steps_up_with_the_rows_per_expert(experts):
     # Rows per expert at the thresholds and one route past them.
-    def chunk(rows, widest):
-        return mm.heuristics.weight_stream_chunk(rows * experts, experts, widest=widest)
+    def chunk(rows, widest, kind="Gated"):
+        return mm.heuristics.weight_stream_chunk(rows * experts, experts, widest=widest, kind=kind)
 
     small = mm.heuristics.WEIGHT_STREAM_SMALL_CHUNK_MAX_ROWS
     narrow = mm.heuristics.WEIGHT_STREAM_NARROW_MAX_ROWS
@@ -159,50 +159,70 @@ def test_weight_stream_chunk_steps_up_with_the_rows_per_expert(experts):
     rows = (0, small, small + 1, narrow, narrow + 1, 128, 129, 192, 193, 256, 257, 384, 385)
     assert [chunk(r, 256) for r in rows] == [32, 32, 64, 64, 128, 128, 192, 192, 256, 256, 192,
                                              192, 256]  # fmt: skip
-    # The dgrads' wide form is 128 rows.
-    assert [chunk(r, 128) for r in rows] == [32, 32, 64, 64] + [128] * 9
+    # dgrad1: one-tile chunks where one chunk holds an expert's rows.
+    assert [chunk(r, 256, "StoreMN") for r in rows] == [32, 32, 64, 64, 128, 128, 192, 192,
+                                                        256, 256, 128, 128, 256]  # fmt: skip
+    # dgrad2's wide form is 128 rows.
+    assert [chunk(r, 128, None) for r in rows] == [32, 32, 64, 64] + [128] * 9
     # No wide form.
-    assert [chunk(r, 64) for r in (small, small + 1, narrow + 1, 10_000)] == [32, 64, 64, 64]
+    assert [chunk(r, 64, None) for r in (small, small + 1, narrow + 1, 10_000)] == [32, 64, 64, 64]
     # Up to 256 rows per expert the chunk only grows.
-    for widest in (128, 256):
+    for widest, kind in ((128, None), (256, "Gated"), (256, "StoreMN")):
         last = 0
         for routes in range(0, 256 * experts + 1, max(1, experts // 4)):
-            current = mm.heuristics.weight_stream_chunk(routes, experts, widest=widest)
+            current = mm.heuristics.weight_stream_chunk(routes, experts, widest=widest, kind=kind)
             assert current >= last
             last = current
 
 
-def test_wide_chunk_has_the_fewest_chunk_rounds_by_the_cost_model():
-    """Every kind's chunk above 128 rows per expert: the fewest ceil(rows / c) * (c +
-    overhead) over 128 / 192 / 256, by a count written out here (overhead 56); with the
-    widest 128, 128."""
-    assert mm.heuristics.WEIGHT_STREAM_CHUNK_OVERHEAD_ROWS == 56
-    # rows per expert: (128-row rounds, 192, 256) -> costs 184 k, 248 k, 312 k
+def test_wide_chunk_has_the_least_cost_by_the_kinds_costs():
+    """Each kind's chunk above 128 rows per expert: the least ceil(rows / c) * cost(c)
+    over 128 / 192 / 256, by counts written out here; with the widest 128, 128."""
+    costs = mm.heuristics.WEIGHT_STREAM_CHUNK_COSTS
+    assert costs["Gated"] == costs["Store"] == {128: 0.50, 192: 0.69, 256: 0.85}
+    assert costs["StoreMN"] == {128: 0.43, 192: 0.72, 256: 0.85}
+    assert "ActivationBackward" not in costs
     expected = {
-        288: 192,  # 3 x 184 = 552, 2 x 248 = 496, 2 x 312 = 624 (T = 3072 at ep4rank)
-        384: 192,  # 552, 496, 624 (T = 4096)
-        480: 256,  # 4 x 184 = 736, 3 x 248 = 744, 624 (T = 5120)
-        576: 192,  # 5 x 184 = 920, 744, 3 x 312 = 936 (T = 6144)
-        600: 128,  # 920, 4 x 248 = 992, 936
-        700: 256,  # 6 x 184 = 1104, 992, 936
+        # rows per expert: (GEMM1 and GEMM2's, dgrad1's); GEMM1's costs of the three chunks
+        # 0.50 k, 0.69 k, 0.85 k; dgrad1's 0.43 k, 0.72 k, 0.85 k
+        144: (192, 192),  # 1.00, 0.69, 0.85; 0.86, 0.72, 0.85 (T = 1536 at ep4rank)
+        240: (256, 256),  # 1.00, 1.38, 0.85; 0.86, 1.44, 0.85 (T = 2560)
+        288: (192, 128),  # 1.50, 1.38, 1.70; 1.29, 1.44, 1.70 (T = 3072)
+        384: (192, 128),  # 1.50, 1.38, 1.70; 1.29, 1.44, 1.70 (T = 4096)
+        480: (256, 256),  # 2.00, 2.07, 1.70; 1.72, 2.16, 1.70 (T = 5120)
+        576: (192, 128),  # 2.50, 2.07, 2.55; 2.15, 2.88, 2.55 (T = 6144)
+        600: (128, 128),  # 2.50, 2.76, 2.55; 2.15, 2.88, 2.55
+        700: (256, 256),  # 3.00, 2.76, 2.55; 2.58, 2.88, 2.55
     }
-    for rows, chunk in expected.items():
-        assert mm.heuristics.weight_stream_chunk(rows * 64, 64, widest=256) == chunk, rows
+    for rows, (forward, dgrad1) in expected.items():
+        for kind, chunk in (("Gated", forward), ("Store", forward), ("StoreMN", dgrad1)):
+            got = mm.heuristics.weight_stream_chunk(rows * 64, 64, widest=256, kind=kind)
+            assert got == chunk, (rows, kind)
         assert mm.heuristics.weight_stream_chunk(rows * 64, 64, widest=128) == 128
 
 
 @pytest.mark.parametrize("widest", [0, 32, 96, 512, True])
 def test_weight_stream_chunk_rejects_other_widths(widest):
     with pytest.raises(ValueError, match="widest"):
-        mm.heuristics.weight_stream_chunk(1_000, 64, widest=widest)
+        mm.heuristics.weight_stream_chunk(1_000, 64, widest=widest, kind="Gated")
+
+
+@pytest.mark.parametrize("kind", [None, "ActivationBackward", "gated"])
+def test_weight_stream_chunk_needs_a_kind_with_costs_for_256(kind):
+    with pytest.raises(ValueError, match="kind"):
+        mm.heuristics.weight_stream_chunk(1_000, 64, widest=256, kind=kind)
 
 
 def test_every_weight_stream_chunk_has_its_variants():
     variants = _stream_variants()
-    for routes in (0, 1_000, 3_000, 6_000, 12_000, 15_000, 100_000):
-        chunk = mm.heuristics.weight_stream_chunk(routes, 64, widest=256)
-        kinds = ("Gated", "Store", "StoreMN", "ActivationBackward")
-        assert {(kind, chunk) for kind in kinds} <= variants
+    widest = {}
+    for kind, tokens in variants:
+        widest[kind] = max(widest.get(kind, 0), tokens)
+    assert widest == {"Gated": 256, "Store": 256, "StoreMN": 256, "ActivationBackward": 128}
+    for routes in range(0, 60_000, 250):
+        for kind, w in widest.items():
+            chunk = mm.heuristics.weight_stream_chunk(routes, 64, widest=w, kind=kind)
+            assert (kind, chunk) in variants, (routes, kind)
 
 
 def test_mxfp4_decodes_in_pipeline_up_to_each_limit():

@@ -355,7 +355,12 @@ def mxfp4_schedule(tokens: int, top_k: int, num_experts: int) -> tuple:
     streams = mxfp4_decodes_in_pipeline(rows, num_experts, streams=True)
     # The chunks only where the pool may stream (past the limit: the transient decode).
     chunks = tuple(
-        (kind, weight_stream_chunk(routes, num_experts, widest=max(64, w)) if streams else None)
+        (
+            kind,
+            weight_stream_chunk(routes, num_experts, widest=max(64, w), kind=kind)
+            if streams
+            else None,
+        )
         for kind, w in _stream_widest_chunks()
     )
     return block_m, chunks, mxfp4_decodes_in_pipeline(rows, num_experts), streams

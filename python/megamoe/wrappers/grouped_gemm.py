@@ -157,9 +157,11 @@ def _stream_chunk(
     ``columns`` (GEMM1's ``I``, GEMM2's and dgrad1's ``N``, dgrad2's ``I``) in whole tiles
     of the chunk's variant, segments padded to whole chunks of 32 or 64 rows (wider chunks
     start at each segment's start), and scales it can read two bytes at a time. The
-    widest chunk the heuristic may take is the kind's widest variant."""
+    widest chunk the heuristic may take is the kind's widest variant, by the kind's costs."""
     tiles = _STREAM_TILE_COLUMNS[kind]
-    chunk = weight_stream_chunk(plan.route_to_pool_row.numel(), experts, widest=max(tiles))
+    chunk = weight_stream_chunk(
+        plan.route_to_pool_row.numel(), experts, widest=max(tiles), kind=kind
+    )
     if chunk <= 64 and plan.block_m % chunk:
         return None
     if columns % tiles[chunk] or scales.data_ptr() % 2:
