@@ -269,8 +269,8 @@ __device__ __forceinline__ void stream_produce(const WeightStreamParams& p,
           cute::SM90_TMA_LOAD_4D::copy(&p.codes, bar, kCacheHint, a, k_step * (kBlockK / 2),
                                        tile.n0, 0, tile.expert);
         else if constexpr (C::kTransposed)
-          cute::SM90_TMA_LOAD_3D::copy(&p.codes, bar, kCacheHint, a, tile.n0 / 2,
-                                       k_step * kBlockK, tile.expert);
+          cute::SM90_TMA_LOAD_3D::copy(&p.codes, bar, kCacheHint, a, tile.n0 / 2, k_step * kBlockK,
+                                       tile.expert);
         else
           cute::SM90_TMA_LOAD_3D::copy(&p.codes, bar, kCacheHint, a, k_step * (kBlockK / 2),
                                        tile.n0, tile.expert);
