@@ -291,11 +291,11 @@ def producer_per_step(sass: str) -> tuple[float, list[tuple[Instruction, Instruc
     return all_threads / steps, loads_read_in_their_iteration(loop)
 
 
-# The streaming dgrad2's epilogue reads g | u and writes dg | du with 8-byte accesses (the
-# one-tile chunks': 4-byte), and loads each row's route and weight with 4-byte coherent
-# (.cg) loads; no other part of a streaming kernel makes coherent or 8-byte global loads
-# (the producer's scale loads are read-only, dgrad1's epilogue stores but loads nothing,
-# so it counts no round). A store splits a round where it is 4 or 8 bytes wide.
+# The streaming dgrad2's epilogue reads g | u and writes dg | du with 8-byte accesses,
+# and loads each row's route and weight with 4-byte coherent (.cg) loads; no other part
+# of a streaming kernel makes coherent or 8-byte global loads (the producer's scale loads
+# are read-only, dgrad1's epilogue stores but loads nothing, so it counts no round). A
+# store splits a round where it is 4 or 8 bytes wide.
 EPILOGUE_LOAD = re.compile(r"LDG\.E(\.64)?\.STRONG\.GPU\b|LDG\.E\.64\b")
 EPILOGUE_STORE = re.compile(r"STG\.E(\.64)?$")
 

@@ -119,172 +119,163 @@ __device__ __forceinline__ void stream_consume(const WeightStreamParams& p,
     auto next_tile = [&] {
       return t + static_cast<int>(gridDim.x) < num_tiles ? schedule.tile(t + gridDim.x) : tile;
     };
-    auto zero_accumulators = [&] {
 #pragma unroll
-      for (int half = 0; half < kHalves; ++half)
+    for (int half = 0; half < kHalves; ++half)
 #pragma unroll
-        for (int i = 0; i < kTokens / 2; ++i) acc[half][i] = 0.0f;
-      fence_all_accumulators();
-    };
-    // The MMAs of the tile (it has data rows); returns the empty barrier of its last
-    // stage, which goes back once its batches retired.
-    auto run_tile = [&] {
-      if constexpr (C::kActivation) prefetch_preact_tile<kTokens>(p, tile, consumer, thread);
-      const int2 segment = stream_segment_steps<C>(p, tile);
-      const int base_steps = C::kSegmentEveryTile || !tile.extra ? p.base_steps : 0;
-      // After a step's batch: the previous step's batch retired, its stage (empty barrier
-      // `previous`, 0 before the tile's first step) goes back to the producer.
-      // Every consumer thread releases the stage itself: the producer rewrites its scale
-      // words with plain stores, so each thread's loads must precede that thread's release.
-      uint32_t previous = 0;
-      auto retire_previous = [&] {
-        cute::warpgroup_wait<1>();
-        if (previous != 0) arrive_barrier(previous);
-        previous = ring.empty();
-      };
-      // The tile's steps, their MMAs by `ops` (a StreamMma): Tokens wide, or (wide form) as
-      // wide as the chunk's data rows rounded up to one of C::MmaWidths, the whole loop
-      // instantiated per width (with the width chosen per step, ptxas serialized the wide
-      // GEMM1's wgmma for registers).
-      auto main_loop = [&](auto ops) {
-        auto run_segment = [&](float* sums, int first, int last) {
-          for (int step = first; step < last; ++step) {
-            wait_barrier(ring.full, ring.phase);
-            cute::warpgroup_arrive();
-            const uint32_t box = ring.a() + consumer * kBoxBytes;
-            const uint64_t desc_a =
-                C::kTransposed ? descriptor_k_major(box) : descriptor_mn_major(box);
-            const uint64_t desc_b = descriptor_k_major(ring.b());
-            ops.side_step(desc_a, desc_b, sums);
-            cute::warpgroup_commit_batch();
-            retire_previous();
-            ring.advance();
-          }
-        };
-        // The one-tile Gated side steps (side_rows_fragment), register MMAs into the m64 tile
-        // from one fragment, each retired before the next step: a few steps a tile, and with
-        // their batches left in flight ptxas serialized every wgmma of the 256-row kernel for
-        // want of registers.
-        auto run_side_rows = [&](auto up_rows, int first, int last) {
-          const uint32_t lane_offset = stream_column_lane_offset(threadIdx.x);
-          Fragment fragment;
-          for (int step = first; step < last; ++step) {
-            wait_barrier(ring.full, ring.phase);
-            side_rows_fragment<decltype(up_rows)::value>(ring.a(), lane_offset, fragment);
-            fence_fragment(fragment);
-            cute::warpgroup_arrive();
-            const uint64_t desc_b = descriptor_k_major(ring.b());
-            ops.base_half_step(fragment, desc_b, acc[0]);
-            cute::warpgroup_commit_batch();
-            cute::warpgroup_wait<0>();
-            retire_previous();
-            ring.advance();
-          }
-        };
-        if (segment.y > segment.x) {
-          if constexpr (C::kOneTile && C::kGated) {
-            run_side_rows(std::false_type{}, 0, p.segment_half);
-            run_side_rows(std::true_type{}, p.segment_half, segment.y);
-          } else if constexpr (C::kExtraTilePerBlock) {
-            run_segment(acc[0], segment.x, segment.y);
-          } else {
-            run_segment(acc[0], 0, p.segment_half);
-            run_segment(acc[kHalves - 1], p.segment_half, segment.y);
-          }
-          if constexpr (C::kGated) {
-            // The side sums are complete: scale them before the base adds on (FP32, exact
-            // adapter term as in the engine). The wait also retires the side steps' fragments.
-            cute::warpgroup_wait<0>();
-            fence_all_accumulators();
-#pragma unroll
-            for (int half = 0; half < kHalves; ++half)
-#pragma unroll
-              for (int i = 0; i < kTokens / 2; ++i) acc[half][i] *= p.side_scale;
-            fence_all_accumulators();
-          }
-        }
-        const StreamOperandA<C> lines(threadIdx.x);
-        // A base step: the halves' fragments decoded, then their MMAs as one batch. The
-        // fragments alternate between two buffers (by step parity): a buffer is rewritten
-        // only after the batch that read it retired, which the step between guarantees (one
-        // batch in flight), so a step's decode overlaps the previous step's MMAs.
-        auto base_step = [&](Fragment(&halves)[kHalves]) {
-          wait_barrier(ring.full, ring.phase);
-          lines.decode(ring.a(), ring.scale_words(), halves);
-          // Written out, not as loops over the halves: the loops cost the narrow kernels six
-          // uniform moves a step (SASS).
-          fence_fragment(halves[0]);
-          if constexpr (kHalves == 2) fence_fragment(halves[1]);
-          cute::warpgroup_arrive();
-          const uint64_t desc_b = descriptor_k_major(ring.b());
-          ops.base_half_step(halves[0], desc_b, acc[0]);
-          if constexpr (kHalves == 2) ops.base_half_step(halves[1], desc_b, acc[1]);
-          cute::warpgroup_commit_batch();
-          retire_previous();
-          ring.advance();
-        };
-        // 128-row chunks: a step's two tiles decoded and multiplied one at a time, each
-        // tile's batch committed on its own. A tile's decode overlaps the other tile's batch,
-        // and one fragment buffer per tile suffices (32 registers beside the 128
-        // accumulators; with the narrow form's two step buffers ptxas serialized every
-        // wgmma, C7511). After tile 0's batch, the wait retires the previous step's batches
-        // (its stage goes back); after tile 1's, tile 0's (its buffer is rewritten next).
-        int k_step = 0;
-        if constexpr (C::kTilesOneAtATime) {
-          auto tile_batch = [&](Fragment& tile_fragment, uint64_t desc_b,
-                                float (&sums)[kTokens / 2]) {
-            fence_fragment(tile_fragment);
-            cute::warpgroup_arrive();
-            ops.base_half_step(tile_fragment, desc_b, sums);
-            cute::warpgroup_commit_batch();
-          };
-          auto base_step_by_tiles = [&](Fragment(&tiles)[2]) {
-            wait_barrier(ring.full, ring.phase);
-            if constexpr (C::kTransposed) {
-              uint32_t words[8], row_pairs[8];
-              lines.load(ring.a(), ring.scale_words(), words, row_pairs);
-              const mxfp4::StepScales<8> scales(words);
-              const uint64_t desc_b = descriptor_k_major(ring.b());
-              mxfp4::decode_column_pair_tile<0>(row_pairs, scales, tiles[0]);
-              tile_batch(tiles[0], desc_b, acc[0]);
-              retire_previous();
-              mxfp4::decode_column_pair_tile<1>(row_pairs, scales, tiles[1]);
-              tile_batch(tiles[1], desc_b, acc[1]);
-            } else {  // a half's lines are loaded when it is decoded: fewer registers held
-              const uint64_t desc_b = descriptor_k_major(ring.b());
-              lines.template decode_half<0>(ring.a(), ring.scale_words(), tiles[0]);
-              tile_batch(tiles[0], desc_b, acc[0]);
-              retire_previous();
-              lines.template decode_half<1>(ring.a(), ring.scale_words(), tiles[1]);
-              tile_batch(tiles[1], desc_b, acc[1]);
-            }
-            cute::warpgroup_wait<1>();
-            ring.advance();
-          };
-          for (; k_step < base_steps; ++k_step) base_step_by_tiles(fragments[0]);
-        } else {
-          for (; k_step + 1 < base_steps; k_step += 2) {
-            base_step(fragments[0]);
-            base_step(fragments[1]);
-          }
-          if (k_step < base_steps) base_step(fragments[0]);
-        }
-      };
-      if constexpr (C::kWide)
-        with_mma_width<kTokens>(tile.rows, typename C::MmaWidths{}, [&](auto n) {
-          main_loop(StreamMma<decltype(n)::value, !C::kTransposed>{});
-        });
-      else
-        main_loop(Mma{});
-      return previous;
-    };
-    zero_accumulators();
+      for (int i = 0; i < kTokens / 2; ++i) acc[half][i] = 0.0f;
+    fence_all_accumulators();
     if (tile.rows == 0) {  // padding only: its (zero) pool rows give exact zeros
       finish(tile);
       tile = next_tile();
       continue;
     }
-    const uint32_t previous = run_tile();
+    if constexpr (C::kActivation) prefetch_preact_tile<kTokens>(p, tile, consumer, thread);
+    const int2 segment = stream_segment_steps<C>(p, tile);
+    const int base_steps = C::kSegmentEveryTile || !tile.extra ? p.base_steps : 0;
+    // After a step's batch: the previous step's batch retired, its stage (empty barrier
+    // `previous`, 0 before the tile's first step) goes back to the producer.
+    // Every consumer thread releases the stage itself: the producer rewrites its scale
+    // words with plain stores, so each thread's loads must precede that thread's release.
+    uint32_t previous = 0;
+    auto retire_previous = [&] {
+      cute::warpgroup_wait<1>();
+      if (previous != 0) arrive_barrier(previous);
+      previous = ring.empty();
+    };
+    // The tile's steps, their MMAs by `ops` (a StreamMma): Tokens wide, or (wide form) as
+    // wide as the chunk's data rows rounded up to one of C::MmaWidths, the whole loop
+    // instantiated per width (with the width chosen per step, ptxas serialized the wide
+    // GEMM1's wgmma for registers).
+    auto main_loop = [&](auto ops) {
+      auto run_segment = [&](float* sums, int first, int last) {
+        for (int step = first; step < last; ++step) {
+          wait_barrier(ring.full, ring.phase);
+          cute::warpgroup_arrive();
+          const uint32_t box = ring.a() + consumer * kBoxBytes;
+          const uint64_t desc_a =
+              C::kTransposed ? descriptor_k_major(box) : descriptor_mn_major(box);
+          const uint64_t desc_b = descriptor_k_major(ring.b());
+          ops.side_step(desc_a, desc_b, sums);
+          cute::warpgroup_commit_batch();
+          retire_previous();
+          ring.advance();
+        }
+      };
+      // The one-tile Gated side steps (side_rows_fragment), register MMAs into the m64 tile
+      // from one fragment, each retired before the next step: a few steps a tile, and with
+      // their batches left in flight ptxas serialized every wgmma of the 256-row kernel for
+      // want of registers.
+      auto run_side_rows = [&](auto up_rows, int first, int last) {
+        const uint32_t lane_offset = stream_column_lane_offset(threadIdx.x);
+        Fragment fragment;
+        for (int step = first; step < last; ++step) {
+          wait_barrier(ring.full, ring.phase);
+          side_rows_fragment<decltype(up_rows)::value>(ring.a(), lane_offset, fragment);
+          fence_fragment(fragment);
+          cute::warpgroup_arrive();
+          const uint64_t desc_b = descriptor_k_major(ring.b());
+          ops.base_half_step(fragment, desc_b, acc[0]);
+          cute::warpgroup_commit_batch();
+          cute::warpgroup_wait<0>();
+          retire_previous();
+          ring.advance();
+        }
+      };
+      if (segment.y > segment.x) {
+        if constexpr (C::kOneTile && C::kGated) {
+          run_side_rows(std::false_type{}, 0, p.segment_half);
+          run_side_rows(std::true_type{}, p.segment_half, segment.y);
+        } else if constexpr (C::kExtraTilePerBlock) {
+          run_segment(acc[0], segment.x, segment.y);
+        } else {
+          run_segment(acc[0], 0, p.segment_half);
+          run_segment(acc[kHalves - 1], p.segment_half, segment.y);
+        }
+        if constexpr (C::kGated) {
+          // The side sums are complete: scale them before the base adds on (FP32, exact
+          // adapter term as in the engine). The wait also retires the side steps' fragments.
+          cute::warpgroup_wait<0>();
+          fence_all_accumulators();
+#pragma unroll
+          for (int half = 0; half < kHalves; ++half)
+#pragma unroll
+            for (int i = 0; i < kTokens / 2; ++i) acc[half][i] *= p.side_scale;
+          fence_all_accumulators();
+        }
+      }
+      const StreamOperandA<C> lines(threadIdx.x);
+      // A base step: the halves' fragments decoded, then their MMAs as one batch. The
+      // fragments alternate between two buffers (by step parity): a buffer is rewritten
+      // only after the batch that read it retired, which the step between guarantees (one
+      // batch in flight), so a step's decode overlaps the previous step's MMAs.
+      auto base_step = [&](Fragment(&halves)[kHalves]) {
+        wait_barrier(ring.full, ring.phase);
+        lines.decode(ring.a(), ring.scale_words(), halves);
+        // Written out, not as loops over the halves: the loops cost the narrow kernels six
+        // uniform moves a step (SASS).
+        fence_fragment(halves[0]);
+        if constexpr (kHalves == 2) fence_fragment(halves[1]);
+        cute::warpgroup_arrive();
+        const uint64_t desc_b = descriptor_k_major(ring.b());
+        ops.base_half_step(halves[0], desc_b, acc[0]);
+        if constexpr (kHalves == 2) ops.base_half_step(halves[1], desc_b, acc[1]);
+        cute::warpgroup_commit_batch();
+        retire_previous();
+        ring.advance();
+      };
+      // 128-row chunks: a step's two tiles decoded and multiplied one at a time, each
+      // tile's batch committed on its own. A tile's decode overlaps the other tile's batch,
+      // and one fragment buffer per tile suffices (32 registers beside the 128
+      // accumulators; with the narrow form's two step buffers ptxas serialized every
+      // wgmma, C7511). After tile 0's batch, the wait retires the previous step's batches
+      // (its stage goes back); after tile 1's, tile 0's (its buffer is rewritten next).
+      int k_step = 0;
+      if constexpr (C::kTilesOneAtATime) {
+        auto tile_batch = [&](Fragment& tile_fragment, uint64_t desc_b,
+                              float (&sums)[kTokens / 2]) {
+          fence_fragment(tile_fragment);
+          cute::warpgroup_arrive();
+          ops.base_half_step(tile_fragment, desc_b, sums);
+          cute::warpgroup_commit_batch();
+        };
+        auto base_step_by_tiles = [&](Fragment(&tiles)[2]) {
+          wait_barrier(ring.full, ring.phase);
+          if constexpr (C::kTransposed) {
+            uint32_t words[8], row_pairs[8];
+            lines.load(ring.a(), ring.scale_words(), words, row_pairs);
+            const mxfp4::StepScales<8> scales(words);
+            const uint64_t desc_b = descriptor_k_major(ring.b());
+            mxfp4::decode_column_pair_tile<0>(row_pairs, scales, tiles[0]);
+            tile_batch(tiles[0], desc_b, acc[0]);
+            retire_previous();
+            mxfp4::decode_column_pair_tile<1>(row_pairs, scales, tiles[1]);
+            tile_batch(tiles[1], desc_b, acc[1]);
+          } else {  // a half's lines are loaded when it is decoded: fewer registers held
+            const uint64_t desc_b = descriptor_k_major(ring.b());
+            lines.template decode_half<0>(ring.a(), ring.scale_words(), tiles[0]);
+            tile_batch(tiles[0], desc_b, acc[0]);
+            retire_previous();
+            lines.template decode_half<1>(ring.a(), ring.scale_words(), tiles[1]);
+            tile_batch(tiles[1], desc_b, acc[1]);
+          }
+          cute::warpgroup_wait<1>();
+          ring.advance();
+        };
+        for (; k_step < base_steps; ++k_step) base_step_by_tiles(fragments[0]);
+      } else {
+        for (; k_step + 1 < base_steps; k_step += 2) {
+          base_step(fragments[0]);
+          base_step(fragments[1]);
+        }
+        if (k_step < base_steps) base_step(fragments[0]);
+      }
+    };
+    if constexpr (C::kWide)
+      with_mma_width<kTokens>(tile.rows, typename C::MmaWidths{}, [&](auto n) {
+        main_loop(StreamMma<decltype(n)::value, !C::kTransposed>{});
+      });
+    else
+      main_loop(Mma{});
     const StreamTile next = next_tile();
     cute::warpgroup_wait<0>();
     fence_all_accumulators();

@@ -7,7 +7,6 @@ device (a CUDA run can be replayed on the CPU oracle and vice versa).
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -18,7 +17,7 @@ from ..heuristics import get_block_m, mxfp4_decodes_in_pipeline, weight_stream_c
 from ..side_lora import SIDE_NAMES, SideLoRA
 from ..validation.arguments import check_choice, check_finite_float, check_int
 from ..weights import BaseWeights, prepare_base_weights
-from ..wrappers.registry import registry
+from ..wrappers.grouped_gemm import stream_widest_chunks
 from ..wrappers.routing import pool_capacity
 
 ROUTING_KINDS = ("balanced", "skewed", "masked", "empty")
@@ -328,17 +327,6 @@ def make_layer(
     )
 
 
-@functools.cache
-def _stream_widest_chunks() -> tuple[tuple[str, int], ...]:
-    """Each weight-streaming kind's widest registry chunk, by kind name (the registry is
-    read once at import)."""
-    widest: dict[str, int] = {}
-    for variant in registry().family("weight_stream"):
-        kind = variant.params["kind"]
-        widest[kind] = max(widest.get(kind, 0), variant.params["tokens"])
-    return tuple(sorted(widest.items()))
-
-
 def mxfp4_schedule(tokens: int, top_k: int, num_experts: int) -> tuple:
     """What an MXFP4 layer of ``tokens`` tokens (EP1, ``top_k`` routes each, balanced
     expected loads) runs, as our heuristics choose it from host values: BLOCK_M, each
@@ -361,7 +349,7 @@ def mxfp4_schedule(tokens: int, top_k: int, num_experts: int) -> tuple:
             if streams
             else None,
         )
-        for kind, w in _stream_widest_chunks()
+        for kind, w in sorted(stream_widest_chunks().items())
     )
     return block_m, chunks, mxfp4_decodes_in_pipeline(rows, num_experts), streams
 

@@ -149,6 +149,12 @@ def _stream_tile_columns() -> dict[str, dict[int, int]]:
 _STREAM_TILE_COLUMNS = _stream_tile_columns()
 
 
+def stream_widest_chunks() -> dict[str, int]:
+    """Each weight-streaming kind's widest chunk (its widest registry variant), the widest
+    :func:`~megamoe.heuristics.weight_stream_chunk` may give it, by kind name."""
+    return {kind: max(tiles) for kind, tiles in _STREAM_TILE_COLUMNS.items()}
+
+
 def _stream_chunk(
     kind: str, columns: int, scales: torch.Tensor, plan: RoutePlan, experts: int
 ) -> int | None:
