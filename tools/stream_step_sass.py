@@ -7,7 +7,8 @@ registers and a batch of register-A wgmma (HGMMA with a register A operand). Thi
 finds that loop in a kernel's SASS, drops the rare FP32 scale path (the branch of a
 diamond whose block converts through FP32: FMUL or F2FP), and counts what is left per
 step, by opcode: the static count ncu's per-warp instruction counts match (docs/ENGINE.md,
-"The per-step overhead cut"), and the stall cycles ptxas scheduled for it (the control
+"The per-step overhead cut"), summed by issue pipe (ALU, FMA, uniform, ...: the decode
+loads the ALU pipe most), and the stall cycles ptxas scheduled for it (the control
 words' stall counts: what one warp alone needs to issue a step, not a time). Count
 before tuning; compare trees by their counts, and time them.
 
@@ -193,6 +194,39 @@ def count_per_step(sass: str) -> tuple[float, Counter[str]]:
     return len(loop) / steps, Counter({k: v / steps for k, v in per_opcode.items()})
 
 
+# The issue pipe of each opcode the streaming loops use (Nsight Compute's pipe names):
+# the decode's placement runs on the ALU pipe (byte permutes, logic, shifts, integer
+# compares) except where ptxas issues a shift as IMAD.SHL on the FMA pipe, which also
+# takes the scale multiplies (HMUL2); uniform-datapath instructions (U*) compute the
+# descriptors and the ring's bookkeeping. Opcodes named in none go to "other".
+ALU_PIPE = frozenset({"LOP3", "SHF", "PRMT", "IADD3", "ISETP", "SEL", "LEA", "PLOP3"})
+FMA_PIPE = frozenset({"IMAD", "HMUL2", "HFMA2", "HADD2", "FFMA", "FMUL", "FADD"})
+PIPES = ("ALU", "FMA", "uniform", "tensor", "shared", "other")
+
+
+def pipe_of(opcode: str) -> str:
+    """The pipe (one of PIPES) an opcode without modifiers issues to."""
+    if opcode in ALU_PIPE:
+        return "ALU"
+    if opcode in FMA_PIPE:
+        return "FMA"
+    if opcode.startswith("U"):
+        return "uniform"
+    if opcode == "HGMMA":
+        return "tensor"
+    if opcode in ("LDS", "STS", "LDSM"):
+        return "shared"
+    return "other"
+
+
+def pipes_per_step(per_opcode: Counter[str]) -> dict[str, float]:
+    """Per-step counts (count_per_step's) summed by pipe, every pipe of PIPES listed."""
+    pipes = dict.fromkeys(PIPES, 0.0)
+    for opcode, count in per_opcode.items():
+        pipes[pipe_of(opcode)] += count
+    return pipes
+
+
 def stall_cycles_per_step(sass: str) -> float:
     """The fast path's scheduled stall cycles per base step: the sum of its control words'
     stall counts, the cycles one warp alone needs to issue a step before any wait on a
@@ -365,6 +399,8 @@ def main(argv: list[str] | None = None) -> int:
     total, per_opcode = count_per_step(sass)
     print(f"{total:.1f} instructions per base step (fast path)")
     print(f"{stall_cycles_per_step(sass):.1f} scheduled stall cycles per base step (one warp)")
+    pipes = pipes_per_step(per_opcode)
+    print("per pipe: " + ", ".join(f"{pipe} {count:.1f}" for pipe, count in pipes.items()))
     for opcode, count in per_opcode.most_common():
         print(f"  {opcode:<10} {count:6.1f}")
     per_step, early = producer_per_step(sass)

@@ -118,6 +118,24 @@ def test_counts_the_fast_path_of_the_register_a_loop(slow_first: bool | None) ->
     assert per_opcode["BRA"] == pytest.approx(2.5 if slow_first is False else 1.5)
 
 
+def test_sums_a_steps_opcodes_by_pipe() -> None:
+    """Shifts count on the ALU pipe as SHF and on the FMA pipe as IMAD (IMAD.SHL);
+    uniform-datapath opcodes, HGMMA and shared-memory accesses have pipes of their own;
+    an opcode the table does not name is "other", never dropped."""
+    from collections import Counter
+
+    per_opcode = Counter(
+        {"PRMT": 32, "LOP3": 34, "SHF": 23, "IMAD": 43, "HMUL2": 32, "UIADD3": 16,
+         "UMOV": 13, "HGMMA": 8, "LDS": 10, "BRA": 6, "SYNCS": 2}
+    )  # fmt: skip
+    pipes = tool.pipes_per_step(per_opcode)
+    assert pipes == {
+        "ALU": 89, "FMA": 75, "uniform": 29, "tensor": 8, "shared": 10, "other": 8,
+    }  # fmt: skip
+    assert sum(pipes.values()) == sum(per_opcode.values())
+    assert tool.pipes_per_step(Counter())["ALU"] == 0
+
+
 def test_sums_the_fast_paths_scheduled_stalls() -> None:
     """The stall counts of the control words are read per instruction and summed over the
     fast path per step: the FP32 block's stalls are left out, the closing branch's halved."""
