@@ -194,8 +194,8 @@ def count_per_step(sass: str) -> tuple[float, Counter[str]]:
     return len(loop) / steps, Counter({k: v / steps for k, v in per_opcode.items()})
 
 
-# The issue pipe of each opcode the streaming loops use (Nsight Compute's pipe names):
-# the decode's placement runs on the ALU pipe (byte permutes, logic, shifts, integer
+# A coarse grouping of the streaming loops' opcodes by the pipe they issue to: the
+# decode's placement runs on the ALU pipe (byte permutes, logic, shifts, integer
 # compares) except where ptxas issues a shift as IMAD.SHL on the FMA pipe, which also
 # takes the scale multiplies (HMUL2); uniform-datapath instructions (U*) compute the
 # descriptors and the ring's bookkeeping. Opcodes named in none go to "other".

@@ -106,7 +106,7 @@ def measure(tokens: int, args: argparse.Namespace, w13, codes, scales, side: dic
         preact_out=preact if args.preact else None, **side,
     )  # fmt: skip
     outs = (out, preact) if args.preact else (out,)
-    return _row("gemm1", tokens, args.iters, plan, outs, bf16, engine_mxfp4, stream_mxfp4)
+    return _row("gemm1", "Gated", tokens, args.iters, plan, outs, bf16, engine_mxfp4, stream_mxfp4)
 
 
 #: The chunk columns of the table; a kind is timed at the chunks it has (dgrad2's widest
@@ -120,11 +120,12 @@ def _chunks_of(kind: str) -> tuple[int, ...]:
     return tuple(c for c in CHUNKS if c <= widest)
 
 
-def _row(gemm, tokens, iters, plan, out, bf16, engine, stream, chunks=CHUNKS) -> str:
+def _row(gemm, kind, tokens, iters, plan, out, bf16, engine, stream) -> str:
     """Times the BF16 GEMM, the engine's MXFP4 one (writing ``out``: a tensor, or a tuple
-    of them that ``stream`` returns too) and the streaming one at each of ``chunks``;
-    checks the streaming outputs against the engine's on the rows in use."""
+    of them that ``stream`` returns too) and the streaming one at each chunk streaming
+    kind ``kind`` has; checks the streaming outputs against the engine's on the rows in use."""
     outs = out if isinstance(out, tuple) else (out,)
+    chunks = _chunks_of(kind)
 
     def median(fn) -> float:
         return _kernel_ms(fn, outs[0].device, iters)
@@ -176,7 +177,7 @@ def measure_gemm2(tokens: int, args: argparse.Namespace, w2, codes, scales, a2) 
         return result
 
     bf16 = lambda: grouped_gemm(a, w2, plan, b_extra=a2)  # noqa: E731
-    return _row("gemm2", tokens, args.iters, plan, out, bf16, engine_mxfp4, stream_mxfp4)
+    return _row("gemm2", "Store", tokens, args.iters, plan, out, bf16, engine_mxfp4, stream_mxfp4)
 
 
 def measure_dgrad1(tokens: int, args: argparse.Namespace, w13, codes, scales, side: dict) -> str:
@@ -209,7 +210,7 @@ def measure_dgrad1(tokens: int, args: argparse.Namespace, w13, codes, scales, si
         return result
 
     bf16 = lambda: grouped_gemm(a, w13, plan, b_major="mn", b_extra_blocks=extra)  # noqa: E731
-    return _row("dgrd1", tokens, args.iters, plan, out, bf16, engine_mxfp4, stream_mxfp4)
+    return _row("dgrd1", "StoreMN", tokens, args.iters, plan, out, bf16, engine_mxfp4, stream_mxfp4)
 
 
 def measure_dgrad2(tokens: int, args: argparse.Namespace, w2, codes, scales, a2) -> str:
