@@ -72,6 +72,14 @@ void route_plan(const Tensor& topk_ids, int64_t expert_begin, int num_local_expe
   check_tensor<int32_t>("pool_row_to_route", pool_row_to_route, {-1}, device);
   const int64_t pool_capacity = static_cast<int64_t>(pool_row_to_route.shape(0));
   const int64_t worst_case_rows = num_routes + int64_t{num_local_experts} * (block_m - 1);
+  // The kernels compute pool rows (segment offsets, each route's row) in int32.
+  if (worst_case_rows > INT32_MAX)
+    throw nb::value_error(("topk_ids: " + std::to_string(num_routes) + " routes over " +
+                           std::to_string(num_local_experts) + " experts at BLOCK_M " +
+                           std::to_string(block_m) + " need up to " +
+                           std::to_string(worst_case_rows) +
+                           " pool rows (T*K + E_l*(BLOCK_M-1)); pool rows are int32 indices")
+                              .c_str());
   if (pool_capacity < worst_case_rows)
     throw nb::value_error(("pool_row_to_route: pool capacity " + std::to_string(pool_capacity) +
                            " is below the worst case " + std::to_string(worst_case_rows) +

@@ -27,7 +27,14 @@ from torch import nn
 
 from . import ops, reference
 from .side_lora import SIDE_NAMES, SIDE_RANK_MAX, SIDE_RANK_MULTIPLE, SideLoRA
-from .validation.arguments import check_choice, check_finite_float, check_int, check_tensor
+from .validation.arguments import (
+    check_choice,
+    check_finite_float,
+    check_int,
+    check_str_choice,
+    check_tensor,
+    has_data,
+)
 from .weights import BASE_FORMATS, BaseWeights, prepare_base_weights
 from .wrappers.registry import registry
 
@@ -133,7 +140,7 @@ class MegaMoE(nn.Module):
             )
         self.side_rank = side_rank
         self.side_scale = _resolve_scale(side_scale, side_alpha, side_rank)
-        check_choice("activation", activation, reference.ACTIVATIONS)
+        check_str_choice("activation", activation, reference.ACTIVATIONS)
         self.activation = activation
         if activation_clamp is not None:
             activation_clamp = check_finite_float("activation_clamp", activation_clamp)
@@ -403,6 +410,8 @@ class MegaMoE(nn.Module):
         host, so the reference backend is not capturable in a CUDA graph."""
         if topk_ids.numel() == 0 or topk_ids.dtype not in (torch.int32, torch.int64):
             return  # empty; a wrong dtype is reported by the reference's own check
+        if not has_data(topk_ids):
+            return  # meta or fake ids: no values (the reference checks their device)
         lowest, highest = int(topk_ids.min()), int(topk_ids.max())
         if lowest < -1 or highest >= self.num_experts:
             bad = highest if highest >= self.num_experts else lowest

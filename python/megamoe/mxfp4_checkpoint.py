@@ -137,10 +137,10 @@ def _base_weights(
         ("hidden size H", hidden, reg.hidden_multiple),
         ("intermediate size I", intermediate, reg.intermediate_multiple),
     ):
-        if dim % multiple or dim % MXFP4_BLOCK:
+        if dim < 1 or dim % multiple or dim % MXFP4_BLOCK:
             raise ValueError(
-                f"w13_codes: {name}={dim} is not a multiple of {max(multiple, MXFP4_BLOCK)} "
-                "(the kernels' tile and the MXFP4 block)"
+                f"w13_codes: {name}={dim} is not a positive multiple of "
+                f"{max(multiple, MXFP4_BLOCK)} (the kernels' tile and the MXFP4 block)"
             )
     if has_data(w13_scales):  # a NaN scale byte poisons whole blocks, silently
         check_mxfp4_scales(scale_names[0], w13_scales)

@@ -31,6 +31,7 @@ from .ep.ops import moe as fused_moe
 from .heuristics import get_block_m
 from .side_lora import SideLoRA
 from .validation import check_moe_inputs
+from .validation.layer import check_call_structure
 from .weights import BaseWeights
 
 
@@ -113,15 +114,20 @@ def moe(
     # (before any launch), so they are not run twice. Under torch.compile the fake
     # implementation runs them at trace time (on fake tensors: no data pointers, no id
     # values) and the real one at run time. EP ids are global: the dispatch plan checks
-    # their range.
+    # their range. A trainable MXFP4 base decodes (a launch) before the op: its call is
+    # checked here.
     checked_by_op = (
         group is None
         and isinstance(x, torch.Tensor)
         and x.is_cuda
         and isinstance(topk_ids, torch.Tensor)
         and topk_ids.dim() == 2
+        and not base.decodes_for_call
     )
-    if not torch.compiler.is_compiling() and not checked_by_op:
+    if torch.compiler.is_compiling() or checked_by_op:
+        # Only what this function reads before the op's checks run.
+        check_call_structure(topk_ids, side)
+    else:
         check_moe_inputs(
             x,
             topk_ids,

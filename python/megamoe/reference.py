@@ -49,7 +49,13 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from .side_lora import SIDE_NAMES, SideLoRA
-from .validation.arguments import check_choice, check_finite_float, check_int, check_tensor
+from .validation.arguments import (
+    check_finite_float,
+    check_int,
+    check_str_choice,
+    check_tensor,
+    has_data,
+)
 from .weights import BaseWeights
 
 __all__ = ["ACTIVATIONS", "ForwardContext", "backward", "forward", "moe"]
@@ -168,7 +174,7 @@ def _check_routing(x, topk_ids, topk_weights, hidden: int) -> tuple[int, int]:
         dtypes=_WEIGHT_DTYPES,
         device=x.device,
     )
-    if topk_ids.numel() > 0:
+    if topk_ids.numel() > 0 and has_data(topk_ids):  # (meta and fake ids hold no values)
         lowest = int(topk_ids.min())
         if lowest < -1:
             raise ValueError(
@@ -178,7 +184,7 @@ def _check_routing(x, topk_ids, topk_weights, hidden: int) -> tuple[int, int]:
 
 
 def _check_options(activation, activation_clamp, compute_dtype) -> float | None:
-    check_choice("activation", activation, ACTIVATIONS)
+    check_str_choice("activation", activation, ACTIVATIONS)
     if activation_clamp is not None:
         activation_clamp = check_finite_float("activation_clamp", activation_clamp)
         if activation_clamp <= 0:

@@ -54,10 +54,16 @@ class BaseWeights:
         masters = [t for t in (self.w13_master, self.w2_master) if t is not None]
         return any(t.requires_grad for t in masters)
 
+    @property
+    def decodes_for_call(self) -> bool:
+        """Whether :meth:`for_call` decodes (an MXFP4 base with a trainable master while
+        gradients are on: ordinary mode), a launch on a CUDA base."""
+        return self.trains_master and torch.is_grad_enabled()
+
     def for_call(self) -> BaseWeights:
-        """What a layer call runs on: :meth:`straight_through` for an MXFP4 base with a
-        trainable master while gradients are on (ordinary mode), else this base."""
-        return self.straight_through() if self.trains_master and torch.is_grad_enabled() else self
+        """What a layer call runs on: :meth:`straight_through` where
+        :attr:`decodes_for_call`, else this base."""
+        return self.straight_through() if self.decodes_for_call else self
 
     def straight_through(self) -> BaseWeights:
         """The BF16 base this MXFP4 base stands for in ordinary mode.
@@ -169,6 +175,10 @@ def prepare_base_weights(w13: torch.Tensor, w2: torch.Tensor, format: str = "bf1
     )
     if experts < 1:
         raise ValueError(f"w13: expected at least one expert, got shape {list(w13.shape)}")
+    if hidden < 1 or intermediate < 1:
+        raise ValueError(
+            f"w13: expected H >= 1 and I >= 1 ([E, 2I, H]), got shape {list(w13.shape)}"
+        )
     if hidden % reg.hidden_multiple != 0:
         raise ValueError(
             f"w13: hidden size H={hidden} is not a multiple of {reg.hidden_multiple} "

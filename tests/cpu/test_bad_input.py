@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import megamoe as mm
 from megamoe.validation.mxfp4 import check_mxfp4_scales, check_mxfp4_weights
@@ -510,3 +511,135 @@ def test_dgrad2_side_rank_and_output_overlap_name_the_argument() -> None:
     got = fused_dgrad2_activation_backward(dout_pool, w2, in_place, weights, p, dgrad_out=in_place)
     assert got[0].data_ptr() == in_place.data_ptr()
     assert torch.equal(got[0], fresh[0]) and torch.equal(got[2], fresh[2])
+
+
+# --------------------------------------------- found missing by a review (2026-12-05)
+
+
+def fake_cuda_call(**changes: object) -> None:
+    """``mm.moe`` on fake CUDA tensors (FakeTensorMode: the GPU path's Python, whose full
+    checks run inside the custom op), with ``changes`` to its arguments."""
+    cuda = torch.device("cuda")
+    with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
+        w13, w2 = (torch.empty(t.shape, dtype=t.dtype, device=cuda) for t in base_tensors())
+        args = dict(
+            x=torch.empty(T, H, dtype=torch.bfloat16, device=cuda),
+            topk_ids=torch.empty(T, K, dtype=torch.int32, device=cuda),
+            topk_weights=torch.empty(T, K, device=cuda),
+            base=mm.BaseWeights("bf16", w13, w2, None, None, E, H, I),
+        )
+        args.update({k: v(cuda) if callable(v) else v for k, v in changes.items()})
+        mm.moe(**args)
+
+
+@pytest.mark.parametrize(
+    ("changes", "error", "match"),
+    [
+        ({}, None, None),
+        ({"side": {"a1": None}}, TypeError, r"^side: expected megamoe\.SideLoRA"),
+        (
+            {
+                "topk_ids": lambda d: torch.empty(T, 0, dtype=torch.int32, device=d),
+                "topk_weights": lambda d: torch.empty(T, 0, device=d),
+            },
+            ValueError,
+            r"^topk_ids: expected at least one route per token",
+        ),
+    ],
+)
+def test_the_gpu_path_checks_what_it_reads_before_the_op(changes, error, match) -> None:
+    if error is None:
+        fake_cuda_call(**changes)  # the valid call goes through
+        return
+    with pytest.raises(error, match=match):
+        fake_cuda_call(**changes)
+
+
+def test_a_trainable_mxfp4_base_is_checked_before_its_decode(monkeypatch) -> None:
+    """Ordinary mode on an MXFP4 base decodes it (a launch) before the op: on the GPU
+    path (fake CUDA tensors) the call's checks come first."""
+
+    def decode_first(self):
+        raise AssertionError("decoded before the checks")
+
+    monkeypatch.setattr(mm.BaseWeights, "straight_through", decode_first)
+    packed = mm.prepare_base_weights(*base_tensors(), format="mxfp4")
+    cuda = torch.device("cuda")
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        on_gpu = {
+            name: torch.empty(t.shape, dtype=t.dtype, device=cuda)
+            for name in ("w13", "w2", "w13_scales", "w2_scales")
+            if (t := getattr(packed, name)) is not None
+        }
+        # A trainable master (its values are never read: the decode is what is tested).
+        master = torch.zeros(1, requires_grad=True)
+        base = dataclasses.replace(packed, **on_gpu, w13_master=master, w2_master=master)
+        assert base.decodes_for_call
+        x = torch.empty(T, H, device=cuda)  # float32: not the layer's dtype
+        ids = torch.empty(T, K, dtype=torch.int32, device=cuda)
+        with pytest.raises(TypeError, match=r"^x: expected dtype bfloat16"):
+            mm.moe(x, ids, torch.empty(T, K, device=cuda), base)
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (
+            lambda: mm.BaseWeights("bf16", bf16(E, 64, H), bf16(E, H, 32), None, None, E, H, 32),
+            r"^base: expected H a multiple of 64 .* I a multiple of 64",
+        ),
+        (
+            lambda: mm.BaseWeights(
+                "bf16", bf16(E, H, 2 * I).transpose(1, 2), bf16(E, H, I), None, None, E, H, I
+            ),
+            r"^base\.w13: expected a contiguous tensor",
+        ),
+    ],
+)
+def test_hand_built_bases_are_held_to_the_kernels_layout(make, match) -> None:
+    ids, weights = routing()
+    with pytest.raises(ValueError, match=match):
+        mm.moe(bf16(T, H), ids, weights, make())
+
+
+@pytest.mark.parametrize("shape", [(E, 0, H), (E, 2 * I, 0)])
+def test_empty_base_dims_are_refused_when_prepared(shape) -> None:
+    w13 = torch.zeros(shape, dtype=torch.bfloat16)
+    w2 = torch.zeros(E, shape[2], shape[1] // 2, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"^w13: expected H >= 1 and I >= 1"):
+        mm.prepare_base_weights(w13, w2)
+
+
+def test_meta_ids_are_named_not_read() -> None:
+    ids, weights = routing()
+    layer = mm.MegaMoE(H, I, E, K, side_rank=R, backend="reference")
+    with pytest.raises(ValueError, match=r"^topk_ids: expected device cpu, got meta"):
+        layer(torch.randn(T, H), ids.to(META), weights)
+    base = mm.prepare_base_weights(*base_tensors())
+    x = torch.randn(T, H, device=META)
+    with pytest.raises(ValueError, match=r"^base: expected device meta like x"):
+        mm.reference.moe(x, ids.to(META), weights.to(META), base)
+
+
+def test_floats_beyond_range_are_named() -> None:
+    ids, weights = routing()
+    base = mm.prepare_base_weights(*base_tensors())
+    with pytest.raises(ValueError, match=r"^activation_clamp: expected a positive finite"):
+        mm.moe(bf16(T, H), ids, weights, base, activation_clamp=10**400)
+    with pytest.raises(ValueError, match=r"^activation_clamp: expected a finite float"):
+        mm.MegaMoE(H, I, E, K, activation_clamp=10**400)
+    with pytest.raises(ValueError, match=r"^side\.scale: expected a finite float"):
+        mm.SideLoRA(**side_tensors(), scale=10**400)
+
+
+def test_activation_of_the_wrong_kind_is_a_type_error_everywhere() -> None:
+    ids, weights = routing()
+    base = mm.prepare_base_weights(*base_tensors())
+    x = bf16(T, H)
+    for call in (
+        lambda: mm.moe(x, ids, weights, base, activation=None),
+        lambda: mm.MegaMoE(H, I, E, K, activation=None),
+        lambda: mm.reference.moe(x, ids, weights, base, activation=None),
+    ):
+        with pytest.raises(TypeError, match=r"^activation: expected a str, got NoneType"):
+            call()

@@ -228,6 +228,12 @@ def error_checks(rank: int, world: int, group) -> dict:
         ep.plan_dispatch(ids, E, group=group, uniform={"hidden": 64 + (rank == 0)})
     except ValueError as exc:
         messages["mismatch"] = str(exc)
+    # A value only this rank's own checks refuse (E not a multiple of P here): every
+    # rank still raises, after the all-reduce, instead of the last one alone.
+    try:
+        ep.plan_dispatch(ids, E + (rank == world - 1), group=group)
+    except ValueError as exc:
+        messages["local_value"] = str(exc)
     return messages
 
 
@@ -346,6 +352,11 @@ def check_errors(world: int, results: list[dict], failures: list[str]) -> None:
             failures.append(f"errors rank {rank}: bad ids not reported: {msgs.get('bad_ids')}")
         if "hidden: expected the same value on every rank" not in msgs.get("mismatch", ""):
             failures.append(f"errors rank {rank}: mismatch not reported: {msgs.get('mismatch')}")
+        if "num_experts: expected the same value on every rank" not in msgs.get("local_value", ""):
+            failures.append(
+                f"errors rank {rank}: one rank's bad num_experts not reported: "
+                f"{msgs.get('local_value')}"
+            )
 
 
 def _rel(actual: torch.Tensor, expected: torch.Tensor) -> float:

@@ -160,6 +160,16 @@ def test_bad_options():
         mtt.MegaMoEConverter.Config(backend="cuda").build()
 
 
+def test_subclassed_experts_are_refused_not_converted():
+    """gpt-oss's experts config subclasses GroupedExperts.Config (biases, interleaved
+    gate/up, its own clamped gate): the converter refuses it instead of swapping in
+    plain SwiGLU experts."""
+    gpt_oss = pytest.importorskip("torchtitan.models.gpt_oss")
+    converter = mtt.MegaMoEConverter.Config(backend="reference")
+    with pytest.raises(ValueError, match=r"GptOssGroupedExperts\.Config, not GroupedExperts"):
+        gpt_oss.model_registry("debugmodel", converters=[converter])
+
+
 # --- One gate+up parameter: checkpoint names, init, sharding, no copy -------------------
 
 _INIT = {  # trunc_normal_ draws differently on a strided view than on a contiguous tensor

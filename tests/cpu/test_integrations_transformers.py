@@ -256,6 +256,42 @@ def test_gelu_tanh_config_maps_to_geglu():
     assert_close(got, want, "out", rtol=1e-5)
 
 
+@pytest.mark.parametrize(
+    ("module_path", "config_name", "expected"),
+    [
+        # Gemma4 names its activation config.hidden_activation.
+        (
+            "transformers.models.gemma4.modeling_gemma4.Gemma4TextExperts",
+            "Gemma4TextConfig",
+            "geglu",
+        ),
+        # Lfm2-MoE sets act_fn = F.silu, with no activation in its config.
+        (
+            "transformers.models.lfm2_moe.modeling_lfm2_moe.Lfm2MoeExperts",
+            "Lfm2MoeConfig",
+            "swiglu",
+        ),
+    ],
+)
+def test_the_activation_comes_from_act_fn_or_hidden_activation(module_path, config_name, expected):
+    module_name, cls_name = module_path.rsplit(".", 1)
+    cls = getattr(pytest.importorskip(module_name), cls_name)
+    config = getattr(transformers, config_name)(
+        hidden_size=H, moe_intermediate_size=I, num_experts=E
+    )
+    torch.manual_seed(0)
+    module = cls(config)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(0.0, 0.2)
+            p.copy_(p.to(torch.bfloat16))
+    assert mhf.experts_spec(module) == mhf.ExpertsSpec(expected, None)
+    x, ids, weights = routing(16, E)
+    got, _ = run(mhf.reference_experts_forward, module, x, ids, weights)
+    want, _ = run(grouped_mm_experts_forward, module, x, ids, weights)
+    assert_close(got, want, "out", rtol=1e-5)
+
+
 def test_swiglu_limit_maps_to_the_clamp_deepseek_v4():
     v4 = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
     config = transformers.DeepseekV4Config(
@@ -515,6 +551,46 @@ def test_peft_keeps_and_saves_the_adapters_with_modules_to_save(tmp_path):
     loaded = peft.PeftModel.from_pretrained(fresh, str(tmp_path))
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, want)
+
+
+def test_side_lora_files_of_a_peft_model_name_the_hf_modules(tmp_path):
+    """``save_side_lora`` / ``load_side_lora`` / the Megatron export on a PEFT model
+    (side-LoRA under ``modules_to_save``) use the HF model's module names, not PEFT's
+    ``base_model.model.`` ones: the file loads in PEFT and back into megamoe."""
+    peft = pytest.importorskip("peft")
+    model = build("qwen3_moe")
+    model.set_experts_implementation(mhf.REFERENCE)
+    mhf.attach_side_lora(model, rank=16, alpha=32.0, dtype=torch.float32)
+    config = peft.LoraConfig(
+        r=8, target_modules=["q_proj"], modules_to_save=mhf.PEFT_MODULES_TO_SAVE
+    )
+    peft_model = peft.get_peft_model(model, config)
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for side in mhf.side_lora_layers(peft_model).values():  # the active copies
+            for t in side.tensors():
+                t.copy_(torch.randn(t.shape, generator=gen) * 0.3)
+    ids = tokens()
+    with torch.no_grad():
+        ours = peft_model(ids).logits  # q_proj's LoRA starts at zero
+    mhf.save_side_lora(peft_model, tmp_path)
+    state, _ = mhf.megatron_state_dict(peft_model)
+    assert sorted({k.split(".mlp.")[0] for k in state}) == ["decoder.layers.0", "decoder.layers.1"]
+
+    again = build("qwen3_moe")
+    again.set_experts_implementation(mhf.REFERENCE)
+    assert mhf.load_side_lora(again, tmp_path) == [
+        "model.layers.0.mlp.experts",
+        "model.layers.1.mlp.experts",
+    ]
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, ours)
+
+    plain = build("qwen3_moe")
+    plain.set_experts_implementation("grouped_mm")  # (a global setting: last)
+    with torch.no_grad():
+        theirs = peft.PeftModel.from_pretrained(plain, str(tmp_path))(ids).logits
+    assert_close(ours, theirs, "logits vs PEFT", rtol=1e-5)
 
 
 def test_save_pretrained_accepts_a_model_with_adapters(tmp_path):

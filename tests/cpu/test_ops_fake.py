@@ -161,3 +161,23 @@ def test_fakes_take_symbolic_sizes():
         )  # fmt: skip
     assert isinstance(out.shape[0], torch.SymInt) and out.shape == x.shape
     assert [g.shape for g in grads[:4]] == [x.shape, weights.shape, w13.shape, w2.shape]
+
+
+def test_an_mxfp4_base_gets_bf16_gradients_of_the_decoded_shape():
+    """The real backward's base gradients are BF16 ``[E, 2I, H]`` / ``[E, H, I]``
+    (with respect to the exact decode) for an MXFP4 base too, not the packed shapes."""
+    with FakeTensorMode():
+        x, ids, weights, w13, w2, adapters = _inputs(False)
+        base = mm.prepare_base_weights(w13, w2, format="mxfp4")
+        outputs = torch.ops.megamoe.moe_forward(
+            x, ids, weights, base.w13, base.w2, base.w13_scales, base.w2_scales, *adapters,
+            0.0, "swiglu", None, BLOCK_M, "preact",
+        )  # fmt: skip
+        grads = torch.ops.megamoe.moe_backward(
+            outputs[0], x, weights, base.w13, base.w2, base.w13_scales, base.w2_scales,
+            *adapters, 0.0, "swiglu", None, *outputs[1:], True, False, BLOCK_M,
+        )  # fmt: skip
+    assert [(tuple(g.shape), g.dtype) for g in grads[2:4]] == [
+        ((E, 2 * I, H), torch.bfloat16),
+        ((E, H, I), torch.bfloat16),
+    ]

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import megamoe as mm
+from megamoe.wrappers.routing import _check_plan_args, plan_routes_reference, pool_capacity
 
 
 def naive_plan(topk_ids, num_local_experts, block_m, expert_begin=0):
@@ -111,3 +112,18 @@ def test_bad_input(ids, kwargs, error, match):
     args = {"num_local_experts": 4, "block_m": 64, **kwargs}
     with pytest.raises(error, match=match):
         mm.plan_routes(ids, args.pop("num_local_experts"), args.pop("block_m"), **args)
+
+
+@pytest.mark.parametrize("plan", [mm.plan_routes, plan_routes_reference])
+def test_pools_past_int32_rows_are_refused(plan):
+    """Pool rows are int32 in the maps and kernels: the largest routing whose whole-block
+    pool (T*K + E_l*(BLOCK_M-1), rounded up) still fits passes the checks, one more
+    route does not. Meta ids: the checks read no values and allocate nothing."""
+    experts, block_m = 2, 128
+    fits = (2**31 - 1) // block_m * block_m - experts * (block_m - 1)
+    assert pool_capacity(fits, experts, block_m) <= 2**31 - 1
+    assert pool_capacity(fits + 1, experts, block_m) > 2**31 - 1
+    _check_plan_args(torch.empty(fits, 1, dtype=torch.int32, device="meta"), experts, block_m, 0)
+    too_many = torch.empty(fits + 1, 1, dtype=torch.int32, device="meta")
+    with pytest.raises(ValueError, match=r"^topk_ids: .* pool rows are int32 indices"):
+        plan(too_many, experts, block_m)

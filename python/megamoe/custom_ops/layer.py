@@ -411,7 +411,7 @@ def _(
     side_grads,
     block_m,
 ):
-    _backward_inputs(
+    base, _ = _backward_inputs(
         dout, x, topk_weights, w13, w2, w13_scales, w2_scales, (a1, b1, a3, b3, a2, b2), scale,
         activation, activation_clamp, expert_counts, expert_pool_offsets, route_to_pool_row,
         pool_row_to_route, preact, q13, p_sum,
@@ -419,11 +419,14 @@ def _(
     check_block_m(block_m)
     use_side = q13.numel() > 0 and side_grads
     side = (a1, b1, a3, b3, a2, b2)
+    # The base gradients are BF16 [E, 2I, H] / [E, H, I] whatever the base's format (an
+    # MXFP4 base's: with respect to its exact decode).
+    experts, hidden, inter = base.num_experts, base.hidden, base.intermediate
     return (
         x.new_empty(x.shape),
         topk_weights.new_empty(topk_weights.shape),
-        w13.new_empty(w13.shape) if base_grads else x.new_empty(0),
-        w2.new_empty(w2.shape) if base_grads else x.new_empty(0),
+        x.new_empty(experts, 2 * inter, hidden) if base_grads else x.new_empty(0),
+        x.new_empty(experts, hidden, inter) if base_grads else x.new_empty(0),
         *(t.new_empty(t.shape) if use_side else x.new_empty(0) for t in side),
     )
 

@@ -323,13 +323,23 @@ def plan_dispatch(
     """
     check_tensor("topk_ids", topk_ids, ndim=2, dtypes=(torch.int32, torch.int64))
     num_tokens, top_k = topk_ids.shape
-    check_int("num_experts", num_experts, minimum=1)
+    check_int("num_experts", num_experts)
     world, rank = group_size(group), group_rank(group)
-    partition = ExpertPartition(num_experts, world, rank)
-    if top_k < 1:
-        raise ValueError(f"topk_ids: expected at least one route per token, got {top_k}")
+    agrees = max_tokens is None and group is not None
+    # A bad E or K is raised after the all-reduce below, which compares them across
+    # ranks: raised here by one rank alone, it would leave its peers waiting in that
+    # collective. Where the ranks agree on them, every rank has the same error.
+    local_error = None
+    try:
+        partition = ExpertPartition(num_experts, world, rank)
+        if top_k < 1:
+            raise ValueError(f"topk_ids: expected at least one route per token, got {top_k}")
+    except ValueError as error:
+        if not agrees:
+            raise
+        local_error = error
     bad_ids = 0
-    if check_ids and topk_ids.numel():
+    if check_ids and topk_ids.numel() and local_error is None:
         low, high = torch.stack(torch.aminmax(topk_ids)).tolist()  # one host read
         if low < -1 or high >= num_experts:
             bad_ids = rank + 1
@@ -347,11 +357,6 @@ def plan_dispatch(
             [num_tokens, bad_ids, *values, *(-v for v in values)], group, topk_ids.device
         )
         max_tokens, bad_rank = agreed[0], agreed[1]
-        if bad_rank:
-            raise ValueError(
-                f"topk_ids: expected expert ids in [-1, {num_experts}) on every rank, rank "
-                f"{bad_rank - 1} has ids outside"
-            )
         n = len(values)
         highs, lows = agreed[2 : 2 + n], [-v for v in agreed[2 + n :]]
         for name, mine, high, low in zip(names, values, highs, lows):
@@ -360,6 +365,13 @@ def plan_dispatch(
                     f"{name}: expected the same value on every rank of the EP group, got "
                     f"values in [{low}, {high}] (this rank: {mine})"
                 )
+        if local_error is not None:
+            raise local_error
+        if bad_rank:
+            raise ValueError(
+                f"topk_ids: expected expert ids in [-1, {num_experts}) on every rank, rank "
+                f"{bad_rank - 1} has ids outside"
+            )
     else:
         check_int("max_tokens", max_tokens, minimum=num_tokens)
     if block_m is None:

@@ -14,7 +14,7 @@ the router scores in its combine), either
   train), or
 - a trainable base (``rank = 0``).
 
-Usage (a model registry function that takes ``converters=``, e.g. llama4/qwen3/dsv3)::
+Usage (a model registry function that takes ``converters=``, e.g. qwen3, deepseek_v3, kimi_k2_7)::
 
     from megamoe.integrations.torchtitan import MegaMoEConverter
     converters = [MegaMoEConverter.Config(rank=64, alpha=128.0)]
@@ -458,7 +458,8 @@ class MegaMoEGroupedExperts(GroupedExperts):
 
 class MegaMoEConverter(ModelConfigConverter):
     """Replace every ``GroupedExperts.Config`` in a torchtitan model config by
-    :class:`MegaMoEGroupedExperts.Config` (same dims and init, plus megamoe's options)."""
+    :class:`MegaMoEGroupedExperts.Config` (same dims and init, plus megamoe's options).
+    A subclass of it (gpt-oss's experts: other math) is refused with a ``ValueError``."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(ModelConfigConverter.Config):
@@ -478,9 +479,18 @@ class MegaMoEConverter(ModelConfigConverter):
     def convert(self, model_config: Module.Config) -> Module.Config:
         """Swap the experts' configs in place; returns the (same) root config."""
         converted = 0
-        for _fqn, cfg, parent, attr in list(model_config.traverse(GroupedExperts.Config)):
+        for fqn, cfg, parent, attr in list(model_config.traverse(GroupedExperts.Config)):
             if isinstance(cfg, MegaMoEGroupedExperts.Config):
                 continue
+            if type(cfg) is not GroupedExperts.Config:
+                # A subclass computes other experts (gpt-oss: biases, interleaved gate/up,
+                # its own clamped gate; Float8/MXFP8 conversions): converting it to plain
+                # SwiGLU would change the model.
+                raise ValueError(
+                    f"model_config: {fqn or 'the root'} is a {type(cfg).__qualname__}, "
+                    "not GroupedExperts.Config: megamoe's experts are bias-free SwiGLU "
+                    "with [gate; up] weights; leave this model's experts unconverted"
+                )
             new = MegaMoEGroupedExperts.Config(
                 dim=cfg.dim,
                 hidden_dim=cfg.hidden_dim,

@@ -21,8 +21,10 @@ Which experts modules are supported. Any class decorated with transformers'
 weights every call. Unsupported, with a ``ValueError`` naming the reason: biases
 (``has_bias=True``), interleaved gate/up rows (``is_concatenated=False``, gpt-oss),
 ungated experts (``has_gate=False``), and a gate other than megamoe's: the activation
-comes from ``config.hidden_act`` (``silu``/``swish`` -> SwiGLU, ``gelu_pytorch_tanh``/
-``gelu_new`` -> GeGLU) and the clamp from the module's ``limit`` (DeepSeek-V4's
+is the module's ``act_fn`` where it is SiLU or tanh-GELU (Lfm2-MoE sets ``F.silu``),
+else the name in its config (``hidden_act``, or ``hidden_activation`` as Gemma's configs
+call it: ``silu``/``swish`` -> SwiGLU, ``gelu_pytorch_tanh``/``gelu_new`` -> GeGLU), and
+the clamp from the module's ``limit`` (DeepSeek-V4's
 ``config.swiglu_limit``: ``gate = min(gate, c)``, ``up = clamp(up, -c, c)`` before the
 activation). On first use in eager mode the module's own ``_apply_gate`` is evaluated on
 a fixed probe and compared with megamoe's activation, so a model whose gate differs
@@ -116,7 +118,8 @@ ADAPTER_ATTR = "megamoe_side_lora"
 #: trainable under a PEFT model and saves them in its adapter file.
 PEFT_MODULES_TO_SAVE = [ADAPTER_ATTR]
 
-#: ``config.hidden_act`` -> megamoe activation (the gate's ``act(g) * u``).
+#: ``config.hidden_act`` (or ``hidden_activation``) -> megamoe activation (the gate's
+#: ``act(g) * u``).
 ACTIVATIONS = {
     "silu": "swiglu",
     "swish": "swiglu",
@@ -161,12 +164,7 @@ def _static_spec(module: nn.Module) -> ExpertsSpec:
             "[gate; up] blocks",
         )
     config = getattr(module, "config", None)
-    act = getattr(config, "hidden_act", None)
-    if not isinstance(act, str) or act.lower() not in ACTIVATIONS:
-        raise _unsupported(
-            module,
-            f"uses config.hidden_act={act!r}; supported: {sorted(ACTIVATIONS)}",
-        )
+    activation = _activation_of(module, config)
     limit = getattr(module, "limit", None)
     if limit is None:
         limit = getattr(config, "swiglu_limit", None)
@@ -175,7 +173,51 @@ def _static_spec(module: nn.Module) -> ExpertsSpec:
         if getattr(module, "_fp8_experts_clamp_after_activation", False):
             raise _unsupported(module, f"clamps after the activation (limit {limit})")
         clamp = float(limit)
-    return ExpertsSpec(ACTIVATIONS[act.lower()], clamp)
+    return ExpertsSpec(activation, clamp)
+
+
+def _act_fn_activation(act_fn: object) -> str | None:
+    """megamoe's activation for an ``act_fn`` it recognizes (SiLU, tanh-GELU), else None."""
+    from transformers import activations as hf
+
+    if act_fn is F.silu:
+        return "swiglu"
+    if isinstance(act_fn, nn.GELU):
+        return "geglu" if act_fn.approximate == "tanh" else None
+    kinds = {
+        "SiLU": "swiglu",
+        "SiLUActivation": "swiglu",
+        "GELUTanh": "geglu",
+        "NewGELUActivation": "geglu",
+    }
+    for name, activation in kinds.items():
+        kind = getattr(nn, name, None) or getattr(hf, name, None)
+        if isinstance(kind, type) and isinstance(act_fn, kind):
+            return activation
+    return None
+
+
+def _activation_of(module: nn.Module, config: object) -> str:
+    """The gate's activation: the module's ``act_fn`` where it is one megamoe knows (what
+    the module computes), else its config's name: ``hidden_act``, or
+    ``hidden_activation`` (Gemma). The eager probe then checks the whole gate."""
+    activation = _act_fn_activation(getattr(module, "act_fn", None))
+    if activation is not None:
+        return activation
+    for field in ("hidden_act", "hidden_activation"):
+        act = getattr(config, field, None)
+        if act is None:
+            continue
+        if not isinstance(act, str) or act.lower() not in ACTIVATIONS:
+            raise _unsupported(
+                module, f"uses config.{field}={act!r}; supported: {sorted(ACTIVATIONS)}"
+            )
+        return ACTIVATIONS[act.lower()]
+    raise _unsupported(
+        module,
+        f"has act_fn={getattr(module, 'act_fn', None)!r} and no config.hidden_act or "
+        f"config.hidden_activation; supported: SiLU or tanh-GELU, {sorted(ACTIVATIONS)}",
+    )
 
 
 def _megamoe_gate(gate_up: torch.Tensor, spec: ExpertsSpec) -> torch.Tensor:
@@ -627,6 +669,15 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
+def _hf_model(model: nn.Module) -> nn.Module:
+    """The HF model under a PEFT ``PeftModel`` (whose module names carry PEFT's
+    ``base_model.model.``), else ``model``: adapter files name the HF model's modules."""
+    get_base_model = getattr(model, "get_base_model", None)
+    if callable(get_base_model) and hasattr(model, "peft_config"):
+        return get_base_model()
+    return model
+
+
 def _target_parameters(names: list[str]) -> list[str]:
     """PEFT ``target_parameters`` for the experts modules: one suffix pattern per
     parameter when the names differ only in their layer index (the usual case)."""
@@ -657,7 +708,7 @@ def save_side_lora(
 
     Args:
         model: the HF model with adapters attached (every layer the same rank and scale:
-            one LoRA config).
+            one LoRA config), or a PEFT model around it.
         save_directory: created if missing.
         base_model_name_or_path: written into the config (PEFT's field).
         gate_up: ``"auto"``, ``"shared"`` or ``"stacked"`` (see the converter).
@@ -667,7 +718,7 @@ def save_side_lora(
     """
     from safetensors.torch import save_file
 
-    layers = side_lora_layers(model)
+    layers = side_lora_layers(_hf_model(model))
     if not layers:
         raise ValueError("model: no megamoe side-LoRA attached (call attach_side_lora first)")
     tensors: dict[str, torch.Tensor] = {}
@@ -733,7 +784,7 @@ def load_side_lora(
     every experts module the file has keys for (replacing one that is there).
 
     Args:
-        model: the HF model (built with the same architecture).
+        model: the HF model (built with the same architecture), or a PEFT model around it.
         directory: the adapter directory.
         dtype: the factors' dtype (default as in :func:`attach_side_lora`).
         split_gate_up: read a block-diagonal gate/up of rank ``2r`` as ``a1``, ``a3``
@@ -756,7 +807,7 @@ def load_side_lora(
             raise ValueError(f"{ADAPTER_CONFIG}: {key} is not supported (one r and alpha)")
     state = load_file(str(path / ADAPTER_WEIGHTS))
     names = []
-    for name, module in experts_modules(model):
+    for name, module in experts_modules(_hf_model(model)):
         prefix = _PEFT_PREFIX + name
         if not any(k.startswith(prefix + ".") for k in state):
             continue
@@ -843,7 +894,7 @@ def megatron_state_dict(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict
     """
     out: dict[str, torch.Tensor] = {}
     configs = []
-    for name, side in side_lora_layers(model).items():
+    for name, side in side_lora_layers(_hf_model(model)).items():
         plain = SideLoRA(*(t.detach() for t in side.tensors()), scale=side.scale)
         state, config = side_lora_to_megatron(plain, _megatron_prefix(name))
         out.update(state)

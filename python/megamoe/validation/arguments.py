@@ -93,10 +93,24 @@ def check_choice(name: str, value: object, choices: Sequence[object]) -> None:
         raise ValueError(f"{name}: expected one of {list(choices)}, got {value!r}")
 
 
+def check_str_choice(name: str, value: object, choices: Sequence[str]) -> str:
+    """A string option: ``TypeError`` for another kind (None included), ``ValueError``
+    for a string outside ``choices``."""
+    if not isinstance(value, str):
+        raise TypeError(f"{name}: expected a str, got {type(value).__name__}")
+    check_choice(name, value, choices)
+    return value
+
+
 def check_finite_float(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name}: expected a float, got {type(value).__name__}")
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # an int beyond float's range
+        raise ValueError(
+            f"{name}: expected a finite float, got an int of {value.bit_length()} bits"
+        ) from None
     if value != value or value in (float("inf"), float("-inf")):
         raise ValueError(f"{name}: expected a finite float, got {value}")
     return value

@@ -21,9 +21,15 @@ from ..side_lora import SIDE_NAMES, SideLoRA
 from ..weights import BASE_FORMATS, BaseWeights
 from ..wrappers.grouped_gemm import ACTIVATIONS
 from ..wrappers.registry import registry
-from .arguments import check_choice, check_int, check_tensor, has_data
+from .arguments import check_choice, check_int, check_str_choice, check_tensor, has_data
 
-__all__ = ["check_backward_inputs", "check_base_weights", "check_devices", "check_moe_inputs"]
+__all__ = [
+    "check_backward_inputs",
+    "check_base_weights",
+    "check_call_structure",
+    "check_devices",
+    "check_moe_inputs",
+]
 
 # MXFP4 packs two E2M1 codes per byte and keeps one UE8M0 scale per 32 values.
 _CODES_PER_BYTE = 2
@@ -44,7 +50,10 @@ def check_base_weights(base: object) -> BaseWeights:
 
     BF16: ``w13 [E_l, 2I, H]`` and ``w2 [E_l, H, I]`` bfloat16, no scales. MXFP4:
     ``w13 [E_l, 2I, H/2]``, ``w2 [E_l, H, I/2]`` uint8 codes and ``w13_scales
-    [E_l, 2I, H/32]``, ``w2_scales [E_l, H, I/32]`` uint8 scales.
+    [E_l, 2I, H/32]``, ``w2_scales [E_l, H, I/32]`` uint8 scales. Every tensor
+    contiguous, and ``H``, ``I`` multiples of the kernels' tiles (what
+    :func:`~megamoe.prepare_base_weights` gives), so a hand-built base is refused here
+    and not by a kernel launcher midway through a call.
     """
     if not isinstance(base, BaseWeights):
         raise TypeError(f"base: expected megamoe.BaseWeights, got {type(base).__name__}")
@@ -53,9 +62,21 @@ def check_base_weights(base: object) -> BaseWeights:
     for name, value in (("num_experts", experts), ("hidden", hidden), ("intermediate", inter)):
         if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)) or value < 1:
             raise ValueError(f"base.{name}: expected an int >= 1, got {value!r}")
+    reg = registry()
+    if hidden % reg.hidden_multiple or inter % reg.intermediate_multiple:
+        raise ValueError(
+            f"base: expected H a multiple of {reg.hidden_multiple} (the kernels' K tile) and "
+            f"I a multiple of {reg.intermediate_multiple} (their gate/up tile), got H={hidden}, "
+            f"I={inter}"
+        )
     if base.format == "bf16":
-        check_tensor("base.w13", base.w13, shape=(experts, 2 * inter, hidden), dtypes=_BF16)
-        check_tensor("base.w2", base.w2, shape=(experts, hidden, inter), dtypes=_BF16)
+        check_tensor(
+            "base.w13", base.w13, shape=(experts, 2 * inter, hidden), dtypes=_BF16,
+            contiguous=True,
+        )  # fmt: skip
+        check_tensor(
+            "base.w2", base.w2, shape=(experts, hidden, inter), dtypes=_BF16, contiguous=True
+        )
         for name in ("w13_scales", "w2_scales"):
             if getattr(base, name) is not None:
                 raise ValueError(f"base.{name}: expected None for a bf16 base")
@@ -72,14 +93,15 @@ def check_base_weights(base: object) -> BaseWeights:
         "w2_scales": (experts, hidden, inter // _SCALE_BLOCK),
     }
     for name, shape in shapes.items():
-        check_tensor(f"base.{name}", getattr(base, name), shape=shape, dtypes=(torch.uint8,))
+        check_tensor(
+            f"base.{name}", getattr(base, name), shape=shape, dtypes=(torch.uint8,),
+            contiguous=True,
+        )  # fmt: skip
     return base
 
 
 def _check_activation(activation: object, activation_clamp: object) -> None:
-    if not isinstance(activation, str):
-        raise TypeError(f"activation: expected a str, got {type(activation).__name__}")
-    check_choice("activation", activation, tuple(ACTIVATIONS))
+    check_str_choice("activation", activation, tuple(ACTIVATIONS))
     if activation_clamp is None:
         return
     if isinstance(activation_clamp, bool) or not isinstance(activation_clamp, (int, float)):
@@ -87,9 +109,28 @@ def _check_activation(activation: object, activation_clamp: object) -> None:
             f"activation_clamp: expected a positive finite float or None, got "
             f"{type(activation_clamp).__name__}"
         )
-    if not 0 < float(activation_clamp) < math.inf:  # also rejects NaN
+    try:
+        positive_finite = 0 < float(activation_clamp) < math.inf  # NaN fails it too
+    except OverflowError:  # an int beyond float's range
+        positive_finite = False
+    if not positive_finite:
         raise ValueError(
             f"activation_clamp: expected a positive finite float or None, got {activation_clamp!r}"
+        )
+
+
+def check_call_structure(topk_ids: object, side: object, *, ids_name: str = "topk_ids") -> None:
+    """What a layer call reads before its full checks run (``mm.moe``'s route plan
+    size, the adapter's tensors): ``side`` a :class:`~megamoe.SideLoRA` or None, and
+    ``topk_ids`` a 2-D tensor with ``K >= 1``. Part of :func:`check_moe_inputs`, and on
+    its own where those checks run later (inside the custom op, or at trace time)."""
+    if side is not None and not isinstance(side, SideLoRA):
+        raise TypeError(f"side: expected megamoe.SideLoRA or None, got {type(side).__name__}")
+    check_tensor(ids_name, topk_ids, ndim=2)
+    if topk_ids.shape[1] < 1:
+        raise ValueError(
+            f"{ids_name}: expected at least one route per token (K >= 1), got shape "
+            f"{list(topk_ids.shape)}"
         )
 
 
@@ -159,8 +200,7 @@ def check_moe_inputs(
             several devices (all of them named); a non-CUDA base with ``require_cuda``.
     """
     check_base_weights(base)
-    if side is not None and not isinstance(side, SideLoRA):
-        raise TypeError(f"side: expected megamoe.SideLoRA or None, got {type(side).__name__}")
+    check_call_structure(topk_ids, side, ids_name=ids_name)
     # Kinds first, so a list or None is a TypeError naming it, whatever else is wrong.
     for name, value in (("x", x), (ids_name, topk_ids), ("topk_weights", topk_weights)):
         check_tensor(name, value)
@@ -175,11 +215,6 @@ def check_moe_inputs(
         dtypes=(torch.int32, torch.int64),
         contiguous=True,
     )
-    if topk_ids.shape[1] < 1:
-        raise ValueError(
-            f"{ids_name}: expected at least one route per token (K >= 1), got shape "
-            f"{list(topk_ids.shape)}"
-        )
     check_tensor(
         "topk_weights",
         topk_weights,

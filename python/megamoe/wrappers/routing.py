@@ -24,6 +24,9 @@ from ..validation.arguments import check_int, check_tensor
 from . import _native
 from .registry import registry
 
+#: The largest pool row index the route plan's int32 maps and kernels hold.
+_INT32_MAX = 2**31 - 1
+
 
 @dataclass(frozen=True)
 class RoutePlan:
@@ -256,6 +259,13 @@ def _check_plan_args(
     if block_m not in registry().block_m_choices:
         raise ValueError(
             f"block_m: expected one of {list(registry().block_m_choices)}, got {block_m}"
+        )
+    rows = pool_capacity(topk_ids.numel(), num_local_experts, block_m)
+    if rows > _INT32_MAX:
+        raise ValueError(
+            f"topk_ids: {topk_ids.numel()} routes over {num_local_experts} experts at BLOCK_M "
+            f"{block_m} need a pool of {rows} rows (T*K + E_l*(BLOCK_M-1), whole blocks); "
+            f"pool rows are int32 indices (at most {_INT32_MAX})"
         )
 
 
