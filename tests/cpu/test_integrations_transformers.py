@@ -462,14 +462,16 @@ def test_saved_adapter_loads_in_peft_and_round_trips(tmp_path, dtype):
         assert torch.equal(again(ids).logits, ours)
 
 
-def test_adapter_trained_by_peft_with_shared_outer_factors_loads(tmp_path):
+@pytest.mark.parametrize("rank", [16, 8])
+def test_adapter_trained_by_peft_with_shared_outer_factors_loads(tmp_path, rank):
     """A PEFT-trained ``target_parameters`` adapter whose gate_up ``A`` and down ``B``
-    are tied across experts is a shared-outer adapter: it loads and gives PEFT's output."""
+    are tied across experts is a shared-outer adapter: it loads and gives PEFT's output,
+    also at PEFT's default rank 8 (read at the kernels' rank 16, zeros added)."""
     peft = pytest.importorskip("peft")
     plain = build("qwen3_moe")
     plain.set_experts_implementation("grouped_mm")
     config = peft.LoraConfig(
-        r=16,
+        r=rank,
         lora_alpha=16,
         target_modules=[],
         target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
@@ -479,9 +481,9 @@ def test_adapter_trained_by_peft_with_shared_outer_factors_loads(tmp_path):
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
             if "lora_A" in name and "base_layer" in name:  # gate_up A: [E*r, H]
-                p.copy_(p[:16].repeat(E, 1))
+                p.copy_(p[:rank].repeat(E, 1))
             elif "lora_B" in name and "base_layer" not in name:  # down B: [H, r*E]
-                p.copy_(p.view(H, 16, E)[:, :, :1].expand(H, 16, E).reshape(H, 16 * E))
+                p.copy_(p.view(H, rank, E)[:, :, :1].expand(H, rank, E).reshape(H, rank * E))
     ids = tokens()
     with torch.no_grad():
         theirs = peft_model(ids).logits
@@ -491,6 +493,7 @@ def test_adapter_trained_by_peft_with_shared_outer_factors_loads(tmp_path):
     mhf.load_side_lora(model, tmp_path, dtype=torch.float32)
     side = next(iter(mhf.side_lora_layers(model).values()))
     assert torch.equal(side.a1, side.a3)  # one shared A for gate and up
+    assert side.rank == 16
     with torch.no_grad():
         assert_close(model(ids).logits, theirs, "logits vs PEFT", rtol=1e-5)
 

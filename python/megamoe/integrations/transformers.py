@@ -845,25 +845,31 @@ def _install_adapter(module, side: SideLoRA, dtype: torch.dtype | None) -> None:
     setattr(module, ADAPTER_ATTR, adapter)
 
 
+def _padded_rank(rank: int) -> int:
+    """``rank`` rounded up to the kernels' rank multiple: a file's smaller rank (PEFT's
+    default is 8) read with zero rows and columns added, the same function."""
+    return -(-max(rank, 1) // SIDE_RANK_MULTIPLE) * SIDE_RANK_MULTIPLE
+
+
 def _split_rank(file_rank: int) -> int:
     """megamoe's rank for a gate/up adapter of rank ``2r`` read split: ``r``, rounded
     up to the kernels' rank multiple. Passing it trims the down pair's zero padding
     (a stacked export pads down to ``2r``), which the converter would otherwise keep."""
-    half = max(file_rank // 2, 1)
-    return -(-half // SIDE_RANK_MULTIPLE) * SIDE_RANK_MULTIPLE
+    return _padded_rank(file_rank // 2)
 
 
 def _read_fused(
     state, prefix: str, options: dict, split_gate_up: bool | None, file_rank: int
 ) -> SideLoRA:
     split = {"split_gate_up": True, "rank": _split_rank(file_rank)}
+    whole = {"split_gate_up": False, "rank": _padded_rank(file_rank)}
     if split_gate_up is not None:
-        kwargs = split if split_gate_up else {"split_gate_up": False}
+        kwargs = split if split_gate_up else whole
         return side_lora_from_peft_fused(state, prefix, **kwargs, **options)
     try:
         return side_lora_from_peft_fused(state, prefix, **split, **options)
     except ValueError:  # not block-diagonal, or down uses all 2r slots: one shared A
-        return side_lora_from_peft_fused(state, prefix, split_gate_up=False, **options)
+        return side_lora_from_peft_fused(state, prefix, **whole, **options)
 
 
 # --------------------------------------------------------------- Megatron-Bridge
@@ -937,13 +943,14 @@ def load_megatron_state_dict(
         options = dict(alpha=alpha, num_experts=experts)
         dim = state_dict[f"{prefix}.linear_fc1.adapter.linear_in.weight"].shape[-2]
         split = {"split_gate_up": True, "rank": _split_rank(dim)}
+        whole = {"split_gate_up": False, "rank": _padded_rank(dim)}
         if split_gate_up is None:
             try:
                 side = side_lora_from_megatron(state_dict, prefix, **split, **options)
             except ValueError:  # not block-diagonal: one shared A
-                side = side_lora_from_megatron(state_dict, prefix, split_gate_up=False, **options)
+                side = side_lora_from_megatron(state_dict, prefix, **whole, **options)
         else:
-            kwargs = split if split_gate_up else {"split_gate_up": False}
+            kwargs = split if split_gate_up else whole
             side = side_lora_from_megatron(state_dict, prefix, **kwargs, **options)
         _install_adapter(module, side, dtype)
         names.append(name)
