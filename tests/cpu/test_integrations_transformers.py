@@ -425,6 +425,24 @@ def test_attached_adapters_start_at_zero_and_train_with_the_base_frozen():
     assert side.scale == 2.0 and side.b2.abs().sum() > 0
 
 
+def test_an_experts_implementation_that_ignores_the_adapters_is_refused():
+    """Side-LoRA attached, the experts switched to ``grouped_mm`` (which has no idea of
+    the adapter): the forward raises instead of silently running without it."""
+    model = build("qwen3_moe")
+    model.set_experts_implementation(mhf.REFERENCE)
+    mhf.attach_side_lora(model, rank=16, dtype=torch.float32)
+    randomize_adapters(model)
+    ids = tokens()
+    with torch.no_grad():
+        model(ids)
+        model.set_experts_implementation("grouped_mm")
+        with pytest.raises(ValueError, match=r"^experts_implementation: .* 'grouped_mm' does not apply"):
+            model(ids)
+        for _, module in mhf.experts_modules(model):
+            delattr(module, mhf.ADAPTER_ATTR)
+        model(ids)  # without adapters grouped_mm is the model's function again
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_saved_adapter_loads_in_peft_and_round_trips(tmp_path, dtype):
     peft = pytest.importorskip("peft")

@@ -621,7 +621,7 @@ def attach_side_lora(
         adapter = SideLoRAAdapter(
             hidden, intermediate, experts, rank, scale=s, dtype=want, device=weight.device
         )
-        setattr(module, ADAPTER_ATTR, adapter)
+        _put_adapter(module, adapter)
         names.append(name)
     if not names:
         raise ValueError(
@@ -842,7 +842,30 @@ def _install_adapter(module, side: SideLoRA, dtype: torch.dtype | None) -> None:
         device=weight.device,
     )
     adapter.load(side)
+    _put_adapter(module, adapter)
+
+
+def _only_megamoe_reads_adapters(module: nn.Module, args: tuple) -> None:
+    """Forward pre-hook of an experts module that holds side-LoRA: another experts
+    implementation (``grouped_mm``, eager, ...) would run without the adapter, a silent
+    change of the model's function; refuse it."""
+    if getattr(module, ADAPTER_ATTR, None) is None:
+        return
+    implementation = getattr(getattr(module, "config", None), "_experts_implementation", None)
+    if implementation not in (FUSED, REFERENCE):
+        raise ValueError(
+            f"experts_implementation: {type(module).__name__} holds a megamoe side-LoRA "
+            f"adapter, which {implementation!r} does not apply; use {FUSED!r} (or "
+            f"{REFERENCE!r}), or delete the module's {ADAPTER_ATTR}"
+        )
+
+
+def _put_adapter(module: nn.Module, adapter: SideLoRAAdapter) -> None:
+    """Attach ``adapter`` to an experts module, with the hook that refuses a forward
+    through an experts implementation that ignores it (once per module)."""
     setattr(module, ADAPTER_ATTR, adapter)
+    if _only_megamoe_reads_adapters not in module._forward_pre_hooks.values():
+        module.register_forward_pre_hook(_only_megamoe_reads_adapters)
 
 
 def _padded_rank(rank: int) -> int:
