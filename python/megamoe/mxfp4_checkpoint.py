@@ -13,6 +13,9 @@ Layouts read:
   gate, ``I..2I-1`` up), ``w13_scales [E, 2I, H/32]``, ``w2_codes [E, H, I/2]``,
   ``w2_scales [E, H, I/32]``; byte ``j`` of a row holds elements ``2j`` (low nibble)
   and ``2j+1`` (high nibble); a scale byte is ``exponent + 127``.
+- DeepSeek-V4 style FP4 experts (transformers' ``FP8Experts`` with ``expert_dtype="fp4"``):
+  the same layout with the codes as ``int8`` and the scales as ``float8_e8m0fnu`` (the
+  same bytes); both are read as ``uint8`` views.
 - gpt-oss (transformers' ``GptOssExperts`` MXFP4 checkpoints, ``*_blocks``/``*_scales``):
   ``gate_up_proj_blocks [E, 2I, H/32, 16]``, ``gate_up_proj_scales [E, 2I, H/32]``,
   ``down_proj_blocks [E, H, I/32, 16]``, ``down_proj_scales [E, H, I/32]``. The 16
@@ -49,6 +52,16 @@ __all__ = ["GATE_UP_ORDERS", "base_weights_from_gpt_oss", "base_weights_from_mxf
 GATE_UP_ORDERS = ("concatenated", "interleaved")
 
 _BYTES_PER_BLOCK = MXFP4_BLOCK // 2
+
+
+def _as_bytes(t: object) -> object:
+    """``int8`` codes and ``float8_e8m0fnu`` scales (DeepSeek-V4's FP4 experts in
+    transformers) as the ``uint8`` bytes they are (a view, no copy); anything else as
+    given, for the checks to name."""
+    byte_dtypes = (torch.int8, getattr(torch, "float8_e8m0fnu", None))
+    if isinstance(t, torch.Tensor) and t.dtype in byte_dtypes:
+        return t.view(torch.uint8)
+    return t
 
 
 def _merge_blocks(name: str, codes: torch.Tensor) -> torch.Tensor:
@@ -88,10 +101,11 @@ def base_weights_from_mxfp4(
     """A frozen MXFP4 :class:`~megamoe.BaseWeights` from packed E2M1 codes and scales.
 
     Args:
-        w13_codes: ``[E, 2I, H/2]`` uint8 (or gpt-oss blocks ``[E, 2I, H/32, 16]``).
-        w13_scales: ``[E, 2I, H/32]`` uint8 UE8M0.
-        w2_codes: ``[E, H, I/2]`` uint8 (or ``[E, H, I/32, 16]``).
-        w2_scales: ``[E, H, I/32]`` uint8.
+        w13_codes: ``[E, 2I, H/2]`` uint8 or int8 (or gpt-oss blocks ``[E, 2I, H/32,
+            16]``).
+        w13_scales: ``[E, 2I, H/32]`` uint8 or float8_e8m0fnu UE8M0.
+        w2_codes: ``[E, H, I/2]`` uint8 or int8 (or ``[E, H, I/32, 16]``).
+        w2_scales: ``[E, H, I/32]`` uint8 or float8_e8m0fnu.
         gate_up: the row order of ``w13``: ``"concatenated"`` or ``"interleaved"``
             (:data:`GATE_UP_ORDERS`).
 
@@ -117,6 +131,9 @@ def _base_weights(
     """:func:`base_weights_from_mxfp4`, naming the scales ``scale_names`` in its NaN check
     (a checkpoint loader passes its keys)."""
     check_choice("gate_up", gate_up, GATE_UP_ORDERS)
+    w13_codes, w13_scales, w2_codes, w2_scales = map(
+        _as_bytes, (w13_codes, w13_scales, w2_codes, w2_scales)
+    )
     reg = registry()
     w13_codes = check_tensor("w13_codes", _merge_blocks("w13_codes", w13_codes), ndim=3,
                              dtypes=(torch.uint8,))  # fmt: skip

@@ -100,6 +100,27 @@ def test_gpt_oss_checkpoint_matches_transformers_dequantizer():
     assert torch.equal(base.w2_linear(torch.float32), down.transpose(1, 2))
 
 
+def test_deepseek_v4_fp4_experts_match_transformers_dequantizer():
+    """DeepSeek-V4's FP4 experts as transformers holds them (FP8Experts with
+    ``expert_dtype="fp4"``): int8 codes ``[E, N, K/2]`` and float8_e8m0fnu scales
+    ``[E, N, K/32]``, read as their bytes; the values equal transformers' own FP4
+    dequantization (``Fp8Dequantize``)."""
+    fp8 = pytest.importorskip("transformers.integrations.finegrained_fp8")
+    if not hasattr(torch, "float8_e8m0fnu"):
+        pytest.skip("torch without float8_e8m0fnu")
+    codes13 = random_codes((E, 2 * I, H // 2), seed=11).view(torch.int8)
+    scales13 = random_scales((E, 2 * I, H // 32), seed=12).view(torch.float8_e8m0fnu)
+    codes2 = random_codes((E, H, I // 2), seed=13).view(torch.int8)
+    scales2 = random_scales((E, H, I // 32), seed=14).view(torch.float8_e8m0fnu)
+    base = base_weights_from_mxfp4(codes13, scales13, codes2, scales2)
+    assert base.w13.dtype == torch.uint8 and base.w13_scales.dtype == torch.uint8
+    dequantize = fp8.Fp8Dequantize(None)._dequantize_one
+    want13 = dequantize(codes13, scales13, torch.float32)
+    want2 = dequantize(codes2, scales2, torch.float32)
+    assert torch.equal(base.w13_linear(torch.float32), want13)
+    assert torch.equal(base.w2_linear(torch.float32), want2)
+
+
 def test_reference_layer_on_the_loaded_base_equals_the_decoded_bf16_base():
     w13, w2 = weights(seed=3)
     codes13, scales13 = mm.quantize_mxfp4(w13, axis=-1)
