@@ -10,8 +10,9 @@ Two training modes:
 - frozen base with trainable adapters (``trainable_base=False``, the default): the
   prepared base (:func:`~megamoe.prepare_base_weights`, BF16 or MXFP4) is cached and
   rebuilt automatically when ``w13``/``w2`` change (see :meth:`MegaMoE.base_weights`);
-- ordinary mode (``trainable_base=True``, BF16 only): the base is prepared every call,
-  differentiably, so gradients reach ``w13``/``w2``.
+- ordinary mode (``trainable_base=True``): the base is prepared every call,
+  differentiably, so gradients reach ``w13``/``w2`` (with ``base_format="mxfp4"``
+  straight through the quantizer: they are its master weights).
 
 The adapters are wrapped in a :class:`~megamoe.SideLoRA` on every call: the optimizer
 updates the parameters in place and the next call sees them (no refresh step).
@@ -20,6 +21,7 @@ updates the parameters in place and the next call sees them (no refresh step).
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -187,7 +189,8 @@ class MegaMoE(nn.Module):
             for name in SIDE_NAMES:
                 self.register_parameter(name, None)
         # (key, BaseWeights) of the frozen base; see base_weights().
-        self._base_cache: tuple[tuple, BaseWeights] | None = None
+        # (key, weak references to w13 and w2, the prepared base): see base_weights.
+        self._base_cache: tuple[tuple, tuple, BaseWeights] | None = None
         self.reset_parameters()
 
     # ------------------------------------------------------------------ init
@@ -277,12 +280,19 @@ class MegaMoE(nn.Module):
     # converted adapters (whose scale came with them) self-contained. It is stored as a
     # 0-d float64 tensor because save_pretrained (huggingface_hub / safetensors) accepts
     # tensors only; a dict from an older checkpoint is still read.
+    # Without adapters (side_rank=0) the scale means nothing: an empty tensor, which
+    # loading leaves the scale alone for (a base-only checkpoint loaded with
+    # strict=False into a module with adapters keeps that module's scale).
     def get_extra_state(self) -> torch.Tensor:
+        if not self.side_rank:
+            return torch.empty(0, dtype=torch.float64)
         return torch.tensor(self.side_scale, dtype=torch.float64)
 
     def set_extra_state(self, state: torch.Tensor | dict) -> None:
         if isinstance(state, dict):
             state = state["side_scale"]
+        if isinstance(state, torch.Tensor) and state.numel() == 0:
+            return  # a module without adapters saved it
         if isinstance(state, torch.Tensor):
             if state.numel() != 1:
                 raise ValueError(
@@ -298,11 +308,13 @@ class MegaMoE(nn.Module):
         """The prepared base for the next call.
 
         Ordinary mode: prepared now, keeping the autograd link to ``w13``/``w2``.
-        Frozen base: prepared under ``no_grad`` and cached; the cache is keyed on each
-        tensor's storage address and version counter, so ``load_state_dict``, an
-        in-place edit (``with torch.no_grad(): layer.w13.mul_(2)``), ``.to()`` or
-        assigning a new tensor all rebuild it. Writes through ``.data`` bypass the
-        version counter: call :meth:`invalidate_base_cache` after those.
+        Frozen base: prepared under ``no_grad`` (outside inference mode, so a cache made
+        by an inference-mode call also serves a training call) and cached; the cache is
+        keyed on each tensor itself (a weak reference), its storage address and version
+        counter, so ``load_state_dict``, an in-place edit (``with torch.no_grad():
+        layer.w13.mul_(2)``), ``.to()`` or assigning a new tensor (even one at a freed
+        tensor's address) all rebuild it. Writes through ``.data`` bypass the version
+        counter: call :meth:`invalidate_base_cache` after those.
         """
         if self.trainable_base:
             self._base_cache = None  # don't hold a stale frozen copy next to a live one
@@ -314,11 +326,13 @@ class MegaMoE(nn.Module):
             with torch.no_grad():
                 return prepare_base_weights(self.w13, self.w2, format=self.base_format)
         key = self._base_key()
-        if key is not None and self._base_cache is not None and self._base_cache[0] == key:
-            return self._base_cache[1]
-        with torch.no_grad():
+        cached = self._base_cache_hit(key)
+        if cached is not None:
+            return cached
+        with torch.inference_mode(False), torch.no_grad():
             base = prepare_base_weights(self.w13, self.w2, format=self.base_format)
-        self._base_cache = None if key is None else (key, base)
+        sources = (weakref.ref(self.w13), weakref.ref(self.w2))
+        self._base_cache = None if key is None else (key, sources, base)
         return base
 
     def invalidate_base_cache(self) -> None:
@@ -334,6 +348,15 @@ class MegaMoE(nn.Module):
                 return None
             parts.append((t.data_ptr(), version, t.dtype, t.device))
         return (self.base_format, *parts)
+
+    def _base_cache_hit(self, key: tuple | None) -> BaseWeights | None:
+        """The cached base if ``key`` matches and it was made from these very tensors (a
+        new tensor at a freed one's address, with an equal version count, is not)."""
+        if key is None or self._base_cache is None:
+            return None
+        cached_key, sources, base = self._base_cache
+        same = all(ref() is t for ref, t in zip(sources, (self.w13, self.w2), strict=True))
+        return base if same and cached_key == key else None
 
     def _apply(self, fn, recurse: bool = True):
         # .to()/.cuda()/.half() replace the parameters; drop the prepared copy now so

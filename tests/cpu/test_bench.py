@@ -120,14 +120,36 @@ def test_help_states_every_option_and_its_default(capsys):
     ],
 )
 def test_cli_rejects_bad_options(argv, match, capsys):
+    device = [] if "--ep" in argv else ["--device", "cpu"]  # --ep refuses --device
     with pytest.raises(SystemExit):
-        cli.parse_args(["--device", "cpu", *argv])
+        cli.parse_args([*device, *argv])
     assert match in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--shape", "small"],
+        ["--backend", "fused"],
+        ["--pass", "forward"],
+        ["--seed", "5"],
+        ["--cuda-graph"],
+        ["--activation-checkpoint"],
+        ["--plot", "x.png"],
+        ["--device", "cpu"],
+    ],
+)
+def test_cli_ep_refuses_the_options_it_would_drop(extra, capsys):
+    """``--ep`` runs megamoe.bench.ep, which takes --mode, --dtype, --warmup, --iters and
+    --json: any other option would be silently dropped, so it is refused."""
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--ep", "2", *extra])
+    assert "--ep: runs megamoe.bench.ep, which takes --mode" in capsys.readouterr().err
 
 
 def test_cli_ep_needs_the_gpus(capsys):
     # --ep P hands over to torchrun only when P local GPUs exist.
-    assert cli.main(["--device", "cpu", "--ep", "2"]) == 2
+    assert cli.main(["--ep", "2", "--mode", "ordinary", "--iters", "3"]) == 2
     assert "--ep 2: needs 2 GPUs" in capsys.readouterr().err
 
 

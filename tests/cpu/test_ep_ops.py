@@ -214,6 +214,17 @@ def test_one_process_ep_op_backward_runs_without_a_group():
         assert t.grad is not None and t.grad.shape == t.shape and torch.isfinite(t.grad).all()
 
 
+def test_a_second_backward_through_a_checkpointed_step_runs():
+    """Under activation checkpointing nothing a second backward needs is overwritten
+    (mm.moe's promise): ``retain_graph`` then a second backward gives the same bits."""
+    x, ids, weights, base, side = _rank_layer(0, 1)
+    out = ep.fused_moe(x, ids, weights, base, side, group=None, activation_checkpoint=True)
+    inputs = [x, weights, side.a1, side.b2]
+    first = torch.autograd.grad(out.float().square().sum(), inputs, retain_graph=True)
+    second = torch.autograd.grad(out.float().square().sum(), inputs)
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+
+
 def test_opcheck_the_ep_forward_op():
     """torch.library.opcheck on one process (group_name ""): the schema (no aliasing,
     no undeclared mutation), the autograd registration and the fake implementation

@@ -466,3 +466,58 @@ def test_mxfp4_prepare_rejects_fp32_weights_beyond_bf16s_range():
     w2 = torch.randn(2, 64, 64)
     with pytest.raises(ValueError, match="w13: MXFP4 quantization needs finite weights"):
         prepare_base_weights(w13, w2, format="mxfp4")
+
+
+# ------------------------------------------------------- found missing by a review
+
+
+def _meta_call(m: MegaMoE, grad: bool = True) -> torch.Tensor:
+    """A call on the meta device (the fused path's Python and the ops' fakes)."""
+    x = torch.empty(8, H, dtype=torch.bfloat16, device="meta", requires_grad=grad)
+    ids = torch.empty(8, K, dtype=torch.int32, device="meta")
+    return m(x, ids, torch.empty(8, K, device="meta"))
+
+
+@pytest.mark.parametrize(("base_format", "param_dtype"), [("bf16", F32), ("mxfp4", torch.bfloat16)])
+def test_an_inference_mode_call_leaves_a_cache_a_training_step_can_use(base_format, param_dtype):
+    m = MegaMoE(
+        H, I, E, K, side_rank=R, base_format=base_format, param_dtype=param_dtype, device="meta"
+    )
+    with torch.inference_mode():
+        _meta_call(m, grad=False)
+    _meta_call(m).sum().backward()  # the cached base is no inference tensor
+
+
+def test_a_new_base_tensor_at_a_freed_ones_address_is_prepared_again():
+    """A loader that refills one host buffer: each new parameter has the old one's
+    address and version count, and the layer still runs on the new values."""
+    np = pytest.importorskip("numpy")
+    m = MegaMoE(H, I, 2, 1, side_rank=R, backend="reference", param_dtype=F32)
+    x, ids, w = torch.randn(4, H), torch.zeros(4, 1, dtype=torch.int64), torch.ones(4, 1)
+    staging = np.empty((2, 2 * I, H), np.float32)
+    for checkpoint in range(2):
+        staging[:] = np.random.default_rng(checkpoint).uniform(-1, 1, staging.shape)
+        m.w13 = torch.nn.Parameter(torch.from_numpy(staging), requires_grad=False)
+        got = m(x, ids, w)
+    base = prepare_base_weights(m.w13, m.w2)
+    want = reference.moe(x, ids, w, base, m.side_lora(), compute_dtype=F32).to(got.dtype)
+    assert torch.equal(got, want)
+
+
+def test_a_base_only_state_dict_leaves_the_adapter_scale_alone():
+    base_only = MegaMoE(H, I, E, K, side_rank=0, backend="reference")
+    adapted = MegaMoE(H, I, E, K, side_rank=R, side_alpha=32.0, backend="reference")
+    assert adapted.side_scale == 2.0
+    missing, unexpected = adapted.load_state_dict(base_only.state_dict(), strict=False)
+    assert sorted(missing) == sorted(SIDE) and not unexpected
+    assert adapted.side_scale == 2.0
+    again = MegaMoE(H, I, E, K, side_rank=0, backend="reference")
+    again.load_state_dict(base_only.state_dict())  # and it loads where it came from
+
+
+def test_a_second_backward_through_a_checkpointed_call_runs():
+    """mm.moe's promise under activation checkpointing, on the op route (meta)."""
+    m = MegaMoE(H, I, E, K, side_rank=R, activation_checkpoint=True, device="meta")
+    out = _meta_call(m)
+    out.sum().backward(retain_graph=True)
+    out.sum().backward()

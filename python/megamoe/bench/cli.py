@@ -571,15 +571,47 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="expert-parallel degree: > 1 runs megamoe.bench.ep on that many local GPUs "
         "under torchrun (65,536 tokens per rank, 256 experts; one --mode and --dtype, "
-        "--warmup, --iters and --json pass on) (default: 1)",
+        "--warmup, --iters and --json pass on; other options are refused) (default: 1)",
     )
     return parser
+
+
+def _check_ep_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--ep P`` runs ``megamoe.bench.ep``, which takes ``--mode``, ``--dtype``,
+    ``--warmup``, ``--iters`` and ``--json``: refuse the options it would not see."""
+    given = [
+        flag
+        for flag, value in (
+            ("--shape", args.shape),
+            ("--backend", args.backend),
+            ("--device", args.device),
+            ("--plot", args.plot),
+        )
+        if value is not None
+    ]
+    given += [
+        flag
+        for flag, on in (
+            ("--cuda-graph", args.cuda_graph),
+            ("--activation-checkpoint", args.activation_checkpoint),
+            ("--pass", args.passes != ",".join(PASSES)),
+            ("--seed", args.seed != 0),
+        )
+        if on
+    ]
+    if given:
+        parser.error(
+            "--ep: runs megamoe.bench.ep, which takes --mode, --dtype, --warmup, --iters "
+            f"and --json only; got {', '.join(given)}"
+        )
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     gpu = torch.cuda.is_available()
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.ep > 1:
+        _check_ep_options(parser, args)
     args.shape = args.shape or ("ep4rank" if gpu else "small")
     args.device = args.device or ("cuda" if gpu else "cpu")
     args.modes = _comma_list(parser, "--mode", args.mode, MODES)
@@ -695,6 +727,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.ep > 1:
         return _run_ep(args)
     device = torch.device(args.device)
+    if device.type == "cuda":
+        # The events, the copy and the graph capture use the current device's stream.
+        torch.cuda.set_device(device)
     refusal = memory_refusal(args, device)
     if refusal:
         print(refusal, file=sys.stderr)
