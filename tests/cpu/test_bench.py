@@ -147,6 +147,16 @@ def test_cli_ep_refuses_the_options_it_would_drop(extra, capsys):
     assert "--ep: runs megamoe.bench.ep, which takes --mode" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("module", ["megamoe.bench.breakdown", "megamoe.bench.ep"])
+def test_the_other_bench_clis_refuse_zero_iterations_before_any_work(module, capsys):
+    """(Their work needs a GPU; the refusal comes first, from the argument parser.)"""
+    import importlib
+
+    with pytest.raises(SystemExit):
+        importlib.import_module(module).main(["--iters", "0"])
+    assert "--iters must be >= 1" in capsys.readouterr().err
+
+
 def test_cli_ep_needs_the_gpus(capsys):
     # --ep P hands over to torchrun only when P local GPUs exist.
     assert cli.main(["--ep", "2", "--mode", "ordinary", "--iters", "3"]) == 2

@@ -436,7 +436,8 @@ def test_an_experts_implementation_that_ignores_the_adapters_is_refused():
     with torch.no_grad():
         model(ids)
         model.set_experts_implementation("grouped_mm")
-        with pytest.raises(ValueError, match=r"^experts_implementation: .* 'grouped_mm' does not apply"):
+        refused = r"^experts_implementation: .* 'grouped_mm' does not apply"
+        with pytest.raises(ValueError, match=refused):
             model(ids)
         for _, module in mhf.experts_modules(model):
             delattr(module, mhf.ADAPTER_ATTR)

@@ -35,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
         "--full-names", action="store_true", help="print whole kernel names (default: 90 chars)"
     )
     args = parser.parse_args(argv)
+    if args.iters < 1:  # before the GPU work, not a division by zero after it
+        parser.error(f"--iters must be >= 1, got {args.iters}")
     s = SHAPES[args.shape]
     if args.tokens is not None:
         if args.tokens < 1:

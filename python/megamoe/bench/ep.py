@@ -73,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
+    if args.iters < 1 or args.warmup < 0:  # before the GPU work, not after it
+        parser.error("--iters must be >= 1 and --warmup >= 0")
     if args.mode == "ordinary" and args.dtype == "mxfp4":
         parser.error("--mode ordinary trains the base: it needs --dtype bf16")
 
