@@ -37,7 +37,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .validation.arguments import check_int, check_multiple, check_tensor
+from .validation.arguments import check_int, check_multiple, check_tensor, has_data
 
 __all__ = [
     "E2M1_VALUES",
@@ -80,6 +80,19 @@ _BOUNDARIES = torch.where(
 _PAIR_LUT = torch.tensor(
     [(E2M1_VALUES[b & 0xF], E2M1_VALUES[b >> 4]) for b in range(256)], dtype=torch.float32
 )
+#: The table on each device it was used on: copied once, not on every decode (a copy
+#: from pageable host memory each call, which a CUDA graph capture would also refuse).
+_PAIR_LUT_ON: dict[torch.device, torch.Tensor] = {}
+
+
+def _pair_lut(device: torch.device) -> torch.Tensor:
+    lut = _PAIR_LUT_ON.get(device)
+    if lut is None:
+        lut = _PAIR_LUT.to(device)
+        if has_data(lut):  # never keep a meta or fake tensor
+            _PAIR_LUT_ON[device] = lut
+    return lut
+
 
 # float32 bit patterns of 2^(byte - 127) that the shift trick below cannot build:
 # byte 0 is 2^-127, a float32 subnormal (only mantissa bit 22 set); byte 0xFF is NaN.
@@ -216,7 +229,7 @@ def dequantize_mxfp4(
     lead = p.shape[:-1]
     nb = half // bytes_per_block
     # One gather per byte (an int32 index the size of packed, not of the output).
-    pairs = _PAIR_LUT.to(p.device).index_select(0, p.reshape(-1).to(torch.int32))
+    pairs = _pair_lut(p.device).index_select(0, p.reshape(-1).to(torch.int32))
     vals = pairs.view(*lead, nb, MXFP4_BLOCK)
 
     # 2^(byte - 127) from its float32 bits: exact, with byte 0 (subnormal 2^-127) and

@@ -579,3 +579,15 @@ def test_cpu_twin_of_an_mxfp4_grouped_gemm_is_the_dequantized_gemm():
     decoded = mm.dequantize_mxfp4(codes, scales, axis=-1, dtype=torch.bfloat16)
     rows = int(plan.expert_pool_offsets[-1])  # rows past it are not written
     assert torch.equal(out[:rows], grouped_gemm(a, decoded, plan)[:rows])
+
+
+def test_the_decode_table_is_kept_per_device_but_never_as_a_meta_tensor():
+    from megamoe import mxfp4
+
+    packed, scales = quantize_mxfp4(torch.randn(4, 64))
+    dequantize_mxfp4(packed.to("meta"), scales.to("meta"))
+    assert torch.device("meta") not in mxfp4._PAIR_LUT_ON
+    first = dequantize_mxfp4(packed, scales)
+    table = mxfp4._PAIR_LUT_ON[torch.device("cpu")]
+    assert torch.equal(dequantize_mxfp4(packed, scales), first)
+    assert mxfp4._PAIR_LUT_ON[torch.device("cpu")] is table  # not copied again

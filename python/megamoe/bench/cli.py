@@ -190,12 +190,15 @@ def _measure(
     )
     load = max_expert_load(layer.topk_ids, shape.num_local_experts)
     leaves = list(layer.grad_leaves().values())
-    # Hold only the weights this backend reads, as a trainer would: the baseline takes
-    # the nn.Linear-layout pair, the fused layer the prepared base (for a frozen base the
-    # original w13 can go; in ordinary mode it is the trainable master, kept).
-    if backend == "baseline" and dtype == "bf16":
+    # Hold only the weights this backend reads, as a trainer would: the BF16 baseline
+    # takes the nn.Linear-layout pair; the fused layer and the MXFP4 baseline read the
+    # prepared base (the baseline dequantizes it every call, as a trainer would), so for
+    # a frozen base the original w13/w2 go (in ordinary mode they are the trainable
+    # masters, kept).
+    use_pair = backend == "baseline" and dtype == "bf16"
+    if use_pair:
         layer.base = None
-    elif backend == "fused" and not ordinary:
+    elif not ordinary:
         layer.w13 = layer.w2 = None
     dout = torch.randn(
         shape.num_tokens,
@@ -211,10 +214,6 @@ def _measure(
     flops["fwd+bwd"] = flops["forward"] + backward_flops(
         shape.num_tokens, routes, shape.hidden, shape.intermediate, rank, base_grads=ordinary
     )
-
-    # The baseline takes nn.Linear-layout BF16 weights as a trainer holds them; an
-    # MXFP4 base goes in as BaseWeights (dequantized every call, as a trainer would).
-    use_pair = backend == "baseline" and dtype == "bf16"
 
     def setup() -> None:
         for leaf in leaves:

@@ -234,7 +234,9 @@ def moe(
 
     # GEMM1 (gate and up in one product) on the gathered rows.
     gu = gmm(to_sorted(x), w13.transpose(1, 2))  # [M, 2I]
-    g, u = gu[:, :inter], gu[:, inter:]
+    # split, not two slices: autograd joins split's gradients with one cat, where each
+    # slice's backward zero-fills a whole [M, 2I] buffer before an add.
+    g, u = gu.split(inter, dim=1)
     if side is not None:
         a1, b1, a3, b3, a2, b2 = (t.to(dtype) for t in side.tensors())
         rank = side.rank
