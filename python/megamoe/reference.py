@@ -539,7 +539,9 @@ def moe(
     compute_dtype: torch.dtype = torch.float64,
     round_bf16: bool = False,
 ) -> torch.Tensor:
-    """Reference ``mm.moe``: same signature, computed by :func:`forward`.
+    """Reference ``mm.moe``, computed by :func:`forward`: ``mm.moe``'s arguments (``group``
+    must be None; no ``activation_checkpoint``/``reduce_shared_grads``), plus
+    ``compute_dtype`` and ``round_bf16``; the output is in ``compute_dtype``.
 
     Args:
         x: ``[T, H]`` bf16/fp32/fp64.

@@ -608,6 +608,21 @@ def test_side_lora_files_of_a_peft_model_name_the_hf_modules(tmp_path):
     with torch.no_grad():
         assert torch.equal(again(ids).logits, ours)
 
+    # Loading into a PEFT model fills PEFT's copies (which it trains and saves).
+    from safetensors.torch import load_file
+
+    config = peft.LoraConfig(
+        r=8, target_modules=["q_proj"], modules_to_save=mhf.PEFT_MODULES_TO_SAVE
+    )
+    wrapped = peft.get_peft_model(again, config)
+    names = mhf.load_side_lora(wrapped, tmp_path)
+    assert names == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    with torch.no_grad():
+        assert torch.equal(wrapped(ids).logits, ours)
+    wrapped.save_pretrained(tmp_path / "peft")
+    saved = load_file(str(tmp_path / "peft" / "adapter_model.safetensors"))
+    assert sum("megamoe_side_lora" in k for k in saved) >= 2 * 6
+
     plain = build("qwen3_moe")
     plain.set_experts_implementation("grouped_mm")  # (a global setting: last)
     with torch.no_grad():

@@ -828,8 +828,14 @@ def load_side_lora(
 def _install_adapter(module, side: SideLoRA, dtype: torch.dtype | None) -> None:
     """Attach ``side`` to an experts module as its :class:`SideLoRAAdapter`, in ``dtype``
     (default: the module's weight dtype where adapters support it, else BF16), on the
-    weights' device."""
+    weights' device. Under PEFT's ``modules_to_save`` the values go into the wrapper's
+    copies (replacing the wrapper would leave PEFT nothing to train or save)."""
     check_adapters_allowed(module)
+    wrapper = getattr(module, ADAPTER_ATTR, None)
+    if wrapper is not None and hasattr(wrapper, "modules_to_save"):
+        for copy in [m for m in wrapper.modules() if isinstance(m, SideLoRAAdapter)]:
+            copy.load(side)  # a ValueError names a rank other than the attached one
+        return
     weight = module.gate_up_proj
     want = dtype or (weight.dtype if weight.dtype in _ADAPTER_DTYPES else torch.bfloat16)
     adapter = SideLoRAAdapter(
@@ -946,7 +952,7 @@ def load_megatron_state_dict(
     """Attach adapters read from a Megatron-Bridge shared-outer state dict.
 
     Args:
-        model: the HF model.
+        model: the HF model, or a PEFT model around it.
         state_dict: keys as :func:`megatron_state_dict` writes (one rank's experts: the
             HF model must hold the same experts).
         alpha: the Megatron LoRA config's ``alpha`` (scaling ``alpha / dim``, ``dim``
@@ -958,7 +964,7 @@ def load_megatron_state_dict(
         The names of the experts modules that got adapters.
     """
     names = []
-    for name, module in experts_modules(model):
+    for name, module in experts_modules(_hf_model(model)):
         prefix = _megatron_prefix(name)
         if not any(k.startswith(prefix + ".") for k in state_dict):
             continue
