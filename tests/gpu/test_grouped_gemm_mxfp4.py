@@ -7,6 +7,14 @@ Two oracles: the same engine GEMM on the BF16 decode of the same codes
 be the same bits and the summation order is the same, so the outputs must be too, NaN
 and Inf included; and the float64 per-expert reference on the decoded values at the
 DESIGN §6 gates.
+
+The wrappers pick the path by shape (megamoe.heuristics): above 448 pool rows per
+expert a transient BF16 decode (then the twin is the same computation and cannot
+differ), and where the weight-streaming kernels take the shape (tests/gpu/
+test_weight_stream.py) those. So every case here has at most 448 rows per expert and a
+shape the streaming kernels do not take (an ``I`` or ``N`` not in whole streaming
+tiles), and asserts from the native launches (:func:`launches`) that the engine decoded
+the codes in its pipeline; the few streaming cases say so.
 """
 
 import pytest
@@ -15,6 +23,7 @@ import torch
 import megamoe as mm
 from megamoe.testing import assert_close_to_oracle
 from megamoe.testing.inputs import make_routing
+from megamoe.wrappers import _native
 from megamoe.wrappers.grouped_gemm import (
     gated_grouped_gemm,
     gated_grouped_gemm_reference,
@@ -24,6 +33,8 @@ from megamoe.wrappers.grouped_gemm import (
 from megamoe.wrappers.mxfp4_decode import decode_mxfp4_bf16
 
 pytestmark = pytest.mark.gpu
+
+ENGINE_MXFP4 = "engine-mxfp4"  # the engine, the codes decoded in its pipeline
 
 # BLOCK_M of the pool variants: every kind exists at both, in BF16 and MXFP4.
 BLOCK_MS = [64, 128]
@@ -62,23 +73,54 @@ def same_bits(actual, expected):
     return torch.equal(actual.view(torch.int16), expected.view(torch.int16))
 
 
+@pytest.fixture
+def launches(monkeypatch):
+    """The native launches of the MXFP4 GEMMs, in order: ``ENGINE_MXFP4`` (an engine
+    launcher given scales), ``"engine"`` (given none: BF16), ``"stream"`` (a
+    weight-streaming kernel), ``"decode"`` (a transient BF16 decode). Clear it before the
+    call a test checks."""
+    native = _native.native()
+    calls: list[str] = []
+
+    def record(name: str) -> None:
+        real = getattr(native, name)
+
+        def launch(*args):
+            if name.startswith("engine_"):  # (a, k, b, scales, ...): scales is the 4th
+                calls.append(ENGINE_MXFP4 if args[3] is not None else "engine")
+            else:
+                calls.append("stream" if name.startswith("weight_stream_") else "decode")
+            return real(*args)
+
+        monkeypatch.setattr(native, name, launch)
+
+    for name in ("engine_gated", "engine_store", "engine_activation_backward", "mxfp4_decode"):
+        record(name)
+    for kind in ("gated", "store", "store_mn", "activation_backward"):
+        record(f"weight_stream_{kind}")
+    return calls
+
+
 @pytest.mark.parametrize("block_m", BLOCK_MS)
 @pytest.mark.parametrize(
     "tokens,experts,top_k,hidden,inter",
-    [(1, 8, 1, 256, 128), (517, 8, 2, 704, 640), (2048, 16, 6, 2048, 1024)],
+    [(1, 8, 1, 320, 128), (517, 8, 2, 704, 640), (700, 16, 6, 1088, 1024)],
 )
 @pytest.mark.parametrize("extra", [0, 64])
 def test_store_decode_is_the_engine_on_the_decoded_weights(
-    block_m, tokens, experts, top_k, hidden, inter, extra
+    launches, block_m, tokens, experts, top_k, hidden, inter, extra
 ):
-    """GEMM2's shape: [pool, I] x [E, H, I]^T (H = 704: a partial 256-wide N tile),
-    with the BF16 a2 segment as extra columns (a2 as given [E, I, N_x], read MN-major)."""
+    """GEMM2's shape: [pool, I] x [E, H, I]^T (H = 320, 704, 1088: a partial 256-wide N
+    tile), with the BF16 a2 segment as extra columns (a2 as given [E, I, N_x], read
+    MN-major)."""
     plan, a = pool_for(tokens, experts, top_k, block_m, inter, seed=tokens)
     codes, scales = mxfp4_operand(experts, hidden, inter, seed=tokens + 1)
     b_extra = None
     if extra:
         b_extra = torch.randn(experts, inter, extra, device="cuda").bfloat16()
+    launches.clear()
     out = grouped_gemm(a, codes, plan, b_scales=scales, b_extra=b_extra)
+    assert launches == [ENGINE_MXFP4]
     decoded = decode_mxfp4_bf16(codes, scales)
     twin = grouped_gemm(a, decoded, plan, b_extra=b_extra)
     rows = int(plan.expert_pool_offsets[-1])
@@ -91,10 +133,13 @@ def test_store_decode_is_the_engine_on_the_decoded_weights(
 @pytest.mark.parametrize("block_m", BLOCK_MS)
 @pytest.mark.parametrize("rank", [0, 64])
 @pytest.mark.parametrize("activation,clamp", [("swiglu", None), ("geglu", 7.0)])
-def test_gated_decode_is_the_engine_on_the_decoded_weights(block_m, rank, activation, clamp):
+def test_gated_decode_is_the_engine_on_the_decoded_weights(
+    launches, block_m, rank, activation, clamp
+):
     """GEMM1 on w13 in the user's layout (a tile's gate rows and up rows: two boxes of
-    codes and scales), the BF16 side segment, the pre-activations g | u."""
-    tokens, experts, top_k, hidden, inter = 1100, 8, 3, 1024, 512
+    codes and scales), the BF16 side segment, the pre-activations g | u (I = 576: not
+    whole 128-wide streaming tiles)."""
+    tokens, experts, top_k, hidden, inter = 300, 8, 3, 1024, 576
     plan, a = pool_for(tokens, experts, top_k, block_m, hidden + 2 * rank, seed=rank + 3)
     codes, scales = mxfp4_operand(experts, 2 * inter, hidden, seed=rank + 4, scale_high=124)
     side = {}
@@ -106,7 +151,9 @@ def test_gated_decode_is_the_engine_on_the_decoded_weights(block_m, rank, activa
         )
     kwargs = dict(k=hidden, activation=activation, activation_clamp=clamp)
     preact = torch.empty(a.shape[0], 2 * inter, dtype=torch.bfloat16, device="cuda")
+    launches.clear()
     h = gated_grouped_gemm(a, codes, plan, w13_scales=scales, preact_out=preact, **kwargs, **side)
+    assert launches == [ENGINE_MXFP4]
     decoded = decode_mxfp4_bf16(codes, scales)
     twin_preact = torch.empty_like(preact)
     twin = gated_grouped_gemm(a, decoded, plan, preact_out=twin_preact, **kwargs, **side)
@@ -120,21 +167,25 @@ def test_gated_decode_is_the_engine_on_the_decoded_weights(block_m, rank, activa
 
 
 @pytest.mark.parametrize("block_m", BLOCK_MS)
-def test_every_code_and_scale_byte(block_m):
+@pytest.mark.parametrize("hidden,path", [(320, ENGINE_MXFP4), (256, "stream")])
+def test_every_code_and_scale_byte(launches, block_m, hidden, path):
     """Scale bytes 0..255 (0 = 2^-127, subnormal products, 0xFF = NaN, overflow to Inf)
     with every code, -0 codes and all-zero blocks: the same bits as the engine on the
-    decoded weights on every data row, NaN and Inf outputs included. Padding rows hold
-    the engine's bits too, except in a chunk of padding rows only, which the
-    weight-streaming kernel writes as zeros without reading it (where the engine's
-    zero rows meet NaN or Inf weights, its products are NaN)."""
-    experts, hidden, inter = 4, 256, 512
+    decoded weights on every data row, NaN and Inf outputs included, through the engine's
+    decode (N = 320) and the weight-streaming kernel's (N = 256). Padding rows hold the
+    engine's bits too, except in a chunk of padding rows only, which the weight-streaming
+    kernel writes as zeros without reading it (where the engine's zero rows meet NaN or
+    Inf weights, its products are NaN)."""
+    experts, inter = 4, 512
     plan, a = pool_for(300, experts, 2, block_m, inter, seed=9)
     codes, _ = mxfp4_operand(experts, hidden, inter, seed=10)
     scales = torch.arange(experts * hidden * inter // 32, device="cuda") % 256
     scales = scales.to(torch.uint8).view(experts, hidden, inter // 32)
     codes[0, :4] = 0  # all-zero blocks
     codes[1, :4] = 0x88  # -0 codes
+    launches.clear()
     out = grouped_gemm(a, codes, plan, b_scales=scales)
+    assert launches == [path]
     twin = grouped_gemm(a, decode_mxfp4_bf16(codes, scales), plan)
     rows = int(plan.expert_pool_offsets[-1])
     data = plan.pool_row_to_route[:rows] >= 0
@@ -143,6 +194,8 @@ def test_every_code_and_scale_byte(block_m):
     padding, twin_padding = out[:rows][~data], twin[:rows][~data]
     differ = padding.view(torch.int16) != twin_padding.view(torch.int16)
     assert bool((padding[differ] == 0).all()) and bool(torch.isnan(twin_padding[differ]).all())
+    if path == ENGINE_MXFP4:  # the engine reads its padding rows as the twin does
+        assert not bool(differ.any())
     # Tiny scales only (0 .. 8): subnormal decoded values, finite results.
     small = scales % 9
     out = grouped_gemm(a, codes, plan, b_scales=small)
@@ -151,11 +204,13 @@ def test_every_code_and_scale_byte(block_m):
 
 
 @pytest.mark.parametrize("block_m", BLOCK_MS)
-def test_engine_decode_is_deterministic(block_m):
-    plan, a = pool_for(3000, 16, 4, block_m, 1024, seed=21)
-    codes, scales = mxfp4_operand(16, 2048, 1024, seed=22)
+def test_engine_decode_is_deterministic(launches, block_m):
+    plan, a = pool_for(700, 16, 4, block_m, 1024, seed=21)
+    codes, scales = mxfp4_operand(16, 1088, 1024, seed=22)
     rows = int(plan.expert_pool_offsets[-1])  # rows past it are not written
+    launches.clear()
     first = grouped_gemm(a, codes, plan, b_scales=scales)[:rows]
+    assert launches == [ENGINE_MXFP4]
     for _ in range(3):
         again = grouped_gemm(a, codes, plan, b_scales=scales)[:rows]
         assert torch.equal(again, first)
@@ -168,12 +223,12 @@ def test_mxfp4_operand_is_checked():
         grouped_gemm(a, codes[:, :, :16].contiguous(), plan, b_scales=scales, b_major="mn")
     with pytest.raises(ValueError, match="b_scales"):
         grouped_gemm(a, codes, plan, b_scales=scales[:, :, :4])
-    with pytest.raises(TypeError, match="b"):
+    with pytest.raises(TypeError, match=r"^b: expected dtype uint8"):
         grouped_gemm(a, codes.view(torch.int8), plan, b_scales=scales)
     short_codes, short_scales = codes[:, :, :16].contiguous(), scales[:, :, :1].contiguous()
     with pytest.raises(ValueError, match="multiple of 64"):
         grouped_gemm(a, short_codes, plan, b_scales=short_scales)
-    with pytest.raises(ValueError, match="k"):
+    with pytest.raises(ValueError, match=r"^k: an MXFP4 B reduces over all its K=256"):
         grouped_gemm(a, codes, plan, b_scales=scales, k=128)
     # MN-major (the dgrads): N is quantized in blocks of 32.
     narrow_codes, narrow_scales = codes[:, :, :8].contiguous(), scales[:, :, :1].contiguous()
@@ -184,16 +239,18 @@ def test_mxfp4_operand_is_checked():
 @pytest.mark.parametrize("block_m", BLOCK_MS)
 @pytest.mark.parametrize(
     "tokens,experts,top_k,k,n",
-    [(1, 8, 1, 256, 128), (700, 8, 2, 512, 704), (3000, 16, 4, 2048, 1024)],
+    [(1, 8, 1, 256, 128), (700, 8, 2, 512, 704), (700, 16, 4, 2048, 1088)],
 )
 def test_mn_major_decode_is_the_engine_on_the_decoded_weights(
-    block_m, tokens, experts, top_k, k, n
+    launches, block_m, tokens, experts, top_k, k, n
 ):
     """The dgrads' view: codes [E, K, N/2] as stored (quantized along N), decoded into the
-    MN-major tile (N = 704: a partial 256-wide N tile)."""
+    MN-major tile (N = 704, 1088: a partial 256-wide N tile)."""
     plan, a = pool_for(tokens, experts, top_k, block_m, k, seed=tokens + 5)
     codes, scales = mxfp4_operand(experts, k, n, seed=tokens + 6)
+    launches.clear()
     out = grouped_gemm(a, codes, plan, b_major="mn", b_scales=scales)
+    assert launches == [ENGINE_MXFP4]
     decoded = decode_mxfp4_bf16(codes, scales)  # [E, K, N]
     twin = grouped_gemm(a, decoded, plan, b_major="mn")
     rows = int(plan.expert_pool_offsets[-1])
@@ -204,16 +261,18 @@ def test_mn_major_decode_is_the_engine_on_the_decoded_weights(
 
 @pytest.mark.parametrize("block_m", BLOCK_MS)
 @pytest.mark.parametrize("rank", [48, 128])  # both blocks in the low half; r = BLOCK_N / 2
-def test_mn_major_decode_with_bf16_extra_columns(block_m, rank):
+def test_mn_major_decode_with_bf16_extra_columns(launches, block_m, rank):
     """dgrad1 with an adapter on an MXFP4 base: the base tiles decode codes, the BF16
     extra blocks (the b1/b3 shrinks as given, K-major) do not."""
-    plan, a = pool_for(900, 8, 3, block_m, 512, seed=31)
+    plan, a = pool_for(700, 8, 3, block_m, 512, seed=31)
     codes, scales = mxfp4_operand(8, 512, 704, seed=32)
     gen = torch.Generator(device="cuda").manual_seed(33)
     blocks = tuple(
         (torch.randn(8, rank, 256, device="cuda", generator=gen) * 0.05).bfloat16() for _ in "lh"
     )
+    launches.clear()
     out = grouped_gemm(a, codes, plan, b_major="mn", b_scales=scales, b_extra_blocks=blocks)
+    assert launches == [ENGINE_MXFP4]
     decoded = decode_mxfp4_bf16(codes, scales)
     twin = grouped_gemm(a, decoded, plan, b_major="mn", b_extra_blocks=blocks)
     rows = int(plan.expert_pool_offsets[-1])
@@ -227,15 +286,17 @@ def test_mn_major_decode_with_bf16_extra_columns(block_m, rank):
 
 @pytest.mark.parametrize("block_m", BLOCK_MS)
 @pytest.mark.parametrize("rank", [0, 16])
-@pytest.mark.parametrize("inter", [384, 512])  # a partial 256-wide tile; whole tiles
+@pytest.mark.parametrize("inter", [384, 576])  # partial 256-wide tiles (whole ones stream)
 @pytest.mark.parametrize("weighted_h", [True, False])
-def test_fused_dgrad2_decode_is_the_engine_on_the_decoded_weights(weighted_h, inter, rank, block_m):
+def test_fused_dgrad2_decode_is_the_engine_on_the_decoded_weights(
+    launches, weighted_h, inter, rank, block_m
+):
     """dgrad2 + activation backward on MXFP4 w2 ([E, H, I/2] codes), with the BF16 a2
     side K segment (as given [E, I, r], read K-major) or without: dg | du, w h and the
     router dot of the same engine on the BF16 decode, bit for bit."""
     from megamoe.wrappers.activation_backward import fused_dgrad2_activation_backward
 
-    tokens, top_k, experts, hidden = 2048, 2, 8, 512
+    tokens, top_k, experts, hidden = 1000, 2, 8, 512
     ids, weights = make_routing(tokens, experts, top_k, kind="masked", seed=3)
     plan = mm.plan_routes(ids.cuda(), experts, block_m)
     gen = torch.Generator(device="cuda").manual_seed(4)
@@ -250,9 +311,11 @@ def test_fused_dgrad2_decode_is_the_engine_on_the_decoded_weights(weighted_h, in
         side_a2 = (torch.randn(experts, inter, rank, device="cuda", generator=gen) / 8).bfloat16()
     codes, scales = mxfp4_operand(experts, hidden, inter, seed=5, scale_high=124)
     args = dict(activation="swiglu", weighted_h=weighted_h, side_a2=side_a2)
+    launches.clear()
     fused = fused_dgrad2_activation_backward(
         dout_pool, codes, preact, weights.cuda(), plan, w2_scales=scales, **args
     )
+    assert launches == [ENGINE_MXFP4]
     twin = fused_dgrad2_activation_backward(
         dout_pool, decode_mxfp4_bf16(codes, scales), preact, weights.cuda(), plan, **args
     )
@@ -264,28 +327,39 @@ def test_fused_dgrad2_decode_is_the_engine_on_the_decoded_weights(weighted_h, in
     assert torch.equal(fused[2][:rows], twin[2][:rows])
 
 
-@pytest.mark.parametrize("tokens", [300, 3000])  # BLOCK_M 64 and 128 pools
+@pytest.mark.parametrize(
+    "hidden,inter,path",
+    [(1088, 576, ENGINE_MXFP4), (1024, 512, "stream")],  # not whole streaming tiles; whole
+)
 @pytest.mark.parametrize("with_side", [True, False])
-def test_layer_on_mxfp4_is_the_layer_on_the_decoded_weights(tokens, with_side):
+def test_layer_on_mxfp4_is_the_layer_on_the_decoded_weights(
+    launches, hidden, inter, path, with_side
+):
     """mm.moe on an MXFP4 base (frozen; side-LoRA, or no adapters): output and every
-    gradient are those of mm.moe on a BF16 base holding the decoded values, bit for bit
-    (every GEMM decodes inside its pipeline: GEMM1, GEMM2, dgrad2, dgrad1)."""
+    gradient are those of mm.moe on a BF16 base holding the decoded values, bit for bit,
+    with every GEMM that reads the base (GEMM1, GEMM2, dgrad2, dgrad1) decoding inside the
+    engine's pipeline, or all four in the weight-streaming kernels. (A BLOCK_M 128 pool
+    has more rows per expert than the in-pipeline decode takes: a transient decode.)"""
     from megamoe.testing import make_layer
 
+    tokens = 300
     layer = make_layer(
-        1024, 512, 16, 4, 32, num_tokens=tokens, seed=5, device="cuda", requires_grad=True,
+        hidden, inter, 16, 4, 32, num_tokens=tokens, seed=5, device="cuda", requires_grad=True,
         format="mxfp4",
     )  # fmt: skip
-    assert mm.get_block_m(tokens, 4, 16) == (64 if tokens == 300 else 128)
+    assert mm.get_block_m(tokens, 4, 16) == 64
     decoded = mm.prepare_base_weights(layer.base.w13_for_gemm(), layer.base.w2_for_gemm())
     assert decoded.format == "bf16"
     side = layer.side if with_side else None
-    dout = torch.randn(tokens, 1024, device="cuda").bfloat16()
+    dout = torch.randn(tokens, hidden, device="cuda").bfloat16()
     leaves = [layer.x, layer.topk_weights] + ([] if side is None else list(side.tensors()))
     results = []
     for base in (layer.base, decoded):
+        launches.clear()
         out = mm.moe(layer.x, layer.topk_ids, layer.topk_weights, base, side)
         results.append((out, torch.autograd.grad(out, leaves, dout)))
+        if base is layer.base:  # the four GEMMs that read the base, nothing decoded aside
+            assert sorted(launches) == [path] * 4, launches
     (out, grads), (twin_out, twin_grads) = results
     assert torch.equal(out, twin_out)
     for got, want in zip(grads, twin_grads, strict=True):
