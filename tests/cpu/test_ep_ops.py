@@ -225,6 +225,25 @@ def test_a_second_backward_through_a_checkpointed_step_runs():
     assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
 
 
+def _grad_mode_worker(rank: int, world: int) -> str:
+    import torch.distributed as dist
+
+    x, ids, weights, base, side = _rank_layer(rank, world)
+    try:
+        with torch.set_grad_enabled(rank == 0):  # only rank 0 would run a backward
+            ep.fused_moe(x, ids, weights, base, side, group=dist.group.WORLD)
+    except ValueError as error:
+        return str(error)
+    return "ran"
+
+
+def test_ranks_that_differ_in_needing_a_backward_all_raise():
+    """The backward is a collective: a rank that needs it beside one that does not
+    would run it alone. Both raise at the forward's agreement instead."""
+    for message in ep.run_gloo(_grad_mode_worker, 2, timeout_s=120.0):
+        assert message.startswith("save (0: no backward, 1: pre-activations kept"), message
+
+
 def test_opcheck_the_ep_forward_op():
     """torch.library.opcheck on one process (group_name ""): the schema (no aliasing,
     no undeclared mutation), the autograd registration and the fake implementation

@@ -167,8 +167,11 @@ def _moe_ep_forward_impl(
             -1 if activation_clamp is None else float_bits(float(activation_clamp))
         ),
         "reduce_shared_grads": int(reduce_shared_grads),
-        # The backward of a checkpointed call exchanges the token rows once more.
-        "activation_checkpoint": int(save == "recompute"),
+        # Every rank runs the backward (its collectives) if any does, and a checkpointed
+        # call's backward exchanges the token rows once more: the ranks agree on both.
+        "save (0: no backward, 1: pre-activations kept, 2: activation_checkpoint)": (
+            SAVE_MODES.index(save)
+        ),
     }
     plan = plan_dispatch(
         topk_ids,
@@ -600,14 +603,15 @@ def moe(
         )
     if not isinstance(base, BaseWeights):
         raise TypeError(f"base: expected megamoe.BaseWeights, got {type(base).__name__}")
-    # MXFP4 ordinary mode, as mm.moe (a no-op if mm.moe already converted it).
-    base = base.for_call()
     # The op checks again (real and fake); here first, so that a wrong type is named
-    # before the tensors are asked whether they need gradients.
+    # before the tensors are asked whether they need gradients, and before an MXFP4
+    # base in ordinary mode is decoded (a launch).
     check_moe_inputs(
         x, topk_ids, topk_weights, base, side, activation, activation_clamp,
         require_cuda=False, allow_no_tokens=True,
     )  # fmt: skip
+    # MXFP4 ordinary mode, as mm.moe (a no-op if mm.moe already converted it).
+    base = base.for_call()
     flags = (
         ("reduce_shared_grads", reduce_shared_grads),
         ("check_ids", check_ids),
