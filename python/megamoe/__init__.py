@@ -21,6 +21,11 @@ The layers below it, a subpackage each: ``megamoe.custom_ops`` (the torch custom
 per native kernel, the variant registry).
 """
 
+# First: a clear message where torch is missing (a wheel installed with --no-deps).
+from . import _requires  # noqa: F401
+
+# isort: split
+
 # The argument checks first: most modules import megamoe.validation.arguments, which
 # runs validation/__init__, which imports validation.layer and through it side_lora,
 # weights and the wrappers; started from one of those (half initialized), it would fail.

@@ -37,6 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.iters < 1:  # before the GPU work, not a division by zero after it
         parser.error(f"--iters must be >= 1, got {args.iters}")
+    if not torch.cuda.is_available():
+        print("megamoe.bench.breakdown: needs a CUDA GPU (Hopper)", file=sys.stderr)
+        return 2
     s = SHAPES[args.shape]
     if args.tokens is not None:
         if args.tokens < 1:

@@ -66,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mode", choices=("side-lora", "ordinary"), default="side-lora")
     parser.add_argument("--activation-checkpoint", action="store_true")
     args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("megamoe.bench.memory: needs a CUDA GPU (Hopper)", file=sys.stderr)
+        return 2
     s = SHAPES[args.shape]
     ordinary = args.mode == "ordinary"
     layer = s.make_layer(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 from types import ModuleType
 
 import torch
@@ -20,10 +21,13 @@ def native() -> ModuleType:
     try:
         from .. import _C
     except ImportError as error:  # pragma: no cover - depends on the install
-        raise ImportError(
-            "megamoe._C is not built: install megamoe from a wheel or with "
-            "`pip install .` (needs nvcc for sm_90a)"
-        ) from error
+        if importlib.util.find_spec("megamoe._C") is None:
+            raise ImportError(
+                "megamoe._C is not built: install megamoe from a wheel or with "
+                "`pip install .` (needs nvcc for sm_90a)"
+            ) from error
+        # Built but not loadable (e.g. an older libstdc++ first on the library path).
+        raise ImportError(f"megamoe._C is installed but failed to load: {error}") from error
     return _C
 
 
