@@ -643,3 +643,20 @@ def test_activation_of_the_wrong_kind_is_a_type_error_everywhere() -> None:
     ):
         with pytest.raises(TypeError, match=r"^activation: expected a str, got NoneType"):
             call()
+
+
+def test_a_gpu_other_than_hopper_is_named_before_any_launch(monkeypatch) -> None:
+    """The kernels are sm_90a only: an A100 (or a Blackwell) gets a ValueError naming
+    the base and the GPU, not the first launch's CUDA error. (The device is simulated:
+    the check reads torch's answers for it.)"""
+    from megamoe.validation import layer
+
+    monkeypatch.setattr(layer, "_HOPPER_DEVICES", set())
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: "NVIDIA A100-SXM4-80GB")
+    for capability in ((8, 0), (10, 0)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index, c=capability: c)
+        with pytest.raises(ValueError, match=r"^base: the fused kernels need an NVIDIA Hopper"):
+            layer.check_hopper(torch.device("cuda", 1))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (9, 0))
+    layer.check_hopper(torch.device("cuda", 1))
+    assert 1 in layer._HOPPER_DEVICES  # asked once per device

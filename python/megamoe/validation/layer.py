@@ -262,7 +262,31 @@ def check_moe_inputs(
             f"base: expected CUDA weights for the fused path, got {device} (the arguments "
             "are otherwise valid; megamoe.reference.moe runs the same math on the CPU)"
         )
+    if require_cuda and has_data(x):  # (fake tensors: no device to ask)
+        check_hopper(device)
     return device
+
+
+#: Devices already found to be Hopper GPUs (the question costs host time every call).
+_HOPPER_DEVICES: set[int] = set()
+
+
+def check_hopper(device: torch.device) -> None:
+    """``ValueError`` naming ``base`` unless ``device`` is a Hopper GPU (sm_90): the fused
+    kernels are compiled for sm_90a only, and elsewhere the first launch would fail with
+    a CUDA error that names no argument."""
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if index in _HOPPER_DEVICES:
+        return
+    major, minor = torch.cuda.get_device_capability(index)
+    if (major, minor) != (9, 0):
+        name = torch.cuda.get_device_name(index)
+        raise ValueError(
+            f"base: the fused kernels need an NVIDIA Hopper GPU (sm_90, e.g. H100/H200); "
+            f"cuda:{index} is {name} (sm_{major}{minor}); megamoe.reference.moe runs the same "
+            "math anywhere"
+        )
+    _HOPPER_DEVICES.add(index)
 
 
 def check_block_m(block_m: object) -> int:
