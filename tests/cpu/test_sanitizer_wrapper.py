@@ -525,6 +525,23 @@ def test_run_clean_and_target_failure(fake, tmp_path: Path) -> None:
     assert failing.verdict() == "target failed (exit 1)"
 
 
+def test_a_pytest_run_that_skipped_every_test_is_not_clean(fake, tmp_path: Path) -> None:
+    """No GPU or no compiled module: every test skips, the tool sees no kernel and
+    reports 0 errors; that run checked nothing, so it is not clean."""
+    set_report, _ = fake
+    set_report(CLEAN)
+    tests = tmp_path / "test_cases.py"
+    tests.write_text(
+        "import pytest\n\n@pytest.mark.skip(reason='no GPU')\ndef test_skipped():\n    pass\n"
+    )
+    skipped = sanitizer.run_pytest("memcheck", [str(tests)], log_file=tmp_path / "s.log")
+    assert skipped.returncode == 0 and skipped.tests_ran == 0
+    assert not skipped.clean and skipped.verdict() == "no test ran (every test skipped)"
+    tests.write_text("def test_ran():\n    pass\n")
+    ran = sanitizer.run_pytest("memcheck", [str(tests)], log_file=tmp_path / "r.log")
+    assert ran.tests_ran == 1 and ran.clean and ran.verdict() == "clean"
+
+
 def test_run_timeout_kills_the_target(fake, tmp_path: Path) -> None:
     set_report, _ = fake
     set_report(CLEAN)
@@ -585,7 +602,8 @@ def test_cli_single_tool(fake, tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert saved["errors"] == 2 and saved["warnings"] == 1 and not saved["clean"]
     assert (out / "racecheck.log").read_text() == RACECHECK
     (call,) = records()
-    assert call["args"][-3:] == ["no:cacheprovider", "-q", str(test)]
+    assert call["args"][-4] == "no:cacheprovider" and call["args"][-2:] == ["-q", str(test)]
+    assert call["args"][-3].startswith("--junit-xml=")  # the count of tests that ran
 
 
 def test_cli_all_tools_and_pass_through_after_double_dash(

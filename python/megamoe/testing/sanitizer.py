@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import xml.etree.ElementTree as ElementTree
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -453,6 +454,8 @@ class SanitizerRun:
     log_file: Path
     seconds: float
     timed_out: bool = False
+    #: Tests the target ran (not skipped), where it is pytest; None where unknown.
+    tests_ran: int | None = None
 
     @property
     def error_exitcode(self) -> int:
@@ -473,8 +476,10 @@ class SanitizerRun:
 
     @property
     def clean(self) -> bool:
-        """No error from the tool, the target passed, and the report is complete."""
-        return self.returncode == 0 and self.report.errors == 0 and self.report.complete
+        """No error from the tool, the target passed, the report is complete, and the
+        target ran something (a pytest run whose every test skipped checked nothing)."""
+        ran = self.tests_ran is None or self.tests_ran > 0
+        return self.returncode == 0 and self.report.errors == 0 and self.report.complete and ran
 
     def verdict(self) -> str:
         if self.timed_out:
@@ -485,6 +490,8 @@ class SanitizerRun:
             return f"target failed (exit {self.returncode})"
         if not self.report.complete:
             return "incomplete report"
+        if self.tests_ran == 0:
+            return "no test ran (every test skipped)"
         return "clean"
 
     def to_dict(self) -> dict:
@@ -497,6 +504,7 @@ class SanitizerRun:
             "verdict": self.verdict(),
             "seconds": round(self.seconds, 1),
             "timed_out": self.timed_out,
+            "tests_ran": self.tests_ran,
             "log_file": str(self.log_file),
             **self.report.to_dict(),
         }
@@ -613,9 +621,27 @@ def run(
 
 
 def run_pytest(tool: str, pytest_args: Sequence[str], **kwargs) -> SanitizerRun:
-    """:func:`run` on ``python -m pytest -p no:cacheprovider *pytest_args``."""
-    target = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *pytest_args]
-    return run(tool, target, **kwargs)
+    """:func:`run` on ``python -m pytest -p no:cacheprovider *pytest_args``, with the
+    count of tests that ran (not skipped) from pytest's JUnit report: a run that skipped
+    every test (no GPU, no compiled module) is not clean."""
+    junit = Path(tempfile.mkdtemp(prefix="megamoe-sanitizer-")) / "pytest.xml"
+    target = [
+        sys.executable, "-m", "pytest", "-p", "no:cacheprovider", f"--junit-xml={junit}",
+        *pytest_args,
+    ]  # fmt: skip
+    result = run(tool, target, **kwargs)
+    result.tests_ran = tests_ran(junit)
+    return result
+
+
+def tests_ran(junit_xml: Path) -> int | None:
+    """Tests run and not skipped in a pytest JUnit report (None if there is none)."""
+    try:
+        root = ElementTree.parse(junit_xml).getroot()
+    except (OSError, ElementTree.ParseError):
+        return None
+    suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
+    return sum(int(s.get("tests", 0)) - int(s.get("skipped", 0)) for s in suites)
 
 
 def _split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
