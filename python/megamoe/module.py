@@ -318,7 +318,10 @@ class MegaMoE(nn.Module):
         """
         if self.trainable_base:
             self._base_cache = None  # don't hold a stale frozen copy next to a live one
-            return prepare_base_weights(self.w13, self.w2, format=self.base_format)
+            # Every step: no host read of a finiteness flag (a synchronisation per step).
+            return prepare_base_weights(
+                self.w13, self.w2, format=self.base_format, check_finite=False
+            )
         if torch.compiler.is_compiling():
             # Traced: the cache key reads data_ptr and the version counter, which a
             # compiled graph cannot; prepare inside the graph instead (for BF16 a view

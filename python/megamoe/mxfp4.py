@@ -80,18 +80,18 @@ _BOUNDARIES = torch.where(
 _PAIR_LUT = torch.tensor(
     [(E2M1_VALUES[b & 0xF], E2M1_VALUES[b >> 4]) for b in range(256)], dtype=torch.float32
 )
-#: The table on each device it was used on: copied once, not on every decode (a copy
-#: from pageable host memory each call, which a CUDA graph capture would also refuse).
-_PAIR_LUT_ON: dict[torch.device, torch.Tensor] = {}
+#: The constant tables on each device they were used on: copied once, not on every call
+#: (a copy from pageable host memory each call, which a CUDA graph capture also refuses).
+_TABLES_ON: dict[tuple[str, torch.device], torch.Tensor] = {}
 
 
-def _pair_lut(device: torch.device) -> torch.Tensor:
-    lut = _PAIR_LUT_ON.get(device)
-    if lut is None:
-        lut = _PAIR_LUT.to(device)
-        if has_data(lut):  # never keep a meta or fake tensor
-            _PAIR_LUT_ON[device] = lut
-    return lut
+def _table_on(name: str, table: torch.Tensor, device: torch.device) -> torch.Tensor:
+    on_device = _TABLES_ON.get((name, device))
+    if on_device is None:
+        on_device = table.to(device)
+        if has_data(on_device):  # never keep a meta or fake tensor
+            _TABLES_ON[(name, device)] = on_device
+    return on_device
 
 
 # float32 bit patterns of 2^(byte - 127) that the shift trick below cannot build:
@@ -165,7 +165,8 @@ def quantize_mxfp4(w: torch.Tensor, axis: int = -1) -> tuple[torch.Tensor, torch
     # is subnormal, and then it is < 2^-126, far below the first rounding boundary 0.25.
     inv_scale = ((_SCALE_BIAS - exponent) << _FP32_MANT_BITS).view(torch.float32)
     mag = x.abs().mul_(inv_scale.unsqueeze(-1))
-    codes = torch.bucketize(mag, _BOUNDARIES.to(mag.device), out_int32=True).to(torch.uint8)
+    boundaries = _table_on("boundaries", _BOUNDARIES, mag.device)
+    codes = torch.bucketize(mag, boundaries, out_int32=True).to(torch.uint8)
     del mag
     # Sign bit only on non-zero magnitudes: zero is always code 0 (module docstring).
     codes = torch.where((x < 0) & (codes != 0), codes | 8, codes)
@@ -229,7 +230,7 @@ def dequantize_mxfp4(
     lead = p.shape[:-1]
     nb = half // bytes_per_block
     # One gather per byte (an int32 index the size of packed, not of the output).
-    pairs = _pair_lut(p.device).index_select(0, p.reshape(-1).to(torch.int32))
+    pairs = _table_on("pairs", _PAIR_LUT, p.device).index_select(0, p.reshape(-1).to(torch.int32))
     vals = pairs.view(*lead, nb, MXFP4_BLOCK)
 
     # 2^(byte - 127) from its float32 bits: exact, with byte 0 (subnormal 2^-127) and

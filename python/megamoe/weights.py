@@ -145,7 +145,9 @@ class _StraightThrough(torch.autograd.Function):
         return None, grad.to(ctx.master_dtype)
 
 
-def prepare_base_weights(w13: torch.Tensor, w2: torch.Tensor, format: str = "bf16") -> BaseWeights:
+def prepare_base_weights(
+    w13: torch.Tensor, w2: torch.Tensor, format: str = "bf16", *, check_finite: bool = True
+) -> BaseWeights:
     """The base expert weights as the kernels read them (no copy for BF16).
 
     Args:
@@ -154,6 +156,11 @@ def prepare_base_weights(w13: torch.Tensor, w2: torch.Tensor, format: str = "bf1
         w2: ``[E_l, H, I]``, same dtype as ``w13``.
         format: ``"bf16"`` or ``"mxfp4"`` (OCP MX E2M1 with a UE8M0 scale per 32
             elements along ``H`` for ``w13`` and along ``I`` for ``w2``).
+        check_finite: MXFP4: refuse NaN or Inf weights before quantizing. The check reads
+            one flag per weight back to the host (a device synchronisation on a GPU); a
+            per-step re-preparation of trained masters (``MegaMoE`` in ordinary mode)
+            passes False, and a NaN master then gives NaN blocks, as any NaN parameter
+            gives NaN outputs.
 
     Returns:
         A reusable :class:`BaseWeights`. BF16: ``w13``/``w2`` themselves when they are
@@ -164,6 +171,8 @@ def prepare_base_weights(w13: torch.Tensor, w2: torch.Tensor, format: str = "bf1
         ``mm.moe`` trains them with the gradient taken at the MXFP4 values.
     """
     check_choice("format", format, BASE_FORMATS)
+    if not isinstance(check_finite, bool):
+        raise TypeError(f"check_finite: expected a bool, got {type(check_finite).__name__}")
     reg = registry()
     w13 = check_tensor("w13", w13, ndim=3, dtypes=(torch.bfloat16, torch.float32))
     experts, two_i, hidden = w13.shape
@@ -220,7 +229,7 @@ def prepare_base_weights(w13: torch.Tensor, w2: torch.Tensor, format: str = "bf1
         # The BF16 rounding is what is quantized: FP32 values beyond BF16's range are
         # finite but round to Inf.
         for name, value in (("w13", w13_bf16), ("w2", w2_bf16)):
-            if not traced and not torch.isfinite(value).all():
+            if check_finite and not traced and not torch.isfinite(value).all():
                 raise ValueError(
                     f"{name}: MXFP4 quantization needs finite weights, found NaN or Inf "
                     "(after rounding to BF16)"

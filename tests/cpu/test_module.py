@@ -524,3 +524,26 @@ def test_a_second_backward_through_a_checkpointed_call_runs():
     out = _meta_call(m)
     out.sum().backward(retain_graph=True)
     out.sum().backward()
+
+
+def test_ordinary_mxfp4_prepares_its_base_without_a_host_read():
+    """Ordinary mode re-quantizes the masters every step: no value is read back to the
+    host there (on a GPU, a synchronisation per step that a CUDA graph refuses)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class HostReads(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.reads = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.reads += func is torch.ops.aten._local_scalar_dense.default
+            return func(*args, **(kwargs or {}))
+
+    m = MegaMoE(H, I, E, K, trainable_base=True, base_format="mxfp4", backend="reference")
+    with HostReads() as probe:
+        base = m.base_weights()
+    assert base.format == "mxfp4" and base.trains_master and probe.reads == 0
+    with HostReads() as probe:  # a user's own prepare still checks finiteness (one read each)
+        prepare_base_weights(m.w13, m.w2, format="mxfp4")
+    assert probe.reads == 2

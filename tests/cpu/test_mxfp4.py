@@ -581,13 +581,17 @@ def test_cpu_twin_of_an_mxfp4_grouped_gemm_is_the_dequantized_gemm():
     assert torch.equal(out[:rows], grouped_gemm(a, decoded, plan)[:rows])
 
 
-def test_the_decode_table_is_kept_per_device_but_never_as_a_meta_tensor():
+def test_the_tables_are_kept_per_device_but_never_as_meta_tensors():
     from megamoe import mxfp4
 
+    packed, scales = quantize_mxfp4(torch.randn(4, 64).to("meta"))
+    dequantize_mxfp4(packed, scales)
+    assert not any(device.type == "meta" for _, device in mxfp4._TABLES_ON)
     packed, scales = quantize_mxfp4(torch.randn(4, 64))
-    dequantize_mxfp4(packed.to("meta"), scales.to("meta"))
-    assert torch.device("meta") not in mxfp4._PAIR_LUT_ON
     first = dequantize_mxfp4(packed, scales)
-    table = mxfp4._PAIR_LUT_ON[torch.device("cpu")]
+    cpu = torch.device("cpu")
+    tables = {name: mxfp4._TABLES_ON[(name, cpu)] for name in ("pairs", "boundaries")}
+    quantize_mxfp4(torch.randn(4, 64))
     assert torch.equal(dequantize_mxfp4(packed, scales), first)
-    assert mxfp4._PAIR_LUT_ON[torch.device("cpu")] is table  # not copied again
+    for name, table in tables.items():
+        assert mxfp4._TABLES_ON[(name, cpu)] is table  # not copied again
