@@ -139,9 +139,14 @@ def test_forward_and_backward_replay_bitwise_like_eager(mode: str, format: str, 
     mm.wrappers.routing.check_errors()  # the eager calls' ids were in range
 
 
-def test_checkpointed_forward_and_backward_in_one_graph():
-    """Activation checkpointing recomputes GEMM1 in the backward: the same in a graph."""
-    static = _Static(_layer("side-lora", "bf16", 128, seed=11), _dout(128, seed=12))
+@pytest.mark.parametrize("tokens", [128, 2048])
+@pytest.mark.parametrize("format", ["bf16", "mxfp4"])
+@pytest.mark.parametrize("mode", ["side-lora", "ordinary"])
+def test_checkpointed_forward_and_backward_in_one_graph(mode: str, format: str, tokens: int):
+    """Activation checkpointing recomputes GEMM1 in the backward (MXFP4: through the
+    streaming kernels or the transient decode; ordinary mode: the straight-through
+    base): the same in a graph."""
+    static = _Static(_layer(mode, format, tokens, seed=11), _dout(tokens, seed=12))
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -151,7 +156,7 @@ def test_checkpointed_forward_and_backward_in_one_graph():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = static.step(activation_checkpoint=True)
-    static.load(_layer("side-lora", "bf16", 128, seed=13), _dout(128, seed=14))
+    static.load(_layer(mode, format, tokens, seed=13), _dout(tokens, seed=14))
     graph.replay()
     torch.cuda.synchronize()
     for got, want in zip(captured, static.step(activation_checkpoint=True), strict=True):
