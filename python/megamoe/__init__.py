@@ -4,7 +4,7 @@ Public API (docs/DESIGN.md §5):
 
 - ``moe``: the layer call on the fused kernels, forward and backward, BF16 or MXFP4
   base, side-LoRA or ordinary mode (trainable base), EP1 or expert parallel over a
-  process group (``group=``); torch custom ops (torch.compile, CUDA graphs);
+  process group (``group=``); torch custom ops (torch.compile; CUDA graphs for EP1);
 - ``MegaMoE``: the module; ``prepare_base_weights`` / ``BaseWeights`` and ``SideLoRA``:
   the weight and adapter containers; ``megamoe.adapter_convert``: PEFT and
   Megatron-Bridge adapter layouts;

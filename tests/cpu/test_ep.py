@@ -125,7 +125,7 @@ def test_plan_dispatch_checks():
         ep.plan_dispatch(ids + 1, 4, group=None)
     with pytest.raises(ValueError, match=r"topk_ids: expected expert ids in \[-1, 4\)"):
         ep.plan_dispatch(ids - 2, 4, group=None)
-    with pytest.raises(ValueError, match="max_tokens: expected an int >= 2"):
+    with pytest.raises(ValueError, match="max_tokens: expected >= every rank's token count"):
         ep.plan_dispatch(ids, 4, group=None, max_tokens=1)
     with pytest.raises(TypeError, match="topk_ids: expected dtype"):
         ep.plan_dispatch(ids.float(), 4, group=None)

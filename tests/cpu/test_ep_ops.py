@@ -244,6 +244,41 @@ def test_ranks_that_differ_in_needing_a_backward_all_raise():
         assert message.startswith("save (0: no backward, 1: pre-activations kept"), message
 
 
+def _static_bound_worker(rank: int, world: int) -> list[str]:
+    import torch.distributed as dist
+
+    x, ids, weights, base, side = _rank_layer(rank, world)
+    group, messages = dist.group.WORLD, []
+    for kwargs in (
+        {"max_tokens": 16, "activation_checkpoint": rank == 1},  # the backwards would differ
+        {"max_tokens": 6},  # rank 1 holds 9 tokens: above the bound
+    ):
+        try:
+            ep.fused_moe(x, ids, weights, base, side, group=group, **kwargs)
+            messages.append("ran")
+        except ValueError as error:
+            messages.append(str(error))
+    return messages
+
+
+def test_a_static_bound_keeps_the_cross_rank_checks():
+    """``max_tokens`` sizes the pool statically; the ranks still agree (and raise
+    together) on everything that would pair different collectives."""
+    for checkpoint, bound in ep.run_gloo(_static_bound_worker, 2, timeout_s=120.0):
+        assert checkpoint.startswith("save (0: no backward"), checkpoint
+        assert bound.startswith("max_tokens: expected >= every rank's token count"), bound
+
+
+def test_an_ep_step_under_graph_capture_is_refused_by_name(monkeypatch):
+    """Its split sizes are host values: under capture the call says so before the
+    plan's first host read would break the capture. (Capture simulated on the CPU.)"""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    x, ids, weights, base, side = _rank_layer(0, 1)
+    with pytest.raises(RuntimeError, match=r"^group: an expert-parallel step cannot be captured"):
+        ep.fused_moe(x, ids, weights, base, side, group=None)
+
+
 def test_opcheck_the_ep_forward_op():
     """torch.library.opcheck on one process (group_name ""): the schema (no aliasing,
     no undeclared mutation), the autograd registration and the fake implementation

@@ -588,7 +588,8 @@ def moe(
         activation, activation_clamp: as in ``mm.moe``.
         reduce_shared_grads: all-reduce (SUM) the ``a1, a3, b2`` gradients over the group
             so they do not depend on the EP degree (turn off if the trainer reduces them).
-        max_tokens: a static ``T_max`` of the group (skips the agreement all-reduce).
+        max_tokens: a static ``T_max`` of the group: the pool sized for it (no second
+            all-reduce); agreed and checked with the rest.
         check_ids: reject ids outside ``[-1, E)`` (every rank raises together).
         activation_checkpoint: keep no pre-activations and no received rows for the
             backward; it exchanges the token rows again and recomputes GEMM1 (bitwise
@@ -603,6 +604,12 @@ def moe(
         )
     if not isinstance(base, BaseWeights):
         raise TypeError(f"base: expected megamoe.BaseWeights, got {type(base).__name__}")
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        # Named here, before the plan's first host read would break the capture.
+        raise RuntimeError(
+            "group: an expert-parallel step cannot be captured in a CUDA graph (the "
+            "exchange's split sizes are host values); capture the EP1 layer (group=None)"
+        )
     # The op checks again (real and fake); here first, so that a wrong type is named
     # before the tensors are asked whether they need gradients, and before an MXFP4
     # base in ordinary mode is decoded (a launch).

@@ -297,9 +297,9 @@ def plan_dispatch(
     split (:func:`split_routes`) -> ``all_to_all_single`` of the per-rank counts ->
     ``all_to_all_single`` of the routes' expert ids -> (without a static ``max_tokens``)
     an all-reduce MAX of the received route count, the rank-uniform pool size -> the
-    receiver's pool plan. With a static ``max_tokens`` the cross-rank checks are
-    skipped: a bad id or an overflow then raises on one rank only and its peers wait in
-    the next collective until the group's timeout.
+    receiver's pool plan. The first all-reduce runs with a static ``max_tokens`` too
+    (which then joins the values that must agree): a mismatched group raises on every
+    rank instead of pairing different collectives.
 
     Args:
         topk_ids: ``[T, K]`` int32/int64 global expert ids, ``-1`` = masked. ``T`` may
@@ -307,9 +307,11 @@ def plan_dispatch(
         num_experts: ``E``, experts over the whole group (a multiple of ``P``).
         group: the EP process group (any backend; ``None`` = one process, ``P = 1``).
         block_m: override the agreed BLOCK_M (must then be the same on every rank).
-        max_tokens: the group's ``T_max`` if the caller knows it (a static bound, e.g.
-            under CUDA-graph capture): skips the all-reduce and with it the cross-rank
-            checks. Must be the same on every rank and ``>= T`` everywhere.
+        max_tokens: the group's ``T_max`` if the caller knows it (a static bound: the
+            pool is then sized for it, ``P * T_max * K`` routes, without the second
+            all-reduce). Checked to be the same on every rank and ``>= T`` everywhere.
+            (An EP step cannot be captured in a CUDA graph: the split sizes are host
+            values.)
         check_ids: reject ids outside ``[-1, E)`` (reads the ids' extremes to the host
             in one read; the EP step synchronises for its split sizes anyway).
         uniform: extra ints that must be equal on every rank (e.g. ``{"hidden": H}``);
@@ -325,7 +327,10 @@ def plan_dispatch(
     num_tokens, top_k = topk_ids.shape
     check_int("num_experts", num_experts)
     world, rank = group_size(group), group_rank(group)
-    agrees = max_tokens is None and group is not None
+    agrees = group is not None
+    static_bound = max_tokens is not None
+    if static_bound:
+        check_int("max_tokens", max_tokens, minimum=0)  # its value is agreed below
     # A bad E or K is raised after the all-reduce below, which compares them across
     # ranks: raised here by one rank alone, it would leave its peers waiting in that
     # collective. Where the ranks agree on them, every rank has the same error.
@@ -343,37 +348,46 @@ def plan_dispatch(
         low, high = torch.stack(torch.aminmax(topk_ids)).tolist()  # one host read
         if low < -1 or high >= num_experts:
             bad_ids = rank + 1
-            if max_tokens is not None or group is None:
+            if group is None:
                 raise ValueError(
                     f"topk_ids: expected expert ids in [-1, {num_experts}), got values in "
                     f"[{low}, {high}]"
                 )
     extra = dict(uniform or {})
-    static_bound = max_tokens is not None
-    if max_tokens is None:
-        names = ["top_k", "num_experts", *extra]
-        values = [top_k, num_experts, *(int(v) for v in extra.values())]
-        agreed = _all_reduce_max(
-            [num_tokens, bad_ids, *values, *(-v for v in values)], group, topk_ids.device
-        )
-        max_tokens, bad_rank = agreed[0], agreed[1]
-        n = len(values)
-        highs, lows = agreed[2 : 2 + n], [-v for v in agreed[2 + n :]]
-        for name, mine, high, low in zip(names, values, highs, lows):
-            if high != low:
-                raise ValueError(
-                    f"{name}: expected the same value on every rank of the EP group, got "
-                    f"values in [{low}, {high}] (this rank: {mine})"
-                )
-        if local_error is not None:
-            raise local_error
-        if bad_rank:
+    names = ["top_k", "num_experts", *extra]
+    values = [top_k, num_experts, *(int(v) for v in extra.values())]
+    if static_bound:  # the same on every rank, like the other uniform values
+        names.append("max_tokens")
+        values.append(max_tokens)
+    # One all-reduce even with a static bound: the agreement (ids, the uniform values,
+    # whether the step has a backward) is what keeps a mismatched group from pairing
+    # different collectives; it is one vector of a few ints.
+    agreed = _all_reduce_max(
+        [num_tokens, bad_ids, *values, *(-v for v in values)], group, topk_ids.device
+    )
+    most_tokens, bad_rank = agreed[0], agreed[1]
+    n = len(values)
+    highs, lows = agreed[2 : 2 + n], [-v for v in agreed[2 + n :]]
+    for name, mine, high, low in zip(names, values, highs, lows):
+        if high != low:
             raise ValueError(
-                f"topk_ids: expected expert ids in [-1, {num_experts}) on every rank, rank "
-                f"{bad_rank - 1} has ids outside"
+                f"{name}: expected the same value on every rank of the EP group, got "
+                f"values in [{low}, {high}] (this rank: {mine})"
             )
-    else:
-        check_int("max_tokens", max_tokens, minimum=num_tokens)
+    if local_error is not None:
+        raise local_error
+    if bad_rank:
+        raise ValueError(
+            f"topk_ids: expected expert ids in [-1, {num_experts}) on every rank, rank "
+            f"{bad_rank - 1} has ids outside"
+        )
+    if not static_bound:
+        max_tokens = most_tokens
+    elif most_tokens > max_tokens:
+        raise ValueError(
+            f"max_tokens: expected >= every rank's token count, got {max_tokens} while a "
+            f"rank holds {most_tokens} tokens"
+        )
     if block_m is None:
         block_m = get_block_m(max_tokens, top_k, num_experts, world, config)
 
