@@ -47,6 +47,7 @@ handled: pass the full (ETP=1 or gathered) tensors.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -114,12 +115,15 @@ def _fit_rank(p: _Projection, rank: int) -> _Projection:
         exp = p.expand
         expand = torch.cat([exp, exp.new_zeros(*exp.shape[:-2], pad, exp.shape[-1])], dim=-2)
         return _Projection(p.name, shrink, expand, p.scaling)
-    dead_shrink = not p.shrink[..., rank:].any()
-    dead_expand = not p.expand[..., rank:, :].any()
-    if not (dead_shrink or dead_expand):
+    # A slot contributes nothing when either of its two factors is zero there.
+    extra = have - rank
+    live_shrink = p.shrink[..., rank:].reshape(-1, extra).any(0)
+    live_expand = p.expand[..., rank:, :].movedim(-2, 0).reshape(extra, -1).any(1)
+    live = (live_shrink & live_expand).nonzero()
+    if live.numel():
         raise ValueError(
-            f"rank: cannot trim {p.name} from rank {have} to {rank}: its rank slots "
-            f"{rank}..{have - 1} are nonzero in both LoRA factors (pass a larger rank)"
+            f"rank: cannot trim {p.name} from rank {have} to {rank}: its rank slot "
+            f"{rank + int(live[0])} is nonzero in both LoRA factors (pass a larger rank)"
         )
     return _Projection(p.name, p.shrink[..., :rank], p.expand[..., :rank, :], p.scaling)
 
@@ -146,7 +150,7 @@ def _assemble(
         raise ValueError(
             f"rank: megamoe adapters need a rank that is a multiple of {SIDE_RANK_MULTIPLE} in "
             f"[{SIDE_RANK_MULTIPLE}, {SIDE_RANK_MAX}], got {rank} (ranks found: {found}); pass "
-            f"rank=<multiple of {SIDE_RANK_MULTIPLE}> to zero-pad"
+            f"rank=<multiple of {SIDE_RANK_MULTIPLE}> to zero-pad or trim"
         )
     if dtype is None:
         dtype = gate.shrink.dtype
@@ -323,12 +327,17 @@ def _projections_from_fused(
                 f"use rank slots 0..{half - 1}, up rows {half}..{rank - 1}, the rest zero), as "
                 "a stacked export writes it; this one is not (pass split_gate_up=False)"
             )
-        gate = _Projection(names[0], fc1_a[:half].T, b_gate[..., :half].transpose(1, 2), scaling[0])
-        up = _Projection(names[0], fc1_a[half:].T, b_up[..., half:].transpose(1, 2), scaling[0])
+        gate_a, up_a = fc1_a[:half].T, fc1_a[half:].T
+        b_gate, b_up = b_gate[..., :half], b_up[..., half:]
     else:
-        gate = _Projection(names[0], fc1_a.T, b_gate.transpose(1, 2), scaling[0])
-        up = _Projection(names[0], fc1_a.T, b_up.transpose(1, 2), scaling[0])
+        gate_a = up_a = fc1_a.T
+    gate = _Projection(f"{names[0]} (gate rows)", gate_a, b_gate.transpose(1, 2), scaling[0])
+    up = _Projection(f"{names[0]} (up rows)", up_a, b_up.transpose(1, 2), scaling[0])
     down = _Projection(names[2], fc2_a.transpose(1, 2), fc2_b.T, scaling[1])
+    if split_gate_up and down.rank > half:
+        # A stacked export pads the down pair to 2r with zeros: read it back at r.
+        with contextlib.suppress(ValueError):  # down uses slots past r: it keeps its rank
+            down = _fit_rank(down, half)
     return gate, up, down
 
 

@@ -318,6 +318,11 @@ def test_peft_fused_round_trips():
         sd, P, num_experts=E, lora_alpha=config["lora_alpha"], split_gate_up=True, rank=R
     )
     assert_side_equal(back, side)
+    # Split without rank=: read back at r too (the down pair's zero padding trimmed).
+    back = ac.side_lora_from_peft_fused(
+        sd, P, num_experts=E, lora_alpha=config["lora_alpha"], split_gate_up=True
+    )
+    assert_side_equal(back, side)
     # Without split/trim it is a different but equivalent rank-2r adapter.
     wide = ac.side_lora_from_peft_fused(sd, P, num_experts=E, lora_alpha=config["lora_alpha"])
     assert wide.rank == 2 * R
@@ -492,3 +497,42 @@ def test_export_from_module_parameters_is_detached():
         ac.side_lora_to_megatron(side, MP),
     ):
         assert not any(t.requires_grad for t in out.values())
+
+
+def test_the_widest_rank_splits_back_from_a_stacked_megatron_export():
+    """r = 256: the stacked export is rank 512, beyond megamoe's; split, it reads back at
+    256 without rank= (before, the down pair kept its zero padding: 512, refused)."""
+    side = make_side(rank=256, scale=1.0, seed=5)
+    state, config = ac.side_lora_to_megatron(side, MP)
+    assert config["dim"] == 512  # a1 != a3: the stacked form
+    back = ac.side_lora_from_megatron(
+        state, MP, alpha=config["alpha"], num_experts=E, split_gate_up=True
+    )
+    assert back.rank == 256
+    assert_side_equal(back, side)
+
+
+def test_a_trim_drops_slots_that_contribute_nothing_slot_by_slot():
+    """Rank slots whose shrink or expand factor is zero contribute nothing, even when
+    the zeros sit in different factors for different slots: trimming them is exact."""
+    side = make_side(rank=32, scale=0.5, shared_gate_up=True, seed=6)  # one A: rank 32
+    tensors = dict(zip(("a1", "b1", "a3", "b3", "a2", "b2"), side.tensors(), strict=True))
+    tensors["a3"] = tensors["a1"]  # (the same tensor: zeroed once below)
+    tensors["a1"][:, 16:24] = 0  # shrink zero in slots 16..23
+    for b in ("b1", "b3"):
+        tensors[b][:, 24:32] = 0  # expand zero in slots 24..31
+    tensors["a2"][..., 16:24] = 0
+    tensors["b2"][24:32] = 0
+    side = SideLoRA(*tensors.values(), scale=side.scale)
+    state, config = ac.side_lora_to_megatron(side, MP)
+    alpha = config["alpha"]
+    trimmed = ac.side_lora_from_megatron(state, MP, alpha=alpha, num_experts=E, rank=16)
+    wide = ac.side_lora_from_megatron(state, MP, alpha=alpha, num_experts=E)
+    assert trimmed.rank == 16 and wide.rank == 32
+    layer = Layer()
+    torch.testing.assert_close(layer.megamoe(trimmed), layer.megamoe(wide), rtol=1e-12, atol=1e-12)
+    tensors["a2"][..., 20] = 0.1  # slot 20: nonzero in both down factors now
+    tensors["b2"][20] = 1.0
+    state, _ = ac.side_lora_to_megatron(SideLoRA(*tensors.values(), scale=side.scale), MP)
+    with pytest.raises(ValueError, match=r"rank slot 20 is nonzero in both LoRA factors"):
+        ac.side_lora_from_megatron(state, MP, alpha=alpha, num_experts=E, rank=16)
