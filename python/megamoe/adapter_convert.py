@@ -152,10 +152,17 @@ def _assemble(
             f"[{SIDE_RANK_MULTIPLE}, {SIDE_RANK_MAX}], got {rank} (ranks found: {found}); pass "
             f"rank=<multiple of {SIDE_RANK_MULTIPLE}> to zero-pad or trim"
         )
-    if dtype is None:
+    inferred = dtype is None
+    if inferred:
         dtype = gate.shrink.dtype
         for p in projections:
             dtype = torch.promote_types(torch.promote_types(dtype, p.shrink.dtype), p.expand.dtype)
+    if inferred and dtype not in _OUT_DTYPES:
+        # e.g. a PEFT adapter saved in float16: the adapters are BF16 or FP32 here.
+        raise ValueError(
+            f"dtype: the adapter's factors are {dtype}, which megamoe adapters are not; pass "
+            "dtype=torch.float32 (exact for float16 factors) or dtype=torch.bfloat16"
+        )
     check_choice("dtype", dtype, _OUT_DTYPES)
     out = []
     for p in projections:

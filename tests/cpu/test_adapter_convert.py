@@ -536,3 +536,20 @@ def test_a_trim_drops_slots_that_contribute_nothing_slot_by_slot():
     state, _ = ac.side_lora_to_megatron(SideLoRA(*tensors.values(), scale=side.scale), MP)
     with pytest.raises(ValueError, match=r"rank slot 20 is nonzero in both LoRA factors"):
         ac.side_lora_from_megatron(state, MP, alpha=alpha, num_experts=E, rank=16)
+
+
+def test_float16_factors_ask_for_a_dtype_and_convert_exactly_to_float32():
+    """A checkpoint saved in float16 (SideLoRA itself holds BF16/FP32/FP64)."""
+    side = make_side(scale=0.5, shared_gate_up=True, seed=8)
+    state, config = ac.side_lora_to_megatron(side, MP)
+    state = {k: v.to(torch.float16) for k, v in state.items()}
+    with pytest.raises(ValueError, match=r"^dtype: the adapter's factors are torch.float16"):
+        ac.side_lora_from_megatron(state, MP, alpha=config["alpha"], num_experts=E)
+    back = ac.side_lora_from_megatron(
+        state, MP, alpha=config["alpha"], num_experts=E, dtype=torch.float32
+    )
+    rounded = ac.side_lora_from_megatron(
+        {k: v.to(F64) for k, v in state.items()}, MP, alpha=config["alpha"], num_experts=E
+    )  # the float16 values, widened first
+    for got, want in zip(back.tensors(), rounded.tensors(), strict=True):
+        assert got.dtype == torch.float32 and torch.equal(got.double(), want)
