@@ -700,3 +700,14 @@ def test_adapters_on_experts_split_over_ranks_are_refused():
     from megamoe.ep import run_gloo
 
     assert run_gloo(_split_experts_worker, 2) == [{"refused": [True, True, True]}] * 2
+
+
+def test_fused_name_on_another_gpu_names_it(monkeypatch):
+    """(The GPU simulated: the check reads torch's answers for the device.)"""
+    from megamoe.validation import layer
+
+    monkeypatch.setattr(layer, "_HOPPER_DEVICES", set())
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: "NVIDIA A100-SXM4-80GB")
+    with pytest.raises(RuntimeError, match=r"Hopper GPU \(sm_90.*cuda:2 is NVIDIA A100.*sm_80"):
+        mhf.check_device(torch.device("cuda", 2))

@@ -39,9 +39,9 @@ def saved_inputs_and_state(
     preact = state.get("preact")
     if preact is not None and preact.dim() == 1:
         # Activation checkpointing saved an empty 1-D placeholder (a kept preact is 2-D
-        # [P, 2I]; its rank, unlike its size, is static under torch.compile). The backward ops are
-        # declared to write preact, which bumps their input's version: given the saved
-        # tensor, a second backward through the graph (retain_graph) would fail the
+        # [P, 2I]: its rank, unlike its size, is static under torch.compile). The backward
+        # ops are declared to write preact, which bumps their input's version: given the
+        # saved tensor, a second backward through the graph (retain_graph) would fail the
         # saved-tensor version check although nothing it needs was overwritten.
         state["preact"] = preact.new_empty(0)
     return inputs, state

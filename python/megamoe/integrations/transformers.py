@@ -83,6 +83,7 @@ from ..adapter_convert import (
 )
 from ..side_lora import SIDE_NAMES, SIDE_RANK_MAX, SIDE_RANK_MULTIPLE, SideLoRA
 from ..validation.arguments import check_finite_float, check_int
+from ..validation.layer import not_hopper
 from ..weights import prepare_base_weights
 
 __all__ = [
@@ -320,12 +321,11 @@ def check_device(device: torch.device) -> None:
         )
     if torch.compiler.is_compiling():
         return  # checked when the model ran eagerly; the probe is not traceable
-    major, minor = torch.cuda.get_device_capability(device)
-    if (major, minor) != (9, 0):
-        name = torch.cuda.get_device_name(device)
+    other = not_hopper(device)
+    if other is not None:
         raise RuntimeError(
             f"{FUSED}: the fused kernels need an NVIDIA Hopper GPU (sm_90, e.g. H100/H200); "
-            f"{device} is {name} (sm_{major}{minor}); {_ALTERNATIVE}"
+            f"{other}; {_ALTERNATIVE}"
         )
 
 

@@ -271,22 +271,28 @@ def check_moe_inputs(
 _HOPPER_DEVICES: set[int] = set()
 
 
-def check_hopper(device: torch.device) -> None:
-    """``ValueError`` naming ``base`` unless ``device`` is a Hopper GPU (sm_90): the fused
-    kernels are compiled for sm_90a only, and elsewhere the first launch would fail with
-    a CUDA error that names no argument."""
+def not_hopper(device: torch.device) -> str | None:
+    """None where CUDA ``device`` is a Hopper GPU (sm_90, the fused kernels' only
+    target), else what it is (``"cuda:1 is NAME (sm_80)"``), for an error message."""
     index = torch.cuda.current_device() if device.index is None else device.index
     if index in _HOPPER_DEVICES:
-        return
+        return None
     major, minor = torch.cuda.get_device_capability(index)
     if (major, minor) != (9, 0):
-        name = torch.cuda.get_device_name(index)
+        return f"cuda:{index} is {torch.cuda.get_device_name(index)} (sm_{major}{minor})"
+    _HOPPER_DEVICES.add(index)
+    return None
+
+
+def check_hopper(device: torch.device) -> None:
+    """``ValueError`` naming ``base`` unless ``device`` is a Hopper GPU: elsewhere the
+    first launch would fail with a CUDA error that names no argument."""
+    other = not_hopper(device)
+    if other is not None:
         raise ValueError(
             f"base: the fused kernels need an NVIDIA Hopper GPU (sm_90, e.g. H100/H200); "
-            f"cuda:{index} is {name} (sm_{major}{minor}); megamoe.reference.moe runs the same "
-            "math anywhere"
+            f"{other}; megamoe.reference.moe runs the same math anywhere"
         )
-    _HOPPER_DEVICES.add(index)
 
 
 def check_block_m(block_m: object) -> int:
