@@ -116,14 +116,14 @@ def moe(
     # values) and the real one at run time. EP ids are global: the dispatch plan checks
     # their range. A trainable MXFP4 base decodes (a launch) before the op: its call is
     # checked here.
-    checked_by_op = (
+    cuda_ep1 = (
         group is None
         and isinstance(x, torch.Tensor)
         and x.is_cuda
         and isinstance(topk_ids, torch.Tensor)
         and topk_ids.dim() == 2
-        and not base.decodes_for_call
     )
+    checked_by_op = cuda_ep1 and not base.decodes_for_call
     if torch.compiler.is_compiling() or checked_by_op:
         # Only what this function reads before the op's checks run.
         check_call_structure(topk_ids, side)
@@ -189,6 +189,7 @@ def moe(
         save=save,
     )
     tensors = [x, topk_ids, topk_weights, base.w13, base.w2, base.w13_scales, base.w2_scales]
-    if checked_by_op and _takes_eager_route([*tensors, *side_tensors]):
+    # The decoded base takes the eager route too (the op's checks run inside it).
+    if cuda_ep1 and _takes_eager_route([*tensors, *side_tensors]):
         return _EagerMoeForward.apply(*(args[name] for name in _FORWARD_INPUTS))[0]
     return _moe_forward_op(**args)[0]

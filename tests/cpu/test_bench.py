@@ -474,3 +474,21 @@ def test_device_idle_merges_overlaps_and_ranks_the_gaps():
     # Work nested inside a longer interval leaves no gap and keeps the longer one's end.
     nested = device_idle([(0.0, 10.0, "long"), (2.0, 3.0, "short"), (11.0, 12.0, "next")])
     assert nested.gaps == ((1.0, "long", "next"),) and nested.busy_us == 11.0
+
+
+def test_select_device_sets_only_an_indexed_cuda_device(monkeypatch):
+    """``--device cuda:N`` makes N current (its events and graphs use that stream); a bare
+    ``cuda`` is the current device already, and torch 2.11's ``set_device`` refuses a
+    device without an index (every default bench run failed on the H100 that way)."""
+    calls = []
+
+    def strict_set_device(device):  # torch 2.11: "Expected a torch.device with a specified index"
+        if torch.device(device).index is None:
+            raise ValueError("Expected a torch.device with a specified index")
+        calls.append(torch.device(device).index)
+
+    monkeypatch.setattr(torch.cuda, "set_device", strict_set_device)
+    assert cli.select_device("cuda") == torch.device("cuda")
+    assert cli.select_device("cuda:1") == torch.device("cuda", 1)
+    assert cli.select_device("cpu") == torch.device("cpu")
+    assert calls == [1]

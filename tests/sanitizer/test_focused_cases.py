@@ -88,6 +88,23 @@ def skip_if_torch_gemm_under_init_or_race(runs_torch_bf16_gemm: bool) -> None:
         pytest.skip(f"runs a torch BF16 GEMM, which {tool} cannot judge (see the docstring)")
 
 
+def judges_engine_outputs() -> bool:
+    """False under initcheck, which does not count the engine's TMA bulk stores as
+    initialization (docs/SANITIZER.md): any read of an engine output would be reported,
+    whatever the kernel wrote. Under initcheck the engine cases still run (the tool
+    judges the kernels' own reads of their inputs); their outputs are judged under the
+    other three tools and in the GPU suite."""
+    return os.environ.get(UNDER_SANITIZER_ENV) != "initcheck"
+
+
+def skip_layer_under_initcheck() -> None:
+    """The layer cases chain our kernels: the combine and the gathers read what the
+    engine stored with TMA, and initcheck reports those reads inside our own kernels
+    (see :func:`judges_engine_outputs`), so it cannot judge a layer case at all."""
+    if not judges_engine_outputs():
+        pytest.skip("reads engine outputs stored with TMA, which initcheck does not see")
+
+
 def gpu_plan(
     tokens: int,
     experts: int,
@@ -256,12 +273,13 @@ def test_engine_gated(block_m, tokens, top_k, num_sms, b_format, monkeypatch):
         h = gated_grouped_gemm(a, codes, plan, w13_scales=scales, preact_out=preact, **args)
         twin_preact = torch.empty_like(preact)
         twin = gated_grouped_gemm(a, decoded, plan, preact_out=twin_preact, **args)
-        assert_bitwise(h[:rows], twin[:rows])
-        assert_bitwise(preact[:rows], twin_preact[:rows])
+        if judges_engine_outputs():
+            assert_bitwise(h[:rows], twin[:rows])
+            assert_bitwise(preact[:rows], twin_preact[:rows])
         return
     w13 = bf16((experts, 2 * inter, hidden), 9, hidden**-0.5)
     h = gated_grouped_gemm(a, w13, plan, preact_out=preact, **args)
-    if rows:
+    if rows and judges_engine_outputs():
         expected = gated_grouped_gemm_reference(a, w13, plan, **args)
         assert_close_to_oracle("h", h[:rows], expected)
         # g | u: the gate rows' then the up rows' sums with their side terms.
@@ -398,12 +416,14 @@ def test_engine_store_k_major(block_m, tokens, top_k, num_sms, b_format, monkeyp
     if b_format == "mxfp4":
         codes, scales, decoded = mxfp4_b((experts, n, k), 6)
         out = grouped_gemm(a, codes, plan, b_scales=scales, b_extra=b_extra)
-        assert_bitwise(out[:rows], grouped_gemm(a, decoded, plan, b_extra=b_extra)[:rows])
+        twin = grouped_gemm(a, decoded, plan, b_extra=b_extra)
+        if judges_engine_outputs():
+            assert_bitwise(out[:rows], twin[:rows])
         return
     b = bf16((experts, n, k), 6, k**-0.5)
     out = grouped_gemm(a, b, plan, b_extra=b_extra)
     assert out.shape == (plan.pool_capacity, n + extra)
-    if rows:
+    if rows and judges_engine_outputs():
         expected = grouped_gemm_reference(a, b, plan, b_extra=b_extra)
         assert_close_to_oracle("out", out[:rows], expected)
 
@@ -431,12 +451,13 @@ def test_engine_store_mn_major(block_m, tokens, top_k, num_sms, b_format, monkey
         codes, scales, decoded = mxfp4_b((experts, k, n), 16)
         out = grouped_gemm(a, codes, plan, b_major="mn", b_scales=scales, b_extra_blocks=blocks)
         twin = grouped_gemm(a, decoded, plan, b_major="mn", b_extra_blocks=blocks)
-        assert_bitwise(out[:rows], twin[:rows])
+        if judges_engine_outputs():
+            assert_bitwise(out[:rows], twin[:rows])
         return
     b = bf16((experts, k, n), 16, k**-0.5)
     out = grouped_gemm(a, b, plan, b_major="mn", b_extra_blocks=blocks)
     assert out.shape == (plan.pool_capacity, n + 2 * rank)
-    if rows:
+    if rows and judges_engine_outputs():
         expected = grouped_gemm_reference(
             a, b.transpose(1, 2).contiguous(), plan, b_extra_blocks=blocks
         )
@@ -535,6 +556,8 @@ def test_k_grouped_gemm(tokens, top_k, m, n, num_sms, monkeypatch):
     a[padding] = float("nan")
     b[padding] = float("nan")
     out = k_grouped_gemm(a, b, plan, scale=0.5)
+    if not judges_engine_outputs():
+        return
     expected = k_grouped_gemm_reference(a, b, plan, scale=0.5)
     empty = plan.expert_counts == 0
     assert bool((out[empty] == 0).all())
@@ -583,6 +606,7 @@ BLOCK_M_128_TOKENS = next(
 def test_moe_forward(tokens, top_k, rank, kwargs):
     # The adapters run x a1, x a3 and shrink (a1|a3)^T as torch GEMMs.
     skip_if_torch_gemm_under_init_or_race(rank is not None)
+    skip_layer_under_initcheck()
     shape = dict(hidden=128, intermediate=128, num_experts=8, top_k=top_k, side_rank=rank)
     fast = make_layer(**shape, num_tokens=tokens, device="cuda", seed=tokens, **kwargs)
     exact = make_layer(
@@ -634,6 +658,7 @@ def test_moe_forward_backward(tokens, top_k, rank, kwargs):
     # Every GEMM of the layer is ours; the adapters add torch GEMMs (q13, the side
     # expand, db2 and the dense a1/a3/b2 gradients).
     skip_if_torch_gemm_under_init_or_race(rank is not None)
+    skip_layer_under_initcheck()
     shape = dict(hidden=128, intermediate=128, num_experts=8, top_k=top_k, side_rank=rank)
     common = dict(num_tokens=tokens, device="cuda", seed=tokens, requires_grad=True, **kwargs)
     fast = make_layer(**shape, **common)
@@ -694,7 +719,9 @@ def test_moe_mxfp4_forward_backward(tokens, top_k):
 @pytest.mark.parametrize("tokens,top_k", [(1, 2), (150, 6)])
 def test_moe_mxfp4_forward_backward_no_side(tokens, top_k):
     """Forward and backward on an MXFP4 base, every GEMM decoding in its pipeline (our
-    kernels only: runs under all four tools)."""
+    kernels only: memcheck, racecheck and synccheck judge it; initcheck cannot, see
+    :func:`skip_layer_under_initcheck`)."""
+    skip_layer_under_initcheck()
     shape = dict(hidden=128, intermediate=128, num_experts=8, top_k=top_k, side_rank=None)
     common = dict(num_tokens=tokens, device="cuda", seed=tokens, format="mxfp4", requires_grad=True)
     fast = make_layer(**shape, routing="masked", **common)

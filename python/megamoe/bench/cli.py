@@ -721,14 +721,21 @@ def _run_ep(args: argparse.Namespace) -> int:
     return subprocess.run(command, env=env, check=False).returncode
 
 
+def select_device(name: str) -> torch.device:
+    """``torch.device(name)``, made the current CUDA device where it names an index (the
+    events, the copy and the graph capture use the current device's stream). A bare
+    ``"cuda"`` is the current device already (torch 2.11 refuses it in ``set_device``)."""
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
+    return device
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.ep > 1:
         return _run_ep(args)
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        # The events, the copy and the graph capture use the current device's stream.
-        torch.cuda.set_device(device)
+    device = select_device(args.device)
     refusal = memory_refusal(args, device)
     if refusal:
         print(refusal, file=sys.stderr)
