@@ -28,6 +28,7 @@ from .custom_ops.layer import (
     _takes_eager_route,
 )
 from .ep.ops import moe as fused_moe
+from .ep.ops import raise_with_the_group
 from .heuristics import get_block_m
 from .side_lora import SideLoRA
 from .validation import check_moe_inputs
@@ -100,55 +101,61 @@ def moe(
         raise TypeError(
             f"group: expected a torch.distributed.ProcessGroup or None, got {type(group).__name__}"
         )
-    if not isinstance(activation_checkpoint, bool):
-        raise TypeError(
-            f"activation_checkpoint: expected a bool, got {type(activation_checkpoint).__name__}"
+    # With group=, a refusal is this rank's alone: it joins the peers' agreement first,
+    # so that they raise too instead of waiting for it (raise_with_the_group).
+    try:
+        if not isinstance(activation_checkpoint, bool):
+            kind = type(activation_checkpoint).__name__
+            raise TypeError(f"activation_checkpoint: expected a bool, got {kind}")
+        if not isinstance(reduce_shared_grads, bool):
+            raise TypeError(
+                f"reduce_shared_grads: expected a bool, got {type(reduce_shared_grads).__name__}"
+            )
+        if not isinstance(base, BaseWeights):
+            raise TypeError(f"base: expected megamoe.BaseWeights, got {type(base).__name__}")
+        # EP1 with CUDA tokens: the op's real implementation runs these same checks first
+        # (before any launch), so they are not run twice. Under torch.compile the fake
+        # implementation runs them at trace time (on fake tensors: no data pointers, no id
+        # values) and the real one at run time. EP ids are global: the dispatch plan checks
+        # their range. A trainable MXFP4 base decodes (a launch) before the op: its call is
+        # checked here.
+        cuda_ep1 = (
+            group is None
+            and isinstance(x, torch.Tensor)
+            and x.is_cuda
+            and isinstance(topk_ids, torch.Tensor)
+            and topk_ids.dim() == 2
         )
-    if not isinstance(reduce_shared_grads, bool):
-        raise TypeError(
-            f"reduce_shared_grads: expected a bool, got {type(reduce_shared_grads).__name__}"
-        )
-    if not isinstance(base, BaseWeights):
-        raise TypeError(f"base: expected megamoe.BaseWeights, got {type(base).__name__}")
-    # EP1 with CUDA tokens: the op's real implementation runs these same checks first
-    # (before any launch), so they are not run twice. Under torch.compile the fake
-    # implementation runs them at trace time (on fake tensors: no data pointers, no id
-    # values) and the real one at run time. EP ids are global: the dispatch plan checks
-    # their range. A trainable MXFP4 base decodes (a launch) before the op: its call is
-    # checked here.
-    cuda_ep1 = (
-        group is None
-        and isinstance(x, torch.Tensor)
-        and x.is_cuda
-        and isinstance(topk_ids, torch.Tensor)
-        and topk_ids.dim() == 2
-    )
-    checked_by_op = cuda_ep1 and not base.decodes_for_call
-    if torch.compiler.is_compiling() or checked_by_op:
-        # Only what this function reads before the op's checks run.
-        check_call_structure(topk_ids, side)
-    else:
-        check_moe_inputs(
-            x,
-            topk_ids,
-            topk_weights,
-            base,
-            side,
-            activation,
-            activation_clamp,
-            require_cuda=False,
-            allow_no_tokens=group is not None,
-            expert_id_limit=None if group is not None else base.num_experts,
-        )
-    # Ordinary mode on an MXFP4 base: the BF16 path on the exact decode, with the
-    # gradient passed straight through to the master (docs/DESIGN.md §1).
-    base = base.for_call()
-    if group is not None:
-        if base.device.type != "cuda":
+        checked_by_op = cuda_ep1 and not base.decodes_for_call
+        if torch.compiler.is_compiling() or checked_by_op:
+            # Only what this function reads before the op's checks run.
+            check_call_structure(topk_ids, side)
+        else:
+            check_moe_inputs(
+                x,
+                topk_ids,
+                topk_weights,
+                base,
+                side,
+                activation,
+                activation_clamp,
+                require_cuda=False,
+                allow_no_tokens=group is not None,
+                expert_id_limit=None if group is not None else base.num_experts,
+            )
+        # Ordinary mode on an MXFP4 base: the BF16 path on the exact decode, with the
+        # gradient passed straight through to the master (docs/DESIGN.md §1).
+        base = base.for_call()
+        if group is not None and base.device.type != "cuda":
             raise ValueError(
                 f"base: expected CUDA weights for the fused path, got {base.device} (the "
                 "CPU twin of the EP pipeline is megamoe.ep.fused_moe, for tests)"
             )
+    except (TypeError, ValueError) as error:
+        if group is None:
+            raise
+        raise_with_the_group(error, group)
+    if group is not None:
         return fused_moe(
             x,
             topk_ids,

@@ -351,3 +351,72 @@ def test_a_backward_state_that_is_not_this_forwards_is_named():
     for message, change in bad.items():
         with pytest.raises(ValueError if "dtype" not in message else TypeError, match=message):
             torch.ops.megamoe.moe_ep_backward(**{**args, **change})
+
+
+def _one_rank_refuses_worker(rank: int, world: int) -> list[str]:
+    """Each call has one argument only the last rank gets wrong; returns each call's
+    outcome ("ran" or the error) on this rank."""
+    import torch.distributed as dist
+
+    group, outcomes = dist.group.WORLD, []
+    last = rank == world - 1
+
+    def attempt(call) -> None:
+        try:
+            call()
+            outcomes.append("ran")
+        except (TypeError, ValueError) as error:
+            outcomes.append(f"{type(error).__name__}: {error}")
+
+    x, ids, weights, base, side = _rank_layer(rank, world)
+    bad_x = x.float() if last else x
+    attempt(lambda: ep.fused_moe(bad_x, ids, weights, base, side, group=group))
+    # The static bound given on one rank only (the agreement's vector had another length).
+    bound = None if last else 16
+    attempt(lambda: ep.fused_moe(x, ids, weights, base, side, group=group, max_tokens=bound))
+    # The op's own checks (a caller of the op, not through fused_moe).
+    args = _op_args(x.detach(), ids, weights.detach(), base, side, group=group, save="preact")
+    if last:
+        args["save"] = "all"
+    attempt(lambda: torch.ops.megamoe.moe_ep_forward(**args))
+    # The reference layer's checks and the dispatch plan's own.
+    w13, w2 = base.w13.float(), base.w2.float()
+    flag = 1 if last else False  # 1: not a bool
+    attempt(lambda: ep.reference_moe(x, ids, weights, w13, w2, group=group, round_bf16=flag))
+    bad_ids = ids[:, 0] if last else ids
+    attempt(lambda: ep.plan_dispatch(bad_ids, E, group=group))
+    # And the same step on good inputs still runs (nothing is left half-exchanged).
+    attempt(lambda: ep.fused_moe(x, ids, weights, base, side, group=group))
+    return outcomes
+
+
+def test_inputs_one_rank_refuses_raise_on_every_rank():
+    """An argument only one rank refuses (before the exchange) raised on that rank alone,
+    leaving its peers in the agreement all-reduce (a hang on NCCL; gloo saw the closed
+    connection). Now that rank joins the agreement with its refusal flagged: it raises
+    its own error naming the argument, its peers a ValueError naming the rank, and the
+    next step runs. A static bound given on one rank only made the agreement vectors of
+    different lengths (gloo aborted the process); now it is a named mismatch."""
+    world = 2
+    last = world - 1
+    results = ep.run_gloo(_one_rank_refuses_worker, world, timeout_s=120.0)
+    peer_message = f"ValueError: rank {last} of the EP group refused its inputs"
+    own_messages = [
+        "TypeError: x: expected dtype bfloat16",
+        None,  # the bound: a mismatch, named alike on every rank
+        "ValueError: save: expected one of",
+        "TypeError: round_bf16: expected a bool",
+        "ValueError: topk_ids: expected 2 dimensions",
+    ]
+    for rank, outcomes in enumerate(results):
+        assert len(outcomes) == 6, outcomes
+        for own, outcome in zip(own_messages, outcomes, strict=False):
+            if own is None:
+                assert outcome.startswith(
+                    "ValueError: max_tokens (-1: none): expected the same value on every rank"
+                ), outcome
+            elif rank == last:
+                assert outcome.startswith(own), outcome
+            else:
+                assert outcome.startswith(peer_message), outcome
+        assert outcomes[5] == "ran", outcomes

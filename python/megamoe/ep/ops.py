@@ -29,6 +29,8 @@ of host time at few tokens); beside the exchanges' host sync this was not measur
 
 from __future__ import annotations
 
+from typing import NoReturn
+
 import torch
 import torch.distributed as dist
 
@@ -51,7 +53,14 @@ from ..weights import BaseWeights
 from ..wrappers.grouped_gemm import ACTIVATIONS
 from ..wrappers.routing import RoutePlan
 from .fused_layer import ep_backward_stages, ep_forward_stages, float_bits
-from .plan import DispatchPlan, ExpertPartition, group_rank, group_size, plan_dispatch
+from .plan import (
+    DispatchPlan,
+    ExpertPartition,
+    group_rank,
+    group_size,
+    plan_dispatch,
+    refuse_on_every_rank,
+)
 
 __all__ = ["moe"]
 
@@ -70,6 +79,33 @@ _STATE_NAMES = (
     "p_sum",  # [T, r] bfloat16 (the side path), else empty
 )
 _HOST_FIELDS = 6
+
+#: What every rank's forward must hold alike, checked in plan_dispatch's one all-reduce
+#: (its ``uniform``, in this order). A rank that refuses its inputs before that joins it
+#: with as many placeholders (refuse_on_every_rank).
+_UNIFORM_NAMES = (
+    "hidden",
+    "intermediate",
+    "side_rank",
+    "base format (0 bf16, 1 mxfp4)",
+    "activation",
+    "side.scale (float64 bits)",
+    "activation_clamp (float64 bits, -1: None)",
+    "reduce_shared_grads",
+    # Every rank runs the backward (its collectives) if any does, and a checkpointed
+    # call's backward exchanges the token rows once more: the ranks agree on both.
+    "save (0: no backward, 1: pre-activations kept, 2: activation_checkpoint)",
+)
+
+
+def raise_with_the_group(error: Exception, group: dist.ProcessGroup | None) -> NoReturn:
+    """Raise ``error``, this rank's refusal of its own EP call, after the peers learn of it:
+    they wait in the forward's agreement all-reduce, which this rank joins with its
+    refusal flagged, so that every rank raises (:func:`~megamoe.ep.plan.refuse_on_every_rank`).
+    Under torch.compile's tracing no collective runs: it just raises."""
+    if torch.compiler.is_compiling():
+        raise error
+    refuse_on_every_rank(error, group, len(_UNIFORM_NAMES))
 
 
 def _group(name: str) -> dist.ProcessGroup | None:
@@ -146,33 +182,31 @@ def _moe_ep_forward_impl(
     output empty; ``"recompute"`` (activation checkpointing): ``preact``, ``recv_x`` and
     ``recv_q13`` empty, the backward exchanges the token rows again and recomputes
     GEMM1's pre-activations. A collective over the group: every rank calls it."""
-    base, side = _layer_inputs(
-        x, topk_ids, topk_weights, w13, w2, w13_scales, w2_scales, (a1, b1, a3, b3, a2, b2),
-        scale, activation, activation_clamp,
-    )  # fmt: skip
-    check_choice("save", save, SAVE_MODES)
     group = _group(group_name)
+    try:
+        base, side = _layer_inputs(
+            x, topk_ids, topk_weights, w13, w2, w13_scales, w2_scales,
+            (a1, b1, a3, b3, a2, b2), scale, activation, activation_clamp,
+        )  # fmt: skip
+        check_choice("save", save, SAVE_MODES)
+    except (TypeError, ValueError) as error:  # the peers wait in the agreement
+        raise_with_the_group(error, group)
     # Everything that must match across ranks is checked in plan_dispatch's one
     # all-reduce, so a mismatch raises on every rank instead of hanging a collective:
     # shapes, the activation, the adapter scale and clamp (their float bits; a zero
     # scale drops the adapter columns from every exchange).
-    uniform = {
-        "hidden": base.hidden,
-        "intermediate": base.intermediate,
-        "side_rank": 0 if side is None else side.rank,
-        "base format (0 bf16, 1 mxfp4)": int(base.format == "mxfp4"),
-        "activation": tuple(ACTIVATIONS).index(activation),
-        "side.scale (float64 bits)": float_bits(scale if side is not None else 0.0),
-        "activation_clamp (float64 bits, -1: None)": (
-            -1 if activation_clamp is None else float_bits(float(activation_clamp))
-        ),
-        "reduce_shared_grads": int(reduce_shared_grads),
-        # Every rank runs the backward (its collectives) if any does, and a checkpointed
-        # call's backward exchanges the token rows once more: the ranks agree on both.
-        "save (0: no backward, 1: pre-activations kept, 2: activation_checkpoint)": (
-            SAVE_MODES.index(save)
-        ),
-    }
+    uniform_values = (
+        base.hidden,
+        base.intermediate,
+        0 if side is None else side.rank,
+        int(base.format == "mxfp4"),
+        tuple(ACTIVATIONS).index(activation),
+        float_bits(scale if side is not None else 0.0),
+        -1 if activation_clamp is None else float_bits(float(activation_clamp)),
+        int(reduce_shared_grads),
+        SAVE_MODES.index(save),
+    )
+    uniform = dict(zip(_UNIFORM_NAMES, uniform_values, strict=True))
     plan = plan_dispatch(
         topk_ids,
         base.num_experts * group_size(group),
@@ -602,8 +636,6 @@ def moe(
         raise TypeError(
             f"group: expected a torch.distributed.ProcessGroup or None, got {type(group).__name__}"
         )
-    if not isinstance(base, BaseWeights):
-        raise TypeError(f"base: expected megamoe.BaseWeights, got {type(base).__name__}")
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         # Named here, before the plan's first host read would break the capture.
         raise RuntimeError(
@@ -612,23 +644,30 @@ def moe(
         )
     # The op checks again (real and fake); here first, so that a wrong type is named
     # before the tensors are asked whether they need gradients, and before an MXFP4
-    # base in ordinary mode is decoded (a launch).
-    check_moe_inputs(
-        x, topk_ids, topk_weights, base, side, activation, activation_clamp,
-        require_cuda=False, allow_no_tokens=True,
-    )  # fmt: skip
-    # MXFP4 ordinary mode, as mm.moe (a no-op if mm.moe already converted it).
-    base = base.for_call()
-    flags = (
-        ("reduce_shared_grads", reduce_shared_grads),
-        ("check_ids", check_ids),
-        ("activation_checkpoint", activation_checkpoint),
-    )
-    for name, flag in flags:
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
-    if max_tokens is not None:
-        check_int("max_tokens", max_tokens, minimum=0)
+    # base in ordinary mode is decoded (a launch). A refusal here is this rank's alone:
+    # it joins the peers' agreement first, so that they raise too (not under
+    # torch.compile's tracing, where no collective runs).
+    try:
+        if not isinstance(base, BaseWeights):
+            raise TypeError(f"base: expected megamoe.BaseWeights, got {type(base).__name__}")
+        check_moe_inputs(
+            x, topk_ids, topk_weights, base, side, activation, activation_clamp,
+            require_cuda=False, allow_no_tokens=True,
+        )  # fmt: skip
+        # MXFP4 ordinary mode, as mm.moe (a no-op if mm.moe already converted it).
+        base = base.for_call()
+        flags = (
+            ("reduce_shared_grads", reduce_shared_grads),
+            ("check_ids", check_ids),
+            ("activation_checkpoint", activation_checkpoint),
+        )
+        for name, flag in flags:
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
+        if max_tokens is not None:
+            check_int("max_tokens", max_tokens, minimum=0)
+    except (TypeError, ValueError) as error:
+        raise_with_the_group(error, group)
     group_name = ""
     if group is not None:
         try:

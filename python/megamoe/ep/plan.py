@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -40,6 +41,7 @@ __all__ = [
     "group_size",
     "plan_dispatch",
     "recv_capacity",
+    "refuse_on_every_rank",
     "split_routes",
 ]
 
@@ -138,6 +140,61 @@ def _all_reduce_max(
         t = t.to(device if on_gpu else torch.device("cuda", torch.cuda.current_device()))
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return [int(v) for v in t.tolist()]
+
+
+#: What a rank that holds no valid value for a slot sends: below every value and every
+#: negated value a rank can hold, so the MAX over the group is the other ranks'.
+_NO_VALUE = -(2**62)
+
+
+def _agreement_values(
+    top_k: object, num_experts: object, uniform: Mapping[str, object] | None, max_tokens: object
+) -> tuple[list[str], list[int | None]]:
+    """The names and values every rank must hold alike, in the agreement's order (None:
+    this rank has no valid value there, it refused its inputs). The length depends only
+    on the number of ``uniform`` values (no static bound is -1), so ranks that differ in
+    any of them still join the same all-reduce."""
+    extra = dict(uniform or {})
+    names = ["top_k", "num_experts", *extra, "max_tokens (-1: none)"]
+    values = [top_k, num_experts, *extra.values(), -1 if max_tokens is None else max_tokens]
+    return names, [v if type(v) is int else None for v in values]
+
+
+def _agree(
+    num_tokens: int,
+    refused: int,
+    bad_ids: int,
+    values: list[int | None],
+    group: dist.ProcessGroup | None,
+    device: torch.device | None,
+) -> tuple[int, int, int, list[int | None], list[int | None]]:
+    """The one all-reduce MAX of :func:`plan_dispatch`: ``(most tokens, a refusing rank + 1
+    or 0, a rank with bad ids + 1 or 0, highs, lows)`` of ``values`` over the ranks that
+    hold them (None where no rank does)."""
+    n = len(values)
+    highs = [_NO_VALUE if v is None else v for v in values]
+    negated = [_NO_VALUE if v is None else -v for v in values]
+    agreed = _all_reduce_max([num_tokens, refused, bad_ids, *highs, *negated], group, device)
+    high = [None if v == _NO_VALUE else v for v in agreed[3 : 3 + n]]
+    low = [None if v == _NO_VALUE else -v for v in agreed[3 + n :]]
+    return agreed[0], agreed[1], agreed[2], high, low
+
+
+def refuse_on_every_rank(
+    error: Exception, group: dist.ProcessGroup | None, num_uniform: int
+) -> NoReturn:
+    """Raise ``error`` (this rank's refusal of its own inputs) after joining the group's
+    dispatch agreement with the refusal flagged, so that the peers, which wait in
+    :func:`plan_dispatch`'s all-reduce, raise too instead of waiting for this rank.
+
+    ``num_uniform`` is the number of ``uniform`` values the peers pass to
+    :func:`plan_dispatch` (the vector's length must match theirs). ``group=None``: just
+    raises.
+    """
+    if group is not None:
+        values = [None] * len(_agreement_values(0, 0, dict.fromkeys(range(num_uniform)), 0)[1])
+        _agree(0, group_rank(group) + 1, 0, values, group, None)
+    raise error
 
 
 def agree_block_m(
@@ -292,14 +349,16 @@ def plan_dispatch(
 ) -> DispatchPlan:
     """Plan one expert-parallel step (a collective: every rank of ``group`` calls it).
 
-    Steps: one all-reduce MAX of ``[T, bad-id flag, K, -K, E, -E, uniform..., -uniform...]``
-    (BLOCK_M agreement and argument checks in one collective) -> the local routing
-    split (:func:`split_routes`) -> ``all_to_all_single`` of the per-rank counts ->
-    ``all_to_all_single`` of the routes' expert ids -> (without a static ``max_tokens``)
-    an all-reduce MAX of the received route count, the rank-uniform pool size -> the
-    receiver's pool plan. The first all-reduce runs with a static ``max_tokens`` too
-    (which then joins the values that must agree): a mismatched group raises on every
-    rank instead of pairing different collectives.
+    Steps: one all-reduce MAX of ``[T, refusal flag, bad-id flag, values..., -values...]``,
+    the values ``K, E, uniform..., max_tokens (-1: none)`` (BLOCK_M agreement and argument
+    checks in one collective) -> the local routing split (:func:`split_routes`) ->
+    ``all_to_all_single`` of the per-rank counts -> ``all_to_all_single`` of the routes'
+    expert ids -> (without a static ``max_tokens``) an all-reduce MAX of the received
+    route count, the rank-uniform pool size -> the receiver's pool plan. The first
+    all-reduce always runs and always has the same length: a mismatched group, or a rank
+    that refused its own arguments (here, or before the call through
+    :func:`refuse_on_every_rank`), raises on every rank instead of pairing different
+    collectives.
 
     Args:
         topk_ids: ``[T, K]`` int32/int64 global expert ids, ``-1`` = masked. ``T`` may
@@ -323,23 +382,25 @@ def plan_dispatch(
         The :class:`DispatchPlan`. The counts are read back to the host (the split sizes
         of ``all_to_all_single`` are host ints): this is the CPU path's host sync.
     """
-    check_tensor("topk_ids", topk_ids, ndim=2, dtypes=(torch.int32, torch.int64))
-    num_tokens, top_k = topk_ids.shape
-    check_int("num_experts", num_experts)
     world, rank = group_size(group), group_rank(group)
     agrees = group is not None
     static_bound = max_tokens is not None
-    if static_bound:
-        check_int("max_tokens", max_tokens, minimum=0)  # its value is agreed below
-    # A bad E or K is raised after the all-reduce below, which compares them across
-    # ranks: raised here by one rank alone, it would leave its peers waiting in that
-    # collective. Where the ranks agree on them, every rank has the same error.
+    # A bad argument here is raised after the all-reduce below: raised by one rank
+    # alone, it would leave its peers waiting in that collective. A bad E, K or bound
+    # is also compared across ranks there (where the ranks agree on it, every rank has
+    # the same error); any other refusal is flagged, and every rank raises.
     local_error = None
+    num_tokens, top_k = 0, None  # top_k None: not agreed (ids this rank refused)
     try:
+        check_tensor("topk_ids", topk_ids, ndim=2, dtypes=(torch.int32, torch.int64))
+        num_tokens, top_k = topk_ids.shape
+        check_int("num_experts", num_experts)
+        if static_bound:
+            check_int("max_tokens", max_tokens, minimum=0)  # its value is agreed below
         partition = ExpertPartition(num_experts, world, rank)
         if top_k < 1:
             raise ValueError(f"topk_ids: expected at least one route per token, got {top_k}")
-    except ValueError as error:
+    except (TypeError, ValueError) as error:
         if not agrees:
             raise
         local_error = error
@@ -353,22 +414,17 @@ def plan_dispatch(
                     f"topk_ids: expected expert ids in [-1, {num_experts}), got values in "
                     f"[{low}, {high}]"
                 )
-    extra = dict(uniform or {})
-    names = ["top_k", "num_experts", *extra]
-    values = [top_k, num_experts, *(int(v) for v in extra.values())]
-    if static_bound:  # the same on every rank, like the other uniform values
-        names.append("max_tokens")
-        values.append(max_tokens)
+    names, values = _agreement_values(top_k, num_experts, uniform, max_tokens)
     # One all-reduce even with a static bound: the agreement (ids, the uniform values,
     # whether the step has a backward) is what keeps a mismatched group from pairing
     # different collectives; it is one vector of a few ints.
-    agreed = _all_reduce_max(
-        [num_tokens, bad_ids, *values, *(-v for v in values)], group, topk_ids.device
+    device = topk_ids.device if isinstance(topk_ids, torch.Tensor) else None
+    most_tokens, refused, bad_rank, highs, lows = _agree(
+        num_tokens, 0 if local_error is None else rank + 1, bad_ids, values, group, device
     )
-    most_tokens, bad_rank = agreed[0], agreed[1]
-    n = len(values)
-    highs, lows = agreed[2 : 2 + n], [-v for v in agreed[2 + n :]]
     for name, mine, high, low in zip(names, values, highs, lows):
+        if high is None or mine is None:  # no rank holds it, or this one refused
+            continue
         if high != low:
             raise ValueError(
                 f"{name}: expected the same value on every rank of the EP group, got "
@@ -376,6 +432,11 @@ def plan_dispatch(
             )
     if local_error is not None:
         raise local_error
+    if refused:
+        raise ValueError(
+            f"rank {refused - 1} of the EP group refused its inputs before the exchange "
+            "(its own error names the argument); every rank raises with it"
+        )
     if bad_rank:
         raise ValueError(
             f"topk_ids: expected expert ids in [-1, {num_experts}) on every rank, rank "

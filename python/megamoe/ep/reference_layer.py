@@ -43,7 +43,7 @@ from ..reference import (
 from ..side_lora import SIDE_NAMES, SideLoRA
 from ..validation.arguments import check_int, check_tensor
 from .exchange import combine, dispatch, reduce_shared_grads, sum_over_k
-from .plan import DispatchPlan, group_size, plan_dispatch
+from .plan import DispatchPlan, group_size, plan_dispatch, refuse_on_every_rank
 
 __all__ = ["ExpertState", "ReferenceExperts", "reference_moe"]
 
@@ -308,6 +308,19 @@ class _EPReferenceMoE(torch.autograd.Function):
         return tuple(result)
 
 
+#: What every rank must hold alike (plan_dispatch's ``uniform``), in order.
+_UNIFORM_NAMES = (
+    "hidden",
+    "intermediate",
+    "side_rank",
+    "activation",
+    "activation_clamp (set or None)",
+    "compute_dtype",
+    "round_bf16",
+    "reduce_shared_grads",
+)
+
+
 def reference_moe(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -360,49 +373,56 @@ def reference_moe(
     Returns:
         ``out`` ``[T, H]`` in ``compute_dtype``; gradients come back in each input's dtype.
     """
-    check_tensor("w13_local", w13_local, ndim=3)
-    experts, two_i, hidden = w13_local.shape
-    if two_i % 2:
-        raise ValueError(f"w13_local: expected an even second dimension 2*I, got {two_i}")
-    inter = two_i // 2
-    check_tensor("w2_local", w2_local, shape=(experts, hidden, inter), device=w13_local.device)
-    # Shapes only: bad id values are checked in plan_dispatch on every rank at once, so
-    # no rank is left waiting in a collective.
-    check_tensor("x", x, shape=(None, hidden), dtypes=_X_DTYPES)
-    tokens = x.shape[0]
-    check_tensor("topk_ids", topk_ids, shape=(tokens, None), dtypes=_ID_DTYPES, device=x.device)
-    check_tensor(
-        "topk_weights",
-        topk_weights,
-        shape=tuple(topk_ids.shape),
-        dtypes=(torch.float32, torch.float64),
-        device=x.device,
-    )
-    check_tensor("w13_local", w13_local, ndim=3, device=x.device)
-    activation_clamp = _check_options(activation, activation_clamp, compute_dtype)
-    _check_side(side_local, hidden, inter, experts, x.device)
-    world = group_size(group)
-    if num_experts is None:
-        num_experts = experts * world
-    check_int("num_experts", num_experts, minimum=1)
-    if num_experts != experts * world:
-        raise ValueError(
-            f"num_experts: expected E_l * P = {experts} * {world} = {experts * world} "
-            f"(w13_local holds E_l={experts}), got {num_experts}"
+    # A refusal here is this rank's alone: it joins the peers' agreement first, so that
+    # they raise too instead of waiting for it.
+    try:
+        check_tensor("w13_local", w13_local, ndim=3)
+        experts, two_i, hidden = w13_local.shape
+        if two_i % 2:
+            raise ValueError(f"w13_local: expected an even second dimension 2*I, got {two_i}")
+        inter = two_i // 2
+        check_tensor("w2_local", w2_local, shape=(experts, hidden, inter), device=w13_local.device)
+        # Shapes only: bad id values are checked in plan_dispatch on every rank at once, so
+        # no rank is left waiting in a collective.
+        check_tensor("x", x, shape=(None, hidden), dtypes=_X_DTYPES)
+        tokens = x.shape[0]
+        check_tensor("topk_ids", topk_ids, shape=(tokens, None), dtypes=_ID_DTYPES, device=x.device)
+        check_tensor(
+            "topk_weights",
+            topk_weights,
+            shape=tuple(topk_ids.shape),
+            dtypes=(torch.float32, torch.float64),
+            device=x.device,
         )
-    for name, flag in (("reduce_shared_grads", reduce_shared_grads), ("round_bf16", round_bf16)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
-    uniform = {
-        "hidden": hidden,
-        "intermediate": inter,
-        "side_rank": 0 if side_local is None else side_local.rank,
-        "activation": ACTIVATIONS.index(activation),
-        "activation_clamp (set or None)": int(activation_clamp is not None),
-        "compute_dtype": 64 if compute_dtype == torch.float64 else 32,
-        "round_bf16": int(round_bf16),
-        "reduce_shared_grads": int(reduce_shared_grads),
-    }
+        check_tensor("w13_local", w13_local, ndim=3, device=x.device)
+        activation_clamp = _check_options(activation, activation_clamp, compute_dtype)
+        _check_side(side_local, hidden, inter, experts, x.device)
+        world = group_size(group)
+        if num_experts is None:
+            num_experts = experts * world
+        check_int("num_experts", num_experts, minimum=1)
+        if num_experts != experts * world:
+            raise ValueError(
+                f"num_experts: expected E_l * P = {experts} * {world} = {experts * world} "
+                f"(w13_local holds E_l={experts}), got {num_experts}"
+            )
+        flags = (("reduce_shared_grads", reduce_shared_grads), ("round_bf16", round_bf16))
+        for name, flag in flags:
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
+    except (TypeError, ValueError) as error:
+        refuse_on_every_rank(error, group, len(_UNIFORM_NAMES))
+    uniform_values = (
+        hidden,
+        inter,
+        0 if side_local is None else side_local.rank,
+        ACTIVATIONS.index(activation),
+        int(activation_clamp is not None),
+        64 if compute_dtype == torch.float64 else 32,
+        int(round_bf16),
+        int(reduce_shared_grads),
+    )
+    uniform = dict(zip(_UNIFORM_NAMES, uniform_values, strict=True))
     plan = plan_dispatch(
         topk_ids,
         num_experts,
