@@ -478,16 +478,15 @@ def test_device_idle_merges_overlaps_and_ranks_the_gaps():
 
 def test_select_device_sets_only_an_indexed_cuda_device(monkeypatch):
     """``--device cuda:N`` makes N current (its events and graphs use that stream); a bare
-    ``cuda`` is the current device already, and torch 2.11's ``set_device`` refuses a
-    device without an index (every default bench run failed on the H100 that way)."""
+    ``cuda`` is the current device already, and ``set_device`` refuses a device without
+    an index (every default bench run failed on the GPU that way). The stand-in resolves
+    the index as ``torch.cuda.set_device`` does, then records it."""
+    from torch.cuda._utils import _get_device_index
+
     calls = []
-
-    def strict_set_device(device):  # torch 2.11: "Expected a torch.device with a specified index"
-        if torch.device(device).index is None:
-            raise ValueError("Expected a torch.device with a specified index")
-        calls.append(torch.device(device).index)
-
-    monkeypatch.setattr(torch.cuda, "set_device", strict_set_device)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(_get_device_index(d)))
+    with pytest.raises(ValueError, match="specified index"):  # what the bench used to call
+        torch.cuda.set_device(torch.device("cuda"))
     assert cli.select_device("cuda") == torch.device("cuda")
     assert cli.select_device("cuda:1") == torch.device("cuda", 1)
     assert cli.select_device("cpu") == torch.device("cpu")

@@ -724,7 +724,8 @@ def _run_ep(args: argparse.Namespace) -> int:
 def select_device(name: str) -> torch.device:
     """``torch.device(name)``, made the current CUDA device where it names an index (the
     events, the copy and the graph capture use the current device's stream). A bare
-    ``"cuda"`` is the current device already (torch 2.11 refuses it in ``set_device``)."""
+    ``"cuda"`` is the current device already (``set_device`` refuses a device without an
+    index)."""
     device = torch.device(name)
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)
