@@ -19,6 +19,7 @@ from megamoe import (
     reference,
     workspace_layout,
 )
+from megamoe.ep.fused_layer import float_bits
 from megamoe.side_lora import SideLoRA
 from megamoe.testing import make_layer, make_routing
 from megamoe.wrappers import pool
@@ -271,3 +272,30 @@ def test_run_gloo_reports_a_failed_rank_without_waiting_for_the_deadline():
 def test_run_gloo_deadline_kills_workers():
     with pytest.raises(RuntimeError, match="deadline of 6 s passed, workers killed"):
         ep.run_gloo(_sleep_forever, 1, timeout_s=6.0)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        float_bits(2.0),  # 2^62: a placeholder of -2^62 once collided with its negation
+        float_bits(-2.0),  # -2^62
+        float_bits(-1e308),
+        float_bits(float("nan")),
+        2**63 - 1,
+        -(2**63) + 1,
+    ],
+)
+def test_the_agreement_holds_every_int64_value(value):
+    """The agreement all-reduces values and their negations (MAX) with a placeholder for
+    values a refusing rank does not hold: no value a rank can send may read as it. A side
+    scale of 2.0 (float bits 2^62) was refused as a mismatch with itself."""
+    ids = torch.tensor([[0, 1], [2, 3]])
+    plan = ep.plan_dispatch(ids, 4, group=None, uniform={"side.scale (float64 bits)": value})
+    assert plan.num_tokens == 2
+
+
+@pytest.mark.parametrize("kwargs", [{"uniform": {"hidden": 2**64}}, {"max_tokens": 2**64}])
+def test_the_agreement_refuses_ints_past_int64(kwargs):
+    ids = torch.tensor([[0, 1], [2, 3]])
+    with pytest.raises(ValueError, match="expected an int within int64's range"):
+        ep.plan_dispatch(ids, 4, group=None, **kwargs)

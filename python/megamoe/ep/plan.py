@@ -142,9 +142,11 @@ def _all_reduce_max(
     return [int(v) for v in t.tolist()]
 
 
-#: What a rank that holds no valid value for a slot sends: below every value and every
-#: negated value a rank can hold, so the MAX over the group is the other ranks'.
-_NO_VALUE = -(2**62)
+#: What a rank that holds no valid value for a slot sends: int64's minimum, below every
+#: value and every negated value a rank can send (both lie in (-2^63, 2^63)), so the MAX
+#: over the group is the other ranks'. (-2^62 would not do: float_bits(2.0) is 2^62.)
+_NO_VALUE = -(2**63)
+_INT64_MAX = 2**63 - 1
 
 
 def _agreement_values(
@@ -157,7 +159,7 @@ def _agreement_values(
     extra = dict(uniform or {})
     names = ["top_k", "num_experts", *extra, "max_tokens (-1: none)"]
     values = [top_k, num_experts, *extra.values(), -1 if max_tokens is None else max_tokens]
-    return names, [v if type(v) is int else None for v in values]
+    return names, [v if type(v) is int and abs(v) <= _INT64_MAX else None for v in values]
 
 
 def _agree(
@@ -415,6 +417,13 @@ def plan_dispatch(
                     f"[{low}, {high}]"
                 )
     names, values = _agreement_values(top_k, num_experts, uniform, max_tokens)
+    if local_error is None:
+        for name, value in zip(names, values):
+            if value is None:  # an int past int64 (the agreement's all-reduce holds int64)
+                local_error = ValueError(f"{name}: expected an int within int64's range")
+                if not agrees:
+                    raise local_error
+                break
     # One all-reduce even with a static bound: the agreement (ids, the uniform values,
     # whether the step has a backward) is what keeps a mismatched group from pairing
     # different collectives; it is one vector of a few ints.
