@@ -1,14 +1,16 @@
 """The engine bench's Nsight Compute parsing (CPU: a CSV in the layout ncu 2025 writes)."""
 
-from megamoe.bench.engine import NCU_METRICS, ncu_bytes_by_case
+import pytest
+
+from megamoe.bench.engine import NCU_METRICS, ncu_bytes_by_case, smi_index
 
 RANGE = "thread Domain:Push/Pop_Range:PL_Type:PL_Value:CLR_Type:Color:Msg_Type:Msg"
 NONE6 = ":none" * 6
 
 
-def _csv(rows: list[tuple[str, list[str]]]) -> list[str]:
+def _csv(rows: list[tuple[str, list[str]]], units: tuple[str, ...] = ("byte",) * 3) -> list[str]:
     head = ['"ID"', f'"{RANGE}"', '"Kernel Name"', *(f'"{m}"' for m in NCU_METRICS)]
-    units = ['""', '""', '""', *('"byte"' for _ in NCU_METRICS)]
+    units = ['""', '""', '""', *(f'"{u}"' for u in units)]
     lines = [",".join(head), ",".join(units)]
     for i, (rng, values) in enumerate(rows):
         lines.append(",".join([f'"{i}"', f'"{rng}"', '"k"', *(f'"{v}"' for v in values)]))
@@ -33,3 +35,23 @@ def test_bytes_are_summed_per_case_range():
 def test_no_rows_give_no_counts():
     assert ncu_bytes_by_case([]) == {}
     assert ncu_bytes_by_case(_csv([("", ["1", "1", "1"])])) == {}
+
+
+def test_scaled_units_are_converted_to_bytes():
+    """ncu scales its units unless told --print-units base; a scaled row still counts in
+    bytes (the units row was skipped and every value read as bytes)."""
+    rows = [(f"<default domain>:gemm1|engine{NONE6}", ["1.5", "2", "3"])]
+    totals = ncu_bytes_by_case(_csv(rows, units=("Mbyte", "Kbyte", "Gbyte")))
+    assert list(totals[("gemm1", "engine")].values()) == [1.5e6, 2e3, 3e9]
+    with pytest.raises(ValueError, match="unexpected units"):
+        ncu_bytes_by_case(_csv(rows, units=("byte", "byte", "cycle")))
+
+
+def test_power_log_samples_the_gpu_torch_runs_on(monkeypatch):
+    """nvidia-smi numbers GPUs without CUDA_VISIBLE_DEVICES: with it set to "3,5", torch's
+    device 0 is nvidia-smi's 3 (the bench lane of a two-GPU session ran on GPU 1 while
+    its clock and power were read from GPU 0)."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    assert smi_index(0) == 3 and smi_index(1) == 5
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert smi_index(1) == 1

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import gc
 import io
 import json
 import shutil
@@ -67,6 +68,18 @@ GEMMS = (
     "da2",
 )
 NCU_METRICS = ("dram__bytes_read.sum", "dram__bytes_write.sum", "lts__t_bytes.sum")
+#: ncu's byte units (``--print-units base`` asks for bytes; a scaled unit is converted).
+_BYTE_UNITS = {"byte": 1.0, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "Tbyte": 1e12}
+
+
+def smi_index(device_index: int) -> int:
+    """nvidia-smi's index of torch's CUDA device ``device_index``: nvidia-smi ignores
+    ``CUDA_VISIBLE_DEVICES`` (with ``CUDA_VISIBLE_DEVICES=1``, torch's device 0 is
+    nvidia-smi's 1), so the mask is applied here, as torch's NVML queries do."""
+    try:
+        return torch.cuda._get_nvml_device_index(device_index)
+    except (AttributeError, RuntimeError):  # no such helper, or no NVML for UUID masks
+        return device_index
 
 
 class PowerLog:
@@ -77,7 +90,7 @@ class PowerLog:
         self.process = None
         if shutil.which("nvidia-smi") is None:
             return
-        index = torch.cuda.current_device()
+        index = smi_index(torch.cuda.current_device())
         self.process = subprocess.Popen(
             ["nvidia-smi", f"--id={index}", "--query-gpu=clocks.sm,power.draw",
              "--format=csv,noheader,nounits", "-lms", "100"],
@@ -305,7 +318,8 @@ def run_ncu(argv: list[str]) -> dict[tuple[str, str], dict[str, float]]:
     if ncu is None:
         print("ncu: not found, no byte counts", file=sys.stderr)
         return {}
-    cmd = [ncu, "--csv", "--page", "raw", "--clock-control", "none", "--nvtx",
+    cmd = [ncu, "--csv", "--page", "raw", "--print-units", "base", "--clock-control", "none",
+           "--nvtx",
            "--metrics", ",".join(NCU_METRICS), sys.executable, "-m", "megamoe.bench.engine",
            *argv, "--ncu-child"]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -326,6 +340,10 @@ def ncu_bytes_by_case(csv_lines: list[str]) -> dict[tuple[str, str], dict[str, f
     # ncu names the column "thread Domain:Push/Pop_Range:...", its values
     # "<default domain>:gemm1|engine:none:..." (the range's message among ':'-fields).
     range_key = next((k for k in rows[0] if "push/pop_range" in k.lower()), None)
+    scale = {metric: _BYTE_UNITS.get(rows[0].get(metric, "byte")) for metric in NCU_METRICS}
+    unknown = {rows[0].get(m) for m, f in scale.items() if f is None}
+    if unknown:
+        raise ValueError(f"ncu: unexpected units {sorted(map(str, unknown))} for byte metrics")
     for row in rows[1:]:  # the first data row holds the units
         fields = ((row.get(range_key) or "") if range_key else "").split(":")
         label = next((f.strip('[]" ') for f in fields if "|" in f), None)
@@ -335,7 +353,7 @@ def ncu_bytes_by_case(csv_lines: list[str]) -> dict[tuple[str, str], dict[str, f
         entry = totals.setdefault((gemm, case), dict.fromkeys(NCU_METRICS, 0.0))
         for metric in NCU_METRICS:
             value = row.get(metric, "0").replace(",", "")
-            entry[metric] += float(value) if value else 0.0
+            entry[metric] += float(value) * scale[metric] if value else 0.0
     return totals
 
 
@@ -414,6 +432,11 @@ def main(argv: list[str] | None = None) -> int:
             )  # fmt: skip
     log.close()
     if args.ncu:
+        # The ncu child builds every case again on this GPU: at ep4rank the inputs are
+        # about 52 GiB, twice that does not fit an H100. Only the timings are kept.
+        del cases, by_case, timed
+        gc.collect()
+        torch.cuda.empty_cache()
         own = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--ncu"]
         counts = run_ncu([*own, "--no-quack"] if "--no-quack" not in own else own)
         for row in results:
@@ -451,6 +474,7 @@ def main(argv: list[str] | None = None) -> int:
         meta = vars(args) | {"json": None, "block_m": block_m, "quack": quack_note,
                              "gpu": torch.cuda.get_device_name(),
                              "commit": build_commit()[0]}  # fmt: skip
+        args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"args": meta, "results": results}, indent=1))
     return 0
 

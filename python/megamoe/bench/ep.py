@@ -175,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
             f"({sent_bytes / 2**30:.2f} GiB sent per rank); overlap: none in this version"
         )
         if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(
                 json.dumps(
                     {
