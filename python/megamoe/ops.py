@@ -151,10 +151,10 @@ def moe(
                 f"base: expected CUDA weights for the fused path, got {base.device} (the "
                 "CPU twin of the EP pipeline is megamoe.ep.fused_moe, for tests)"
             )
-    except (TypeError, ValueError) as error:
+    except Exception as error:
         if group is None:
             raise
-        raise_with_the_group(error, group)
+        raise_with_the_group(error, group, x)
     if group is not None:
         return fused_moe(
             x,

@@ -420,3 +420,55 @@ def test_inputs_one_rank_refuses_raise_on_every_rank():
             else:
                 assert outcome.startswith(peer_message), outcome
         assert outcomes[5] == "ran", outcomes
+
+
+def _refusals_found_in_review_worker(rank: int, world: int) -> list[str]:
+    """More arguments only the last rank gets wrong (a review's reproductions)."""
+    import torch.distributed as dist
+
+    group, outcomes = dist.group.WORLD, []
+    last = rank == world - 1
+
+    def attempt(call) -> None:
+        try:
+            call()
+            outcomes.append("ran")
+        except (TypeError, ValueError, RuntimeError, AttributeError) as error:
+            outcomes.append(f"{type(error).__name__}: {error}")
+
+    x, ids, weights, base, side = _rank_layer(rank, world)
+    # ids that are not a tensor (an AttributeError from .numel() before).
+    attempt(lambda: ep.plan_dispatch(ids.tolist() if last else ids, E, group=group))
+    # A bound past int64 (the op's schema refused it after this rank left the checks).
+    bound = 2**63 if last else None
+    attempt(lambda: ep.fused_moe(x, ids, weights, base, side, group=group, max_tokens=bound))
+    # The id check on one rank only, beside an id out of range there (the unchecked rank
+    # failed alone in the ids' exchange).
+    bad = ids.clone()
+    if last:
+        bad[0, 0] = 100
+    attempt(lambda: ep.plan_dispatch(bad, E, group=group, check_ids=not last))
+    # A BLOCK_M override on one rank only, and a bad one (refused after every collective).
+    attempt(lambda: ep.plan_dispatch(ids, E, group=group, block_m=64 if last else None))
+    attempt(lambda: ep.plan_dispatch(ids, E, group=group, block_m=7 if last else 64))
+    attempt(lambda: ep.fused_moe(x, ids, weights, base, side, group=group))
+    return outcomes
+
+
+def test_more_one_rank_refusals_raise_on_every_rank():
+    results = ep.run_gloo(_refusals_found_in_review_worker, 2, timeout_s=120.0)
+    peer = "ValueError: rank 1 of the EP group refused its inputs"
+    for rank, outcomes in enumerate(results):
+        assert len(outcomes) == 6, outcomes
+        ids_list, bound, check_ids, override, bad_block_m, good = outcomes
+        if rank == 1:
+            assert ids_list.startswith("TypeError: topk_ids: expected a torch.Tensor"), ids_list
+            assert bound.startswith("ValueError: max_tokens: expected fewer than 2^31"), bound
+        else:
+            for outcome in (ids_list, bound):
+                assert outcome.startswith(peer), outcome
+        # An agreed int is compared before any rank's own refusal: a mismatch everywhere.
+        assert bad_block_m.startswith("ValueError: block_m (-1: agreed): expected the same")
+        assert check_ids.startswith("ValueError: check_ids: expected the same value"), check_ids
+        assert override.startswith("ValueError: block_m (-1: agreed): expected the same"), override
+        assert good == "ran", outcomes

@@ -48,7 +48,7 @@ from ..custom_ops.inputs import side_lora as side_lora_of
 from ..pipeline.fused_forward import SAVE_MODES
 from ..side_lora import SideLoRA
 from ..validation import check_block_m, check_devices, check_moe_inputs
-from ..validation.arguments import check_choice, check_int, check_tensor
+from ..validation.arguments import check_choice, check_tensor
 from ..weights import BaseWeights
 from ..wrappers.grouped_gemm import ACTIVATIONS
 from ..wrappers.routing import RoutePlan
@@ -56,6 +56,7 @@ from .fused_layer import ep_backward_stages, ep_forward_stages, float_bits
 from .plan import (
     DispatchPlan,
     ExpertPartition,
+    check_max_tokens,
     group_rank,
     group_size,
     plan_dispatch,
@@ -98,14 +99,19 @@ _UNIFORM_NAMES = (
 )
 
 
-def raise_with_the_group(error: Exception, group: dist.ProcessGroup | None) -> NoReturn:
+def raise_with_the_group(
+    error: Exception, group: dist.ProcessGroup | None, x: object = None
+) -> NoReturn:
     """Raise ``error``, this rank's refusal of its own EP call, after the peers learn of it:
     they wait in the forward's agreement all-reduce, which this rank joins with its
-    refusal flagged, so that every rank raises (:func:`~megamoe.ep.plan.refuse_on_every_rank`).
-    Under torch.compile's tracing no collective runs: it just raises."""
+    refusal flagged, so that every rank raises (:func:`~megamoe.ep.plan.refuse_on_every_rank`;
+    on ``x``'s device where it is a tensor, the device the peers' ids are on).
+    Under torch.compile's tracing no collective runs: it just raises (a refusal while
+    tracing stays this rank's: see docs/EXPERT-PARALLEL.md)."""
     if torch.compiler.is_compiling():
         raise error
-    refuse_on_every_rank(error, group, len(_UNIFORM_NAMES))
+    device = x.device if isinstance(x, torch.Tensor) else None
+    refuse_on_every_rank(error, group, len(_UNIFORM_NAMES), device)
 
 
 def _group(name: str) -> dist.ProcessGroup | None:
@@ -189,8 +195,8 @@ def _moe_ep_forward_impl(
             (a1, b1, a3, b3, a2, b2), scale, activation, activation_clamp,
         )  # fmt: skip
         check_choice("save", save, SAVE_MODES)
-    except (TypeError, ValueError) as error:  # the peers wait in the agreement
-        raise_with_the_group(error, group)
+    except Exception as error:  # the peers wait in the agreement
+        raise_with_the_group(error, group, x)
     # Everything that must match across ranks is checked in plan_dispatch's one
     # all-reduce, so a mismatch raises on every rank instead of hanging a collective:
     # shapes, the activation, the adapter scale and clamp (their float bits; a zero
@@ -665,9 +671,9 @@ def moe(
             if not isinstance(flag, bool):
                 raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
         if max_tokens is not None:
-            check_int("max_tokens", max_tokens, minimum=0)
-    except (TypeError, ValueError) as error:
-        raise_with_the_group(error, group)
+            check_max_tokens(max_tokens)  # the op's schema holds int64 only
+    except Exception as error:  # the peers wait in the agreement
+        raise_with_the_group(error, group, x)
     group_name = ""
     if group is not None:
         try:

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from ..heuristics import BlockMConfig, get_block_m
 from ..validation.arguments import check_int, check_tensor
+from ..validation.layer import check_block_m
 from ..wrappers.routing import RoutePlan, plan_routes
 
 __all__ = [
@@ -150,15 +151,25 @@ _INT64_MAX = 2**63 - 1
 
 
 def _agreement_values(
-    top_k: object, num_experts: object, uniform: Mapping[str, object] | None, max_tokens: object
+    top_k: object,
+    num_experts: object,
+    uniform: Mapping[str, object] | None,
+    max_tokens: object,
+    block_m: object,
+    check_ids: object,
 ) -> tuple[list[str], list[int | None]]:
     """The names and values every rank must hold alike, in the agreement's order (None:
     this rank has no valid value there, it refused its inputs). The length depends only
-    on the number of ``uniform`` values (no static bound is -1), so ranks that differ in
-    any of them still join the same all-reduce."""
+    on the number of ``uniform`` values (no static bound or BLOCK_M override is -1), so
+    ranks that differ in any of them still join the same all-reduce. ``check_ids`` is
+    among them: a rank that skipped the check beside a bad id elsewhere would fail alone
+    in the ids' exchange."""
     extra = dict(uniform or {})
-    names = ["top_k", "num_experts", *extra, "max_tokens (-1: none)"]
-    values = [top_k, num_experts, *extra.values(), -1 if max_tokens is None else max_tokens]
+    names = ["top_k", "num_experts", *extra, "max_tokens (-1: none)", "block_m (-1: agreed)"]
+    names.append("check_ids")
+    values = [top_k, num_experts, *extra.values()]
+    values += [-1 if max_tokens is None else max_tokens, -1 if block_m is None else block_m]
+    values.append(int(check_ids) if type(check_ids) is bool else None)
     return names, [v if type(v) is int and abs(v) <= _INT64_MAX else None for v in values]
 
 
@@ -182,20 +193,33 @@ def _agree(
     return agreed[0], agreed[1], agreed[2], high, low
 
 
+def check_max_tokens(max_tokens: object) -> int:
+    """A static ``T_max``: an int in ``[0, 2^31)`` (the pool's rows are int32 indices)."""
+    check_int("max_tokens", max_tokens, minimum=0)
+    if max_tokens >= 2**31:
+        raise ValueError(f"max_tokens: expected fewer than 2^31 tokens, got {max_tokens}")
+    return max_tokens
+
+
 def refuse_on_every_rank(
-    error: Exception, group: dist.ProcessGroup | None, num_uniform: int
+    error: Exception,
+    group: dist.ProcessGroup | None,
+    num_uniform: int,
+    device: torch.device | None = None,
 ) -> NoReturn:
     """Raise ``error`` (this rank's refusal of its own inputs) after joining the group's
     dispatch agreement with the refusal flagged, so that the peers, which wait in
     :func:`plan_dispatch`'s all-reduce, raise too instead of waiting for this rank.
 
     ``num_uniform`` is the number of ``uniform`` values the peers pass to
-    :func:`plan_dispatch` (the vector's length must match theirs). ``group=None``: just
-    raises.
+    :func:`plan_dispatch` (the vector's length must match theirs); ``device``, where
+    known, the CUDA device the peers' ids are on (NCCL reduces there; else the current
+    device). ``group=None``: just raises.
     """
     if group is not None:
-        values = [None] * len(_agreement_values(0, 0, dict.fromkeys(range(num_uniform)), 0)[1])
-        _agree(0, group_rank(group) + 1, 0, values, group, None)
+        placeholders = dict.fromkeys(range(num_uniform))
+        count = len(_agreement_values(None, None, placeholders, None, None, None)[1])
+        _agree(0, group_rank(group) + 1, 0, [None] * count, group, device)
     raise error
 
 
@@ -398,16 +422,20 @@ def plan_dispatch(
         num_tokens, top_k = topk_ids.shape
         check_int("num_experts", num_experts)
         if static_bound:
-            check_int("max_tokens", max_tokens, minimum=0)  # its value is agreed below
+            check_max_tokens(max_tokens)  # its value is agreed below
+        if block_m is not None:
+            check_block_m(block_m)
+        if not isinstance(check_ids, bool):
+            raise TypeError(f"check_ids: expected a bool, got {type(check_ids).__name__}")
         partition = ExpertPartition(num_experts, world, rank)
         if top_k < 1:
             raise ValueError(f"topk_ids: expected at least one route per token, got {top_k}")
-    except (TypeError, ValueError) as error:
+    except Exception as error:  # any refusal: the peers are about to wait for this rank
         if not agrees:
             raise
         local_error = error
     bad_ids = 0
-    if check_ids and topk_ids.numel() and local_error is None:
+    if local_error is None and check_ids and topk_ids.numel():
         low, high = torch.stack(torch.aminmax(topk_ids)).tolist()  # one host read
         if low < -1 or high >= num_experts:
             bad_ids = rank + 1
@@ -416,7 +444,7 @@ def plan_dispatch(
                     f"topk_ids: expected expert ids in [-1, {num_experts}), got values in "
                     f"[{low}, {high}]"
                 )
-    names, values = _agreement_values(top_k, num_experts, uniform, max_tokens)
+    names, values = _agreement_values(top_k, num_experts, uniform, max_tokens, block_m, check_ids)
     if local_error is None:
         for name, value in zip(names, values):
             if value is None:  # an int past int64 (the agreement's all-reduce holds int64)

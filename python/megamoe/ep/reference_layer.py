@@ -410,8 +410,9 @@ def reference_moe(
         for name, flag in flags:
             if not isinstance(flag, bool):
                 raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
-    except (TypeError, ValueError) as error:
-        refuse_on_every_rank(error, group, len(_UNIFORM_NAMES))
+    except Exception as error:  # the peers wait in plan_dispatch's agreement
+        device = x.device if isinstance(x, torch.Tensor) else None
+        refuse_on_every_rank(error, group, len(_UNIFORM_NAMES), device)
     uniform_values = (
         hidden,
         inter,
