@@ -483,10 +483,10 @@ def test_select_device_sets_only_an_indexed_cuda_device(monkeypatch):
     the index as ``torch.cuda.set_device`` does, then records it."""
     from torch.cuda._utils import _get_device_index
 
+    with pytest.raises(ValueError, match="specified index"):  # what the bench used to call
+        torch.cuda.set_device(torch.device("cuda"))  # (torch refuses before any CUDA call)
     calls = []
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(_get_device_index(d)))
-    with pytest.raises(ValueError, match="specified index"):  # what the bench used to call
-        torch.cuda.set_device(torch.device("cuda"))
     assert cli.select_device("cuda") == torch.device("cuda")
     assert cli.select_device("cuda:1") == torch.device("cuda", 1)
     assert cli.select_device("cpu") == torch.device("cpu")

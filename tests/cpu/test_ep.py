@@ -305,3 +305,12 @@ def test_the_agreement_refuses_ints_past_int64(kwargs, match):
     ids = torch.tensor([[0, 1], [2, 3]])
     with pytest.raises(ValueError, match=match):
         ep.plan_dispatch(ids, 4, group=None, **kwargs)
+
+
+def test_uniform_values_take_bools_and_name_other_types():
+    """A bool agrees as 0 or 1 (int() did that before the range check); a value that is
+    not an int is a TypeError naming it, not a range error."""
+    ids = torch.tensor([[0, 1], [2, 3]])
+    ep.plan_dispatch(ids, 4, group=None, uniform={"flag": True})
+    with pytest.raises(TypeError, match=r"^flag: expected an int, got float"):
+        ep.plan_dispatch(ids, 4, group=None, uniform={"flag": 1.5})

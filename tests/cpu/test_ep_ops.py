@@ -400,7 +400,7 @@ def test_inputs_one_rank_refuses_raise_on_every_rank():
     world = 2
     last = world - 1
     results = ep.run_gloo(_one_rank_refuses_worker, world, timeout_s=120.0)
-    peer_message = f"ValueError: rank {last} of the EP group refused its inputs"
+    peer_message = f"ValueError: rank {last} of the EP group failed before the exchange"
     own_messages = [
         "TypeError: x: expected dtype bfloat16",
         None,  # the bound: a mismatch, named alike on every rank
@@ -457,7 +457,7 @@ def _refusals_found_in_review_worker(rank: int, world: int) -> list[str]:
 
 def test_more_one_rank_refusals_raise_on_every_rank():
     results = ep.run_gloo(_refusals_found_in_review_worker, 2, timeout_s=120.0)
-    peer = "ValueError: rank 1 of the EP group refused its inputs"
+    peer = "ValueError: rank 1 of the EP group failed before the exchange"
     for rank, outcomes in enumerate(results):
         assert len(outcomes) == 6, outcomes
         ids_list, bound, check_ids, override, bad_block_m, good = outcomes

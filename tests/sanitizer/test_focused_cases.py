@@ -73,7 +73,8 @@ def assert_bitwise(actual: torch.Tensor, expected: torch.Tensor) -> None:
 def skip_if_torch_gemm_under_init_or_race(runs_torch_bf16_gemm: bool) -> None:
     """Cases that run torch's Hopper BF16 GEMMs (cuBLAS nvjet, CUTLASS grouped) are left
     to memcheck and synccheck; the cases that run only our kernels (and torch's
-    elementwise ones) stay under all four tools. Measured on the H200 (2026-11-29):
+    elementwise ones) stay under all four tools (under initcheck without reading the
+    engine's outputs, :func:`judges_engine_outputs`). Measured on the H200 (2026-11-29):
 
     - initcheck does not see those GEMMs' output stores, so every later read of the
       output is reported, by torch's kernels and ours alike (1.5 M records over the

@@ -110,6 +110,8 @@ def raise_with_the_group(
     tracing stays this rank's: see docs/EXPERT-PARALLEL.md)."""
     if torch.compiler.is_compiling():
         raise error
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise error  # an EP step cannot be captured: no collective (fused_moe says so)
     device = x.device if isinstance(x, torch.Tensor) else None
     refuse_on_every_rank(error, group, len(_UNIFORM_NAMES), device)
 

@@ -167,7 +167,7 @@ def _agreement_values(
     extra = dict(uniform or {})
     names = ["top_k", "num_experts", *extra, "max_tokens (-1: none)", "block_m (-1: agreed)"]
     names.append("check_ids")
-    values = [top_k, num_experts, *extra.values()]
+    values = [top_k, num_experts, *(int(v) if type(v) is bool else v for v in extra.values())]
     values += [-1 if max_tokens is None else max_tokens, -1 if block_m is None else block_m]
     values.append(int(check_ids) if type(check_ids) is bool else None)
     return names, [v if type(v) is int and abs(v) <= _INT64_MAX else None for v in values]
@@ -376,7 +376,8 @@ def plan_dispatch(
     """Plan one expert-parallel step (a collective: every rank of ``group`` calls it).
 
     Steps: one all-reduce MAX of ``[T, refusal flag, bad-id flag, values..., -values...]``,
-    the values ``K, E, uniform..., max_tokens (-1: none)`` (BLOCK_M agreement and argument
+    the values ``K, E, uniform..., max_tokens (-1: none), block_m (-1: agreed),
+    check_ids`` (BLOCK_M agreement and argument
     checks in one collective) -> the local routing split (:func:`split_routes`) ->
     ``all_to_all_single`` of the per-rank counts -> ``all_to_all_single`` of the routes'
     expert ids -> (without a static ``max_tokens``) an all-reduce MAX of the received
@@ -446,9 +447,15 @@ def plan_dispatch(
                 )
     names, values = _agreement_values(top_k, num_experts, uniform, max_tokens, block_m, check_ids)
     if local_error is None:
+        given = dict(uniform or {})
         for name, value in zip(names, values):
-            if value is None:  # an int past int64 (the agreement's all-reduce holds int64)
-                local_error = ValueError(f"{name}: expected an int within int64's range")
+            if value is None:  # not an int, or past int64 (the all-reduce holds int64)
+                kind = type(given.get(name, 0))
+                local_error = (
+                    ValueError(f"{name}: expected an int within int64's range")
+                    if issubclass(kind, int)
+                    else TypeError(f"{name}: expected an int, got {kind.__name__}")
+                )
                 if not agrees:
                     raise local_error
                 break
@@ -471,8 +478,8 @@ def plan_dispatch(
         raise local_error
     if refused:
         raise ValueError(
-            f"rank {refused - 1} of the EP group refused its inputs before the exchange "
-            "(its own error names the argument); every rank raises with it"
+            f"rank {refused - 1} of the EP group failed before the exchange (its own "
+            "error says why: an argument it refused, say); every rank raises with it"
         )
     if bad_rank:
         raise ValueError(
