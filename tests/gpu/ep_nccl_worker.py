@@ -11,7 +11,8 @@ BLOCK_M transition of the agreed heuristic, ordinary mode, zero scale):
   of tests/gpu/test_moe_backward.py);
 - against EP1 (``mm.moe`` on the global batch, this GPU): the same gates, and the
   shared grads equal on every rank after the reduction;
-- a second EP2 step bitwise equal to the first.
+- a second EP2 step bitwise equal to the first;
+- an argument only one rank refuses raises on every rank (none waits for it).
 
 Exits 0 when every check on every rank passed; prints the failures otherwise.
 NVLink multicast stays off (NCCL_NVLS_ENABLE=0), as the machines require.
@@ -201,6 +202,39 @@ def check(name: str, spec: dict, rank: int, world: int, failures: list[str]) -> 
                 failures.append(f"{name}: shared d{key} differs between ranks")
 
 
+def check_one_rank_refusal(rank: int, world: int, failures: list[str]) -> None:
+    """An argument only the last rank refuses (``x`` in float32) raises on every rank:
+    that rank its own TypeError, the others a ValueError naming it, after the one
+    agreement all-reduce (a rank raising alone left its peers waiting in it)."""
+    spec = scenarios(world)["balanced"]
+    layer = global_layer("refusal", spec, world, torch.bfloat16)
+    tokens = spec["tokens"]
+    begin = sum(tokens[:rank])
+    rows = slice(begin, begin + tokens[rank])
+    e_l = E // world
+    experts = slice(rank * e_l, (rank + 1) * e_l)
+    base = layer.base
+    local = mm.BaseWeights(
+        "bf16", base.w13[experts].detach(), base.w2[experts].detach(), None, None, e_l, H, INTER
+    )
+    x = layer.x[rows].detach()
+    if rank == world - 1:
+        x = x.float()
+    moe = mm.ep.fused_moe if CPU else mm.moe
+    try:
+        moe(x, layer.topk_ids[rows].contiguous(), layer.topk_weights[rows].detach(), local,
+            group=dist.group.WORLD)  # fmt: skip
+        failures.append("refusal: a bad x on one rank ran")
+    except (TypeError, ValueError) as error:
+        want = (
+            "x: expected dtype bfloat16"
+            if rank == world - 1
+            else f"rank {world - 1} of the EP group failed before the exchange"
+        )
+        if not str(error).startswith(want):
+            failures.append(f"refusal: expected {want!r}, got {error}")
+
+
 def main() -> int:
     dist.init_process_group("gloo" if CPU else "nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -213,6 +247,7 @@ def main() -> int:
         check(name, spec, rank, world, failures)
         if rank == 0:
             print(f"rank 0: {name} done, {len(failures)} failure(s) so far", flush=True)
+    check_one_rank_refusal(rank, world, failures)
     counts = torch.tensor([len(failures)], device=DEVICE)
     dist.all_reduce(counts)
     for line in failures:
