@@ -300,7 +300,7 @@ class MegaMoE(nn.Module):
                     f"{list(state.shape)}"
                 )
             state = state.item()
-        self.side_scale = check_finite_float("side_scale", state)
+        self.side_scale = check_finite_float("side_scale", state, float32=True)
 
     # ------------------------------------------------------------- base cache
 
@@ -313,8 +313,10 @@ class MegaMoE(nn.Module):
         keyed on each tensor itself (a weak reference), its storage address and version
         counter, so ``load_state_dict``, an in-place edit (``with torch.no_grad():
         layer.w13.mul_(2)``), ``.to()`` or assigning a new tensor (even one at a freed
-        tensor's address) all rebuild it. Writes through ``.data`` bypass the version
-        counter: call :meth:`invalidate_base_cache` after those.
+        tensor's address) all rebuild it. Writes that bypass the version counter need
+        :meth:`invalidate_base_cache` after them: through ``.data``, by a c10d collective
+        into the parameter (``dist.broadcast``), or under
+        ``torch.autograd._unsafe_preserve_version_counter`` (FSDP2's unshard copies).
         """
         if self.trainable_base:
             self._base_cache = None  # don't hold a stale frozen copy next to a live one
@@ -360,6 +362,14 @@ class MegaMoE(nn.Module):
         cached_key, sources, base = self._base_cache
         same = all(ref() is t for ref, t in zip(sources, (self.w13, self.w2), strict=True))
         return base if same and cached_key == key else None
+
+    def __getstate__(self) -> dict:
+        # Pickled (torch.save of the module, spawn-based workers, deepcopy) without the
+        # cache: it holds weak references, which do not pickle, and a prepared copy of
+        # the base that the next call rebuilds.
+        state = dict(super().__getstate__())  # a copy: the live module keeps its cache
+        state["_base_cache"] = None
+        return state
 
     def _apply(self, fn, recurse: bool = True):
         # .to()/.cuda()/.half() replace the parameters; drop the prepared copy now so
@@ -482,12 +492,12 @@ def _resolve_scale(side_scale: float | None, side_alpha: float | None, rank: int
             f"side_scale={side_scale}, side_alpha={side_alpha}"
         )
     if side_scale is not None:
-        return check_finite_float("side_scale", side_scale)
+        return check_finite_float("side_scale", side_scale, float32=True)
     if side_alpha is not None:
         alpha = check_finite_float("side_alpha", side_alpha)
         if not rank:
             raise ValueError("side_alpha: needs adapters (side_rank > 0) to define alpha / rank")
-        return alpha / rank
+        return check_finite_float("side_alpha / side_rank", alpha / rank, float32=True)
     return 1.0
 
 

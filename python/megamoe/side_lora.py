@@ -74,7 +74,8 @@ class SideLoRA:
                 f"side.a1: rank must be a multiple of {SIDE_RANK_MULTIPLE} in "
                 f"[{SIDE_RANK_MULTIPLE}, {SIDE_RANK_MAX}], got {rank}"
             )
-        object.__setattr__(self, "scale", check_finite_float("side.scale", self.scale))
+        scale = check_finite_float("side.scale", self.scale, float32=True)  # a float32 in kernels
+        object.__setattr__(self, "scale", scale)
 
     @property
     def rank(self) -> int:

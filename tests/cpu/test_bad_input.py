@@ -660,3 +660,41 @@ def test_a_gpu_other_than_hopper_is_named_before_any_launch(monkeypatch) -> None
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (9, 0))
     layer.check_hopper(torch.device("cuda", 1))
     assert 1 in layer._HOPPER_DEVICES  # asked once per device
+
+
+def test_the_backward_op_refuses_a_block_m_its_plan_was_not_made_with():
+    """The kernels find an expert's tiles as offset / BLOCK_M: a backward under another
+    BLOCK_M than the forward planned with would multiply rows by the wrong expert's
+    weights on the GPU (the CPU twins read the offsets and hid it). Named instead."""
+    import megamoe as mm
+    from megamoe.pipeline.fused_forward import moe_forward
+    from megamoe.testing import make_layer
+
+    layer = make_layer(64, 128, 4, 2, 16, num_tokens=42, seed=3)
+    block_m = mm.get_block_m(42, 2, 4)
+    _, state = moe_forward(
+        layer.x, layer.topk_ids, layer.topk_weights, layer.base, layer.side,
+        block_m=block_m, save="preact",
+    )  # fmt: skip
+    plan, other = state.plan, 128 if block_m == 64 else 64
+    with pytest.raises(ValueError, match=r"^block_m: expected the BLOCK_M the forward planned"):
+        torch.ops.megamoe.moe_backward(
+            torch.ones_like(layer.x), layer.x, layer.topk_weights, layer.base.w13,
+            layer.base.w2, None, None, *layer.side.tensors(), layer.side.scale, "swiglu",
+            None, plan.expert_counts, plan.expert_pool_offsets, plan.route_to_pool_row,
+            plan.pool_row_to_route, state.preact, state.q13, state.p_sum, False, True, other,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("scale", [1e39, -3.5e38])
+def test_an_adapter_scale_must_be_finite_in_float32(scale):
+    """The kernels take the scale as float32: 1e39 passed as a finite float, made the
+    forward inf and was refused only in the backward's K-grouped GEMM."""
+    import megamoe as mm
+    from megamoe.testing import make_layer
+
+    side = make_layer(64, 128, 4, 2, 16, num_tokens=5, seed=1).side
+    with pytest.raises(ValueError, match=r"^side.scale: expected a float finite in float32"):
+        mm.SideLoRA(*side.tensors(), scale=scale)
+    with pytest.raises(ValueError, match=r"^side_scale: expected a float finite in float32"):
+        mm.MegaMoE(64, 128, 4, 2, side_rank=16, side_scale=scale)

@@ -153,3 +153,69 @@ def test_dgrad2_streaming_predicate_reads_i_from_the_codes_as_stored():
     streams = _dgrad2_streams(plan)
     assert streams(torch.zeros(EXPERTS, 64, 128, dtype=torch.uint8), scales)  # I = 256
     assert not streams(torch.zeros(EXPERTS, 64, 192, dtype=torch.uint8), scales)  # I = 384
+
+
+def _wrapper_case():
+    from megamoe.wrappers.routing import plan_routes
+
+    gen = torch.Generator().manual_seed(0)
+    experts, hidden, inter = 4, 64, 64
+    ids = torch.randint(0, experts, (10, 2), generator=gen, dtype=torch.int32)
+    plan = plan_routes(ids, experts, 64)
+    a = torch.randn(plan.pool_capacity, hidden, generator=gen).bfloat16()
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=gen).bfloat16()
+    w2 = torch.randn(experts, hidden, inter, generator=gen).bfloat16()
+    return plan, a, w13, w2
+
+
+def test_the_wrappers_name_what_the_launchers_refuse():
+    """The CPU twins checked less than the CUDA launchers: a ``k`` past ``a``'s columns,
+    a wrong ``out`` and a bad clamp were accepted (or failed unnamed) on the CPU."""
+    from megamoe.wrappers.activation_backward import fused_dgrad2_activation_backward
+    from megamoe.wrappers.grouped_gemm import gated_grouped_gemm
+
+    plan, a, w13, w2 = _wrapper_case()
+    b = w2.transpose(1, 2).contiguous()  # [E, I, H]: the K-major B of a pool x H -> I GEMM
+    rows = plan.pool_capacity
+    with pytest.raises(ValueError, match=r"^k: expected 1 <= k <= a.shape\[1\] = 64, got 128"):
+        grouped_gemm(a, b, plan, k=128)
+    with pytest.raises(TypeError, match=r"^out: expected dtype bfloat16"):
+        grouped_gemm(a, b, plan, out=torch.empty(rows, 64))
+    with pytest.raises(ValueError, match=r"^out: expected shape"):
+        grouped_gemm(a, b, plan, out=torch.empty(3, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"^k: expected w13's K=64, got 32"):
+        gated_grouped_gemm(a, w13, plan, k=32)
+    with pytest.raises(ValueError, match=r"^activation_clamp: expected a positive finite"):
+        gated_grouped_gemm(a, w13, plan, k=64, activation_clamp=-1.0)
+    preact = torch.zeros(rows, 128, dtype=torch.bfloat16)
+    weights = torch.rand(10, 2)
+    with pytest.raises(TypeError, match=r"^activation_clamp: expected a positive finite"):
+        fused_dgrad2_activation_backward(a, w2, preact, weights, plan, activation_clamp="x")
+
+
+def test_an_mxfp4_b_is_decoded_only_after_every_check(monkeypatch):
+    """The transient decode (a full-weight kernel on the GPU) ran before the pool operand
+    and the outputs were checked: a wrong call paid for it before being refused."""
+    from megamoe.wrappers import grouped_gemm as wrappers
+    from megamoe.wrappers.activation_backward import fused_dgrad2_activation_backward
+
+    decodes = []
+    decode = wrappers._dequantized
+    monkeypatch.setattr(wrappers, "_dequantized", lambda c, s: decodes.append(1) or decode(c, s))
+    plan, a, w13, w2 = _wrapper_case()
+    codes13, scales13 = mm.quantize_mxfp4(w13.float(), axis=-1)
+    codes2, scales2 = mm.quantize_mxfp4(w2.float(), axis=-1)  # [E, H, I/2]: w2 as stored
+    bad_a = torch.zeros(plan.pool_capacity + 64, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"^a: expected plan.pool_capacity"):
+        wrappers.gated_grouped_gemm(bad_a, codes13, plan, k=64, w13_scales=scales13)
+    codes_b, scales_b = mm.quantize_mxfp4(w2.transpose(1, 2).float(), axis=-1)  # [E, I, H/2]
+    with pytest.raises(ValueError, match=r"^a: expected plan.pool_capacity"):
+        wrappers.grouped_gemm(bad_a, codes_b, plan, b_scales=scales_b)
+    preact = torch.zeros(plan.pool_capacity, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"^dout_pool: expected"):
+        fused_dgrad2_activation_backward(
+            bad_a, codes2, preact, torch.rand(10, 2), plan, w2_scales=scales2
+        )
+    assert decodes == []
+    out = wrappers.grouped_gemm(a, codes_b, plan, b_scales=scales_b)  # a good call decodes
+    assert decodes == [1] and out.shape == (plan.pool_capacity, 64)

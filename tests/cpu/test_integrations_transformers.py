@@ -711,3 +711,43 @@ def test_fused_name_on_another_gpu_names_it(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: "NVIDIA A100-SXM4-80GB")
     with pytest.raises(RuntimeError, match=r"Hopper GPU \(sm_90.*cuda:2 is NVIDIA A100.*sm_80"):
         mhf.check_device(torch.device("cuda", 2))
+
+
+def test_an_adapter_at_its_initial_state_keeps_its_full_rank_on_load(tmp_path):
+    """A zero gate/up B (the adapter before its first step: Megatron's zero-initialised
+    linear_out, or a save right after attaching with a3 tied to a1) is block-diagonal
+    too. The automatic split read it as two halves: half of every A's slots met only
+    zero rows of B, so they never trained, and the round trip was not exact."""
+    experts = dict(mhf.experts_modules(build("qwen3_moe")))["model.layers.0.mlp.experts"]
+    num_experts, hidden, inter = mhf._dims(experts)
+    rank, gen = 16, torch.Generator().manual_seed(0)
+    state = {}
+    for i in (0, 1):
+        prefix = f"decoder.layers.{i}.mlp.experts"
+        state[f"{prefix}.linear_fc1.adapter.linear_in.weight"] = torch.randn(
+            rank, hidden, generator=gen
+        )
+        state[f"{prefix}.linear_fc1.adapter.linear_out.weight"] = torch.zeros(
+            num_experts, 2 * inter, rank
+        )
+        state[f"{prefix}.linear_fc2.adapter.linear_in.weight"] = torch.randn(
+            num_experts, rank, inter, generator=gen
+        )
+        state[f"{prefix}.linear_fc2.adapter.linear_out.weight"] = torch.zeros(hidden, rank)
+    model = build("qwen3_moe")
+    mhf.load_megatron_state_dict(model, state, alpha=32.0, dtype=torch.float32)
+    for side in mhf.side_lora_layers(model).values():
+        assert side.rank == rank and torch.equal(side.a1, side.a3)
+        assert int(side.a1.abs().sum(0).ne(0).sum()) == rank  # every slot live
+
+    model = build("qwen3_moe")
+    mhf.attach_side_lora(model, rank=rank, dtype=torch.float32)
+    with torch.no_grad():
+        for side in mhf.side_lora_layers(model).values():
+            side.a3.copy_(side.a1)  # tied gate/up A, B still zero
+    mhf.save_side_lora(model, tmp_path)
+    loaded = build("qwen3_moe")
+    mhf.load_side_lora(loaded, tmp_path)
+    pairs = zip(mhf.side_lora_layers(model).values(), mhf.side_lora_layers(loaded).values())
+    for saved, read in pairs:
+        assert all(torch.equal(a, b) for a, b in zip(saved.tensors(), read.tensors()))

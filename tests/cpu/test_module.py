@@ -547,3 +547,24 @@ def test_ordinary_mxfp4_prepares_its_base_without_a_host_read():
     with HostReads() as probe:  # a user's own prepare still checks finiteness (one read each)
         prepare_base_weights(m.w13, m.w2, format="mxfp4")
     assert probe.reads == 2
+
+
+def test_a_module_pickles_after_its_first_call():
+    """torch.save of the whole module (and spawn-based workers) failed once a call had
+    filled the frozen-base cache: it holds weak references. The copy drops the cache
+    (the next call rebuilds it); the live module keeps its own."""
+    import copy
+    import io
+
+    module = MegaMoE(64, 64, 4, 2, 16, backend="reference")
+    gen = torch.Generator().manual_seed(0)
+    x, weights = torch.randn(8, 64, generator=gen), torch.rand(8, 2, generator=gen)
+    ids = torch.randint(0, 4, (8, 2), generator=gen)
+    out = module(x, ids, weights)
+    buffer = io.BytesIO()
+    torch.save(module, buffer)
+    assert module._base_cache is not None
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert loaded._base_cache is None and torch.equal(loaded(x, ids, weights), out)
+    assert copy.deepcopy(module)._base_cache is None

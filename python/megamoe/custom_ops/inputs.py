@@ -72,7 +72,7 @@ def side_lora(side: tuple[torch.Tensor | None, ...], scale: float) -> SideLoRA |
             f"side: expected all six adapter tensors {SIDE_NAMES} or none, got "
             f"{[type(t).__name__ for t in side]}"
         )
-    return SideLoRA(*side, scale=check_finite_float("side.scale", scale))
+    return SideLoRA(*side, scale=check_finite_float("side.scale", scale, float32=True))
 
 
 def empty(like: torch.Tensor) -> torch.Tensor:

@@ -43,6 +43,7 @@ from ..pipeline.fused_forward import SAVE_MODES, ForwardState, moe_forward, stag
 from ..side_lora import SideLoRA
 from ..validation import check_backward_inputs, check_block_m, check_devices, check_moe_inputs
 from ..validation.arguments import check_choice, check_tensor
+from ..validation.layer import check_plan_block_m
 from ..weights import BaseWeights
 from ..wrappers.routing import RoutePlan, pool_capacity
 from .inputs import (
@@ -280,6 +281,7 @@ def _moe_backward_impl(
         pool_row_to_route, preact, q13, p_sum,
     )  # fmt: skip
     check_block_m(block_m)
+    check_plan_block_m(block_m, route_to_pool_row, pool_row_to_route, base.num_experts)
     saved = (expert_counts, expert_pool_offsets, route_to_pool_row, pool_row_to_route)
     state = dict(zip(_STATE_NAMES, (*saved, preact, q13, p_sum), strict=True))
     return _run_backward(
@@ -417,6 +419,7 @@ def _(
         pool_row_to_route, preact, q13, p_sum,
     )  # fmt: skip
     check_block_m(block_m)
+    check_plan_block_m(block_m, route_to_pool_row, pool_row_to_route, base.num_experts)
     use_side = q13.numel() > 0 and side_grads
     side = (a1, b1, a3, b3, a2, b2)
     # The base gradients are BF16 [E, 2I, H] / [E, H, I] whatever the base's format (an

@@ -789,8 +789,9 @@ def load_side_lora(
         dtype: the factors' dtype (default as in :func:`attach_side_lora`).
         split_gate_up: read a block-diagonal gate/up of rank ``2r`` as ``a1``, ``a3``
             of rank ``r`` (what :func:`save_side_lora` writes when ``a1 != a3``).
-            ``None``: split when the gate/up adapter is block-diagonal (either reading
-            gives the same function).
+            ``None``: split when the gate/up adapter is block-diagonal with both blocks
+            in use (either reading gives the same function; a zero B, an adapter at its
+            initial state, is read whole so that it keeps its full trainable rank).
 
     Returns:
         The names of the experts modules that got adapters.
@@ -896,9 +897,20 @@ def _read_fused(
         kwargs = split if split_gate_up else whole
         return side_lora_from_peft_fused(state, prefix, **kwargs, **options)
     try:
-        return side_lora_from_peft_fused(state, prefix, **split, **options)
+        side = side_lora_from_peft_fused(state, prefix, **split, **options)
+        if _both_blocks_live(side):
+            return side
     except ValueError:  # not block-diagonal, or down uses all 2r slots: one shared A
-        return side_lora_from_peft_fused(state, prefix, **whole, **options)
+        pass
+    return side_lora_from_peft_fused(state, prefix, **whole, **options)
+
+
+def _both_blocks_live(side: SideLoRA) -> bool:
+    """Whether a split read of a gate/up adapter found both diagonal blocks of B in use.
+    A zero B (an adapter at its initial state, e.g. Megatron's zero-initialised
+    ``linear_out``) is block-diagonal too, but splitting it would halve the trainable
+    rank: each half of A would meet only zero rows of B forever. Read it whole."""
+    return bool(side.b1.any()) and bool(side.b3.any())
 
 
 # --------------------------------------------------------------- Megatron-Bridge
@@ -976,7 +988,11 @@ def load_megatron_state_dict(
         if split_gate_up is None:
             try:
                 side = side_lora_from_megatron(state_dict, prefix, **split, **options)
+                if not _both_blocks_live(side):  # a zero B: read whole (full rank)
+                    side = None
             except ValueError:  # not block-diagonal: one shared A
+                side = None
+            if side is None:
                 side = side_lora_from_megatron(state_dict, prefix, **whole, **options)
         else:
             kwargs = split if split_gate_up else whole

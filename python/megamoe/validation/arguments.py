@@ -102,7 +102,13 @@ def check_str_choice(name: str, value: object, choices: Sequence[str]) -> str:
     return value
 
 
-def check_finite_float(name: str, value: object) -> float:
+#: The largest finite float32: the kernels take scales as float32.
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def check_finite_float(name: str, value: object, *, float32: bool = False) -> float:
+    """A finite float (an int converts); with ``float32``, also finite as a float32 (a
+    scale the kernels take as float32: 1e39 would be inf there)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name}: expected a float, got {type(value).__name__}")
     try:
@@ -113,6 +119,8 @@ def check_finite_float(name: str, value: object) -> float:
         ) from None
     if value != value or value in (float("inf"), float("-inf")):
         raise ValueError(f"{name}: expected a finite float, got {value}")
+    if float32 and abs(value) > FLOAT32_MAX:
+        raise ValueError(f"{name}: expected a float finite in float32, got {value}")
     return value
 
 

@@ -100,7 +100,9 @@ def check_base_weights(base: object) -> BaseWeights:
     return base
 
 
-def _check_activation(activation: object, activation_clamp: object) -> None:
+def check_activation(activation: object, activation_clamp: object) -> None:
+    """``activation`` one of ACTIVATIONS; ``activation_clamp`` None or a positive finite
+    float."""
     check_str_choice("activation", activation, tuple(ACTIVATIONS))
     if activation_clamp is None:
         return
@@ -222,7 +224,7 @@ def check_moe_inputs(
         dtypes=(torch.float32,),
         contiguous=True,
     )
-    _check_activation(activation, activation_clamp)
+    check_activation(activation, activation_clamp)
     if side is not None:
         dims = (side.hidden, side.intermediate, side.num_experts)
         if dims != (base.hidden, base.intermediate, base.num_experts):
@@ -303,6 +305,27 @@ def check_block_m(block_m: object) -> int:
             f"block_m: expected one of {list(registry().block_m_choices)}, got {block_m}"
         )
     return block_m
+
+
+def check_plan_block_m(
+    block_m: int, route_to_pool_row: torch.Tensor, pool_row_to_route: torch.Tensor, experts: int
+) -> None:
+    """The backward's ``block_m`` against the forward's saved plan: its pool holds
+    ``pool_capacity(T * K, E_l, block_m)`` rows for the BLOCK_M it was planned with. The
+    kernels find each expert's tiles as ``offset / BLOCK_M``: under another BLOCK_M rows
+    would meet the wrong expert's weights (or none). Host sizes only; skipped for
+    symbolic sizes (torch.compile's fake tensors)."""
+    from ..wrappers.routing import pool_capacity
+
+    routes, capacity = route_to_pool_row.numel(), pool_row_to_route.shape[0]
+    if not (isinstance(routes, int) and isinstance(capacity, int)):
+        return
+    if capacity != pool_capacity(routes, experts, block_m):
+        raise ValueError(
+            f"block_m: expected the BLOCK_M the forward planned with; {block_m} gives a pool "
+            f"of {pool_capacity(routes, experts, block_m)} rows for {routes} routes over "
+            f"{experts} experts, the saved plan holds {capacity}"
+        )
 
 
 def check_backward_inputs(

@@ -31,10 +31,11 @@ from .grouped_gemm import (
     ACTIVATIONS,
     GROUP_M,
     StreamsPredicate,
+    _check_mxfp4,
     _device_sms,
+    _mxfp4_operand,
     _stream_chunk,
     grouped_gemm,
-    mxfp4_b,
     mxfp4_b_unchecked,
 )
 from .routing import RoutePlan
@@ -146,17 +147,17 @@ def fused_dgrad2_activation_backward(
         BF16 or None, drouter [pool_capacity] float32)``. On CPU: the store GEMM's twin
         followed by :func:`activation_backward_reference`.
     """
-    check_choice("activation", activation, tuple(ACTIVATIONS))
+    from ..validation.layer import check_activation  # (validation imports the wrappers)
+
+    check_activation(activation, activation_clamp)
     device = preact.device
-    decode_scales = None
-    if w2_scales is not None:
-        _, w2, decode_scales = mxfp4_b(
-            "w2", w2, w2_scales, plan, device, "mn", streams=_dgrad2_streams(plan)
-        )
+    mxfp4 = w2_scales is not None
+    if mxfp4:  # decoded (where it is: a launch) only once every check has passed
+        _check_mxfp4("w2", w2, w2_scales, device, "mn")
     else:
         check_tensor("w2", w2, ndim=3, dtypes=(torch.bfloat16,), device=device, contiguous=True)
     experts, hidden = w2.shape[0], w2.shape[1]
-    intermediate = w2.shape[2] * (2 if decode_scales is not None else 1)
+    intermediate = w2.shape[2] * (2 if mxfp4 else 1)
     capacity = plan.pool_capacity
     rank = 0
     if side_a2 is not None:
@@ -190,6 +191,9 @@ def fused_dgrad2_activation_backward(
             device=device, contiguous=True,
         )  # fmt: skip
         _check_same_or_apart("dgrad_out", dgrad_out, "preact", preact)
+    decode_scales = None
+    if mxfp4:
+        w2, decode_scales = _mxfp4_operand(w2, w2_scales, plan, "mn", _dgrad2_streams(plan))
     if not preact.is_cuda:
         b = w2 if side_a2 is None else torch.cat([w2, side_a2.transpose(1, 2)], dim=1)
         z = grouped_gemm(dout_pool, b, plan, b_major="mn")

@@ -91,25 +91,23 @@ def _check_mxfp4(
 StreamsPredicate = Callable[[torch.Tensor, torch.Tensor], bool]
 
 
-def mxfp4_b(
-    name: str,
+def _mxfp4_operand(
     codes: torch.Tensor,
     scales: torch.Tensor,
     plan: RoutePlan,
-    device: torch.device,
-    b_major: str = "k",
-    *,
-    streams: StreamsPredicate | None = None,
-) -> tuple[int, torch.Tensor, torch.Tensor | None]:
-    """An MXFP4 B for one GEMM: ``(K, values, scales)``. The codes and scales as given
-    where the pipeline decodes them (:func:`~megamoe.heuristics.mxfp4_decodes_in_pipeline`,
-    ``streams`` telling whether the weight-streaming kernel takes the GEMM; its decode
-    reads both in the caller's layout, no copy), else an exact BF16 decode (the same
-    values bit for bit) and None; on the CPU the decode."""
-    k = _check_mxfp4(name, codes, scales, device, b_major)
+    b_major: str,
+    streams: StreamsPredicate | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """An MXFP4 B for one GEMM, of codes and scales already checked (the caller runs every
+    other check first: the transient decode is a launch): ``(values, scales)``, the codes
+    and scales as given where the pipeline decodes them
+    (:func:`~megamoe.heuristics.mxfp4_decodes_in_pipeline`, ``streams`` telling whether
+    the weight-streaming kernel takes the GEMM; its decode reads both in the caller's
+    layout, no copy), else an exact BF16 decode (the same values bit for bit) and None;
+    on the CPU the decode."""
     if codes.is_cuda:
-        return mxfp4_b_unchecked(codes, scales, plan, b_major, streams=streams)
-    return k, _dequantized(codes, scales), None
+        return mxfp4_b_unchecked(codes, scales, plan, b_major, streams=streams)[1:]
+    return _dequantized(codes, scales), None
 
 
 def mxfp4_b_unchecked(
@@ -120,8 +118,8 @@ def mxfp4_b_unchecked(
     *,
     streams: StreamsPredicate | None = None,
 ) -> tuple[int, torch.Tensor, torch.Tensor | None]:
-    """:func:`mxfp4_b` of CUDA codes and scales without the argument checks (the fused
-    pipelines': the weights were checked where they entered)."""
+    """``(K, values, scales)`` of :func:`_mxfp4_operand` for CUDA codes and scales (the
+    fused pipelines': the weights were checked where they entered)."""
     k = codes.shape[1] if b_major == "mn" else 2 * codes.shape[2]
     rows, experts = plan.pool_capacity, codes.shape[0]
     # The predicate only where it decides: below the engine's limit both decode in the
@@ -337,10 +335,9 @@ def grouped_gemm(
     """
     check_choice("b_major", b_major, ("k", "mn"))
     check_tensor("a", a, ndim=2, dtypes=(torch.bfloat16,), contiguous=True)
-    decode_scales = None
-    if b_scales is not None:
-        streams = _store_streams(plan, b_major, b_extra, b_extra_blocks)
-        b_k, b, decode_scales = mxfp4_b("b", b, b_scales, plan, a.device, b_major, streams=streams)
+    mxfp4 = b_scales is not None
+    if mxfp4:  # decoded (where it is: a launch) only once every check has passed
+        b_k = _check_mxfp4("b", b, b_scales, a.device, b_major)
         if k is not None and k != b_k:
             raise ValueError(f"k: an MXFP4 B reduces over all its K={b_k} columns, got k={k}")
         k = b_k
@@ -348,7 +345,6 @@ def grouped_gemm(
         check_tensor("b", b, ndim=3, dtypes=(torch.bfloat16,), device=a.device, contiguous=True)
     _check_pool_operand(a, plan)
     major_mn = b_major == "mn"
-    mxfp4 = decode_scales is not None
     if major_mn:
         if k is not None and k != b.shape[1]:
             raise ValueError(f"k: expected b.shape[1] = {b.shape[1]} for b_major='mn', got {k}")
@@ -373,8 +369,19 @@ def grouped_gemm(
     if n_extra % 8 != 0:
         name = "b_extra" if b_extra is not None else "b_extra_blocks"
         raise ValueError(f"{name}: expected N_x a multiple of 8 (16-byte rows), got {n_extra}")
+    if not 0 < k <= a.shape[1]:
+        raise ValueError(f"k: expected 1 <= k <= a.shape[1] = {a.shape[1]}, got {k}")
     if out is None:
         out = torch.empty(a.shape[0], n_base + n_extra, dtype=torch.bfloat16, device=a.device)
+    else:
+        check_tensor(
+            "out", out, shape=(a.shape[0], n_base + n_extra), dtypes=(torch.bfloat16,),
+            device=a.device, contiguous=True,
+        )  # fmt: skip
+    decode_scales = None
+    if mxfp4:
+        streams = _store_streams(plan, b_major, b_extra, b_extra_blocks)
+        b, decode_scales = _mxfp4_operand(b, b_scales, plan, b_major, streams)
     if not a.is_cuda:
         for e, start, end in _expert_rows(plan):
             if end > start:
@@ -549,17 +556,19 @@ def gated_grouped_gemm(
     Returns:
         ``h`` ``[pool rows, I]`` BF16.
     """
-    check_choice("activation", activation, tuple(ACTIVATIONS))
+    from ..validation.layer import check_activation  # (validation imports this module)
+
+    check_activation(activation, activation_clamp)
     check_tensor("a", a, ndim=2, dtypes=(torch.bfloat16,), contiguous=True)
-    decode_scales = None
-    if w13_scales is not None:
-        w13_k, w13, decode_scales = mxfp4_b(
-            "w13", w13, w13_scales, plan, a.device, streams=_gated_streams(plan)
-        )
-        if w13_k != k:
-            raise ValueError(f"k: expected the MXFP4 w13's K={w13_k}, got {k}")
+    if w13_scales is not None:  # decoded (where it is: a launch) once every check passed
+        w13_k = _check_mxfp4("w13", w13, w13_scales, a.device, "k")
     else:
         check_tensor("w13", w13, ndim=3, dtypes=(torch.bfloat16,), device=a.device, contiguous=True)
+        w13_k = w13.shape[2]
+    if w13_k != k:
+        raise ValueError(f"k: expected w13's K={w13_k}, got {k}")
+    if k > a.shape[1]:
+        raise ValueError(f"k: expected at most a.shape[1] = {a.shape[1]} columns, got {k}")
     two_i = w13.shape[1]
     if two_i % 128 != 0:
         raise ValueError(f"w13: expected 2I rows with I a multiple of 64, got {two_i}")
@@ -584,6 +593,9 @@ def gated_grouped_gemm(
             "out", out, shape=(a.shape[0], two_i // 2), dtypes=(torch.bfloat16,),
             device=a.device, contiguous=True,
         )  # fmt: skip
+    decode_scales = None
+    if w13_scales is not None:
+        w13, decode_scales = _mxfp4_operand(w13, w13_scales, plan, "k", _gated_streams(plan))
     clamp = math.inf if activation_clamp is None else float(activation_clamp)
     if not a.is_cuda:
         _gated_cpu(

@@ -23,11 +23,9 @@ import math
 import torch
 
 from ..env import num_sms as resolve_device_sms
-from ..validation.arguments import check_tensor
+from ..validation.arguments import FLOAT32_MAX, check_tensor
 from . import _native
 from .routing import RoutePlan
-
-FLOAT32_MAX = 3.4028234663852886e38
 
 #: BLOCK_M of the K-grouped variants (output rows per tile; registry ``engine_k_grouped_*``).
 BLOCK_M = 128
