@@ -991,3 +991,29 @@ def test_four_rank_fsdp2_side_lora_matches_the_oracle(axis):
 @pytest.mark.parametrize("axis", ["tp", "ep"])
 def test_moe_block_under_torchtitans_parallelize_matches_the_whole_block(axis):
     assert _run_two_gloo_ranks(_parallelized_moe_worker, axis) == [{"ok": True}] * WORLD
+
+
+def test_with_torchtitans_lora_converter_the_side_lora_trains():
+    """torchtitan's LoRAConverter freezes every module it does not target through a config
+    subclass whose build freezes the direct parameters. Listed after MegaMoEConverter it
+    froze the side-LoRA factors (they silently never trained): refused by name. Listed
+    before, its frozen experts config was refused as a subclass; now megamoe converts it
+    (the base frozen, the side-LoRA trainable, as LoRA asks), and rank 0 is refused."""
+    from torchtitan.components.lora import LoRAConverter
+    from torchtitan.models import qwen3
+
+    megamoe = mtt.MegaMoEConverter.Config(rank=16, alpha=32.0, backend="reference")
+    lora = LoRAConverter.Config(rank=8)
+    with pytest.raises(ValueError, match=r"^converters: torchtitan's LoRAConverter after"):
+        qwen3.model_registry("debugmodel_moe", converters=[megamoe, lora])
+    config = qwen3.model_registry("debugmodel_moe", converters=[lora, megamoe]).model
+    with torch.device("meta"):
+        model = config.build()
+    experts = [m for m in model.modules() if isinstance(m, mtt.MegaMoEGroupedExperts)]
+    assert experts
+    for module in experts:
+        assert all(getattr(module, name).requires_grad for name in SIDE_NAMES)
+        assert not module.w13_E2FD.requires_grad and not module.w2_EDF.requires_grad
+    no_adapters = mtt.MegaMoEConverter.Config(rank=0, backend="reference")
+    with pytest.raises(ValueError, match=r"was frozen by torchtitan's LoRAConverter"):
+        qwen3.model_registry("debugmodel_moe", converters=[lora, no_adapters])

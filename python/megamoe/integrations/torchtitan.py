@@ -280,6 +280,10 @@ def _fused_sharding(sc: ShardingConfig | None, rank: int = 0) -> ShardingConfig 
     return dataclasses.replace(sc, state_shardings=shardings)
 
 
+#: The module of torchtitan's LoRAConverter and the frozen config classes it makes.
+_TORCHTITAN_LORA = "torchtitan.components.lora"
+
+
 class MegaMoEGroupedExperts(GroupedExperts):
     """torchtitan's ``GroupedExperts`` computed by megamoe (SwiGLU, as the original).
 
@@ -301,6 +305,20 @@ class MegaMoEGroupedExperts(GroupedExperts):
 
         backend: str = "fused"
         """``"fused"`` (Hopper kernels) or ``"reference"`` (float32, any device)."""
+
+        @classmethod
+        def __init_subclass__(cls, **kwargs):
+            # torchtitan's LoRAConverter wraps every config it does not target in a
+            # subclass whose build freezes the module's direct parameters: here the
+            # side-LoRA factors too, which then never train. Refused by name; in the
+            # other order megamoe converts LoRA's frozen experts config.
+            if cls.__module__ == _TORCHTITAN_LORA:
+                raise ValueError(
+                    "converters: torchtitan's LoRAConverter after MegaMoEConverter would "
+                    "freeze megamoe's side-LoRA factors (direct parameters of the experts); "
+                    "list LoRAConverter before MegaMoEConverter"
+                )
+            super(MegaMoEGroupedExperts.Config, cls).__init_subclass__(**kwargs)
 
         def build(self, **kwargs):
             # torchtitan's update_from_config sets sharding_config (with w1_EFD/w3_EFD
@@ -482,7 +500,19 @@ class MegaMoEConverter(ModelConfigConverter):
         for fqn, cfg, parent, attr in list(model_config.traverse(GroupedExperts.Config)):
             if isinstance(cfg, MegaMoEGroupedExperts.Config):
                 continue
-            if type(cfg) is not GroupedExperts.Config:
+            # LoRAConverter (listed first) froze these experts: megamoe freezes the base
+            # itself and trains its side-LoRA, which is what LoRA asks of them.
+            frozen_by_lora = (
+                type(cfg).__module__ == _TORCHTITAN_LORA
+                and type(cfg).__mro__[1] is GroupedExperts.Config
+            )
+            if frozen_by_lora and not self.config.rank:
+                raise ValueError(
+                    f"model_config: {fqn or 'the root'} was frozen by torchtitan's "
+                    "LoRAConverter; MegaMoEConverter with rank=0 would train its base: "
+                    "give a side-LoRA rank"
+                )
+            if type(cfg) is not GroupedExperts.Config and not frozen_by_lora:
                 # A subclass computes other experts (gpt-oss: biases, interleaved gate/up,
                 # its own clamped gate; Float8/MXFP8 conversions): converting it to plain
                 # SwiGLU would change the model.
