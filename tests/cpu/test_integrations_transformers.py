@@ -751,3 +751,22 @@ def test_an_adapter_at_its_initial_state_keeps_its_full_rank_on_load(tmp_path):
     pairs = zip(mhf.side_lora_layers(model).values(), mhf.side_lora_layers(loaded).values())
     for saved, read in pairs:
         assert all(torch.equal(a, b) for a, b in zip(saved.tensors(), read.tensors()))
+
+
+def test_under_peft_modules_to_save_only_the_active_copies_are_marked_trainable():
+    """PEFT keeps the original adapter beside its trainable copy; the original never runs
+    in the forward, so it got no gradient but was handed to the optimizer as trainable."""
+    import peft
+
+    model = build("qwen3_moe")
+    mhf.attach_side_lora(model, rank=16, dtype=torch.float32)
+    config = peft.LoraConfig(
+        r=8, target_modules=["q_proj"], modules_to_save=mhf.PEFT_MODULES_TO_SAVE
+    )
+    peft_model = peft.get_peft_model(model, config)
+    params = mhf.mark_only_side_lora_as_trainable(peft_model)
+    trainable = {id(p) for p in peft_model.parameters() if p.requires_grad}
+    assert {id(p) for p in params} == trainable
+    assert len(params) == 6 * len(mhf.side_lora_layers(peft_model))
+    names = [n for n, p in peft_model.named_parameters() if p.requires_grad]
+    assert names and not any("original_module" in n for n in names)

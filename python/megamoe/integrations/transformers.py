@@ -639,7 +639,8 @@ def _adapters(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
 
 
 def mark_only_side_lora_as_trainable(model: nn.Module) -> list[nn.Parameter]:
-    """Freeze every parameter of ``model`` except megamoe's side-LoRA factors.
+    """Freeze every parameter of ``model`` except megamoe's side-LoRA factors (under
+    PEFT's ``modules_to_save``, the active adapter's copies: the original never runs).
 
     Returns:
         The adapter parameters (for the optimizer).
@@ -647,6 +648,9 @@ def mark_only_side_lora_as_trainable(model: nn.Module) -> list[nn.Parameter]:
     model.requires_grad_(False)
     params = []
     for _, adapter in _adapters(model):
+        copies = getattr(adapter, "modules_to_save", None)
+        if copies is not None:  # PEFT's modules_to_save: the active copies train, as PEFT
+            adapter = nn.ModuleList(copies[name] for name in adapter.active_adapters)
         for p in adapter.parameters():
             p.requires_grad_(True)
             params.append(p)
