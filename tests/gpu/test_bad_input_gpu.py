@@ -133,6 +133,18 @@ CASES: dict[str, Case] = {
         ValueError,
         r"^x: expected a data pointer aligned to 16 bytes",
     ),
+    # A contiguous view 2 bytes into a buffer: the TMA maps' encode refused it after the
+    # route plan and the gather had run, naming the kernel's operand, not the argument.
+    "base-w13-misaligned": (
+        lambda L, g: moe(L, base=dataclasses.replace(L.base, w13=misaligned_copy(L.base.w13))),
+        ValueError,
+        r"^base.w13: expected a data pointer aligned to 16 bytes",
+    ),
+    "side-b1-misaligned": (
+        lambda L, g: moe(L, side=dataclasses.replace(L.side, b1=misaligned_copy(L.side.b1))),
+        ValueError,
+        r"^side.b1: expected a data pointer aligned to 16 bytes",
+    ),
     "x-strided": (
         lambda L, g: moe(L, x=strided(L.x)),
         ValueError,

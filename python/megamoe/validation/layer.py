@@ -258,7 +258,13 @@ def check_moe_inputs(
         named += [(f"side.{n}", t) for n, t in zip(SIDE_NAMES, side.tensors(), strict=True)]
     device = check_devices(named, "base")
     if device.type == "cuda" and has_data(x):  # (a fake tensor has no data pointer)
-        check_tensor("x", x, alignment=16)
+        # What the kernels read by TMA: 16-byte aligned addresses (a view into a flat
+        # buffer may not be), named here rather than by the tensor map's encode.
+        tma_read = [("x", x), ("base.w13", base.w13), ("base.w2", base.w2)]
+        if side is not None:
+            tma_read += [(f"side.{name}", getattr(side, name)) for name in ("b1", "b3", "a2")]
+        for name, tensor in tma_read:
+            check_tensor(name, tensor, alignment=16)
     if require_cuda and device.type != "cuda":
         raise ValueError(
             f"base: expected CUDA weights for the fused path, got {device} (the arguments "
