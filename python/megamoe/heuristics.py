@@ -25,6 +25,10 @@ class BlockMConfig:
 
     min_blocks_per_expert: int = 4
 
+    def __post_init__(self) -> None:
+        # 0 or less would silently give the largest BLOCK_M at any token count.
+        check_int("min_blocks_per_expert", self.min_blocks_per_expert, minimum=1)
+
 
 def get_block_m(
     num_tokens: int,

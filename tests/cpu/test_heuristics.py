@@ -268,3 +268,11 @@ def test_gemm1_decodes_in_pipeline_to_the_streaming_limit_where_it_streams(inter
     else:  # the exact BF16 decode: 2^(127 - 127) x 0
         assert kept_scales is None and values.dtype == torch.bfloat16
         assert values.shape == (experts, 2 * inter, 128) and not values.any()
+
+
+@pytest.mark.parametrize("value,error", [(0, ValueError), (-1, ValueError), ("4", TypeError)])
+def test_block_m_config_refuses_what_would_pick_blindly(value, error):
+    """A threshold of 0 or less made every token count take the largest BLOCK_M; a
+    string failed later with an unnamed TypeError."""
+    with pytest.raises(error, match=r"^min_blocks_per_expert: expected an int"):
+        mm.BlockMConfig(min_blocks_per_expert=value)
