@@ -61,9 +61,10 @@ def moe(
         topk_ids: ``[T, K]`` int32/int64 global expert ids, ``-1`` = masked.
         topk_weights: ``[T, K]`` float32 router weights.
         base: :func:`~megamoe.prepare_base_weights` output, ``format="bf16"`` or
-            ``"mxfp4"`` (a frozen base: kept packed, decoded to a transient BF16 buffer
-            right before each GEMM that reads it; a trainable master: decoded once per
-            call and trained straight through).
+            ``"mxfp4"`` (a frozen base: kept packed; each GEMM decodes the codes inside
+            its pipeline up to a row count per expert, above it from a transient BF16
+            decode made right before it, :func:`~megamoe.heuristics.mxfp4_decodes_in_pipeline`;
+            a trainable master: decoded once per call and trained straight through).
         side: optional :class:`~megamoe.SideLoRA` (bfloat16); scale 0 gives output
             bitwise equal to ``side=None``.
         activation: ``"swiglu"`` or ``"geglu"``; activation_clamp: ``c`` or None.
