@@ -333,9 +333,14 @@ def test_leaks_and_clean_reports() -> None:
 
 
 def test_summary_counts_past_the_print_limit() -> None:
-    # The tool stops printing records at --print-limit but its summary counts all.
-    text = MEMCHECK.replace("ERROR SUMMARY: 5 errors", "ERROR SUMMARY: 1234 errors")
-    assert parse_report(text).errors == 1234
+    # The tool stops printing records at --print-limit but its summary counts all, then
+    # says how many it did not print (a second "ERROR SUMMARY" line, not the total).
+    text = MEMCHECK.replace(
+        "ERROR SUMMARY: 5 errors",
+        "ERROR SUMMARY: 1234 errors\n========= ERROR SUMMARY: 1229 errors were not printed. "
+        "Use --print-limit option to adjust the number of printed errors",
+    )
+    assert parse_report(text).errors == 1234 and parse_report(text).error_summary == 1234
 
 
 def test_application_output_is_ignored_and_missing_summary_is_incomplete() -> None:
@@ -537,6 +542,11 @@ def test_a_pytest_run_that_skipped_every_test_is_not_clean(fake, tmp_path: Path)
     skipped = sanitizer.run_pytest("memcheck", [str(tests)], log_file=tmp_path / "s.log")
     assert skipped.returncode == 0 and skipped.tests_ran == 0
     assert not skipped.clean and skipped.verdict() == "no test ran (every test skipped)"
+    # A caller's own --junit-xml does not hide the skips (pytest keeps the last one).
+    own = sanitizer.run_pytest(
+        "memcheck", [str(tests), f"--junit-xml={tmp_path / 'own.xml'}"], log_file=tmp_path / "o.log"
+    )
+    assert own.tests_ran == 0 and not own.clean
     tests.write_text("def test_ran():\n    pass\n")
     ran = sanitizer.run_pytest("memcheck", [str(tests)], log_file=tmp_path / "r.log")
     assert ran.tests_ran == 1 and ran.clean and ran.verdict() == "clean"
@@ -602,8 +612,9 @@ def test_cli_single_tool(fake, tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert saved["errors"] == 2 and saved["warnings"] == 1 and not saved["clean"]
     assert (out / "racecheck.log").read_text() == RACECHECK
     (call,) = records()
-    assert call["args"][-4] == "no:cacheprovider" and call["args"][-2:] == ["-q", str(test)]
-    assert call["args"][-3].startswith("--junit-xml=")  # the count of tests that ran
+    assert call["args"][-4] == "no:cacheprovider" and call["args"][-3:-1] == ["-q", str(test)]
+    assert call["args"][-1].startswith("--junit-xml=")  # the count of tests that ran (last:
+    # pytest keeps the last --junit-xml given)
 
 
 def test_cli_all_tools_and_pass_through_after_double_dash(
@@ -616,7 +627,7 @@ def test_cli_all_tools_and_pass_through_after_double_dash(
     code = sanitizer.main(["--tool", "all", "--out", str(out), "--", str(test), "-k", "ok"])
     assert code == 0
     assert [c["tool_env"] for c in records()] == list(TOOLS)
-    assert all(c["args"][-3:] == [str(test), "-k", "ok"] for c in records())
+    assert all(c["args"][-4:-1] == [str(test), "-k", "ok"] for c in records())
     table = capsys.readouterr().out
     for tool in TOOLS:
         assert f"| {tool} | 0 | 0 | 0 | clean |" in table
@@ -660,3 +671,18 @@ def test_cli_print_command_and_default_selection(
     assert "--num-cuda-barriers=64" in line
     # "-k gemm" selects nothing by itself: the default selection is added.
     assert line.endswith("-p no:cacheprovider -k gemm tests/sanitizer")
+
+
+def test_an_option_value_that_names_a_path_is_not_a_selection(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``-k tests`` from the repository root: "tests" exists as a folder, so it passed for
+    a selection, no default was added, and pytest ran the whole suite under the tool."""
+    (tmp_path / "tests").mkdir()
+    monkeypatch.chdir(tmp_path)
+    code = sanitizer.main(["--sanitizer", "/cs", "--print-command", "-k", "tests"])
+    assert code == 0
+    assert capsys.readouterr().out.strip().endswith("-k tests tests/sanitizer")
+    code = sanitizer.main(["--sanitizer", "/cs", "--print-command", "-k", "x", "tests"])
+    assert code == 0
+    assert capsys.readouterr().out.strip().endswith("-k x tests")

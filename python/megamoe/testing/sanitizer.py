@@ -146,7 +146,9 @@ _HEADERS: tuple[tuple[str, re.Pattern[str]], ...] = (
         ),
     ),
 )
-_ERROR_SUMMARY = re.compile(r"^ERROR SUMMARY: (?P<n>\d+) errors?")
+# Anchored: past --print-limit the tool adds "ERROR SUMMARY: N errors were not printed",
+# which is not the total.
+_ERROR_SUMMARY = re.compile(r"^ERROR SUMMARY: (?P<n>\d+) errors?\s*$")
 _RACE_SUMMARY = re.compile(
     r"^RACECHECK SUMMARY: (?P<shown>\d+) hazards? displayed "
     r"\((?P<errors>\d+) errors?, (?P<warnings>\d+) warnings?\)"
@@ -625,12 +627,16 @@ def run_pytest(tool: str, pytest_args: Sequence[str], **kwargs) -> SanitizerRun:
     count of tests that ran (not skipped) from pytest's JUnit report: a run that skipped
     every test (no GPU, no compiled module) is not clean."""
     junit = Path(tempfile.mkdtemp(prefix="megamoe-sanitizer-")) / "pytest.xml"
+    # The wrapper's report last: pytest keeps the last --junit-xml given, and a caller's
+    # own would leave this one unwritten (an all-skipped run would then pass as clean).
     target = [
-        sys.executable, "-m", "pytest", "-p", "no:cacheprovider", f"--junit-xml={junit}",
-        *pytest_args,
+        sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *pytest_args,
+        f"--junit-xml={junit}",
     ]  # fmt: skip
     result = run(tool, target, **kwargs)
-    result.tests_ran = tests_ran(junit)
+    ran = tests_ran(junit)
+    # No report from a pytest run that finished: nothing is known to have run.
+    result.tests_ran = 0 if ran is None and not result.timed_out else ran
     return result
 
 
@@ -653,9 +659,24 @@ def _split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     return argv, []
 
 
-def _is_selection(arg: str) -> bool:
-    """Whether a pytest argument names tests (a path or node id), not an option value."""
-    return not arg.startswith("-") and Path(arg.split("::", 1)[0]).exists()
+#: pytest options whose value is the next argument (``-k tests`` selects no path).
+_PYTEST_VALUE_OPTIONS = frozenset(
+    {"-k", "-m", "-p", "-c", "-o", "-W", "-n", "--deselect", "--ignore", "--ignore-glob",
+     "--rootdir", "--basetemp", "--junit-xml", "--confcutdir", "--durations", "--maxfail",
+     "--timeout", "--override-ini", "--pyargs"}
+)  # fmt: skip
+
+
+def _has_selection(args: Sequence[str]) -> bool:
+    """Whether pytest arguments name tests (a path or node id), other than as the value
+    of an option."""
+    after_option = False
+    for arg in args:
+        named = not after_option and not arg.startswith("-")
+        if named and Path(arg.split("::", 1)[0]).exists():
+            return True
+        after_option = arg in _PYTEST_VALUE_OPTIONS
+    return False
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -694,7 +715,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     own, after = _split_argv(sys.argv[1:] if argv is None else argv)
     args, unknown = _parser().parse_known_args(own)
     pytest_args = [*unknown, *after]
-    if not any(_is_selection(a) for a in pytest_args):
+    if not _has_selection(pytest_args):
         pytest_args.append(DEFAULT_SELECTION)
     tools = list(TOOLS) if args.tool == "all" else [args.tool]
     executable = args.sanitizer or find_compute_sanitizer()
