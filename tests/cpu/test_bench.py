@@ -491,3 +491,33 @@ def test_select_device_sets_only_an_indexed_cuda_device(monkeypatch):
     assert cli.select_device("cuda:1") == torch.device("cuda", 1)
     assert cli.select_device("cpu") == torch.device("cpu")
     assert calls == [1]
+
+
+def test_the_floor_counts_only_the_experts_a_row_routes_to():
+    """A few tokens reach only some experts, and an expert without rows has no tile: its
+    weights are not read. The floor was every expert's weights at every token count, so
+    a one-token row's x floor came out several times too small."""
+    ids = torch.tensor([[0, 3], [3, -1]])
+    assert cli.experts_routed(ids, 8) == 2
+    rows = [
+        {"status": "ok", "dtype": "bf16", "median_ms": 1.0, "experts_routed": 2, "num_experts": 8},
+        {"status": "ok", "dtype": "bf16", "median_ms": 1.0, "experts_routed": 0, "num_experts": 8},
+        {"status": "ok", "dtype": "bf16", "median_ms": 2.0},  # (a row without the counts)
+    ]
+    cli.add_floor_ratios(rows, {"bf16": 0.5})
+    assert rows[0]["floor_ms"] == 0.125 and rows[0]["x_floor"] == 8.0
+    assert "x_floor" not in rows[1]  # nothing routed: no weight to read
+    assert rows[2]["x_floor"] == 4.0
+
+
+def test_a_sweep_row_records_the_experts_it_routes_to(tmp_path):
+    path = tmp_path / "sweep.json"
+    code = cli.main(
+        ["--shape", "small", "--tokens", "1,64", "--backend", "reference", "--pass", "forward",
+         "--iters", "1", "--warmup", "0", "--quiet", "--json", str(path)]
+    )  # fmt: skip
+    assert code == 0
+    rows = json.loads(path.read_text())["results"]
+    one, many = (next(r for r in rows if r["tokens"] == t) for t in (1, 64))
+    assert one["experts_routed"] < many["experts_routed"] <= many["num_experts"]
+    assert one["floor_ms"] < many["floor_ms"]

@@ -14,9 +14,10 @@ large for the host stops with a memory estimate.
 Runs:
   one shape        every --mode x --dtype x backend x pass at --shape (the default);
   token sweep      --tokens 128,512,...: the same at the shape's dims for each token
-                   count, with the weight-read floor (w13 + w2 bytes over the device
-                   copy bandwidth, measured in the same run) and each time's ratio to
-                   it; --plot draws time against tokens with the floors;
+                   count, with the weight-read floor (the routed experts' w13 + w2
+                   bytes over the device copy bandwidth, measured in the same run)
+                   and each time's ratio to it; --plot draws time against tokens
+                   with the floors of every expert;
   expert parallel  --ep P: megamoe.bench.ep on P local GPUs under torchrun.
 
 Routing: balanced by default (expert loads even); --routing skewed draws Zipf-like expert
@@ -189,6 +190,7 @@ def _measure(
         **({"skew": args.skew} if args.routing == "skewed" else {}),
     )
     load = max_expert_load(layer.topk_ids, shape.num_local_experts)
+    routed = experts_routed(layer.topk_ids, shape.num_local_experts)
     leaves = list(layer.grad_leaves().values())
     # Hold only the weights this backend reads, as a trainer would: the BF16 baseline
     # takes the nn.Linear-layout pair; the fused layer and the MXFP4 baseline read the
@@ -269,6 +271,8 @@ def _measure(
             tflops=flops[pass_name] / (timing.median_ms * 1e-3) / 1e12,
             routing=args.routing,
             max_load=load,
+            experts_routed=routed,
+            num_experts=shape.num_local_experts,
         )
         if device.type == "cuda":
             row["peak_gib"] = torch.cuda.max_memory_allocated(device) / GIB
@@ -282,6 +286,13 @@ def _measure(
         rows.append(row)
     setup()
     return rows
+
+
+def experts_routed(topk_ids: torch.Tensor, num_experts: int) -> int:
+    """Experts with at least one route: only their weights are read (an expert without
+    rows has no tile), so they set the weight-read floor of a few-token step."""
+    ids = topk_ids.reshape(-1)
+    return int((torch.bincount(ids[ids >= 0].long().cpu(), minlength=num_experts) > 0).sum())
 
 
 def max_expert_load(topk_ids: torch.Tensor, num_experts: int) -> float:
@@ -329,13 +340,17 @@ def _graph_replay_ms(
 
 def add_floor_ratios(rows: list[dict], floors: dict[str, float]) -> None:
     """Set ``floor_ms`` and ``x_floor`` (time / floor) on every measured row: each pass
-    against its base format's forward weight-read floor."""
+    against its base format's forward weight-read floor (``floors``: every expert's
+    weights), scaled to the experts the row's routing reaches (``experts_routed`` of
+    ``num_experts``, where the row has them: a few tokens reach only some experts)."""
     for row in rows:
-        if row["status"] == "ok" and row["dtype"] in floors:
-            row["floor_ms"] = floors[row["dtype"]]
-            row["x_floor"] = row["median_ms"] / floors[row["dtype"]]
+        share = row.get("experts_routed", 1) / row.get("num_experts", 1)
+        if row["status"] == "ok" and row["dtype"] in floors and share > 0:
+            floor = floors[row["dtype"]] * share  # (no route at all: no weight to read)
+            row["floor_ms"] = floor
+            row["x_floor"] = row["median_ms"] / floor
             if "graph_ms" in row:
-                row["graph_x_floor"] = row["graph_ms"] / floors[row["dtype"]]
+                row["graph_x_floor"] = row["graph_ms"] / floor
 
 
 def format_table(rows: list[dict]) -> str:
