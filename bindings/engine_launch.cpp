@@ -13,6 +13,7 @@
 #include <cmath>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cuda_check.h"
@@ -266,6 +267,8 @@ void engine_store(const Tensor& a, int64_t k_base, const Tensor& b, std::optiona
   if (mxfp4 && k_base % kBlockK != 0)
     throw nb::value_error(
         ("k_base: an MXFP4 B needs K a multiple of 64, got " + str(k_base)).c_str());
+  // nanobind's shape(i) is unchecked: the rank first, before any dimension is read.
+  if (b.ndim() != 3) throw nb::value_error("b: expected 3 dimensions [E, N, K] or [E, K, N]");
   const int64_t experts = b.shape(0);
   int64_t n_base = 0;
   if (b_major_mn)
@@ -362,6 +365,7 @@ void engine_activation_backward(const Tensor& a, int64_t k_base, const Tensor& b
   check_rows("a", a, -1, device);
   const int64_t rows = a.shape(0);
   const bool mxfp4 = b_scales.has_value();
+  if (b.ndim() != 3) throw nb::value_error("b: expected 3 dimensions [E, K, I]");
   const int64_t experts = b.shape(0);
   const int64_t inter = mxfp4 ? b.shape(2) * 2 : b.shape(2);
   if (k_base < kBlockK || k_base % kBlockK != 0)
@@ -389,6 +393,14 @@ void engine_activation_backward(const Tensor& a, int64_t k_base, const Tensor& b
     throw nb::value_error("num_routes: expected 0 to 2^31-1");
   check_tensor("dgrad_preact", dgrad_preact, bfloat16_dtype(), {rows, 2 * inter}, device);
   if (weighted_h) check_tensor("weighted_h", *weighted_h, bfloat16_dtype(), {rows, inter}, device);
+  // The epilogue moves these in 16-byte vectors (every row a multiple of 8 elements).
+  const std::pair<const char*, const Tensor*> vectors[] = {
+      {"preact", &preact},
+      {"dgrad_preact", &dgrad_preact},
+      {"weighted_h", weighted_h ? &*weighted_h : nullptr}};
+  for (const auto& [name, t] : vectors)
+    if (t != nullptr && t->size() > 0 && reinterpret_cast<uintptr_t>(t->data()) % 16 != 0)
+      throw nb::value_error((std::string(name) + ": expected a 16-byte aligned address").c_str());
   check_tensor<float>("drouter_partials", drouter_partials, {rows, ceil_div(inter, kBlockN)},
                       device);
   const EngineKernels& kernels = select_variant(

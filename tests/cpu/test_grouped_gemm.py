@@ -177,8 +177,21 @@ def test_the_wrappers_name_what_the_launchers_refuse():
     plan, a, w13, w2 = _wrapper_case()
     b = w2.transpose(1, 2).contiguous()  # [E, I, H]: the K-major B of a pool x H -> I GEMM
     rows = plan.pool_capacity
-    with pytest.raises(ValueError, match=r"^k: expected 1 <= k <= a.shape\[1\] = 64, got 128"):
+    with pytest.raises(ValueError, match=r"^k: expected a multiple of 8 in \[8, a.shape\[1\]"):
         grouped_gemm(a, b, plan, k=128)
+    with pytest.raises(ValueError, match=r"^k: expected a multiple of 8"):
+        grouped_gemm(a, b, plan, k=60)
+    with pytest.raises(ValueError, match=r"^b: expected N a multiple of 8"):
+        grouped_gemm(a, b[:, :60].contiguous(), plan)
+    with pytest.raises(ValueError, match=r"^k: expected a multiple of 64"):
+        gated_grouped_gemm(
+            torch.zeros(rows, 96, dtype=torch.bfloat16), w13[:, :, :32].contiguous(), plan, k=32
+        )
+    with pytest.raises(ValueError, match=r"^w2: expected H and I multiples of 64"):
+        fused_dgrad2_activation_backward(
+            a, w2[:, :, :32].contiguous(), torch.zeros(rows, 64, dtype=torch.bfloat16),
+            torch.rand(10, 2), plan,
+        )  # fmt: skip
     with pytest.raises(TypeError, match=r"^out: expected dtype bfloat16"):
         grouped_gemm(a, b, plan, out=torch.empty(rows, 64))
     with pytest.raises(ValueError, match=r"^out: expected shape"):

@@ -42,7 +42,7 @@ from ..pipeline.fused_backward import moe_backward
 from ..pipeline.fused_forward import SAVE_MODES, ForwardState, moe_forward, stage
 from ..side_lora import SideLoRA
 from ..validation import check_backward_inputs, check_block_m, check_devices, check_moe_inputs
-from ..validation.arguments import check_choice, check_tensor
+from ..validation.arguments import check_choice, check_tensor, has_data
 from ..validation.layer import check_plan_block_m
 from ..weights import BaseWeights
 from ..wrappers.routing import RoutePlan, pool_capacity
@@ -488,6 +488,16 @@ def _forward_setup_context(ctx, inputs, output) -> None:
     save_inputs_and_state(ctx, args, output[1:])
 
 
+def _contiguous_aligned(dout: torch.Tensor) -> torch.Tensor:
+    """``dout`` contiguous and, on CUDA, at a 16-byte aligned address: autograd may hand
+    the backward a view at any offset (a split of a flat buffer), and the kernels read it
+    by TMA. A copy where needed: the same values, not an error the caller cannot fix."""
+    dout = dout.contiguous()
+    if dout.is_cuda and has_data(dout) and dout.data_ptr() % 16:
+        dout = dout.clone()
+    return dout
+
+
 def _forward_backward(ctx, dout, *_state_grads):
     if dout is None:  # no gradient reached the output (grads are not materialized)
         return (None,) * len(_FORWARD_INPUTS)
@@ -506,11 +516,12 @@ def _forward_backward(ctx, dout, *_state_grads):
         side_grads=ctx.has_side and any(needs[name] for name in SIDE_NAMES),
         block_m=ctx.block_m,
     )
+    dout = _contiguous_aligned(dout)
     if ctx.eager:
         with stage("moe_backward"):
-            grads = _eager_backward(dout.contiguous(), inputs, ctx.options, state, **which)
+            grads = _eager_backward(dout, inputs, ctx.options, state, **which)
     else:
-        grads = _moe_backward_op(dout=dout.contiguous(), **inputs, **ctx.options, **state, **which)
+        grads = _moe_backward_op(dout=dout, **inputs, **ctx.options, **state, **which)
     return grads_for_inputs(
         _FORWARD_INPUTS, grads, needs, inputs, has_side=ctx.has_side, scale=ctx.options["scale"]
     )

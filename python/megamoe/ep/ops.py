@@ -49,6 +49,7 @@ from ..pipeline.fused_forward import SAVE_MODES
 from ..side_lora import SideLoRA
 from ..validation import check_block_m, check_devices, check_moe_inputs
 from ..validation.arguments import check_choice, check_tensor
+from ..validation.layer import check_plan_block_m
 from ..weights import BaseWeights
 from ..wrappers.grouped_gemm import ACTIVATIONS
 from ..wrappers.routing import RoutePlan
@@ -390,6 +391,13 @@ def _plan(
         raise ValueError(f"host_plan: the forward's plan is corrupt ({error})") from None
     splits = values[_HOST_FIELDS:]
     _check_state(state, x, base, side, splits)
+    if state["pool_route_to_pool_row"].shape[0]:  # (an empty pool holds no rows at all)
+        # The kernels find each expert's tiles as offset / BLOCK_M: a BLOCK_M the pool was
+        # not planned with pairs rows with the wrong expert's weights.
+        check_plan_block_m(
+            block_m, state["pool_route_to_pool_row"], state["pool_row_to_route"],
+            base.num_experts,
+        )  # fmt: skip
     pool = RoutePlan(
         state["pool_expert_counts"],
         state["pool_expert_pool_offsets"],

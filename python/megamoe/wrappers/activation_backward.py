@@ -158,6 +158,8 @@ def fused_dgrad2_activation_backward(
         check_tensor("w2", w2, ndim=3, dtypes=(torch.bfloat16,), device=device, contiguous=True)
     experts, hidden = w2.shape[0], w2.shape[1]
     intermediate = w2.shape[2] * (2 if mxfp4 else 1)
+    if hidden % 64 or intermediate % 64:  # the kernels' K step and column tiles
+        raise ValueError(f"w2: expected H and I multiples of 64, got H={hidden}, I={intermediate}")
     capacity = plan.pool_capacity
     rank = 0
     if side_a2 is not None:
@@ -179,7 +181,7 @@ def fused_dgrad2_activation_backward(
         )
     check_tensor(
         "preact", preact, shape=(capacity, 2 * intermediate), dtypes=(torch.bfloat16,),
-        contiguous=True,
+        contiguous=True, alignment=16,  # the epilogue's 16-byte vectors
     )  # fmt: skip
     check_tensor(
         "topk_weights", topk_weights, shape=tuple(plan.route_to_pool_row.shape),
@@ -188,7 +190,7 @@ def fused_dgrad2_activation_backward(
     if dgrad_out is not None:
         check_tensor(
             "dgrad_out", dgrad_out, shape=tuple(preact.shape), dtypes=(torch.bfloat16,),
-            device=device, contiguous=True,
+            device=device, contiguous=True, alignment=16,
         )  # fmt: skip
         _check_same_or_apart("dgrad_out", dgrad_out, "preact", preact)
     decode_scales = None

@@ -369,8 +369,10 @@ def grouped_gemm(
     if n_extra % 8 != 0:
         name = "b_extra" if b_extra is not None else "b_extra_blocks"
         raise ValueError(f"{name}: expected N_x a multiple of 8 (16-byte rows), got {n_extra}")
-    if not 0 < k <= a.shape[1]:
-        raise ValueError(f"k: expected 1 <= k <= a.shape[1] = {a.shape[1]}, got {k}")
+    if not 0 < k <= a.shape[1] or k % 8:  # 16-byte rows
+        raise ValueError(f"k: expected a multiple of 8 in [8, a.shape[1] = {a.shape[1]}], got {k}")
+    if n_base % 8:
+        raise ValueError(f"b: expected N a multiple of 8 (16-byte rows), got {n_base}")
     if out is None:
         out = torch.empty(a.shape[0], n_base + n_extra, dtype=torch.bfloat16, device=a.device)
     else:
@@ -567,6 +569,8 @@ def gated_grouped_gemm(
         w13_k = w13.shape[2]
     if w13_k != k:
         raise ValueError(f"k: expected w13's K={w13_k}, got {k}")
+    if k < 64 or k % 64:
+        raise ValueError(f"k: expected a multiple of 64 (the kernels' K step), got {k}")
     if k > a.shape[1]:
         raise ValueError(f"k: expected at most a.shape[1] = {a.shape[1]} columns, got {k}")
     two_i = w13.shape[1]
