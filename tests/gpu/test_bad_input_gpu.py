@@ -246,7 +246,7 @@ CASES: dict[str, Case] = {
     "gemm-k-not-multiple-of-8": (
         lambda L, g: grouped_gemm(g.a, bf16(4, 192, 100), g.plan, k=100),
         ValueError,
-        r"^k_base: expected a multiple of 8",
+        r"^k: expected a multiple of 8",
     ),
     "gemm-pool-rows-not-block-multiple": (
         lambda L, g: grouped_gemm(g.a[:-1], g.b, g.plan),
@@ -339,13 +339,13 @@ CASES: dict[str, Case] = {
     "gated-k-not-multiple-of-64": (
         lambda L, g: gated_grouped_gemm(g.a, bf16(4, 256, 96), g.plan, k=96),
         ValueError,
-        r"^k_base: expected a multiple of 64, got 96",
+        r"^k: expected a multiple of 64 \(the kernels' K step\), got 96",
     ),
     # ---- dgrad2 + activation backward (Python wrapper, then the C++ launcher)
     "dgrad2-k-not-multiple-of-64": (
         lambda L, g: dgrad2(g, dout_pool=bf16(g.plan.pool_capacity, 96), w2=bf16(4, 96, 128)),
         ValueError,
-        r"^k_base: expected a multiple of 64, got 96",
+        r"^w2: expected H and I multiples of 64, got H=96, I=128",
     ),
     "dgrad2-pool-too-narrow-for-side": (
         lambda L, g: dgrad2(g, side_a2=bf16(4, 128, 16)),

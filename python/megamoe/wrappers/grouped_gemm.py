@@ -372,7 +372,7 @@ def grouped_gemm(
     if not 0 < k <= a.shape[1] or k % 8:  # 16-byte rows
         raise ValueError(f"k: expected a multiple of 8 in [8, a.shape[1] = {a.shape[1]}], got {k}")
     if n_base % 8:
-        raise ValueError(f"b: expected N a multiple of 8 (16-byte rows), got {n_base}")
+        raise ValueError(f"b: expected N a multiple of 8, got {n_base}")  # 16-byte rows
     if out is None:
         out = torch.empty(a.shape[0], n_base + n_extra, dtype=torch.bfloat16, device=a.device)
     else:
