@@ -66,3 +66,37 @@ def test_power_is_averaged_over_the_case_windows_only():
     assert mean_during(samples, [(1.0, 2.0), (3.0, 4.0)]) == (1650.0, 695.0)
     assert mean_during(samples, [(10.0, 11.0)]) == (None, None)
     assert mean_during([], [(0.0, 1.0)]) == (None, None)
+
+
+def test_a_setup_that_queues_device_work_is_finished_before_the_timed_run(monkeypatch):
+    """Setup's own kernels (an MXFP4 master re-quantized each step) kept the GPU busy
+    while the host queued the timed run, hiding its launch time inside the window. The
+    device is now synchronised between setup and the start event. (CUDA calls faked.)"""
+    from megamoe.bench.timing import time_fn
+
+    calls = []
+
+    class FakeEvent:
+        def __init__(self, enable_timing: bool = False) -> None:
+            pass
+
+        def record(self) -> None:
+            calls.append("record")
+
+        def synchronize(self) -> None:
+            pass
+
+        def elapsed_time(self, other: object) -> float:
+            return 1.0
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append("sync"))
+    timing = time_fn(
+        lambda: calls.append("run"),
+        device=torch.device("cuda"),
+        warmup=0,
+        iters=2,
+        setup=lambda: calls.append("setup"),
+    )
+    assert timing.samples_ms == (1.0, 1.0)
+    assert calls == ["setup", "sync", "record", "run", "record"] * 2

@@ -60,8 +60,9 @@ def time_fn(
 ) -> Timing:
     """Run ``fn`` ``warmup`` times, then time ``iters`` runs one by one.
 
-    ``setup`` runs before each run outside the timed window (e.g. dropping grads).
-    On CUDA each sample is an event pair around one run on the current stream.
+    ``setup`` runs before each run outside the timed window (e.g. dropping grads; on
+    CUDA the device is synchronised after it). On CUDA each sample is an event pair
+    around one run on the current stream.
     """
     progress = progress or Progress(enabled=False)
     for step in range(warmup):
@@ -73,6 +74,10 @@ def time_fn(
     for step in range(iters):
         if setup:
             setup()
+            if device.type == "cuda":
+                # Setup's own kernels (a re-quantized MXFP4 master) would otherwise keep
+                # the GPU busy while the host queues the timed run: its launch time hidden.
+                torch.cuda.synchronize(device)
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
