@@ -358,6 +358,15 @@ def test_a_backward_state_that_is_not_this_forwards_is_named():
             torch.ops.megamoe.moe_ep_backward(**{**args, **change})
 
 
+def _outcome(call) -> str:
+    """``"ran"``, or the error ``call()`` raised as ``"Type: message"``."""
+    try:
+        call()
+    except (TypeError, ValueError, RuntimeError, AttributeError) as error:
+        return f"{type(error).__name__}: {error}"
+    return "ran"
+
+
 def _one_rank_refuses_worker(rank: int, world: int) -> list[str]:
     """Each call has one argument only the last rank gets wrong; returns each call's
     outcome ("ran" or the error) on this rank."""
@@ -367,11 +376,7 @@ def _one_rank_refuses_worker(rank: int, world: int) -> list[str]:
     last = rank == world - 1
 
     def attempt(call) -> None:
-        try:
-            call()
-            outcomes.append("ran")
-        except (TypeError, ValueError) as error:
-            outcomes.append(f"{type(error).__name__}: {error}")
+        outcomes.append(_outcome(call))
 
     x, ids, weights, base, side = _rank_layer(rank, world)
     bad_x = x.float() if last else x
@@ -435,11 +440,7 @@ def _refusals_found_in_review_worker(rank: int, world: int) -> list[str]:
     last = rank == world - 1
 
     def attempt(call) -> None:
-        try:
-            call()
-            outcomes.append("ran")
-        except (TypeError, ValueError, RuntimeError, AttributeError) as error:
-            outcomes.append(f"{type(error).__name__}: {error}")
+        outcomes.append(_outcome(call))
 
     x, ids, weights, base, side = _rank_layer(rank, world)
     # ids that are not a tensor (an AttributeError from .numel() before).

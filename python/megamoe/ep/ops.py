@@ -113,8 +113,7 @@ def raise_with_the_group(
         raise error
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         raise error  # an EP step cannot be captured: no collective (fused_moe says so)
-    device = x.device if isinstance(x, torch.Tensor) else None
-    refuse_on_every_rank(error, group, len(_UNIFORM_NAMES), device)
+    refuse_on_every_rank(error, group, len(_UNIFORM_NAMES), x)
 
 
 def _group(name: str) -> dist.ProcessGroup | None:

@@ -202,21 +202,19 @@ def check_max_tokens(max_tokens: object) -> int:
 
 
 def refuse_on_every_rank(
-    error: Exception,
-    group: dist.ProcessGroup | None,
-    num_uniform: int,
-    device: torch.device | None = None,
+    error: Exception, group: dist.ProcessGroup | None, num_uniform: int, x: object = None
 ) -> NoReturn:
     """Raise ``error`` (this rank's refusal of its own inputs) after joining the group's
     dispatch agreement with the refusal flagged, so that the peers, which wait in
     :func:`plan_dispatch`'s all-reduce, raise too instead of waiting for this rank.
 
     ``num_uniform`` is the number of ``uniform`` values the peers pass to
-    :func:`plan_dispatch` (the vector's length must match theirs); ``device``, where
-    known, the CUDA device the peers' ids are on (NCCL reduces there; else the current
-    device). ``group=None``: just raises.
+    :func:`plan_dispatch` (the vector's length must match theirs); ``x``, this rank's
+    tokens where they are a tensor: NCCL reduces on their (CUDA) device, where the peers'
+    ids are, else on the current device. ``group=None``: just raises.
     """
     if group is not None:
+        device = x.device if isinstance(x, torch.Tensor) else None
         placeholders = dict.fromkeys(range(num_uniform))
         count = len(_agreement_values(None, None, placeholders, None, None, None)[1])
         _agree(0, group_rank(group) + 1, 0, [None] * count, group, device)
@@ -377,8 +375,8 @@ def plan_dispatch(
 
     Steps: one all-reduce MAX of ``[T, refusal flag, bad-id flag, values..., -values...]``,
     the values ``K, E, uniform..., max_tokens (-1: none), block_m (-1: agreed),
-    check_ids`` (BLOCK_M agreement and argument
-    checks in one collective) -> the local routing split (:func:`split_routes`) ->
+    check_ids`` (BLOCK_M agreement and argument checks in one collective) -> the local
+    routing split (:func:`split_routes`) ->
     ``all_to_all_single`` of the per-rank counts -> ``all_to_all_single`` of the routes'
     expert ids -> (without a static ``max_tokens``) an all-reduce MAX of the received
     route count, the rank-uniform pool size -> the receiver's pool plan. The first

@@ -411,8 +411,7 @@ def reference_moe(
             if not isinstance(flag, bool):
                 raise TypeError(f"{name}: expected a bool, got {type(flag).__name__}")
     except Exception as error:  # the peers wait in plan_dispatch's agreement
-        device = x.device if isinstance(x, torch.Tensor) else None
-        refuse_on_every_rank(error, group, len(_UNIFORM_NAMES), device)
+        refuse_on_every_rank(error, group, len(_UNIFORM_NAMES), x)
     uniform_values = (
         hidden,
         inter,

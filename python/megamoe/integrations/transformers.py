@@ -58,8 +58,9 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -822,7 +823,8 @@ def load_side_lora(
             lora_alpha=config["lora_alpha"],
             use_rslora=bool(config.get("use_rslora", False)),
         )
-        side = _read_fused(state, prefix, options, split_gate_up, int(config["r"]))
+        read = partial(side_lora_from_peft_fused, state, prefix, **options)
+        side = _read_gate_up(read, split_gate_up, int(config["r"]))
         _install_adapter(module, side, dtype)
         names.append(name)
     if not names:
@@ -892,21 +894,23 @@ def _split_rank(file_rank: int) -> int:
     return _padded_rank(file_rank // 2)
 
 
-def _read_fused(
-    state, prefix: str, options: dict, split_gate_up: bool | None, file_rank: int
+def _read_gate_up(
+    read: Callable[..., SideLoRA], split_gate_up: bool | None, file_rank: int
 ) -> SideLoRA:
+    """A file's adapter through ``read`` (a converter taking ``split_gate_up`` and
+    ``rank``): split or whole as asked; ``None``: split where the gate/up B is
+    block-diagonal with both blocks in use, else whole."""
     split = {"split_gate_up": True, "rank": _split_rank(file_rank)}
     whole = {"split_gate_up": False, "rank": _padded_rank(file_rank)}
     if split_gate_up is not None:
-        kwargs = split if split_gate_up else whole
-        return side_lora_from_peft_fused(state, prefix, **kwargs, **options)
+        return read(**(split if split_gate_up else whole))
     try:
-        side = side_lora_from_peft_fused(state, prefix, **split, **options)
+        side = read(**split)
         if _both_blocks_live(side):
             return side
     except ValueError:  # not block-diagonal, or down uses all 2r slots: one shared A
         pass
-    return side_lora_from_peft_fused(state, prefix, **whole, **options)
+    return read(**whole)
 
 
 def _both_blocks_live(side: SideLoRA) -> bool:
@@ -987,20 +991,8 @@ def load_megatron_state_dict(
         experts, _, _ = _dims(module)
         options = dict(alpha=alpha, num_experts=experts)
         dim = state_dict[f"{prefix}.linear_fc1.adapter.linear_in.weight"].shape[-2]
-        split = {"split_gate_up": True, "rank": _split_rank(dim)}
-        whole = {"split_gate_up": False, "rank": _padded_rank(dim)}
-        if split_gate_up is None:
-            try:
-                side = side_lora_from_megatron(state_dict, prefix, **split, **options)
-                if not _both_blocks_live(side):  # a zero B: read whole (full rank)
-                    side = None
-            except ValueError:  # not block-diagonal: one shared A
-                side = None
-            if side is None:
-                side = side_lora_from_megatron(state_dict, prefix, **whole, **options)
-        else:
-            kwargs = split if split_gate_up else whole
-            side = side_lora_from_megatron(state_dict, prefix, **kwargs, **options)
+        read = partial(side_lora_from_megatron, state_dict, prefix, **options)
+        side = _read_gate_up(read, split_gate_up, dim)
         _install_adapter(module, side, dtype)
         names.append(name)
     if not names:

@@ -21,6 +21,7 @@ from ..side_lora import SIDE_NAMES, SideLoRA
 from ..weights import BASE_FORMATS, BaseWeights
 from ..wrappers.grouped_gemm import ACTIVATIONS
 from ..wrappers.registry import registry
+from ..wrappers.routing import pool_capacity
 from .arguments import check_choice, check_int, check_str_choice, check_tensor, has_data
 
 __all__ = [
@@ -321,16 +322,15 @@ def check_plan_block_m(
     kernels find each expert's tiles as ``offset / BLOCK_M``: under another BLOCK_M rows
     would meet the wrong expert's weights (or none). Host sizes only; skipped for
     symbolic sizes (torch.compile's fake tensors)."""
-    from ..wrappers.routing import pool_capacity
-
     routes, capacity = route_to_pool_row.numel(), pool_row_to_route.shape[0]
     if not (isinstance(routes, int) and isinstance(capacity, int)):
         return
-    if capacity != pool_capacity(routes, experts, block_m):
+    planned = pool_capacity(routes, experts, block_m)
+    if capacity != planned:
         raise ValueError(
             f"block_m: expected the BLOCK_M the forward planned with; {block_m} gives a pool "
-            f"of {pool_capacity(routes, experts, block_m)} rows for {routes} routes over "
-            f"{experts} experts, the saved plan holds {capacity}"
+            f"of {planned} rows for {routes} routes over {experts} experts, the saved plan "
+            f"holds {capacity}"
         )
 
 
