@@ -56,7 +56,7 @@ from dataclasses import dataclass
 import torch
 
 from .side_lora import SIDE_RANK_MAX, SIDE_RANK_MULTIPLE, SideLoRA
-from .validation.arguments import check_choice, check_finite_float, check_int
+from .validation.arguments import check_choice, check_finite_float, check_int, check_str_choice
 
 __all__ = [
     "PEFT_PROJECTIONS",
@@ -271,7 +271,7 @@ def _alpha_for(lora_alpha: float | Mapping[str, float], name: str) -> float:
 
 
 def _gate_up_mode(a1: torch.Tensor, a3: torch.Tensor, gate_up: str) -> str:
-    check_choice("gate_up", gate_up, GATE_UP_MODES)
+    check_str_choice("gate_up", gate_up, GATE_UP_MODES)
     if gate_up == "auto":
         return "shared" if torch.equal(a1, a3) else "stacked"
     if gate_up == "shared" and not torch.equal(a1, a3):
@@ -523,7 +523,7 @@ def side_lora_to_peft(
         refuses shared storage), and ``{"r", "lora_alpha", "use_rslora",
         "target_modules"}`` for ``adapter_config.json``.
     """
-    check_choice("shared", shared, ("per_expert", "expert_agnostic"))
+    check_str_choice("shared", shared, ("per_expert", "expert_agnostic"))
     if not isinstance(side, SideLoRA):
         raise TypeError(f"side: expected a megamoe.SideLoRA, got {type(side).__name__}")
     r = side.rank

@@ -30,7 +30,6 @@ from torch import nn
 from . import ops, reference
 from .side_lora import SIDE_NAMES, SIDE_RANK_MAX, SIDE_RANK_MULTIPLE, SideLoRA
 from .validation.arguments import (
-    check_choice,
     check_finite_float,
     check_int,
     check_str_choice,
@@ -154,9 +153,9 @@ class MegaMoE(nn.Module):
         self.activation_clamp = activation_clamp
         if not isinstance(trainable_base, bool):
             raise TypeError(f"trainable_base: expected a bool, got {type(trainable_base).__name__}")
-        check_choice("base_format", base_format, BASE_FORMATS)
+        check_str_choice("base_format", base_format, BASE_FORMATS)
         self.base_format = base_format
-        check_choice("backend", backend, BACKENDS)
+        check_str_choice("backend", backend, BACKENDS)
         self.backend = backend
         if not isinstance(activation_checkpoint, bool):
             kind = type(activation_checkpoint).__name__

@@ -40,7 +40,7 @@ from collections.abc import Mapping
 import torch
 
 from .mxfp4 import MXFP4_BLOCK
-from .validation.arguments import check_choice, check_tensor, has_data
+from .validation.arguments import check_str_choice, check_tensor, has_data
 from .validation.mxfp4 import check_mxfp4_scales
 from .weights import BaseWeights
 from .wrappers.registry import registry
@@ -130,7 +130,7 @@ def _base_weights(
 ) -> BaseWeights:
     """:func:`base_weights_from_mxfp4`, naming the scales ``scale_names`` in its NaN check
     (a checkpoint loader passes its keys)."""
-    check_choice("gate_up", gate_up, GATE_UP_ORDERS)
+    check_str_choice("gate_up", gate_up, GATE_UP_ORDERS)
     w13_codes, w13_scales, w2_codes, w2_scales = map(
         _as_bytes, (w13_codes, w13_scales, w2_codes, w2_scales)
     )
@@ -190,12 +190,20 @@ def base_weights_from_gpt_oss(
             ``{prefix}.gate_up_proj_blocks``/``_scales`` and ``{prefix}.down_proj_blocks``
             /``_scales``.
         device: where to put the result (default: where the tensors are).
+
+    Returns:
+        The frozen MXFP4 base that ``mm.moe`` takes, as :func:`base_weights_from_mxfp4`
+        returns it for gpt-oss's interleaved gate/up rows.
+
+    Raises:
+        ValueError: a tensor named above is missing from ``state_dict`` (or a shape or
+            scale the reader refuses; ``TypeError`` for a dtype).
     """
     names = [
         f"{prefix}.{p}_{k}" for p in ("gate_up_proj", "down_proj") for k in ("blocks", "scales")
     ]
     missing = [n for n in names if n not in state_dict]
     if missing:
-        raise KeyError(f"state_dict: missing {missing} (gpt-oss MXFP4 experts)")
+        raise ValueError(f"state_dict: missing {missing} (gpt-oss MXFP4 experts)")
     tensors = [state_dict[n] if device is None else state_dict[n].to(device) for n in names]
     return _base_weights(*tensors, "interleaved", (names[1], names[3]))

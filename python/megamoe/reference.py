@@ -45,6 +45,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
@@ -535,7 +536,7 @@ def moe(
     *,
     activation: str = "swiglu",
     activation_clamp: float | None = None,
-    group=None,
+    group: dist.ProcessGroup | None = None,
     compute_dtype: torch.dtype = torch.float64,
     round_bf16: bool = False,
 ) -> torch.Tensor:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from .mxfp4 import MXFP4_BLOCK, dequantize_mxfp4, quantize_mxfp4
-from .validation.arguments import check_choice, check_tensor, has_data
+from .validation.arguments import check_str_choice, check_tensor, has_data
 from .wrappers.mxfp4_decode import decode_mxfp4_bf16
 from .wrappers.registry import registry
 
@@ -170,7 +170,7 @@ def prepare_base_weights(
         straight-through gradient sink (``w13_master``/``w2_master``, no copy) and
         ``mm.moe`` trains them with the gradient taken at the MXFP4 values.
     """
-    check_choice("format", format, BASE_FORMATS)
+    check_str_choice("format", format, BASE_FORMATS)
     if not isinstance(check_finite, bool):
         raise TypeError(f"check_finite: expected a bool, got {type(check_finite).__name__}")
     reg = registry()

@@ -149,8 +149,8 @@ CASES: dict[str, Case] = {
     ),
     "prepare-format-none": (
         lambda: mm.prepare_base_weights(*base_tensors(), format=None),
-        ValueError,
-        r"^format: expected one of",
+        TypeError,  # a wrong kind (DESIGN §5)
+        r"^format: expected a str",
     ),
     "prepare-mxfp4-nan-w13": (
         lambda: mm.prepare_base_weights(
@@ -698,3 +698,36 @@ def test_an_adapter_scale_must_be_finite_in_float32(scale):
         mm.SideLoRA(*side.tensors(), scale=scale)
     with pytest.raises(ValueError, match=r"^side_scale: expected a float finite in float32"):
         mm.MegaMoE(64, 128, 4, 2, side_rank=16, side_scale=scale)
+    # The transformers adapters too (attached, they failed only in the first forward).
+    from megamoe.integrations.transformers import SideLoRAAdapter, attach_side_lora
+
+    with pytest.raises(ValueError, match=r"^scale: expected a float finite in float32"):
+        attach_side_lora(torch.nn.Module(), rank=16, scale=scale)
+    with pytest.raises(ValueError, match=r"^scale \(alpha / rank\): expected a float finite"):
+        attach_side_lora(torch.nn.Module(), rank=1, alpha=scale)
+    with pytest.raises(ValueError, match=r"^scale: expected a float finite in float32"):
+        SideLoRAAdapter(64, 128, 4, 16, scale=scale)
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        (lambda mm: mm.prepare_base_weights(*_bf16_base(), format=None), TypeError, "format"),
+        (lambda mm: mm.MegaMoE(64, 128, 4, 2, base_format=None), TypeError, "base_format"),
+        (lambda mm: mm.MegaMoE(64, 128, 4, 2, backend=None), TypeError, "backend"),
+        (lambda mm: mm.MegaMoE(64, 128, 4, 2, backend="Fused"), ValueError, "backend"),
+    ],
+)
+def test_a_string_option_of_another_kind_is_a_type_error(call, error, message):
+    """DESIGN §5: a wrong kind is a TypeError, a string outside the choices a ValueError
+    (``format=None`` was a ValueError while ``activation=None`` was a TypeError)."""
+    import megamoe as mm
+
+    with pytest.raises(error, match=rf"^{message}: expected"):
+        call(mm)
+
+
+def _bf16_base() -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.zeros(4, 256, 64, dtype=torch.bfloat16), torch.zeros(
+        4, 64, 128, dtype=torch.bfloat16
+    )

@@ -478,3 +478,119 @@ def test_more_one_rank_refusals_raise_on_every_rank():
         assert check_ids.startswith("ValueError: check_ids: expected the same value"), check_ids
         assert override.startswith("ValueError: block_m (-1: agreed): expected the same"), override
         assert good == "ran", outcomes
+
+
+def _config_refusals_worker(rank: int, world: int) -> list[str]:
+    """BLOCK_M thresholds (``config=``) that differ between ranks, or that one rank
+    refuses, in the dispatch plan and in the bare agreement."""
+    import torch.distributed as dist
+
+    from megamoe import BlockMConfig
+
+    group, outcomes = dist.group.WORLD, []
+    last = rank == world - 1
+
+    def attempt(call) -> None:
+        outcomes.append(_outcome(call))
+
+    _, ids, _, _, _ = _rank_layer(rank, world)
+    # Different thresholds: before, each rank took its own BLOCK_M with no error.
+    differing = BlockMConfig(min_blocks_per_expert=1 if last else 4)
+    attempt(lambda: ep.plan_dispatch(ids, E, group=group, config=differing))
+    # Not a BlockMConfig on one rank: refused after the agreement, and its peers went on
+    # into the counts' exchange alone.
+    bad = "fast" if last else None
+    attempt(lambda: ep.plan_dispatch(ids, E, group=group, config=bad))
+    attempt(lambda: ep.agree_block_m(ids.shape[0], K, E, group=group, config=differing))
+    attempt(lambda: ep.agree_block_m(ids.shape[0], K, E, group=group, config=bad))
+    # top_k that differs (agree_block_m all-reduced only T: each rank its own BLOCK_M),
+    # and a num_tokens one rank refuses (refused before its all-reduce: a hang).
+    attempt(lambda: ep.agree_block_m(ids.shape[0], 8 if last else K, E, group=group))
+    attempt(lambda: ep.agree_block_m(-1 if last else ids.shape[0], K, E, group=group))
+    # Equal thresholds given on every rank: the default's agreement.
+    same = BlockMConfig(min_blocks_per_expert=4)
+    attempt(lambda: ep.plan_dispatch(ids, E, group=group, config=same).block_m)
+    outcomes.append(str(ep.plan_dispatch(ids, E, group=group, config=same).block_m))
+    outcomes.append(str(ep.plan_dispatch(ids, E, group=group).block_m))
+    return outcomes
+
+
+def test_block_m_thresholds_are_agreed_across_ranks():
+    results = ep.run_gloo(_config_refusals_worker, 2, timeout_s=120.0)
+    for rank, outcomes in enumerate(results):
+        plan_diff, plan_bad, agree_diff, agree_bad, agree_k, agree_t = outcomes[:6]
+        same, same_block_m, default = outcomes[6:]
+        assert agree_k.startswith("ValueError: top_k: expected the same value"), agree_k
+        if rank == 1:
+            assert agree_t.startswith("ValueError: num_tokens: expected an int >= 0"), agree_t
+        else:
+            assert agree_t.startswith("ValueError: rank 1 of the EP group refused"), agree_t
+        mismatch = "ValueError: config.min_blocks_per_expert: expected the same value"
+        assert plan_diff.startswith(mismatch), plan_diff
+        assert agree_diff.startswith(mismatch), agree_diff
+        if rank == 1:
+            for outcome in (plan_bad, agree_bad):
+                assert outcome.startswith("TypeError: config: expected megamoe.BlockMConfig")
+        else:
+            assert plan_bad.startswith("ValueError: rank 1 of the EP group failed"), plan_bad
+            assert agree_bad.startswith("ValueError: rank 1 of the EP group refused"), agree_bad
+        assert same == "ran" and same_block_m == default, outcomes
+
+
+def _unchecked_ids_worker(rank: int, world: int) -> list[object]:
+    """``check_ids=False`` with ids outside ``[-1, E)`` on one rank: the layer's output and
+    router gradient against the same step with those ids masked (-1); and the reference
+    layer given an adapter scale and a clamp that differ between ranks."""
+    import torch.distributed as dist
+
+    group = dist.group.WORLD
+    last = rank == world - 1
+    results: list[object] = []
+    x, ids, weights, base, side = _rank_layer(rank, world)
+    bad, masked = ids.clone(), ids.clone()
+    if last:
+        # E + 5 lies past every rank's experts (its split had a route no count held);
+        # E + 1 and -7 were dropped from the split, but not from the pool's bound.
+        bad[0, 0], bad[1, 1], bad[2, 0] = E + 5, E + 1, -7
+        masked[0, 0], masked[1, 1], masked[2, 0] = -1, -1, -1
+    outs = []
+    for routes in (bad, masked):
+        xi, wi = x.detach().clone().requires_grad_(), weights.detach().clone().requires_grad_()
+        try:
+            out = ep.fused_moe(xi, routes, wi, base, side, group=group, check_ids=False)
+            out.float().square().sum().backward()
+            outs.append((out.detach(), wi.grad))
+        except (RuntimeError, ValueError) as error:
+            outs.append(f"{type(error).__name__}: {error}")
+    results.append(
+        outs
+        if any(isinstance(o, str) for o in outs)
+        else [torch.equal(outs[0][0], outs[1][0]), torch.equal(outs[0][1], outs[1][1])]
+    )
+    w13, w2 = base.w13.float(), base.w2.float()
+    for clamp, scale in ((7.0 if last else 0.5, None), (None, 2.0 if last else 0.5)):
+        s = side if scale is None else SideLoRA(*side.tensors(), scale=scale)
+        results.append(
+            _outcome(
+                lambda s=s, clamp=clamp: ep.reference_moe(
+                    x, ids, weights, w13, w2, s, group=group, activation_clamp=clamp
+                )
+            )
+        )
+    return results
+
+
+def test_unchecked_out_of_range_ids_are_masked_and_the_reference_agrees_its_floats():
+    """``check_ids=False`` with an id past ``E`` broke the split sizes on its rank alone
+    (a hang on NCCL) and ids in ``[E, E + E_l)`` or below -1 were dropped from the split:
+    all are now masked, as EP1's route plan treats them, bitwise like -1. The reference
+    layer compared only whether a clamp was set, not its value, nor the adapter scale:
+    each rank ran with its own."""
+    results = ep.run_gloo(_unchecked_ids_worker, 2, timeout_s=120.0)
+    for outcomes in results:
+        unchecked, clamp, scale = outcomes
+        assert unchecked == [True, True], unchecked
+        assert clamp.startswith(
+            "ValueError: activation_clamp (float64 bits, -1: none): expected the same"
+        ), clamp
+        assert scale.startswith("ValueError: side scale (float64 bits): expected the same"), scale

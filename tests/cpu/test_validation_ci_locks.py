@@ -167,3 +167,16 @@ def test_the_cpu_torch_wheel_has_a_named_source(monkeypatch: pytest.MonkeyPatch)
     assert locklib.torch_index_args() == ["--extra-index-url", "https://mirror.example/whl/cpu"]
     monkeypatch.setenv(locklib.TORCH_INDEX_VAR, "none")
     assert locklib.torch_index_args() == []
+
+
+def test_ci_runs_the_readme_test_command() -> None:
+    # CI must run what README's "Run the tests" tells a user to run (its pip quieted).
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Run the tests", 1)[1]
+    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    ci = (ROOT / ".ci" / "run").read_text().replace("pip install -q ", "pip install ")
+    ci = ci.replace("${pin}", "$pin")
+    commands = [c.strip() for line in block.splitlines() for c in line.split("&&")]
+    assert len(commands) >= 3, block
+    for command in commands:
+        assert command in ci, command

@@ -42,7 +42,7 @@ from ..pipeline.fused_backward import moe_backward
 from ..pipeline.fused_forward import SAVE_MODES, ForwardState, moe_forward, stage
 from ..side_lora import SideLoRA
 from ..validation import check_backward_inputs, check_block_m, check_devices, check_moe_inputs
-from ..validation.arguments import check_choice, check_tensor, has_data
+from ..validation.arguments import check_str_choice, check_tensor, has_data
 from ..validation.layer import check_plan_block_m
 from ..weights import BaseWeights
 from ..wrappers.routing import RoutePlan, pool_capacity
@@ -108,7 +108,7 @@ def _op_inputs(
         expert_id_limit=base.num_experts,
     )
     check_block_m(block_m)
-    check_choice("save", save, SAVE_MODES)
+    check_str_choice("save", save, SAVE_MODES)
     return base, side_lora
 
 

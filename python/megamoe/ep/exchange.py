@@ -49,13 +49,23 @@ class AllToAllRows(torch.autograd.Function):
     """``all_to_all_single`` of rows whose backward is the reverse exchange."""
 
     @staticmethod
-    def forward(ctx, send, send_splits, recv_splits, group):
+    def forward(
+        ctx,
+        send: torch.Tensor,
+        send_splits: Sequence[int],
+        recv_splits: Sequence[int],
+        group: dist.ProcessGroup | None,
+    ) -> torch.Tensor:
+        """``send`` ``[sum(send_splits), *rest]`` -> ``[sum(recv_splits), *rest]``, in
+        ``send``'s dtype (a collective)."""
         ctx.splits = (tuple(send_splits), tuple(recv_splits))
         ctx.group = group
         return _exchange(send, send_splits, recv_splits, group)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        """The reverse exchange: ``grad`` ``[sum(recv_splits), *rest]`` back to
+        ``[sum(send_splits), *rest]``."""
         send_splits, recv_splits = ctx.splits
         return _exchange(grad, recv_splits, send_splits, ctx.group), None, None, None
 

@@ -48,7 +48,7 @@ from ..custom_ops.inputs import side_lora as side_lora_of
 from ..pipeline.fused_forward import SAVE_MODES
 from ..side_lora import SideLoRA
 from ..validation import check_block_m, check_devices, check_moe_inputs
-from ..validation.arguments import check_choice, check_tensor
+from ..validation.arguments import check_str_choice, check_tensor
 from ..validation.layer import check_plan_block_m
 from ..weights import BaseWeights
 from ..wrappers.grouped_gemm import ACTIVATIONS
@@ -196,7 +196,7 @@ def _moe_ep_forward_impl(
             x, topk_ids, topk_weights, w13, w2, w13_scales, w2_scales,
             (a1, b1, a3, b3, a2, b2), scale, activation, activation_clamp,
         )  # fmt: skip
-        check_choice("save", save, SAVE_MODES)
+        check_str_choice("save", save, SAVE_MODES)
     except Exception as error:  # the peers wait in the agreement
         raise_with_the_group(error, group, x)
     # Everything that must match across ranks is checked in plan_dispatch's one
@@ -291,7 +291,7 @@ def _(
         x, topk_ids, topk_weights, w13, w2, w13_scales, w2_scales, (a1, b1, a3, b3, a2, b2),
         scale, activation, activation_clamp,
     )  # fmt: skip
-    check_choice("save", save, SAVE_MODES)
+    check_str_choice("save", save, SAVE_MODES)
     world = group_size(_group(group_name))
     out = x.new_empty(x.shape)
     if save == "none":

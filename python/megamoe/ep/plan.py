@@ -111,7 +111,11 @@ def split_routes(
     """
     world = partition.world_size
     flat = topk_ids.reshape(-1).to(torch.int64)
-    dest = torch.where(flat >= 0, flat // partition.num_local_experts, torch.full_like(flat, world))
+    # Ids outside [0, E) (possible only with check_ids=False) are masked, as EP1's route
+    # plan treats them: counted as sent, an id past E would break the split sizes on
+    # this rank alone, after the agreement.
+    valid = (flat >= 0) & (flat < partition.num_experts)
+    dest = torch.where(valid, flat // partition.num_local_experts, torch.full_like(flat, world))
     order = torch.sort(dest, stable=True).indices
     counts = torch.bincount(dest, minlength=world + 1)
     num_send = flat.numel() - int(counts[world])
@@ -157,19 +161,21 @@ def _agreement_values(
     max_tokens: object,
     block_m: object,
     check_ids: object,
+    min_blocks: object,
 ) -> tuple[list[str], list[int | None]]:
     """The names and values every rank must hold alike, in the agreement's order (None:
     this rank has no valid value there, it refused its inputs). The length depends only
     on the number of ``uniform`` values (no static bound or BLOCK_M override is -1), so
     ranks that differ in any of them still join the same all-reduce. ``check_ids`` is
     among them: a rank that skipped the check beside a bad id elsewhere would fail alone
-    in the ids' exchange."""
+    in the ids' exchange. So is ``config``'s ``min_blocks_per_expert`` (``min_blocks``):
+    with different thresholds the ranks would agree on no BLOCK_M."""
     extra = dict(uniform or {})
     names = ["top_k", "num_experts", *extra, "max_tokens (-1: none)", "block_m (-1: agreed)"]
-    names.append("check_ids")
+    names += ["check_ids", "config.min_blocks_per_expert"]
     values = [top_k, num_experts, *(int(v) if type(v) is bool else v for v in extra.values())]
     values += [-1 if max_tokens is None else max_tokens, -1 if block_m is None else block_m]
-    values.append(int(check_ids) if type(check_ids) is bool else None)
+    values += [int(check_ids) if type(check_ids) is bool else None, min_blocks]
     return names, [v if type(v) is int and abs(v) <= _INT64_MAX else None for v in values]
 
 
@@ -191,6 +197,24 @@ def _agree(
     high = [None if v == _NO_VALUE else v for v in agreed[3 : 3 + n]]
     low = [None if v == _NO_VALUE else -v for v in agreed[3 + n :]]
     return agreed[0], agreed[1], agreed[2], high, low
+
+
+def _raise_on_mismatch(
+    names: list[str],
+    values: list[int | None],
+    highs: list[int | None],
+    lows: list[int | None],
+) -> None:
+    """A ``ValueError`` naming the first agreed value the ranks hold differently (this
+    rank's values, and the group's MAX and MIN of them from :func:`_agree`)."""
+    for name, mine, high, low in zip(names, values, highs, lows, strict=True):
+        if high is None or mine is None:  # no rank holds it, or this one refused
+            continue
+        if high != low:
+            raise ValueError(
+                f"{name}: expected the same value on every rank of the EP group, got "
+                f"values in [{low}, {high}] (this rank: {mine})"
+            )
 
 
 def check_max_tokens(max_tokens: object) -> int:
@@ -216,7 +240,7 @@ def refuse_on_every_rank(
     if group is not None:
         device = x.device if isinstance(x, torch.Tensor) else None
         placeholders = dict.fromkeys(range(num_uniform))
-        count = len(_agreement_values(None, None, placeholders, None, None, None)[1])
+        count = len(_agreement_values(None, None, placeholders, None, None, None, None)[1])
         _agree(0, group_rank(group) + 1, 0, [None] * count, group, device)
     raise error
 
@@ -231,15 +255,50 @@ def agree_block_m(
 ) -> tuple[int, int]:
     """The group's ``(block_m, max_tokens)``, identical on every rank.
 
-    All-reduces MAX of the per-rank token count, then
+    All-reduces MAX of the per-rank token count, with ``top_k``, ``num_experts`` and
+    ``config``'s threshold, which must be the same on every rank, and a flag for a rank
+    that refused its own arguments (every rank then raises), then
     ``get_block_m(max_tokens, top_k, num_experts, ep_size=P)``. A collective: every
     rank of ``group`` must call it. :func:`plan_dispatch` does the same agreement
     (together with its argument checks) in one all-reduce.
     """
-    check_int("num_tokens", num_tokens, minimum=0)
-    (max_tokens,) = _all_reduce_max([num_tokens], group)
+    local_error, min_blocks = None, None
+    try:
+        check_int("num_tokens", num_tokens, minimum=0)
+        min_blocks = _min_blocks_per_expert(config)
+        get_block_m(num_tokens, top_k, num_experts, group_size(group), config)  # its checks
+    except Exception as error:  # raised after the all-reduce the peers wait in
+        if group is None:
+            raise
+        local_error, num_tokens = error, 0
+    names = ["top_k", "num_experts", "config.min_blocks_per_expert"]
+    values = [top_k, num_experts, min_blocks] if local_error is None else [None] * 3
+    max_tokens, refused, _, highs, lows = _agree(
+        num_tokens, 0 if local_error is None else group_rank(group) + 1, 0, values, group, None
+    )
+    if local_error is None:
+        _raise_on_mismatch(names, values, highs, lows)
+    else:
+        raise local_error
+    if refused:
+        raise ValueError(
+            f"rank {refused - 1} of the EP group refused its arguments to agree_block_m "
+            "(its own error says why); every rank raises with it"
+        )
     block_m = get_block_m(max_tokens, top_k, num_experts, group_size(group), config)
     return block_m, max_tokens
+
+
+def _min_blocks_per_expert(config: object) -> int:
+    """``config``'s threshold (the default's where None), after checking its type: a
+    value every rank must hold alike, since it sets the BLOCK_M they agree on."""
+    if config is None:
+        return BlockMConfig().min_blocks_per_expert
+    if not isinstance(config, BlockMConfig):
+        raise TypeError(
+            f"config: expected megamoe.BlockMConfig or None, got {type(config).__name__}"
+        )
+    return config.min_blocks_per_expert
 
 
 @dataclass(frozen=True, eq=False)
@@ -416,6 +475,7 @@ def plan_dispatch(
     # the same error); any other refusal is flagged, and every rank raises.
     local_error = None
     num_tokens, top_k = 0, None  # top_k None: not agreed (ids this rank refused)
+    min_blocks = None
     try:
         check_tensor("topk_ids", topk_ids, ndim=2, dtypes=(torch.int32, torch.int64))
         num_tokens, top_k = topk_ids.shape
@@ -426,6 +486,7 @@ def plan_dispatch(
             check_block_m(block_m)
         if not isinstance(check_ids, bool):
             raise TypeError(f"check_ids: expected a bool, got {type(check_ids).__name__}")
+        min_blocks = _min_blocks_per_expert(config)
         partition = ExpertPartition(num_experts, world, rank)
         if top_k < 1:
             raise ValueError(f"topk_ids: expected at least one route per token, got {top_k}")
@@ -443,7 +504,9 @@ def plan_dispatch(
                     f"topk_ids: expected expert ids in [-1, {num_experts}), got values in "
                     f"[{low}, {high}]"
                 )
-    names, values = _agreement_values(top_k, num_experts, uniform, max_tokens, block_m, check_ids)
+    names, values = _agreement_values(
+        top_k, num_experts, uniform, max_tokens, block_m, check_ids, min_blocks
+    )
     if local_error is None:
         given = dict(uniform or {})
         for name, value in zip(names, values):
@@ -464,14 +527,7 @@ def plan_dispatch(
     most_tokens, refused, bad_rank, highs, lows = _agree(
         num_tokens, 0 if local_error is None else rank + 1, bad_ids, values, group, device
     )
-    for name, mine, high, low in zip(names, values, highs, lows):
-        if high is None or mine is None:  # no rank holds it, or this one refused
-            continue
-        if high != low:
-            raise ValueError(
-                f"{name}: expected the same value on every rank of the EP group, got "
-                f"values in [{low}, {high}] (this rank: {mine})"
-            )
+    _raise_on_mismatch(names, values, highs, lows)
     if local_error is not None:
         raise local_error
     if refused:

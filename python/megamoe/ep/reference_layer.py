@@ -43,6 +43,7 @@ from ..reference import (
 from ..side_lora import SIDE_NAMES, SideLoRA
 from ..validation.arguments import check_int, check_tensor
 from .exchange import combine, dispatch, reduce_shared_grads, sum_over_k
+from .fused_layer import float_bits
 from .plan import DispatchPlan, group_size, plan_dispatch, refuse_on_every_rank
 
 __all__ = ["ExpertState", "ReferenceExperts", "reference_moe"]
@@ -314,7 +315,8 @@ _UNIFORM_NAMES = (
     "intermediate",
     "side_rank",
     "activation",
-    "activation_clamp (set or None)",
+    "activation_clamp (float64 bits, -1: none)",
+    "side scale (float64 bits)",
     "compute_dtype",
     "round_bf16",
     "reduce_shared_grads",
@@ -366,8 +368,8 @@ def reference_moe(
             (e.g. DDP over the same ranks would otherwise count them twice).
         compute_dtype: float64 (default) or float32.
         round_bf16: the kernels' BF16 rounding points (:mod:`megamoe.reference`).
-        max_tokens: static ``T_max`` of the group (skips the agreement all-reduce;
-            see :func:`~megamoe.ep.plan.plan_dispatch`).
+        max_tokens: static ``T_max`` of the group (skips the all-reduce of the pool's
+            size; the agreement's runs: see :func:`~megamoe.ep.plan.plan_dispatch`).
         check_ids: reject ids outside ``[-1, E)`` on any rank (every rank raises).
 
     Returns:
@@ -417,7 +419,8 @@ def reference_moe(
         inter,
         0 if side_local is None else side_local.rank,
         ACTIVATIONS.index(activation),
-        int(activation_clamp is not None),
+        -1 if activation_clamp is None else float_bits(float(activation_clamp)),
+        float_bits(float(side_local.scale) if side_local is not None else 0.0),
         64 if compute_dtype == torch.float64 else 32,
         int(round_bf16),
         int(reduce_shared_grads),

@@ -95,7 +95,7 @@ except ImportError as exc:
 
 from .. import ops, reference
 from ..side_lora import SIDE_NAMES, SIDE_RANK_MAX, SIDE_RANK_MULTIPLE, SideLoRA
-from ..validation.arguments import check_choice
+from ..validation.arguments import check_str_choice
 from ..weights import prepare_base_weights
 
 __all__ = ["BACKENDS", "MegaMoEConverter", "MegaMoEGroupedExperts"]
@@ -330,7 +330,7 @@ class MegaMoEGroupedExperts(GroupedExperts):
 
     def __init__(self, config: Config):
         super().__init__(config)
-        check_choice("backend", config.backend, BACKENDS)
+        check_str_choice("backend", config.backend, BACKENDS)
         rank = config.rank
         if rank and (rank % SIDE_RANK_MULTIPLE or not SIDE_RANK_MULTIPLE <= rank <= SIDE_RANK_MAX):
             raise ValueError(
@@ -369,7 +369,10 @@ class MegaMoEGroupedExperts(GroupedExperts):
         """``(w1_EFD, w3_EFD)``: the gate and up halves of ``w13_E2FD`` (views)."""
         return self.w13_E2FD[:, 0], self.w13_E2FD[:, 1]
 
-    def parallelize(self, parallel_dims) -> None:
+    def parallelize(self, parallel_dims: object) -> None:
+        """torchtitan's ``parallelize`` of this module under ``parallel_dims`` (its
+        ``ParallelDims``), after a check: side-LoRA adapters need the ``spmd_backend``
+        that sums the shared factors' gradients over the ranks (``ValueError``)."""
         backend = getattr(parallel_dims, "spmd_backend", None)
         if self.rank and self._sharding_config is not None and backend != _ADAPTER_BACKEND:
             raise ValueError(
@@ -491,7 +494,7 @@ class MegaMoEConverter(ModelConfigConverter):
         """``"fused"`` or ``"reference"`` (float32 on any device, for tests)."""
 
     def __init__(self, config: Config, **kwargs):
-        check_choice("backend", config.backend, BACKENDS)
+        check_str_choice("backend", config.backend, BACKENDS)
         self.config = config
 
     def convert(self, model_config: Module.Config) -> Module.Config:

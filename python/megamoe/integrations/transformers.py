@@ -495,7 +495,7 @@ class SideLoRAAdapter(nn.Module):
             num_experts,
             rank,
         )
-        self.scale = check_finite_float("scale", scale)
+        self.scale = check_finite_float("scale", scale, float32=True)  # a float32 in kernels
         h, i, e, r = hidden, intermediate, num_experts, rank
         shapes = {
             "a1": (h, r),
@@ -545,7 +545,7 @@ class SideLoRAAdapter(nn.Module):
 
     def set_extra_state(self, state: torch.Tensor | float) -> None:
         value = state.item() if isinstance(state, torch.Tensor) else state
-        self.scale = check_finite_float("scale", value)
+        self.scale = check_finite_float("scale", value, float32=True)
 
     def extra_repr(self) -> str:
         return (
@@ -609,9 +609,10 @@ def attach_side_lora(
     """
     if alpha is not None and scale is not None:
         raise ValueError(f"scale: give alpha or scale, not both; got alpha={alpha}, scale={scale}")
-    s = 1.0 if scale is None else check_finite_float("scale", scale)
+    s = 1.0 if scale is None else check_finite_float("scale", scale, float32=True)
     if alpha is not None:
         s = check_finite_float("alpha", alpha) / check_int("rank", rank, minimum=1)
+        s = check_finite_float("scale (alpha / rank)", s, float32=True)
     names = []
     for name, module in experts_modules(model):
         experts_spec(module)

@@ -23,7 +23,7 @@ from torch.autograd import _profiler_enabled
 from torch.profiler import record_function
 
 from ..side_lora import SideLoRA
-from ..validation.arguments import check_choice
+from ..validation.arguments import check_str_choice
 from ..weights import BaseWeights
 from ..wrappers import pool
 from ..wrappers.grouped_gemm import gated_grouped_gemm_unchecked, grouped_gemm_unchecked
@@ -84,7 +84,7 @@ def moe_forward(
     ``"recompute"`` returns a state without them (the backward recomputes GEMM1:
     activation checkpointing).
     """
-    check_choice("save", save, SAVE_MODES)
+    check_str_choice("save", save, SAVE_MODES)
     experts = base.num_experts
     with stage("route_plan"):
         # Raises the earlier calls' finished id checks before it launches anything.

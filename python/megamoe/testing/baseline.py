@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ..side_lora import SideLoRA
-from ..validation.arguments import check_choice, check_finite_float, check_int, check_tensor
+from ..validation.arguments import check_finite_float, check_int, check_str_choice, check_tensor
 from ..weights import BaseWeights
 
 ACTIVATIONS = ("swiglu", "geglu")
@@ -176,7 +176,7 @@ def moe(
     check_tensor("topk_weights", topk_weights, shape=(tokens, top_k), device=x.device)
     if not topk_weights.is_floating_point():
         raise TypeError(f"topk_weights: expected a floating dtype, got {topk_weights.dtype}")
-    check_choice("activation", activation, ACTIVATIONS)
+    check_str_choice("activation", activation, ACTIVATIONS)
     if activation_clamp is not None:
         activation_clamp = check_finite_float("activation_clamp", activation_clamp)
         if activation_clamp <= 0.0:

@@ -15,7 +15,7 @@ import torch
 
 from ..heuristics import get_block_m, mxfp4_decodes_in_pipeline, weight_stream_chunk
 from ..side_lora import SIDE_NAMES, SideLoRA
-from ..validation.arguments import check_choice, check_finite_float, check_int
+from ..validation.arguments import check_choice, check_finite_float, check_int, check_str_choice
 from ..weights import BaseWeights, prepare_base_weights
 from ..wrappers.grouped_gemm import stream_widest_chunks
 from ..wrappers.routing import pool_capacity
@@ -104,7 +104,7 @@ def make_routing(
     num_tokens = check_int("num_tokens", num_tokens, minimum=0)
     num_experts = check_int("num_experts", num_experts, minimum=1)
     top_k = check_int("top_k", top_k, minimum=1)
-    check_choice("kind", kind, ROUTING_KINDS)
+    check_str_choice("kind", kind, ROUTING_KINDS)
     check_choice("id_dtype", id_dtype, (torch.int32, torch.int64))
     masked_fraction = check_finite_float("masked_fraction", masked_fraction)
     if not 0.0 <= masked_fraction <= 1.0:

@@ -22,7 +22,7 @@ from ..weights import BASE_FORMATS, BaseWeights
 from ..wrappers.grouped_gemm import ACTIVATIONS
 from ..wrappers.registry import registry
 from ..wrappers.routing import pool_capacity
-from .arguments import check_choice, check_int, check_str_choice, check_tensor, has_data
+from .arguments import check_int, check_str_choice, check_tensor, has_data
 
 __all__ = [
     "check_backward_inputs",
@@ -58,7 +58,7 @@ def check_base_weights(base: object) -> BaseWeights:
     """
     if not isinstance(base, BaseWeights):
         raise TypeError(f"base: expected megamoe.BaseWeights, got {type(base).__name__}")
-    check_choice("base.format", base.format, BASE_FORMATS)
+    check_str_choice("base.format", base.format, BASE_FORMATS)
     experts, hidden, inter = base.num_experts, base.hidden, base.intermediate
     for name, value in (("num_experts", experts), ("hidden", hidden), ("intermediate", inter)):
         if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)) or value < 1:

@@ -25,7 +25,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..validation.arguments import check_choice, check_tensor
+from ..validation.arguments import check_str_choice, check_tensor
 from . import _native
 from .grouped_gemm import (
     ACTIVATIONS,
@@ -67,7 +67,7 @@ def _check(
     plan: RoutePlan,
     activation: str,
 ) -> tuple[int, int]:
-    check_choice("activation", activation, tuple(ACTIVATIONS))
+    check_str_choice("activation", activation, tuple(ACTIVATIONS))
     capacity = plan.pool_capacity
     check_tensor(
         "preact", preact, shape=(capacity, None), dtypes=(torch.bfloat16,), contiguous=True

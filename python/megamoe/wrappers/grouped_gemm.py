@@ -30,7 +30,7 @@ import torch
 
 from ..env import num_sms as resolve_device_sms
 from ..heuristics import mxfp4_decodes_in_pipeline, weight_stream_chunk
-from ..validation.arguments import check_choice, check_tensor
+from ..validation.arguments import check_str_choice, check_tensor
 from . import _native
 from .registry import registry
 from .routing import RoutePlan
@@ -333,7 +333,7 @@ def grouped_gemm(
         ``out`` ``[pool rows, N + N_x]`` BF16. Rows at or past the rows in use are not
         written.
     """
-    check_choice("b_major", b_major, ("k", "mn"))
+    check_str_choice("b_major", b_major, ("k", "mn"))
     check_tensor("a", a, ndim=2, dtypes=(torch.bfloat16,), contiguous=True)
     mxfp4 = b_scales is not None
     if mxfp4:  # decoded (where it is: a launch) only once every check has passed
