@@ -789,6 +789,8 @@ def test_undersized_buffers_are_rejected_by_the_launchers():
     with pytest.raises(ValueError, match="out: expected shape"):
         grouped_gemm(pool_input, b, plan, out=short)
     pool_output = grouped_gemm(pool_input, b, plan)
+    if not judges_engine_outputs():  # the combine would read the engine's TMA stores
+        pool_output = bf16(tuple(pool_output.shape), 23)
     with pytest.raises(ValueError, match="out: expected shape"):
         pool.combine(pool_output, plan, weights, out=bf16((tokens - 1, 64), 22))
     # The rejected calls launched nothing and left the context healthy.
