@@ -241,10 +241,11 @@ column_pair_bits_times_2_pow_minus_126(uint32_t row_pair, uint32_t selector) {
   return (prmt(row_pair, row_pair, selector) << 2) & 0x81C081C0u;
 }
 
-// The 32- and 64-row chunks' placement: row n's byte into byte 1 and its sign into byte
-// 2, row n + 1's into byte 3 (byte 0 is shifted out), then an arithmetic shift right by 6
-// (which copies the high code's sign from bit 31). Their step keeps every placement live
-// at once, and with the left shift (IMAD.SHL) ptxas spills the 64-row ones.
+// The same bits placed the other way: row n's byte into byte 1 and its sign into byte 2,
+// row n + 1's into byte 3 (byte 0 is shifted out), then an arithmetic shift right by 6
+// (which copies the high code's sign from bit 31). For the rare FP32 path's second
+// placement in decode_column_pairs<true> (64-row chunks): with the left shift's IMAD.SHL
+// there too, ptxas spilled those kernels.
 __host__ __device__ constexpr uint32_t column_pair_selector_high(uint32_t tile) {
   return tile * 0x1111u + 0x2800u;
 }
@@ -296,7 +297,9 @@ __host__ __device__ __forceinline__ uint32_t recomputed(uint32_t v) {
   return v;
 }
 
-// A transposed step's placements: [2 k16 + j][2 tile + high] from the row pairs.
+// A transposed step's placements: [2 k16 + j][2 tile + high] from the row pairs, by
+// the left shift's placement or the right shift's (the same bits).
+template <bool kLeftShift>
 __host__ __device__ __forceinline__ void place_column_pairs(const uint32_t (&row_pairs)[8],
                                                             uint32_t (&placed)[8][4]) {
 #pragma unroll
@@ -304,9 +307,17 @@ __host__ __device__ __forceinline__ void place_column_pairs(const uint32_t (&row
     const uint32_t row_pair = row_pairs[pair];
 #pragma unroll
     for (int tile = 0; tile < 2; ++tile) {
-      const uint32_t selector = column_pair_selector_high(tile);
-      placed[pair][2 * tile] = column_pair_bits_times_2_pow_minus_126_high(row_pair << 4, selector);
-      placed[pair][2 * tile + 1] = column_pair_bits_times_2_pow_minus_126_high(row_pair, selector);
+      if constexpr (kLeftShift) {
+        const uint32_t selector = column_pair_selector(tile);
+        placed[pair][2 * tile] = column_pair_bits_times_2_pow_minus_126(row_pair << 4, selector);
+        placed[pair][2 * tile + 1] = column_pair_bits_times_2_pow_minus_126(row_pair, selector);
+      } else {
+        const uint32_t selector = column_pair_selector_high(tile);
+        placed[pair][2 * tile] =
+            column_pair_bits_times_2_pow_minus_126_high(row_pair << 4, selector);
+        placed[pair][2 * tile + 1] =
+            column_pair_bits_times_2_pow_minus_126_high(row_pair, selector);
+      }
     }
   }
 }
@@ -347,7 +358,7 @@ __host__ __device__ __forceinline__ void decode_column_pairs(const uint32_t (&ro
                                                              const StepScales<8>& scales,
                                                              StepFragment (&fragments)[2]) {
   uint32_t placed[8][4], out[8][4];  // [2 k16 + j][2 tile + high]
-  place_column_pairs(row_pairs, placed);
+  place_column_pairs<true>(row_pairs, placed);
   if constexpr (kValuesBeforeCheck) {
     // The fast path's values first, whatever the scales (no branch between the loads
     // and the multiplies); a step with a scale byte from 128 up (rare) places its codes
@@ -358,7 +369,7 @@ __host__ __device__ __forceinline__ void decode_column_pairs(const uint32_t (&ro
       uint32_t again[8];
 #pragma unroll
       for (int pair = 0; pair < 8; ++pair) again[pair] = recomputed(row_pairs[pair]);
-      place_column_pairs(again, placed);
+      place_column_pairs<false>(again, placed);
       column_pairs_any_scales(placed, scales, out);
     }
   } else if (scales.fast) {
