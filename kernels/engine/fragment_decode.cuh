@@ -6,10 +6,12 @@
 // So every thread reads its rows' whole words (its quad reads the same words) and
 // decodes one byte of each into one BF16 pair, in four integer instructions and one
 // BF16 multiply:
-//  1. PRMT builds a word with the low code in bits 12..15, copies of its sign in bits
-//     16..23 (PRMT's sign-replicate mode) and the high code in bits 28..31;
-//  2. an arithmetic shift right by 6 moves both magnitudes to bits 6..8 and 22..24 of
-//     their 16-bit halves and the low code's sign to bit 15 (the high code's stays at 31);
+//  1. PRMT builds a word with the low code in bits 4..7, copies of its sign in bits
+//     8..15 (PRMT's sign-replicate mode), the high code in bits 20..23 and copies of its
+//     sign in bits 24..31;
+//  2. a shift left by 2 moves both magnitudes to bits 6..8 and 22..24 of their 16-bit
+//     halves and a copy of each sign to bits 15 and 31 (a left shift, which ptxas may
+//     issue as IMAD.SHL on the FMA pipe: the ALU pipe is the decode's busiest);
 //  3. a mask keeps those bits: each half is the E2M1 value times 2^-126 as a BF16 (the
 //     three magnitude bits are exponent e and mantissa m; e = 0 reads as the subnormal
 //     m x 2^-127, which is E2M1's 0.5 x 2^-126);
@@ -53,20 +55,20 @@ __host__ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32
 #endif
 }
 
-// The PRMT selector of the thread owning byte `c` (0..3) of each word: byte 1 = byte c
-// of word << 4 (the low code in its top nibble), byte 2 = that byte's sign replicated,
-// byte 3 = byte c of the word (the high code in its top nibble); byte 0 is shifted out.
-// (c | c << 4 | (c | 8) << 8 | (4 + c) << 12, as one multiply-add: ptxas recomputes it
-// where registers are short.)
+// The PRMT selector of the thread owning byte `c` (0..3) of each word: byte 0 = byte c
+// of word << 4 (the low code in its top nibble), byte 1 = that byte's sign replicated,
+// byte 2 = byte c of the word (the high code in its top nibble), byte 3 = its sign
+// replicated. (c | (c | 8) << 4 | (4 + c) << 8 | (12 + c) << 12, as one multiply-add:
+// ptxas recomputes it where registers are short.)
 __host__ __device__ constexpr uint32_t fragment_selector(uint32_t c) {
-  return c * 0x1111u + 0x4800u;
+  return c * 0x1111u + 0xC480u;
 }
 
 // Codes 2c (low half) and 2c + 1 (high half) of `word` as BF16x2 bits, times 2^-126.
 __host__ __device__ __forceinline__ uint32_t pair_bits_times_2_pow_minus_126(uint32_t word,
                                                                              uint32_t selector) {
   const uint32_t placed = prmt(word << 4, word, selector);
-  return static_cast<uint32_t>(static_cast<int32_t>(placed) >> 6) & 0x81C081C0u;
+  return (placed << 2) & 0x81C081C0u;
 }
 
 // A row's scale bytes of a step (bits 0-7: its words 0-3, bits 8-15: its words 4-7, as
@@ -220,14 +222,14 @@ __host__ __device__ __forceinline__ void decode_rows(const uint32_t (&words)[2 *
 // as one register: row n in bits 0-15, row n + 1 in bits 16-31. That register gives the
 // four registers of a K pair with the forward's three-instruction placement: PRMT puts
 // row n's byte where the forward's low code goes and row n + 1's where its high code
-// does (bits 28..31: the byte's high nibble as loaded, its low nibble after a left shift
-// by 4, as row n's goes to bits 12..15).
+// does (bits 20..23: the byte's high nibble as loaded, its low nibble after a left shift
+// by 4, as row n's goes to bits 4..7).
 
 // The PRMT selector of tile t's byte (2q + t) in a row pair (bytes 0, 1: row n's bytes 2q,
-// 2q + 1; bytes 2, 3: row n + 1's): row n's byte into bytes 1 and 2 (sign-replicated),
-// row n + 1's into byte 3; byte 0 is shifted out.
+// 2q + 1; bytes 2, 3: row n + 1's): row n's byte into byte 0 and its sign into byte 1,
+// row n + 1's into byte 2 and its sign into byte 3 (the forward's placement).
 __host__ __device__ constexpr uint32_t column_pair_selector(uint32_t tile) {
-  return tile * 0x1111u + 0x2800u;
+  return tile * 0x1111u + 0xA280u;
 }
 
 // Codes of one column at rows n (low half) and n + 1 (high half) as BF16x2 bits times
@@ -236,6 +238,19 @@ __host__ __device__ constexpr uint32_t column_pair_selector(uint32_t tile) {
 // column_pair_selector(t) for tile t.
 __host__ __device__ __forceinline__ uint32_t
 column_pair_bits_times_2_pow_minus_126(uint32_t row_pair, uint32_t selector) {
+  return (prmt(row_pair, row_pair, selector) << 2) & 0x81C081C0u;
+}
+
+// The same bits placed the other way: row n's byte into byte 1 and its sign into byte 2,
+// row n + 1's into byte 3 (byte 0 is shifted out), then an arithmetic shift right by 6
+// (which copies the high code's sign from bit 31). For the rare FP32 path's second
+// placement in decode_column_pairs<true> (64-row chunks): with the left shift's IMAD.SHL
+// there too, ptxas spilled those kernels.
+__host__ __device__ constexpr uint32_t column_pair_selector_high(uint32_t tile) {
+  return tile * 0x1111u + 0x2800u;
+}
+__host__ __device__ __forceinline__ uint32_t
+column_pair_bits_times_2_pow_minus_126_high(uint32_t row_pair, uint32_t selector) {
   return static_cast<uint32_t>(static_cast<int32_t>(prmt(row_pair, row_pair, selector)) >> 6) &
          0x81C081C0u;
 }
@@ -282,7 +297,9 @@ __host__ __device__ __forceinline__ uint32_t recomputed(uint32_t v) {
   return v;
 }
 
-// A transposed step's placements: [2 k16 + j][2 tile + high] from the row pairs.
+// A transposed step's placements: [2 k16 + j][2 tile + high] from the row pairs, by
+// the left shift's placement or the right shift's (the same bits).
+template <bool kLeftShift>
 __host__ __device__ __forceinline__ void place_column_pairs(const uint32_t (&row_pairs)[8],
                                                             uint32_t (&placed)[8][4]) {
 #pragma unroll
@@ -290,9 +307,17 @@ __host__ __device__ __forceinline__ void place_column_pairs(const uint32_t (&row
     const uint32_t row_pair = row_pairs[pair];
 #pragma unroll
     for (int tile = 0; tile < 2; ++tile) {
-      const uint32_t selector = column_pair_selector(tile);
-      placed[pair][2 * tile] = column_pair_bits_times_2_pow_minus_126(row_pair << 4, selector);
-      placed[pair][2 * tile + 1] = column_pair_bits_times_2_pow_minus_126(row_pair, selector);
+      if constexpr (kLeftShift) {
+        const uint32_t selector = column_pair_selector(tile);
+        placed[pair][2 * tile] = column_pair_bits_times_2_pow_minus_126(row_pair << 4, selector);
+        placed[pair][2 * tile + 1] = column_pair_bits_times_2_pow_minus_126(row_pair, selector);
+      } else {
+        const uint32_t selector = column_pair_selector_high(tile);
+        placed[pair][2 * tile] =
+            column_pair_bits_times_2_pow_minus_126_high(row_pair << 4, selector);
+        placed[pair][2 * tile + 1] =
+            column_pair_bits_times_2_pow_minus_126_high(row_pair, selector);
+      }
     }
   }
 }
@@ -333,7 +358,7 @@ __host__ __device__ __forceinline__ void decode_column_pairs(const uint32_t (&ro
                                                              const StepScales<8>& scales,
                                                              StepFragment (&fragments)[2]) {
   uint32_t placed[8][4], out[8][4];  // [2 k16 + j][2 tile + high]
-  place_column_pairs(row_pairs, placed);
+  place_column_pairs<true>(row_pairs, placed);
   if constexpr (kValuesBeforeCheck) {
     // The fast path's values first, whatever the scales (no branch between the loads
     // and the multiplies); a step with a scale byte from 128 up (rare) places its codes
@@ -344,7 +369,7 @@ __host__ __device__ __forceinline__ void decode_column_pairs(const uint32_t (&ro
       uint32_t again[8];
 #pragma unroll
       for (int pair = 0; pair < 8; ++pair) again[pair] = recomputed(row_pairs[pair]);
-      place_column_pairs(again, placed);
+      place_column_pairs<false>(again, placed);
       column_pairs_any_scales(placed, scales, out);
     }
   } else if (scales.fast) {
