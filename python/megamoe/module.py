@@ -36,6 +36,7 @@ from .validation.arguments import (
     check_tensor,
     has_data,
 )
+from .validation.layer import check_devices
 from .weights import BASE_FORMATS, BaseWeights, prepare_base_weights
 from .wrappers.registry import registry
 
@@ -126,11 +127,9 @@ class MegaMoE(nn.Module):
                 f"kernels' gate/up tile), got {intermediate}"
             )
         self.num_experts = check_int("num_experts", num_experts, minimum=1)
+        # top_k may exceed num_experts: a layer holding one rank's experts sees the
+        # other ranks' routes masked (-1), as mm.moe and get_block_m allow.
         self.top_k = check_int("top_k", top_k, minimum=1)
-        if top_k > num_experts:
-            raise ValueError(
-                f"top_k: expected at most num_experts={num_experts} routes per token, got {top_k}"
-            )
         if side_rank is None:
             side_rank = 0
         side_rank = check_int("side_rank", side_rank, minimum=0)
@@ -284,14 +283,18 @@ class MegaMoE(nn.Module):
     # strict=False into a module with adapters keeps that module's scale).
     def get_extra_state(self) -> torch.Tensor:
         if not self.side_rank:
-            return torch.empty(0, dtype=torch.float64)
-        return torch.tensor(self.side_scale, dtype=torch.float64)
+            return torch.empty(0, dtype=torch.float64, device="cpu")
+        # On the CPU whatever the default device (under `with torch.device("meta")` a
+        # meta scale would have no value to load).
+        return torch.tensor(self.side_scale, dtype=torch.float64, device="cpu")
 
     def set_extra_state(self, state: torch.Tensor | dict) -> None:
         if isinstance(state, dict):
             state = state["side_scale"]
         if isinstance(state, torch.Tensor) and state.numel() == 0:
             return  # a module without adapters saved it
+        if isinstance(state, torch.Tensor) and not has_data(state):
+            return  # a meta or fake state (a meta -> meta load) carries no value
         if isinstance(state, torch.Tensor):
             if state.numel() != 1:
                 raise ValueError(
@@ -346,6 +349,8 @@ class MegaMoE(nn.Module):
     def _base_key(self) -> tuple | None:
         parts = []
         for t in (self.w13, self.w2):
+            if not has_data(t):  # fake or meta parameters: no address to key on
+                return None
             try:
                 version = t._version
             except RuntimeError:  # inference tensors keep no version counter: don't cache
@@ -369,6 +374,13 @@ class MegaMoE(nn.Module):
         state = dict(super().__getstate__())  # a copy: the live module keeps its cache
         state["_base_cache"] = None
         return state
+
+    def _load_from_state_dict(self, *args, **kwargs) -> None:
+        # The cache's weak references make torch.utils.swap_tensors refuse w13/w2, which
+        # load_state_dict uses under torch.__future__.set_swap_module_params_on_conversion
+        # (DTensor / FSDP2 parameters); and a load replaces the base anyway.
+        self._base_cache = None
+        super()._load_from_state_dict(*args, **kwargs)
 
     def _apply(self, fn, recurse: bool = True):
         # .to()/.cuda()/.half() replace the parameters; drop the prepared copy now so
@@ -421,6 +433,13 @@ class MegaMoE(nn.Module):
             topk_weights = topk_weights.to(torch.float32)
         if self.backend == "reference":
             self._check_ids(topk_ids)
+        else:
+            # What mm.moe refuses first, checked before the base is prepared (a BF16
+            # copy, or an MXFP4 quantization of every expert, is no work for a refusal).
+            check_tensor("x", x, dtypes=(torch.bfloat16,))
+            check_tensor("topk_ids", topk_ids, dtypes=(torch.int32, torch.int64))
+            named = [("base", self.w13), ("x", x), ("topk_ids", topk_ids)]
+            check_devices([*named, ("topk_weights", topk_weights)], "base")
         base = self.base_weights()
         side = self.side_lora()
         kwargs = {"activation": self.activation, "activation_clamp": self.activation_clamp}

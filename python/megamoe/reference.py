@@ -49,6 +49,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from .custom_ops.autocast import autocast_off
 from .side_lora import SIDE_NAMES, SideLoRA
 from .validation.arguments import (
     check_finite_float,
@@ -491,18 +492,19 @@ class _ReferenceMoE(torch.autograd.Function):
     @staticmethod
     def forward(autograd_ctx, options, x, topk_ids, topk_weights, w13, w2, *side_tensors):
         side = SideLoRA(*side_tensors, scale=options["scale"]) if side_tensors else None
-        out, fctx = forward(
-            x,
-            topk_ids,
-            topk_weights,
-            w13,
-            w2,
-            side,
-            activation=options["activation"],
-            activation_clamp=options["activation_clamp"],
-            compute_dtype=options["compute_dtype"],
-            round_bf16=options["round_bf16"],
-        )
+        with autocast_off(x.device):  # the oracle computes in compute_dtype, always
+            out, fctx = forward(
+                x,
+                topk_ids,
+                topk_weights,
+                w13,
+                w2,
+                side,
+                activation=options["activation"],
+                activation_clamp=options["activation_clamp"],
+                compute_dtype=options["compute_dtype"],
+                round_bf16=options["round_bf16"],
+            )
         autograd_ctx.fctx = fctx
         autograd_ctx.input_dtypes = [t.dtype for t in (x, topk_ids, topk_weights, w13, w2)] + [
             t.dtype for t in side_tensors
@@ -514,7 +516,8 @@ class _ReferenceMoE(torch.autograd.Function):
     def backward(autograd_ctx, dout):
         needs = autograd_ctx.needs_input_grad[1:]  # skip options
         fctx = autograd_ctx.fctx
-        grads = backward(dout, fctx, base_grads=bool(needs[3] or needs[4]))
+        with autocast_off(dout.device):
+            grads = backward(dout, fctx, base_grads=bool(needs[3] or needs[4]))
         keys = ["x", None, "topk_weights", "w13", "w2"]
         if fctx.side is not None:
             keys += list(SIDE_NAMES)

@@ -47,6 +47,12 @@ class BaseWeights:
     # straight-through gradient sink (None for a frozen base).
     w13_master: torch.Tensor | None = None
     w2_master: torch.Tensor | None = None
+    # Ordinary mode, where w13/w2 are a copy (BF16 from FP32 masters) or a quantization
+    # of trainable sources: [name, source, its version, the copy, its version] at
+    # prepare time. The copy does not follow an optimizer step, so a later call checks
+    # that a changed source had its copy rewritten too (re-prepared into the same
+    # buffers, as a CUDA-graph step does).
+    sources: tuple[list, ...] = ()
 
     @property
     def trains_master(self) -> bool:
@@ -62,8 +68,30 @@ class BaseWeights:
 
     def for_call(self) -> BaseWeights:
         """What a layer call runs on: :meth:`straight_through` where
-        :attr:`decodes_for_call`, else this base."""
+        :attr:`decodes_for_call`, else this base. Raises ``ValueError`` when this base is
+        a copy of trainable weights that changed in place since it was prepared."""
+        self.check_sources_unchanged()
         return self.straight_through() if self.decodes_for_call else self
+
+    def check_sources_unchanged(self) -> None:
+        """``ValueError`` if a trainable source this base copied or quantized changed in
+        place since (an optimizer step): the copy would silently run on the old values
+        while the gradients land in the new ones. Not checked while torch.compile traces
+        (version counters are not traceable)."""
+        if torch.compiler.is_compiling():
+            return
+        for record in self.sources:
+            name, source, version, copy, copy_version = record
+            if source._version == version:
+                continue
+            if copy._version != copy_version:  # rewritten since: current again
+                record[2], record[4] = source._version, copy._version
+                continue
+            raise ValueError(
+                f"base: {name} changed in place after prepare_base_weights copied it "
+                f"(an optimizer step?): this base still holds the old values. A "
+                f"trainable base is prepared again each step (megamoe.MegaMoE does)"
+            )
 
     def straight_through(self) -> BaseWeights:
         """The BF16 base this MXFP4 base stands for in ordinary mode.
@@ -163,8 +191,11 @@ def prepare_base_weights(
             gives NaN outputs.
 
     Returns:
-        A reusable :class:`BaseWeights`. BF16: ``w13``/``w2`` themselves when they are
-        contiguous bfloat16 (else one contiguous bfloat16 copy); their gradients
+        A :class:`BaseWeights`, reusable while its sources are unchanged (a copy or
+        quantization of trainable weights is refused by the next call after they change
+        in place, unless it was rewritten too:
+        :meth:`BaseWeights.check_sources_unchanged`). BF16: ``w13``/``w2`` themselves
+        when they are contiguous bfloat16 (else one contiguous bfloat16 copy); their gradients
         (ordinary mode) land in them directly. MXFP4 takes about 0.27x the bytes of BF16;
         when ``w13``/``w2`` require grad it keeps references to them as the
         straight-through gradient sink (``w13_master``/``w2_master``, no copy) and
@@ -202,11 +233,14 @@ def prepare_base_weights(
     # bfloat16 (and stay differentiable otherwise).
     w13_bf16 = w13.to(torch.bfloat16).contiguous()
     w2_bf16 = w2.to(torch.bfloat16).contiguous()
+    trains = torch.is_grad_enabled() and (w13.requires_grad or w2.requires_grad)
     if format == "bf16":
-        return BaseWeights("bf16", w13_bf16, w2_bf16, None, None, experts, hidden, intermediate)
+        sources = _trainable_sources(("w13", w13, w13_bf16), ("w2", w2, w2_bf16))
+        return BaseWeights(
+            "bf16", w13_bf16, w2_bf16, None, None, experts, hidden, intermediate, sources=sources
+        )
     # Ordinary mode: the caller's w13/w2 are the straight-through gradient sink (kept by
     # reference, no copy); the packed values are quantized from their BF16 rounding.
-    trains = torch.is_grad_enabled() and (w13.requires_grad or w2.requires_grad)
     assert hidden % MXFP4_BLOCK == 0 and intermediate % MXFP4_BLOCK == 0
     # Traced by torch.compile the quantization is part of the graph (its ops are plain
     # torch ops); only the host-side finite check, a data-dependent branch, is left out.
@@ -248,4 +282,21 @@ def prepare_base_weights(
         intermediate,
         w13_master=w13 if trains else None,
         w2_master=w2 if trains else None,
+        sources=_trainable_sources(("w13", w13, w13_packed), ("w2", w2, w2_packed)),
     )
+
+
+def _trainable_sources(*given: tuple[str, torch.Tensor, torch.Tensor]) -> tuple[list, ...]:
+    """``[name, source, version, copy, version]`` of each source that requires grad (with
+    gradients on) and that the base holds a copy or quantization of (``copy``), not the
+    tensor itself."""
+    if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return ()
+    sources = []
+    for name, source, copy in given:
+        if source.requires_grad and copy is not source:
+            try:
+                sources.append([name, source, source._version, copy, copy._version])
+            except RuntimeError:  # inference tensors keep no version counter
+                continue
+    return tuple(sources)

@@ -594,3 +594,23 @@ def test_unchecked_out_of_range_ids_are_masked_and_the_reference_agrees_its_floa
             "ValueError: activation_clamp (float64 bits, -1: none): expected the same"
         ), clamp
         assert scale.startswith("ValueError: side scale (float64 bits): expected the same"), scale
+
+
+def _autocast_worker(rank: int, world: int) -> list[bool]:
+    import torch.distributed as dist
+
+    def step(autocast: bool) -> list[torch.Tensor]:
+        x, ids, weights, base, side = _rank_layer(rank, world)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = ep.fused_moe(x, ids, weights, base, side, group=dist.group.WORLD)
+            out.float().square().sum().backward()
+        return [out, x.grad, weights.grad, *(t.grad for t in side.tensors())]
+
+    return [torch.equal(a, b) for a, b in zip(step(False), step(True), strict=True)]
+
+
+def test_the_ep_layer_runs_at_its_own_precision_under_autocast():
+    """As the EP1 ops (tests/cpu/test_autocast.py): autocast reached the FP32 products
+    of the EP stages."""
+    for equal in ep.run_gloo(_autocast_worker, 2, timeout_s=120.0):
+        assert all(equal), equal

@@ -307,7 +307,7 @@ def test_extra_repr():
         (dict(intermediate=96), "intermediate"),
         (dict(side_rank=8), "side_rank"),
         (dict(side_rank=272), "side_rank"),
-        (dict(top_k=5), "top_k"),
+        (dict(top_k=0), "top_k"),  # top_k > num_experts is allowed (masked routes)
         (dict(base_format="fp8"), "base_format"),
         (dict(backend="triton"), "backend"),
         (dict(activation="relu"), "activation"),
@@ -568,3 +568,97 @@ def test_a_module_pickles_after_its_first_call():
     loaded = torch.load(buffer, weights_only=False)
     assert loaded._base_cache is None and torch.equal(loaded(x, ids, weights), out)
     assert copy.deepcopy(module)._base_cache is None
+
+
+# ----------------------------------------------- a review's findings (forty-fourth session)
+
+
+def test_load_state_dict_swaps_parameters_after_a_forward():
+    """Under torch.__future__'s swap-on-conversion (the load path for DTensor / FSDP2
+    parameters) load_state_dict swaps w13/w2 with torch.utils.swap_tensors, which
+    refused them while the base cache held weak references to them."""
+    import megamoe as mm
+    from megamoe.testing.inputs import make_routing
+
+    layer = mm.MegaMoE(64, 64, 4, 2, side_rank=16, backend="reference", param_dtype=torch.float32)
+    x = torch.randn(8, 64)
+    ids, weights = make_routing(8, 4, 2, seed=0)
+    state = {k: v.clone() for k, v in layer.state_dict().items()}
+    state["w2"] = state["w2"] * 2
+    layer(x, ids, weights)  # the cache now holds the base
+    previous = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        layer.load_state_dict(state)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(previous)
+    fresh = mm.MegaMoE(64, 64, 4, 2, side_rank=16, backend="reference", param_dtype=torch.float32)
+    fresh.load_state_dict(state)
+    assert torch.equal(layer(x, ids, weights), fresh(x, ids, weights))
+
+
+def test_top_k_may_exceed_the_local_experts():
+    """A layer holding one rank's experts sees more routes per token than it has experts
+    (the others masked to -1), as mm.moe and get_block_m allow: MegaMoE refused it."""
+    import megamoe as mm
+    from megamoe.testing.inputs import make_routing
+
+    layer = mm.MegaMoE(64, 64, 4, 6, backend="reference", param_dtype=torch.float32)
+    ids, weights = make_routing(8, 16, 6, seed=2)
+    local = torch.where(ids < 4, ids, torch.full_like(ids, -1))  # experts 0..3 are ours
+    out = layer(torch.randn(8, 64), local, weights)
+    assert out.shape == (8, 64) and bool(torch.isfinite(out).all())
+
+
+def test_extra_state_is_a_cpu_value_under_a_meta_default_device():
+    """Built under ``with torch.device("meta")`` the side scale was saved as a meta
+    tensor, which no load can read (``.item()`` on meta)."""
+    import megamoe as mm
+
+    with torch.device("meta"):
+        layer = mm.MegaMoE(64, 64, 4, 2, side_rank=16, side_scale=0.25)
+        state = layer.state_dict()
+        assert state["_extra_state"].device.type == "cpu"
+        other = mm.MegaMoE(64, 64, 4, 2, side_rank=16, side_scale=1.0)
+        other.load_state_dict(state)  # meta -> meta
+    assert other.side_scale == 0.25
+    other.set_extra_state(torch.empty((), dtype=torch.float64, device="meta"))
+    assert other.side_scale == 0.25  # a meta value carries nothing to load
+
+
+def test_the_fused_backend_checks_x_before_preparing_the_base(monkeypatch):
+    """An MXFP4 layer quantized every expert before refusing an FP32 ``x``."""
+    import megamoe as mm
+    import megamoe.module as module
+    from megamoe.testing.inputs import make_routing
+
+    layer = mm.MegaMoE(64, 64, 4, 2, base_format="mxfp4", device="meta")
+    prepared = []
+    real = module.prepare_base_weights
+    monkeypatch.setattr(
+        module, "prepare_base_weights", lambda *a, **k: prepared.append(1) or real(*a, **k)
+    )
+    ids, weights = make_routing(8, 4, 2, seed=0)
+    x = torch.randn(8, 64, device="meta")
+    with pytest.raises(TypeError, match=r"^x: expected dtype bfloat16"):
+        layer(x, ids.to("meta"), weights.to("meta"))
+    with pytest.raises(ValueError, match=r"^topk_ids: expected device meta \(where base is\)"):
+        layer(x.bfloat16(), ids, weights.to("meta"))
+    assert prepared == []
+
+
+def test_no_cache_is_keyed_on_fake_parameters():
+    """Under FakeTensorMode the cache key read data_ptr() of fake parameters (deprecated,
+    soon an error) and cached a fake base for later real calls."""
+    import warnings
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import megamoe as mm
+
+    with FakeTensorMode():
+        layer = mm.MegaMoE(64, 64, 4, 2)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the data_ptr deprecation warning
+            layer.base_weights()
+    assert layer._base_cache is None

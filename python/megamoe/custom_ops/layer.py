@@ -46,6 +46,7 @@ from ..validation.arguments import check_str_choice, check_tensor, has_data
 from ..validation.layer import check_plan_block_m
 from ..weights import BaseWeights
 from ..wrappers.routing import RoutePlan, pool_capacity
+from .autocast import autocast_off
 from .inputs import (
     GRAD_NAMES,
     SIDE_NAMES,
@@ -150,17 +151,18 @@ def _moe_forward_impl(
         x, topk_ids, topk_weights, w13, w2, w13_scales, w2_scales, (a1, b1, a3, b3, a2, b2),
         scale, activation, activation_clamp, block_m, save, fake=False,
     )  # fmt: skip
-    result = moe_forward(
-        x,
-        topk_ids,
-        topk_weights,
-        base,
-        side,
-        activation=activation,
-        activation_clamp=activation_clamp,
-        block_m=block_m,
-        save=save,
-    )
+    with autocast_off(x.device):  # the layer keeps its own precision
+        result = moe_forward(
+            x,
+            topk_ids,
+            topk_weights,
+            base,
+            side,
+            activation=activation,
+            activation_clamp=activation_clamp,
+            block_m=block_m,
+            save=save,
+        )
     if save == "none":
         return (result, *(empty(x) for _ in _STATE_NAMES))
     out, state = result
@@ -329,18 +331,19 @@ def _run_backward(
         q13=q13 if q13.numel() else None,
         p_sum=p_sum if p_sum.numel() else None,
     )
-    grads = moe_backward(
-        dout,
-        x,
-        topk_weights,
-        base,
-        side,
-        forward_state,
-        activation=activation,
-        activation_clamp=activation_clamp,
-        base_grads=base_grads,
-        side_grads=side_grads,
-    )
+    with autocast_off(x.device):
+        grads = moe_backward(
+            dout,
+            x,
+            topk_weights,
+            base,
+            side,
+            forward_state,
+            activation=activation,
+            activation_clamp=activation_clamp,
+            base_grads=base_grads,
+            side_grads=side_grads,
+        )
     return tuple(empty(x) if grads[name] is None else grads[name] for name in GRAD_NAMES)
 
 

@@ -34,6 +34,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
+from ..custom_ops.autocast import autocast_off
 from ..custom_ops.inputs import (
     GRAD_NAMES,
     SIDE_NAMES,
@@ -223,11 +224,12 @@ def _moe_ep_forward_impl(
         check_ids=check_ids,
         uniform=uniform,
     )
-    out, saved = ep_forward_stages(
-        plan, x, topk_weights, base, side, activation=activation,
-        activation_clamp=activation_clamp, keep_x=keep_x and save == "preact",
-        keep_preact=save == "preact",
-    )  # fmt: skip
+    with autocast_off(x.device):  # the layer keeps its own precision
+        out, saved = ep_forward_stages(
+            plan, x, topk_weights, base, side, activation=activation,
+            activation_clamp=activation_clamp, keep_x=keep_x and save == "preact",
+            keep_preact=save == "preact",
+        )  # fmt: skip
     if save == "none":
         return (out, *(empty(x) for _ in _STATE_NAMES))
     host_plan = torch.tensor(
@@ -480,11 +482,12 @@ def _moe_ep_backward_impl(
     plan = _plan(group, x, topk_weights, base, side, state)
     # Absent saved tensors are 1-D empties; present ones are 2-D (maybe of zero rows).
     saved = {name: (state[name] if state[name].dim() == 2 else None) for name in _STATE_NAMES[7:]}
-    grads = ep_backward_stages(
-        plan, dout, x, topk_weights, base, side, saved, activation=activation,
-        activation_clamp=activation_clamp, base_grads=base_grads,
-        reduce_shared=reduce_shared_grads,
-    )  # fmt: skip
+    with autocast_off(x.device):
+        grads = ep_backward_stages(
+            plan, dout, x, topk_weights, base, side, saved, activation=activation,
+            activation_clamp=activation_clamp, base_grads=base_grads,
+            reduce_shared=reduce_shared_grads,
+        )  # fmt: skip
     return tuple(empty(x) if grads[name] is None else grads[name] for name in GRAD_NAMES)
 
 

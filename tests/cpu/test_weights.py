@@ -1,0 +1,78 @@
+"""prepare_base_weights' trainable copies: a base made once from trainable weights and
+reused after they change in place (an optimizer step) is refused, not run on the old
+values (found by a review: the gradients kept landing in the new weights while the
+layer computed with the copy made before the step)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import megamoe as mm
+from megamoe.testing import make_layer
+
+
+def _masters(dtype: torch.dtype) -> tuple:
+    layer = make_layer(64, 64, 4, 2, 16, num_tokens=8, seed=1)
+    w13 = layer.base.w13_linear(torch.float32).to(dtype).requires_grad_()
+    w2 = layer.base.w2_linear(torch.float32).to(dtype).requires_grad_()
+    return layer, w13, w2
+
+
+def _call(layer, base) -> torch.Tensor:
+    return mm.reference.moe(layer.x, layer.topk_ids, layer.topk_weights, base)
+
+
+@pytest.mark.parametrize(
+    ("format", "dtype"),
+    [("bf16", torch.float32), ("mxfp4", torch.float32), ("mxfp4", torch.bfloat16)],
+)
+def test_a_stale_copy_of_trainable_weights_is_refused(format, dtype):
+    layer, w13, w2 = _masters(dtype)
+    base = mm.prepare_base_weights(w13, w2, format=format)
+    _call(layer, base)  # unchanged sources: runs
+    with torch.no_grad():
+        w2.mul_(1.5)  # what optimizer.step() does
+    with pytest.raises(ValueError, match=r"^base: w2 changed in place after prepare_base"):
+        _call(layer, base)
+    with pytest.raises(ValueError, match=r"^base: w2 changed in place"):
+        base.for_call()  # mm.moe's and the EP layer's entry too
+    # Prepared again: runs, and on the new values.
+    fresh = mm.prepare_base_weights(w13, w2, format=format)
+    current = mm.prepare_base_weights(w13.detach(), w2.detach(), format=format)
+    torch.testing.assert_close(_call(layer, fresh), _call(layer, current), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("format", ["bf16", "mxfp4"])
+def test_a_copy_rewritten_in_place_after_the_step_runs(format):
+    """Re-preparing into the same buffers (the CUDA-graph pattern, whose replays read
+    fixed addresses) keeps the base current: no refusal, and the later steps are
+    checked again."""
+    layer, w13, w2 = _masters(torch.float32)
+    base = mm.prepare_base_weights(w13, w2, format=format)
+    for _ in range(2):
+        with torch.no_grad():
+            w13.mul_(0.5)
+            new = mm.prepare_base_weights(w13, w2, format=format)
+            for name in ("w13", "w2", "w13_scales", "w2_scales"):
+                static, value = getattr(base, name), getattr(new, name)
+                if static is not None:
+                    static.copy_(value)
+        torch.testing.assert_close(_call(layer, base), _call(layer, new), rtol=0, atol=0)
+    with torch.no_grad():
+        w13.mul_(0.5)
+    with pytest.raises(ValueError, match=r"^base: w13 changed in place"):
+        _call(layer, base)
+
+
+def test_bases_that_hold_the_weights_themselves_need_no_check():
+    # BF16 weights are the base (no copy); a frozen base is a snapshot by design.
+    layer, w13, w2 = _masters(torch.bfloat16)
+    base = mm.prepare_base_weights(w13, w2)
+    assert base.w13 is w13 and base.sources == ()
+    frozen = mm.prepare_base_weights(w13.detach().float(), w2.detach().float())
+    assert frozen.sources == ()
+    with torch.no_grad():
+        w13.mul_(2)
+    _call(layer, base)
+    _call(layer, frozen)
