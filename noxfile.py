@@ -63,7 +63,11 @@ def _install_locked(session: nox.Session, *kinds: str) -> None:
             requirement = Path(session.create_tmp()) / "torch-cpu.txt"
             requirement.write_text(torch)
             index = locklib.torch_index_args()
-            session.install(*args, "--no-deps", "--retries=0", *index, "-r", str(requirement))
+            # Only the torch requirement: the earlier kinds' locks in args would be looked
+            # up on the torch index too (minutes of retries where it is unreachable).
+            session.install(
+                "--require-hashes", "--no-deps", "--retries=0", *index, "-r", str(requirement)
+            )
         args += ["-r", str(lock_file(kind))]
     session.install(*args)
 

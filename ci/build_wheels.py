@@ -30,6 +30,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -80,19 +81,57 @@ def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def source_date_epoch() -> str:
-    if value := os.environ.get("SOURCE_DATE_EPOCH"):
-        return value
+def _git(*args: str) -> str | None:
     try:
         out = subprocess.run(
-            ["git", "-C", str(ROOT), "log", "-1", "--format=%ct"],
-            check=True,
-            capture_output=True,
-            text=True,
+            ["git", "-C", str(ROOT), *args], check=True, capture_output=True, text=True
         )
-        return out.stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return "1700000000"
+        return None
+    return out.stdout.strip() or None
+
+
+def source_date_epoch() -> str:
+    """The build's timestamp: SOURCE_DATE_EPOCH, else the commit's time. Without either
+    (a source copy without .git) the build stops: a made-up timestamp would make the
+    wheel reproducible only with itself."""
+    if value := os.environ.get("SOURCE_DATE_EPOCH"):
+        return value
+    if value := _git("log", "-1", "--format=%ct"):
+        return value
+    raise SystemExit(
+        "no SOURCE_DATE_EPOCH and no git history here: pass -e SOURCE_DATE_EPOCH=$(git log "
+        "-1 --format=%ct) and -e MEGAMOE_COMMIT=$(git rev-parse HEAD) to a build without .git"
+    )
+
+
+def expected_commit() -> str:
+    """The commit the wheel must name: MEGAMOE_COMMIT (as CMakeLists.txt reads it), else
+    HEAD."""
+    if value := os.environ.get("MEGAMOE_COMMIT"):
+        return value
+    if value := _git("rev-parse", "HEAD"):
+        return value
+    raise SystemExit("no MEGAMOE_COMMIT and no git history here: the wheel could name no commit")
+
+
+def check_build_info(wheel: Path, commit: str) -> dict:
+    """The commit the wheel embeds (``megamoe/_build_info.py``, written by CMake), which
+    the bench JSON and bug reports quote: it must be ``commit`` (an empty one is what a
+    build without .git or MEGAMOE_COMMIT gives)."""
+    with zipfile.ZipFile(wheel) as archive:
+        text = archive.read("megamoe/_build_info.py").decode()
+    found = {}
+    for line in text.splitlines():
+        if m := re.fullmatch(r'COMMIT = "([0-9a-f]*)"', line.strip()):
+            found["commit"] = m.group(1)
+        elif m := re.fullmatch(r"DIRTY = (True|False)", line.strip()):
+            found["dirty"] = m.group(1) == "True"
+    if found.get("commit") != commit:
+        raise SystemExit(f"{wheel.name}: embeds commit {found.get('commit')!r}, expected {commit}")
+    if found.get("dirty"):
+        log(f"warning: {wheel.name} was built from a tree with uncommitted changes")
+    return found
 
 
 # --------------------------------------------------------------------------- aarch64 setup
@@ -388,6 +427,8 @@ def build_arch(arch: str, pin: pinlib.Pin, args, reports: Path) -> dict:
                     raise SystemExit(f"{arch}: the retagged wheels differ")
     finally:
         shutil.rmtree(keep, ignore_errors=True)
+    if args.audit:  # a release build: it must name its commit
+        result["build_info"] = check_build_info(wheel, expected_commit())
     with step(f"{arch} smoke import" + (" (qemu)" if cross else "")):
         smoke(wheel, arch, cross)
     with zipfile.ZipFile(wheel) as archive:

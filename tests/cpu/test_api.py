@@ -169,3 +169,16 @@ def test_mxfp4_base_on_meta_has_the_packed_shapes_and_runs_a_meta_call():
     ids = torch.zeros(5, 2, device="meta", dtype=torch.int32)
     out = mm.moe(x, ids, torch.empty(5, 2, device="meta"), base)
     assert out.shape == x.shape and out.device.type == "meta"
+
+
+def test_the_version_is_the_packages():
+    """``megamoe.__version__`` and pyproject.toml's version are written by hand in two
+    places; the release job checks the tag against pyproject.toml."""
+    import tomllib
+    from pathlib import Path
+
+    import megamoe
+
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    with pyproject.open("rb") as f:
+        assert megamoe.__version__ == tomllib.load(f)["project"]["version"]

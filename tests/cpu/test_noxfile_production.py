@@ -102,3 +102,25 @@ def test_the_timing_and_sweep_parts_run_only_the_bench(noxfile, tmp_path):
 def test_an_unknown_part_is_an_error_naming_it(noxfile, tmp_path):
     with pytest.raises(ValueError, match="orcale"):
         noxfile.production(RecordingSession(["orcale"], tmp_path))
+
+
+def test_the_cpu_torch_wheel_is_installed_alone_from_its_index(noxfile, tmp_path):
+    """The CPU torch step named only the torch requirement in intention, but it carried
+    the earlier kinds' locks along: every build package was looked up on the torch
+    index too (a review found it in CI's process list)."""
+    installs: list[tuple[str, ...]] = []
+
+    class Installing(RecordingSession):
+        venv_backend = "virtualenv"
+
+        def install(self, *args: str) -> None:
+            installs.append(args)
+
+    noxfile._install_locked(Installing([], tmp_path), "build", "test")
+    torch_step, locks = installs
+    assert torch_step.count("-r") == 1 and torch_step[-1].endswith("torch-cpu.txt")
+    assert "--no-deps" in torch_step
+    assert [a for a in locks if a.endswith(".txt")] == [
+        str(noxfile.lock_file("build")),
+        str(noxfile.lock_file("test")),
+    ]

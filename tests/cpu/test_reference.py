@@ -89,8 +89,10 @@ def naive_moe(x, ids, weights, w13, w2, side_tensors, scale, activation, clamp, 
                 g = g + scale * (q1 @ b1[e])
                 u = u + scale * (q3 @ b3[e])
             if clamp is not None:
-                g = torch.clamp(g, max=clamp)
-                u = torch.clamp(u, -clamp, clamp)
+                # The gradient passes at |value| == clamp (DESIGN §1); torch.clamp's own
+                # gradient there changed in torch 2.14, so the mask is explicit.
+                g = torch.where(g > clamp, clamp, g)
+                u = torch.where(u > clamp, clamp, torch.where(u < -clamp, -clamp, u))
             act = F.silu(g) if activation == "swiglu" else F.gelu(g, approximate="tanh")
             h = act * u
             acc = acc + weights[t, k] * (w2[e] @ h)

@@ -126,9 +126,11 @@ def _activation(
     g: torch.Tensor, u: torch.Tensor, activation: str, clamp: float | None
 ) -> torch.Tensor:
     if clamp is not None:
-        # torch.clamp passes the gradient at the boundary, as DESIGN §1 asks.
-        g = torch.clamp(g, max=clamp)
-        u = torch.clamp(u, min=-clamp, max=clamp)
+        # The gradient passes at the boundary (|value| == clamp), as DESIGN §1 asks:
+        # where() sends it to the input wherever the input is kept. (torch.clamp's own
+        # gradient at the boundary changed between torch 2.13 and 2.14.)
+        g = torch.where(g > clamp, clamp, g)
+        u = torch.where(u > clamp, clamp, torch.where(u < -clamp, -clamp, u))
     if activation == "swiglu":
         return F.silu(g) * u
     return F.gelu(g, approximate="tanh") * u
