@@ -571,7 +571,8 @@ def moe(
         raise ValueError("group: the reference runs on one process; pass group=None")
     if not isinstance(base, BaseWeights):
         raise TypeError(f"base: expected a megamoe.BaseWeights, got {type(base).__name__}")
-    base = base.for_call()  # MXFP4 ordinary mode: straight through, as mm.moe
+    # MXFP4 ordinary mode: straight through, as mm.moe, on the oracle's own decode.
+    base = base.for_call(oracle=True)
     _check_routing(x, topk_ids, topk_weights, base.hidden)
     if base.device != x.device:
         raise ValueError(f"base: expected device {x.device} like x, got {base.device}")

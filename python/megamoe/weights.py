@@ -66,12 +66,15 @@ class BaseWeights:
         gradients are on: ordinary mode), a launch on a CUDA base."""
         return self.trains_master and torch.is_grad_enabled()
 
-    def for_call(self) -> BaseWeights:
+    def for_call(self, *, oracle: bool = False) -> BaseWeights:
         """What a layer call runs on: :meth:`straight_through` where
         :attr:`decodes_for_call`, else this base. Raises ``ValueError`` when this base is
-        a copy of trainable weights that changed in place since it was prepared."""
+        a copy of trainable weights that changed in place since it was prepared.
+        ``oracle``: decode with :func:`~megamoe.dequantize_mxfp4` (torch ops) instead of
+        the native decode the fused path uses, so the reference shares no decode with
+        the code it checks."""
         self.check_sources_unchanged()
-        return self.straight_through() if self.decodes_for_call else self
+        return self.straight_through(oracle=oracle) if self.decodes_for_call else self
 
     def check_sources_unchanged(self) -> None:
         """``ValueError`` if a trainable source this base copied or quantized changed in
@@ -93,7 +96,7 @@ class BaseWeights:
                 f"trainable base is prepared again each step (megamoe.MegaMoE does)"
             )
 
-    def straight_through(self) -> BaseWeights:
+    def straight_through(self, *, oracle: bool = False) -> BaseWeights:
         """The BF16 base this MXFP4 base stands for in ordinary mode.
 
         Its ``w13``/``w2`` hold the exact BF16 decode of the packed values and require
@@ -103,10 +106,14 @@ class BaseWeights:
         """
         if not self.trains_master:
             raise ValueError("base: straight_through() needs an MXFP4 base with a trainable master")
+        if oracle:  # the same values (both decodes are exact), by torch ops
+            w13, w2 = self.w13_linear(), self.w2_linear()
+        else:
+            w13, w2 = self.w13_for_gemm(), self.w2_for_gemm()
         return BaseWeights(
             "bf16",
-            _StraightThrough.apply(self.w13_for_gemm(), self.w13_master),
-            _StraightThrough.apply(self.w2_for_gemm(), self.w2_master),
+            _StraightThrough.apply(w13, self.w13_master),
+            _StraightThrough.apply(w2, self.w2_master),
             None,
             None,
             self.num_experts,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 pytest.importorskip("transformers", minversion="5.0")
 pytest.importorskip("peft")
@@ -32,6 +33,13 @@ def test_tiny_cases_write_every_number(tmp_path, capsys):
     assert "tiny-adapters" in capsys.readouterr().out
 
 
-def test_unknown_case_and_fused_without_gpu_are_refused():
+def test_unknown_case_and_fused_without_gpu_are_refused(capsys):
+    # Each refusal by its message: any exit passed before (a review), and without a GPU
+    # the fused implementation's refusal exited for the unknown case too.
     with pytest.raises(SystemExit):
-        hf.main(["--cases", "nope"])
+        hf.main(["--cases", "nope", "--impl", "megamoe_reference"])
+    assert "--cases: unknown ['nope']" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            hf.main(["--cases", "tiny-adapters"])
+        assert "no GPU: the fused kernels need a Hopper GPU" in capsys.readouterr().err

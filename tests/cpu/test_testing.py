@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from megamoe.side_lora import SideLoRA
 from megamoe.testing import (
+    GRAD_MIN_COSINE,
     ORACLE_MAX_REL_L2,
     ORACLE_MIN_COSINE,
     ROUTING_KINDS,
@@ -91,6 +92,17 @@ def test_gate_constants_and_assertion():
         assert_close_to_oracle("nan_out", bad, e)
     with pytest.raises(AssertionError):  # custom, tighter gate
         assert_close_to_oracle("tight", e * (1 + 1e-4), e, max_rel_l2=1e-6)
+    # The cosine half on its own: an error orthogonal to e of relative size 6e-3 is within
+    # the rel_l2 gate (1e-2) but below cosine 0.99999 (about 1 - 1.8e-5). Without this
+    # case the cosine gate could be dropped with every test still passing (a review).
+    noise = torch.randn(1000, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    noise -= (noise @ e) / (e @ e) * e
+    off = e + 6e-3 * e.norm() / noise.norm() * noise
+    assert compare(off, e).rel_l2 < ORACLE_MAX_REL_L2
+    with pytest.raises(AssertionError, match="cosine=0.9999"):
+        assert_close_to_oracle("cosine_only", off, e)
+    assert_close_to_oracle("grad_gate", off, e, min_cosine=GRAD_MIN_COSINE)
+    assert GRAD_MIN_COSINE == 0.99995  # DESIGN §6's gradient gate
 
 
 # ---------------------------------------------------------------------------- routing

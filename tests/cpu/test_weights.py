@@ -76,3 +76,22 @@ def test_bases_that_hold_the_weights_themselves_need_no_check():
         w13.mul_(2)
     _call(layer, base)
     _call(layer, frozen)
+
+
+def test_the_oracle_decodes_a_trainable_mxfp4_base_itself(monkeypatch):
+    """reference.moe checks the fused path; in ordinary mode on an MXFP4 base it took the
+    fused path's own native decode for its straight-through weights, so a wrong decode
+    would have agreed with itself (a review). It decodes with dequantize_mxfp4 now."""
+    import megamoe.weights as weights
+
+    layer, w13, w2 = _masters(torch.bfloat16)
+    base = mm.prepare_base_weights(w13, w2, format="mxfp4")
+    expected = _call(layer, base)
+
+    def wrong_decode(*args, **kwargs):
+        raise AssertionError("the native decode is the fused path's, not the oracle's")
+
+    monkeypatch.setattr(weights, "decode_mxfp4_bf16", wrong_decode)
+    torch.testing.assert_close(_call(layer, base), expected, rtol=0, atol=0)
+    with pytest.raises(AssertionError, match="native decode"):
+        base.for_call()  # what mm.moe runs on

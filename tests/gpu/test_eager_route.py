@@ -31,7 +31,7 @@ def _layer(mode: str, format: str) -> LayerInputs:
     ordinary = mode == "ordinary"
     return make_layer(
         512, 256, 8, 4, None if ordinary else 32, num_tokens=301, device="cuda", seed=5,
-        routing="masked", format=format, activation_clamp=7.0, requires_grad=True,
+        routing="masked", format=format, activation_clamp=1.5, requires_grad=True,
         trainable_base=ordinary,
     )  # fmt: skip
 

@@ -30,7 +30,7 @@ def _module(side_rank: int | None, base_format: str) -> mm.MegaMoE:
         side_rank=side_rank,
         trainable_base=side_rank is None,
         base_format=base_format,
-        activation_clamp=7.0,
+        activation_clamp=1.5,  # active: |g|, |u| reach 3-5 here (7.0 never clamped)
         device="cuda",
     )
     with torch.no_grad():  # adapters' up factors start at zero; give them values
