@@ -63,17 +63,25 @@ def get_block_m(
         raise ValueError(
             f"num_experts: expected a multiple of ep_size={ep_size}, got {num_experts}"
         )
-    if config is not None and not isinstance(config, BlockMConfig):
-        raise TypeError(
-            f"config: expected megamoe.BlockMConfig or None, got {type(config).__name__}"
-        )
-    config = config or BlockMConfig()
+    min_blocks = block_m_threshold(config)
     choices = registry().block_m_choices
     # A token routes to an expert at most once: with more routes than experts (the rest
     # masked) each expert still sees at most every token.
     rows_per_expert = num_tokens * ep_size * min(top_k, num_experts) / num_experts
-    fitting = [b for b in choices if rows_per_expert >= config.min_blocks_per_expert * b]
+    fitting = [b for b in choices if rows_per_expert >= min_blocks * b]
     return fitting[-1] if fitting else choices[0]
+
+
+def block_m_threshold(config: BlockMConfig | None) -> int:
+    """``config``'s ``min_blocks_per_expert`` (the default's for None), after checking its
+    type; EP groups agree on it (:func:`megamoe.ep.plan.plan_dispatch`)."""
+    if config is None:
+        return BlockMConfig().min_blocks_per_expert
+    if not isinstance(config, BlockMConfig):
+        raise TypeError(
+            f"config: expected megamoe.BlockMConfig or None, got {type(config).__name__}"
+        )
+    return config.min_blocks_per_expert
 
 
 #: Pool rows per expert up to which a GEMM that the weight-streaming kernels do not take

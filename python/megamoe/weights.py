@@ -240,7 +240,6 @@ def prepare_base_weights(
     # bfloat16 (and stay differentiable otherwise).
     w13_bf16 = w13.to(torch.bfloat16).contiguous()
     w2_bf16 = w2.to(torch.bfloat16).contiguous()
-    trains = torch.is_grad_enabled() and (w13.requires_grad or w2.requires_grad)
     if format == "bf16":
         sources = _trainable_sources(("w13", w13, w13_bf16), ("w2", w2, w2_bf16))
         return BaseWeights(
@@ -248,6 +247,7 @@ def prepare_base_weights(
         )
     # Ordinary mode: the caller's w13/w2 are the straight-through gradient sink (kept by
     # reference, no copy); the packed values are quantized from their BF16 rounding.
+    trains = torch.is_grad_enabled() and (w13.requires_grad or w2.requires_grad)
     assert hidden % MXFP4_BLOCK == 0 and intermediate % MXFP4_BLOCK == 0
     # Traced by torch.compile the quantization is part of the graph (its ops are plain
     # torch ops); only the host-side finite check, a data-dependent branch, is left out.

@@ -29,7 +29,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from ..heuristics import BlockMConfig, get_block_m
+from ..heuristics import BlockMConfig, block_m_threshold, get_block_m
 from ..validation.arguments import check_int, check_tensor
 from ..validation.layer import check_block_m
 from ..wrappers.routing import RoutePlan, plan_routes
@@ -265,7 +265,7 @@ def agree_block_m(
     local_error, min_blocks = None, None
     try:
         check_int("num_tokens", num_tokens, minimum=0)
-        min_blocks = _min_blocks_per_expert(config)
+        min_blocks = block_m_threshold(config)
         get_block_m(num_tokens, top_k, num_experts, group_size(group), config)  # its checks
     except Exception as error:  # raised after the all-reduce the peers wait in
         if group is None:
@@ -287,18 +287,6 @@ def agree_block_m(
         )
     block_m = get_block_m(max_tokens, top_k, num_experts, group_size(group), config)
     return block_m, max_tokens
-
-
-def _min_blocks_per_expert(config: object) -> int:
-    """``config``'s threshold (the default's where None), after checking its type: a
-    value every rank must hold alike, since it sets the BLOCK_M they agree on."""
-    if config is None:
-        return BlockMConfig().min_blocks_per_expert
-    if not isinstance(config, BlockMConfig):
-        raise TypeError(
-            f"config: expected megamoe.BlockMConfig or None, got {type(config).__name__}"
-        )
-    return config.min_blocks_per_expert
 
 
 @dataclass(frozen=True, eq=False)
@@ -486,7 +474,7 @@ def plan_dispatch(
             check_block_m(block_m)
         if not isinstance(check_ids, bool):
             raise TypeError(f"check_ids: expected a bool, got {type(check_ids).__name__}")
-        min_blocks = _min_blocks_per_expert(config)
+        min_blocks = block_m_threshold(config)
         partition = ExpertPartition(num_experts, world, rank)
         if top_k < 1:
             raise ValueError(f"topk_ids: expected at least one route per token, got {top_k}")
