@@ -55,7 +55,7 @@ def test_oracle_matches_the_float64_reference(mode, format, activation, clamp):
     got = oracle.moe_oracle(
         layer.x, layer.topk_ids, layer.topk_weights, weights, E,
         None if ordinary else layer.side.tensors(), 0.25, dout, activation=activation,
-        activation_clamp=clamp, base_grads=ordinary, dtype=torch.float64,
+        activation_clamp=clamp, base_grads=ordinary, dtype=torch.float64, clamp_on_bf16=False,
     )  # fmt: skip
     assert set(got.grads) == set(want) - {"out"}
     for name, expected in [("out", want["out"]), *((n, want[n]) for n in got.grads)]:
@@ -73,6 +73,25 @@ def test_oracle_matches_the_float64_reference(mode, format, activation, clamp):
         for name in ("w13", "w2"):
             diff = (got.grads[name] - want[name]).abs()
             assert torch.all(diff <= 2**-8 * got.grads[name].abs() + 1e-12), name
+
+
+def test_clamp_is_decided_on_the_bf16_values():
+    c = 10.0
+    # 10 + 2^-8 rounds to 10 in BF16 (ulp 2^-4 there): not clamped, gradient passes;
+    # 10 + 2^-4 rounds to itself and is clamped; 10 exactly is the boundary (passes).
+    values = torch.tensor([c + 2**-8, c + 2**-4, c, 3.0], dtype=torch.float64)
+    g = values.clone().requires_grad_(True)
+    u = torch.cat([-values[:2], values[2:]]).requires_grad_(True)
+    g_out, u_out, clamped = oracle.clamp_activations(g, u, c)
+    assert g_out.tolist() == [c + 2**-8, c, c, 3.0]
+    assert u_out.tolist() == [-(c + 2**-8), -c, c, 3.0]
+    assert clamped == 2
+    (g_out.sum() + u_out.sum()).backward()
+    assert g.grad.tolist() == [1.0, 0.0, 1.0, 1.0]
+    assert u.grad.tolist() == [1.0, 0.0, 1.0, 1.0]
+    # Decided on the unrounded values, the first entry is clamped too.
+    _, _, clamped = oracle.clamp_activations(g.detach(), u.detach(), c, on_bf16=False)
+    assert clamped == 4
 
 
 def test_closeness_is_chunked_and_exact():

@@ -36,6 +36,9 @@ class OracleResult:
 
     out: torch.Tensor
     grads: dict[str, torch.Tensor]
+    #: Entries of ``g`` and ``u`` the clamp changed, over all routed ``g`` and ``u``
+    #: entries (``2 I`` per unmasked route); 0 without a clamp.
+    clamped: float = 0.0
 
 
 def bf16_weights(w13: torch.Tensor, w2: torch.Tensor) -> ExpertWeights:
@@ -73,6 +76,7 @@ def moe_oracle(
     activation_clamp: float | None = None,
     base_grads: bool = False,
     dtype: torch.dtype = torch.float32,
+    clamp_on_bf16: bool = True,
 ) -> OracleResult:
     """The layer's output and the gradients of ``<out, dout>``, in ``dtype``.
 
@@ -80,7 +84,7 @@ def moe_oracle(
     outside ``[0, E)`` are masked routes and contribute nothing)::
 
         g = x_t w1_e^T + s (x_t a1) b1_e      u = x_t w3_e^T + s (x_t a3) b3_e
-        g = min(g, c); u = clamp(u, -c, c)    (with a clamp c)
+        g = min(g, c); u = clamp(u, -c, c)    (with a clamp c; see clamp_activations)
         h = act(g) * u                        act = silu | gelu(tanh)
         out_t += w_tk (h w2_e^T + s (h a2_e) b2)
 
@@ -100,6 +104,7 @@ def moe_oracle(
     counts = torch.bincount(flat.clamp(min=-1) + 1, minlength=num_experts + 1)[1:].tolist()
     start = int((flat < 0).sum())
     dw13, dw2 = [], []
+    clamped_entries = gu_entries = 0
     for e in range(num_experts):
         routes = order[start : start + counts[e]]
         start += counts[e]
@@ -119,8 +124,9 @@ def moe_oracle(
             g = g + scale * ((xe @ a1) @ b1[e])
             u = u + scale * ((xe @ a3) @ b3[e])
         if activation_clamp is not None:
-            g = g.clamp(max=activation_clamp)
-            u = u.clamp(-activation_clamp, activation_clamp)
+            g, u, clamped = clamp_activations(g, u, activation_clamp, clamp_on_bf16)
+            clamped_entries += clamped
+        gu_entries += g.numel() + u.numel()
         act = F.silu(g) if activation == "swiglu" else F.gelu(g, approximate="tanh")
         h = act * u
         y = h @ w2_e.T
@@ -144,7 +150,26 @@ def moe_oracle(
     if base_grads:
         grads["w13"] = torch.stack(dw13)
         grads["w2"] = torch.stack(dw2)
-    return OracleResult(out=out, grads=grads)
+    clamped = clamped_entries / gu_entries if gu_entries else 0.0
+    return OracleResult(out=out, grads=grads, clamped=clamped)
+
+
+def clamp_activations(g: torch.Tensor, u: torch.Tensor, c: float, on_bf16: bool = True):
+    """``min(g, c)``, ``clamp(u, -c, c)`` and how many entries the clamp changed.
+
+    With ``on_bf16`` the clamp is decided on the BF16-rounded ``g``, ``u``, as the
+    kernels decide it (they store GEMM1's output in BF16 and clamp that); the values
+    kept are unrounded. An unrounded decision differs on the entries within half a BF16
+    ulp of ``c``, and their gradient is all or nothing. Boundary values count as not
+    clamped, as ``torch.clamp``'s gradient does."""
+    decide_g, decide_u = g.detach(), u.detach()
+    if on_bf16:
+        decide_g = decide_g.to(torch.bfloat16).to(g.dtype)
+        decide_u = decide_u.to(torch.bfloat16).to(u.dtype)
+    g_over, u_over = decide_g > c, decide_u.abs() > c
+    g = torch.where(g_over, torch.full_like(g, c), g)
+    u = torch.where(u_over, c * u.detach().sign(), u)
+    return g, u, int(g_over.sum()) + int(u_over.sum())
 
 
 def _grad(leaf: torch.Tensor) -> torch.Tensor:
