@@ -2,7 +2,7 @@
 the production layer on one Hopper GPU, forward + backward, BF16 and MXFP4 base.
 
 - Oracle: ``mm.moe`` at T=65,536, E_l=64, H=4096, I=2048, K=6, r=128, SwiGLU with clamp
-  10 (engaged: ``x`` is scaled so it changes about 0.1% of ``g``, ``u``), s=0.25
+  10 (engaged: ``x`` is scaled so it changes 0.05-0.09% of ``g``, ``u``), s=0.25
   (side-LoRA) and the same layer in ordinary mode (trainable base, no adapters),
   against the independent float32 oracle of production_oracle.py (plain torch +
   autograd, one expert at a time; for MXFP4 on ``mm.dequantize_mxfp4`` weights). Every
@@ -20,7 +20,8 @@ runs after these tests.
 
 GPU only: every test skips cleanly without a Hopper GPU and the compiled module
 (tests/conftest.py), or with less than ``MIN_GPU_GIB`` of GPU memory. Peak memory: the
-fused layer (~15-25 GB at this shape) plus the float32 oracle (~20 GB), under 100 GB.
+fused layer (~15-25 GB at this shape) plus the float32 oracle (~20 GB): the suite
+passes on an 80 GB H100 (docs/PERFORMANCE.md, forty-fifth session).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ import megamoe as mm
 from megamoe.testing import block_m_transitions, make_layer, mxfp4_schedule_transitions
 
 DEVICE = "cuda"
-MIN_GPU_GIB = 100
+MIN_GPU_GIB = 75  # an H100 80GB has about 79.6 GiB (nvidia-smi: 81,559 MiB)
 OUT_MIN_COSINE = 0.99999
 GRAD_MIN_COSINE = 0.99995
 MAX_REL_L2 = 1e-2
@@ -53,7 +54,7 @@ HIDDEN, INTER, EXPERTS, TOP_K, RANK = 4096, 2048, 64, 6, 128
 TOKENS = 65536
 SCALE, CLAMP = 0.25, 10.0
 #: ``x`` at 3x make_layer's N(0, 1): ``g``, ``u`` about N(0, 3^2), so the clamp of 10
-#: changes about 0.1% of them (at N(0, 1) it never engaged) while few sit within a
+#: changes 0.05-0.09% of them (at N(0, 1) it never engaged) while few sit within a
 #: BF16 rounding of the clamp, where the fused layer and the oracle may decide apart.
 X_SCALE = 3.0
 MIN_CLAMPED = 3e-4
