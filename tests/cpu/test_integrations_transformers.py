@@ -186,7 +186,7 @@ def test_twenty_adamw_steps_follow_grouped_mm():
         updates = {n: p.detach() - start[n] for n, p in experts.items()}
         runs[impl] = (torch.tensor(curve), updates)
     (ours, ours_updates), (hf, hf_updates) = runs[mhf.REFERENCE], runs["grouped_mm"]
-    assert ours[-1] < 0.97 * ours[0], ours  # 4.52 -> 3.99
+    assert ours[-1] < 0.97 * ours[0], ours  # 5.04 -> 3.99
     assert torch.allclose(ours, hf, rtol=1e-3, atol=0), (ours, hf)
     assert len(hf_updates) == 4  # gate_up_proj and down_proj of both layers
     for name, want in hf_updates.items():

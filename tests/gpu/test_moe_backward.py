@@ -362,7 +362,7 @@ def test_mxfp4_ordinary_mode_is_the_bf16_path_on_the_decoded_weights():
 
 
 def test_mxfp4_layer_with_wide_scale_range_and_zero_blocks():
-    """Block scales far from 127 (2^-30 .. 2^30 across H, 2^-20 .. 2^20 across each
+    """Block scales far from 127 (2^-30 .. 2^30 across H, 2^-20 .. 2^19 across each
     expert's I) with every block still visible in the output, whole zero blocks and a
     zero expert: still the oracle on the dequantized weights.
 
@@ -401,7 +401,7 @@ def test_mxfp4_layer_with_wide_scale_range_and_zero_blocks():
         return out, base
 
     expected, base = call(mm.reference.moe, wide, torch.float64)
-    for scales, span in ((base.w13_scales, (100, 150)), (base.w2_scales, (110, 140))):
+    for scales, span in ((base.w13_scales, (100, 150)), (base.w2_scales, (110, 135))):
         used = scales[scales > 0].int()  # a zero block's scale is 0
         assert int(used.min()) < span[0] and int(used.max()) > span[1]
     unscaled_out, _ = call(mm.reference.moe, unscaled, torch.float64)
