@@ -300,11 +300,11 @@ def _fused_from_side(
         fc1_b = b1.new_zeros(experts, 2 * inter, 2 * rank)
         fc1_b[:, :inter, :rank] = b1.transpose(1, 2)
         fc1_b[:, inter:, rank:] = b3.transpose(1, 2)
-    return (
-        fc1_a.contiguous(),
-        fc1_b.contiguous(),
-        a2.transpose(1, 2).contiguous(),
-        b2.T.contiguous(),
+    # Copies, never views: a transposed view of a contiguous factor (an `a1` built as
+    # `A.T`) is contiguous already, and `.contiguous()` would hand back its storage.
+    return tuple(
+        t.clone(memory_format=torch.contiguous_format)
+        for t in (fc1_a, fc1_b, a2.transpose(1, 2), b2.T)
     )
 
 
@@ -544,7 +544,8 @@ def side_lora_to_peft(
 
     def put_shared(proj: str, factor: str, t: torch.Tensor) -> None:
         if shared == "expert_agnostic":
-            out[_lora_key(_join(prefix, proj), factor, adapter_name)] = t.unsqueeze(0).contiguous()
+            copy = t.unsqueeze(0).clone(memory_format=torch.contiguous_format)
+            out[_lora_key(_join(prefix, proj), factor, adapter_name)] = copy
             return
         for e in experts:
             out[_lora_key(_join(prefix, str(e), proj), factor, adapter_name)] = t.clone(

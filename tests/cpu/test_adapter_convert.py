@@ -188,6 +188,27 @@ def test_peft_export_is_safetensors_friendly():
     assert all(t.is_contiguous() for t in sd.values())
 
 
+def test_exports_of_transposed_views_share_no_storage_with_them():
+    """A side built from PEFT-style factors as views (``a1 = a3 = A.T``, ``b2 = B.T``):
+    every export copies, so a later in-place update of ``A`` or ``B`` leaves the export
+    alone and safetensors (which refuses shared storage) can write it."""
+    side = make_side(shared_gate_up=True)
+    lora_a, lora_b = side.a1.T.contiguous(), side.b2.T.contiguous()
+    views = SideLoRA(lora_a.T, side.b1, lora_a.T, side.b3, side.a2, lora_b.T, scale=side.scale)
+    sources = {t.untyped_storage().data_ptr() for t in (lora_a, lora_b)}
+    exports = {
+        "peft expert_agnostic": ac.side_lora_to_peft(views, P, shared="expert_agnostic")[0],
+        "peft per_expert": ac.side_lora_to_peft(views, P)[0],
+        "peft fused": ac.side_lora_to_peft_fused(views, P)[0],
+        "megatron": ac.side_lora_to_megatron(views, P)[0],
+    }
+    for form, sd in exports.items():
+        pointers = [t.untyped_storage().data_ptr() for t in sd.values()]
+        assert len(set(pointers)) == len(pointers), form
+        assert not sources & set(pointers), form
+        assert all(t.is_contiguous() for t in sd.values()), form
+
+
 def test_peft_state_dict_round_trip_with_other_alpha():
     sd = peft_state()
     side = ac.side_lora_from_peft(sd, P, lora_alpha=32.0)

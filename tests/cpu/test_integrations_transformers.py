@@ -765,6 +765,31 @@ def test_an_adapter_at_its_initial_state_keeps_its_full_rank_on_load(tmp_path):
         assert all(torch.equal(a, b) for a, b in zip(saved.tensors(), read.tensors()))
 
 
+@pytest.mark.parametrize("rank", [16, 160])
+@pytest.mark.parametrize("form", ["peft", "megatron"])
+def test_an_untrained_adapter_round_trips_at_its_rank(tmp_path, rank, form):
+    """attach_side_lora's adapter before its first step (a1, a3 independent, every B
+    zero) is written stacked at rank 2r, the down pair zero-padded. The automatic read
+    took its zero B for one shared A and read it whole: rank 2r with a1 == a3 (rank 16
+    came back as 32; 160 failed, 320 being past the kernels' 256). The padded down pair
+    marks the stacked form: it reads back at r, bit for bit."""
+    model = build("qwen3_moe")
+    mhf.attach_side_lora(model, rank=rank, dtype=torch.float32)
+    loaded = build("qwen3_moe")
+    if form == "peft":
+        mhf.save_side_lora(model, tmp_path)
+        mhf.load_side_lora(loaded, tmp_path)
+    else:
+        state, config = mhf.megatron_state_dict(model)
+        assert config["dim"] == 2 * rank  # the stacked form
+        mhf.load_megatron_state_dict(loaded, state, alpha=config["alpha"])
+    saved, read = mhf.side_lora_layers(model), mhf.side_lora_layers(loaded)
+    assert saved.keys() == read.keys()
+    for name in saved:
+        assert read[name].rank == rank and read[name].scale == saved[name].scale, name
+        assert all(torch.equal(a, b) for a, b in zip(saved[name].tensors(), read[name].tensors()))
+
+
 def test_under_peft_modules_to_save_only_the_active_copies_are_marked_trainable():
     """PEFT keeps the original adapter beside its trainable copy; the original never runs
     in the forward, so it got no gradient but was handed to the optimizer as trainable."""

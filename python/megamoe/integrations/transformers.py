@@ -796,8 +796,12 @@ def load_side_lora(
         split_gate_up: read a block-diagonal gate/up of rank ``2r`` as ``a1``, ``a3``
             of rank ``r`` (what :func:`save_side_lora` writes when ``a1 != a3``).
             ``None``: split when the gate/up adapter is block-diagonal with both blocks
-            in use (either reading gives the same function; a zero B, an adapter at its
-            initial state, is read whole so that it keeps its full trainable rank).
+            in use (either reading gives the same function). A zero B (an adapter at
+            its initial state) is block-diagonal whatever its A: it is read split when
+            the down pair holds a stacked export's zero padding (slots ``r .. 2r - 1``
+            zero, the first ``r`` in use) or when ``2r`` is past the kernels' 256 (the
+            one form megamoe can hold), and otherwise whole, so that one shared A keeps
+            its full trainable rank.
 
     Returns:
         The names of the experts modules that got adapters.
@@ -899,27 +903,39 @@ def _read_gate_up(
     read: Callable[..., SideLoRA], split_gate_up: bool | None, file_rank: int
 ) -> SideLoRA:
     """A file's adapter through ``read`` (a converter taking ``split_gate_up`` and
-    ``rank``): split or whole as asked; ``None``: split where the gate/up B is
-    block-diagonal with both blocks in use, else whole."""
+    ``rank``): split or whole as asked; ``None``: split where the split read succeeds
+    (gate/up B block-diagonal, the down pair within the half rank) and the file is a
+    stacked export (:func:`_is_stacked_export`), else whole."""
     split = {"split_gate_up": True, "rank": _split_rank(file_rank)}
     whole = {"split_gate_up": False, "rank": _padded_rank(file_rank)}
     if split_gate_up is not None:
         return read(**(split if split_gate_up else whole))
     try:
         side = read(**split)
-        if _both_blocks_live(side):
-            return side
     except ValueError:  # not block-diagonal, or down uses all 2r slots: one shared A
-        pass
-    return read(**whole)
+        return read(**whole)
+    if bool(side.b1.any()) and bool(side.b3.any()):
+        return side
+    try:
+        whole_side = read(**whole)
+    except ValueError:  # 2r past the kernels' largest rank: split is the one form
+        return side  # megamoe can hold (a stacked export of r > 128 reads exactly)
+    return side if _is_stacked_export(whole_side, file_rank // 2) else whole_side
 
 
-def _both_blocks_live(side: SideLoRA) -> bool:
-    """Whether a split read of a gate/up adapter found both diagonal blocks of B in use.
-    A zero B (an adapter at its initial state, e.g. Megatron's zero-initialised
-    ``linear_out``) is block-diagonal too, but splitting it would halve the trainable
-    rank: each half of A would meet only zero rows of B forever. Read it whole."""
-    return bool(side.b1.any()) and bool(side.b3.any())
+def _is_stacked_export(whole: SideLoRA, half: int) -> bool:
+    """Whether an adapter whose gate/up B is block-diagonal but not in both blocks (a
+    zero B: an adapter at its initial state), read whole at the file's rank ``2 half``,
+    is a stacked export: its down pair in use in the first ``half`` slots and zero in the
+    rest, the padding the export adds (megamoe's adapter before its first step, ``a1``
+    and ``a3`` independent, every B zero). An adapter with one shared A uses all its
+    slots in the down pair too (Megatron's and PEFT's initial A are random); splitting
+    its A would halve the trainable rank, each half meeting only zero rows of B. The
+    whole read is the one to look at: a split read drops the down slots whose product
+    is zero, which with a zero B is all of them."""
+    a2, b2 = whole.a2, whole.b2
+    in_use = bool(a2[..., :half].any()) or bool(b2[:half].any())
+    return in_use and not a2[..., half:].any() and not b2[half:].any()
 
 
 # --------------------------------------------------------------- Megatron-Bridge
