@@ -53,6 +53,10 @@ class BaseWeights:
     # that a changed source had its copy rewritten too (re-prepared into the same
     # buffers, as a CUDA-graph step does).
     sources: tuple[list, ...] = ()
+    # Sources that require grad but that this base holds without an autograd link (a
+    # copy or quantization made under no_grad): a call with gradients on would give
+    # them none, silently, so for_call refuses it.
+    unlinked: tuple[str, ...] = ()
 
     @property
     def trains_master(self) -> bool:
@@ -74,6 +78,15 @@ class BaseWeights:
         the native decode the fused path uses, so the reference shares no decode with
         the code it checks."""
         self.check_sources_unchanged()
+        if self.unlinked and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            names = " and ".join(self.unlinked)
+            raise ValueError(
+                f"base: prepared under torch.no_grad() from {names}, which require grad: "
+                "it holds a copy without the autograd link, so this call would give them "
+                "no gradient. Prepare the base with gradients on (each step, as "
+                "megamoe.MegaMoE does), or call under torch.no_grad(), or prepare it "
+                "from detached weights to keep them frozen"
+            )
         return self.straight_through(oracle=oracle) if self.decodes_for_call else self
 
     def check_sources_unchanged(self) -> None:
@@ -86,6 +99,9 @@ class BaseWeights:
         for record in self.sources:
             name, source, version, copy, copy_version = record
             if source._version == version:
+                # Unchanged: a rewrite of the copy since then is not a refresh of a
+                # later change (an earlier re-prepare into the same buffers).
+                record[4] = copy._version
                 continue
             if copy._version != copy_version:  # rewritten since: current again
                 record[2], record[4] = source._version, copy._version
@@ -241,9 +257,23 @@ def prepare_base_weights(
     w13_bf16 = w13.to(torch.bfloat16).contiguous()
     w2_bf16 = w2.to(torch.bfloat16).contiguous()
     if format == "bf16":
-        sources = _trainable_sources(("w13", w13, w13_bf16), ("w2", w2, w2_bf16))
+        given = (("w13", w13, w13_bf16), ("w2", w2, w2_bf16))
+        unlinked = tuple(
+            name
+            for name, source, copy in given
+            if source.requires_grad and copy is not source and not copy.requires_grad
+        )
         return BaseWeights(
-            "bf16", w13_bf16, w2_bf16, None, None, experts, hidden, intermediate, sources=sources
+            "bf16",
+            w13_bf16,
+            w2_bf16,
+            None,
+            None,
+            experts,
+            hidden,
+            intermediate,
+            sources=_trainable_sources(*given),
+            unlinked=unlinked,
         )
     # Ordinary mode: the caller's w13/w2 are the straight-through gradient sink (kept by
     # reference, no copy); the packed values are quantized from their BF16 rounding.
@@ -290,14 +320,17 @@ def prepare_base_weights(
         w13_master=w13 if trains else None,
         w2_master=w2 if trains else None,
         sources=_trainable_sources(("w13", w13, w13_packed), ("w2", w2, w2_packed)),
+        unlinked=()
+        if trains
+        else tuple(n for n, w in (("w13", w13), ("w2", w2)) if w.requires_grad),
     )
 
 
 def _trainable_sources(*given: tuple[str, torch.Tensor, torch.Tensor]) -> tuple[list, ...]:
-    """``[name, source, version, copy, version]`` of each source that requires grad (with
-    gradients on) and that the base holds a copy or quantization of (``copy``), not the
-    tensor itself."""
-    if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+    """``[name, source, version, copy, version]`` of each source that requires grad and
+    that the base holds a copy or quantization of (``copy``), not the tensor itself
+    (whatever the grad mode: a copy made under ``no_grad`` goes stale the same way)."""
+    if torch.compiler.is_compiling():
         return ()
     sources = []
     for name, source, copy in given:

@@ -347,6 +347,17 @@ CASES: dict[str, Case] = {
         ValueError,
         rf"^w2_scales: {E * H * I // 32} UE8M0 scale byte\(s\) are 0xFF",
     ),
+    "mxfp4-scale-past-finite": (
+        lambda: check_mxfp4_scales(
+            "w2_scales",
+            torch.full((E, H, I // 32), 127, dtype=torch.uint8).index_fill_(
+                1, torch.tensor([3]), 253
+            ),
+        ),
+        ValueError,
+        rf"^w2_scales: {E * I // 32} UE8M0 scale byte\(s\) are 253 or 254 \(2\^126, 2\^127\), "
+        r"first at index \[0, 3, 0\]",
+    ),
     "mxfp4-scales-float": (
         lambda: check_mxfp4_weights("w13", quantized()[0], quantized()[1].float(), (E, 2 * I, H)),
         TypeError,

@@ -58,11 +58,60 @@ def test_a_copy_rewritten_in_place_after_the_step_runs(format):
                 static, value = getattr(base, name), getattr(new, name)
                 if static is not None:
                     static.copy_(value)
-        torch.testing.assert_close(_call(layer, base), _call(layer, new), rtol=0, atol=0)
+        with torch.no_grad():  # `new`, made under no_grad, only donates its values
+            expected = _call(layer, new)
+        torch.testing.assert_close(_call(layer, base), expected, rtol=0, atol=0)
     with torch.no_grad():
         w13.mul_(0.5)
     with pytest.raises(ValueError, match=r"^base: w13 changed in place"):
         _call(layer, base)
+
+
+@pytest.mark.parametrize("format", ["bf16", "mxfp4"])
+def test_an_earlier_rewrite_does_not_excuse_a_later_step(format):
+    """A rewrite of the copy while its source was unchanged (a warm-up re-prepare into
+    the same buffers) was taken as the refresh of any later step: the call after an
+    optimizer step with no re-prepare ran on the old values (a review)."""
+    layer, w13, w2 = _masters(torch.float32)
+    base = mm.prepare_base_weights(w13, w2, format=format)
+    with torch.no_grad():
+        new = mm.prepare_base_weights(w13, w2, format=format)
+        for name in ("w13", "w2", "w13_scales", "w2_scales"):
+            if getattr(base, name) is not None:
+                getattr(base, name).copy_(getattr(new, name))
+    _call(layer, base)  # sources unchanged: runs
+    with torch.no_grad():
+        w2.mul_(1.5)  # the step, and no re-prepare
+    with pytest.raises(ValueError, match=r"^base: w2 changed in place"):
+        _call(layer, base)
+
+
+@pytest.mark.parametrize(
+    ("format", "dtype"),
+    [("bf16", torch.float32), ("mxfp4", torch.float32), ("mxfp4", torch.bfloat16)],
+)
+def test_a_base_prepared_under_no_grad_from_trainable_weights(format, dtype):
+    """Prepared under no_grad, a copy of weights that require grad has no autograd link:
+    a call with gradients on gave them no gradient, silently, and after a step ran on the
+    old values (a review). It is refused with gradients on and stale after a step; under
+    no_grad (inference) it runs; a BF16 base that is the weights themselves is linked."""
+    layer, w13, w2 = _masters(dtype)
+    with torch.no_grad():
+        base = mm.prepare_base_weights(w13, w2, format=format)
+        _call(layer, base)  # inference: runs
+    assert base.unlinked == ("w13", "w2")
+    with pytest.raises(
+        ValueError, match=r"^base: prepared under torch.no_grad\(\) from w13 and w2"
+    ):
+        _call(layer, base)
+    with torch.no_grad():
+        w2.mul_(1.5)
+        with pytest.raises(ValueError, match=r"^base: w2 changed in place"):
+            _call(layer, base)
+    bf16 = layer.base.w13_linear(torch.float32).bfloat16().requires_grad_()
+    with torch.no_grad():
+        same = mm.prepare_base_weights(bf16, w2.detach().bfloat16())
+    assert same.w13 is bf16 and same.unlinked == ()
 
 
 def test_bases_that_hold_the_weights_themselves_need_no_check():

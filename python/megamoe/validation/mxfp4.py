@@ -21,30 +21,46 @@ import torch
 from ..mxfp4 import MXFP4_BLOCK
 from .arguments import check_int, check_multiple, check_tensor
 
-__all__ = ["SCALE_NAN", "check_mxfp4_scales", "check_mxfp4_weights"]
+__all__ = ["SCALE_MAX_FINITE", "SCALE_NAN", "check_mxfp4_scales", "check_mxfp4_weights"]
 
 #: The UE8M0 byte that encodes NaN (OCP Microscaling Formats v1.0).
 SCALE_NAN = 0xFF
+#: The largest scale byte a finite BF16 or FP32 weight quantizes to: amax < 2^128, so
+#: floor(log2(amax)) - 2 (E2M1's largest exponent) <= 125, biased by 127.
+SCALE_MAX_FINITE = 252
 # TMA (which will load these bytes in the fused MXFP4 GEMM) needs 16-byte alignment.
 _ALIGNMENT = 16
 
 
 def check_mxfp4_scales(name: str, scales: object) -> torch.Tensor:
-    """Reject a UE8M0 scale tensor that is not uint8 or holds the NaN byte 0xFF.
+    """Reject a UE8M0 scale tensor that is not uint8, holds the NaN byte 0xFF, or a
+    byte past ``SCALE_MAX_FINITE``.
 
-    Reads one count back to the host: a check for load/prepare time, not per step.
+    Reads two counts back to the host: a check for load/prepare time, not per step.
     """
     scales = check_tensor(name, scales, dtypes=(torch.uint8,))
+
+    def first(mask: torch.Tensor) -> list[int]:
+        flat = int(mask.reshape(-1).nonzero()[0])
+        return [int(i) for i in torch.unravel_index(torch.tensor(flat), scales.shape)]
+
     nan = scales == SCALE_NAN
     count = int(nan.sum())
     if count:
-        flat = int(nan.reshape(-1).nonzero()[0])
-        index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), scales.shape))
         raise ValueError(
             f"{name}: {count} UE8M0 scale byte(s) are 0xFF, the OCP MX NaN encoding (the "
-            f"whole 32-element block decodes to NaN), first at index {list(index)}; "
+            f"whole 32-element block decodes to NaN), first at index {first(nan)}; "
             "quantize finite weights (megamoe.quantize_mxfp4 writes 0xFF only for blocks "
             "holding NaN or Inf)"
+        )
+    huge = (scales > SCALE_MAX_FINITE) & ~nan
+    count = int(huge.sum())
+    if count:
+        raise ValueError(
+            f"{name}: {count} UE8M0 scale byte(s) are 253 or 254 (2^126, 2^127), first at "
+            f"index {first(huge)}: codes of 4 or 6 there decode past BF16's and FP32's "
+            f"largest value (to Inf), and no finite BF16 or FP32 weight quantizes above "
+            f"{SCALE_MAX_FINITE} (a corrupt or mis-read scale tensor?)"
         )
     return scales
 
