@@ -3,6 +3,7 @@ refusal, token sweep with the weight-read floor, plots and the commit it reports
 
 import argparse
 import json
+import subprocess
 import sys
 import types
 
@@ -147,14 +148,17 @@ def test_cli_ep_refuses_the_options_it_would_drop(extra, capsys):
     assert "--ep: runs megamoe.bench.ep, which takes --mode" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("module", ["megamoe.bench.breakdown", "megamoe.bench.ep"])
+@pytest.mark.parametrize(
+    "module",
+    ["megamoe.bench.breakdown", "megamoe.bench.ep", "megamoe.bench.hf", "megamoe.bench.engine"],
+)
 def test_the_other_bench_clis_refuse_zero_iterations_before_any_work(module, capsys):
     """(Their work needs a GPU; the refusal comes first, from the argument parser.)"""
     import importlib
 
     with pytest.raises(SystemExit):
         importlib.import_module(module).main(["--iters", "0"])
-    assert "--iters must be >= 1" in capsys.readouterr().err
+    assert "--iters: expected at least 1 timed sample, got 0" in capsys.readouterr().err
 
 
 def test_cli_ep_needs_the_gpus(capsys):
@@ -297,7 +301,24 @@ def test_the_report_names_the_commit_from_git_in_a_checkout(tmp_path, monkeypatc
     monkeypatch.setitem(sys.modules, "megamoe._build_info", None)  # no wheel metadata
     commit, source = cli.build_commit()
     if source == "git":  # this test runs from a checkout (or an installed wheel)
-        assert len(commit) == 40 and int(commit, 16) >= 0
+        head = commit.removesuffix("-dirty")
+        assert len(head) == 40 and int(head, 16) >= 0
+
+
+def test_a_checkout_with_changes_is_named_dirty(tmp_path, monkeypatch):
+    """The git fallback named HEAD for a checkout with uncommitted changes (a review):
+    a measurement of a modified tree was recorded as the commit's."""
+    monkeypatch.setitem(sys.modules, "megamoe._build_info", None)
+    calls = []
+
+    def fake_run(argv, **kwargs):
+        calls.append(argv[1])
+        code = {"rev-parse": 0, "diff": 1}[argv[1]]
+        return subprocess.CompletedProcess(argv, code, stdout="ab" * 20 + "\n", stderr="")
+
+    monkeypatch.setattr(cli.subprocess, "run", fake_run)
+    assert cli.build_commit() == ("ab" * 20 + "-dirty", "git")
+    assert calls == ["rev-parse", "diff"]
 
 
 def test_the_report_names_the_commit_a_wheel_was_built_from(tmp_path, monkeypatch):

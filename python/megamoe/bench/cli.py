@@ -52,7 +52,15 @@ from megamoe.testing.inputs import DEFAULT_SKEW
 
 from .flops import backward_flops, forward_flops
 from .shapes import SHAPES, Shape, estimate_peak_bytes, host_memory_available
-from .timing import Progress, copy_bandwidth, floor_ms, profile_device_work, time_fn
+from .timing import (
+    Progress,
+    copy_bandwidth,
+    floor_ms,
+    profile_device_work,
+    sample_count,
+    time_fn,
+    warmup_count,
+)
 
 BACKENDS = ("fused", "baseline", "reference")
 PASSES = ("forward", "fwd+bwd")
@@ -94,18 +102,23 @@ def build_commit() -> tuple[str | None, str]:
         _build_info = None
     if _build_info is not None and _build_info.COMMIT:
         return _build_info.COMMIT + ("-dirty" if _build_info.DIRTY else ""), "build"
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            cwd=Path(__file__).parent,
-            timeout=5,
-        )
-    except (OSError, subprocess.TimeoutExpired):
+
+    def git(*args: str) -> subprocess.CompletedProcess | None:
+        try:
+            return subprocess.run(
+                ["git", *args], capture_output=True, text=True, cwd=Path(__file__).parent, timeout=5
+            )
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+
+    out = git("rev-parse", "HEAD")
+    commit = out.stdout.strip() if out is not None and out.returncode == 0 else ""
+    if not commit:
         return None, "unknown"
-    commit = out.stdout.strip() if out.returncode == 0 else ""
-    return (commit, "git") if commit else (None, "unknown")
+    # As CMakeLists.txt marks a wheel: tracked files changed against HEAD (exit 1).
+    diff = git("diff", "--quiet", "HEAD", "--")
+    dirty = diff is None or diff.returncode != 0
+    return commit + ("-dirty" if dirty else ""), "git"
 
 
 def compute_dtype(backend: str, device: torch.device) -> torch.dtype:
@@ -554,8 +567,13 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"Zipf exponent of --routing skewed, >= 0 (0: uniform draws) (default: "
         f"{DEFAULT_SKEW})",
     )
-    add("--warmup", type=int, default=3, help="untimed runs before sampling (default: 3)")
-    add("--iters", type=int, default=10, help="timed samples; the median is reported (default: 10)")
+    add("--warmup", type=warmup_count, default=3, help="untimed runs before sampling (default: 3)")
+    add(
+        "--iters",
+        type=sample_count,
+        default=10,
+        help="timed samples; the median is reported (default: 10)",
+    )
     add("--seed", type=int, default=0, help="seed of the inputs and routing (default: 0)")
     add("--device", help="torch device to run on (default: cuda with a CUDA GPU, cpu without)")
     add("--json", type=Path, help="write the report (rows, commit, device) here (default: none)")
@@ -647,8 +665,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             parser.error(f"--tokens: expected comma-separated integers, got {args.tokens!r}")
         if not args.token_counts or min(args.token_counts) < 1:
             parser.error(f"--tokens: expected token counts >= 1, got {args.tokens!r}")
-    if args.iters < 1 or args.warmup < 0:
-        parser.error("--iters must be >= 1 and --warmup >= 0")
     if args.skew is not None and args.routing != "skewed":
         parser.error("--skew: applies to --routing skewed only")
     if args.skew is None:

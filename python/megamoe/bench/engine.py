@@ -53,7 +53,7 @@ from megamoe.wrappers.grouped_gemm import (
 from megamoe.wrappers.k_grouped_gemm import k_grouped_gemm
 
 from .cli import build_commit
-from .timing import time_interleaved
+from .timing import sample_count, time_interleaved, warmup_count
 
 GEMMS = (
     "gemm1",
@@ -188,7 +188,9 @@ def build_cases(args, plan, device) -> dict[str, dict[str, tuple[Callable[[], ob
             peers("gemm1", x, w13.transpose(1, 2), flops, cols=h)
         if "gemm1+act" in selected:
             side = dict(side_b_gate=b1, side_b_up=b3, side_scale=0.25)
-            side_flops = flops * (1 + 2 * r / h)
+            # Useful FLOPs (DESIGN §1): each of g, u adds its own r-wide side block
+            # (q1 b1, q3 b3), K = H + r; the kernel's K = H + 2r holds zero blocks.
+            side_flops = flops * (1 + r / h)
             cases["gemm1+act"] = {
                 "engine": (
                     lambda: gated_grouped_gemm(x, w13, plan, k=h, preact_out=preact_out),
@@ -226,15 +228,17 @@ def build_cases(args, plan, device) -> dict[str, dict[str, tuple[Callable[[], ob
         flops = 2.0 * routes * 2 * i * h
         cases["dgrad1"] = {
             "engine": (lambda: grouped_gemm(dgu, w13, plan, b_major="mn"), flops),
+            # Useful FLOPs: dg b1^T and du b3^T, K = I each (the blocks' zero halves
+            # are not counted), 2 n 2I r against the base's 2 n 2I H.
             "engine +shrink": (
                 lambda: grouped_gemm(dgu, w13, plan, b_major="mn", b_extra_blocks=shrink),
-                flops * (1 + 2 * r / h),
+                flops * (1 + r / h),
             ),
             "engine mxfp4 +shrink": (
                 lambda: grouped_gemm(
                     dgu, c13, plan, b_major="mn", b_scales=s13, b_extra_blocks=shrink
                 ),
-                flops * (1 + 2 * r / h),
+                flops * (1 + r / h),
             ),
         }
         peers("dgrad1", dgu, w13, flops)
@@ -371,8 +375,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--gemms", default=",".join(GEMMS), help=f"comma-separated subset of {', '.join(GEMMS)}"
     )
-    parser.add_argument("--warmup", type=int, default=3, help="untimed runs per case (3)")
-    parser.add_argument("--iters", type=int, default=10, help="timed samples per case (10)")
+    parser.add_argument("--warmup", type=warmup_count, default=3, help="untimed runs per case (3)")
+    parser.add_argument(
+        "--iters", type=sample_count, default=10, help="timed samples per case (10)"
+    )
     parser.add_argument(
         "--sustained",
         type=int,

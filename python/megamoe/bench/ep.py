@@ -8,8 +8,9 @@ ranks, the figure the median of those):
 
 - the EP layer ``mm.moe(..., group=WORLD)``, forward and forward + backward;
 - EP1 doing the same per-rank work: ``T`` tokens over ``E / P`` local experts on one
-  GPU (no exchange), on each rank, no collectives;
-- the exchanges alone: the four ``all_to_all_single`` calls of one F+B with this
+  GPU (no exchange), on each rank, timed without collectives (its samples are maxed
+  over ranks afterwards, as EP's are);
+- the exchanges alone: the six ``all_to_all_single`` calls of one F+B with this
   routing's splits and row widths (``[x | q13]`` out, ``[y | p]`` back, ``[dout | db2]``
   and the FP32 weights out, ``[dx | sg | su]`` and the router grads back).
 
@@ -35,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 import megamoe as mm
+from megamoe.bench.timing import sample_count, warmup_count
 from megamoe.testing.inputs import make_layer, make_routing
 
 
@@ -69,12 +71,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rank", type=int, default=128, help="adapter rank")
     parser.add_argument("--mode", choices=("side-lora", "ordinary"), default="side-lora")
     parser.add_argument("--dtype", choices=("bf16", "mxfp4"), default="bf16", help="base format")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--warmup", type=warmup_count, default=3)
+    parser.add_argument("--iters", type=sample_count, default=10)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
-    if args.iters < 1 or args.warmup < 0:  # before the GPU work, not after it
-        parser.error("--iters must be >= 1 and --warmup >= 0")
     if args.mode == "ordinary" and args.dtype == "mxfp4":
         parser.error("--mode ordinary trains the base: it needs --dtype bf16")
 
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             samples = _time(
                 lambda ids=ids, g=ep_group, b=backward: step(ids, g, b), args.warmup, args.iters
             )
-            samples = _max_over_ranks(samples) if name == "ep" else samples
+            samples = _max_over_ranks(samples)  # EP1 too: the same statistic on both
             key = f"{name} {'fwd+bwd' if backward else 'forward'}"
             results[key] = {
                 "median_ms": statistics.median(samples),
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                 "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
             }
 
-    # The four exchanges of one F+B, with this routing's splits.
+    # The six exchanges of one F+B, with this routing's splits.
     plan = mm.ep.plan_dispatch(ep_ids, args.experts, group=group)
     r = 0 if ordinary else args.rank
     widths = [

@@ -11,11 +11,11 @@ random weights, built from a config at the benchmark dims, once per implementati
   (:func:`megamoe.integrations.transformers.attach_side_lora`, base frozen).
 
 Each case times forward + backward of the block (the router included) with CUDA events:
-3 warm-up runs, then the median of ``--iters`` (>= 10) runs, gradients dropped between
-runs outside the timed window; peak memory is ``torch.cuda.max_memory_allocated`` over
-the timed runs (parameters, inputs and everything the F+B allocates). Shapes (DESIGN §7):
-Qwen3-30B-A3B dims (H=2048, I=768, E=128, K=8) at T=4096 and 32768 (trainable) and
-T=16384 (adapters, r=64); one EP4 rank of DSV4-Flash (E=64, H=4096, I=2048, K=6) at
+3 warm-up runs, then the median of ``--iters`` (default 10) runs, gradients dropped
+between runs outside the timed window; peak memory is ``torch.cuda.max_memory_allocated``
+over the warm-up and timed runs (parameters, inputs and everything the F+B allocates).
+Shapes (DESIGN §7): Qwen3-30B-A3B dims (H=2048, I=768, E=128, K=8) at T=4096 and 32768
+(trainable) and T=16384 (adapters, r=64); one EP4 rank of DSV4-Flash (E=64, H=4096, I=2048, K=6) at
 T=16384, trainable and adapters (r=128). ``--json FILE`` writes every number.
 
 ``--cases tiny --impl megamoe_reference`` runs a tiny case on the CPU (a smoke test of
@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .timing import Progress, time_fn
+from .timing import Progress, sample_count, time_fn, warmup_count
 
 GIB = 1 << 30
 
@@ -165,8 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         help="megamoe's experts implementation (default megamoe_fused; megamoe_reference "
         "for a CPU smoke test)",
     )
-    parser.add_argument("--warmup", type=int, default=3, help="warm-up runs (default 3)")
-    parser.add_argument("--iters", type=int, default=10, help="timed runs, >= 10 (default 10)")
+    parser.add_argument("--warmup", type=warmup_count, default=3, help="warm-up runs (default 3)")
+    parser.add_argument("--iters", type=sample_count, default=10, help="timed runs (default 10)")
     parser.add_argument("--json", default=None, help="write the results to this JSON file")
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.cases.split(",") if n.strip()]

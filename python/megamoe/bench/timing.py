@@ -4,6 +4,7 @@ issues (kernel launches and copies, from torch.profiler)."""
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 import time
@@ -11,6 +12,23 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
+
+
+def sample_count(text: str) -> int:
+    """argparse type of ``--iters``: at least one timed sample (``--iters 0`` crashed in
+    the median). DESIGN §7's recorded figures take the median of 10 or more."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected at least 1 timed sample, got {value}")
+    return value
+
+
+def warmup_count(text: str) -> int:
+    """argparse type of ``--warmup``: 0 or more untimed runs."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected 0 or more warm-up runs, got {value}")
+    return value
 
 
 @dataclass(frozen=True)
