@@ -4,7 +4,8 @@ EP1 (``group=None``) runs the torch custom ops ``megamoe::moe_forward`` /
 ``megamoe::moe_backward`` (:mod:`megamoe.custom_ops.layer`), eagerly on plain CUDA
 tensors through their implementations without the custom-op dispatch; torch.compile,
 functorch transforms, dispatch and torch-function modes and tensor subclasses get the
-ops.
+ops (of the transforms vmap runs; ``torch.func.grad`` raises, a limit of torch's
+custom-op autograd).
 
 ``mm.moe(group=...)`` (expert parallelism) runs :func:`megamoe.ep.fused_moe` instead,
 the op pair ``megamoe::moe_ep_forward`` / ``megamoe::moe_ep_backward``

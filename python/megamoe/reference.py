@@ -28,7 +28,8 @@ forward
   - the per-token side sum ``sum_k w_tk p_tk``;
   - ``out`` (``sum_k w_tk y_tk + s (sum_k w_tk p_tk) b2``).
 backward
-  - ``dout b2^T`` (per token; gathered next to ``dout`` as the dgrad2 A operand);
+  - ``s dout b2^T`` (per token, the scale inside the rounding, as the kernels' A
+    operand of dgrad2 holds it next to ``dout``);
   - ``z`` (the dgrad2 output);
   - ``dg``, ``du`` (``act'`` applied to ``dh = w z``);
   - the per-route dgrad1 output ``dg w1_e + du w3_e`` and the shrink columns
@@ -149,7 +150,7 @@ def _activation_derivative(g: torch.Tensor, activation: str) -> torch.Tensor:
 def _clamp(g: torch.Tensor, u: torch.Tensor, clamp: float | None):
     """Clamped (g, u) and the masks where the clamp passes the gradient.
 
-    Boundary values count as not clamped, as ``torch.clamp``'s gradient does.
+    Boundary values count as not clamped: their gradient passes (DESIGN §1).
     """
     if clamp is None:
         return g, u, None, None
@@ -407,7 +408,7 @@ def _backward(dout: torch.Tensor, ctx: ForwardContext, base_grads: bool):
         a1, b1, a3, b3, a2, b2 = (t.detach() for t in ctx.side)
         rank = a1.shape[1]
         q1, q3 = ctx.q1.detach(), ctx.q3.detach()
-        dout_b2 = rnd(dout @ b2.T)  # [T, r], once per token
+        dout_b2 = rnd(s * (dout @ b2.T))  # [T, r], s dout b2^T once per token
         db1, db3, da2 = torch.zeros_like(b1), torch.zeros_like(b3), torch.zeros_like(a2)
         sg_routes = torch.zeros(flat_routes, rank, dtype=cd, device=dev)
         su_routes = torch.zeros(flat_routes, rank, dtype=cd, device=dev)
@@ -434,7 +435,7 @@ def _backward(dout: torch.Tensor, ctx: ForwardContext, base_grads: bool):
         z = dout_e @ w2[e]  # unweighted dL/dh
         if has_side:
             dout_b2_e = dout_b2.index_select(0, tok)
-            z = z + s * (dout_b2_e @ a2[e].T)
+            z = z + dout_b2_e @ a2[e].T
         z = rnd(z)
         drouter.index_copy_(0, idx, (z * h).sum(dim=1))
         dh = w * z
@@ -451,7 +452,7 @@ def _backward(dout: torch.Tensor, ctx: ForwardContext, base_grads: bool):
             su_routes.index_copy_(0, idx, rnd(du @ b3[e].T))
             db1[e] = rnd(s * (q1.index_select(0, tok).T @ dg))
             db3[e] = rnd(s * (q3.index_select(0, tok).T @ du))
-            da2[e] = rnd(s * (h.T @ (w * dout_b2_e)))
+            da2[e] = rnd(h.T @ (w * dout_b2_e))
         if base_grads:
             dw13[e] = rnd(dgu.T @ x.index_select(0, tok))
             dw2[e] = rnd((w * dout_e).T @ h)

@@ -78,7 +78,8 @@ class BaseWeights:
         the native decode the fused path uses, so the reference shares no decode with
         the code it checks."""
         self.check_sources_unchanged()
-        if self.unlinked and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        # Also while torch.compile traces: `unlinked` and the grad mode are static.
+        if self.unlinked and torch.is_grad_enabled():
             names = " and ".join(self.unlinked)
             raise ValueError(
                 f"base: prepared under torch.no_grad() from {names}, which require grad: "

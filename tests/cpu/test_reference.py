@@ -393,6 +393,45 @@ def test_round_bf16_with_clamp_is_representable():
         assert _representable(grads_r[key]), key
 
 
+@pytest.mark.parametrize("clamp", [None, 0.9])
+def test_round_bf16_forward_rounds_where_its_docstring_says(clamp):
+    """The rounding model's forward rebuilt route by route from reference.py's list:
+    q1, q3; g, u before the clamp; h; y and p per route; the side sum; out. Bit for bit
+    (the other round_bf16 tests pass whether or not a listed value is rounded, a review
+    found). s = 0.3 is not a power of two, so where s sits against a rounding shows."""
+    prob = make_problem(tokens=17, top_k=3, seed=21, scale=0.3)
+
+    def rnd(t):
+        return t.to(torch.bfloat16).to(F64)
+
+    x, ids, weights = rnd(prob["x"]), prob["ids"], rnd(prob["weights"])
+    w13, w2 = rnd(prob["w13"]), rnd(prob["w2"])
+    a1, b1, a3, b3, a2, b2 = (rnd(t) for t in prob["side"].tensors())
+    side = SideLoRA(a1, b1, a3, b3, a2, b2, scale=0.3)
+    got, _ = reference.forward(
+        x, ids, weights, w13, w2, side, activation_clamp=clamp, round_bf16=True
+    )
+    inter = w2.shape[2]
+    want = torch.zeros_like(got)
+    for t in range(x.shape[0]):
+        q1, q3 = rnd(x[t] @ a1), rnd(x[t] @ a3)
+        y_sum = torch.zeros(x.shape[1], dtype=F64)
+        p_sum = torch.zeros(a1.shape[1], dtype=F64)
+        for k in range(ids.shape[1]):
+            e = int(ids[t, k])
+            if e < 0:
+                continue
+            g = rnd(w13[e, :inter] @ x[t] + 0.3 * (q1 @ b1[e]))
+            u = rnd(w13[e, inter:] @ x[t] + 0.3 * (q3 @ b3[e]))
+            if clamp is not None:
+                g, u = g.clamp(max=clamp), u.clamp(-clamp, clamp)
+            h = rnd(F.silu(g) * u)
+            y_sum = y_sum + weights[t, k] * rnd(w2[e] @ h)
+            p_sum = p_sum + weights[t, k] * rnd(h @ a2[e])
+        want[t] = rnd(y_sum + 0.3 * (rnd(p_sum) @ b2))
+    assert torch.equal(got, want)
+
+
 def test_float32_compute_close_to_float64():
     prob = make_problem(tokens=13, top_k=2, seed=13)
     out, grads = run_reference(prob)

@@ -46,6 +46,16 @@ def test_compare_identical_orthogonal_and_scaled():
     assert m.cosine == pytest.approx(-1.0)
 
 
+@pytest.mark.parametrize("magnitude", [1e-170, 1e160])
+def test_compare_at_magnitudes_whose_squares_leave_float64(magnitude):
+    """Opposite tensors of 1e-170 read cosine 1 and passed the gates; equal ones of
+    1e160 read NaN (the squared norms under- and overflowed; a review)."""
+    v = torch.tensor([1.0, -2.0, 3.0], dtype=torch.float64) * magnitude
+    same, opposite = compare(v, v.clone()), compare(-v, v)
+    assert same.cosine == pytest.approx(1.0) and same.rel_l2 == 0.0
+    assert opposite.cosine == pytest.approx(-1.0) and opposite.rel_l2 == pytest.approx(2.0)
+
+
 def test_compare_is_float64_and_shape_agnostic_to_dtype():
     # A BF16 tensor against its float64 self: exact; against a perturbed copy the
     # metric resolves differences far below BF16 resolution.

@@ -144,3 +144,20 @@ def test_the_oracle_decodes_a_trainable_mxfp4_base_itself(monkeypatch):
     torch.testing.assert_close(_call(layer, base), expected, rtol=0, atol=0)
     with pytest.raises(AssertionError, match="native decode"):
         base.for_call()  # what mm.moe runs on
+
+
+def test_the_no_grad_refusal_holds_while_torch_compile_traces():
+    """The refusal was skipped while torch.compile traced, so a compiled call gave the
+    weights no gradient, silently (a review). It is static (the base's own tuple and the
+    grad mode), so the trace raises it: a graph break, and with fullgraph=True dynamo's
+    error carrying the ValueError."""
+    layer, w13, w2 = _masters(torch.float32)
+    with torch.no_grad():
+        base = mm.prepare_base_weights(w13, w2)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: _call(layer, base), backend="eager", fullgraph=True)
+    with pytest.raises(Exception, match=r"base: prepared under torch.no_grad\(\) from w13 and w2"):
+        compiled(layer.x)
+    compiled = torch.compile(lambda x: _call(layer, base), backend="eager")
+    with pytest.raises(ValueError, match=r"^base: prepared under torch.no_grad\(\)"):
+        compiled(layer.x)

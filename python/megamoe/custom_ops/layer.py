@@ -15,9 +15,11 @@ adapter encoding (:mod:`megamoe.custom_ops.inputs`), six optional tensors
 Eagerly, on plain CUDA tensors, ``mm.moe`` calls the two ops' implementations through
 an autograd Function with the forward op's autograd rules (``_EagerMoeForward``): the
 same code and kernels without the custom-op dispatch, whose host time bounded
-small-token calls. torch.compile, functorch transforms (vmap, grad), dispatch and
-torch-function modes (FlopCounterMode, FakeTensorMode, DTensor) and direct
-``torch.ops.megamoe`` calls get the ops.
+small-token calls. torch.compile, functorch transforms, dispatch and torch-function
+modes (FlopCounterMode, FakeTensorMode, DTensor) and direct ``torch.ops.megamoe`` calls
+get the ops. Of the transforms, vmap runs; ``torch.func.grad`` (and vjp, jacrev) does
+not: torch's autograd for a custom op is an autograd.Function without the
+``setup_context`` those transforms need, and it raises saying so.
 
 The expert-parallel pair ``megamoe::moe_ep_forward`` / ``megamoe::moe_ep_backward``
 (:mod:`megamoe.ep.ops`) keeps these ops' conventions: docs/DESIGN-NOTES.md ("The op
@@ -543,8 +545,8 @@ class _EagerMoeForward(torch.autograd.Function):
 
     # A forward that takes ctx, not a separate setup_context: with one, Function.apply
     # binds the arguments through inspect.signature on every call, host time on the
-    # path to the first kernel of a small-token call. functorch transforms need the
-    # setup_context form; they take the registered op (_takes_eager_route).
+    # path to the first kernel of a small-token call. functorch transforms take the
+    # registered op (_takes_eager_route): vmap runs there, grad transforms do not.
     @staticmethod
     def forward(ctx, *inputs):  # in _FORWARD_INPUTS order
         with stage("moe_forward"):

@@ -177,7 +177,7 @@ class ReferenceExperts:
             z = dout_e @ self.w2[e]
             if r:
                 dout_b2_e = dout_b2.index_select(0, idx)
-                z = z + s * (dout_b2_e @ a2[e].T)
+                z = z + dout_b2_e @ a2[e].T
             z = rnd(z)
             dw = (z * h).sum(dim=1, keepdim=True)
             dh = w * z
@@ -193,7 +193,7 @@ class ReferenceExperts:
                 pieces += [rnd(dg @ b1[e].T), rnd(du @ b3[e].T)]
                 local["b1"][e] = rnd(s * (state.q1.index_select(0, idx).T @ dg))
                 local["b3"][e] = rnd(s * (state.q3.index_select(0, idx).T @ du))
-                local["a2"][e] = rnd(s * (h.T @ (w * dout_b2_e)))
+                local["a2"][e] = rnd(h.T @ (w * dout_b2_e))
             pieces.append(dw)
             out.index_copy_(0, idx, torch.cat(pieces, dim=1))
             if base_grads:
@@ -266,7 +266,7 @@ class _EPReferenceMoE(torch.autograd.Function):
         dout = dout.detach().to(cd)
         if side is not None:
             a1, _, a3, _, _, b2 = side
-            dout_b2 = rnd(dout @ b2.T)  # once per token
+            dout_b2 = rnd(s * (dout @ b2.T))  # s dout b2^T once per token
             token_rows = torch.cat([dout, dout_b2], dim=1)
         else:
             token_rows = dout

@@ -69,6 +69,11 @@ def compare(actual: torch.Tensor, expected: torch.Tensor) -> Metrics:
     e = expected.detach().to(torch.float64).reshape(-1)
     diff = a - e
     max_abs = diff.abs().max().item() if diff.numel() else 0.0
+    # Scaled by the largest magnitude so the float64 norms neither overflow nor
+    # underflow (past about 1e+-154 the squares do); NaN or Inf are left to fail.
+    peak = max(a.abs().max().item(), e.abs().max().item()) if a.numel() else 0.0
+    if 0.0 < peak < math.inf:
+        a, e, diff = a / peak, e / peak, diff / peak
     norm_a = torch.linalg.vector_norm(a).item()
     norm_e = torch.linalg.vector_norm(e).item()
     norm_d = torch.linalg.vector_norm(diff).item()
