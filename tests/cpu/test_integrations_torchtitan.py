@@ -153,9 +153,38 @@ def test_rows_past_the_counts_are_masked():
     assert torch.allclose(out[3:7], single, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("rank", [0, 16])
+@pytest.mark.parametrize("backend", ["fused", "reference"])
+def test_an_ep_rank_with_no_rows(backend, rank):
+    """torchtitan's all-to-all dispatcher can send a rank no rows. The fused backend
+    raised there ("x: expected at least one token": the layer call refuses T = 0 outside
+    megamoe's EP path), leaving the other ranks in the combine (a review). Now both
+    backends give [0, D] and zero gradients to every weight, adapter and x, so the
+    gradient reductions match the ranks with rows (no GPU needed: nothing launches)."""
+    experts = mtt.MegaMoEGroupedExperts.Config(
+        dim=D, hidden_dim=FF, num_experts=E, rank=rank, alpha=32.0, backend=backend
+    ).build()
+    fill(experts)
+    x = torch.randn(0, D, requires_grad=True)
+    out = experts(x, torch.zeros(E, dtype=torch.int32))
+    assert out.shape == (0, D) and out.dtype == x.dtype
+    out.sum().backward()
+    assert x.grad is not None and x.grad.shape == (0, D)
+    trained = {n: p for n, p in experts.named_parameters() if p.requires_grad}
+    assert len(trained) == (2 if rank == 0 else 6)  # the base, or the six adapters
+    for name, p in trained.items():
+        assert p.grad is not None and not p.grad.any(), name
+
+
 def test_bad_options():
     with pytest.raises(ValueError, match="rank"):
         mtt.MegaMoEGroupedExperts.Config(dim=D, hidden_dim=FF, num_experts=E, rank=8).build()
+    # Sizes the kernels cannot take fail at build, not at the first forward (after
+    # sharding and the checkpoint load; a review).
+    with pytest.raises(ValueError, match=r"^hidden_dim: expected a multiple of 64 .* got 96"):
+        mtt.MegaMoEGroupedExperts.Config(dim=D, hidden_dim=96, num_experts=E).build()
+    with pytest.raises(ValueError, match=r"^dim: expected a multiple of 64 .* got 80"):
+        mtt.MegaMoEGroupedExperts.Config(dim=80, hidden_dim=FF, num_experts=E).build()
     with pytest.raises(ValueError, match="backend"):
         mtt.MegaMoEConverter.Config(backend="cuda").build()
 

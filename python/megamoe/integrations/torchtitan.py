@@ -97,6 +97,7 @@ from .. import ops, reference
 from ..side_lora import SIDE_NAMES, SIDE_RANK_MAX, SIDE_RANK_MULTIPLE, SideLoRA
 from ..validation.arguments import check_str_choice
 from ..weights import prepare_base_weights
+from ..wrappers.registry import registry
 
 __all__ = ["BACKENDS", "MegaMoEConverter", "MegaMoEGroupedExperts"]
 
@@ -340,6 +341,17 @@ class MegaMoEGroupedExperts(GroupedExperts):
         self.rank, self.backend = rank, config.backend
         self.scale = 1.0 if config.alpha is None or not rank else config.alpha / rank
         e, f, d, r = config.num_experts, config.hidden_dim, config.dim, rank
+        # At build, not at the first forward (after sharding and the checkpoint load).
+        reg = registry()
+        for name, value, multiple, what in (
+            ("dim", d, reg.hidden_multiple, "K tile"),
+            ("hidden_dim", f, reg.intermediate_multiple, "gate/up tile"),
+        ):
+            if value % multiple:
+                raise ValueError(
+                    f"{name}: expected a multiple of {multiple} (megamoe's kernels' {what}), "
+                    f"got {value}"
+                )
         self.dim, self.hidden_dim = d, f
         # One gate+up parameter in place of GroupedExperts' two (module docstring).
         w1 = self.w1_EFD
@@ -378,9 +390,11 @@ class MegaMoEGroupedExperts(GroupedExperts):
             raise ValueError(
                 f"side-LoRA adapters (rank={self.rank}) run under torchtitan's parallelize "
                 f"with spmd_backend={_ADAPTER_BACKEND!r} (--parallelism.spmd_backend "
-                f"{_ADAPTER_BACKEND}), got {backend!r}: the shared factors' gradients "
-                "must be summed over the EP/TP ranks, which megamoe declares on their "
-                "DTensors"
+                f"{_ADAPTER_BACKEND}), got {backend!r}, whatever the parallel degrees "
+                "(one GPU included): the shared factors' gradients must be summed over "
+                "any EP/TP ranks, which megamoe declares on their DTensors, and the "
+                "default backend registers parameters anew as trainable, the frozen base "
+                "included"
             )
         Module.parallelize(self, parallel_dims)
 
@@ -459,6 +473,15 @@ class MegaMoEGroupedExperts(GroupedExperts):
         experts, _, f_local, d = w13.shape
         # view, not reshape: a local shard that cannot be viewed fails loudly, no copy.
         w13 = w13.view(experts, 2 * f_local, d)
+        multiple = registry().intermediate_multiple
+        if f_local % multiple:
+            raise ValueError(
+                f"hidden_dim: this rank holds {f_local} of its {self.hidden_dim} (tensor "
+                f"parallelism splits it), not a multiple of {multiple}: megamoe's kernels "
+                "need each rank's slice to be one; use a TP degree that leaves one"
+            )
+        if x_RD.shape[0] == 0:
+            return self._no_rows(x_RD, w13, w2)
         # Each row's expert without a host sync: the number of segment ends <= row.
         ends = torch.cumsum(num_tokens_per_expert_E, dim=0)
         rows = torch.arange(x_RD.shape[0], device=x_RD.device)
@@ -475,6 +498,17 @@ class MegaMoEGroupedExperts(GroupedExperts):
         else:
             out = ops.moe(x_RD.to(torch.bfloat16), ids, weights, base, self.side_lora())
         return out.type_as(x_RD)
+
+    def _no_rows(self, x_RD: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        """``[0, D]`` for an EP rank the dispatcher sent no rows (the layer call refuses
+        zero tokens outside megamoe's own EP path, and raising on one rank would leave the
+        others waiting in the combine). Every weight, adapter and ``x`` still gets a
+        gradient, zeros, as on the ranks with rows, so the gradient reductions (FSDP's,
+        the shared factors' over EP/TP) see the same tensors on every rank."""
+        side = self.side_lora()
+        tensors = [x_RD, w13, w2, *(side.tensors() if side is not None else ())]
+        anchor = sum(t.reshape(-1)[:0].sum() for t in tensors)  # 0, reads nothing
+        return x_RD.new_zeros(0, x_RD.shape[1]) + anchor.to(x_RD.dtype)
 
 
 class MegaMoEConverter(ModelConfigConverter):
