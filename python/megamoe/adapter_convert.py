@@ -300,12 +300,16 @@ def _fused_from_side(
         fc1_b = b1.new_zeros(experts, 2 * inter, 2 * rank)
         fc1_b[:, :inter, :rank] = b1.transpose(1, 2)
         fc1_b[:, inter:, rank:] = b3.transpose(1, 2)
-    # Copies, never views: a transposed view of a contiguous factor (an `a1` built as
-    # `A.T`) is contiguous already, and `.contiguous()` would hand back its storage.
-    return tuple(
-        t.clone(memory_format=torch.contiguous_format)
-        for t in (fc1_a, fc1_b, a2.transpose(1, 2), b2.T)
-    )
+    return tuple(_own_storage(t) for t in (fc1_a, fc1_b, a2.transpose(1, 2), b2.T))
+
+
+def _own_storage(t: torch.Tensor) -> torch.Tensor:
+    """``t`` contiguous in storage of its own: views are copied (a transposed view of a
+    factor built as ``A.T`` is contiguous already, so ``.contiguous()`` would return
+    ``A``'s storage), new tensors (a ``cat``'s result) are kept."""
+    if t._base is None and t.is_contiguous():
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def _projections_from_fused(

@@ -47,9 +47,9 @@ class BaseWeights:
     # straight-through gradient sink (None for a frozen base).
     w13_master: torch.Tensor | None = None
     w2_master: torch.Tensor | None = None
-    # Ordinary mode, where w13/w2 are a copy (BF16 from FP32 masters) or a quantization
-    # of trainable sources: [name, source, its version, the copy, its version] at
-    # prepare time. The copy does not follow an optimizer step, so a later call checks
+    # Where w13/w2 are a copy (BF16 from FP32 masters) or a quantization of sources
+    # that require grad (in any grad mode): [name, source, its version, the copy, its
+    # version] at prepare time. The copy does not follow an optimizer step, so a later call checks
     # that a changed source had its copy rewritten too (re-prepared into the same
     # buffers, as a CUDA-graph step does).
     sources: tuple[list, ...] = ()
@@ -73,7 +73,9 @@ class BaseWeights:
     def for_call(self, *, oracle: bool = False) -> BaseWeights:
         """What a layer call runs on: :meth:`straight_through` where
         :attr:`decodes_for_call`, else this base. Raises ``ValueError`` when this base is
-        a copy of trainable weights that changed in place since it was prepared.
+        a copy of trainable weights that changed in place since it was prepared, or a
+        copy of weights that require grad made under ``no_grad`` and called with
+        gradients on (it has no autograd link to them).
         ``oracle``: decode with :func:`~megamoe.dequantize_mxfp4` (torch ops) instead of
         the native decode the fused path uses, so the reference shares no decode with
         the code it checks."""
@@ -218,7 +220,9 @@ def prepare_base_weights(
         A :class:`BaseWeights`, reusable while its sources are unchanged (a copy or
         quantization of trainable weights is refused by the next call after they change
         in place, unless it was rewritten too:
-        :meth:`BaseWeights.check_sources_unchanged`). BF16: ``w13``/``w2`` themselves
+        :meth:`BaseWeights.check_sources_unchanged`; a copy made under ``no_grad`` from
+        weights that require grad is refused by a call with gradients on). BF16:
+        ``w13``/``w2`` themselves
         when they are contiguous bfloat16 (else one contiguous bfloat16 copy); their gradients
         (ordinary mode) land in them directly. MXFP4 takes about 0.27x the bytes of BF16;
         when ``w13``/``w2`` require grad it keeps references to them as the

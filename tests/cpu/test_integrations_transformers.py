@@ -772,17 +772,32 @@ def test_an_untrained_adapter_round_trips_at_its_rank(tmp_path, rank, form):
     zero) is written stacked at rank 2r, the down pair zero-padded. The automatic read
     took its zero B for one shared A and read it whole: rank 2r with a1 == a3 (rank 16
     came back as 32; 160 failed, 320 being past the kernels' 256). The padded down pair
-    marks the stacked form: it reads back at r, bit for bit."""
+    marks the stacked form: it reads back at r, bit for bit. Past 256 the whole read that
+    shows the padding cannot run, and a shared-A adapter there must not be split
+    silently: the automatic read asks for split_gate_up=True, which reads it exactly."""
     model = build("qwen3_moe")
     mhf.attach_side_lora(model, rank=rank, dtype=torch.float32)
     loaded = build("qwen3_moe")
+    past = 2 * rank > 256
     if form == "peft":
         mhf.save_side_lora(model, tmp_path)
-        mhf.load_side_lora(loaded, tmp_path)
+
+        def load(**kw):
+            return mhf.load_side_lora(loaded, tmp_path, **kw)
     else:
         state, config = mhf.megatron_state_dict(model)
         assert config["dim"] == 2 * rank  # the stacked form
-        mhf.load_megatron_state_dict(loaded, state, alpha=config["alpha"])
+
+        def load(**kw):
+            return mhf.load_megatron_state_dict(loaded, state, alpha=config["alpha"], **kw)
+
+    if past:
+        with pytest.raises(ValueError, match=r"^split_gate_up: .* Pass split_gate_up=True"):
+            load()
+    if past:
+        load(split_gate_up=True)
+    else:
+        load()
     saved, read = mhf.side_lora_layers(model), mhf.side_lora_layers(loaded)
     assert saved.keys() == read.keys()
     for name in saved:

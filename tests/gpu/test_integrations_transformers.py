@@ -154,7 +154,6 @@ def test_twenty_adamw_steps_move_the_experts_as_float64_does():
     assert len(exact_updates) == 4  # gate_up_proj and down_proj of both layers
     for name, want in exact_updates.items():
         m_hf, m = compare(hf_updates[name], want), compare(ours_updates[name], want)
-        print(name, "hf", m_hf, "ours", m)
         # BF16 parameters round each update (a step is a few BF16 ulps of a weight), so
         # neither BF16 model is near the gradient gates (grouped_mm: cosine 0.995-0.998
         # on a CPU run of HF's eager BF16 path); megamoe must be about as close as HF.

@@ -161,7 +161,7 @@ def clamp_activations(g: torch.Tensor, u: torch.Tensor, c: float, on_bf16: bool 
     kernels decide it (they store GEMM1's output in BF16 and clamp that); the values
     kept are unrounded. An unrounded decision differs on the entries within half a BF16
     ulp of ``c``, and their gradient is all or nothing. Boundary values count as not
-    clamped, as ``torch.clamp``'s gradient does."""
+    clamped: their gradient passes (DESIGN §1)."""
     decide_g, decide_u = g.detach(), u.detach()
     if on_bf16:
         decide_g = decide_g.to(torch.bfloat16).to(g.dtype)

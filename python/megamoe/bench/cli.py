@@ -115,7 +115,9 @@ def build_commit() -> tuple[str | None, str]:
     commit = out.stdout.strip() if out is not None and out.returncode == 0 else ""
     if not commit:
         return None, "unknown"
-    # As CMakeLists.txt marks a wheel: tracked files changed against HEAD (exit 1).
+    # As CMakeLists.txt marks a wheel: tracked files changed against HEAD. An answer
+    # other than "clean" (exit 0), a failed or timed-out git included, says dirty here:
+    # a stamp that may be wrong should not claim the commit.
     diff = git("diff", "--quiet", "HEAD", "--")
     dirty = diff is None or diff.returncode != 0
     return commit + ("-dirty" if dirty else ""), "git"

@@ -799,9 +799,9 @@ def load_side_lora(
             in use (either reading gives the same function). A zero B (an adapter at
             its initial state) is block-diagonal whatever its A: it is read split when
             the down pair holds a stacked export's zero padding (slots ``r .. 2r - 1``
-            zero, the first ``r`` in use) or when ``2r`` is past the kernels' 256 (the
-            one form megamoe can hold), and otherwise whole, so that one shared A keeps
-            its full trainable rank.
+            zero, the first ``r`` in use), and otherwise whole, so that one shared A
+            keeps its full trainable rank; past the kernels' 256 the padding cannot be
+            read and a ``ValueError`` asks for ``split_gate_up=True``.
 
     Returns:
         The names of the experts modules that got adapters.
@@ -918,8 +918,14 @@ def _read_gate_up(
         return side
     try:
         whole_side = read(**whole)
-    except ValueError:  # 2r past the kernels' largest rank: split is the one form
-        return side  # megamoe can hold (a stacked export of r > 128 reads exactly)
+    except ValueError as error:  # 2r past the kernels' 256: the padding cannot be seen
+        raise ValueError(
+            f"split_gate_up: this gate/up adapter of rank {file_rank} has a zero B (its "
+            f"initial state), so it reads split (rank {file_rank // 2}: a stacked export "
+            f"of a megamoe adapter before its first step) or whole (rank {file_rank}: one "
+            f"shared A, past the kernels' 256). Pass split_gate_up=True if it is the "
+            f"former; the latter cannot load"
+        ) from error
     return side if _is_stacked_export(whole_side, file_rank // 2) else whole_side
 
 
