@@ -432,6 +432,37 @@ def test_round_bf16_forward_rounds_where_its_docstring_says(clamp):
     assert torch.equal(got, want)
 
 
+def test_round_bf16_backward_rounds_s_dout_b2_with_the_scale_inside():
+    """The kernels' dgrad2 operand holds bf16(s dout b2^T) next to dout; the rounding
+    model rounded dout b2^T and scaled after, which differs where s is not a power of
+    two (a review; no test saw it). da2_e = bf16(h_e^T (w bf16(s dout_e b2^T))),
+    rebuilt from the forward's rounded h, bit for bit."""
+    prob = make_problem(tokens=17, top_k=3, seed=22, scale=0.3)
+
+    def rnd(t):
+        return t.to(torch.bfloat16).to(F64)
+
+    for key in ("x", "weights", "w13", "w2", "dout"):
+        prob[key] = rnd(prob[key])
+    prob["side"] = SideLoRA(*(rnd(t) for t in prob["side"].tensors()), scale=0.3)
+    _, grads = run_reference(prob, round_bf16=True)
+    x, ids, weights, dout = prob["x"], prob["ids"], prob["weights"], prob["dout"]
+    a1, b1, a3, b3, a2, b2 = prob["side"].tensors()
+    inter = prob["w2"].shape[2]
+    dout_b2 = rnd(0.3 * (dout @ b2.T))
+    for e in range(a2.shape[0]):
+        rows = [(t, k) for t in range(ids.shape[0]) for k in range(ids.shape[1]) if ids[t, k] == e]
+        if not rows:
+            continue
+        tok = torch.tensor([t for t, _ in rows])
+        w = torch.stack([weights[t, k] for t, k in rows]).unsqueeze(1)
+        xe = x[tok]
+        g = rnd(xe @ prob["w13"][e, :inter].T + 0.3 * (rnd(xe @ a1) @ b1[e]))
+        u = rnd(xe @ prob["w13"][e, inter:].T + 0.3 * (rnd(xe @ a3) @ b3[e]))
+        h = rnd(F.silu(g) * u)
+        assert torch.equal(grads["a2"][e], rnd(h.T @ (w * dout_b2[tok]))), e
+
+
 def test_float32_compute_close_to_float64():
     prob = make_problem(tokens=13, top_k=2, seed=13)
     out, grads = run_reference(prob)
