@@ -49,9 +49,9 @@ class BaseWeights:
     w2_master: torch.Tensor | None = None
     # Where w13/w2 are a copy (BF16 from FP32 masters) or a quantization of sources
     # that require grad (in any grad mode): [name, source, its version, the copy, its
-    # version] at prepare time. The copy does not follow an optimizer step, so a later call checks
-    # that a changed source had its copy rewritten too (re-prepared into the same
-    # buffers, as a CUDA-graph step does).
+    # version] at prepare time. The copy does not follow an optimizer step, so a later
+    # call checks that a changed source had its copy rewritten too (re-prepared into
+    # the same buffers, as a CUDA-graph step does).
     sources: tuple[list, ...] = ()
     # Sources that require grad but that this base holds without an autograd link (a
     # copy or quantization made under no_grad): a call with gradients on would give
@@ -222,12 +222,12 @@ def prepare_base_weights(
         in place, unless it was rewritten too:
         :meth:`BaseWeights.check_sources_unchanged`; a copy made under ``no_grad`` from
         weights that require grad is refused by a call with gradients on). BF16:
-        ``w13``/``w2`` themselves
-        when they are contiguous bfloat16 (else one contiguous bfloat16 copy); their gradients
-        (ordinary mode) land in them directly. MXFP4 takes about 0.27x the bytes of BF16;
-        when ``w13``/``w2`` require grad it keeps references to them as the
-        straight-through gradient sink (``w13_master``/``w2_master``, no copy) and
-        ``mm.moe`` trains them with the gradient taken at the MXFP4 values.
+        ``w13``/``w2`` themselves when they are contiguous bfloat16 (else one contiguous
+        bfloat16 copy); their gradients (ordinary mode) land in them directly. MXFP4
+        takes about 0.27x the bytes of BF16; when ``w13``/``w2`` require grad it keeps
+        references to them as the straight-through gradient sink
+        (``w13_master``/``w2_master``, no copy) and ``mm.moe`` trains them with the
+        gradient taken at the MXFP4 values.
     """
     check_str_choice("format", format, BASE_FORMATS)
     if not isinstance(check_finite, bool):
