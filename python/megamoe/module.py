@@ -36,9 +36,8 @@ from .validation.arguments import (
     check_tensor,
     has_data,
 )
-from .validation.layer import check_devices
+from .validation.layer import check_devices, check_kernel_dims
 from .weights import BASE_FORMATS, BaseWeights, prepare_base_weights
-from .wrappers.registry import registry
 
 __all__ = ["BACKENDS", "MegaMoE"]
 
@@ -113,19 +112,9 @@ class MegaMoE(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        reg = registry()
         self.hidden = check_int("hidden", hidden, minimum=1)
         self.intermediate = check_int("intermediate", intermediate, minimum=1)
-        if hidden % reg.hidden_multiple != 0:
-            raise ValueError(
-                f"hidden: expected a multiple of {reg.hidden_multiple} (the kernels' K tile), "
-                f"got {hidden}"
-            )
-        if intermediate % reg.intermediate_multiple != 0:
-            raise ValueError(
-                f"intermediate: expected a multiple of {reg.intermediate_multiple} (the "
-                f"kernels' gate/up tile), got {intermediate}"
-            )
+        check_kernel_dims("hidden", hidden, "intermediate", intermediate)
         self.num_experts = check_int("num_experts", num_experts, minimum=1)
         # top_k may exceed num_experts: a layer holding one rank's experts sees the
         # other ranks' routes masked (-1), as mm.moe and get_block_m allow.

@@ -794,7 +794,6 @@ def test_an_untrained_adapter_round_trips_at_its_rank(tmp_path, rank, form):
     if past:
         with pytest.raises(ValueError, match=r"^split_gate_up: .* Pass split_gate_up=True"):
             load()
-    if past:
         load(split_gate_up=True)
     else:
         load()

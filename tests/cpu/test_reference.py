@@ -66,8 +66,15 @@ def make_problem(
     )
 
 
-def naive_moe(x, ids, weights, w13, w2, side_tensors, scale, activation, clamp, expert_begin=0):
-    """DESIGN §1 route by route: loops over tokens and routes, plain differentiable ops."""
+def _unrounded(t):
+    return t
+
+
+def naive_moe(
+    x, ids, weights, w13, w2, side_tensors, scale, activation, clamp, expert_begin=0, rnd=_unrounded
+):
+    """DESIGN §1 route by route: loops over tokens and routes, plain differentiable ops.
+    ``rnd`` is applied at the points reference.py's rounding model lists (identity: none)."""
     tokens, hidden = x.shape
     experts, two_i, _ = w13.shape
     inter = two_i // 2
@@ -76,7 +83,7 @@ def naive_moe(x, ids, weights, w13, w2, side_tensors, scale, activation, clamp, 
         acc = torch.zeros(hidden, dtype=x.dtype)
         if side_tensors is not None:
             a1, b1, a3, b3, a2, b2 = side_tensors
-            q1, q3 = x[t] @ a1, x[t] @ a3
+            q1, q3 = rnd(x[t] @ a1), rnd(x[t] @ a3)
             p_acc = torch.zeros(a1.shape[1], dtype=x.dtype)
         for k in range(ids.shape[1]):
             gid = int(ids[t, k])
@@ -88,19 +95,20 @@ def naive_moe(x, ids, weights, w13, w2, side_tensors, scale, activation, clamp, 
             if side_tensors is not None:
                 g = g + scale * (q1 @ b1[e])
                 u = u + scale * (q3 @ b3[e])
+            g, u = rnd(g), rnd(u)
             if clamp is not None:
                 # The gradient passes at |value| == clamp (DESIGN §1); torch.clamp's own
                 # gradient there changed in torch 2.14, so the mask is explicit.
                 g = torch.where(g > clamp, clamp, g)
                 u = torch.where(u > clamp, clamp, torch.where(u < -clamp, -clamp, u))
             act = F.silu(g) if activation == "swiglu" else F.gelu(g, approximate="tanh")
-            h = act * u
-            acc = acc + weights[t, k] * (w2[e] @ h)
+            h = rnd(act * u)
+            acc = acc + weights[t, k] * rnd(w2[e] @ h)
             if side_tensors is not None:
-                p_acc = p_acc + weights[t, k] * (h @ a2[e])
+                p_acc = p_acc + weights[t, k] * rnd(h @ a2[e])
         if side_tensors is not None:
-            acc = acc + scale * (p_acc @ b2)
-        rows.append(acc)
+            acc = acc + scale * (rnd(p_acc) @ b2)
+        rows.append(rnd(acc))
     return torch.stack(rows)
 
 
@@ -406,29 +414,12 @@ def test_round_bf16_forward_rounds_where_its_docstring_says(clamp):
 
     x, ids, weights = rnd(prob["x"]), prob["ids"], rnd(prob["weights"])
     w13, w2 = rnd(prob["w13"]), rnd(prob["w2"])
-    a1, b1, a3, b3, a2, b2 = (rnd(t) for t in prob["side"].tensors())
-    side = SideLoRA(a1, b1, a3, b3, a2, b2, scale=0.3)
+    side = tuple(rnd(t) for t in prob["side"].tensors())
     got, _ = reference.forward(
-        x, ids, weights, w13, w2, side, activation_clamp=clamp, round_bf16=True
-    )
-    inter = w2.shape[2]
-    want = torch.zeros_like(got)
-    for t in range(x.shape[0]):
-        q1, q3 = rnd(x[t] @ a1), rnd(x[t] @ a3)
-        y_sum = torch.zeros(x.shape[1], dtype=F64)
-        p_sum = torch.zeros(a1.shape[1], dtype=F64)
-        for k in range(ids.shape[1]):
-            e = int(ids[t, k])
-            if e < 0:
-                continue
-            g = rnd(w13[e, :inter] @ x[t] + 0.3 * (q1 @ b1[e]))
-            u = rnd(w13[e, inter:] @ x[t] + 0.3 * (q3 @ b3[e]))
-            if clamp is not None:
-                g, u = g.clamp(max=clamp), u.clamp(-clamp, clamp)
-            h = rnd(F.silu(g) * u)
-            y_sum = y_sum + weights[t, k] * rnd(w2[e] @ h)
-            p_sum = p_sum + weights[t, k] * rnd(h @ a2[e])
-        want[t] = rnd(y_sum + 0.3 * (rnd(p_sum) @ b2))
+        x, ids, weights, w13, w2, SideLoRA(*side, scale=0.3), activation_clamp=clamp,
+        round_bf16=True,
+    )  # fmt: skip
+    want = naive_moe(x, ids, weights, w13, w2, side, 0.3, "swiglu", clamp, rnd=rnd)
     assert torch.equal(got, want)
 
 

@@ -15,8 +15,9 @@ import torch
 
 
 def sample_count(text: str) -> int:
-    """argparse type of ``--iters``: at least one timed sample (``--iters 0`` crashed in
-    the median). DESIGN §7's recorded figures take the median of 10 or more."""
+    """argparse type of ``--iters``: at least one timed sample, refused at parse time
+    rather than after the GPU work (a median needs one). DESIGN §7's recorded figures
+    take the median of 10 or more."""
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected at least 1 timed sample, got {value}")

@@ -96,6 +96,7 @@ except ImportError as exc:
 from .. import ops, reference
 from ..side_lora import SIDE_NAMES, SIDE_RANK_MAX, SIDE_RANK_MULTIPLE, SideLoRA
 from ..validation.arguments import check_str_choice
+from ..validation.layer import check_kernel_dims
 from ..weights import prepare_base_weights
 from ..wrappers.registry import registry
 
@@ -342,16 +343,7 @@ class MegaMoEGroupedExperts(GroupedExperts):
         self.scale = 1.0 if config.alpha is None or not rank else config.alpha / rank
         e, f, d, r = config.num_experts, config.hidden_dim, config.dim, rank
         # At build, not at the first forward (after sharding and the checkpoint load).
-        reg = registry()
-        for name, value, multiple, what in (
-            ("dim", d, reg.hidden_multiple, "K tile"),
-            ("hidden_dim", f, reg.intermediate_multiple, "gate/up tile"),
-        ):
-            if value % multiple:
-                raise ValueError(
-                    f"{name}: expected a multiple of {multiple} (megamoe's kernels' {what}), "
-                    f"got {value}"
-                )
+        check_kernel_dims("dim", d, "hidden_dim", f)
         self.dim, self.hidden_dim = d, f
         # One gate+up parameter in place of GroupedExperts' two (module docstring).
         w1 = self.w1_EFD

@@ -44,6 +44,21 @@ def _reads_data(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and has_data(t)
 
 
+def check_kernel_dims(hidden_name: str, hidden: int, inter_name: str, intermediate: int) -> None:
+    """``ValueError`` naming the argument unless ``H`` (``hidden``) and ``I``
+    (``intermediate``) are multiples of the kernels' tiles: for the constructors that
+    take the dims before any weight exists (``megamoe.MegaMoE``, torchtitan's experts)."""
+    reg = registry()
+    for name, value, multiple, tile in (
+        (hidden_name, hidden, reg.hidden_multiple, "K tile"),
+        (inter_name, intermediate, reg.intermediate_multiple, "gate/up tile"),
+    ):
+        if value % multiple != 0:
+            raise ValueError(
+                f"{name}: expected a multiple of {multiple} (the kernels' {tile}), got {value}"
+            )
+
+
 def check_base_weights(base: object) -> BaseWeights:
     """Check that ``base`` is a :class:`~megamoe.BaseWeights` whose tensors agree with
     its own ``format`` and dims (it may have been built by hand, or by the custom ops
