@@ -454,6 +454,89 @@ def test_round_bf16_backward_rounds_s_dout_b2_with_the_scale_inside():
         assert torch.equal(grads["a2"][e], rnd(h.T @ (w * dout_b2[tok]))), e
 
 
+def naive_backward(prob, *, activation, clamp, rnd):
+    """The rounding model's backward rebuilt route by route from reference.py's list,
+    with the activation's gradient from float64 autograd (not the reference's closed
+    form). Per-expert and per-token sums run in a fixed loop order, then round once."""
+    x, ids, weights, dout = prob["x"], prob["ids"], prob["weights"], prob["dout"]
+    w13, w2 = prob["w13"], prob["w2"]
+    a1, b1, a3, b3, a2, b2 = prob["side"].tensors()
+    s = prob["side"].scale
+    tokens, top_k = ids.shape
+    inter = w2.shape[2]
+    grads = {k: torch.zeros_like(t) for k, t in (("w13", w13), ("w2", w2))}
+    dx = torch.zeros_like(x)
+    drouter = torch.zeros_like(weights)
+    db1, db3, da2 = torch.zeros_like(b1), torch.zeros_like(b3), torch.zeros_like(a2)
+    shrink_g, shrink_u = torch.zeros(tokens, R, dtype=F64), torch.zeros(tokens, R, dtype=F64)
+    p_sum = torch.zeros(tokens, R, dtype=F64)
+    for t in range(tokens):
+        q1, q3 = rnd(x[t] @ a1), rnd(x[t] @ a3)
+        dout_b2 = rnd(s * (dout[t] @ b2.T))
+        for k in range(top_k):
+            e = int(ids[t, k])
+            if e < 0:
+                continue
+            w = weights[t, k]
+            g = rnd(w13[e, :inter] @ x[t] + s * (q1 @ b1[e])).requires_grad_()
+            u = rnd(w13[e, inter:] @ x[t] + s * (q3 @ b3[e])).requires_grad_()
+            gc, uc = g, u
+            if clamp is not None:
+                gc = torch.where(g > clamp, clamp, g)
+                uc = torch.where(u > clamp, clamp, torch.where(u < -clamp, -clamp, u))
+            act = F.silu(gc) if activation == "swiglu" else F.gelu(gc, approximate="tanh")
+            h_exact = act * uc
+            h = rnd(h_exact.detach())
+            p_sum[t] += w * rnd(h @ a2[e])
+            z = rnd(dout[t] @ w2[e] + dout_b2 @ a2[e].T)
+            drouter[t, k] = (z * h).sum()
+            dg, du = torch.autograd.grad(h_exact, (g, u), w * z)
+            dg, du = rnd(dg), rnd(du)
+            dgu = torch.cat([dg, du])
+            dx[t] += rnd(dgu @ w13[e])
+            shrink_g[t] += rnd(b1[e] @ dg)
+            shrink_u[t] += rnd(b3[e] @ du)
+            db1[e] += s * torch.outer(q1, dg)
+            db3[e] += s * torch.outer(q3, du)
+            da2[e] += torch.outer(h, w * dout_b2)
+            grads["w13"][e] += torch.outer(dgu, x[t])
+            grads["w2"][e] += torch.outer(w * dout[t], h)
+        shrink_g[t], shrink_u[t] = rnd(shrink_g[t]), rnd(shrink_u[t])
+        dx[t] += s * (a1 @ shrink_g[t]) + s * (a3 @ shrink_u[t])
+    grads["x"], grads["topk_weights"] = rnd(dx), rnd(drouter)
+    grads["a1"] = rnd(
+        s * torch.stack([torch.outer(x[t], shrink_g[t]) for t in range(tokens)]).sum(0)
+    )
+    grads["a3"] = rnd(
+        s * torch.stack([torch.outer(x[t], shrink_u[t]) for t in range(tokens)]).sum(0)
+    )
+    grads["b2"] = rnd(
+        s * torch.stack([torch.outer(rnd(p_sum[t]), dout[t]) for t in range(tokens)]).sum(0)
+    )
+    grads["b1"], grads["b3"], grads["a2"] = rnd(db1), rnd(db3), rnd(da2)
+    grads["w13"], grads["w2"] = rnd(grads["w13"]), rnd(grads["w2"])
+    return grads
+
+
+@pytest.mark.parametrize("activation,clamp", [("swiglu", None), ("swiglu", 0.9), ("geglu", None)])
+def test_round_bf16_backward_rounds_where_its_docstring_says(activation, clamp):
+    """Every gradient of the rounding model's backward, rebuilt route by route from
+    reference.py's list, bit for bit: dropping any one of its roundings fails this (only
+    s dout b2^T had a test of its own). s = 0.3 is not a power of two."""
+    prob = make_problem(tokens=17, top_k=3, seed=23, scale=0.3)
+
+    def rnd(t):
+        return t.to(torch.bfloat16).to(F64)
+
+    for key in ("x", "weights", "w13", "w2", "dout"):
+        prob[key] = rnd(prob[key])
+    prob["side"] = SideLoRA(*(rnd(t) for t in prob["side"].tensors()), scale=0.3)
+    _, grads = run_reference(prob, activation=activation, clamp=clamp, round_bf16=True)
+    want = naive_backward(prob, activation=activation, clamp=clamp, rnd=rnd)
+    for key in GRAD_KEYS:
+        assert torch.equal(grads[key], want[key]), key
+
+
 def test_float32_compute_close_to_float64():
     prob = make_problem(tokens=13, top_k=2, seed=13)
     out, grads = run_reference(prob)
