@@ -281,6 +281,33 @@ def test_plot_writes_a_png(tmp_path, sweep):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
 
 
+def test_a_replayed_sweep_is_drawn_by_its_replayed_times(monkeypatch, tmp_path):
+    """With --cuda-graph rows the sweep draws each series by its replayed time (what the
+    weight-read floors bound) and its eager time as a faint line of the same colour."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    report = _report(True)
+    for row in report["results"]:
+        if row["backend"] == "fused":
+            row["graph_ms"] = row["median_ms"] / 3
+    figures, close = [], plt.close
+    monkeypatch.setattr(plt, "close", figures.append)
+    cli.plot(report, tmp_path / "sweep.png")
+    lines = {line.get_label(): line for line in figures[0].axes[0].lines}
+    replayed = lines["fused side-lora mxfp4 fwd+bwd, replayed"]
+    eager = lines["fused side-lora mxfp4 fwd+bwd, eager"]
+    assert list(replayed.get_xdata()) == [128, 512, 2048]
+    assert list(replayed.get_ydata()) == pytest.approx([t / 100 * 2 / 3 for t in (128, 512, 2048)])
+    assert list(eager.get_ydata()) == pytest.approx([t / 100 * 2 for t in (128, 512, 2048)])
+    assert eager.get_color() == replayed.get_color() and eager.get_alpha() < 1
+    # Rows without a replayed time (the baseline) keep one line, by their eager time.
+    assert list(lines["baseline side-lora bf16 forward"].get_ydata()) == pytest.approx(
+        [t / 100 for t in (128, 512, 2048)]
+    )
+    close(figures[0])
+
+
 def test_plot_without_matplotlib_says_so(monkeypatch, tmp_path, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import raises ImportError
     with pytest.raises(RuntimeError, match="--plot: needs matplotlib"):

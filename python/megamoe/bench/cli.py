@@ -429,8 +429,10 @@ def plot(report: dict, path: Path) -> None:
     """Write a PNG of ``report``'s results (needs matplotlib).
 
     A token sweep: median time against tokens per row kind (log-log), with each base
-    format's weight-read floor as a dashed line. One shape: grouped bars of the median
-    time per (mode, format, pass), one bar per backend.
+    format's weight-read floor as a dotted line; rows timed replayed from a CUDA graph
+    (``--cuda-graph``) are drawn by their replayed time (the GPU's, which the floors
+    bound), with the eager time beside each in a faint line of the same colour. One
+    shape: grouped bars of the median time per (mode, format, pass), one bar per backend.
     """
     try:
         import matplotlib
@@ -445,21 +447,41 @@ def plot(report: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
     title = f"{report['shape']['name']} dims on {report['device']}"
     if report.get("sweep"):
-        series: dict[tuple, list[tuple[int, float]]] = {}
+        series: dict[tuple, list[tuple[int, float, float | None]]] = {}
         for r in rows:
             series.setdefault((r["backend"], r["mode"], r["dtype"], r["pass"]), []).append(
-                (r["tokens"], r["median_ms"])
+                (r["tokens"], r["median_ms"], r.get("graph_ms"))
             )
         for (backend, mode, dtype, pass_name), points in sorted(series.items()):
             points.sort()
             style = "-" if pass_name == "forward" else "--"
-            ax.plot(
-                [t for t, _ in points],
-                [ms for _, ms in points],
-                style,
-                marker="o",
-                label=f"{backend} {mode} {dtype} {pass_name}",
-            )
+            label = f"{backend} {mode} {dtype} {pass_name}"
+            replayed = [(t, graph) for t, _, graph in points if graph is not None]
+            if replayed:
+                (line,) = ax.plot(
+                    [t for t, _ in replayed],
+                    [ms for _, ms in replayed],
+                    style,
+                    marker="o",
+                    label=f"{label}, replayed",
+                )
+                ax.plot(
+                    [t for t, _, _ in points],
+                    [ms for _, ms, _ in points],
+                    style,
+                    marker=".",
+                    alpha=0.35,
+                    color=line.get_color(),
+                    label=f"{label}, eager",
+                )
+            else:
+                ax.plot(
+                    [t for t, _, _ in points],
+                    [ms for _, ms, _ in points],
+                    style,
+                    marker="o",
+                    label=label,
+                )
         for dtype, value in sorted(report["sweep"]["floors_ms"].items()):
             ax.axhline(value, linestyle=":", color="gray")
             ax.annotate(
