@@ -20,6 +20,11 @@ time per call of ``--calls`` calls enqueued back to back. ``--ab-backward-checks
 the eager F+B with the backward's input check as the eager route runs it (``dout``
 only) and as the backward op runs it (everything again), in alternating rounds of one
 process: the host's speed differs more between processes than the check costs.
+``--stack L`` times an eager F+B of ``L`` layers chained by residual adds (one shared base,
+an adapter each, one ``torch.autograd.grad`` per step, as a model's step runs), per
+layer, against one layer alone and against the stack replayed from a CUDA graph: a
+single layer's F+B also pays the autograd engine's fixed cost per backward call, which a
+model pays once per step.
 ``--ab-unchecked`` times the eager F+B with the fused pipelines calling their unchecked
 entries (``*_unchecked``: pool ops, GEMM wrappers, dgrad2's) as they do, and with each
 replaced by its checked twin, in alternating rounds of one process.
@@ -58,6 +63,13 @@ def main() -> int:
         action="store_true",
         help="the pipelines' unchecked entries against their checked twins, alternated",
     )
+    parser.add_argument(
+        "--stack",
+        type=int,
+        default=0,
+        metavar="L",
+        help="per-layer host, wall and replayed times of an L-layer eager stack",
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("host_time_per_call: needs a CUDA GPU", file=sys.stderr)
@@ -92,6 +104,8 @@ def main() -> int:
         return unchecked_entries_ab(forward_backward, args)
     if args.plain:
         return plain_times(passes, args)
+    if args.stack:
+        return stack_times(layer, args)
 
     totals: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
     timing = [False]
@@ -188,6 +202,91 @@ def plain_times(passes, args) -> int:
             f"{label:8} {statistics.median(host) * 1e3:15.3f} "
             f"{statistics.median(wall) * 1e3:12.3f} {queued * 1e3:19.3f}"
         )
+    return 0
+
+
+def stack_times(layer, args) -> int:
+    """Host and synced wall time per layer of an eager F+B through ``args.stack`` layers
+    (and through one), and the GPU time per layer of the stack replayed from a CUDA graph
+    (see the module docstring)."""
+    import megamoe as mm
+
+    if args.stack < 1:
+        print("host_time_per_call: --stack needs at least one layer", file=sys.stderr)
+        return 2
+    sides = [
+        mm.SideLoRA(
+            *(t.detach().clone().requires_grad_() for t in layer.side.tensors()),
+            scale=layer.side.scale,
+        )
+        for _ in range(args.stack)
+    ]
+    x0 = layer.x.detach().clone().requires_grad_()
+
+    def step(depth: int) -> None:
+        x = x0
+        for side in sides[:depth]:
+            x = x + mm.moe(x, layer.topk_ids, layer.topk_weights, layer.base, side)
+        leaves = [x0, *(t for side in sides[:depth] for t in side.tensors())]
+        torch.autograd.grad(x.float().sum(), leaves)
+
+    class Identity(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad
+
+    probe = torch.randn(8, device="cuda", requires_grad=True)
+    engine = []
+    for call in range(20 + 10 * args.calls):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        torch.autograd.grad(Identity.apply(probe).sum(), [probe])
+        if call >= 20:
+            engine.append(time.perf_counter() - start)
+    print(
+        "a trivial autograd.Function's F+B on CUDA (the fixed cost of one grad call): "
+        f"{statistics.median(engine) * 1e3:.3f} ms of host time"
+    )
+    print(f"eager F+B stacks, T={args.tokens} {args.format}, medians of {args.calls} steps (ms)")
+    print(f"{'layers':>6} {'host/layer':>11} {'wall/layer':>11}")
+    for depth in sorted({1, args.stack}):
+        for _ in range(5):
+            step(depth)
+        host, wall = [], []
+        for _ in range(args.calls):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            step(depth)
+            host.append(time.perf_counter() - start)
+            torch.cuda.synchronize()
+            wall.append(time.perf_counter() - start)
+        print(
+            f"{depth:6d} {statistics.median(host) * 1e3 / depth:11.3f} "
+            f"{statistics.median(wall) * 1e3 / depth:11.3f}"
+        )
+    side_stream = torch.cuda.Stream()
+    side_stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side_stream):
+        for _ in range(3):
+            step(args.stack)  # warm-up off the capture stream, as capture needs
+    torch.cuda.current_stream().wait_stream(side_stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(args.stack)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    replayed = []
+    for _ in range(3 + args.calls):
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        replayed.append(start.elapsed_time(end))
+    per_layer = statistics.median(replayed[3:]) / args.stack
+    print(f"{args.stack:6d} replayed: {per_layer:.3f} ms of GPU time per layer")
     return 0
 
 

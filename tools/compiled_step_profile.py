@@ -1,0 +1,89 @@
+"""Eager against torch.compile'd F+B of ``mm.moe``, and the compiled step's kernels
+(needs a CUDA GPU).
+
+At ep4rank dims (side-LoRA, frozen BF16 or MXFP4 base): CUDA-event medians of
+``--iters`` F+B steps, eager and compiled, in ``--rounds`` alternating rounds, then
+torch.profiler's table of the GPU kernels of one compiled step (self time, calls),
+largest first. It shows what compilation adds around megamoe's opaque ops, such as
+inductor's copy of the pre-activations the backward writes over
+(docs/INTEGRATIONS.md, "torch.compile").
+
+    python tools/compiled_step_profile.py --tokens 65536 --format bf16
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+import torch
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=65536)
+    parser.add_argument("--format", choices=("bf16", "mxfp4"), default="bf16")
+    parser.add_argument("--iters", type=int, default=7, help="timed steps per round")
+    parser.add_argument("--rounds", type=int, default=2, help="alternating rounds")
+    parser.add_argument("--kernels", type=int, default=25, help="rows of the kernel table")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("compiled_step_profile: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    if min(args.tokens, args.iters, args.rounds, args.kernels) < 1:
+        print("compiled_step_profile: every count must be at least 1", file=sys.stderr)
+        return 2
+
+    import megamoe as mm
+    from megamoe.bench.shapes import SHAPES
+
+    shape = SHAPES["ep4rank"].with_tokens(args.tokens)
+    layer = shape.make_layer(ordinary=False, device="cuda", requires_grad=True, format=args.format)
+    leaves = list(layer.grad_leaves().values())
+    dout = torch.randn_like(layer.x)
+
+    def layer_call(x, weights):
+        return mm.moe(x, layer.topk_ids, weights, layer.base, layer.side)
+
+    compiled_call = torch.compile(layer_call)
+
+    def step(call) -> None:
+        torch.autograd.grad(call(layer.x, layer.topk_weights), leaves, dout)
+
+    def median_ms(call) -> float:
+        for _ in range(3):
+            step(call)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(args.iters):
+            torch.cuda.synchronize()
+            start.record()
+            step(call)
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times)
+
+    print(f"T={args.tokens} {args.format} side-LoRA, F+B medians of {args.iters} steps (ms)")
+    for round_ in range(args.rounds):
+        order = [("eager", layer_call), ("compiled", compiled_call)]
+        if round_ % 2:
+            order.reverse()
+        times = {name: median_ms(call) for name, call in order}
+        print(f"round {round_}: eager {times['eager']:.3f}, compiled {times['compiled']:.3f}")
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step(compiled_call)
+        torch.cuda.synchronize()
+    rows = sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)
+    print("one compiled step's kernels: self ms, calls, name")
+    for event in rows[: args.kernels]:
+        print(f"{event.self_device_time_total / 1e3:9.3f} {event.count:4d}  {event.key[:110]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
