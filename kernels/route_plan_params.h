@@ -16,8 +16,9 @@ constexpr int kRoutePlanRoutesPerTile = registry::kRoutePlanRoutesPerTile;
 constexpr int kRoutePlanScatterWarps = 8;
 constexpr int kRoutesPerScatterWarp = kRoutePlanRoutesPerTile / kRoutePlanScatterWarps;
 static_assert(kRoutesPerScatterWarp % 32 == 0, "a scatter warp walks whole 32-route chunks");
-// Pass 2 runs in one block with one thread per local expert.
-constexpr int kRoutePlanMaxLocalExperts = 1024;
+// Pass 2 runs in one block with one thread per local expert (from the registry, which
+// the Python checks read too).
+constexpr int kRoutePlanMaxLocalExperts = registry::kRoutePlanMaxLocalExperts;
 
 struct RoutePlanParams {
   const void* topk_ids;         // [num_routes] routing ids (int32 or int64), (t, k) order

@@ -232,3 +232,52 @@ def test_an_mxfp4_b_is_decoded_only_after_every_check(monkeypatch):
     assert decodes == []
     out = wrappers.grouped_gemm(a, codes_b, plan, b_scales=scales_b)  # a good call decodes
     assert decodes == [1] and out.shape == (plan.pool_capacity, 64)
+
+
+def test_the_wrappers_check_the_plan_and_tma_needs_before_any_launch():
+    """What the launchers (or nothing) refused, named by the checked wrappers on every
+    device (a review): a plan relabelled with another registry BLOCK_M (the kernels would
+    pair rows with the wrong expert's weights), an unknown BLOCK_M, the plan's maps on
+    another device, pool rows that are not 16-byte strides, a ``k`` other than a K-major
+    ``b``'s, empty extra columns or side ranks, and scales past float32."""
+    import dataclasses
+
+    from megamoe.wrappers.activation_backward import fused_dgrad2_activation_backward
+    from megamoe.wrappers.grouped_gemm import gated_grouped_gemm
+
+    plan, a, w13, w2 = _wrapper_case()
+    b = w2.transpose(1, 2).contiguous()
+    rows = plan.pool_capacity
+    relabelled = dataclasses.replace(plan, block_m=128)
+    planned = r"^plan.block_m: expected the BLOCK_M its pool was planned with; 128 gives"
+    with pytest.raises(ValueError, match=planned):
+        grouped_gemm(a, b, relabelled)
+    with pytest.raises(ValueError, match=planned):
+        gated_grouped_gemm(a, w13, relabelled, k=64)
+    with pytest.raises(ValueError, match=planned):
+        fused_dgrad2_activation_backward(
+            a, w2, torch.zeros(rows, 128, dtype=torch.bfloat16), torch.rand(10, 2), relabelled
+        )
+    for bad in (32, "x", True):
+        with pytest.raises(ValueError, match=r"^plan.block_m: expected one of \[64, 128\]"):
+            grouped_gemm(a, b, dataclasses.replace(plan, block_m=bad))
+    meta_plan = dataclasses.replace(
+        plan, **{f.name: getattr(plan, f.name).to("meta") for f in dataclasses.fields(plan)
+                 if f.name != "block_m"}
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"^plan.expert_counts: expected device cpu, got meta"):
+        grouped_gemm(a, b, meta_plan)
+    with pytest.raises(ValueError, match=r"^a: expected a column count that is a multiple of 8"):
+        grouped_gemm(torch.zeros(rows, 68, dtype=torch.bfloat16), b, plan)
+    with pytest.raises(ValueError, match=r"^k: expected b's K = b.shape\[2\] = 64, got 56"):
+        grouped_gemm(torch.zeros(rows, 128, dtype=torch.bfloat16), b, plan, k=56)
+    with pytest.raises(ValueError, match=r"^b_extra: expected at least one column"):
+        grouped_gemm(a, b, plan, b_extra=torch.zeros(4, 64, 0, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"^side_b_gate: rank 0 must be a positive multiple"):
+        empty = torch.zeros(4, 0, 64, dtype=torch.bfloat16)
+        gated_grouped_gemm(a, w13, plan, k=64, side_b_gate=empty, side_b_up=empty)
+    for scale, match in ((float("nan"), "a finite float"), (1e39, "a float finite in float32")):
+        with pytest.raises(ValueError, match=rf"^side_scale: expected {match}"):
+            gated_grouped_gemm(a, w13, plan, k=64, side_scale=scale)
+    with pytest.raises(TypeError, match=r"^side_scale: expected a float, got str"):
+        gated_grouped_gemm(a, w13, plan, k=64, side_scale="0.5")

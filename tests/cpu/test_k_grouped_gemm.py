@@ -58,7 +58,9 @@ def test_block_n_choice():
         ("b_rows", "b: expected shape"),
         ("odd_cols", "b: expected a multiple of 8 columns"),
         ("col_stride", "a: expected rows of unit column stride"),
-        ("scale", "scale: expected a number finite"),
+        ("scale", "scale: expected a finite float, got nan"),
+        ("scale_int", "scale: expected a finite float, got an int of"),
+        ("scale_f32", "scale: expected a float finite in float32"),
         ("out", "out: expected shape"),
     ],
 )
@@ -77,6 +79,10 @@ def test_bad_arguments_name_themselves(case, match):
         a = torch.zeros(16, 12, dtype=torch.bfloat16).T
     elif case == "scale":
         kwargs["scale"] = float("nan")
+    elif case == "scale_int":
+        kwargs["scale"] = 10**400  # past float's range: OverflowError before
+    elif case == "scale_f32":
+        kwargs["scale"] = 1e39
     else:
         kwargs["out"] = torch.zeros(2, 16, 5, dtype=torch.bfloat16)
     with pytest.raises((TypeError, ValueError), match=match):

@@ -237,6 +237,9 @@ def test_scale_zero_is_bitwise_the_no_side_output():
     assert torch.equal(no_side.view(torch.int16), zero.view(torch.int16))
     with_side = pool.combine(pool_output, plan, weights, side_expand, 0.5)
     assert not torch.equal(with_side[2:], no_side[2:])
+    # The kernel takes the scale as float32: 1e39 would be inf there (a review).
+    with pytest.raises(ValueError, match=r"^scale: expected a float finite in float32"):
+        pool.combine(pool_output, plan, weights, side_expand, 1e39)
 
 
 def test_tokens_without_local_routes_get_zeros_or_the_side_term():

@@ -106,6 +106,12 @@ def test_capacity_bounds_the_worst_case():
             "num_local_experts",
         ),
         (torch.zeros(2, 2, dtype=torch.int32), {"expert_begin": -1}, ValueError, "expert_begin"),
+        (
+            torch.zeros(2, 2, dtype=torch.int32),
+            {"num_local_experts": 1025},
+            ValueError,
+            r"^num_local_experts: expected at most 1024 local experts",
+        ),
     ],
 )
 def test_bad_input(ids, kwargs, error, match):

@@ -515,6 +515,10 @@ def test_check_base_weights_accepts_what_prepare_makes() -> None:
         check_base_weights(dataclasses.replace(base(), num_experts=0))
     with pytest.raises(ValueError, match=r"^base\.w13: expected shape \[4, 128, 128\]"):
         check_base_weights(dataclasses.replace(base(), hidden=128))
+    # Past the route plan's 1024 local experts: named before anything runs (the native
+    # plan refused it under its own argument's name, after an MXFP4 decode).
+    with pytest.raises(ValueError, match=r"^base\.num_experts: expected at most 1024 local"):
+        check_base_weights(dataclasses.replace(base(), num_experts=1025))
 
 
 def test_check_backward_inputs_names_the_saved_state() -> None:

@@ -256,7 +256,7 @@ CASES: dict[str, Case] = {
     "gemm-unknown-block-m": (
         lambda L, g: grouped_gemm(g.a, g.b, dataclasses.replace(g.plan, block_m=32)),
         ValueError,
-        r"^block_m: no engine variant for BLOCK_M 32",
+        r"^plan.block_m: expected one of \[64, 128\], got 32",
     ),
     "gemm-n-not-multiple-of-8": (
         lambda L, g: grouped_gemm(g.a, bf16(4, 100, 128), g.plan),
@@ -301,7 +301,7 @@ CASES: dict[str, Case] = {
             side_scale=1.0,
         ),
         ValueError,
-        r"^side_b_gate: rank 12 must be a multiple of 8",
+        r"^side_b_gate: rank 12 must be a positive multiple of 8",
     ),
     "gated-pool-too-narrow-for-side": (
         lambda L, g: gated_grouped_gemm(
@@ -314,7 +314,8 @@ CASES: dict[str, Case] = {
             side_scale=1.0,
         ),
         ValueError,
-        r"^side_b_gate: rank 16 must be a multiple of 8 with k_base \+ 2\*rank <= a's columns",
+        r"^side_b_gate: rank 16 must be a positive multiple of 8 with k_base \+ 2\*rank <= a's "
+        r"columns",
     ),
     "gated-side-scale-nan": (
         lambda L, g: gated_grouped_gemm(
@@ -327,7 +328,7 @@ CASES: dict[str, Case] = {
             side_scale=float("nan"),
         ),
         ValueError,
-        r"^side_scale: expected a finite value",
+        r"^side_scale: expected a finite float, got nan",
     ),
     "gated-out-columns": (
         lambda L, g: gated_grouped_gemm(

@@ -21,7 +21,7 @@ from ..side_lora import SIDE_NAMES, SideLoRA
 from ..weights import BASE_FORMATS, BaseWeights
 from ..wrappers.grouped_gemm import ACTIVATIONS
 from ..wrappers.registry import registry
-from ..wrappers.routing import pool_capacity
+from ..wrappers.routing import check_local_experts, pool_capacity
 from .arguments import check_int, check_str_choice, check_tensor, has_data
 
 __all__ = [
@@ -78,6 +78,8 @@ def check_base_weights(base: object) -> BaseWeights:
     for name, value in (("num_experts", experts), ("hidden", hidden), ("intermediate", inter)):
         if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)) or value < 1:
             raise ValueError(f"base.{name}: expected an int >= 1, got {value!r}")
+    if isinstance(experts, int):
+        check_local_experts("base.num_experts", experts)
     reg = registry()
     if hidden % reg.hidden_multiple or inter % reg.intermediate_multiple:
         raise ValueError(
@@ -330,21 +332,28 @@ def check_block_m(block_m: object) -> int:
 
 
 def check_plan_block_m(
-    block_m: int, route_to_pool_row: torch.Tensor, pool_row_to_route: torch.Tensor, experts: int
+    block_m: int,
+    route_to_pool_row: torch.Tensor,
+    pool_row_to_route: torch.Tensor,
+    experts: int,
+    *,
+    name: str = "block_m",
+    planner: str = "the forward",
 ) -> None:
-    """The backward's ``block_m`` against the forward's saved plan: its pool holds
-    ``pool_capacity(T * K, E_l, block_m)`` rows for the BLOCK_M it was planned with. The
-    kernels find each expert's tiles as ``offset / BLOCK_M``: under another BLOCK_M rows
-    would meet the wrong expert's weights (or none). Host sizes only; skipped for
-    symbolic sizes (torch.compile's fake tensors)."""
+    """``block_m`` against a plan's maps (by default the backward's against the forward's
+    saved plan): a pool holds ``pool_capacity(T * K, E_l, block_m)`` rows for the BLOCK_M
+    it was planned with, and no other registry BLOCK_M gives the same count. The kernels
+    find each expert's tiles as ``offset / BLOCK_M``: under another BLOCK_M rows would
+    meet the wrong expert's weights (or none). Host sizes only; skipped for symbolic
+    sizes (torch.compile's fake tensors)."""
     routes, capacity = route_to_pool_row.numel(), pool_row_to_route.shape[0]
     if not (isinstance(routes, int) and isinstance(capacity, int)):
         return
     planned = pool_capacity(routes, experts, block_m)
     if capacity != planned:
         raise ValueError(
-            f"block_m: expected the BLOCK_M the forward planned with; {block_m} gives a pool "
-            f"of {planned} rows for {routes} routes over {experts} experts, the saved plan "
+            f"{name}: expected the BLOCK_M {planner} planned with; {block_m} gives a pool "
+            f"of {planned} rows for {routes} routes over {experts} experts, the plan "
             f"holds {capacity}"
         )
 

@@ -32,6 +32,8 @@ from .grouped_gemm import (
     GROUP_M,
     StreamsPredicate,
     _check_mxfp4,
+    _check_pool_operand,
+    _check_tma_aligned,
     _device_sms,
     _mxfp4_operand,
     _stream_chunk,
@@ -179,6 +181,8 @@ def fused_dgrad2_activation_backward(
             f"dout_pool: expected at least H + r = {hidden + rank} columns, "
             f"got {dout_pool.shape[1]}"
         )
+    _check_pool_operand(dout_pool, plan, "dout_pool")
+    _check_tma_aligned(("w2", w2), ("side_a2", side_a2))
     check_tensor(
         "preact", preact, shape=(capacity, 2 * intermediate), dtypes=(torch.bfloat16,),
         contiguous=True, alignment=16,  # the epilogue's 16-byte vectors

@@ -30,7 +30,7 @@ import torch
 
 from ..env import num_sms as resolve_device_sms
 from ..heuristics import mxfp4_decodes_in_pipeline, weight_stream_chunk
-from ..validation.arguments import check_str_choice, check_tensor
+from ..validation.arguments import check_finite_float, check_str_choice, check_tensor
 from . import _native
 from .registry import registry
 from .routing import RoutePlan
@@ -41,13 +41,43 @@ ACTIVATIONS = {"swiglu": 0, "geglu": 1}
 GROUP_M = 16
 
 
-def _check_pool_operand(a: torch.Tensor, plan: RoutePlan) -> None:
-    """The pool operand must hold exactly the plan's pool rows: the kernel walks the
-    rows the plan says are in use."""
+def _check_pool_operand(a: torch.Tensor, plan: RoutePlan, name: str = "a") -> None:
+    """The pool operand of an engine GEMM against its plan, before anything launches:
+    exactly the plan's pool rows (the kernel walks the rows the plan says are in use),
+    16-byte rows at a 16-byte aligned address (TMA), the plan's maps on its device, and
+    the plan's ``block_m`` the one its pool was planned with (the kernels find each
+    expert's tiles as ``offset / BLOCK_M``: under another BLOCK_M rows would meet
+    another expert's weights)."""
+    from ..validation.layer import check_plan_block_m  # (it imports this module)
+
     if a.shape[0] != plan.pool_capacity:
         raise ValueError(
-            f"a: expected plan.pool_capacity = {plan.pool_capacity} rows, got {a.shape[0]}"
+            f"{name}: expected plan.pool_capacity = {plan.pool_capacity} rows, got {a.shape[0]}"
         )
+    if a.shape[1] % 8:
+        raise ValueError(
+            f"{name}: expected a column count that is a multiple of 8 (16-byte rows for "
+            f"TMA), got {a.shape[1]}"
+        )
+    check_tensor(name, a, alignment=16)
+    for map_name in ("expert_counts", "expert_pool_offsets", "route_to_pool_row"):
+        check_tensor(f"plan.{map_name}", getattr(plan, map_name), device=a.device)
+    check_tensor("plan.pool_row_to_route", plan.pool_row_to_route, device=a.device)
+    choices = registry().block_m_choices
+    if isinstance(plan.block_m, bool) or plan.block_m not in choices:
+        raise ValueError(f"plan.block_m: expected one of {list(choices)}, got {plan.block_m!r}")
+    check_plan_block_m(
+        plan.block_m, plan.route_to_pool_row, plan.pool_row_to_route,
+        plan.expert_counts.shape[0], name="plan.block_m", planner="its pool was",
+    )  # fmt: skip
+
+
+def _check_tma_aligned(*named: tuple[str, torch.Tensor | None]) -> None:
+    """16-byte aligned addresses (CUDA tensors) for what the kernels move by TMA, checked
+    before anything launches (an MXFP4 B's decode included), under the caller's names."""
+    for name, t in named:
+        if t is not None:
+            check_tensor(name, t, alignment=16)
 
 
 def _device_sms(device: torch.device) -> int:
@@ -281,6 +311,9 @@ def _check_extra_blocks(
         "b_extra_blocks[1]", hi, shape=(experts, None, k - k_lo), dtypes=(torch.bfloat16,),
         device=device, contiguous=True,
     )  # fmt: skip
+    for index, block in enumerate(blocks):
+        if block.shape[1] == 0:  # a TMA box over no rows
+            raise ValueError(f"b_extra_blocks[{index}]: expected at least one row (N), got 0")
     return lo.shape[1] + hi.shape[1]
 
 
@@ -364,6 +397,8 @@ def grouped_gemm(
             device=a.device, contiguous=True,
         )  # fmt: skip
         n_extra = b_extra.shape[2]
+        if n_extra == 0:  # a TMA box over no columns
+            raise ValueError("b_extra: expected at least one column (N_x), got 0")
     if b_extra_blocks is not None:
         n_extra = _check_extra_blocks(b_extra_blocks, b.shape[0], k, a.device, major_mn)
     if n_extra % 8 != 0:
@@ -371,6 +406,8 @@ def grouped_gemm(
         raise ValueError(f"{name}: expected N_x a multiple of 8 (16-byte rows), got {n_extra}")
     if not 0 < k <= a.shape[1] or k % 8:  # 16-byte rows
         raise ValueError(f"k: expected a multiple of 8 in [8, a.shape[1] = {a.shape[1]}], got {k}")
+    if not major_mn and not mxfp4 and k != b.shape[2]:
+        raise ValueError(f"k: expected b's K = b.shape[2] = {b.shape[2]}, got {k}")
     if n_base % 8:
         raise ValueError(f"b: expected N a multiple of 8, got {n_base}")  # 16-byte rows
     if out is None:
@@ -380,6 +417,11 @@ def grouped_gemm(
             "out", out, shape=(a.shape[0], n_base + n_extra), dtypes=(torch.bfloat16,),
             device=a.device, contiguous=True,
         )  # fmt: skip
+    _check_tma_aligned(
+        ("b", b), ("b_extra", b_extra), ("out", out),
+        *(() if b_extra_blocks is None else
+          (("b_extra_blocks[0]", b_extra_blocks[0]), ("b_extra_blocks[1]", b_extra_blocks[1]))),
+    )  # fmt: skip
     decode_scales = None
     if mxfp4:
         streams = _store_streams(plan, b_major, b_extra, b_extra_blocks)
@@ -588,6 +630,7 @@ def gated_grouped_gemm(
         )
     if (side_b_gate is None) != (side_b_up is None):
         raise ValueError("side_b_gate/side_b_up: give both or neither")
+    side_scale = check_finite_float("side_scale", side_scale, float32=True)
     if side_b_gate is not None:
         _check_side(side_b_gate, side_b_up, w13.shape[0], two_i // 2, k, a)
     if out is None:
@@ -597,6 +640,10 @@ def gated_grouped_gemm(
             "out", out, shape=(a.shape[0], two_i // 2), dtypes=(torch.bfloat16,),
             device=a.device, contiguous=True,
         )  # fmt: skip
+    _check_tma_aligned(
+        ("w13", w13), ("side_b_gate", side_b_gate), ("side_b_up", side_b_up), ("out", out),
+        ("preact_out", preact_out),
+    )  # fmt: skip
     decode_scales = None
     if w13_scales is not None:
         w13, decode_scales = _mxfp4_operand(w13, w13_scales, plan, "k", _gated_streams(plan))
@@ -733,10 +780,10 @@ def _check_side(side_b_gate, side_b_up, experts: int, intermediate: int, k: int,
         "side_b_up", side_b_up, shape=expected, dtypes=(torch.bfloat16,), device=a.device,
         contiguous=True,
     )  # fmt: skip
-    if rank % 8 != 0 or k + 2 * rank > a.shape[1]:
+    if rank < 8 or rank % 8 != 0 or k + 2 * rank > a.shape[1]:
         raise ValueError(
-            f"side_b_gate: rank {rank} must be a multiple of 8 with k_base + 2*rank <= a's "
-            f"columns {a.shape[1]}"
+            f"side_b_gate: rank {rank} must be a positive multiple of 8 with k_base + 2*rank "
+            f"<= a's columns {a.shape[1]}"
         )
 
 

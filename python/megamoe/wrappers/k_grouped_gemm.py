@@ -18,12 +18,10 @@ built on it run in CPU tests; :func:`k_grouped_gemm_reference` is the float64 or
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ..env import num_sms as resolve_device_sms
-from ..validation.arguments import FLOAT32_MAX, check_tensor
+from ..validation.arguments import check_finite_float, check_tensor
 from . import _native
 from .routing import RoutePlan
 
@@ -80,8 +78,7 @@ def k_grouped_gemm(
     rows = plan.pool_capacity
     _check_row_operand("a", a, rows, a.device)
     _check_row_operand("b", b, rows, a.device)
-    if not isinstance(scale, (int, float)) or not math.isfinite(scale) or abs(scale) > FLOAT32_MAX:
-        raise ValueError(f"scale: expected a number finite in float32, got {scale!r}")
+    scale = check_finite_float("scale", scale, float32=True)
     experts = plan.expert_counts.shape[0]
     m, n = a.shape[1], b.shape[1]
     if out is None:

@@ -12,7 +12,7 @@ sorted by expert, each expert's segment padded to ``block_m``.
   optional scaled side expansion:
   ``out[t] = bf16(sum_k w[t, k] * pool_output[row_tk, :H] + scale * side_expand[t])``.
 - :func:`gather_rows` is the same gather kernel as a plain row permutation
-  (``out[i] = src[rows[i]]``; the weights' gate/up interleave uses it).
+  (``out[i] = src[rows[i]]``).
 
 Sums run over the routes ``k = 0 .. K-1`` with ``row_tk >= 0``, in float32, in that
 fixed order, each product and each sum rounded separately; the CUDA kernels and the
@@ -390,7 +390,7 @@ def _check_combine(
     device = plan.route_to_pool_row.device
     pool_output = _check_bf16("pool_output", pool_output, [None, None], device)
     _check_weights(topk_weights, plan)
-    scale = check_finite_float("scale", scale)
+    scale = check_finite_float("scale", scale, float32=True)  # the kernel's float32
     num_tokens = plan.route_to_pool_row.shape[0]
     columns = pool_output.shape[1]
     # H: given, else the width of out / side_expand, else every column (r = 0).

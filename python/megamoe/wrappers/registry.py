@@ -24,6 +24,7 @@ class Registry:
     hidden_multiple: int
     intermediate_multiple: int
     route_plan_routes_per_tile: int
+    route_plan_max_local_experts: int
     variants: tuple[Variant, ...]
 
     def family(self, family: str) -> tuple[Variant, ...]:
@@ -51,6 +52,7 @@ def parse_registry(text: str) -> Registry:
         hidden_multiple=int(layout["hidden_multiple"]),
         intermediate_multiple=int(layout["intermediate_multiple"]),
         route_plan_routes_per_tile=int(layout["route_plan_routes_per_tile"]),
+        route_plan_max_local_experts=int(layout["route_plan_max_local_experts"]),
         variants=tuple(variants),
     )
 

@@ -247,6 +247,18 @@ def check_expert_ids(topk_ids: torch.Tensor, limit: int | None) -> None:
         raise _id_range_error(low, high, limit)
 
 
+def check_local_experts(name: str, num_local_experts: int) -> None:
+    """At most the route plan's local experts (its pass 2 runs a thread per expert in one
+    block), checked before anything launches: past it the native plan would refuse under
+    its own argument's name, after an ordinary-mode MXFP4 base was already decoded."""
+    limit = registry().route_plan_max_local_experts
+    if num_local_experts > limit:
+        raise ValueError(
+            f"{name}: expected at most {limit} local experts (the route plan's limit), "
+            f"got {num_local_experts}"
+        )
+
+
 def _check_plan_args(
     topk_ids: torch.Tensor, num_local_experts: int, block_m: int, expert_begin: int
 ) -> None:
@@ -254,6 +266,7 @@ def _check_plan_args(
     if topk_ids.numel() == 0:
         raise ValueError(f"topk_ids: expected at least one route, got shape {list(topk_ids.shape)}")
     check_int("num_local_experts", num_local_experts, minimum=1)
+    check_local_experts("num_local_experts", num_local_experts)
     check_int("expert_begin", expert_begin, minimum=0)
     check_int("block_m", block_m, minimum=1)
     if block_m not in registry().block_m_choices:
