@@ -93,10 +93,10 @@ def global_layer(name: str, world: int):
     return fast, exact, dout, tokens
 
 
-def run_fused(name: str, rank: int, world: int, group, checkpoint: bool = False) -> dict:
+def run_fused(name: str, rank: int, world: int, group, checkpoint: bool = False, **options) -> dict:
     """This rank's slice (``group``) or the whole batch (``group=None``) through the
     fused EP layer: output and gradients (``checkpoint``: with activation
-    checkpointing)."""
+    checkpointing; ``options``: more keyword arguments of ``fused_moe``)."""
     spec = SCENARIOS[name]
     layer, _, dout, tokens = global_layer(name, world)
     if group is None:
@@ -143,6 +143,7 @@ def run_fused(name: str, rank: int, world: int, group, checkpoint: bool = False)
         activation=layer.activation,
         activation_clamp=layer.activation_clamp,
         activation_checkpoint=checkpoint,
+        **options,
     )
     out.backward(dout[rows])
     grads = {k: v.grad for k, v in named.items() if v.requires_grad}
@@ -186,6 +187,29 @@ def _worker(rank: int, world: int) -> dict:
             torch.equal(again["grads"][k], plain["grads"][k]) for k in plain["grads"]
         )
         results[name]["checkpoint_same"] = same
+    # A static bound (the pool sized for max_tokens per rank, no count exchange first)
+    # gives the same bits, and so does the unreduced mode in its expert-local gradients;
+    # its shared gradients are this rank's partial sums, whose all-reduce is the reduced
+    # gradient to one BF16 rounding.
+    plain = results["balanced"]
+    bound = max(SCENARIOS["balanced"]["tokens"][world])
+    for checkpoint in (False, True):
+        static = run_fused("balanced", rank, world, group, checkpoint, max_tokens=bound)
+        results[f"static_bound_same_{checkpoint}"] = torch.equal(
+            static["out"], plain["out"]
+        ) and all(torch.equal(static["grads"][k], plain["grads"][k]) for k in plain["grads"])
+    unreduced = run_fused("balanced", rank, world, group, reduce_shared_grads=False)
+    results["unreduced_local_same"] = torch.equal(unreduced["out"], plain["out"]) and all(
+        torch.equal(unreduced["grads"][k], plain["grads"][k])
+        for k in plain["grads"]
+        if k not in SHARED
+    )
+    summed = {}
+    for key in SHARED:
+        partial = unreduced["grads"][key].float()
+        dist.all_reduce(partial, group=group)
+        summed[key] = compare(partial.bfloat16(), plain["grads"][key]).rel_l2
+    results["unreduced_shared_rel_l2"] = summed
     return results
 
 
@@ -194,6 +218,15 @@ def test_fused_ep_matches_ep1_and_the_oracle(world):
     # EP8 also stands in for the 8-GPU run while no 8-GPU machine is lent (issue 7).
     per_rank = ep.run_gloo(_worker, world, timeout_s=400)
     failures = []
+    for p in range(world):
+        for checkpoint in (False, True):
+            if not per_rank[p][f"static_bound_same_{checkpoint}"]:
+                failures.append(f"rank {p}: max_tokens (checkpoint={checkpoint}) differs")
+        if not per_rank[p]["unreduced_local_same"]:
+            failures.append(f"rank {p}: reduce_shared_grads=False changed a local result")
+        for key, rel_l2 in per_rank[p]["unreduced_shared_rel_l2"].items():
+            if not rel_l2 <= 8e-3:  # one BF16 rounding of FP32 partial sums apart
+                failures.append(f"rank {p}: unreduced d{key} summed is {rel_l2:.2e} off")
     for name, spec in SCENARIOS.items():
         for p in range(world):
             if not per_rank[p][name]["checkpoint_same"]:

@@ -121,6 +121,14 @@ def ep_forward_stages(
         )
     else:  # no rank holds a token: nothing to compute, the exchanges still run
         pool_output = x.new_empty(0, width)
+    # Received q13 (small) for db1/db3; the received x only in ordinary mode (dw13).
+    # Copied from the received rows only (the buffer's tail is never written), and now:
+    # the receive buffer is then freed before the return exchange and the combine, the
+    # forward's largest moment.
+    recv_x = recv_q13 = None
+    if keep_preact:
+        recv_x, recv_q13 = _split_received(plan, recv, hidden, keep_x=keep_x, use_side=use_side)
+    del recv
     row_of_recv = routes.route_to_pool_row[: plan.num_recv, 0].long()
     returned = _exchange_into(
         plan.num_send,
@@ -141,11 +149,6 @@ def ep_forward_stages(
             returned, back, topk_weights, side_expand, scale=side.scale if use_side else 0.0,
             hidden=hidden,
         )  # fmt: skip
-    # Received q13 (small) for db1/db3; the received x only in ordinary mode (dw13).
-    # Copied from the received rows only: the buffer's tail is never written.
-    recv_x = recv_q13 = None
-    if keep_preact:
-        recv_x, recv_q13 = _split_received(plan, recv, hidden, keep_x=keep_x, use_side=use_side)
     return out, {"preact": preact, "recv_x": recv_x, "recv_q13": recv_q13, "p_sum": p_sum}
 
 
@@ -229,6 +232,7 @@ def ep_backward_stages(
                     activation=activation, activation_clamp=activation_clamp,
                     preact=saved["preact"],
                 )  # fmt: skip
+                del pool_input  # not held through the backward's peak (dgrads, wgrads)
         del recv
 
     # Out: [dout | s dout b2^T] rows and the route weights (FP32, not rounded).

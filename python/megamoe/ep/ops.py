@@ -5,9 +5,11 @@ layer (:mod:`megamoe.ep.fused_layer`'s stages) as torch custom ops, what
 They keep the EP1 ops' conventions (:mod:`megamoe.custom_ops.layer`): named inputs, the adapters as
 the six optional tensors ``a1, b1, a3, b3, a2, b2`` (all None: no adapters) plus
 ``scale``, the forward's plan handed to the backward in its state outputs (nothing is
-planned again), real and fake implementations running the same argument checks, and a
-FLOP formula per op (:mod:`megamoe.custom_ops.flop_formulas`). What EP adds (docs/DESIGN-NOTES.md,
-"The op layer"):
+planned again), real and fake implementations running the same argument checks on the
+call's inputs (the backward's fake does not check the saved state against the plan,
+which needs the plan's host values), and a FLOP formula per op
+(:mod:`megamoe.custom_ops.flop_formulas`). What EP adds (docs/DESIGN-NOTES.md, "The op
+layer"):
 
 - the process group by name (``group.group_name``, resolved through torch.distributed's
   registry, as torch's functional collectives do; ``""``: one process);
@@ -358,9 +360,21 @@ def _check_state(
         "recv_q13": (routes, 2 * rank),
         "p_sum": (x.shape[0], rank),
     }
+    present = {}
     for name, shape in rows.items():  # absent: a 1-D empty
-        if state[name].dim() != 1 or state[name].numel():
+        present[name] = state[name].dim() != 1 or state[name].numel() != 0
+        if present[name]:
             check_tensor(name, state[name], shape=shape, dtypes=(torch.bfloat16,))
+    if side is not None and side.scale != 0.0:
+        # The side path reads p_sum (db2) and, unless it recomputes them (no saved
+        # preact), the received q13 rows (db1, db3): refused here, before the exchanges
+        # and dgrad2 overwrite preact, not as an unnamed error midway.
+        for name in ("p_sum", "recv_q13") if present["preact"] else ("p_sum",):
+            if not present[name]:
+                raise ValueError(
+                    f"{name}: the adapters' backward needs the forward's {name}, saved empty "
+                    "(a forward without the side path, or another call's state)"
+                )
     check_devices([("x", x), *((n, t) for n, t in state.items() if n != "host_plan")], "x")
 
 
@@ -502,7 +516,7 @@ def _backward_inputs(
         x, placeholder_ids, topk_weights, w13, w2, w13_scales, w2_scales, side, scale,
         activation, activation_clamp,
     )  # fmt: skip
-    check_tensor("dout", dout, shape=tuple(x.shape), dtypes=(torch.bfloat16,))
+    check_tensor("dout", dout, shape=tuple(x.shape), dtypes=(torch.bfloat16,), device=x.device)
     if base_grads and base.format == "mxfp4":
         raise ValueError("base_grads: a packed MXFP4 base is frozen (no gradient)")
     if base_grads and recv_x.dim() != 2 and preact.dim() == 2:
