@@ -391,7 +391,8 @@ class MegaMoE(nn.Module):
                 ``K`` must equal ``top_k``.
             topk_weights: ``[T, K]`` router weights, float32 or bfloat16 (an HF router
                 in a BF16 model returns BF16; cast to float32 here, differentiably, so
-                the router gradient comes back in the router's dtype).
+                the router gradient comes back in the router's dtype); the reference
+                backend also takes float64.
 
         Returns:
             ``[T, H]`` in ``x.dtype`` (the reference computes in float32 and casts).
@@ -418,17 +419,31 @@ class MegaMoE(nn.Module):
                 f"{list(topk_ids.shape)}"
             )
         check_tensor("topk_weights", topk_weights, ndim=2, dtypes=_ROUTER_DTYPES)
+        routes = (x.shape[0], self.top_k)
+        check_tensor("topk_ids", topk_ids, shape=routes)
+        check_tensor("topk_weights", topk_weights, shape=routes)
         if topk_weights.dtype == torch.bfloat16:
             topk_weights = topk_weights.to(torch.float32)
         if self.backend == "reference":
             self._check_ids(topk_ids)
         else:
-            # What mm.moe refuses first, checked before the base is prepared (a BF16
-            # copy, or an MXFP4 quantization of every expert, is no work for a refusal).
-            check_tensor("x", x, dtypes=(torch.bfloat16,))
-            check_tensor("topk_ids", topk_ids, dtypes=(torch.int32, torch.int64))
+            # What mm.moe refuses, checked before the base is prepared (a BF16 copy, or
+            # an MXFP4 quantization of every expert, is no work for a refusal).
+            check_tensor("x", x, dtypes=(torch.bfloat16,), contiguous=True)
+            check_tensor("topk_ids", topk_ids, dtypes=(torch.int32, torch.int64), contiguous=True)
+            if topk_weights.dtype != torch.float32:
+                raise TypeError(
+                    f"topk_weights: expected dtype float32 or bfloat16 for the fused backend, "
+                    f"got {topk_weights.dtype} (backend='reference' takes float64)"
+                )
+            check_tensor("topk_weights", topk_weights, contiguous=True)
             named = [("base", self.w13), ("x", x), ("topk_ids", topk_ids)]
             check_devices([*named, ("topk_weights", topk_weights)], "base")
+            if has_data(self.w13) and not self.w13.is_cuda:
+                raise ValueError(
+                    f"base: expected CUDA weights for the fused backend, got {self.w13.device} "
+                    "(MegaMoE(..., backend='reference') runs on any device)"
+                )
         base = self.base_weights()
         side = self.side_lora()
         kwargs = {"activation": self.activation, "activation_clamp": self.activation_clamp}

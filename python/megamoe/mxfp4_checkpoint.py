@@ -66,6 +66,7 @@ def _as_bytes(t: object) -> object:
 
 def _merge_blocks(name: str, codes: torch.Tensor) -> torch.Tensor:
     """``[E, N, K/32, 16]`` (gpt-oss blocks) -> ``[E, N, K/2]``; 3-D passes through."""
+    check_tensor(name, codes)  # a TypeError naming it for a list or None
     if codes.dim() == 4:
         if codes.shape[-1] != _BYTES_PER_BLOCK:
             raise ValueError(
@@ -205,5 +206,7 @@ def base_weights_from_gpt_oss(
     missing = [n for n in names if n not in state_dict]
     if missing:
         raise ValueError(f"state_dict: missing {missing} (gpt-oss MXFP4 experts)")
+    for name in names:
+        check_tensor(f"state_dict[{name!r}]", state_dict[name])
     tensors = [state_dict[n] if device is None else state_dict[n].to(device) for n in names]
     return _base_weights(*tensors, "interleaved", (names[1], names[3]))

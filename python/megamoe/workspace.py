@@ -16,9 +16,11 @@ from dataclasses import dataclass
 import torch
 
 from .heuristics import get_block_m
+from .side_lora import SIDE_RANK_MAX, SIDE_RANK_MULTIPLE
 from .validation.arguments import check_int
+from .validation.layer import check_kernel_dims
 from .wrappers.registry import registry
-from .wrappers.routing import pool_capacity, route_plan_num_tiles
+from .wrappers.routing import check_local_experts, pool_capacity, route_plan_num_tiles
 
 #: Each region's bytes are rounded up to this (the caching allocator's block granule;
 #: it also covers TMA's 16-byte and wgmma's 128-byte alignment).
@@ -84,6 +86,14 @@ def workspace_layout(
     check_int("top_k", top_k, minimum=1)
     check_int("side_rank", side_rank, minimum=0)
     check_int("ep_size", ep_size, minimum=1)
+    # Only what the layer runs: a size for a configuration it refuses plans nothing.
+    check_kernel_dims("hidden", hidden, "intermediate", intermediate)
+    check_local_experts("num_local_experts", num_local_experts)
+    if side_rank and (side_rank % SIDE_RANK_MULTIPLE or side_rank > SIDE_RANK_MAX):
+        raise ValueError(
+            f"side_rank: expected 0 (no adapters) or a multiple of {SIDE_RANK_MULTIPLE} up to "
+            f"{SIDE_RANK_MAX}, got {side_rank}"
+        )
     if block_m is None:
         block_m = get_block_m(num_tokens, top_k, num_local_experts * ep_size, ep_size)
     check_int("block_m", block_m, minimum=1)

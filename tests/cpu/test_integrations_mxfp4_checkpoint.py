@@ -150,6 +150,12 @@ def test_bad_checkpoints_are_rejected():
     scales2 = torch.zeros(E, H, I // 32, dtype=torch.uint8)
     with pytest.raises(TypeError, match="w13_codes: expected dtype uint8"):
         base_weights_from_mxfp4(codes13.float(), scales13, codes2, scales2)
+    # Not a tensor: a TypeError naming it (an AttributeError on .dim() before).
+    for bad in ([1], None):
+        with pytest.raises(TypeError, match=r"^w13_codes: expected a torch.Tensor"):
+            base_weights_from_mxfp4(bad, scales13, codes2, scales2)
+        with pytest.raises(TypeError, match=r"^w2_codes: expected a torch.Tensor"):
+            base_weights_from_mxfp4(codes13, scales13, bad, scales2)
     with pytest.raises(ValueError, match="w13_scales: expected shape"):
         base_weights_from_mxfp4(codes13, scales13[:, :, :2], codes2, scales2)
     with pytest.raises(ValueError, match="w2_codes: expected shape"):

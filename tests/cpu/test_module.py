@@ -491,6 +491,51 @@ def test_an_inference_mode_call_leaves_a_cache_a_training_step_can_use(base_form
     _meta_call(m).sum().backward()  # the cached base is no inference tensor
 
 
+@pytest.mark.parametrize("base_format", ["bf16", "mxfp4"])
+def test_an_inference_mode_call_caches_no_inference_tensor(base_format):
+    """With real tensors (the meta case above caches nothing: no data to key on), a base
+    prepared under inference_mode is cached as a normal tensor, and a training step after
+    it runs on that cache (a review: the guard was untested)."""
+    m = MegaMoE(H, I, E, K, side_rank=R, base_format=base_format, param_dtype=F32,
+                backend="reference")  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, E, (8, K), generator=gen)
+    weights = torch.rand(8, K, generator=gen)
+    with torch.inference_mode():
+        m(torch.randn(8, H, generator=gen), ids, weights)
+    cached = m._base_cache[2]
+    assert not cached.w13.is_inference() and not cached.w2.is_inference()
+    x = torch.randn(8, H, generator=gen, requires_grad=True)
+    m(x, ids, weights).sum().backward()
+    assert m._base_cache[2] is cached and x.grad is not None
+
+
+def test_dtype_and_device_moves_drop_the_cache_and_swap_the_parameters():
+    """``.to()`` drops the prepared base (the old copy's memory is freed at once) and
+    works with torch's parameter swapping, which a cache holding weak references to the
+    old parameters would refuse ("Couldn't swap"); a parent module's move goes through
+    the same path. No test moved a MegaMoE before (a review)."""
+    m = MegaMoE(H, I, E, K, side_rank=R, param_dtype=F32, backend="reference")
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, E, (8, K), generator=gen)
+    weights = torch.rand(8, K, generator=gen)
+    m(torch.randn(8, H, generator=gen), ids, weights)
+    assert m._base_cache is not None
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    try:
+        torch.__future__.set_swap_module_params_on_conversion(True)
+        m.to(torch.bfloat16)
+        assert m._base_cache is None and m.w13.dtype == torch.bfloat16
+        parent = torch.nn.Sequential(m)
+        m(torch.randn(8, H, generator=gen).bfloat16(), ids, weights)
+        parent.float()
+        assert m._base_cache is None and m.w13.dtype == F32
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)
+    out = m(torch.randn(8, H, generator=gen), ids, weights)
+    assert out.dtype == F32 and m._base_cache is not None
+
+
 def test_a_new_base_tensor_at_a_freed_ones_address_is_prepared_again():
     """A loader that refills one host buffer: each new parameter has the old one's
     address and version count, and the layer still runs on the new values."""
@@ -644,7 +689,43 @@ def test_the_fused_backend_checks_x_before_preparing_the_base(monkeypatch):
         layer(x, ids.to("meta"), weights.to("meta"))
     with pytest.raises(ValueError, match=r"^topk_ids: expected device meta \(where base is\)"):
         layer(x.bfloat16(), ids, weights.to("meta"))
+    # Shapes, the router weights' dtype and layouts too (a review: each of these prepared,
+    # and cached, the base first).
+    x, ids, weights = x.bfloat16(), ids.to("meta"), weights.to("meta")
+    bad = [
+        (ValueError, r"^topk_ids: expected shape \[8, 2\]", (x, ids[:7], weights)),
+        (ValueError, r"^topk_weights: expected shape \[8, 2\]", (x, ids, weights[:7])),
+        (
+            TypeError,
+            r"^topk_weights: expected dtype float32 or bfloat16 for the fused backend",
+            (x, ids, weights.double()),
+        ),
+        (ValueError, r"^x: expected a contiguous", (x.t().contiguous().t(), ids, weights)),
+    ]
+    for error, match, args in bad:
+        with pytest.raises(error, match=match):
+            layer(*args)
     assert prepared == []
+
+
+def test_the_fused_backend_refuses_cpu_weights_before_preparing_them(monkeypatch):
+    """A layer built without ``device="cuda"`` quantized (MXFP4) or copied every expert,
+    and cached the result, before mm.moe refused its CPU weights (a review: 7.4 s and 53
+    MB at H=1024, I=512, E=64); it now refuses first and names the reference backend."""
+    import megamoe as mm
+    import megamoe.module as module
+    from megamoe.testing.inputs import make_routing
+
+    layer = mm.MegaMoE(64, 64, 4, 2, base_format="mxfp4")
+    prepared = []
+    real = module.prepare_base_weights
+    monkeypatch.setattr(
+        module, "prepare_base_weights", lambda *a, **k: prepared.append(1) or real(*a, **k)
+    )
+    ids, weights = make_routing(8, 4, 2, seed=0)
+    with pytest.raises(ValueError, match=r"^base: expected CUDA weights .*backend='reference'"):
+        layer(torch.randn(8, 64).bfloat16(), ids, weights)
+    assert prepared == [] and layer._base_cache is None
 
 
 def test_no_cache_is_keyed_on_fake_parameters():

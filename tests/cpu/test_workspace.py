@@ -75,3 +75,21 @@ def test_bad_dims_name_the_argument(argument):
     kwargs[argument] = 0
     with pytest.raises(ValueError, match=argument):
         mm.workspace_layout(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (dict(hidden=48), r"^hidden: expected a multiple of 64"),
+        (dict(intermediate=96), r"^intermediate: expected a multiple of 64"),
+        (dict(side_rank=8), r"^side_rank: expected 0 \(no adapters\) or a multiple of 16"),
+        (dict(side_rank=1000), r"^side_rank: expected 0 \(no adapters\) or a multiple of 16"),
+        (dict(num_local_experts=1025), r"^num_local_experts: expected at most 1024"),
+    ],
+)
+def test_dims_the_layer_refuses_get_no_layout(change, match):
+    """A size for a configuration MegaMoE and SideLoRA refuse planned nothing (a review:
+    H = 48, r = 8 and r = 1000 got layouts)."""
+    kwargs = dict(num_tokens=10, hidden=64, intermediate=64, num_local_experts=4, top_k=2)
+    with pytest.raises(ValueError, match=match):
+        mm.workspace_layout(**{**kwargs, **change})
