@@ -330,7 +330,8 @@ def plan_routes(
     id_limit: int | None = None,
 ) -> RoutePlan:
     """Plan ``topk_ids`` ``[T, K]`` (int32/int64, -1 = masked) for local experts
-    ``expert_begin .. expert_begin + num_local_experts - 1``.
+    ``expert_begin .. expert_begin + num_local_experts - 1`` (at most the registry's
+    ``route_plan_max_local_experts``, 1024).
 
     On CUDA this runs the route-plan kernels on the current stream, with no host
     synchronisation; on CPU it runs :func:`plan_routes_reference`.
