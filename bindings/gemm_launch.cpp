@@ -107,7 +107,9 @@ int64_t check_gated_side(const std::optional<Tensor>& side_gate,
     check_tensor("side_up", *side_up, bfloat16_dtype(), {experts, rank, inter}, device);
     if (rank < 8 || rank % 8 != 0)
       throw nb::value_error(("side_gate: rank must be a multiple of 8, got " + str(rank)).c_str());
-    if (!std::isfinite(side_scale)) throw nb::value_error("side_scale: expected a finite value");
+    // The kernels take it as float32: finite as a double is not enough (1e39).
+    if (!std::isfinite(static_cast<float>(side_scale)))
+      throw nb::value_error("side_scale: expected a value finite in float32");
   }
   if (k_base + 2 * rank > static_cast<int64_t>(a.shape(1)))
     throw nb::value_error(("a: expected at least k_base + 2r = " + str(k_base + 2 * rank) +
