@@ -298,7 +298,9 @@ def wheel(session: nox.Session) -> None:
     reports (auditwheel, reproducibility, timings) in dist/reports/.
     """
     _install_locked(session, "build")  # scikit-build-core .. auditwheel, wheel, cuobjdump
-    args = session.posargs or ["--arch", "x86_64", "--repro", "--audit"]
+    # The machine's own arch by default: an aarch64 host (the arm64 build image) builds
+    # aarch64 natively; x86_64 also cross-builds aarch64 with --arch all.
+    args = session.posargs or ["--arch", os.uname().machine, "--repro", "--audit"]
     session.run("python", str(ROOT / "ci" / "build_wheels.py"), "--pin", "host", *args)
 
 

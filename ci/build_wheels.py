@@ -118,7 +118,10 @@ def expected_commit() -> str:
 def check_build_info(wheel: Path, commit: str) -> dict:
     """The commit the wheel embeds (``megamoe/_build_info.py``, written by CMake), which
     the bench JSON and bug reports quote: it must be ``commit`` (an empty one is what a
-    build without .git or MEGAMOE_COMMIT gives)."""
+    build without .git or MEGAMOE_COMMIT gives); a ``commit`` given as ``<sha>-dirty``
+    must be embedded as ``<sha>`` with ``DIRTY = True``."""
+    dirty_given = commit.endswith("-dirty")
+    commit = commit.removesuffix("-dirty")
     with zipfile.ZipFile(wheel) as archive:
         text = archive.read("megamoe/_build_info.py").decode()
     found = {}
@@ -129,6 +132,8 @@ def check_build_info(wheel: Path, commit: str) -> dict:
             found["dirty"] = m.group(1) == "True"
     if found.get("commit") != commit:
         raise SystemExit(f"{wheel.name}: embeds commit {found.get('commit')!r}, expected {commit}")
+    if dirty_given and not found.get("dirty"):
+        raise SystemExit(f"{wheel.name}: built from {commit}-dirty but embeds DIRTY = False")
     if found.get("dirty"):
         log(f"warning: {wheel.name} was built from a tree with uncommitted changes")
     return found
@@ -183,9 +188,25 @@ def arm_root(cache: Path, install: bool) -> Path:
     return root
 
 
-def cross_cuda(cache: Path, pin: pinlib.Pin) -> Path:
-    """x86_64 nvcc + aarch64 CUDA runtime (from the hash-locked PyPI wheel)."""
-    tree = cache / f"cuda-{pin.cuda_runtime}-aarch64"
+def nvcc_version(pin: pinlib.Pin) -> str:
+    """The full version (``13.0.88``) of the nvcc that compiles the kernels, which must be
+    the pin's CUDA X.Y: another toolkit makes other SASS, so its wheel is not the pin's."""
+    nvcc = os.environ.get("CUDACXX") or shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+    try:
+        out = subprocess.run([nvcc, "--version"], check=True, capture_output=True, text=True)
+    except (OSError, subprocess.CalledProcessError) as error:
+        raise SystemExit(f"nvcc ({nvcc}) did not report its version: {error}") from None
+    found = re.search(r"release (\d+\.\d+), V(\S+)", out.stdout)
+    if found is None or found.group(1) != pin.cuda:
+        have = found.group(1) if found else "unknown"
+        raise SystemExit(f"pin {pin.name} compiles with CUDA {pin.cuda}; {nvcc} is {have}")
+    return found.group(2)
+
+
+def cross_cuda(cache: Path, pin: pinlib.Pin, nvcc: str) -> Path:
+    """x86_64 nvcc + aarch64 CUDA runtime (from the hash-locked PyPI wheel). Keyed by the
+    nvcc version too: the tree copies that toolkit's headers."""
+    tree = cache / f"cuda-{pin.cuda_runtime}-nvcc{nvcc}-aarch64"
     stamp = tree / ".megamoe-complete"
     if stamp.exists():
         return tree
@@ -382,7 +403,7 @@ def build_arch(arch: str, pin: pinlib.Pin, args, reports: Path) -> dict:
         with step("aarch64 root (debootstrap)"):
             root = arm_root(cache, args.setup)
         with step("aarch64 CUDA runtime (pip download)"):
-            cuda = cross_cuda(cache, pin)
+            cuda = cross_cuda(cache, pin, nvcc_version(pin))
             include = python_headers(cache, root, pin)
         cross = {"root": root, "cuda": cuda, "include": include}
     elif arch != host:
@@ -507,6 +528,7 @@ def main() -> int:
     have = f"{sys.version_info.major}.{sys.version_info.minor}"
     if have != pin.python:
         raise SystemExit(f"pin {pin.name} needs Python {pin.python}; this is {have}")
+    log(f"nvcc {nvcc_version(pin)} (pin CUDA {pin.cuda})")
     arches = list(pin.arches) if args.arch == "all" else args.arch.split(",")
     if not set(arches) <= set(pin.arches):
         raise SystemExit(f"pin {pin.name} builds {pin.arches}, not {arches}")

@@ -90,6 +90,12 @@ def load(path: Path = PINS) -> list[Pin]:
     return [Pin(**{**p, "arches": tuple(p["arches"])}) for p in raw["pin"]]
 
 
+def ci_host() -> Pin:
+    """The pin CI's own machine runs (``.ci/run``, its locks): the ``host = true`` pin,
+    whatever $MEGAMOE_PIN says (an image sets it to the image's pin)."""
+    return next(p for p in load() if p.host)
+
+
 def get(name: str) -> Pin:
     """A pin by name; ``host`` is $MEGAMOE_PIN (set in the images) or the host = true pin."""
     pins = load()

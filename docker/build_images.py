@@ -274,6 +274,19 @@ def source_commit() -> str:
     return head.stdout.strip() + ("" if clean == 0 else "-dirty")
 
 
+def source_date_epoch() -> str:
+    """HEAD's commit time (what ``ci/build_wheels.py`` takes from git where it has it);
+    SOURCE_DATE_EPOCH wins when set."""
+    if value := os.environ.get("SOURCE_DATE_EPOCH"):
+        return value
+    out = subprocess.run(
+        ["git", "-C", str(ROOT), "log", "-1", "--format=%ct"], capture_output=True, text=True
+    )
+    if out.returncode != 0 or not out.stdout.strip():
+        raise SystemExit("no SOURCE_DATE_EPOCH and no git history: the wheel needs a timestamp")
+    return out.stdout.strip()
+
+
 def image_size(engine: str, image: str) -> int:
     out = run(
         [engine, "image", "inspect", "--format", "{{.Size}}", image],
@@ -362,9 +375,12 @@ def build() -> int:
                     args.engine,
                     "run",
                     "--rm",
-                    # The copy has no .git: CMake embeds the commit from here instead.
+                    # The copy has no .git: CMake embeds the commit from here instead,
+                    # and the wheels' timestamps come from the commit's time.
                     "-e",
                     f"MEGAMOE_COMMIT={source_commit()}",
+                    "-e",
+                    f"SOURCE_DATE_EPOCH={source_date_epoch()}",
                     "-v",
                     f"{src}:/src",
                     build_tag,

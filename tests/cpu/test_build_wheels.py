@@ -47,3 +47,31 @@ def test_without_git_or_the_variables_the_build_stops(monkeypatch):
     monkeypatch.setenv("MEGAMOE_COMMIT", "abc")
     assert build_wheels.source_date_epoch() == "1764900000"
     assert build_wheels.expected_commit() == "abc"
+
+
+def test_a_dirty_commit_is_embedded_as_the_commit_and_the_flag(tmp_path):
+    """``nox -s images`` passes a changed tree's commit as ``<sha>-dirty``: CMake now
+    embeds ``<sha>`` with ``DIRTY = True`` (it embedded the string as given, which this
+    check could not read, so every such build stopped), and the check holds the wheel to
+    both (a review)."""
+    head = "0123456789abcdef0123456789abcdef01234567"
+    found = build_wheels.check_build_info(_wheel(tmp_path, head, dirty=True), f"{head}-dirty")
+    assert found == {"commit": head, "dirty": True}
+    with pytest.raises(SystemExit, match="-dirty but embeds DIRTY = False"):
+        build_wheels.check_build_info(_wheel(tmp_path, head), f"{head}-dirty")
+    cmake = (ROOT / "CMakeLists.txt").read_text()
+    assert 'if(MEGAMOE_COMMIT MATCHES "^([0-9a-f]+)-dirty$")' in cmake
+
+
+def test_the_wheel_is_compiled_by_the_pins_cuda(monkeypatch, tmp_path):
+    """Another toolkit than the pin's CUDA X.Y compiles other SASS: the build stops."""
+    import pins
+
+    fake = tmp_path / "nvcc"
+    fake.write_text("#!/bin/sh\necho 'Cuda compilation tools, release 12.8, V12.8.93'\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("CUDACXX", str(fake))
+    with pytest.raises(SystemExit, match=r"compiles with CUDA 13\.0; .* is 12\.8"):
+        build_wheels.nvcc_version(pins.ci_host())
+    fake.write_text("#!/bin/sh\necho 'Cuda compilation tools, release 13.0, V13.0.88'\n")
+    assert build_wheels.nvcc_version(pins.ci_host()) == "13.0.88"

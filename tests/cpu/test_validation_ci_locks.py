@@ -77,7 +77,7 @@ def test_locks_are_complete_and_agree(pin: pinlib.Pin) -> None:
 
 
 def test_the_host_pin_locks_every_tool_ci_installs() -> None:
-    host = pinlib.get("host")
+    host = pinlib.ci_host()
     locks = {kind: read_lock(path) for kind, path in lock_names(host).items()}
     assert set(locks) == {"build", "test", "test-cuda", "nox", "lint"}
     build, test, lint = locks["build"], locks["test"], locks["lint"]
@@ -129,7 +129,7 @@ def test_the_nox_sessions_install_only_locked_lists() -> None:
         elif name == "_install_locked":
             kinds |= set(literals)
     kinds |= {"test", "test-cuda"}  # _install_megamoe's torch="cpu" / "cuda"
-    host = pinlib.get("host")
+    host = pinlib.ci_host()
     for kind in kinds:
         assert (LOCKS / f"{host.name}-{kind}.txt").exists(), kind
 
@@ -151,7 +151,7 @@ def test_the_cpu_torch_wheel_has_a_named_source(monkeypatch: pytest.MonkeyPatch)
     # take it first, alone, naming PyTorch's CPU index, whatever pip's configuration holds.
     import lock as locklib
 
-    host = pinlib.get("host").name
+    host = pinlib.ci_host().name
     cpu, cuda, build = (LOCKS / f"{host}-{kind}.txt" for kind in ("test", "test-cuda", "build"))
     entry = locklib.cpu_torch_requirement(cpu)
     assert entry is not None and entry.startswith(f"torch=={read_lock(cpu)['torch']} \\\n")
@@ -180,3 +180,12 @@ def test_ci_runs_the_readme_test_command() -> None:
     assert len(commands) >= 3, block
     for command in commands:
         assert command in ci, command
+
+
+def test_the_ci_host_pin_is_not_the_images_pin(monkeypatch) -> None:
+    """The test image sets $MEGAMOE_PIN to its own pin; the lock tests above are about
+    the pin CI's machine runs, and looked for that image pin's locks instead (a review:
+    the py312 image's suite failed, so no release could publish)."""
+    monkeypatch.setenv("MEGAMOE_PIN", "cu130-py312-torch2.11")
+    assert pinlib.get("host").name == "cu130-py312-torch2.11"
+    assert pinlib.ci_host().host and pinlib.ci_host().name != "cu130-py312-torch2.11"
