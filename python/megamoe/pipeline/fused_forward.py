@@ -43,7 +43,7 @@ def stage(name: str) -> contextlib.AbstractContextManager:
 class ForwardState:
     """What the fused backward needs beyond the call's inputs (DESIGN §3 memory policy).
 
-    - ``plan``: the route plan (int32 index maps, ~12 bytes per route).
+    - ``plan``: the route plan (int32 index maps, ~8 bytes per route with the padding).
     - ``preact``: ``[pool_capacity, 2I]`` BF16 GEMM1 pre-activations ``g | u``, or None
       under activation checkpointing.
     - ``q13``: ``[T, 2r]`` BF16 ``[x a1 | x a3]`` (None without an active adapter).
