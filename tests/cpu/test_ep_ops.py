@@ -366,7 +366,9 @@ def test_a_backward_state_that_is_not_this_forwards_is_named():
     for message, change in bad.items():
         with pytest.raises(ValueError if "dtype" not in message else TypeError, match=message):
             torch.ops.megamoe.moe_ep_backward(**{**args, **change})
-        assert torch.equal(args["preact"], preact), message  # refused before any write
+        # Refused before any write (bit for bit: the pool's unused rows are never
+        # written, and their bytes may read as NaN).
+        assert torch.equal(args["preact"].view(torch.int16), preact.view(torch.int16)), message
 
 
 def _outcome(call) -> str:
