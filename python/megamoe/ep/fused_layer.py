@@ -122,8 +122,8 @@ def ep_forward_stages(
     else:  # no rank holds a token: nothing to compute, the exchanges still run
         pool_output = x.new_empty(0, width)
     # Received q13 (small) for db1/db3; the received x only in ordinary mode (dw13).
-    # Copied from the received rows only (the buffer's tail is never written), and now:
-    # the receive buffer is then freed before the return exchange and the combine, the
+    # Copied here, from the received rows only (the buffer's tail is never written), so
+    # that the receive buffer is freed before the return exchange and the combine, the
     # forward's largest moment.
     recv_x = recv_q13 = None
     if keep_preact:
