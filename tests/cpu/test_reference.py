@@ -423,19 +423,28 @@ def test_round_bf16_forward_rounds_where_its_docstring_says(clamp):
     assert torch.equal(got, want)
 
 
+def _rnd(t):
+    """``t`` rounded to BF16 values, kept in float64 (the rounding model's rounding)."""
+    return t.to(torch.bfloat16).to(F64)
+
+
+def _bf16_problem(seed: int) -> dict:
+    """A side-LoRA problem with BF16-valued inputs (as the GPU tests feed both sides) and
+    s = 0.3, not a power of two, so that where s sits against a rounding shows."""
+    prob = make_problem(tokens=17, top_k=3, seed=seed, scale=0.3)
+    for key in ("x", "weights", "w13", "w2", "dout"):
+        prob[key] = _rnd(prob[key])
+    prob["side"] = SideLoRA(*(_rnd(t) for t in prob["side"].tensors()), scale=0.3)
+    return prob
+
+
 def test_round_bf16_backward_rounds_s_dout_b2_with_the_scale_inside():
     """The kernels' dgrad2 operand holds bf16(s dout b2^T) next to dout; the rounding
     model rounded dout b2^T and scaled after, which differs where s is not a power of
     two (a review; no test saw it). da2_e = bf16(h_e^T (w bf16(s dout_e b2^T))),
     rebuilt from the forward's rounded h, bit for bit."""
-    prob = make_problem(tokens=17, top_k=3, seed=22, scale=0.3)
-
-    def rnd(t):
-        return t.to(torch.bfloat16).to(F64)
-
-    for key in ("x", "weights", "w13", "w2", "dout"):
-        prob[key] = rnd(prob[key])
-    prob["side"] = SideLoRA(*(rnd(t) for t in prob["side"].tensors()), scale=0.3)
+    prob = _bf16_problem(seed=22)
+    rnd = _rnd
     _, grads = run_reference(prob, round_bf16=True)
     x, ids, weights, dout = prob["x"], prob["ids"], prob["weights"], prob["dout"]
     a1, b1, a3, b3, a2, b2 = prob["side"].tensors()
@@ -523,16 +532,9 @@ def test_round_bf16_backward_rounds_where_its_docstring_says(activation, clamp):
     """Every gradient of the rounding model's backward, rebuilt route by route from
     reference.py's list, bit for bit: dropping any one of its roundings fails this (only
     s dout b2^T had a test of its own). s = 0.3 is not a power of two."""
-    prob = make_problem(tokens=17, top_k=3, seed=23, scale=0.3)
-
-    def rnd(t):
-        return t.to(torch.bfloat16).to(F64)
-
-    for key in ("x", "weights", "w13", "w2", "dout"):
-        prob[key] = rnd(prob[key])
-    prob["side"] = SideLoRA(*(rnd(t) for t in prob["side"].tensors()), scale=0.3)
+    prob = _bf16_problem(seed=23)
     _, grads = run_reference(prob, activation=activation, clamp=clamp, round_bf16=True)
-    want = naive_backward(prob, activation=activation, clamp=clamp, rnd=rnd)
+    want = naive_backward(prob, activation=activation, clamp=clamp, rnd=_rnd)
     for key in GRAD_KEYS:
         assert torch.equal(grads[key], want[key]), key
 
