@@ -133,3 +133,20 @@ def test_pools_past_int32_rows_are_refused(plan):
     too_many = torch.empty(fits + 1, 1, dtype=torch.int32, device="meta")
     with pytest.raises(ValueError, match=r"^topk_ids: .* pool rows are int32 indices"):
         plan(too_many, experts, block_m)
+
+
+def test_a_plan_refuses_a_top_k_the_pool_kernels_cannot_step_through():
+    """The pool kernels walk a token's routes with an int counter stepping by 8: at K
+    within 7 of 2^31 it wraps (a hang, reads past the maps; a review of the device
+    code). Meta maps: nothing is allocated."""
+    from megamoe.wrappers.routing import MAX_TOP_K, RoutePlan
+
+    def plan(top_k: int) -> RoutePlan:
+        def i32(*shape):
+            return torch.empty(*shape, dtype=torch.int32, device="meta")
+
+        return RoutePlan(i32(2), i32(3), i32(1, top_k), i32(128), 64)
+
+    assert plan(MAX_TOP_K).route_to_pool_row.shape[1] == 2**31 - 8
+    with pytest.raises(ValueError, match=r"^plan.route_to_pool_row: expected at most 2147483640"):
+        plan(MAX_TOP_K + 1)

@@ -28,6 +28,10 @@ from .registry import registry
 _INT32_MAX = 2**31 - 1
 
 
+#: Routes per token the pool kernels take (``int`` loop counters stepping by 8).
+MAX_TOP_K = 2**31 - 8
+
+
 @dataclass(frozen=True)
 class RoutePlan:
     """Index maps of one routing (all int32, on the routing's device).
@@ -73,6 +77,13 @@ class RoutePlan:
             raise ValueError(
                 "plan.expert_pool_offsets: expected [E_l + 1] entries with E_l >= 1, got shape "
                 f"{list(self.expert_pool_offsets.shape)}"
+            )
+        if self.route_to_pool_row.shape[1] > MAX_TOP_K:
+            # The pool kernels step through a token's routes 8 at a time in int32: past
+            # this their counter would wrap (a hang and reads past the route maps).
+            raise ValueError(
+                f"plan.route_to_pool_row: expected at most {MAX_TOP_K} routes per token (K), "
+                f"got {self.route_to_pool_row.shape[1]}"
             )
 
     @property
