@@ -291,3 +291,16 @@ def test_scaled_bf16_is_the_two_step_rounding(strided):
         assert got.dtype == torch.bfloat16 and got.is_contiguous()
         expected = (scale * product).to(torch.bfloat16)
         assert torch.equal(got.view(torch.int16), expected.view(torch.int16))
+
+
+def test_the_streaming_dgrad2_leaves_a2_past_int32_rows_to_the_engine():
+    """The streaming dgrad2 forms ``a2``'s TMA row (``expert * I + column``) in int32: past
+    ``E * I = 2^31`` it read zeros for the high experts (a review of the device code), so
+    such shapes run the engine; without an adapter nothing changes."""
+    from megamoe.wrappers.activation_backward import streaming_a2_fits
+
+    a2 = torch.empty(0)
+    assert streaming_a2_fits(1024, 2**21 - 64, a2)
+    assert not streaming_a2_fits(1024, 2**21, a2)  # E * I = 2^31: past int32 (conservative)
+    assert not streaming_a2_fits(8193, 262144, a2)
+    assert streaming_a2_fits(8193, 262144, None)

@@ -258,6 +258,14 @@ def fused_dgrad2_activation_backward_unchecked(
     )  # fmt: skip
 
 
+def streaming_a2_fits(experts: int, intermediate: int, side_a2: torch.Tensor | None) -> bool:
+    """Whether the streaming dgrad2 may take an adapter's ``a2``: it forms the TMA row of
+    ``a2`` viewed as ``[E * I, r]`` in int32, which past ``E * I = 2^31`` goes negative and
+    reads zeros (the adapter term lost for the high experts). Larger shapes run the
+    engine, whose ``a2`` map keeps the expert as its own dimension (the same bits)."""
+    return side_a2 is None or experts * intermediate <= 2**31 - 1
+
+
 def _launch(
     dout_pool: torch.Tensor,
     w2: torch.Tensor,
@@ -301,9 +309,13 @@ def _launch(
     # An MXFP4 w2 decoded in the pipeline streams (the weights as stored, decoded
     # transposed into the wgmma's A registers) wherever the kernel takes the shape.
     chunk = None
-    if decode_scales is not None and all(
-        t.data_ptr() % 8 == 0
-        for t in (preact, dgrad_preact, *(() if weighted is None else (weighted,)))
+    if (
+        decode_scales is not None
+        and streaming_a2_fits(experts, intermediate, side_a2)
+        and all(
+            t.data_ptr() % 8 == 0
+            for t in (preact, dgrad_preact, *(() if weighted is None else (weighted,)))
+        )
     ):
         chunk = _stream_chunk("ActivationBackward", intermediate, decode_scales, plan, experts)
     # The epilogue's operands, in the order both launchers take them.
