@@ -14,7 +14,6 @@ inductor's copy of the pre-activations the backward writes over
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 
 import torch
@@ -37,6 +36,7 @@ def main() -> int:
 
     import megamoe as mm
     from megamoe.bench.shapes import SHAPES
+    from megamoe.bench.timing import time_fn
 
     shape = SHAPES["ep4rank"].with_tokens(args.tokens)
     layer = shape.make_layer(ordinary=False, device="cuda", requires_grad=True, format=args.format)
@@ -52,18 +52,8 @@ def main() -> int:
         torch.autograd.grad(call(layer.x, layer.topk_weights), leaves, dout)
 
     def median_ms(call) -> float:
-        for _ in range(3):
-            step(call)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        times = []
-        for _ in range(args.iters):
-            torch.cuda.synchronize()
-            start.record()
-            step(call)
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        return statistics.median(times)
+        device = layer.x.device
+        return time_fn(lambda: step(call), device=device, warmup=3, iters=args.iters).median_ms
 
     print(f"T={args.tokens} {args.format} side-LoRA, F+B medians of {args.iters} steps (ms)")
     for round_ in range(args.rounds):

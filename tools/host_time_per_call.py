@@ -175,6 +175,22 @@ def main() -> int:
     return 0
 
 
+def host_and_wall_ms(fn, calls: int, warmup: int) -> tuple[float, float]:
+    """Medians over ``calls`` calls of ``fn`` that each start on an idle GPU: the host
+    time to return, and the wall time until its kernels are done (ms)."""
+    for _ in range(warmup):
+        fn()
+    host, wall = [], []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        host.append(time.perf_counter() - start)
+        torch.cuda.synchronize()
+        wall.append(time.perf_counter() - start)
+    return statistics.median(host) * 1e3, statistics.median(wall) * 1e3
+
+
 def plain_times(passes, args) -> int:
     """Uninstrumented host and wall times per call of each ``(label, call)`` of
     ``passes`` (see the module docstring)."""
@@ -182,26 +198,14 @@ def plain_times(passes, args) -> int:
     print(f"{route} route, T={args.tokens} {args.format}, medians of {args.calls} calls (ms)")
     print(f"{'pass':8} {'host, idle GPU':>15} {'synced wall':>12} {'host, back to back':>19}")
     for label, fn in passes:
-        for _ in range(10):
-            fn()
-        host, wall = [], []
-        for _ in range(args.calls):
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            fn()
-            host.append(time.perf_counter() - start)
-            torch.cuda.synchronize()
-            wall.append(time.perf_counter() - start)
+        host, wall = host_and_wall_ms(fn, args.calls, warmup=10)
         torch.cuda.synchronize()
         start = time.perf_counter()
         for _ in range(args.calls):
             fn()
         queued = (time.perf_counter() - start) / args.calls
         torch.cuda.synchronize()
-        print(
-            f"{label:8} {statistics.median(host) * 1e3:15.3f} "
-            f"{statistics.median(wall) * 1e3:12.3f} {queued * 1e3:19.3f}"
-        )
+        print(f"{label:8} {host:15.3f} {wall:12.3f} {queued * 1e3:19.3f}")
     return 0
 
 
@@ -240,34 +244,20 @@ def stack_times(layer, args) -> int:
             return grad
 
     probe = torch.randn(8, device="cuda", requires_grad=True)
-    engine = []
-    for call in range(20 + 10 * args.calls):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        torch.autograd.grad(Identity.apply(probe).sum(), [probe])
-        if call >= 20:
-            engine.append(time.perf_counter() - start)
+    engine, _ = host_and_wall_ms(
+        lambda: torch.autograd.grad(Identity.apply(probe).sum(), [probe]),
+        10 * args.calls,
+        warmup=20,
+    )
     print(
         "a trivial autograd.Function's F+B on CUDA (the fixed cost of one grad call): "
-        f"{statistics.median(engine) * 1e3:.3f} ms of host time"
+        f"{engine:.3f} ms of host time"
     )
     print(f"eager F+B stacks, T={args.tokens} {args.format}, medians of {args.calls} steps (ms)")
     print(f"{'layers':>6} {'host/layer':>11} {'wall/layer':>11}")
     for depth in sorted({1, args.stack}):
-        for _ in range(5):
-            step(depth)
-        host, wall = [], []
-        for _ in range(args.calls):
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            step(depth)
-            host.append(time.perf_counter() - start)
-            torch.cuda.synchronize()
-            wall.append(time.perf_counter() - start)
-        print(
-            f"{depth:6d} {statistics.median(host) * 1e3 / depth:11.3f} "
-            f"{statistics.median(wall) * 1e3 / depth:11.3f}"
-        )
+        host, wall = host_and_wall_ms(lambda depth=depth: step(depth), args.calls, warmup=5)
+        print(f"{depth:6d} {host / depth:11.3f} {wall / depth:11.3f}")
     side_stream = torch.cuda.Stream()
     side_stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side_stream):

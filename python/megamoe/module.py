@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from . import ops, reference
-from .side_lora import SIDE_NAMES, SIDE_RANK_MAX, SIDE_RANK_MULTIPLE, SideLoRA
+from .side_lora import SIDE_NAMES, SideLoRA, check_side_rank
 from .validation.arguments import (
     check_finite_float,
     check_int,
@@ -122,11 +122,7 @@ class MegaMoE(nn.Module):
         if side_rank is None:
             side_rank = 0
         side_rank = check_int("side_rank", side_rank, minimum=0)
-        if side_rank and (side_rank % SIDE_RANK_MULTIPLE != 0 or side_rank > SIDE_RANK_MAX):
-            raise ValueError(
-                f"side_rank: expected 0/None (no adapters) or a multiple of "
-                f"{SIDE_RANK_MULTIPLE} in [{SIDE_RANK_MULTIPLE}, {SIDE_RANK_MAX}], got {side_rank}"
-            )
+        check_side_rank("side_rank", side_rank, zero="0/None (no adapters)")
         self.side_rank = side_rank
         self.side_scale = _resolve_scale(side_scale, side_alpha, side_rank)
         check_str_choice("activation", activation, reference.ACTIVATIONS)

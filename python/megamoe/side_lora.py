@@ -15,6 +15,20 @@ from .validation.arguments import check_finite_float, check_tensor
 #: Adapter ranks the kernels support: multiples of 16 (the wgmma K step) up to 256.
 SIDE_RANK_MULTIPLE = 16
 SIDE_RANK_MAX = 256
+
+
+def check_side_rank(name: str, rank: int, *, zero: str | None = None) -> None:
+    """``ValueError`` naming ``name`` unless ``rank`` is a multiple of
+    ``SIDE_RANK_MULTIPLE`` in ``[SIDE_RANK_MULTIPLE, SIDE_RANK_MAX]``, or 0 where ``zero``
+    says what 0 stands for (e.g. ``"0 (no adapters)"``). ``rank`` is an int, checked."""
+    if rank == 0 and zero is not None:
+        return
+    if rank % SIDE_RANK_MULTIPLE or not SIDE_RANK_MULTIPLE <= rank <= SIDE_RANK_MAX:
+        allowed = f"a multiple of {SIDE_RANK_MULTIPLE} in [{SIDE_RANK_MULTIPLE}, {SIDE_RANK_MAX}]"
+        expected = allowed if zero is None else f"{zero} or {allowed}"
+        raise ValueError(f"{name}: expected {expected}, got {rank}")
+
+
 #: The six adapter tensors by name, in the order of :meth:`SideLoRA.tensors`.
 SIDE_NAMES = ("a1", "b1", "a3", "b3", "a2", "b2")
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from .heuristics import get_block_m
-from .side_lora import SIDE_RANK_MAX, SIDE_RANK_MULTIPLE
+from .side_lora import check_side_rank
 from .validation.arguments import check_int
 from .validation.layer import check_kernel_dims
 from .wrappers.registry import registry
@@ -89,11 +89,7 @@ def workspace_layout(
     # Only what the layer runs: a size for a configuration it refuses plans nothing.
     check_kernel_dims("hidden", hidden, "intermediate", intermediate)
     check_local_experts("num_local_experts", num_local_experts)
-    if side_rank and (side_rank % SIDE_RANK_MULTIPLE or side_rank > SIDE_RANK_MAX):
-        raise ValueError(
-            f"side_rank: expected 0 (no adapters) or a multiple of {SIDE_RANK_MULTIPLE} up to "
-            f"{SIDE_RANK_MAX}, got {side_rank}"
-        )
+    check_side_rank("side_rank", side_rank, zero="0 (no adapters)")
     if block_m is None:
         block_m = get_block_m(num_tokens, top_k, num_local_experts * ep_size, ep_size)
     check_int("block_m", block_m, minimum=1)

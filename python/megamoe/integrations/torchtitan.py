@@ -94,7 +94,7 @@ except ImportError as exc:
     ) from exc
 
 from .. import ops, reference
-from ..side_lora import SIDE_NAMES, SIDE_RANK_MAX, SIDE_RANK_MULTIPLE, SideLoRA
+from ..side_lora import SIDE_NAMES, SideLoRA, check_side_rank
 from ..validation.arguments import check_str_choice
 from ..validation.layer import check_kernel_dims
 from ..weights import prepare_base_weights
@@ -334,11 +334,7 @@ class MegaMoEGroupedExperts(GroupedExperts):
         super().__init__(config)
         check_str_choice("backend", config.backend, BACKENDS)
         rank = config.rank
-        if rank and (rank % SIDE_RANK_MULTIPLE or not SIDE_RANK_MULTIPLE <= rank <= SIDE_RANK_MAX):
-            raise ValueError(
-                f"rank: expected 0 (trainable base) or a multiple of {SIDE_RANK_MULTIPLE} in "
-                f"[{SIDE_RANK_MULTIPLE}, {SIDE_RANK_MAX}], got {rank}"
-            )
+        check_side_rank("rank", rank, zero="0 (trainable base)")
         self.rank, self.backend = rank, config.backend
         self.scale = 1.0 if config.alpha is None or not rank else config.alpha / rank
         e, f, d, r = config.num_experts, config.hidden_dim, config.dim, rank

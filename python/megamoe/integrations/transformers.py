@@ -82,7 +82,7 @@ from ..adapter_convert import (
     side_lora_to_megatron,
     side_lora_to_peft_fused,
 )
-from ..side_lora import SIDE_NAMES, SIDE_RANK_MAX, SIDE_RANK_MULTIPLE, SideLoRA
+from ..side_lora import SIDE_NAMES, SIDE_RANK_MULTIPLE, SideLoRA, check_side_rank
 from ..validation.arguments import check_finite_float, check_int
 from ..validation.layer import not_hopper
 from ..weights import prepare_base_weights
@@ -482,11 +482,7 @@ class SideLoRAAdapter(nn.Module):
     ) -> None:
         super().__init__()
         rank = check_int("rank", rank, minimum=SIDE_RANK_MULTIPLE)
-        if rank % SIDE_RANK_MULTIPLE or rank > SIDE_RANK_MAX:
-            raise ValueError(
-                f"rank: expected a multiple of {SIDE_RANK_MULTIPLE} in "
-                f"[{SIDE_RANK_MULTIPLE}, {SIDE_RANK_MAX}], got {rank}"
-            )
+        check_side_rank("rank", rank)
         if dtype not in _ADAPTER_DTYPES:
             raise TypeError(f"dtype: expected torch.bfloat16 or torch.float32, got {dtype}")
         self.hidden, self.intermediate, self.num_experts, self.rank = (

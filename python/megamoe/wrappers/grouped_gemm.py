@@ -60,9 +60,13 @@ def _check_pool_operand(a: torch.Tensor, plan: RoutePlan, name: str = "a") -> No
             f"TMA), got {a.shape[1]}"
         )
     check_tensor(name, a, alignment=16)
-    for map_name in ("expert_counts", "expert_pool_offsets", "route_to_pool_row"):
+    for map_name in (
+        "expert_counts",
+        "expert_pool_offsets",
+        "route_to_pool_row",
+        "pool_row_to_route",
+    ):
         check_tensor(f"plan.{map_name}", getattr(plan, map_name), device=a.device)
-    check_tensor("plan.pool_row_to_route", plan.pool_row_to_route, device=a.device)
     choices = registry().block_m_choices
     if isinstance(plan.block_m, bool) or plan.block_m not in choices:
         raise ValueError(f"plan.block_m: expected one of {list(choices)}, got {plan.block_m!r}")
@@ -419,8 +423,7 @@ def grouped_gemm(
         )  # fmt: skip
     _check_tma_aligned(
         ("b", b), ("b_extra", b_extra), ("out", out),
-        *(() if b_extra_blocks is None else
-          (("b_extra_blocks[0]", b_extra_blocks[0]), ("b_extra_blocks[1]", b_extra_blocks[1]))),
+        *zip(("b_extra_blocks[0]", "b_extra_blocks[1]"), b_extra_blocks or ()),
     )  # fmt: skip
     decode_scales = None
     if mxfp4:
