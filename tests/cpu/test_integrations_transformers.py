@@ -368,6 +368,37 @@ class ClampAfterActivationExperts(nn.Module):
         return self.act_fn(gate).clamp(max=2.0) * up
 
 
+@use_experts_implementation
+class ClampedExperts(nn.Module):
+    """A gate clamped at ``limit`` (DeepSeek-V4's default 10): both halves as megamoe
+    clamps them, or the gate only (a gate megamoe does not compute)."""
+
+    def __init__(self, config, *, clamp_up: bool):
+        super().__init__()
+        self.num_experts = E
+        self.gate_up_proj = nn.Parameter(torch.zeros(E, 2 * I, H))
+        self.down_proj = nn.Parameter(torch.zeros(E, H, I))
+        self.act_fn = ACT2FN[config.hidden_act]
+        self.limit = 10.0
+        self.clamp_up = clamp_up
+
+    def _apply_gate(self, gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        if self.clamp_up:
+            up = up.clamp(-self.limit, self.limit)
+        return self.act_fn(gate.clamp(max=self.limit)) * up
+
+
+def test_the_gate_probe_spans_past_the_clamp_in_both_halves():
+    # The probe once fed `up` values within +-9 only: a limit of 10 on the gate alone
+    # passed it, and megamoe then clamped `up` too (a different result).
+    spec = mhf.experts_spec(ClampedExperts(qwen3_config(), clamp_up=True))
+    assert spec.clamp == 10.0
+    refused = "computes a gate other than megamoe's swiglu with clamp 10"
+    with pytest.raises(ValueError, match=refused):
+        mhf.experts_spec(ClampedExperts(qwen3_config(), clamp_up=False))
+
+
 def test_unsupported_experts_get_a_clear_error():
     gpt_oss = pytest.importorskip("transformers.models.gpt_oss.modeling_gpt_oss")
     module = gpt_oss.GptOssExperts(
@@ -548,6 +579,38 @@ def test_megatron_round_trip_is_exact():
             assert torch.equal(a, b)
 
 
+def test_megatron_layout_refuses_two_stacks_on_one_layer_index():
+    """Two decoder stacks (a thinker and a talker, as Qwen3-Omni-MoE has) map their
+    layer i to one Megatron prefix: exporting or loading refuses instead of letting one
+    stack's adapters overwrite the other's. A Megatron file without the fc1 input key
+    is a ValueError too."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    class Stack(nn.Module):
+        def __init__(self):
+            super().__init__()
+            layer = nn.Module()
+            layer.mlp = nn.Module()
+            layer.mlp.experts = Qwen3MoeExperts(qwen3_config())
+            self.layers = nn.ModuleList([layer])
+
+    model = build("qwen3_moe")
+    mhf.attach_side_lora(model, rank=16, dtype=torch.float32)
+    state, config = mhf.megatron_state_dict(model)
+
+    two = nn.Module()
+    two.thinker, two.talker = Stack(), Stack()
+    with pytest.raises(ValueError, match="both map to Megatron's 'decoder.layers.0.mlp.experts'"):
+        mhf.load_megatron_state_dict(two, state, alpha=config["alpha"])
+    mhf.attach_side_lora(two, rank=16, dtype=torch.float32)
+    with pytest.raises(ValueError, match="both map to Megatron's"):
+        mhf.megatron_state_dict(two)
+
+    partial_state = {k: v for k, v in state.items() if "linear_fc1.adapter.linear_in" not in k}
+    with pytest.raises(ValueError, match="no 'decoder.layers.0.mlp.experts.linear_fc1"):
+        mhf.load_megatron_state_dict(build("qwen3_moe"), partial_state, alpha=config["alpha"])
+
+
 def test_peft_keeps_and_saves_the_adapters_with_modules_to_save(tmp_path):
     """Under a PEFT model (LoRA on attention here) the side-LoRA factors stay trainable
     and land in PEFT's adapter_model.safetensors when named in ``modules_to_save``."""
@@ -655,6 +718,47 @@ def test_save_pretrained_accepts_a_model_with_adapters(tmp_path):
     mhf.attach_side_lora(again, rank=16, scale=1.0)
     again.load_state_dict(state, strict=False)
     assert next(iter(mhf.side_lora_layers(again).values())).scale == 0.5
+
+
+def _fsdp2_worker(rank: int, world: int, directory: str) -> dict:
+    """Adapters under FSDP2 data parallelism: attached before ``fully_shard`` they train
+    and save whole (the sharded factors gathered); attaching after is refused with a
+    message that names ``fully_shard`` (FSDP would not synchronize them)."""
+    from safetensors.torch import load_file
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    model = build("qwen3_moe")
+    model.set_experts_implementation(mhf.REFERENCE)
+    mhf.attach_side_lora(model, rank=16, dtype=torch.float32)
+    randomize_adapters(model)
+    mhf.save_side_lora(model, f"{directory}/whole{rank}")
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model(tokens(seed=rank), labels=tokens(seed=rank)).loss.backward()
+    mhf.save_side_lora(model, f"{directory}/sharded{rank}")
+    whole = load_file(f"{directory}/whole{rank}/{mhf.ADAPTER_WEIGHTS}")
+    sharded = load_file(f"{directory}/sharded{rank}/{mhf.ADAPTER_WEIGHTS}")
+    saved_whole = whole.keys() == sharded.keys() and all(
+        torch.equal(whole[k], sharded[k]) for k in whole
+    )
+    late = build("qwen3_moe")
+    fully_shard(late, mesh=mesh)
+    try:
+        mhf.attach_side_lora(late, rank=16)
+        refused = False
+    except ValueError as exc:
+        refused = "fully_shard" in str(exc)
+    return {"saved_whole": saved_whole, "late_attach_refused": refused}
+
+
+def test_adapters_under_fsdp2_train_and_save_whole(tmp_path):
+    from megamoe.ep import run_gloo
+
+    got = run_gloo(_fsdp2_worker, 2, str(tmp_path))
+    assert got == [{"saved_whole": True, "late_attach_refused": True}] * 2
 
 
 def _split_experts_worker(rank: int, world: int) -> dict:

@@ -235,10 +235,13 @@ def _probe(module: nn.Module, spec: ExpertsSpec) -> None:
     apply_gate = getattr(module, "_apply_gate", None)
     if apply_gate is None:
         return
-    # 2 x 64 pre-activations spanning +-12 (past any clamp a config uses in practice)
-    # in both halves, in different orders so gate and up differ everywhere.
-    gate = torch.linspace(-12.0, 12.0, 128, dtype=torch.float32).view(2, 64)
-    up = torch.linspace(9.0, -9.0, 128, dtype=torch.float32).view(2, 64)
+    # 2 x 64 pre-activations in each half, in different orders so gate and up differ
+    # everywhere, spanning past the clamp on both sides in both halves (gate +-R, up
+    # +-0.75 R with R >= 2 * clamp), so a gate that clamps one half only, or at another
+    # limit, differs from megamoe's on the probe.
+    span = 12.0 if spec.clamp is None else max(12.0, 2.0 * spec.clamp)
+    gate = torch.linspace(-span, span, 128, dtype=torch.float32).view(2, 64)
+    up = torch.linspace(0.75 * span, -0.75 * span, 128, dtype=torch.float32).view(2, 64)
     gate_up = torch.cat([gate, up], dim=-1)
     with torch.no_grad():
         got = apply_gate(gate_up).float()
@@ -277,6 +280,13 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor parameter (expert-parallel HF models), else ``t``."""
     to_local = getattr(t, "to_local", None)
     return to_local() if callable(to_local) else t
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor gathered whole (a collective: every rank calls it), else ``t``: adapters
+    attached before FSDP2's ``fully_shard`` are sharded DTensors between steps."""
+    full_tensor = getattr(t, "full_tensor", None)
+    return full_tensor() if callable(full_tensor) else t
 
 
 def _expert_weights(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
@@ -355,10 +365,12 @@ def check_adapters_allowed(module: nn.Module) -> None:
     if ranks > 1:
         raise ValueError(
             f"side-LoRA: {type(module).__name__}'s expert weights are split over {ranks} "
-            "ranks (HF expert/tensor parallelism); the shared factors a1, a3, b2 would "
-            "get only each rank's part of their gradients. Train adapters on unsplit "
-            "experts (data parallelism: DDP/FSDP), or under torchtitan's parallelize "
-            "(megamoe.integrations.torchtitan)"
+            "ranks (DTensor parameters: HF expert/tensor parallelism, or FSDP2's "
+            "fully_shard). Under HF's expert/tensor parallelism the shared factors a1, a3, "
+            "b2 would get only each rank's part of their gradients: train adapters on "
+            "unsplit experts (data parallelism: DDP, or FSDP2 with the adapters attached "
+            "or loaded before fully_shard, which then shards and synchronizes them too), "
+            "or under torchtitan's parallelize (megamoe.integrations.torchtitan)"
         )
 
 
@@ -715,6 +727,9 @@ def save_side_lora(
         base_model_name_or_path: written into the config (PEFT's field).
         gate_up: ``"auto"``, ``"shared"`` or ``"stacked"`` (see the converter).
 
+    Under FSDP2 (adapters attached before ``fully_shard``) the factors are gathered
+    whole, a collective: call it on every rank; each writes the whole adapter.
+
     Returns:
         The config dict written to ``adapter_config.json``.
     """
@@ -726,7 +741,7 @@ def save_side_lora(
     tensors: dict[str, torch.Tensor] = {}
     configs = []
     for name, side in layers.items():
-        plain = SideLoRA(*(t.detach().cpu() for t in side.tensors()), scale=side.scale)
+        plain = SideLoRA(*(_whole(t.detach()).cpu() for t in side.tensors()), scale=side.scale)
         state, config = side_lora_to_peft_fused(plain, _PEFT_PREFIX + name, gate_up=gate_up)
         tensors.update(state)
         configs.append((config["r"], config["lora_alpha"]))
@@ -946,14 +961,33 @@ def _is_stacked_export(whole: SideLoRA, half: int) -> bool:
 _HF_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.experts$")
 
 
-def _megatron_prefix(hf_name: str) -> str:
+def _megatron_prefix(hf_name: str) -> str | None:
+    """The Megatron prefix of the experts module ``hf_name``, None where its name has no
+    ``layers.<i>.mlp.experts`` form."""
     match = _HF_LAYER.search(hf_name)
-    if match is None:
-        raise ValueError(
-            f"{hf_name}: expected an experts module named '...layers.<i>.mlp.experts' to map "
-            "to Megatron's 'decoder.layers.<i>.mlp.experts'"
-        )
-    return f"decoder.layers.{match.group(1)}.mlp.experts"
+    return None if match is None else f"decoder.layers.{match.group(1)}.mlp.experts"
+
+
+def _megatron_prefixes(names: list[str]) -> dict[str, str]:
+    """Each experts module's Megatron prefix, by name; raises where two modules map to one
+    prefix (models with several decoder stacks, e.g. a thinker and a talker: only the
+    layer index survives the mapping, and one stack's adapters would overwrite the
+    other's)."""
+    prefixes: dict[str, str] = {}
+    owner: dict[str, str] = {}
+    for name in names:
+        prefix = _megatron_prefix(name)
+        if prefix is None:
+            continue
+        if prefix in owner:
+            raise ValueError(
+                f"model: experts modules {owner[prefix]!r} and {name!r} both map to "
+                f"Megatron's {prefix!r} (only the layer index is kept); the Megatron "
+                "layout holds one decoder stack: use save_side_lora / load_side_lora"
+            )
+        owner[prefix] = name
+        prefixes[name] = prefix
+    return prefixes
 
 
 def megatron_state_dict(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
@@ -968,9 +1002,16 @@ def megatron_state_dict(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict
     """
     out: dict[str, torch.Tensor] = {}
     configs = []
-    for name, side in side_lora_layers(_hf_model(model)).items():
-        plain = SideLoRA(*(t.detach() for t in side.tensors()), scale=side.scale)
-        state, config = side_lora_to_megatron(plain, _megatron_prefix(name))
+    layers = side_lora_layers(_hf_model(model))
+    prefixes = _megatron_prefixes(list(layers))
+    for name, side in layers.items():
+        if name not in prefixes:
+            raise ValueError(
+                f"{name}: expected an experts module named '...layers.<i>.mlp.experts' to "
+                "map to Megatron's 'decoder.layers.<i>.mlp.experts'"
+            )
+        plain = SideLoRA(*(_whole(t.detach()) for t in side.tensors()), scale=side.scale)
+        state, config = side_lora_to_megatron(plain, prefixes[name])
         out.update(state)
         configs.append(tuple(sorted(config.items())))
     if not configs:
@@ -1003,13 +1044,18 @@ def load_megatron_state_dict(
         The names of the experts modules that got adapters.
     """
     names = []
-    for name, module in experts_modules(_hf_model(model)):
-        prefix = _megatron_prefix(name)
-        if not any(k.startswith(prefix + ".") for k in state_dict):
+    modules = list(experts_modules(_hf_model(model)))
+    prefixes = _megatron_prefixes([name for name, _ in modules])
+    for name, module in modules:
+        prefix = prefixes.get(name)  # a module of another name no Megatron key names
+        if prefix is None or not any(k.startswith(prefix + ".") for k in state_dict):
             continue
         experts, _, _ = _dims(module)
         options = dict(alpha=alpha, num_experts=experts)
-        dim = state_dict[f"{prefix}.linear_fc1.adapter.linear_in.weight"].shape[-2]
+        fc1_in = f"{prefix}.linear_fc1.adapter.linear_in.weight"
+        if fc1_in not in state_dict:
+            raise ValueError(f"state_dict: has keys under {prefix!r} but no {fc1_in!r}")
+        dim = state_dict[fc1_in].shape[-2]
         read = partial(side_lora_from_megatron, state_dict, prefix, **options)
         side = _read_gate_up(read, split_gate_up, dim)
         _install_adapter(module, side, dtype)
