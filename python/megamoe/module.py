@@ -128,7 +128,9 @@ class MegaMoE(nn.Module):
         check_str_choice("activation", activation, reference.ACTIVATIONS)
         self.activation = activation
         if activation_clamp is not None:
-            activation_clamp = check_finite_float("activation_clamp", activation_clamp)
+            activation_clamp = check_finite_float(
+                "activation_clamp", activation_clamp, float32=True
+            )
             if activation_clamp <= 0:
                 raise ValueError(
                     f"activation_clamp: expected a positive finite float or None, got "

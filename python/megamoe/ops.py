@@ -37,6 +37,15 @@ from .validation.layer import check_call_structure
 from .weights import BaseWeights
 
 
+def _requires_grad(t: torch.Tensor) -> bool:
+    """``t.requires_grad`` of the tensor under any functorch batching (vmap): a batched
+    wrapper reads False, while autograd still records the op on the tensor it wraps, whose
+    backward then needs the saved state."""
+    while torch._C._functorch.is_batchedtensor(t):
+        t = torch._C._functorch.get_unwrapped(t)
+    return t.requires_grad
+
+
 def moe(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -115,6 +124,8 @@ def moe(
             )
         if not isinstance(base, BaseWeights):
             raise TypeError(f"base: expected megamoe.BaseWeights, got {type(base).__name__}")
+        if group is None and reduce_shared_grads is not True:
+            raise ValueError("reduce_shared_grads: only meaningful with group=; leave it True")
         # EP1 with CUDA tokens: the op's real implementation runs these same checks first
         # (before any launch), so they are not run twice. Under torch.compile the fake
         # implementation runs them at trace time (on fake tensors: no data pointers, no id
@@ -170,11 +181,9 @@ def moe(
             reduce_shared_grads=reduce_shared_grads,
             activation_checkpoint=activation_checkpoint,
         )
-    if reduce_shared_grads is not True:
-        raise ValueError("reduce_shared_grads: only meaningful with group=; leave it True")
     side_tensors = [None] * len(SIDE_NAMES) if side is None else list(side.tensors())
     needs_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad
+        t is not None and _requires_grad(t)
         for t in [x, topk_weights, base.w13, base.w2, *side_tensors]
     )
     save = "none"

@@ -13,8 +13,6 @@ device, layout or value); the message starts with the argument's name.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ..side_lora import SIDE_NAMES, SideLoRA
@@ -22,7 +20,7 @@ from ..weights import BASE_FORMATS, BaseWeights
 from ..wrappers.grouped_gemm import ACTIVATIONS
 from ..wrappers.registry import registry
 from ..wrappers.routing import check_local_experts, pool_capacity
-from .arguments import check_int, check_str_choice, check_tensor, has_data
+from .arguments import FLOAT32_MAX, check_int, check_str_choice, check_tensor, has_data
 
 __all__ = [
     "check_backward_inputs",
@@ -119,8 +117,8 @@ def check_base_weights(base: object) -> BaseWeights:
 
 
 def check_activation(activation: object, activation_clamp: object) -> None:
-    """``activation`` one of ACTIVATIONS; ``activation_clamp`` None or a positive finite
-    float."""
+    """``activation`` one of ACTIVATIONS; ``activation_clamp`` None or a positive float
+    finite in float32 (the kernels take it as float32)."""
     check_str_choice("activation", activation, tuple(ACTIVATIONS))
     if activation_clamp is None:
         return
@@ -130,12 +128,13 @@ def check_activation(activation: object, activation_clamp: object) -> None:
             f"{type(activation_clamp).__name__}"
         )
     try:
-        positive_finite = 0 < float(activation_clamp) < math.inf  # NaN fails it too
+        positive_finite = 0 < float(activation_clamp) <= FLOAT32_MAX  # NaN fails it too
     except OverflowError:  # an int beyond float's range
         positive_finite = False
     if not positive_finite:
         raise ValueError(
-            f"activation_clamp: expected a positive finite float or None, got {activation_clamp!r}"
+            "activation_clamp: expected a positive finite float (finite in float32) or "
+            f"None, got {activation_clamp!r}"
         )
 
 

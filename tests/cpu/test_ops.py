@@ -1,0 +1,56 @@
+"""``mm.moe``'s own decisions on the CPU (the op's CPU twins run where the CUDA check is
+lifted): the save mode under vmap, and the order of its checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import megamoe as mm
+from megamoe.custom_ops import layer as layer_ops
+from megamoe.testing import make_layer
+from megamoe.weights import BaseWeights
+
+
+@pytest.fixture
+def cpu_twins(monkeypatch):
+    """The op's implementation on CPU tensors (its kernels' CPU twins)."""
+    check = layer_ops.check_moe_inputs
+
+    def checked(*args, **kwargs):
+        return check(*args, **{**kwargs, "require_cuda": False})
+
+    monkeypatch.setattr(layer_ops, "check_moe_inputs", checked)
+
+
+def test_vmap_with_inputs_that_need_grad_saves_for_the_backward(cpu_twins):
+    # Under vmap `requires_grad` reads False on the batched wrapper, yet autograd records
+    # the op on the tensor it wraps: an inference save mode made the backward raise.
+    layer = make_layer(64, 64, 4, 2, 16, num_tokens=24, seed=1)
+
+    def one(x):
+        return mm.moe(x, layer.topk_ids, layer.topk_weights, layer.base, layer.side)
+
+    batch = torch.stack([layer.x, layer.x * 0.5]).requires_grad_()
+    torch.vmap(one)(batch).float().sum().backward()
+    for i in range(2):
+        x = batch[i].detach().clone().requires_grad_()
+        one(x).float().sum().backward()
+        assert torch.equal(batch.grad[i], x.grad), i
+    assert batch.grad.abs().sum() > 0
+
+
+def test_reduce_shared_grads_is_checked_before_the_base_is_prepared(monkeypatch):
+    # A trainable MXFP4 base decodes (a launch) when prepared for the call: a bad
+    # argument is refused before it.
+    layer = make_layer(64, 64, 4, 2, 16, num_tokens=8, seed=1)
+
+    def prepared(self):
+        raise AssertionError("the base was prepared before the arguments were checked")
+
+    monkeypatch.setattr(BaseWeights, "for_call", prepared)
+    with pytest.raises(ValueError, match="reduce_shared_grads: only meaningful with group="):
+        mm.moe(
+            layer.x, layer.topk_ids, layer.topk_weights, layer.base, layer.side,
+            reduce_shared_grads=False,
+        )  # fmt: skip
