@@ -106,7 +106,8 @@ def moe(
             the backward writes ``dg | du`` over the saved pre-activations, and
             autograd's saved-tensor check stops the second one ("modified by an inplace
             operation"). With ``activation_checkpoint=True`` nothing is overwritten that
-            a second backward needs.
+            a second backward needs. Under torch.compile the write is functionalized onto
+            a copy and a second backward runs.
     """
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise TypeError(

@@ -25,16 +25,20 @@ forward
     before the clamp;
   - ``h = act(g) * u``;
   - ``y = h w2_e^T`` and ``p = h a2_e`` (the GEMM2 outputs);
-  - the per-token side sum ``sum_k w_tk p_tk``;
+  - the per-token side sum ``sum_k w_tk p_tk`` and its ``b2`` expand
+    ``(sum_k w_tk p_tk) b2``;
   - ``out`` (``sum_k w_tk y_tk + s (sum_k w_tk p_tk) b2``).
 backward
   - ``s dout b2^T`` (per token, the scale inside the rounding, as the kernels' A
     operand of dgrad2 holds it next to ``dout``);
   - ``z`` (the dgrad2 output);
   - ``dg``, ``du`` (``act'`` applied to ``dh = w z``);
+  - ``w h`` (per route, the weight gradients' operand: ``da2 = sum (w h)^T s dout b2^T``,
+    ``dw2 = sum dout^T (w h)``);
   - the per-route dgrad1 output ``dg w1_e + du w3_e`` and the shrink columns
     ``dg b1_e^T``, ``du b3_e^T``;
-  - the per-token sums ``sum_k dg b1_e^T`` and ``sum_k du b3_e^T``;
+  - the per-token sums ``sum_k dg b1_e^T`` and ``sum_k du b3_e^T``, and their ``a1`` /
+    ``a3`` expand ``sg a1^T + su a3^T`` (one product);
   - ``dx`` and every gradient output (``topk_weights``, ``a1``, ``b1``, ``a3``, ``b3``,
     ``a2``, ``b2``, ``w13``, ``w2``).
 With ``round_bf16=False`` nothing is rounded.
@@ -43,7 +47,7 @@ With ``round_bf16=False`` nothing is rounded.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 import torch.distributed as dist
@@ -339,7 +343,7 @@ def forward(
         for k in range(top_k):
             p_sum = p_sum + route_weights[:, k, None] * p_tk[:, k]
         p_sum = rnd(p_sum)
-        out = out + s * (p_sum @ b2)  # the shared b2 expand, once per token
+        out = out + s * rnd(p_sum @ b2)  # the shared b2 expand, once per token
     out = rnd(out)
 
     ctx = ForwardContext(
@@ -452,10 +456,13 @@ def _backward(dout: torch.Tensor, ctx: ForwardContext, base_grads: bool):
             su_routes.index_copy_(0, idx, rnd(du @ b3[e].T))
             db1[e] = rnd(s * (q1.index_select(0, tok).T @ dg))
             db3[e] = rnd(s * (q3.index_select(0, tok).T @ du))
-            da2[e] = rnd(h.T @ (w * dout_b2_e))
+        if has_side or base_grads:
+            wh = rnd(w * h)  # the K-grouped GEMMs' operand, BF16
+        if has_side:
+            da2[e] = rnd(wh.T @ dout_b2_e)
         if base_grads:
             dw13[e] = rnd(dgu.T @ x.index_select(0, tok))
-            dw2[e] = rnd((w * dout_e).T @ h)
+            dw2[e] = rnd(dout_e.T @ wh)
 
     # Sums over k in the fixed order k = 0..K-1.
     dx_tk = dx_routes.view(tokens, top_k, hidden)
@@ -474,8 +481,9 @@ def _backward(dout: torch.Tensor, ctx: ForwardContext, base_grads: bool):
             sg = sg + sg_tk[:, k]
             su = su + su_tk[:, k]
         sg, su = rnd(sg), rnd(su)
-        # The shared a1/a3 expands run once per token on the k-summed shrinks.
-        dx = dx + s * (sg @ a1.T) + s * (su @ a3.T)
+        # The shared a1/a3 expands run once per token on the k-summed shrinks, as one
+        # product over [sg | su] (rounded once).
+        dx = dx + s * rnd(sg @ a1.T + su @ a3.T)
         grads["a1"] = rnd(s * (x.T @ sg))
         grads["a3"] = rnd(s * (x.T @ su))
         grads["b1"], grads["b3"], grads["a2"] = db1, db3, da2
@@ -485,6 +493,26 @@ def _backward(dout: torch.Tensor, ctx: ForwardContext, base_grads: bool):
     if base_grads:
         grads["w13"], grads["w2"] = dw13, dw2
     return grads
+
+
+def _save_context(autograd_ctx, fctx: ForwardContext) -> None:
+    """Keep ``fctx``'s tensors through ``save_for_backward``: in the compute dtype ``x``,
+    the weights and the adapters are the caller's own tensors, and autograd's version
+    check then refuses a backward after one of them changed in place."""
+    names = [f.name for f in fields(fctx) if isinstance(getattr(fctx, f.name), torch.Tensor)]
+    side = list(fctx.side) if fctx.side is not None else []
+    autograd_ctx.save_for_backward(*(getattr(fctx, n) for n in names), *side)
+    autograd_ctx.context_names = names
+    autograd_ctx.context = replace(fctx, **dict.fromkeys(names), side=None)
+    autograd_ctx.context_has_side = fctx.side is not None
+
+
+def _saved_context(autograd_ctx) -> ForwardContext:
+    """The forward's :class:`ForwardContext` from :func:`_save_context`."""
+    saved = autograd_ctx.saved_tensors
+    names = autograd_ctx.context_names
+    side = tuple(saved[len(names) :]) if autograd_ctx.context_has_side else None
+    return replace(autograd_ctx.context, **dict(zip(names, saved, strict=False)), side=side)
 
 
 class _ReferenceMoE(torch.autograd.Function):
@@ -506,7 +534,7 @@ class _ReferenceMoE(torch.autograd.Function):
                 compute_dtype=options["compute_dtype"],
                 round_bf16=options["round_bf16"],
             )
-        autograd_ctx.fctx = fctx
+        _save_context(autograd_ctx, fctx)
         autograd_ctx.input_dtypes = [t.dtype for t in (x, topk_ids, topk_weights, w13, w2)] + [
             t.dtype for t in side_tensors
         ]
@@ -516,7 +544,7 @@ class _ReferenceMoE(torch.autograd.Function):
     @once_differentiable
     def backward(autograd_ctx, dout):
         needs = autograd_ctx.needs_input_grad[1:]  # skip options
-        fctx = autograd_ctx.fctx
+        fctx = _saved_context(autograd_ctx)
         with autocast_off(dout.device):
             grads = backward(dout, fctx, base_grads=bool(needs[3] or needs[4]))
         keys = ["x", None, "topk_weights", "w13", "w2"]

@@ -76,7 +76,7 @@ def workspace_layout(
     buffers come from torch's caching allocator, not from this layout).
 
     Regions: the route plan (per-tile scratch, counts, offsets, both index maps), the
-    gathered pool input ``[x | s q1 | s q3]`` (``H + 2r`` columns), the pool
+    gathered pool input ``[x | q1 | q3]`` (``H + 2r`` columns; GEMM1 applies ``s``), the pool
     activations ``h`` (``I``) and the pool output ``[y | p]`` (``H + r``), all BF16.
     """
     check_int("num_tokens", num_tokens, minimum=1)

@@ -107,7 +107,7 @@ def naive_moe(
             if side_tensors is not None:
                 p_acc = p_acc + weights[t, k] * rnd(h @ a2[e])
         if side_tensors is not None:
-            acc = acc + scale * (rnd(p_acc) @ b2)
+            acc = acc + scale * rnd(rnd(p_acc) @ b2)
         rows.append(rnd(acc))
     return torch.stack(rows)
 
@@ -441,7 +441,7 @@ def _bf16_problem(seed: int) -> dict:
 def test_round_bf16_backward_rounds_s_dout_b2_with_the_scale_inside():
     """The kernels' dgrad2 operand holds bf16(s dout b2^T) next to dout; the rounding
     model rounded dout b2^T and scaled after, which differs where s is not a power of
-    two (a review; no test saw it). da2_e = bf16(h_e^T (w bf16(s dout_e b2^T))),
+    two (a review; no test saw it). da2_e = bf16(bf16(w h_e)^T bf16(s dout_e b2^T)),
     rebuilt from the forward's rounded h, bit for bit."""
     prob = _bf16_problem(seed=22)
     rnd = _rnd
@@ -460,7 +460,7 @@ def test_round_bf16_backward_rounds_s_dout_b2_with_the_scale_inside():
         g = rnd(xe @ prob["w13"][e, :inter].T + 0.3 * (rnd(xe @ a1) @ b1[e]))
         u = rnd(xe @ prob["w13"][e, inter:].T + 0.3 * (rnd(xe @ a3) @ b3[e]))
         h = rnd(F.silu(g) * u)
-        assert torch.equal(grads["a2"][e], rnd(h.T @ (w * dout_b2[tok]))), e
+        assert torch.equal(grads["a2"][e], rnd(rnd(w * h).T @ dout_b2[tok])), e
 
 
 def naive_backward(prob, *, activation, clamp, rnd):
@@ -507,11 +507,12 @@ def naive_backward(prob, *, activation, clamp, rnd):
             shrink_u[t] += rnd(b3[e] @ du)
             db1[e] += s * torch.outer(q1, dg)
             db3[e] += s * torch.outer(q3, du)
-            da2[e] += torch.outer(h, w * dout_b2)
+            wh = rnd(w * h)
+            da2[e] += torch.outer(wh, dout_b2)
             grads["w13"][e] += torch.outer(dgu, x[t])
-            grads["w2"][e] += torch.outer(w * dout[t], h)
+            grads["w2"][e] += torch.outer(dout[t], wh)
         shrink_g[t], shrink_u[t] = rnd(shrink_g[t]), rnd(shrink_u[t])
-        dx[t] += s * (a1 @ shrink_g[t]) + s * (a3 @ shrink_u[t])
+        dx[t] += s * rnd(a1 @ shrink_g[t] + a3 @ shrink_u[t])
     grads["x"], grads["topk_weights"] = rnd(dx), rnd(drouter)
     grads["a1"] = rnd(
         s * torch.stack([torch.outer(x[t], shrink_g[t]) for t in range(tokens)]).sum(0)
@@ -782,3 +783,19 @@ def test_moe_wrapper_mxfp4_base_uses_dequantized_weights():
     )
     assert torch.equal(out.detach(), want)
     assert torch.equal(x.grad, reference.backward(prob["dout"], ctx)["x"])
+
+
+def test_moe_wrapper_refuses_a_backward_after_an_input_changed_in_place():
+    # In the compute dtype the oracle's context holds the caller's own x (x.to(cd) is
+    # x): kept outside save_for_backward, a change in place after the forward silently
+    # changed the gradients; autograd's version check now refuses, as for torch's ops.
+    prob, base, _, leaves, side = wrapper_problem(18)
+    x = prob["x"].clone()
+    out = reference.moe(x, prob["ids"], prob["weights"], base, side)
+    x.mul_(3.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+    # Unchanged, the same call trains (and its gradients are the closed form's).
+    out = reference.moe(prob["x"].clone(), prob["ids"], prob["weights"], base, side)
+    out.sum().backward()
+    assert all(leaves[name].grad is not None for name in SIDE_KEYS)
