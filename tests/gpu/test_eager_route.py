@@ -117,3 +117,49 @@ def test_flop_counter_sees_the_ops_on_cuda(routes):
     counts = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
     assert any("moe_forward" in op and n > 0 for op, n in counts.items()), counts
     assert any("moe_backward" in op and n > 0 for op, n in counts.items()), counts
+
+
+def test_the_backward_op_aligns_a_misaligned_dout():
+    """The backward op's implementation copies a ``dout`` whose address is not 16-byte
+    aligned (a view into a flat buffer) before the kernels' TMA reads it: under
+    torch.compile the autograd hook's own alignment is traced without data. The same bits
+    as with an aligned ``dout``."""
+    from megamoe.pipeline.fused_forward import moe_forward
+    from megamoe.side_lora import SIDE_NAMES
+
+    lay = make_layer(
+        512, 256, 8, 4, 32, num_tokens=301, device="cuda", seed=5, routing="masked",
+        activation_clamp=1.5,
+    )  # fmt: skip
+    block_m = mm.get_block_m(301, 4, 8)
+    _, state = moe_forward(
+        lay.x, lay.topk_ids, lay.topk_weights, lay.base, lay.side, activation_clamp=1.5,
+        block_m=block_m, save="preact",
+    )  # fmt: skip
+    plan = state.plan
+    saved = dict(
+        expert_counts=plan.expert_counts, expert_pool_offsets=plan.expert_pool_offsets,
+        route_to_pool_row=plan.route_to_pool_row, pool_row_to_route=plan.pool_row_to_route,
+        preact=state.preact, q13=state.q13, p_sum=state.p_sum,
+    )  # fmt: skip
+    inputs = dict(
+        x=lay.x, topk_weights=lay.topk_weights, w13=lay.base.w13, w2=lay.base.w2,
+        w13_scales=lay.base.w13_scales, w2_scales=lay.base.w2_scales,
+        **dict(zip(SIDE_NAMES, lay.side.tensors(), strict=True)),
+        scale=lay.side.scale, activation="swiglu", activation_clamp=1.5,
+        base_grads=False, side_grads=True, block_m=block_m,
+    )  # fmt: skip
+    dout = torch.randn_like(lay.x)
+    buffer = torch.empty(dout.numel() + 1, dtype=dout.dtype, device=dout.device)
+    misaligned = buffer[1:].view(dout.shape)
+    misaligned.copy_(dout)
+    assert misaligned.data_ptr() % 16 != 0
+    # dgrad2 writes dg | du over the saved pre-activations: each call its own copy.
+    fresh = lambda: {name: t.clone() for name, t in saved.items()}  # noqa: E731
+    want = layer._moe_backward_op(dout=dout, **inputs, **fresh())
+    got = layer._moe_backward_op(dout=misaligned, **inputs, **fresh())
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(
+            a.view(torch.int16) if a.dtype == torch.bfloat16 else a,
+            b.view(torch.int16) if b.dtype == torch.bfloat16 else b,
+        )

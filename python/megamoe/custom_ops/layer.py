@@ -279,6 +279,9 @@ def _moe_backward_impl(
     (``expert_counts`` .. ``pool_row_to_route``) and ``block_m`` are the forward's.
     ``preact`` (the forward's saved ``g | u``, or empty under activation checkpointing)
     is overwritten with ``dg | du``."""
+    # The autograd hook aligns dout too, but under torch.compile it is traced without
+    # data (no address to test): a misaligned view would reach the kernels' TMA.
+    dout = _contiguous_aligned(dout)
     base, side = _backward_inputs(
         dout, x, topk_weights, w13, w2, w13_scales, w2_scales, (a1, b1, a3, b3, a2, b2), scale,
         activation, activation_clamp, expert_counts, expert_pool_offsets, route_to_pool_row,
