@@ -189,16 +189,17 @@ class ReferenceExperts:
             dg, du = rnd(dg), rnd(du)
             dgu = torch.cat([dg, du], dim=1)
             pieces = [rnd(dgu @ self.w13[e])]
+            wh = rnd(w * h)  # the K-grouped weight gradients' BF16 operand
             if r:
                 pieces += [rnd(dg @ b1[e].T), rnd(du @ b3[e].T)]
                 local["b1"][e] = rnd(s * (state.q1.index_select(0, idx).T @ dg))
                 local["b3"][e] = rnd(s * (state.q3.index_select(0, idx).T @ du))
-                local["a2"][e] = rnd(h.T @ (w * dout_b2_e))
+                local["a2"][e] = rnd(wh.T @ dout_b2_e)
             pieces.append(dw)
             out.index_copy_(0, idx, torch.cat(pieces, dim=1))
             if base_grads:
                 local["w13"][e] = rnd(dgu.T @ state.x.index_select(0, idx))
-                local["w2"][e] = rnd((w * dout_e).T @ h)
+                local["w2"][e] = rnd(dout_e.T @ wh)
         return out, local
 
 
@@ -238,7 +239,7 @@ class _EPReferenceMoE(torch.autograd.Function):
         p_sum = None
         if side is not None:
             p_sum = rnd(sum_over_k(back[..., hidden:], route_w))
-            out = out + s * (p_sum @ b2)  # the shared b2 expand, once per token
+            out = out + s * rnd(p_sum @ b2)  # the shared b2 expand, once per token
         autograd_ctx.saved = dict(
             options=options,
             plan=plan,
@@ -291,7 +292,7 @@ class _EPReferenceMoE(torch.autograd.Function):
         if side is not None:
             sg = rnd(sum_over_k(back[..., hidden : hidden + r]))
             su = rnd(sum_over_k(back[..., hidden + r : hidden + 2 * r]))
-            dx = dx + s * (sg @ a1.T) + s * (su @ a3.T)
+            dx = dx + s * rnd(sg @ a1.T + su @ a3.T)  # one product over [sg | su]
             shared = [s * (x.T @ sg), s * (x.T @ su), s * (saved["p_sum"].T @ dout)]
             if options["reduce_shared_grads"]:
                 reduce_shared_grads(shared, plan.group)
