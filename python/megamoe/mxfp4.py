@@ -195,9 +195,10 @@ def dequantize_mxfp4(
         axis: the blocked axis.
         dtype: bfloat16, float16 or float32 output. Decoding is exact in float32 and
             bfloat16 (same exponent range) for every scale byte a finite weight
-            quantizes to (up to 252); byte 253 with codes of 4 or more and byte 254 with
-            codes of 2 or more overflow to Inf (the checkpoint loader refuses both
-            bytes). float16 overflows/underflows for scales outside its range.
+            quantizes to (up to 252); byte 253 with values of magnitude 4 or more
+            (codes 6, 7, 14, 15) and byte 254 with magnitudes of 2 or more (codes 4-7,
+            12-15) overflow to Inf (the checkpoint loader refuses both bytes).
+            float16 overflows/underflows for scales outside its range.
 
     Returns:
         Contiguous ``dtype`` tensor shaped like ``packed`` with ``2 * packed.shape[axis]``

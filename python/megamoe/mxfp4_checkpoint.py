@@ -44,6 +44,7 @@ from .validation.arguments import check_str_choice, check_tensor, has_data
 from .validation.mxfp4 import check_mxfp4_scales
 from .weights import BaseWeights
 from .wrappers.registry import registry
+from .wrappers.routing import check_local_experts
 
 __all__ = ["GATE_UP_ORDERS", "base_weights_from_gpt_oss", "base_weights_from_mxfp4"]
 
@@ -139,6 +140,10 @@ def _base_weights(
     w13_codes = check_tensor("w13_codes", _merge_blocks("w13_codes", w13_codes), ndim=3,
                              dtypes=(torch.uint8,))  # fmt: skip
     experts, two_i, half_h = w13_codes.shape
+    if experts < 1:
+        shape = list(w13_codes.shape)
+        raise ValueError(f"w13_codes: expected at least one expert, got shape {shape}")
+    check_local_experts("w13_codes", experts)
     hidden, intermediate = 2 * half_h, two_i // 2
     if two_i % 2:
         raise ValueError(f"w13_codes: expected an even row count 2I, got {two_i}")

@@ -2,7 +2,7 @@
 (kernels/engine/fragment_decode.cuh), on the CPU.
 
 A thread owning byte c of each 8-code word turns it into one BF16 pair with a byte
-permute (in its sign-replicate mode), an arithmetic shift and a mask, then multiplies
+permute (in its sign-replicate mode), a left shift by 2 and a mask, then multiplies
 by 2^(scale - 1), one half of its row's factor pair (one factor per 32 codes). The
 driver (tests/cpu/host/fragment_decode.cu, built with nvcc) runs the placement for
 every byte position against 1,280 words and writes the factor pairs; the oracle is

@@ -164,6 +164,17 @@ def test_bad_checkpoints_are_rejected():
         base_weights_from_mxfp4(codes13.view(E, 2 * I, 4, 16)[..., :8], scales13, codes2, scales2)
     with pytest.raises(ValueError, match="gate_up"):
         base_weights_from_mxfp4(codes13, scales13, codes2, scales2, gate_up="split")
+    # No experts, or more than the route plan takes: refused where the base is built, as
+    # prepare_base_weights refuses them (a layer call had refused them later).
+    with pytest.raises(ValueError, match=r"^w13_codes: expected at least one expert"):
+        base_weights_from_mxfp4(codes13[:0], scales13[:0], codes2[:0], scales2[:0])
+    many = 1025
+
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty((many, *t.shape[1:]), dtype=t.dtype, device="meta")
+
+    with pytest.raises(ValueError, match=r"^w13_codes: expected at most 1024 local experts"):
+        base_weights_from_mxfp4(*(empty(t) for t in (codes13, scales13, codes2, scales2)))
     nan13 = scales13.clone()
     nan13[1, 5, 0] = 0xFF  # the OCP MX NaN scale: the whole block would decode to NaN
     with pytest.raises(

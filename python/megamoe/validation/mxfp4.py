@@ -58,8 +58,8 @@ def check_mxfp4_scales(name: str, scales: object) -> torch.Tensor:
     if count:
         raise ValueError(
             f"{name}: {count} UE8M0 scale byte(s) are 253 or 254 (2^126, 2^127), first at "
-            f"index {first(huge)}: codes of 4 or more at 253, 2 or more at 254, decode "
-            f"past BF16's and FP32's largest value (to Inf), and no finite BF16 or FP32 "
+            f"index {first(huge)}: values of magnitude 4 or more at 253, 2 or more at 254, "
+            f"decode past BF16's and FP32's largest value (to Inf), and no finite BF16 or FP32 "
             f"weight quantizes above {SCALE_MAX_FINITE} (a corrupt or mis-read scale tensor?)"
         )
     return scales
