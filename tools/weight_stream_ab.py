@@ -53,11 +53,11 @@ def _launch_context(dev: torch.device) -> tuple:
 
 def _kernel_ms(fn, device: torch.device, iters: int) -> float:
     """Median ms of ``fn``'s kernels: each run's event pair is queued behind a GPU
-    busy-wait (about 50 us), which outlasts the host's work for the launch, so the window
+    busy-wait (about 200 us, not synchronised away), which outlasts the host's work for
+    the launch (the BF16 column's Python wrapper included), so the window
     holds the kernels and not the host's latency in reaching them."""
-    return time_fn(
-        fn, device=device, warmup=3, iters=iters, setup=lambda: torch.cuda._sleep(100_000)
-    ).median_ms
+    sleep = lambda: torch.cuda._sleep(400_000)  # noqa: E731
+    return time_fn(fn, device=device, warmup=3, iters=iters, setup=sleep, settle=False).median_ms
 
 
 def _pool(tokens: int, args: argparse.Namespace, columns: int, dev: torch.device) -> tuple:
@@ -252,8 +252,10 @@ def measure_dgrad2(tokens: int, args: argparse.Namespace, w2, codes, scales, a2)
             GROUP_M, sms, stream,
         )  # fmt: skip
 
-    def streamed(chunk: int) -> tuple:
-        outs = outputs()
+    stream_outs = outputs()  # the timed runs' outputs, allocated once (as the engine's)
+
+    def streamed(chunk: int, outs: tuple | None = None) -> tuple:
+        outs = outputs() if outs is None else outs
         native.weight_stream_activation_backward(
             dl(dout), dl(codes), dl(scales), None if a2 is None else dl(a2),
             dl(plan.expert_pool_offsets), dl(plan.expert_counts), *tail(outs), chunk, sms,
@@ -271,7 +273,7 @@ def measure_dgrad2(tokens: int, args: argparse.Namespace, w2, codes, scales, a2)
             f"{'-':>8}" for _ in CHUNKS
         )
     chunks = _chunks_of("ActivationBackward")
-    times = {c: median(lambda c=c: streamed(c)) for c in chunks}
+    times = {c: median(lambda c=c: streamed(c, stream_outs)) for c in chunks}
     engine(codes, scales, engine_outs)
     rows = int(plan.expert_pool_offsets[-1])
 

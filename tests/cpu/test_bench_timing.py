@@ -100,3 +100,17 @@ def test_a_setup_that_queues_device_work_is_finished_before_the_timed_run(monkey
     )
     assert timing.samples_ms == (1.0, 1.0)
     assert calls == ["setup", "sync", "record", "run", "record"] * 2
+
+    # settle=False: a setup that queues a GPU busy-wait stays ahead of the run (the host
+    # queues the run while the device waits; tools/weight_stream_ab.py). The sync above
+    # had made its busy-wait end before the start event.
+    calls.clear()
+    time_fn(
+        lambda: calls.append("run"),
+        device=torch.device("cuda"),
+        warmup=0,
+        iters=2,
+        setup=lambda: calls.append("setup"),
+        settle=False,
+    )
+    assert calls == ["setup", "record", "run", "record"] * 2

@@ -54,30 +54,49 @@ def main(argv: list[str] | None = None) -> int:
     )
     dout = torch.randn_like(layer.x)
 
+    # A trainable base is prepared again before each step (MXFP4: quantized), outside
+    # the profiled calls, as python -m megamoe.bench leaves it out of its times: the calls
+    # are then profiled one by one, the base prepared between them.
+    prepares = training and ordinary
+
     def step() -> None:
         if not training:
             with torch.no_grad():
                 layer.call(mm.moe)
             return
-        if ordinary:
-            layer.reprepare_base()
         leaves = list(layer.grad_leaves().values())
         torch.autograd.grad(layer.call(mm.moe), leaves, dout)
 
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(args.iters):
-            step()
+    def profiled(calls: int) -> list:
+        """The profiler's events of ``calls`` back-to-back calls."""
         torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                step()
+            torch.cuda.synchronize()
+        return list(prof.events())
+
+    for _ in range(3):
+        if prepares:
+            layer.reprepare_base()
+        step()
+    if prepares:
+        runs = []
+        for _ in range(args.iters):
+            layer.reprepare_base()
+            runs.append(profiled(1))
+    else:
+        runs = [profiled(args.iters)]
     # Kernels and copies only (the megamoe::<stage> ranges' GPU spans would count twice).
     per_name: dict[str, list[float]] = {}
-    intervals = []
-    for event in prof.events():
-        if device_event_kind(event) is not None:
-            per_name.setdefault(event.name, []).append(event.device_time_total)
-            intervals.append((event.time_range.start, event.time_range.end, event.name))
+    run_intervals = []
+    for events in runs:
+        intervals = []
+        for event in events:
+            if device_event_kind(event) is not None:
+                per_name.setdefault(event.name, []).append(event.device_time_total)
+                intervals.append((event.time_range.start, event.time_range.end, event.name))
+        run_intervals.append(intervals)
     rows = [
         (sum(times) / args.iters / 1e3, len(times) // args.iters, name)
         for name, times in per_name.items()
@@ -86,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     total = sum(r[0] for r in rows)
     what = f"{args.pass_name or 'forward'} {args.mode if training else ''} {args.dtype}"
     what = " ".join(what.split())
-    work = count_device_work(prof.events())
+    work = count_device_work([event for events in runs for event in events])
     launches = work.kernels // args.iters
     print(
         f"{args.shape} T={s.num_tokens}: per {what} call, {total:.3f} ms of kernel time"
@@ -97,13 +116,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{ms:8.3f} {ms / total:6.1%} {calls:5d}  {name if args.full_names else name[:90]}")
     # Back-to-back calls, no host sync between them: idle time inside the window is time
     # the GPU waited for the host (launch overhead, a host sync, CPU-side work).
-    idle = device_idle(intervals)
-    per_call = (idle.span_us - idle.busy_us) / args.iters / 1e3
+    idles = [device_idle(intervals) for intervals in run_intervals]
+    span_us = sum(idle.span_us for idle in idles)
+    busy_us = sum(idle.busy_us for idle in idles)
+    gaps = sorted((gap for idle in idles for gap in idle.gaps), key=lambda gap: -gap[0])[:5]
+    per_call = (span_us - busy_us) / args.iters / 1e3
     print(
-        f"GPU idle: {per_call:.3f} ms per call ({idle.span_us / args.iters / 1e3:.3f} ms span, "
-        f"{idle.busy_us / args.iters / 1e3:.3f} ms busy); largest gaps over the {args.iters} calls:"
+        f"GPU idle: {per_call:.3f} ms per call ({span_us / args.iters / 1e3:.3f} ms span, "
+        f"{busy_us / args.iters / 1e3:.3f} ms busy); largest gaps over the {args.iters} calls:"
     )
-    for gap_us, before, after in idle.gaps:
+    for gap_us, before, after in gaps:
         width = None if args.full_names else 50
         print(f"{gap_us / 1e3:8.3f} ms  after {before[:width]}  before {after[:width]}")
     return 0

@@ -237,6 +237,11 @@ def _measure(
             leaf.grad = None
         if ordinary and not use_pair:
             layer.reprepare_base()  # the prepared base is part of the last step's graph
+        if device.type == "cuda":
+            # The peak of a timed run from its start (held memory included), not of the
+            # untimed setup (a re-quantized MXFP4 master's temporaries are several times
+            # the weights): the row's peak is the last run's.
+            torch.cuda.reset_peak_memory_stats(device)
 
     def call() -> torch.Tensor:
         base = (layer.w13, layer.w2) if use_pair else layer.base
@@ -262,7 +267,6 @@ def _measure(
         body = forward if pass_name == "forward" else forward_backward
         if device.type == "cuda":
             torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats(device)
         timing = time_fn(
             body,
             device=device,

@@ -25,6 +25,7 @@ this script: megamoe's float32 reference stands in for the fused kernels).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 import sys
@@ -130,7 +131,11 @@ def run_case(
         block.zero_grad(set_to_none=True)
 
     if device.type == "cuda":
+        # The previous case's block may still be held by a reference cycle: collected
+        # here, its memory does not count in this case's peak.
+        gc.collect()
         torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     timing = time_fn(step, device=device, warmup=warmup, iters=iters, setup=drop_grads)
     peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None

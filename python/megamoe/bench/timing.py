@@ -74,14 +74,18 @@ def time_fn(
     warmup: int,
     iters: int,
     setup: Callable[[], None] | None = None,
+    settle: bool = True,
     label: str = "",
     progress: Progress | None = None,
 ) -> Timing:
     """Run ``fn`` ``warmup`` times, then time ``iters`` runs one by one.
 
     ``setup`` runs before each run outside the timed window (e.g. dropping grads; on
-    CUDA the device is synchronised after it). On CUDA each sample is an event pair
-    around one run on the current stream.
+    CUDA, with ``settle``, the device is synchronised after it). ``settle=False`` keeps
+    setup's device work queued ahead of the timed run: a setup that queues a GPU
+    busy-wait then lets the host queue the run's kernels while the device waits, so the
+    window holds the kernels and not the host's launch work. On CUDA each sample is an
+    event pair around one run on the current stream.
     """
     progress = progress or Progress(enabled=False)
     for step in range(warmup):
@@ -93,7 +97,7 @@ def time_fn(
     for step in range(iters):
         if setup:
             setup()
-            if device.type == "cuda":
+            if device.type == "cuda" and settle:
                 # Setup's own kernels (a re-quantized MXFP4 master) would otherwise keep
                 # the GPU busy while the host queues the timed run: its launch time hidden.
                 torch.cuda.synchronize(device)
