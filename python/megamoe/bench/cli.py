@@ -616,7 +616,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--cuda-graph",
         action="store_true",
         help="fused side-LoRA rows on a GPU: also time each pass captured in one CUDA graph "
-        "and replayed (graph ms: the GPU's time without the host's launch work) "
+        "and replayed (graph ms: the GPU's time without the host's per-kernel launch work; "
+        "one graph launch's latency stays in) "
         "(default: off)",
     )
     add(
@@ -836,7 +837,11 @@ def main(argv: list[str] | None = None) -> int:
             "command": " ".join(
                 ["python -m megamoe.bench", *(argv if argv is not None else sys.argv[1:])]
             ),
-            "shape": vars(shape) | {"num_routes": shape.num_routes},
+            # A token sweep runs the shape's dims at each of sweep["tokens"]: its own T
+            # was not measured.
+            "shape": vars(shape)
+            | {"num_routes": shape.num_routes}
+            | ({"num_tokens": None, "num_routes": None} if sweep else {}),
             "modes": args.modes,
             "dtypes": args.dtypes,
             "routing": {"kind": args.routing}
