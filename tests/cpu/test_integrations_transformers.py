@@ -650,6 +650,37 @@ def test_peft_keeps_and_saves_the_adapters_with_modules_to_save(tmp_path):
         assert torch.equal(loaded(ids).logits, want)
 
 
+def test_loading_under_peft_fills_the_active_copies_only(tmp_path):
+    """Under PEFT's ``modules_to_save`` the loaded adapter goes into the active copies:
+    the original module is what runs with the adapters disabled, so it keeps the zero
+    adapter and ``disable_adapter()`` gives the base model (it had been loaded too). A
+    dtype other than the copies' is refused (it was ignored)."""
+    peft = pytest.importorskip("peft")
+    source = build("qwen3_moe")
+    mhf.attach_side_lora(source, rank=16, alpha=32.0, dtype=torch.float32)
+    randomize_adapters(source)
+    mhf.save_side_lora(source, tmp_path)
+
+    model = build("qwen3_moe")
+    model.set_experts_implementation(mhf.REFERENCE)
+    ids = tokens()
+    with torch.no_grad():
+        base = model(ids).logits
+    mhf.attach_side_lora(model, rank=16, alpha=32.0, dtype=torch.float32)
+    config = peft.LoraConfig(
+        r=8, target_modules=["q_proj"], modules_to_save=mhf.PEFT_MODULES_TO_SAVE
+    )
+    wrapped = peft.get_peft_model(model, config)
+    with pytest.raises(ValueError, match=r"^dtype: the side-LoRA under PEFT's modules_to_save"):
+        mhf.load_side_lora(wrapped, tmp_path, dtype=torch.bfloat16)
+    mhf.load_side_lora(wrapped, tmp_path)
+    source.set_experts_implementation(mhf.REFERENCE)
+    with torch.no_grad():
+        assert torch.equal(wrapped(ids).logits, source(ids).logits)  # q_proj's B is zero
+        with wrapped.disable_adapter():
+            assert torch.equal(wrapped(ids).logits, base)
+
+
 def test_side_lora_files_of_a_peft_model_name_the_hf_modules(tmp_path):
     """``save_side_lora`` / ``load_side_lora`` / the Megatron export on a PEFT model
     (side-LoRA under ``modules_to_save``) use the HF model's module names, not PEFT's

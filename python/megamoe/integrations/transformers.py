@@ -851,12 +851,26 @@ def load_side_lora(
 def _install_adapter(module, side: SideLoRA, dtype: torch.dtype | None) -> None:
     """Attach ``side`` to an experts module as its :class:`SideLoRAAdapter`, in ``dtype``
     (default: the module's weight dtype where adapters support it, else BF16), on the
-    weights' device. Under PEFT's ``modules_to_save`` the values go into the wrapper's
-    copies (replacing the wrapper would leave PEFT nothing to train or save)."""
+    weights' device. Under PEFT's ``modules_to_save`` the values go into the active
+    adapters' copies, in their dtype (replacing the wrapper would leave PEFT nothing to
+    train or save; the original module stays as it was: it is what runs with the
+    adapters disabled)."""
     check_adapters_allowed(module)
     wrapper = getattr(module, ADAPTER_ATTR, None)
     if wrapper is not None and hasattr(wrapper, "modules_to_save"):
-        for copy in [m for m in wrapper.modules() if isinstance(m, SideLoRAAdapter)]:
+        copies = [wrapper.modules_to_save[name] for name in wrapper.active_adapters]
+        if not copies:
+            raise ValueError(
+                f"{type(module).__name__}: PEFT's modules_to_save wrapper of the side-LoRA "
+                "has no active adapter to load into"
+            )
+        for copy in copies:
+            held = copy.a1.dtype
+            if dtype is not None and dtype != held:
+                raise ValueError(
+                    f"dtype: the side-LoRA under PEFT's modules_to_save is {held}; it keeps "
+                    f"its dtype (got dtype={dtype})"
+                )
             copy.load(side)  # a ValueError names a rank other than the attached one
         return
     weight = module.gate_up_proj
