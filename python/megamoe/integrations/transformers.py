@@ -858,7 +858,8 @@ def _install_adapter(module, side: SideLoRA, dtype: torch.dtype | None) -> None:
     check_adapters_allowed(module)
     wrapper = getattr(module, ADAPTER_ATTR, None)
     if wrapper is not None and hasattr(wrapper, "modules_to_save"):
-        copies = [wrapper.modules_to_save[name] for name in wrapper.active_adapters]
+        held_copies = wrapper.modules_to_save
+        copies = [held_copies[name] for name in wrapper.active_adapters if name in held_copies]
         if not copies:
             raise ValueError(
                 f"{type(module).__name__}: PEFT's modules_to_save wrapper of the side-LoRA "
