@@ -30,17 +30,19 @@ def _call(layer, base) -> torch.Tensor:
 def test_a_stale_copy_of_trainable_weights_is_refused(format, dtype):
     layer, w13, w2 = _masters(dtype)
     base = mm.prepare_base_weights(w13, w2, format=format)
-    _call(layer, base)  # unchanged sources: runs
+    before = _call(layer, base)  # unchanged sources: runs
     with torch.no_grad():
         w2.mul_(1.5)  # what optimizer.step() does
     with pytest.raises(ValueError, match=r"^base: w2 changed in place after prepare_base"):
         _call(layer, base)
     with pytest.raises(ValueError, match=r"^base: w2 changed in place"):
         base.for_call()  # mm.moe's and the EP layer's entry too
-    # Prepared again: runs, and on the new values.
+    # Prepared again: runs, and on the new values (a copy of them, not the old ones).
     fresh = mm.prepare_base_weights(w13, w2, format=format)
-    current = mm.prepare_base_weights(w13.detach(), w2.detach(), format=format)
-    torch.testing.assert_close(_call(layer, fresh), _call(layer, current), rtol=0, atol=0)
+    current = mm.prepare_base_weights(w13.detach().clone(), w2.detach().clone(), format=format)
+    after = _call(layer, fresh)
+    torch.testing.assert_close(after, _call(layer, current), rtol=0, atol=0)
+    assert not torch.equal(after, before)
 
 
 @pytest.mark.parametrize("format", ["bf16", "mxfp4"])
