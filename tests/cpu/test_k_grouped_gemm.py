@@ -39,9 +39,13 @@ def test_twin_reads_only_data_rows():
     expected = k_grouped_gemm_reference(a, b, plan, scale=0.5)
     assert torch.isfinite(expected).all()
     torch.testing.assert_close(out.double(), expected, rtol=1e-2, atol=1e-2)
-    # Expert 0 by hand.
+    # Experts 0 and 2 by hand: rows 0..2, and rows 6..10 of expert 2's segment 6..13
+    # (the reference shares its row selection with the twin, so the rows are named here).
     manual = 0.5 * a[0:3].double().T @ b[0:3].double()
     torch.testing.assert_close(expected[0], manual)
+    manual = 0.5 * a[6:11].double().T @ b[6:11].double()
+    torch.testing.assert_close(expected[2], manual)
+    torch.testing.assert_close(out[2].double(), manual, rtol=1e-2, atol=1e-2)
 
 
 def test_block_n_choice():
