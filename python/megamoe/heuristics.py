@@ -116,6 +116,21 @@ def mxfp4_decodes_in_pipeline(pool_rows: int, num_experts: int, *, streams: bool
     return pool_rows <= limit * num_experts
 
 
+def mxfp4_master_decodes_once(pool_rows: int, num_experts: int) -> bool:
+    """Whether ordinary mode on an MXFP4 base (a trainable master) decodes the whole
+    base once per call and runs the BF16 path on that decode, straight through to the
+    master (True), or runs every GEMM on the packed codes as a frozen base does, the
+    backward's weight gradients still going to the master (False). The same bits either
+    way (every MXFP4 GEMM is bitwise the BF16 GEMM on the exact decode).
+
+    Below :data:`MXFP4_STREAM_MAX_ROWS_PER_EXPERT` pool rows per expert the GEMMs decode
+    in their pipelines (or stream), so the whole-base decode is pure overhead (1.5 ms of
+    a 5.5 ms F+B at ep4rank dims and T = 512 on an H100, docs/PERFORMANCE.md); above it
+    each GEMM would make a transient decode of its own, four per F+B instead of two.
+    Host values only: no synchronisation."""
+    return not mxfp4_decodes_in_pipeline(pool_rows, num_experts, streams=True)
+
+
 #: Expected pool rows per expert up to which the weight-streaming GEMMs walk each
 #: expert's rows in chunks of 32 (wgmma N = 32); above it, chunks of 64. A chunk decodes
 #: its weight tile once, so the chunk should hold an expert's rows; a narrower MMA costs

@@ -30,11 +30,12 @@ from .custom_ops.layer import (
 )
 from .ep.ops import moe as fused_moe
 from .ep.ops import raise_with_the_group
-from .heuristics import get_block_m
+from .heuristics import get_block_m, mxfp4_master_decodes_once
 from .side_lora import SideLoRA
 from .validation import check_moe_inputs
 from .validation.layer import check_call_structure
 from .weights import BaseWeights
+from .wrappers.routing import pool_capacity
 
 
 def _requires_grad(t: torch.Tensor) -> bool:
@@ -44,6 +45,15 @@ def _requires_grad(t: torch.Tensor) -> bool:
     while torch._C._functorch.is_batchedtensor(t):
         t = torch._C._functorch.get_unwrapped(t)
     return t.requires_grad
+
+
+def _master_decodes_once(topk_ids: torch.Tensor, base: BaseWeights) -> bool:
+    """:func:`~megamoe.heuristics.mxfp4_master_decodes_once` of an EP1 call: its pool's
+    rows from the ids' shape ``[T, K]`` and the BLOCK_M the call will take."""
+    tokens, top_k = topk_ids.shape
+    block_m = get_block_m(tokens, top_k, base.num_experts)
+    rows = pool_capacity(tokens * top_k, base.num_experts, block_m)
+    return mxfp4_master_decodes_once(rows, base.num_experts)
 
 
 def moe(
@@ -74,7 +84,10 @@ def moe(
             ``"mxfp4"`` (a frozen base: kept packed; each GEMM decodes the codes inside
             its pipeline up to a row count per expert, above it from a transient BF16
             decode made right before it, :func:`~megamoe.heuristics.mxfp4_decodes_in_pipeline`;
-            a trainable master: decoded once per call and trained straight through).
+            a trainable master, ordinary mode: the same packed GEMMs where they decode
+            in their pipelines, else the BF16 path on one decode per call,
+            :func:`~megamoe.heuristics.mxfp4_master_decodes_once`; either way the master
+            takes the gradient at the MXFP4 values, straight through, in its dtype).
         side: optional :class:`~megamoe.SideLoRA` (bfloat16); scale 0 gives output
             bitwise equal to ``side=None``.
         activation: ``"swiglu"`` or ``"geglu"``; activation_clamp: ``c`` or None.
@@ -131,8 +144,8 @@ def moe(
         # (before any launch), so they are not run twice. Under torch.compile the fake
         # implementation runs them at trace time (on fake tensors: no data pointers, no id
         # values) and the real one at run time. EP ids are global: the dispatch plan checks
-        # their range. A trainable MXFP4 base decodes (a launch) before the op: its call is
-        # checked here.
+        # their range. A trainable MXFP4 base that is not kept packed decodes (a launch)
+        # before the op: its call is checked here.
         cuda_ep1 = (
             group is None
             and isinstance(x, torch.Tensor)
@@ -140,7 +153,14 @@ def moe(
             and isinstance(topk_ids, torch.Tensor)
             and topk_ids.dim() == 2
         )
-        checked_by_op = cuda_ep1 and not base.decodes_for_call
+        # Ordinary mode on an MXFP4 base, EP1: where its GEMMs decode in their pipelines,
+        # the base stays packed and the op takes the masters, whose gradients its backward
+        # gives (the same bits as the decode's straight-through path below).
+        keep_packed = False
+        if group is None and base.decodes_for_call:
+            check_call_structure(topk_ids, side)  # what the choice reads
+            keep_packed = not _master_decodes_once(topk_ids, base)
+        checked_by_op = cuda_ep1 and (keep_packed or not base.decodes_for_call)
         if torch.compiler.is_compiling() or checked_by_op:
             # Only what this function reads before the op's checks run.
             check_call_structure(topk_ids, side)
@@ -157,9 +177,10 @@ def moe(
                 allow_no_tokens=group is not None,
                 expert_id_limit=None if group is not None else base.num_experts,
             )
-        # Ordinary mode on an MXFP4 base: the BF16 path on the exact decode, with the
-        # gradient passed straight through to the master (docs/DESIGN.md §1).
-        base = base.for_call()
+        # Ordinary mode on an MXFP4 base, unless kept packed: the BF16 path on the exact
+        # decode, with the gradient passed straight through to the master (DESIGN §1).
+        masters = (base.w13_master, base.w2_master) if keep_packed else (None, None)
+        base = base.for_call(decode_master=not keep_packed)
         if group is not None and base.device.type != "cuda":
             raise ValueError(
                 f"base: expected CUDA weights for the fused path, got {base.device} (the "
@@ -185,7 +206,7 @@ def moe(
     side_tensors = [None] * len(SIDE_NAMES) if side is None else list(side.tensors())
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and _requires_grad(t)
-        for t in [x, topk_weights, base.w13, base.w2, *side_tensors]
+        for t in [x, topk_weights, base.w13, base.w2, *masters, *side_tensors]
     )
     save = "none"
     if needs_grad:
@@ -200,6 +221,8 @@ def moe(
         w2=base.w2,
         w13_scales=base.w13_scales,
         w2_scales=base.w2_scales,
+        w13_master=masters[0],
+        w2_master=masters[1],
         **dict(zip(SIDE_NAMES, side_tensors, strict=True)),
         scale=0.0 if side is None else side.scale,
         activation=activation,
@@ -208,6 +231,7 @@ def moe(
         save=save,
     )
     tensors = [x, topk_ids, topk_weights, base.w13, base.w2, base.w13_scales, base.w2_scales]
+    tensors += masters
     # The decoded base takes the eager route too (the op's checks run inside it).
     if cuda_ep1 and _takes_eager_route([*tensors, *side_tensors]):
         return _EagerMoeForward.apply(*(args[name] for name in _FORWARD_INPUTS))[0]

@@ -70,15 +70,19 @@ class BaseWeights:
         gradients are on: ordinary mode), a launch on a CUDA base."""
         return self.trains_master and torch.is_grad_enabled()
 
-    def for_call(self, *, oracle: bool = False) -> BaseWeights:
+    def for_call(self, *, oracle: bool = False, decode_master: bool = True) -> BaseWeights:
         """What a layer call runs on: :meth:`straight_through` where
-        :attr:`decodes_for_call`, else this base. Raises ``ValueError`` when this base is
-        a copy of trainable weights that changed in place since it was prepared, or a
-        copy of weights that require grad made under ``no_grad`` and called with
-        gradients on (it has no autograd link to them).
+        :attr:`decodes_for_call` and ``decode_master``, else this base. Raises
+        ``ValueError`` when this base is a copy of trainable weights that changed in place
+        since it was prepared, or a copy of weights that require grad made under
+        ``no_grad`` and called with gradients on (it has no autograd link to them).
         ``oracle``: decode with :func:`~megamoe.dequantize_mxfp4` (torch ops) instead of
         the native decode the fused path uses, so the reference shares no decode with
-        the code it checks."""
+        the code it checks. ``decode_master=False``: a trainable MXFP4 base stays packed;
+        the caller hands ``w13_master``/``w2_master`` to the op, whose backward gives
+        them the gradient (:func:`~megamoe.heuristics.mxfp4_master_decodes_once`)."""
+        if not isinstance(decode_master, bool):
+            raise TypeError(f"decode_master: expected a bool, got {type(decode_master).__name__}")
         self.check_sources_unchanged()
         # Also while torch.compile traces: `unlinked` and the grad mode are static.
         if self.unlinked and torch.is_grad_enabled():
@@ -90,7 +94,9 @@ class BaseWeights:
                 "megamoe.MegaMoE does), or call under torch.no_grad(), or prepare it "
                 "from detached weights to keep them frozen"
             )
-        return self.straight_through(oracle=oracle) if self.decodes_for_call else self
+        if self.decodes_for_call and decode_master:
+            return self.straight_through(oracle=oracle)
+        return self
 
     def check_sources_unchanged(self) -> None:
         """``ValueError`` if a trainable source this base copied or quantized changed in

@@ -566,15 +566,23 @@ def test_the_gpu_path_checks_what_it_reads_before_the_op(changes, error, match) 
         fake_cuda_call(**changes)
 
 
-def test_a_trainable_mxfp4_base_is_checked_before_its_decode(monkeypatch) -> None:
-    """Ordinary mode on an MXFP4 base decodes it (a launch) before the op: on the GPU
-    path (fake CUDA tensors) the call's checks come first."""
+@pytest.mark.parametrize("tokens", [T, 8000])  # 6 and 4,000 routes per expert
+def test_a_trainable_mxfp4_base_is_checked_before_its_decode(monkeypatch, tokens) -> None:
+    """Ordinary mode on an MXFP4 base: with many rows per expert it is decoded (a
+    launch) before the op, with few the op takes it packed; on the GPU path (fake CUDA
+    tensors) the call's checks come first either way."""
 
     def decode_first(self):
         raise AssertionError("decoded before the checks")
 
     monkeypatch.setattr(mm.BaseWeights, "straight_through", decode_first)
     packed = mm.prepare_base_weights(*base_tensors(), format="mxfp4")
+    # Trainable masters (their values are never read), real CPU tensors: a fake CUDA
+    # tensor that requires grad aborts autograd on a machine without CUDA.
+    masters = {
+        name: torch.zeros(shape, requires_grad=True)
+        for name, shape in (("w13_master", (E, 2 * I, H)), ("w2_master", (E, H, I)))
+    }
     cuda = torch.device("cuda")
     with FakeTensorMode(allow_non_fake_inputs=True):
         on_gpu = {
@@ -582,14 +590,12 @@ def test_a_trainable_mxfp4_base_is_checked_before_its_decode(monkeypatch) -> Non
             for name in ("w13", "w2", "w13_scales", "w2_scales")
             if (t := getattr(packed, name)) is not None
         }
-        # A trainable master (its values are never read: the decode is what is tested).
-        master = torch.zeros(1, requires_grad=True)
-        base = dataclasses.replace(packed, **on_gpu, w13_master=master, w2_master=master)
+        base = dataclasses.replace(packed, **on_gpu, **masters)
         assert base.decodes_for_call
-        x = torch.empty(T, H, device=cuda)  # float32: not the layer's dtype
-        ids = torch.empty(T, K, dtype=torch.int32, device=cuda)
+        x = torch.empty(tokens, H, device=cuda)  # float32: not the layer's dtype
+        ids = torch.empty(tokens, K, dtype=torch.int32, device=cuda)
         with pytest.raises(TypeError, match=r"^x: expected dtype bfloat16"):
-            mm.moe(x, ids, torch.empty(T, K, device=cuda), base)
+            mm.moe(x, ids, torch.empty(tokens, K, device=cuda), base)
 
 
 @pytest.mark.parametrize(

@@ -54,3 +54,40 @@ def test_reduce_shared_grads_is_checked_before_the_base_is_prepared(monkeypatch)
             layer.x, layer.topk_ids, layer.topk_weights, layer.base, layer.side,
             reduce_shared_grads=False,
         )  # fmt: skip
+
+
+@pytest.mark.parametrize("rank", [None, 16])
+@pytest.mark.parametrize(
+    ("tokens", "decodes"),
+    [(24, 0), (1600, 2)],  # 12 and 800 routes per expert (E = 4, K = 2)
+)
+def test_a_trainable_mxfp4_base_is_the_straight_through_path_packed_or_decoded(
+    cpu_twins, monkeypatch, rank, tokens, decodes
+):
+    """Ordinary mode on an MXFP4 base: with few rows per expert the op runs on the packed
+    codes and its backward gives the masters their gradients (no whole-base decode); with
+    many it runs the BF16 path on one decode. Either way every output and gradient is the
+    straight-through path's, bit for bit, the masters' in their own dtype (FP32 here)."""
+    import megamoe.weights as weights_module
+
+    layer = make_layer(64, 64, 4, 2, rank, num_tokens=tokens, seed=3, requires_grad=True)
+    masters = [w.detach().float().requires_grad_(True) for w in (layer.w13, layer.w2)]
+    base = mm.prepare_base_weights(*masters, format="mxfp4")
+    twin_base = base.straight_through()  # BF16, its gradient cast to the masters'
+    seen = []
+    decode = weights_module.decode_mxfp4_bf16
+    monkeypatch.setattr(
+        weights_module, "decode_mxfp4_bf16", lambda *a: seen.append(1) or decode(*a)
+    )
+    side = [] if layer.side is None else list(layer.side.tensors())
+    leaves = [layer.x, layer.topk_weights, *masters, *side]
+    dout = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(4)).bfloat16()
+    out = mm.moe(layer.x, layer.topk_ids, layer.topk_weights, base, layer.side)
+    grads = torch.autograd.grad(out, leaves, dout)
+    assert len(seen) == decodes
+    twin_out = mm.moe(layer.x, layer.topk_ids, layer.topk_weights, twin_base, layer.side)
+    twin = torch.autograd.grad(twin_out, leaves, dout)
+    assert torch.equal(out, twin_out)
+    for i, (got, want) in enumerate(zip(grads, twin, strict=True)):
+        assert got.dtype == want.dtype and torch.equal(got, want), i
+    assert grads[2].dtype == torch.float32 and grads[2].abs().sum() > 0

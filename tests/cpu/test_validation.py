@@ -542,3 +542,40 @@ def test_check_backward_inputs_names_the_saved_state() -> None:
     bad = {**state, "expert_counts": torch.zeros(E, dtype=torch.int64)}
     with pytest.raises(TypeError, match=r"^expert_counts: expected dtype int32"):
         check_backward_inputs(bf16(T, H), x, b, None, bad)
+
+
+@pytest.mark.parametrize(
+    ("masters", "error", "match"),
+    [
+        (lambda w13, w2: (w13, None), ValueError, r"^w2_master: expected both masters or neither"),
+        (
+            lambda w13, w2: (w13[:, :-1], w2),
+            ValueError,
+            rf"^w13_master: expected shape \[{E}, {2 * I}, {H}\]",
+        ),
+        (lambda w13, w2: (w13, w2.half()), TypeError, r"^w2_master: expected dtype"),
+        (lambda w13, w2: (w13.float(), w2), TypeError, r"^w2_master: expected the dtype of w13"),
+        (lambda w13, w2: (w13, w2.to(META)), ValueError, r"^w2_master: expected device cpu"),
+    ],
+)
+def test_the_forward_op_checks_the_masters_it_is_given(masters, error, match) -> None:
+    """``w13_master``/``w2_master`` (ordinary mode on a packed MXFP4 base) are checked
+    like every other input, by the op itself, before anything runs."""
+    b = base("mxfp4")
+    w13_master, w2_master = masters(bf16(E, 2 * I, H), bf16(E, H, I))
+    ids, weights = routing()
+    with pytest.raises(error, match=match):
+        torch.ops.megamoe.moe_forward(
+            bf16(T, H), ids, weights, b.w13, b.w2, b.w13_scales, b.w2_scales, *[None] * 6,
+            0.0, "swiglu", None, 64, "preact", w13_master=w13_master, w2_master=w2_master,
+        )  # fmt: skip
+
+
+def test_masters_go_with_an_mxfp4_base_only() -> None:
+    b = base()
+    ids, weights = routing()
+    with pytest.raises(ValueError, match=r"^w13_master: master weights go with an MXFP4 base"):
+        torch.ops.megamoe.moe_forward(
+            bf16(T, H), ids, weights, b.w13, b.w2, None, None, *[None] * 6, 0.0, "swiglu",
+            None, 64, "preact", w13_master=bf16(E, 2 * I, H), w2_master=bf16(E, H, I),
+        )  # fmt: skip

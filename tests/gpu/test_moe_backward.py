@@ -343,22 +343,61 @@ def test_mxfp4_ordinary_mode_vs_the_oracle(tokens, rank):
     assert grads["w13"].dtype == torch.bfloat16 and grads["w2"].dtype == torch.bfloat16
 
 
-def test_mxfp4_ordinary_mode_is_the_bf16_path_on_the_decoded_weights():
+@pytest.mark.parametrize(
+    "tokens,rank,master_dtype,checkpoint",
+    [
+        (600, 16, torch.bfloat16, False),  # 150 routes per expert: GEMMs on the codes
+        (600, None, torch.float32, False),
+        (600, 16, torch.float32, True),
+        (3600, 16, torch.float32, False),  # 900: one decode per call, the BF16 path on it
+    ],
+)
+def test_mxfp4_ordinary_mode_is_the_bf16_path_on_the_decoded_weights(
+    tokens, rank, master_dtype, checkpoint, monkeypatch
+):
     """Straight through means: bit for bit the BF16 ordinary-mode gradients of a base
-    holding the decoded values (same kernels, same inputs)."""
-    fast, _ = _layers(512, 256, 8, 2, 16, 600, seed=33, trainable_base=True, format="mxfp4")
-    dout = _dout(600, 512)
-    out, grads = _fused_grads(fast, dout)
-    w13 = fast.base.w13_linear().detach().requires_grad_(True)
-    w2 = fast.base.w2_linear().detach().requires_grad_(True)
-    base = mm.prepare_base_weights(w13, w2)
-    leaves = [fast.x, fast.topk_weights, w13, w2, *fast.side.tensors()]
-    twin_out = mm.moe(fast.x, fast.topk_ids, fast.topk_weights, base, fast.side)
-    twin = torch.autograd.grad(twin_out, leaves, dout)
+    holding the decoded values, cast to the master's dtype, whether the GEMMs ran on the
+    packed codes (few rows per expert: no whole-base decode) or on one decode per call."""
+    import megamoe.weights as weights_module
+    from megamoe.heuristics import mxfp4_master_decodes_once
+    from megamoe.wrappers.routing import pool_capacity
+
+    fast, _ = _layers(512, 256, 8, 2, rank, tokens, seed=33)
+    masters = [w.detach().to(master_dtype).requires_grad_(True) for w in (fast.w13, fast.w2)]
+    base = mm.prepare_base_weights(*masters, format="mxfp4")
+    assert base.trains_master
+    decodes = []
+    decode = weights_module.decode_mxfp4_bf16
+    monkeypatch.setattr(
+        weights_module, "decode_mxfp4_bf16", lambda *a: decodes.append(1) or decode(*a)
+    )
+    side = fast.side
+    dout = _dout(tokens, 512)
+    leaves = [fast.x, fast.topk_weights, *masters, *([] if side is None else side.tensors())]
+    out = mm.moe(
+        fast.x, fast.topk_ids, fast.topk_weights, base, side, activation_checkpoint=checkpoint
+    )
+    grads = torch.autograd.grad(out, leaves, dout)
+    block_m = mm.get_block_m(tokens, 2, 8)
+    once = mxfp4_master_decodes_once(pool_capacity(tokens * 2, 8, block_m), 8)
+    assert once == (tokens == 3600)
+    assert len(decodes) == (2 if once else 0)
+
+    w13 = base.w13_linear().detach().requires_grad_(True)
+    w2 = base.w2_linear().detach().requires_grad_(True)
+    twin_base = mm.prepare_base_weights(w13, w2)
+    twin_leaves = [fast.x, fast.topk_weights, w13, w2, *leaves[4:]]
+    twin_out = mm.moe(
+        fast.x, fast.topk_ids, fast.topk_weights, twin_base, side, activation_checkpoint=checkpoint
+    )
+    twin = torch.autograd.grad(twin_out, twin_leaves, dout)
     assert torch.equal(out, twin_out)
-    names = ("x", "topk_weights", "w13", "w2", *SIDE_NAMES)
-    for name, want in zip(names, twin, strict=True):
-        assert torch.equal(grads[name], want), name
+    names = ("x", "topk_weights", "w13", "w2", *(SIDE_NAMES if side is not None else ()))
+    for name, got, want in zip(names, grads, twin, strict=True):
+        if name in ("w13", "w2"):
+            assert got.dtype == master_dtype, name
+            want = want.to(master_dtype)
+        assert torch.equal(got, want), name
 
 
 def test_mxfp4_layer_with_wide_scale_range_and_zero_blocks():

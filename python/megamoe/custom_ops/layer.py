@@ -43,7 +43,13 @@ from torch.autograd.function import once_differentiable
 from ..pipeline.fused_backward import moe_backward
 from ..pipeline.fused_forward import SAVE_MODES, ForwardState, moe_forward, stage
 from ..side_lora import SideLoRA
-from ..validation import check_backward_inputs, check_block_m, check_devices, check_moe_inputs
+from ..validation import (
+    check_backward_inputs,
+    check_block_m,
+    check_devices,
+    check_masters,
+    check_moe_inputs,
+)
 from ..validation.arguments import check_str_choice, check_tensor, has_data
 from ..validation.layer import check_plan_block_m
 from ..weights import BaseWeights
@@ -80,6 +86,7 @@ def _op_inputs(
     w2: torch.Tensor,
     w13_scales: torch.Tensor | None,
     w2_scales: torch.Tensor | None,
+    masters: tuple[torch.Tensor | None, torch.Tensor | None],
     side: tuple[torch.Tensor | None, ...],
     scale: float,
     activation: str,
@@ -99,6 +106,7 @@ def _op_inputs(
     """
     base = base_weights(w13, w2, w13_scales, w2_scales)
     side_lora = side_lora_of(side, scale)
+    check_masters(base, *masters)
     check_moe_inputs(
         x,
         topk_ids,
@@ -109,6 +117,7 @@ def _op_inputs(
         activation_clamp,
         require_cuda=not fake,
         expert_id_limit=base.num_experts,
+        also_on_device=tuple(zip(_MASTER_GRADS, masters, strict=True)),
     )
     check_block_m(block_m)
     check_str_choice("save", save, SAVE_MODES)
@@ -134,6 +143,11 @@ def _moe_forward_impl(
     activation_clamp: float | None,
     block_m: int,
     save: str,
+    # MXFP4 in ordinary mode: the trainable masters (never read; the backward's weight
+    # gradients go to them, in their dtype), else None. Last, with defaults: positional
+    # calls of the op from before they existed keep working.
+    w13_master: torch.Tensor | None = None,
+    w2_master: torch.Tensor | None = None,
 ) -> tuple[
     torch.Tensor,
     torch.Tensor,
@@ -150,8 +164,9 @@ def _moe_forward_impl(
     ``"recompute"`` (activation checkpointing: ``preact`` empty); absent state tensors
     are empty."""
     base, side = _op_inputs(
-        x, topk_ids, topk_weights, w13, w2, w13_scales, w2_scales, (a1, b1, a3, b3, a2, b2),
-        scale, activation, activation_clamp, block_m, save, fake=False,
+        x, topk_ids, topk_weights, w13, w2, w13_scales, w2_scales, (w13_master, w2_master),
+        (a1, b1, a3, b3, a2, b2), scale, activation, activation_clamp, block_m, save,
+        fake=False,
     )  # fmt: skip
     with autocast_off(x.device):  # the layer keeps its own precision
         result = moe_forward(
@@ -206,10 +221,13 @@ def _(
     activation_clamp,
     block_m,
     save,
+    w13_master=None,
+    w2_master=None,
 ):
     base, side = _op_inputs(
-        x, topk_ids, topk_weights, w13, w2, w13_scales, w2_scales, (a1, b1, a3, b3, a2, b2),
-        scale, activation, activation_clamp, block_m, save, fake=True,
+        x, topk_ids, topk_weights, w13, w2, w13_scales, w2_scales, (w13_master, w2_master),
+        (a1, b1, a3, b3, a2, b2), scale, activation, activation_clamp, block_m, save,
+        fake=True,
     )  # fmt: skip
     out = x.new_empty(x.shape)
     if save == "none":
@@ -493,6 +511,8 @@ def _forward_setup_context(ctx, inputs, output) -> None:
         return
     ctx.options = {name: args[name] for name in ("scale", "activation", "activation_clamp")}
     ctx.block_m = args["block_m"]  # the forward's plan is padded to it
+    # Only their dtypes: the masters' values are never read.
+    ctx.master_dtypes = {name: args[name].dtype for name in _MASTER_GRADS if args[name] is not None}
     save_inputs_and_state(ctx, args, output[1:])
 
 
@@ -515,12 +535,16 @@ def _forward_backward(ctx, dout, *_state_grads):
             "backward; call it with save='preact' or 'recompute' (mm.moe does)"
         )
     inputs, state = saved_inputs_and_state(ctx, _STATE_NAMES)
-    needs = dict(zip(_FORWARD_INPUTS, ctx.needs_input_grad, strict=True))
+    # The dispatcher drops trailing inputs left at their defaults (the masters' None)
+    # from what autograd saw: those need no gradient (and get None, which autograd takes).
+    given = tuple(ctx.needs_input_grad)
+    given += (False,) * (len(_FORWARD_INPUTS) - len(given))
+    needs = dict(zip(_FORWARD_INPUTS, given, strict=True))
     # The forward's plan (its saved index maps) and BLOCK_M: nothing is planned again.
     # On mm.moe's eager route the backward op's implementation is called directly, in
     # a profiler range of the op's name (see _EagerMoeForward).
     which = dict(
-        base_grads=needs["w13"] or needs["w2"],
+        base_grads=any(needs[name] for name in ("w13", "w2", *_MASTER_GRADS)),
         side_grads=ctx.has_side and any(needs[name] for name in SIDE_NAMES),
         block_m=ctx.block_m,
     )
@@ -530,9 +554,32 @@ def _forward_backward(ctx, dout, *_state_grads):
             grads = _eager_backward(dout, inputs, ctx.options, state, **which)
     else:
         grads = _moe_backward_op(dout=dout, **inputs, **ctx.options, **state, **which)
-    return grads_for_inputs(
+    result = grads_for_inputs(
         _FORWARD_INPUTS, grads, needs, inputs, has_side=ctx.has_side, scale=ctx.options["scale"]
     )
+    return _with_master_grads(result, grads, needs, ctx.master_dtypes)
+
+
+#: An MXFP4 master's input name -> the backward op's gradient it takes (that of the
+#: exact decode: straight through the quantizer, DESIGN §1).
+_MASTER_GRADS = {"w13_master": "w13", "w2_master": "w2"}
+
+
+def _with_master_grads(
+    result: tuple[torch.Tensor | None, ...],
+    grads: tuple[torch.Tensor, ...],
+    needs: dict[str, bool],
+    master_dtypes: dict[str, torch.dtype],
+) -> tuple[torch.Tensor | None, ...]:
+    """The forward op's autograd result with each master that needs a gradient given the
+    base gradient of its decode (BF16), cast to the master's dtype as the straight-through
+    path does (:class:`~megamoe.weights.BaseWeights`)."""
+    result = list(result)
+    for name, dtype in master_dtypes.items():
+        if needs[name]:
+            grad = grads[GRAD_NAMES.index(_MASTER_GRADS[name])]
+            result[_FORWARD_INPUTS.index(name)] = grad.to(dtype)
+    return tuple(result)
 
 
 _moe_forward_op.register_autograd(_forward_backward, setup_context=_forward_setup_context)

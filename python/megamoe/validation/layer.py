@@ -27,6 +27,7 @@ __all__ = [
     "check_base_weights",
     "check_call_structure",
     "check_devices",
+    "check_masters",
     "check_moe_inputs",
 ]
 
@@ -153,6 +154,37 @@ def check_call_structure(topk_ids: object, side: object, *, ids_name: str = "top
         )
 
 
+def check_masters(
+    base: BaseWeights,
+    w13_master: torch.Tensor | None,
+    w2_master: torch.Tensor | None,
+) -> None:
+    """The op inputs ``w13_master``/``w2_master`` (ordinary mode on an MXFP4 base kept
+    packed): both None, or, with an MXFP4 ``base``, both given, shaped like its decode
+    (``[E, 2I, H]``, ``[E, H, I]``), bfloat16 or float32 (what
+    :func:`~megamoe.prepare_base_weights` quantizes). Their values are never read: they
+    take the gradient. Their device: :func:`check_moe_inputs`'s ``also_on_device``."""
+    if w13_master is None and w2_master is None:
+        return
+    if base.format != "mxfp4":
+        raise ValueError(
+            "w13_master: master weights go with an MXFP4 base (a BF16 base takes its "
+            f"gradients itself), got a {base.format} base"
+        )
+    experts, hidden, inter = base.num_experts, base.hidden, base.intermediate
+    shapes = {"w13_master": (experts, 2 * inter, hidden), "w2_master": (experts, hidden, inter)}
+    masters = {"w13_master": w13_master, "w2_master": w2_master}
+    for name, master in masters.items():
+        if master is None:
+            raise ValueError(f"{name}: expected both masters or neither, got only the other")
+        check_tensor(name, master, shape=shapes[name], dtypes=(torch.bfloat16, torch.float32))
+    if w2_master.dtype != w13_master.dtype:
+        raise TypeError(
+            f"w2_master: expected the dtype of w13_master ({w13_master.dtype}), got "
+            f"{w2_master.dtype}"
+        )
+
+
 def check_devices(named: list[tuple[str, torch.Tensor | None]], where: str) -> torch.device:
     """All tensors of ``named`` on one device: the first's. ``None`` entries are skipped.
 
@@ -187,6 +219,7 @@ def check_moe_inputs(
     allow_no_tokens: bool = False,
     expert_id_limit: int | None = None,
     ids_name: str = "topk_ids",
+    also_on_device: tuple[tuple[str, torch.Tensor | None], ...] = (),
 ) -> torch.device:
     """Every argument check of the MoE layer call, before anything runs.
 
@@ -208,6 +241,8 @@ def check_moe_inputs(
             no value check (EP: global ids, checked by the dispatch plan).
         ids_name: the name ``topk_ids`` goes by in messages (the backward passes the
             saved ``route_to_pool_row`` map, which has the ids' shape, in its place).
+        also_on_device: more ``(name, tensor or None)`` pairs, checked otherwise by the
+            caller, that must share the call's device (the op's masters).
 
     Returns:
         The one device of every tensor.
@@ -273,7 +308,7 @@ def check_moe_inputs(
     ]
     if side is not None:
         named += [(f"side.{n}", t) for n, t in zip(SIDE_NAMES, side.tensors(), strict=True)]
-    device = check_devices(named, "base")
+    device = check_devices([*named, *also_on_device], "base")
     if device.type == "cuda" and has_data(x):  # (a fake tensor has no data pointer)
         # What the kernels read by TMA: 16-byte aligned addresses (a view into a flat
         # buffer may not be), named here rather than by the tensor map's encode.
