@@ -36,7 +36,7 @@ def main() -> int:
 
     import megamoe as mm
     from megamoe.bench.shapes import SHAPES
-    from megamoe.bench.timing import device_event_kind, time_fn
+    from megamoe.bench.timing import kernel_times_by_name, time_fn
 
     shape = SHAPES["ep4rank"].with_tokens(args.tokens)
     layer = shape.make_layer(ordinary=False, device="cuda", requires_grad=True, format=args.format)
@@ -70,10 +70,7 @@ def main() -> int:
         torch.cuda.synchronize()
     # Kernels and copies only: the GPU spans of profiler ranges (megamoe::<stage>,
     # torch.compile's) would count their kernels' time again.
-    per_name: dict[str, list[float]] = {}
-    for event in prof.events():
-        if device_event_kind(event) is not None:
-            per_name.setdefault(event.name, []).append(event.device_time_total)
+    per_name = kernel_times_by_name(prof.events())
     rows = sorted(((sum(t), len(t), name) for name, t in per_name.items()), reverse=True)
     print("one compiled step's kernels: ms, calls, name")
     for total_us, calls, name in rows[: args.kernels]:

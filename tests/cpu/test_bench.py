@@ -433,6 +433,24 @@ def test_device_work_is_counted_without_activity_types():
     assert count_device_work(events) == DeviceWork(kernels=2, copies=2)
 
 
+def test_kernel_times_are_summed_by_name_over_kernels_and_copies_only():
+    from types import SimpleNamespace
+
+    from megamoe.bench.timing import kernel_times_by_name
+
+    def event(kind, name, us):
+        return SimpleNamespace(activity_type=kind, name=name, device_time_total=us)
+
+    events = [
+        event("kernel", "gemm", 5.0),
+        event("gpu_user_annotation", "megamoe::gemm1", 9.0),  # a range: its kernels count
+        event("gpu_memcpy", "Memcpy DtoD", 1.5),
+        event("kernel", "gemm", 7.0),
+        event("cpu_op", "aten::mm", 3.0),
+    ]
+    assert kernel_times_by_name(events) == {"gemm": [5.0, 7.0], "Memcpy DtoD": [1.5]}
+
+
 def test_table_shows_the_launches_of_fused_rows():
     rows = [
         {"mode": "side-lora", "dtype": "bf16", "tokens": 128, "backend": backend,

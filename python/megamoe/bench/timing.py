@@ -240,6 +240,16 @@ def device_event_kind(event: object) -> str | None:
     return "copy" if name.startswith(("Memcpy", "Memset")) else "kernel"
 
 
+def kernel_times_by_name(events: Iterable[object]) -> dict[str, list[float]]:
+    """Each kernel's or copy's device times (us) by name, of torch.profiler events
+    (:func:`device_event_kind`: a range's GPU span would count its kernels twice)."""
+    times: dict[str, list[float]] = {}
+    for event in events:
+        if device_event_kind(event) is not None:
+            times.setdefault(event.name, []).append(event.device_time_total)
+    return times
+
+
 def count_device_work(events: Iterable[object]) -> DeviceWork:
     """Kernels and copies among torch.profiler events (``prof.events()``), classified by
     :func:`device_event_kind` (the GPU spans of ``record_function`` ranges and the
