@@ -238,6 +238,20 @@ def test_mxfp4_decodes_in_pipeline_up_to_each_limit():
         decodes(1_000, 64, streams=1)
 
 
+def test_a_trainable_mxfp4_master_decodes_once_past_the_streaming_limit():
+    stream = mm.heuristics.MXFP4_STREAM_MAX_ROWS_PER_EXPERT
+    once = mm.heuristics.mxfp4_master_decodes_once
+    for experts in (1, 64):
+        assert not once(0, experts) and not once(stream * experts, experts)
+        assert once(stream * experts + 1, experts)
+    # ep4rank (E_l = 64, K = 6): T = 6144 is 704 pool rows per expert, T = 8192 is 896.
+    for tokens, want in ((6144, False), (8192, True)):
+        rows = mm.plan_routes(
+            torch.zeros(tokens, 6, dtype=torch.int32), 64, mm.get_block_m(tokens, 6, 64)
+        ).pool_capacity
+        assert once(rows, 64) == want, tokens
+
+
 def _mxfp4_w13(experts, inter, hidden):
     """Zero codes [E, 2I, H/2] and scales [E, 2I, H/32] (CPU)."""
     codes = torch.zeros(experts, 2 * inter, hidden // 2, dtype=torch.uint8)
