@@ -123,12 +123,13 @@ def mxfp4_master_decodes_once(pool_rows: int, num_experts: int) -> bool:
     backward's weight gradients still going to the master (False). The same bits either
     way (every MXFP4 GEMM is bitwise the BF16 GEMM on the exact decode).
 
-    Below :data:`MXFP4_STREAM_MAX_ROWS_PER_EXPERT` pool rows per expert the GEMMs decode
-    in their pipelines (or stream), so the whole-base decode is pure overhead (1.5 ms of
-    a 5.5 ms F+B at ep4rank dims and T = 512 on an H100, docs/PERFORMANCE.md); above it
-    each GEMM would make a transient decode of its own, four per F+B instead of two.
-    Host values only: no synchronisation."""
-    return not mxfp4_decodes_in_pipeline(pool_rows, num_experts, streams=True)
+    Up to :data:`MXFP4_PIPELINE_MAX_ROWS_PER_EXPERT` pool rows per expert every GEMM
+    decodes in its pipeline or streams, whatever the shape, so the whole-base decode is
+    pure overhead (1.50 ms of a 5.26 ms F+B's kernels at ep4rank dims and T = 512 on an
+    H100, docs/PERFORMANCE.md, forty-eighth session). Above it a GEMM that the streaming
+    kernels do not take would make a transient decode of its own, in the forward and
+    again in the backward. Host values only: no synchronisation."""
+    return not mxfp4_decodes_in_pipeline(pool_rows, num_experts)
 
 
 #: Expected pool rows per expert up to which the weight-streaming GEMMs walk each

@@ -66,8 +66,9 @@ class BaseWeights:
 
     @property
     def decodes_for_call(self) -> bool:
-        """Whether :meth:`for_call` decodes (an MXFP4 base with a trainable master while
-        gradients are on: ordinary mode), a launch on a CUDA base."""
+        """Whether this is an MXFP4 base with a trainable master while gradients are on
+        (ordinary mode), which :meth:`for_call` decodes (a launch on a CUDA base) unless
+        called with ``decode_master=False``."""
         return self.trains_master and torch.is_grad_enabled()
 
     def for_call(self, *, oracle: bool = False, decode_master: bool = True) -> BaseWeights:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import megamoe as mm
+from megamoe.wrappers.routing import pool_capacity
 from megamoe.wrappers.registry import registry
 
 
@@ -238,17 +239,16 @@ def test_mxfp4_decodes_in_pipeline_up_to_each_limit():
         decodes(1_000, 64, streams=1)
 
 
-def test_a_trainable_mxfp4_master_decodes_once_past_the_streaming_limit():
-    stream = mm.heuristics.MXFP4_STREAM_MAX_ROWS_PER_EXPERT
+def test_a_trainable_mxfp4_master_decodes_once_past_the_in_pipeline_limit():
+    engine = mm.heuristics.MXFP4_PIPELINE_MAX_ROWS_PER_EXPERT
     once = mm.heuristics.mxfp4_master_decodes_once
     for experts in (1, 64):
-        assert not once(0, experts) and not once(stream * experts, experts)
-        assert once(stream * experts + 1, experts)
-    # ep4rank (E_l = 64, K = 6): T = 6144 is 704 pool rows per expert, T = 8192 is 896.
-    for tokens, want in ((6144, False), (8192, True)):
-        rows = mm.plan_routes(
-            torch.zeros(tokens, 6, dtype=torch.int32), 64, mm.get_block_m(tokens, 6, 64)
-        ).pool_capacity
+        assert not once(0, experts) and not once(engine * experts, experts)
+        assert once(engine * experts + 1, experts)
+    # ep4rank (E_l = 64, K = 6): pool rows per expert at T = 2048 and 6144 (704: streamed
+    # by a frozen base's GEMMs at these dims, not by every shape's).
+    for tokens, want in ((2048, False), (6144, True)):
+        rows = pool_capacity(tokens * 6, 64, mm.get_block_m(tokens, 6, 64))
         assert once(rows, 64) == want, tokens
 
 

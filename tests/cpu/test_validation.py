@@ -571,11 +571,25 @@ def test_the_forward_op_checks_the_masters_it_is_given(masters, error, match) ->
         )  # fmt: skip
 
 
-def test_masters_go_with_an_mxfp4_base_only() -> None:
+@pytest.mark.parametrize("given", ["w13_master", "w2_master"])
+def test_masters_go_with_an_mxfp4_base_only(given) -> None:
     b = base()
     ids, weights = routing()
-    with pytest.raises(ValueError, match=r"^w13_master: master weights go with an MXFP4 base"):
+    masters = {"w13_master": bf16(E, 2 * I, H), "w2_master": bf16(E, H, I)}
+    masters = {given: masters[given]}  # one is enough to be refused, and is named
+    with pytest.raises(ValueError, match=rf"^{given}: master weights go with an MXFP4 base"):
         torch.ops.megamoe.moe_forward(
             bf16(T, H), ids, weights, b.w13, b.w2, None, None, *[None] * 6, 0.0, "swiglu",
-            None, 64, "preact", w13_master=bf16(E, 2 * I, H), w2_master=bf16(E, H, I),
+            None, 64, "preact", **masters,
+        )  # fmt: skip
+
+
+def test_a_malformed_base_is_named_before_the_masters() -> None:
+    b = base("mxfp4")
+    ids, weights = routing()
+    with pytest.raises(ValueError, match=r"^base\.w2"):
+        torch.ops.megamoe.moe_forward(
+            bf16(T, H), ids, weights, b.w13, b.w2[:, :, :-1].contiguous(), b.w13_scales,
+            b.w2_scales, *[None] * 6, 0.0, "swiglu", None, 64, "preact",
+            w13_master=bf16(E, 2 * I, H), w2_master=bf16(E, H, I),
         )  # fmt: skip

@@ -97,6 +97,9 @@ def test_moe_block_output_and_every_gradient_within_the_oracle_gates(kind):
         (f"d{n}", grads[n], grads_hf[n], w) for n, w in grads64.items()
     ]:
         hf_metrics = compare(theirs, want)
+        # The widening is bounded: HF itself must be near float64 (a route flip moves a
+        # few rows, not the tensor), or "as close as HF" would pass anything.
+        assert hf_metrics.cosine >= 0.99 and hf_metrics.rel_l2 <= 0.15, (name, hf_metrics)
         gate = 0.99999 if name == "out" else GRAD_MIN_COSINE
         assert_close_to_oracle(
             name,

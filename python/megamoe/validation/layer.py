@@ -166,9 +166,11 @@ def check_masters(
     take the gradient. Their device: :func:`check_moe_inputs`'s ``also_on_device``."""
     if w13_master is None and w2_master is None:
         return
+    check_base_weights(base)  # the base's own faults are named as its own
     if base.format != "mxfp4":
+        name = "w13_master" if w13_master is not None else "w2_master"
         raise ValueError(
-            "w13_master: master weights go with an MXFP4 base (a BF16 base takes its "
+            f"{name}: master weights go with an MXFP4 base (a BF16 base takes its "
             f"gradients itself), got a {base.format} base"
         )
     experts, hidden, inter = base.num_experts, base.hidden, base.intermediate
