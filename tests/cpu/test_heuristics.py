@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import megamoe as mm
-from megamoe.wrappers.routing import pool_capacity
 from megamoe.wrappers.registry import registry
+from megamoe.wrappers.routing import pool_capacity
 
 
 def transitions(top_k, num_experts, ep_size=1, max_tokens=70_000):
