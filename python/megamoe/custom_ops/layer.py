@@ -8,7 +8,9 @@ adapter encoding (:mod:`megamoe.custom_ops.inputs`), six optional tensors
   ``save="none"`` (inference) keeps nothing; ``"preact"`` (training) and
   ``"recompute"`` (activation checkpointing) also return what the backward needs: the
   route plan, GEMM1's pre-activations (not with ``"recompute"``), ``q13``, ``p_sum``.
-  Its autograd formula calls
+  An MXFP4 base in ordinary mode, kept packed, comes with its trainable masters
+  (``w13_master``, ``w2_master``, last, default None: never read, given the base
+  gradients). Its autograd formula calls
 - ``megamoe::moe_backward``: :func:`megamoe.pipeline.fused_backward.moe_backward`, given the
   forward's plan (its saved index maps) and its BLOCK_M, nothing planned again.
 
