@@ -47,15 +47,6 @@ def _requires_grad(t: torch.Tensor) -> bool:
     return t.requires_grad
 
 
-def _master_decodes_once(topk_ids: torch.Tensor, base: BaseWeights) -> bool:
-    """:func:`~megamoe.heuristics.mxfp4_master_decodes_once` of an EP1 call: its pool's
-    rows from the ids' shape ``[T, K]`` and the BLOCK_M the call will take."""
-    tokens, top_k = topk_ids.shape
-    block_m = get_block_m(tokens, top_k, base.num_experts)
-    rows = pool_capacity(tokens * top_k, base.num_experts, block_m)
-    return mxfp4_master_decodes_once(rows, base.num_experts)
-
-
 def moe(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -156,10 +147,13 @@ def moe(
         # Ordinary mode on an MXFP4 base, EP1: where its GEMMs decode in their pipelines,
         # the base stays packed and the op takes the masters, whose gradients its backward
         # gives (the same bits as the decode's straight-through path below).
-        keep_packed = False
+        keep_packed, block_m = False, None
         if group is None and base.decodes_for_call:
             check_call_structure(topk_ids, side)  # what the choice reads
-            keep_packed = not _master_decodes_once(topk_ids, base)
+            tokens, top_k = topk_ids.shape
+            block_m = get_block_m(tokens, top_k, base.num_experts)
+            rows = pool_capacity(tokens * top_k, base.num_experts, block_m)
+            keep_packed = not mxfp4_master_decodes_once(rows, base.num_experts)
         checked_by_op = cuda_ep1 and (keep_packed or not base.decodes_for_call)
         if torch.compiler.is_compiling() or checked_by_op:
             # Only what this function reads before the op's checks run.
@@ -212,7 +206,8 @@ def moe(
     if needs_grad:
         save = "recompute" if activation_checkpoint else "preact"
     # One BLOCK_M decision per call: the forward plans with it, the backward reuses it.
-    block_m = get_block_m(topk_ids.shape[0], topk_ids.shape[1], base.num_experts)
+    if block_m is None:
+        block_m = get_block_m(topk_ids.shape[0], topk_ids.shape[1], base.num_experts)
     args = dict(
         x=x,
         topk_ids=topk_ids,

@@ -49,7 +49,6 @@ from ..validation import (
     check_backward_inputs,
     check_block_m,
     check_devices,
-    check_masters,
     check_moe_inputs,
 )
 from ..validation.arguments import check_str_choice, check_tensor, has_data
@@ -108,7 +107,6 @@ def _op_inputs(
     """
     base = base_weights(w13, w2, w13_scales, w2_scales)
     side_lora = side_lora_of(side, scale)
-    check_masters(base, *masters)
     check_moe_inputs(
         x,
         topk_ids,
@@ -119,7 +117,7 @@ def _op_inputs(
         activation_clamp,
         require_cuda=not fake,
         expert_id_limit=base.num_experts,
-        also_on_device=tuple(zip(_MASTER_GRADS, masters, strict=True)),
+        masters=masters,
     )
     check_block_m(block_m)
     check_str_choice("save", save, SAVE_MODES)

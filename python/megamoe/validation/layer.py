@@ -163,10 +163,10 @@ def check_masters(
     packed): both None, or, with an MXFP4 ``base``, both given, shaped like its decode
     (``[E, 2I, H]``, ``[E, H, I]``), bfloat16 or float32 (what
     :func:`~megamoe.prepare_base_weights` quantizes). Their values are never read: they
-    take the gradient. Their device: :func:`check_moe_inputs`'s ``also_on_device``."""
+    take the gradient. Part of :func:`check_moe_inputs` (which also puts them on the
+    call's device), after the base's own checks."""
     if w13_master is None and w2_master is None:
         return
-    check_base_weights(base)  # the base's own faults are named as its own
     if base.format != "mxfp4":
         name = "w13_master" if w13_master is not None else "w2_master"
         raise ValueError(
@@ -221,7 +221,7 @@ def check_moe_inputs(
     allow_no_tokens: bool = False,
     expert_id_limit: int | None = None,
     ids_name: str = "topk_ids",
-    also_on_device: tuple[tuple[str, torch.Tensor | None], ...] = (),
+    masters: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
 ) -> torch.device:
     """Every argument check of the MoE layer call, before anything runs.
 
@@ -243,8 +243,8 @@ def check_moe_inputs(
             no value check (EP: global ids, checked by the dispatch plan).
         ids_name: the name ``topk_ids`` goes by in messages (the backward passes the
             saved ``route_to_pool_row`` map, which has the ids' shape, in its place).
-        also_on_device: more ``(name, tensor or None)`` pairs, checked otherwise by the
-            caller, that must share the call's device (the op's masters).
+        masters: the forward op's ``(w13_master, w2_master)``, an MXFP4 base's trainable
+            masters in ordinary mode, or two Nones (see :func:`check_masters`).
 
     Returns:
         The one device of every tensor.
@@ -290,6 +290,7 @@ def check_moe_inputs(
             raise TypeError(f"side: expected bfloat16 tensors, got {side.dtype}")
         for name in ("b1", "b3", "a2"):  # the kernels read these as given (TMA)
             check_tensor(f"side.{name}", getattr(side, name), contiguous=True)
+    check_masters(base, *masters)
     if expert_id_limit is not None and topk_ids.numel() and _reads_data(topk_ids):
         low, high = int(topk_ids.min()), int(topk_ids.max())
         if low < -1 or high >= expert_id_limit:
@@ -310,7 +311,8 @@ def check_moe_inputs(
     ]
     if side is not None:
         named += [(f"side.{n}", t) for n, t in zip(SIDE_NAMES, side.tensors(), strict=True)]
-    device = check_devices([*named, *also_on_device], "base")
+    named += [("w13_master", masters[0]), ("w2_master", masters[1])]
+    device = check_devices(named, "base")
     if device.type == "cuda" and has_data(x):  # (a fake tensor has no data pointer)
         # What the kernels read by TMA: 16-byte aligned addresses (a view into a flat
         # buffer may not be), named here rather than by the tensor map's encode.
