@@ -77,7 +77,8 @@ def moe(
             decode made right before it, :func:`~megamoe.heuristics.mxfp4_decodes_in_pipeline`;
             a trainable master, ordinary mode: the same packed GEMMs where they decode
             in their pipelines, else the BF16 path on one decode per call,
-            :func:`~megamoe.heuristics.mxfp4_master_decodes_once`; either way the master
+            :func:`~megamoe.heuristics.mxfp4_master_decodes_once`, with ``group`` on the
+            pool of rows this rank receives; either way the master
             takes the gradient at the MXFP4 values, straight through, in its dtype).
         side: optional :class:`~megamoe.SideLoRA` (bfloat16); scale 0 gives output
             bitwise equal to ``side=None``.
@@ -173,8 +174,10 @@ def moe(
             )
         # Ordinary mode on an MXFP4 base, unless kept packed: the BF16 path on the exact
         # decode, with the gradient passed straight through to the master (DESIGN §1).
+        # With group= the EP op takes the packed base and the masters, and decodes once
+        # itself where the received pool is large (megamoe.ep.fused_moe).
         masters = (base.w13_master, base.w2_master) if keep_packed else (None, None)
-        base = base.for_call(decode_master=not keep_packed)
+        base = base.for_call(decode_master=not keep_packed and group is None)
         if group is not None and base.device.type != "cuda":
             raise ValueError(
                 f"base: expected CUDA weights for the fused path, got {base.device} (the "

@@ -148,13 +148,10 @@ def test_cli_ep_refuses_the_options_it_would_drop(extra, capsys):
     assert "--ep: runs megamoe.bench.ep, which takes --mode" in capsys.readouterr().err
 
 
-def test_cli_ep_refuses_ordinary_mxfp4_before_launching(capsys):
-    # megamoe.bench.ep refuses it in its torchrun children; the parent says so first.
-    with pytest.raises(SystemExit):
-        cli.parse_args(["--ep", "2", "--mode", "ordinary", "--dtype", "mxfp4"])
-    assert "--ep: --mode ordinary trains the base: it needs --dtype bf16" in (
-        capsys.readouterr().err
-    )
+def test_cli_ep_takes_ordinary_mxfp4():
+    # The EP op trains an MXFP4 base's masters (it refused this before it took them).
+    args = cli.parse_args(["--ep", "2", "--mode", "ordinary", "--dtype", "mxfp4"])
+    assert (args.modes, args.dtypes) == (["ordinary"], ["mxfp4"])
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from megamoe import ep, reference
+from megamoe.heuristics import mxfp4_master_decodes_once
 from megamoe.side_lora import SideLoRA
 from megamoe.testing import GRAD_MIN_COSINE, compare, make_layer
 
@@ -272,3 +273,96 @@ def test_fused_ep_matches_ep1_and_the_oracle(world):
             if not (m.cosine >= GRAD_MIN_COSINE and m.rel_l2 <= 1e-2):
                 failures.append(f"{name}: d{key} vs oracle {m}")
     assert not failures, "\n".join(failures)
+
+
+def _mxfp4_master_worker(rank: int, world: int) -> dict:
+    """Ordinary mode on an MXFP4 base over the group, on this rank's slice, three ways:
+    kept packed (the EP op takes the masters and gives them the gradient), decoded once
+    inside the op (forced: these pools are below the in-pipeline limit), and the
+    straight-through base (the decode outside the op, BF16); each with and without
+    activation checkpointing, and with FP32 masters under adapters, BF16 masters without.
+    Whether each matches the straight-through bit for bit, and the whole-base decodes."""
+    import torch.distributed as dist
+
+    import megamoe as mm
+    import megamoe.ep.ops as ep_ops
+    import megamoe.weights as weights_module
+
+    group = dist.group.WORLD
+    tokens = {2: [6, 9], 4: [3, 5, 2, 4]}[world]
+    begin = sum(tokens[:rank])
+    rows = slice(begin, begin + tokens[rank])
+    e_l = E // world
+    experts = slice(rank * e_l, (rank + 1) * e_l)
+    decodes = []
+    decode = weights_module.decode_mxfp4_bf16
+    weights_module.decode_mxfp4_bf16 = lambda *a: decodes.append(1) or decode(*a)
+    results = {}
+    for side_rank, master_dtype in ((R, torch.float32), (None, torch.bfloat16)):
+        layer = make_layer(H, INTER, E, 2, side_rank, num_tokens=sum(tokens), seed=7)
+        dout = torch.randn(sum(tokens), H, generator=torch.Generator().manual_seed(8)).bfloat16()
+        masters = [
+            w[experts].detach().to(master_dtype).requires_grad_(True) for w in (layer.w13, layer.w2)
+        ]
+        base = mm.prepare_base_weights(*masters, format="mxfp4")
+        side, side_leaves = None, []
+        if layer.side is not None:
+            s = layer.side
+            parts = [s.a1, s.b1[experts], s.a3, s.b3[experts], s.a2[experts], s.b2]
+            side_leaves = [t.detach().clone().requires_grad_(True) for t in parts]
+            side = SideLoRA(*side_leaves, scale=s.scale)
+
+        def step(base, checkpoint, layer=layer, dout=dout, masters=masters, side=side,
+                 side_leaves=side_leaves):  # fmt: skip
+            x = layer.x[rows].detach().clone().requires_grad_(True)
+            weights = layer.topk_weights[rows].detach().clone().requires_grad_(True)
+            out = ep.fused_moe(
+                x, layer.topk_ids[rows].contiguous(), weights, base, side, group=group,
+                activation_checkpoint=checkpoint,
+            )  # fmt: skip
+            leaves = [x, weights, *masters, *side_leaves]
+            return [out, *torch.autograd.grad(out, leaves, dout[rows])]
+
+        for checkpoint in (False, True):
+            twin = step(base.straight_through(), checkpoint)
+            decodes.clear()
+            packed = step(base, checkpoint)
+            packed_decodes = len(decodes)
+            ep_ops.mxfp4_master_decodes_once = lambda rows, experts: True
+            try:
+                decodes.clear()
+                once = step(base, checkpoint)
+                once_decodes = len(decodes)
+            finally:
+                ep_ops.mxfp4_master_decodes_once = mxfp4_master_decodes_once
+            key = f"side={side_rank is not None} checkpoint={checkpoint}"
+            results[key] = {
+                "packed_same": all(
+                    a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(packed, twin)
+                ),
+                "once_same": all(
+                    a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(once, twin)
+                ),
+                "master_grads": [float(packed[3].abs().sum()), float(packed[4].abs().sum())],
+                "master_dtype": str(packed[3].dtype),
+                "decodes": (packed_decodes, once_decodes),
+            }
+    return results
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_trainable_mxfp4_base_over_the_group_is_the_straight_through_path(world):
+    """mm.moe(group=)'s ordinary mode on an MXFP4 base: the EP op runs on the packed codes
+    (no whole-base decode) or, above the in-pipeline limit, on one decode it makes and
+    keeps for the backward (two decodes, w13 and w2, per step, none in the backward or
+    its recompute); either way every output and gradient is the straight-through path's
+    bit for bit, the masters' in their own dtype."""
+    for rank, per_rank in enumerate(ep.run_gloo(_mxfp4_master_worker, world, timeout_s=400)):
+        for key, result in per_rank.items():
+            where = f"rank {rank} {key}"
+            assert result["packed_same"], where
+            assert result["once_same"], where
+            assert result["decodes"] == (0, 2), where
+            assert all(g > 0 for g in result["master_grads"]), where
+        assert per_rank["side=True checkpoint=False"]["master_dtype"] == "torch.float32"
+        assert per_rank["side=False checkpoint=False"]["master_dtype"] == "torch.bfloat16"

@@ -172,7 +172,7 @@ def test_fake_shapes_match_the_real_ones_with_unbacked_routing_sizes():
     for rank, result in enumerate(ep.run_gloo(_fake_worker, 2, timeout_s=300)):
         t = TOKENS[rank]
         fake, real = result["fake"]["training"], result["real"]
-        assert len(fake) == len(real) == 12
+        assert len(fake) == len(real) == 14
         for (fake_shape, fake_dtype, fake_device), (real_shape, real_dtype, real_device) in zip(
             fake, real, strict=True
         ):
@@ -682,3 +682,141 @@ def test_the_ep_layer_frees_its_exchange_buffers_before_its_peaks(monkeypatch):
     made.clear()  # the backward's own buffers from here
     out.float().sum().backward()
     assert at_pool_backward == [False]
+
+
+def _mxfp4_masters_layer(rank: int, world: int, tokens: tuple[int, ...] = TOKENS):
+    """This rank's slice of one global layer with an MXFP4 base prepared from FP32
+    masters that require grad (ordinary mode, side-LoRA): ``(x, ids, weights, base,
+    side, masters)``."""
+    import megamoe as mm
+
+    x, ids, weights, bf16_base, side = _rank_layer(rank, world, tokens)
+    masters = [w.detach().float().requires_grad_(True) for w in (bf16_base.w13, bf16_base.w2)]
+    return x, ids, weights, mm.prepare_base_weights(*masters, format="mxfp4"), side, masters
+
+
+def _always_decode_once(rows: int, experts: int) -> bool:
+    return True
+
+
+def _mxfp4_compile_worker(rank: int, world: int, dynamic: bool) -> list[tuple]:
+    import torch.distributed as dist
+
+    group = dist.group.WORLD
+    results = []
+    for once in (False, True):
+        if once:  # these pools are below the in-pipeline limit: the decode forced
+            ep_ops.mxfp4_master_decodes_once = _always_decode_once
+        torch._dynamo.reset()
+
+        def layer(x, ids, weights, base, side):
+            return ep.fused_moe(x, ids, weights, base, side, group=group)
+
+        compiled = torch.compile(layer, backend="aot_eager", fullgraph=True, dynamic=dynamic)
+        x, ids, weights, base, side, masters = _mxfp4_masters_layer(rank, world)
+        leaves = (x, weights, *masters, *side.tensors())
+        eager = layer(x, ids, weights, base, side)
+        eager_grads = torch.autograd.grad(eager.float().square().sum(), leaves)
+        out = compiled(x, ids, weights, base, side)
+        grads = torch.autograd.grad(out.float().square().sum(), leaves)
+        results.append(
+            (
+                torch.equal(out, eager),
+                all(torch.equal(a, b) for a, b in zip(grads, eager_grads, strict=True)),
+                grads[2].dtype == torch.float32 and bool(grads[2].abs().sum() > 0),
+            )
+        )
+    return results
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_compiled_ep_step_on_a_trainable_mxfp4_base_matches_eager(dynamic):
+    """torch.compile(fullgraph=True) of an ordinary-MXFP4 EP step (the masters op
+    inputs; the decoded state's unbacked size where the op decodes once): the same bits
+    as eager, kept packed and decoded once, the masters' gradients FP32."""
+    for per_rank in ep.run_gloo(_mxfp4_compile_worker, 2, dynamic, timeout_s=400):
+        assert per_rank == [(True, True, True), (True, True, True)]
+
+
+def _masters_op_args(once: bool) -> tuple[dict, list[torch.Tensor]]:
+    """The forward op's arguments on one process with an MXFP4 base and its masters."""
+    x, ids, weights, base, side, masters = _mxfp4_masters_layer(0, 1)
+    args = _op_args(x.detach(), ids, weights.detach(), base, side, group=None, save="preact")
+    args.update(
+        w13=base.w13, w2=base.w2, w13_scales=base.w13_scales, w2_scales=base.w2_scales,
+        keep_x=True, w13_master=masters[0], w2_master=masters[1],
+    )  # fmt: skip
+    return args, masters
+
+
+@pytest.mark.parametrize("once", [False, True])
+def test_ep_forward_op_with_masters_keeps_a_decode_only_where_it_decodes_once(monkeypatch, once):
+    """The forward op given the masters: its state holds the BF16 decode of the codes
+    where it decodes once (``[E_l, 2I, H]``, ``[E_l, H, I]``), else no experts of it;
+    the fake gives its leading size as an unbacked symbol (the pool decides); opcheck
+    passes in both regimes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import megamoe.weights as weights_module
+
+    if once:
+        monkeypatch.setattr(ep_ops, "mxfp4_master_decodes_once", _always_decode_once)
+    args, _ = _masters_op_args(once)
+    outs = torch.ops.megamoe.moe_ep_forward(**args)
+    state = dict(zip(ep_ops._STATE_NAMES, outs[1:], strict=True))
+    experts = E if once else 0
+    assert state["w13_decoded"].shape == (experts, 2 * INTER, H)
+    assert state["w2_decoded"].shape == (experts, H, INTER)
+    if once:
+        base = weights_module.BaseWeights(
+            "mxfp4", args["w13"], args["w2"], args["w13_scales"], args["w2_scales"], E, H, INTER
+        )
+        assert torch.equal(state["w13_decoded"], base.w13_for_gemm())
+        assert torch.equal(state["w2_decoded"], base.w2_for_gemm())
+    mode = FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True)
+    fake_args = {
+        k: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in args.items()
+    }
+    with mode:
+        fake = torch.ops.megamoe.moe_ep_forward(**fake_args)
+    decoded = fake[len(outs) - 2 :]
+    assert str(decoded[0].shape[0]).startswith("u") and decoded[0].shape[1:] == (2 * INTER, H)
+    assert str(decoded[1].shape[0]) == str(decoded[0].shape[0])  # one symbol for both
+    torch.library.opcheck(
+        torch.ops.megamoe.moe_ep_forward.default,
+        (),
+        args,
+        test_utils=("test_schema", "test_autograd_registration", "test_faketensor"),
+    )
+
+
+def test_a_decoded_state_that_is_not_this_calls_is_named(monkeypatch):
+    """The backward checks the decoded state before any kernel or collective: its
+    shape against the base's, beside a BF16 base, and with a partial expert count."""
+    monkeypatch.setattr(ep_ops, "mxfp4_master_decodes_once", _always_decode_once)
+    args, _ = _masters_op_args(once=True)
+    outs = torch.ops.megamoe.moe_ep_forward(**args)
+    state = dict(zip(ep_ops._STATE_NAMES, outs[1:], strict=True))
+    names = ("x", "topk_weights", "w13", "w2", "w13_scales", "w2_scales", *ep_ops.SIDE_NAMES)
+    backward = dict(
+        dout=torch.randn(args["x"].shape).bfloat16(),
+        **{name: args[name] for name in names},
+        **{name: args[name] for name in ("scale", "activation", "activation_clamp")},
+        group_name="",
+        reduce_shared_grads=True,
+        **state,
+        base_grads=True,
+    )
+    w13d, w2d = state["w13_decoded"], state["w2_decoded"]
+    bad = {
+        r"^w13_decoded: expected the decode of the call's MXFP4 base or no experts": {
+            "w13_decoded": w13d[:1]
+        },
+        r"^w2_decoded: expected shape": {"w2_decoded": w2d[:, :, 1:]},
+        r"^w13_decoded: expected dtype": {"w13_decoded": w13d.float()},
+    }
+    for message, change in bad.items():
+        with pytest.raises(TypeError if "dtype" in message else ValueError, match=message):
+            torch.ops.megamoe.moe_ep_backward(**{**backward, **change})
+    grads = torch.ops.megamoe.moe_ep_backward(**backward)
+    assert grads[2].shape == (E, 2 * INTER, H) and grads[2].dtype == torch.bfloat16

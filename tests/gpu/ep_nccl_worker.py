@@ -12,7 +12,10 @@ BLOCK_M transition of the agreed heuristic, ordinary mode, zero scale):
 - against EP1 (``mm.moe`` on the global batch, this GPU): the same gates, and the
   shared grads equal on every rank after the reduction;
 - a second EP2 step bitwise equal to the first;
-- an argument only one rank refuses raises on every rank (none waits for it).
+- an argument only one rank refuses raises on every rank (none waits for it);
+- ordinary mode on an MXFP4 base: kept packed or decoded once inside the EP op, bitwise
+  the straight-through path (``--mxfp4-masters-only``: this check alone, also on one
+  rank).
 
 Exits 0 when every check on every rank passed; prints the failures otherwise.
 NVLink multicast stays off (NCCL_NVLS_ENABLE=0), as the machines require.
@@ -235,19 +238,71 @@ def check_one_rank_refusal(rank: int, world: int, failures: list[str]) -> None:
             failures.append(f"refusal: expected {want!r}, got {error}")
 
 
+def check_mxfp4_masters(rank: int, world: int, failures: list[str]) -> None:
+    """Ordinary mode on an MXFP4 base (FP32 masters, side adapters): the EP op keeps it
+    packed (these pools are below the in-pipeline limit) or, forced, decodes it once
+    itself; each gives the straight-through base's bits (the decode outside the op, the
+    path before the op took masters), output and every gradient, the masters' FP32."""
+    import megamoe.ep.ops as ep_ops
+
+    tokens = [300] * world
+    layer = global_layer("mxfp4_masters", dict(top_k=6, tokens=tokens), world, torch.bfloat16)
+    gen = torch.Generator().manual_seed(98)
+    dout = torch.randn(sum(tokens), H, generator=gen).to(device=DEVICE, dtype=torch.bfloat16)
+    begin = sum(tokens[:rank])
+    rows = slice(begin, begin + tokens[rank])
+    e_l = E // world
+    experts = slice(rank * e_l, (rank + 1) * e_l)
+    masters = [
+        w[experts].detach().float().requires_grad_(True) for w in (layer.base.w13, layer.base.w2)
+    ]
+    base = mm.prepare_base_weights(*masters, format="mxfp4")
+    s = layer.side
+    parts = [s.a1, s.b1[experts], s.a3, s.b3[experts], s.a2[experts], s.b2]
+    side_leaves = [t.detach().clone().requires_grad_(True) for t in parts]
+    side = mm.SideLoRA(*side_leaves, scale=s.scale)
+    moe = mm.ep.fused_moe if CPU else mm.moe
+
+    def step(base):
+        x = layer.x[rows].detach().clone().requires_grad_(True)
+        weights = layer.topk_weights[rows].detach().clone().requires_grad_(True)
+        ids = layer.topk_ids[rows].contiguous()
+        out = moe(x, ids, weights, base, side, group=dist.group.WORLD)
+        return [out, *torch.autograd.grad(out, [x, weights, *masters, *side_leaves], dout[rows])]
+
+    twin = step(base.straight_through())
+    runs = {"packed": step(base)}
+    decides = ep_ops.mxfp4_master_decodes_once
+    ep_ops.mxfp4_master_decodes_once = lambda rows, experts: True
+    try:
+        runs["decoded once"] = step(base)
+    finally:
+        ep_ops.mxfp4_master_decodes_once = decides
+    for how, got in runs.items():
+        for i, (a, b) in enumerate(zip(got, twin, strict=True)):
+            if a.dtype != b.dtype or not torch.equal(a, b):
+                failures.append(f"mxfp4 masters ({how}): result {i} differs from straight-through")
+    if got[3].dtype != torch.float32 or not got[3].abs().sum() > 0:
+        failures.append("mxfp4 masters: dw13 master not a nonzero FP32 gradient")
+
+
 def main() -> int:
     dist.init_process_group("gloo" if CPU else "nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     if not CPU:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     failures: list[str] = []
-    for name, spec in scenarios(world).items():
+    # --mxfp4-masters-only: that check alone (it also runs on one rank, one GPU).
+    names = [] if "--mxfp4-masters-only" in sys.argv else list(scenarios(world))
+    for name in names:
         # An exception ends this rank (torchrun then stops the others): collectives
         # cannot be kept in step past a failure inside one.
-        check(name, spec, rank, world, failures)
+        check(name, scenarios(world)[name], rank, world, failures)
         if rank == 0:
             print(f"rank 0: {name} done, {len(failures)} failure(s) so far", flush=True)
-    check_one_rank_refusal(rank, world, failures)
+    check_mxfp4_masters(rank, world, failures)
+    if names:
+        check_one_rank_refusal(rank, world, failures)
     counts = torch.tensor([len(failures)], device=DEVICE)
     dist.all_reduce(counts)
     for line in failures:

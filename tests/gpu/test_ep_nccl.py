@@ -1,4 +1,5 @@
-"""EP2 on two GPUs over NCCL: runs tests/gpu/ep_nccl_worker.py under torchrun."""
+"""EP on NCCL: runs tests/gpu/ep_nccl_worker.py under torchrun (EP2 on two GPUs; its
+ordinary-MXFP4 check also on one rank, one GPU)."""
 
 import os
 import subprocess
@@ -27,3 +28,27 @@ def test_ep2_over_nccl():
         timeout=600,
     )
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-6000:]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_one_rank_ordinary_mxfp4_over_nccl():
+    """The EP op on the fused kernels with an MXFP4 base and its masters, kept packed and
+    decoded once, bitwise the straight-through path (a one-rank NCCL group)."""
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "1",
+        "--standalone",
+    ]
+    result = subprocess.run(
+        [*command, str(WORKER), "--mxfp4-masters-only"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-6000:]
+    assert "EP1 NCCL checks: 0 failure(s)" in result.stdout

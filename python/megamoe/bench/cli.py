@@ -704,9 +704,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--ep must be >= 1")
     if args.ep > 1 and (len(args.modes) > 1 or len(args.dtypes) > 1 or args.tokens):
         parser.error("--ep: takes one --mode and one --dtype, and no --tokens")
-    if args.ep > 1 and args.modes == ["ordinary"] and args.dtypes == ["mxfp4"]:
-        # megamoe.bench.ep refuses it too, but only in its torchrun children.
-        parser.error("--ep: --mode ordinary trains the base: it needs --dtype bf16")
     if args.ep > 1 and args.routing != "balanced":
         parser.error("--ep: routes each rank's tokens itself (--routing balanced only)")
     if args.device.startswith("cuda") and not gpu:

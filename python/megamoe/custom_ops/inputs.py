@@ -85,6 +85,46 @@ def input_names(op: object) -> tuple[str, ...]:
     return tuple(arg.name for arg in op._opoverload._schema.arguments)
 
 
+def needs_by_input(
+    forward_inputs: tuple[str, ...], needs_input_grad: tuple[bool, ...]
+) -> dict[str, bool]:
+    """A forward op's ``ctx.needs_input_grad`` by input name. The dispatcher drops trailing
+    inputs left at their defaults (the masters' None) from what autograd saw: those need
+    no gradient (and get None, which autograd takes)."""
+    given = tuple(needs_input_grad)
+    given += (False,) * (len(forward_inputs) - len(given))
+    return dict(zip(forward_inputs, given, strict=True))
+
+
+#: An MXFP4 master's input name -> the backward op's gradient it takes (that of the
+#: exact decode: straight through the quantizer, DESIGN §1).
+MASTER_GRADS = {"w13_master": "w13", "w2_master": "w2"}
+
+
+def master_dtypes(args: dict[str, object]) -> dict[str, torch.dtype]:
+    """The dtypes of the masters a forward op was given (their values are never read)."""
+    return {name: args[name].dtype for name in MASTER_GRADS if args.get(name) is not None}
+
+
+def with_master_grads(
+    forward_inputs: tuple[str, ...],
+    result: tuple[torch.Tensor | None, ...],
+    grads: tuple[torch.Tensor, ...],
+    needs: dict[str, bool],
+    dtypes: dict[str, torch.dtype],
+) -> tuple[torch.Tensor | None, ...]:
+    """A forward op's autograd result (:func:`grads_for_inputs`) with each master that needs
+    a gradient given the base gradient of its decode (BF16), cast to the master's dtype
+    (``dtypes``, :func:`master_dtypes`) as the straight-through path does
+    (:class:`~megamoe.weights.BaseWeights`)."""
+    result = list(result)
+    for name, dtype in dtypes.items():
+        if needs[name]:
+            grad = grads[GRAD_NAMES.index(MASTER_GRADS[name])]
+            result[forward_inputs.index(name)] = grad.to(dtype)
+    return tuple(result)
+
+
 def grads_for_inputs(
     forward_inputs: tuple[str, ...],
     grads: tuple[torch.Tensor, ...],

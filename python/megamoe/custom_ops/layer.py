@@ -58,13 +58,17 @@ from ..wrappers.routing import RoutePlan, pool_capacity
 from .autocast import autocast_off
 from .inputs import (
     GRAD_NAMES,
+    MASTER_GRADS,
     SIDE_NAMES,
     base_weights,
     empty,
     grads_for_inputs,
     input_names,
+    master_dtypes,
+    needs_by_input,
     save_inputs_and_state,
     saved_inputs_and_state,
+    with_master_grads,
 )
 from .inputs import side_lora as side_lora_of
 
@@ -512,7 +516,7 @@ def _forward_setup_context(ctx, inputs, output) -> None:
     ctx.options = {name: args[name] for name in ("scale", "activation", "activation_clamp")}
     ctx.block_m = args["block_m"]  # the forward's plan is padded to it
     # Only their dtypes: the masters' values are never read.
-    ctx.master_dtypes = {name: args[name].dtype for name in _MASTER_GRADS if args[name] is not None}
+    ctx.master_dtypes = master_dtypes(args)
     save_inputs_and_state(ctx, args, output[1:])
 
 
@@ -535,16 +539,12 @@ def _forward_backward(ctx, dout, *_state_grads):
             "backward; call it with save='preact' or 'recompute' (mm.moe does)"
         )
     inputs, state = saved_inputs_and_state(ctx, _STATE_NAMES)
-    # The dispatcher drops trailing inputs left at their defaults (the masters' None)
-    # from what autograd saw: those need no gradient (and get None, which autograd takes).
-    given = tuple(ctx.needs_input_grad)
-    given += (False,) * (len(_FORWARD_INPUTS) - len(given))
-    needs = dict(zip(_FORWARD_INPUTS, given, strict=True))
+    needs = needs_by_input(_FORWARD_INPUTS, ctx.needs_input_grad)
     # The forward's plan (its saved index maps) and BLOCK_M: nothing is planned again.
     # On mm.moe's eager route the backward op's implementation is called directly, in
     # a profiler range of the op's name (see _EagerMoeForward).
     which = dict(
-        base_grads=any(needs[name] for name in ("w13", "w2", *_MASTER_GRADS)),
+        base_grads=any(needs[name] for name in ("w13", "w2", *MASTER_GRADS)),
         side_grads=ctx.has_side and any(needs[name] for name in SIDE_NAMES),
         block_m=ctx.block_m,
     )
@@ -557,29 +557,7 @@ def _forward_backward(ctx, dout, *_state_grads):
     result = grads_for_inputs(
         _FORWARD_INPUTS, grads, needs, inputs, has_side=ctx.has_side, scale=ctx.options["scale"]
     )
-    return _with_master_grads(result, grads, needs, ctx.master_dtypes)
-
-
-#: An MXFP4 master's input name -> the backward op's gradient it takes (that of the
-#: exact decode: straight through the quantizer, DESIGN §1).
-_MASTER_GRADS = {"w13_master": "w13", "w2_master": "w2"}
-
-
-def _with_master_grads(
-    result: tuple[torch.Tensor | None, ...],
-    grads: tuple[torch.Tensor, ...],
-    needs: dict[str, bool],
-    master_dtypes: dict[str, torch.dtype],
-) -> tuple[torch.Tensor | None, ...]:
-    """The forward op's autograd result with each master that needs a gradient given the
-    base gradient of its decode (BF16), cast to the master's dtype as the straight-through
-    path does (:class:`~megamoe.weights.BaseWeights`)."""
-    result = list(result)
-    for name, dtype in master_dtypes.items():
-        if needs[name]:
-            grad = grads[GRAD_NAMES.index(_MASTER_GRADS[name])]
-            result[_FORWARD_INPUTS.index(name)] = grad.to(dtype)
-    return tuple(result)
+    return with_master_grads(_FORWARD_INPUTS, result, grads, needs, ctx.master_dtypes)
 
 
 _moe_forward_op.register_autograd(_forward_backward, setup_context=_forward_setup_context)

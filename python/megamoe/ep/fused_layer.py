@@ -289,7 +289,12 @@ def ep_backward_stages(
             for name in ("b1", "b3", "a2"):
                 grads[name] = torch.zeros_like(getattr(side, name))
         if base_grads:
-            grads["w13"], grads["w2"] = torch.zeros_like(base.w13), torch.zeros_like(base.w2)
+            # BF16 of the decode's shapes whatever the format (an MXFP4 base's codes are
+            # narrower), as pool_backward gives them.
+            bf16 = dict(dtype=torch.bfloat16, device=dout.device)
+            inter = base.intermediate
+            grads["w13"] = torch.zeros(base.num_experts, 2 * inter, hidden, **bf16)
+            grads["w2"] = torch.zeros(base.num_experts, hidden, inter, **bf16)
 
     # Back: [dx_route | sg | su] rows and the router grads, in send order.
     returned = _exchange_into(

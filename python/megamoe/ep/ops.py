@@ -39,16 +39,21 @@ import torch.distributed as dist
 from ..custom_ops.autocast import autocast_off
 from ..custom_ops.inputs import (
     GRAD_NAMES,
+    MASTER_GRADS,
     SIDE_NAMES,
     base_weights,
     empty,
     grads_for_inputs,
     input_names,
+    master_dtypes,
+    needs_by_input,
     save_inputs_and_state,
     saved_inputs_and_state,
+    with_master_grads,
 )
 from ..custom_ops.inputs import side_lora as side_lora_of
-from ..pipeline.fused_forward import SAVE_MODES
+from ..heuristics import mxfp4_master_decodes_once
+from ..pipeline.fused_forward import SAVE_MODES, stage
 from ..side_lora import SideLoRA
 from ..validation import check_block_m, check_devices, check_moe_inputs
 from ..validation.arguments import check_str_choice, check_tensor
@@ -82,7 +87,14 @@ _STATE_NAMES = (
     "recv_x",  # [pool routes, H] bfloat16 (a trainable base), else empty
     "recv_q13",  # [pool routes, 2r] bfloat16 (the side path), else empty
     "p_sum",  # [T, r] bfloat16 (the side path), else empty
+    # An MXFP4 base given with its masters (ordinary mode) and decoded once for this
+    # call: its BF16 decode, which the backward reads in place of the codes, else
+    # [0, 2I, H] / [0, H, I] (1-D empty without masters: see _decoded_state).
+    "w13_decoded",  # [E_l, 2I, H] bfloat16
+    "w2_decoded",  # [E_l, H, I] bfloat16
 )
+#: The state outputs that the backward stages take as their ``saved`` tensors.
+_SAVED_STAGE_STATE = ("preact", "recv_x", "recv_q13", "p_sum")
 _HOST_FIELDS = 6
 
 #: What every rank's forward must hold alike, checked in plan_dispatch's one all-reduce
@@ -133,7 +145,7 @@ def _group(name: str) -> dist.ProcessGroup | None:
 
 def _layer_inputs(
     x, topk_ids, topk_weights, w13, w2, w13_scales, w2_scales, side, scale, activation,
-    activation_clamp,
+    activation_clamp, masters=(None, None),
 ) -> tuple[BaseWeights, SideLoRA | None]:  # fmt: skip
     """The checked ``(base, side)`` of one call (real and fake alike, any device)."""
     base = base_weights(w13, w2, w13_scales, w2_scales)
@@ -148,8 +160,31 @@ def _layer_inputs(
         activation_clamp,
         require_cuda=False,
         allow_no_tokens=True,
+        masters=masters,
     )
     return base, side_lora
+
+
+def _decodes_once(base: BaseWeights, has_masters: bool, plan: DispatchPlan, save: str) -> bool:
+    """Whether a training forward on an MXFP4 base given with its masters decodes the
+    base once for the call (its GEMMs and the backward's on that BF16 decode, which the
+    state keeps) instead of running every GEMM on the codes: above the in-pipeline
+    limit (:func:`~megamoe.heuristics.mxfp4_master_decodes_once`, on the receiver's
+    pool, whose capacity is the same on every rank), where each MXFP4 GEMM would make a
+    transient decode of its own, in the forward and again in the backward. The same
+    bits either way."""
+    if not has_masters or save == "none" or not plan.pool_capacity:
+        return False
+    return mxfp4_master_decodes_once(plan.pool_capacity, base.num_experts)
+
+
+def _decoded_state(x: torch.Tensor, base: BaseWeights, has_masters: bool) -> tuple:
+    """The absent ``(w13_decoded, w2_decoded)``: with masters 3-D of no experts (the
+    fake implementation sizes them by a dynamic size, 0 or ``E_l``), else 1-D empties."""
+    if not has_masters:
+        return empty(x), empty(x)
+    hidden, inter = base.hidden, base.intermediate
+    return x.new_empty(0, 2 * inter, hidden), x.new_empty(0, hidden, inter)
 
 
 def _moe_ep_forward_impl(
@@ -175,7 +210,13 @@ def _moe_ep_forward_impl(
     reduce_shared_grads: bool,
     keep_x: bool,
     save: str,
+    # MXFP4 in ordinary mode: the trainable masters (never read; the backward's weight
+    # gradients go to them, in their dtype), else None. Last, with defaults.
+    w13_master: torch.Tensor | None = None,
+    w2_master: torch.Tensor | None = None,
 ) -> tuple[
+    torch.Tensor,
+    torch.Tensor,
     torch.Tensor,
     torch.Tensor,
     torch.Tensor,
@@ -194,10 +235,12 @@ def _moe_ep_forward_impl(
     ``recv_q13`` empty, the backward exchanges the token rows again and recomputes
     GEMM1's pre-activations. A collective over the group: every rank calls it."""
     group = _group(group_name)
+    has_masters = w13_master is not None or w2_master is not None
     try:
         base, side = _layer_inputs(
             x, topk_ids, topk_weights, w13, w2, w13_scales, w2_scales,
             (a1, b1, a3, b3, a2, b2), scale, activation, activation_clamp,
+            (w13_master, w2_master),
         )  # fmt: skip
         check_str_choice("save", save, SAVE_MODES)
     except Exception as error:  # the peers wait in the agreement
@@ -226,7 +269,15 @@ def _moe_ep_forward_impl(
         check_ids=check_ids,
         uniform=uniform,
     )
+    decoded = _decoded_state(x, base, has_masters)
     with autocast_off(x.device):  # the layer keeps its own precision
+        if _decodes_once(base, has_masters, plan, save):
+            with stage("mxfp4_decode_once"):
+                base = BaseWeights(
+                    "bf16", base.w13_for_gemm(), base.w2_for_gemm(), None, None,
+                    base.num_experts, base.hidden, base.intermediate,
+                )  # fmt: skip
+            decoded = (base.w13, base.w2)
         out, saved = ep_forward_stages(
             plan, x, topk_weights, base, side, activation=activation,
             activation_clamp=activation_clamp, keep_x=keep_x and save == "preact",
@@ -257,7 +308,8 @@ def _moe_ep_forward_impl(
         routes.route_to_pool_row,
         routes.pool_row_to_route,
         host_plan,
-        *(empty(x) if saved[name] is None else saved[name] for name in _STATE_NAMES[7:]),
+        *(empty(x) if saved[name] is None else saved[name] for name in _SAVED_STAGE_STATE),
+        *decoded,
     )
 
 
@@ -290,10 +342,12 @@ def _(
     reduce_shared_grads,
     keep_x,
     save,
+    w13_master=None,
+    w2_master=None,
 ):
     base, side = _layer_inputs(
         x, topk_ids, topk_weights, w13, w2, w13_scales, w2_scales, (a1, b1, a3, b3, a2, b2),
-        scale, activation, activation_clamp,
+        scale, activation, activation_clamp, (w13_master, w2_master),
     )  # fmt: skip
     check_str_choice("save", save, SAVE_MODES)
     world = group_size(_group(group_name))
@@ -309,6 +363,14 @@ def _(
     use_side = side is not None and side.scale != 0.0
     rank = side.rank if use_side else 0
     kept = save == "preact"  # "recompute": the backward recomputes these
+    decoded = _decoded_state(x, base, w13_master is not None or w2_master is not None)
+    if decoded[0].dim() == 3:  # with masters: decoded once or not, as the pool decides
+        decoded_experts = ctx.new_dynamic_size()
+        hidden, inter = base.hidden, base.intermediate
+        decoded = (
+            x.new_empty(decoded_experts, 2 * inter, hidden),
+            x.new_empty(decoded_experts, hidden, inter),
+        )
     return (
         out,
         torch.empty(num_send, dtype=torch.int64, device=x.device),
@@ -322,6 +384,7 @@ def _(
         x.new_empty(pool_routes, base.hidden) if keep_x and kept else x.new_empty(0),
         x.new_empty(pool_routes, 2 * rank) if use_side and kept else x.new_empty(0),
         x.new_empty(x.shape[0], rank) if use_side else x.new_empty(0),
+        *decoded,
     )
 
 
@@ -375,7 +438,30 @@ def _check_state(
                     f"{name}: the adapters' backward needs the forward's {name}, saved empty "
                     "(a forward without the side path, or another call's state)"
                 )
+    _check_decoded_state(state, base)
     check_devices([("x", x), *((n, t) for n, t in state.items() if n != "host_plan")], "x")
+
+
+def _check_decoded_state(state: dict, base: BaseWeights) -> None:
+    """``w13_decoded``/``w2_decoded`` as the forward leaves them: 1-D empties, or 3-D
+    BF16 of the decode's shapes with no experts or all of them (the decode of an MXFP4
+    base), the two alike."""
+    w13_decoded, w2_decoded = state["w13_decoded"], state["w2_decoded"]
+    if w13_decoded.dim() == 1 and w2_decoded.dim() == 1:
+        check_tensor("w13_decoded", w13_decoded, shape=(0,))
+        check_tensor("w2_decoded", w2_decoded, shape=(0,))
+        return
+    experts = check_tensor("w13_decoded", w13_decoded, ndim=3).shape[0]
+    if base.format != "mxfp4" or experts not in (0, base.num_experts):
+        raise ValueError(
+            f"w13_decoded: expected the decode of the call's MXFP4 base or no experts, got "
+            f"shape {list(w13_decoded.shape)} beside a {base.format} base of "
+            f"{base.num_experts} experts"
+        )
+    hidden, inter = base.hidden, base.intermediate
+    bf16 = (torch.bfloat16,)
+    check_tensor("w13_decoded", w13_decoded, shape=(experts, 2 * inter, hidden), dtypes=bf16)
+    check_tensor("w2_decoded", w2_decoded, shape=(experts, hidden, inter), dtypes=bf16)
 
 
 def _plan(
@@ -468,6 +554,8 @@ def _moe_ep_backward_impl(
     recv_x: torch.Tensor,
     recv_q13: torch.Tensor,
     p_sum: torch.Tensor,
+    w13_decoded: torch.Tensor,
+    w2_decoded: torch.Tensor,
     base_grads: bool,
 ) -> tuple[
     torch.Tensor,
@@ -483,7 +571,9 @@ def _moe_ep_backward_impl(
 ]:
     """``(dx, dtopk_weights, dw13, dw2, da1, db1, da3, db3, da2, db2)``; gradients not
     computed are empty (the base's without ``base_grads``, the adapters' without an
-    active adapter). ``dtopk_weights`` is float32. A collective over the group."""
+    active adapter). ``dtopk_weights`` is float32; the base's gradients are BF16
+    ``[E_l, 2I, H]`` / ``[E_l, H, I]`` whatever its format (an MXFP4 base's: with respect
+    to its exact decode). A collective over the group."""
     base, side = _backward_inputs(
         dout, x, topk_weights, w13, w2, w13_scales, w2_scales, (a1, b1, a3, b3, a2, b2), scale,
         activation, activation_clamp, base_grads, recv_x, preact,
@@ -491,11 +581,17 @@ def _moe_ep_backward_impl(
     state = dict(zip(_STATE_NAMES, (
         send_routes, recv_expert, pool_expert_counts, pool_expert_pool_offsets,
         pool_route_to_pool_row, pool_row_to_route, host_plan, preact, recv_x, recv_q13, p_sum,
+        w13_decoded, w2_decoded,
     ), strict=True))  # fmt: skip
     group = _group(group_name)
     plan = _plan(group, x, topk_weights, base, side, state)
+    if w13_decoded.dim() == 3 and w13_decoded.shape[0]:  # the forward's decode of the codes
+        base = BaseWeights(
+            "bf16", w13_decoded, w2_decoded, None, None, base.num_experts, base.hidden,
+            base.intermediate,
+        )  # fmt: skip
     # Absent saved tensors are 1-D empties; present ones are 2-D (maybe of zero rows).
-    saved = {name: (state[name] if state[name].dim() == 2 else None) for name in _STATE_NAMES[7:]}
+    saved = {name: (state[name] if state[name].dim() == 2 else None) for name in _SAVED_STAGE_STATE}
     with autocast_off(x.device):
         grads = ep_backward_stages(
             plan, dout, x, topk_weights, base, side, saved, activation=activation,
@@ -517,8 +613,6 @@ def _backward_inputs(
         activation, activation_clamp,
     )  # fmt: skip
     check_tensor("dout", dout, shape=tuple(x.shape), dtypes=(torch.bfloat16,), device=x.device)
-    if base_grads and base.format == "mxfp4":
-        raise ValueError("base_grads: a packed MXFP4 base is frozen (no gradient)")
     if base_grads and recv_x.dim() != 2 and preact.dim() == 2:
         # The forward kept no received x (keep_x=False): dw13 cannot be formed.
         raise ValueError("base_grads: the forward kept no received x rows (keep_x=False)")
@@ -561,19 +655,22 @@ def _(
     recv_x,
     recv_q13,
     p_sum,
+    w13_decoded,
+    w2_decoded,
     base_grads,
 ):
-    _backward_inputs(
+    base, _ = _backward_inputs(
         dout, x, topk_weights, w13, w2, w13_scales, w2_scales, (a1, b1, a3, b3, a2, b2), scale,
         activation, activation_clamp, base_grads, recv_x, preact,
     )  # fmt: skip
     use_side = a1 is not None and scale != 0.0
     side = (a1, b1, a3, b3, a2, b2)
+    experts, hidden, inter = base.num_experts, base.hidden, base.intermediate
     return (
         x.new_empty(x.shape),
         topk_weights.new_empty(topk_weights.shape, dtype=torch.float32),
-        w13.new_empty(w13.shape) if base_grads else x.new_empty(0),
-        w2.new_empty(w2.shape) if base_grads else x.new_empty(0),
+        x.new_empty(experts, 2 * inter, hidden) if base_grads else x.new_empty(0),
+        x.new_empty(experts, hidden, inter) if base_grads else x.new_empty(0),
         *(t.new_empty(t.shape) if use_side else x.new_empty(0) for t in side),
     )
 
@@ -592,6 +689,7 @@ def _forward_setup_context(ctx, inputs, output) -> None:
         name: args[name]
         for name in ("scale", "activation", "activation_clamp", "group_name", "reduce_shared_grads")
     }
+    ctx.master_dtypes = master_dtypes(args)  # only their dtypes: values never read
     save_inputs_and_state(ctx, args, output[1:])
 
 
@@ -604,17 +702,18 @@ def _forward_backward(ctx, dout, *_state_grads):
             "backward; call it with save='preact' or 'recompute' (mm.moe does)"
         )
     inputs, state = saved_inputs_and_state(ctx, _STATE_NAMES)
-    needs = dict(zip(_FORWARD_INPUTS, ctx.needs_input_grad, strict=True))
+    needs = needs_by_input(_FORWARD_INPUTS, ctx.needs_input_grad)
     grads = _moe_ep_backward_op(
         dout=dout.to(torch.bfloat16).contiguous(),
         **inputs,
         **ctx.options,
         **state,
-        base_grads=needs["w13"] or needs["w2"],
+        base_grads=any(needs[name] for name in ("w13", "w2", *MASTER_GRADS)),
     )
-    return grads_for_inputs(
+    result = grads_for_inputs(
         _FORWARD_INPUTS, grads, needs, inputs, has_side=ctx.has_side, scale=ctx.options["scale"]
     )
+    return with_master_grads(_FORWARD_INPUTS, result, grads, needs, ctx.master_dtypes)
 
 
 _moe_ep_forward_op.register_autograd(_forward_backward, setup_context=_forward_setup_context)
@@ -647,7 +746,11 @@ def moe(
         topk_ids: ``[T, K]`` int32/int64 *global* expert ids in ``[-1, E)``.
         topk_weights: ``[T, K]`` float32, differentiable.
         base: this rank's experts (:func:`~megamoe.prepare_base_weights` of ``[E_l, ...]``,
-            global ids ``rank * E_l ..``), format ``"bf16"`` or ``"mxfp4"`` (frozen).
+            global ids ``rank * E_l ..``), format ``"bf16"`` or ``"mxfp4"``. An MXFP4
+            base with trainable masters (ordinary mode) stays packed: the op takes the
+            masters and gives them the gradient at the MXFP4 values, and decodes the
+            base once for the call where the received pool is above the in-pipeline
+            limit (:func:`~megamoe.heuristics.mxfp4_master_decodes_once`).
         side: optional BF16 :class:`~megamoe.SideLoRA`: shared ``a1, a3, b2`` (the same on
             every rank) and this rank's ``b1, b3, a2``.
         group: the EP process group (NCCL on GPUs, gloo on CPU), or None (one process).
@@ -686,8 +789,14 @@ def moe(
             x, topk_ids, topk_weights, base, side, activation, activation_clamp,
             require_cuda=False, allow_no_tokens=True,
         )  # fmt: skip
-        # MXFP4 ordinary mode, as mm.moe (a no-op if mm.moe already converted it).
-        base = base.for_call()
+        # Ordinary mode on an MXFP4 base: kept packed, the op given the masters, whose
+        # gradients its backward gives; the op decodes the base once itself where the
+        # received pool is large (_decodes_once). The same bits as the straight-through
+        # decode of EP1's larger pools.
+        masters = (None, None)
+        if base.decodes_for_call:
+            masters = (base.w13_master, base.w2_master)
+        base = base.for_call(decode_master=False)
         flags = (
             ("reduce_shared_grads", reduce_shared_grads),
             ("check_ids", check_ids),
@@ -710,7 +819,7 @@ def moe(
                 "torch.distributed.new_group or init_process_group)"
             ) from error
     side_tensors = [None] * len(SIDE_NAMES) if side is None else list(side.tensors())
-    base_trainable = base.w13.requires_grad or base.w2.requires_grad
+    base_trainable = any(t is not None and t.requires_grad for t in [base.w13, base.w2, *masters])
     needs_grad = torch.is_grad_enabled() and (
         base_trainable
         or any(t is not None and t.requires_grad for t in [x, topk_weights, *side_tensors])
@@ -733,4 +842,6 @@ def moe(
         reduce_shared_grads=reduce_shared_grads,
         keep_x=needs_grad and base_trainable,
         save=("recompute" if activation_checkpoint else "preact") if needs_grad else "none",
+        w13_master=masters[0],
+        w2_master=masters[1],
     )[0]
