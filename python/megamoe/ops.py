@@ -136,8 +136,8 @@ def moe(
         # (before any launch), so they are not run twice. Under torch.compile the fake
         # implementation runs them at trace time (on fake tensors: no data pointers, no id
         # values) and the real one at run time. EP ids are global: the dispatch plan checks
-        # their range. A trainable MXFP4 base that is not kept packed decodes (a launch)
-        # before the op: its call is checked here.
+        # their range. At EP1 a trainable MXFP4 base that is not kept packed decodes (a
+        # launch) before the op: its call is checked here (the EP op takes it packed).
         cuda_ep1 = (
             group is None
             and isinstance(x, torch.Tensor)

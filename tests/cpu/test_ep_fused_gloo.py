@@ -281,7 +281,8 @@ def _mxfp4_master_worker(rank: int, world: int) -> dict:
     inside the op (forced: these pools are below the in-pipeline limit), and the
     straight-through base (the decode outside the op, BF16); each with and without
     activation checkpointing, and with FP32 masters under adapters, BF16 masters without.
-    Whether each matches the straight-through bit for bit, and the whole-base decodes."""
+    Then a pool above the limit, where the op decodes once by itself. Whether each
+    matches the straight-through bit for bit, and the whole-base decodes."""
     import torch.distributed as dist
 
     import megamoe as mm
@@ -289,16 +290,15 @@ def _mxfp4_master_worker(rank: int, world: int) -> dict:
     import megamoe.weights as weights_module
 
     group = dist.group.WORLD
-    tokens = {2: [6, 9], 4: [3, 5, 2, 4]}[world]
-    begin = sum(tokens[:rank])
-    rows = slice(begin, begin + tokens[rank])
     e_l = E // world
     experts = slice(rank * e_l, (rank + 1) * e_l)
     decodes = []
     decode = weights_module.decode_mxfp4_bf16
     weights_module.decode_mxfp4_bf16 = lambda *a: decodes.append(1) or decode(*a)
-    results = {}
-    for side_rank, master_dtype in ((R, torch.float32), (None, torch.bfloat16)):
+
+    def setup(side_rank, master_dtype, tokens):
+        begin = sum(tokens[:rank])
+        rows = slice(begin, begin + tokens[rank])
         layer = make_layer(H, INTER, E, 2, side_rank, num_tokens=sum(tokens), seed=7)
         dout = torch.randn(sum(tokens), H, generator=torch.Generator().manual_seed(8)).bfloat16()
         masters = [
@@ -312,8 +312,7 @@ def _mxfp4_master_worker(rank: int, world: int) -> dict:
             side_leaves = [t.detach().clone().requires_grad_(True) for t in parts]
             side = SideLoRA(*side_leaves, scale=s.scale)
 
-        def step(base, checkpoint, layer=layer, dout=dout, masters=masters, side=side,
-                 side_leaves=side_leaves):  # fmt: skip
+        def step(base, checkpoint):
             x = layer.x[rows].detach().clone().requires_grad_(True)
             weights = layer.topk_weights[rows].detach().clone().requires_grad_(True)
             out = ep.fused_moe(
@@ -323,6 +322,15 @@ def _mxfp4_master_worker(rank: int, world: int) -> dict:
             leaves = [x, weights, *masters, *side_leaves]
             return [out, *torch.autograd.grad(out, leaves, dout[rows])]
 
+        return base, step
+
+    def same(got, want):
+        return all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+    results = {}
+    small = {2: [6, 9], 4: [3, 5, 2, 4]}[world]
+    for side_rank, master_dtype in ((R, torch.float32), (None, torch.bfloat16)):
+        base, step = setup(side_rank, master_dtype, small)
         for checkpoint in (False, True):
             twin = step(base.straight_through(), checkpoint)
             decodes.clear()
@@ -337,27 +345,32 @@ def _mxfp4_master_worker(rank: int, world: int) -> dict:
                 ep_ops.mxfp4_master_decodes_once = mxfp4_master_decodes_once
             key = f"side={side_rank is not None} checkpoint={checkpoint}"
             results[key] = {
-                "packed_same": all(
-                    a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(packed, twin)
-                ),
-                "once_same": all(
-                    a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(once, twin)
-                ),
+                "packed_same": same(packed, twin),
+                "once_same": same(once, twin),
                 "master_grads": [float(packed[3].abs().sum()), float(packed[4].abs().sum())],
                 "master_dtype": str(packed[3].dtype),
                 "decodes": (packed_decodes, once_decodes),
             }
+    # About 1000 routes per local expert: above the in-pipeline limit, unforced.
+    base, step = setup(R, torch.float32, [4 * 1000 // world] * world)
+    twin = step(base.straight_through(), False)
+    decodes.clear()
+    large = step(base, False)
+    results["large pool"] = {"same": same(large, twin), "decodes": len(decodes)}
     return results
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_trainable_mxfp4_base_over_the_group_is_the_straight_through_path(world):
     """mm.moe(group=)'s ordinary mode on an MXFP4 base: the EP op runs on the packed codes
-    (no whole-base decode) or, above the in-pipeline limit, on one decode it makes and
-    keeps for the backward (two decodes, w13 and w2, per step, none in the backward or
-    its recompute); either way every output and gradient is the straight-through path's
-    bit for bit, the masters' in their own dtype."""
+    (no whole-base decode) or, above the in-pipeline limit (forced, and reached by a
+    large pool), on one decode it makes and keeps for the backward (two decodes, w13 and
+    w2, per step, none in the backward or its recompute); either way every output and
+    gradient is the straight-through path's bit for bit, the masters' in their own
+    dtype."""
     for rank, per_rank in enumerate(ep.run_gloo(_mxfp4_master_worker, world, timeout_s=400)):
+        large = per_rank.pop("large pool")
+        assert large == {"same": True, "decodes": 2}, f"rank {rank} large pool: {large}"
         for key, result in per_rank.items():
             where = f"rank {rank} {key}"
             assert result["packed_same"], where

@@ -778,8 +778,8 @@ def moe(
             "exchange's split sizes are host values); capture the EP1 layer (group=None)"
         )
     # The op checks again (real and fake); here first, so that a wrong type is named
-    # before the tensors are asked whether they need gradients, and before an MXFP4
-    # base in ordinary mode is decoded (a launch). A refusal here is this rank's alone:
+    # before the tensors are asked whether they need gradients. A refusal here is this
+    # rank's alone:
     # it joins the peers' agreement first, so that they raise too (not under
     # torch.compile's tracing, where no collective runs).
     try:
