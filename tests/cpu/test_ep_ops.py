@@ -90,6 +90,17 @@ def test_flop_counter_counts_the_ep_ops_with_their_formulas():
             assert (forward == 0) == (t == 0)
 
 
+def _compiled_matches_eager(layer, compiled, inputs: tuple, leaves: tuple) -> tuple:
+    """``(output equal, gradients equal, gradients)`` of ``compiled`` against ``layer``
+    on ``inputs``, the gradients of ``sum(out^2)`` with respect to ``leaves``."""
+    eager = layer(*inputs)
+    eager_grads = torch.autograd.grad(eager.float().square().sum(), leaves)
+    out = compiled(*inputs)
+    grads = torch.autograd.grad(out.float().square().sum(), leaves)
+    same = all(torch.equal(a, b) for a, b in zip(grads, eager_grads, strict=True))
+    return torch.equal(out, eager), same, grads
+
+
 def _compile_worker(rank: int, world: int, dynamic: bool) -> list[tuple[bool, bool]]:
     import torch.distributed as dist
 
@@ -103,16 +114,10 @@ def _compile_worker(rank: int, world: int, dynamic: bool) -> list[tuple[bool, bo
     for tokens in (TOKENS, (0, 4)):
         x, ids, weights, base, side = _rank_layer(rank, world, tokens)
         leaves = (x, weights, *side.tensors())
-        eager = layer(x, ids, weights, base, side)
-        eager_grads = torch.autograd.grad(eager.float().square().sum(), leaves)
-        out = compiled(x, ids, weights, base, side)
-        grads = torch.autograd.grad(out.float().square().sum(), leaves)
-        results.append(
-            (
-                torch.equal(out, eager),
-                all(torch.equal(a, b) for a, b in zip(grads, eager_grads, strict=True)),
-            )
+        same_out, same_grads, _ = _compiled_matches_eager(
+            layer, compiled, (x, ids, weights, base, side), leaves
         )
+        results.append((same_out, same_grads))
     return results
 
 
@@ -703,29 +708,27 @@ def _mxfp4_compile_worker(rank: int, world: int, dynamic: bool) -> list[tuple]:
     import torch.distributed as dist
 
     group = dist.group.WORLD
+
+    def layer(x, ids, weights, base, side):
+        return ep.fused_moe(x, ids, weights, base, side, group=group)
+
     results = []
+    decides = ep_ops.mxfp4_master_decodes_once
     for once in (False, True):
         if once:  # these pools are below the in-pipeline limit: the decode forced
             ep_ops.mxfp4_master_decodes_once = _always_decode_once
-        torch._dynamo.reset()
-
-        def layer(x, ids, weights, base, side):
-            return ep.fused_moe(x, ids, weights, base, side, group=group)
-
-        compiled = torch.compile(layer, backend="aot_eager", fullgraph=True, dynamic=dynamic)
-        x, ids, weights, base, side, masters = _mxfp4_masters_layer(rank, world)
-        leaves = (x, weights, *masters, *side.tensors())
-        eager = layer(x, ids, weights, base, side)
-        eager_grads = torch.autograd.grad(eager.float().square().sum(), leaves)
-        out = compiled(x, ids, weights, base, side)
-        grads = torch.autograd.grad(out.float().square().sum(), leaves)
-        results.append(
-            (
-                torch.equal(out, eager),
-                all(torch.equal(a, b) for a, b in zip(grads, eager_grads, strict=True)),
-                grads[2].dtype == torch.float32 and bool(grads[2].abs().sum() > 0),
+        try:
+            torch._dynamo.reset()
+            compiled = torch.compile(layer, backend="aot_eager", fullgraph=True, dynamic=dynamic)
+            x, ids, weights, base, side, masters = _mxfp4_masters_layer(rank, world)
+            leaves = (x, weights, *masters, *side.tensors())
+            same_out, same_grads, grads = _compiled_matches_eager(
+                layer, compiled, (x, ids, weights, base, side), leaves
             )
-        )
+        finally:
+            ep_ops.mxfp4_master_decodes_once = decides
+        master_grad = grads[2].dtype == torch.float32 and bool(grads[2].abs().sum() > 0)
+        results.append((same_out, same_grads, master_grad))
     return results
 
 
@@ -738,7 +741,7 @@ def test_compiled_ep_step_on_a_trainable_mxfp4_base_matches_eager(dynamic):
         assert per_rank == [(True, True, True), (True, True, True)]
 
 
-def _masters_op_args(once: bool) -> tuple[dict, list[torch.Tensor]]:
+def _masters_op_args() -> tuple[dict, list[torch.Tensor]]:
     """The forward op's arguments on one process with an MXFP4 base and its masters."""
     x, ids, weights, base, side, masters = _mxfp4_masters_layer(0, 1)
     args = _op_args(x.detach(), ids, weights.detach(), base, side, group=None, save="preact")
@@ -761,7 +764,7 @@ def test_ep_forward_op_with_masters_keeps_a_decode_only_where_it_decodes_once(mo
 
     if once:
         monkeypatch.setattr(ep_ops, "mxfp4_master_decodes_once", _always_decode_once)
-    args, _ = _masters_op_args(once)
+    args, _ = _masters_op_args()
     outs = torch.ops.megamoe.moe_ep_forward(**args)
     state = dict(zip(ep_ops._STATE_NAMES, outs[1:], strict=True))
     experts = E if once else 0
@@ -794,7 +797,7 @@ def test_a_decoded_state_that_is_not_this_calls_is_named(monkeypatch):
     """The backward checks the decoded state before any kernel or collective: its
     shape against the base's, beside a BF16 base, and with a partial expert count."""
     monkeypatch.setattr(ep_ops, "mxfp4_master_decodes_once", _always_decode_once)
-    args, _ = _masters_op_args(once=True)
+    args, _ = _masters_op_args()
     outs = torch.ops.megamoe.moe_ep_forward(**args)
     state = dict(zip(ep_ops._STATE_NAMES, outs[1:], strict=True))
     names = ("x", "topk_weights", "w13", "w2", "w13_scales", "w2_scales", *ep_ops.SIDE_NAMES)

@@ -106,6 +106,13 @@ def global_layer(name: str, spec: dict, world: int, dtype: torch.dtype):
     )
 
 
+def rank_slices(tokens: list[int], rank: int, world: int) -> tuple[slice, slice]:
+    """This rank's token rows of the global batch and its experts' slice of ``E``."""
+    begin = sum(tokens[:rank])
+    e_l = E // world
+    return slice(begin, begin + tokens[rank]), slice(rank * e_l, (rank + 1) * e_l)
+
+
 def run(layer, dout, rows, experts, group):
     """Forward + backward of ``rows`` with ``experts``; returns out and named grads."""
     base = layer.base
@@ -151,10 +158,7 @@ def check(name: str, spec: dict, rank: int, world: int, failures: list[str]) -> 
     tokens = spec["tokens"]
     gen = torch.Generator().manual_seed(99)
     dout = torch.randn(sum(tokens), H, generator=gen).to(device=DEVICE, dtype=torch.bfloat16)
-    begin = sum(tokens[:rank])
-    rows = slice(begin, begin + tokens[rank])
-    e_l = E // world
-    experts = slice(rank * e_l, (rank + 1) * e_l)
+    rows, experts = rank_slices(tokens, rank, world)
 
     out, grads = run(fast, dout, rows, experts, group)
     again_out, again = run(fast, dout, rows, experts, group)
@@ -212,13 +216,17 @@ def check_one_rank_refusal(rank: int, world: int, failures: list[str]) -> None:
     spec = scenarios(world)["balanced"]
     layer = global_layer("refusal", spec, world, torch.bfloat16)
     tokens = spec["tokens"]
-    begin = sum(tokens[:rank])
-    rows = slice(begin, begin + tokens[rank])
-    e_l = E // world
-    experts = slice(rank * e_l, (rank + 1) * e_l)
+    rows, experts = rank_slices(tokens, rank, world)
     base = layer.base
     local = mm.BaseWeights(
-        "bf16", base.w13[experts].detach(), base.w2[experts].detach(), None, None, e_l, H, INTER
+        "bf16",
+        base.w13[experts].detach(),
+        base.w2[experts].detach(),
+        None,
+        None,
+        E // world,
+        H,
+        INTER,
     )
     x = layer.x[rows].detach()
     if rank == world - 1:
@@ -249,10 +257,7 @@ def check_mxfp4_masters(rank: int, world: int, failures: list[str]) -> None:
     layer = global_layer("mxfp4_masters", dict(top_k=6, tokens=tokens), world, torch.bfloat16)
     gen = torch.Generator().manual_seed(98)
     dout = torch.randn(sum(tokens), H, generator=gen).to(device=DEVICE, dtype=torch.bfloat16)
-    begin = sum(tokens[:rank])
-    rows = slice(begin, begin + tokens[rank])
-    e_l = E // world
-    experts = slice(rank * e_l, (rank + 1) * e_l)
+    rows, experts = rank_slices(tokens, rank, world)
     masters = [
         w[experts].detach().float().requires_grad_(True) for w in (layer.base.w13, layer.base.w2)
     ]
