@@ -52,6 +52,14 @@ def test_split_routes_all_masked():
     assert routes.numel() == 0 and counts.tolist() == [0, 0]
 
 
+def test_split_routes_drops_ids_outside_the_experts():
+    """Ids past ``E`` or below -1 (reachable with ``check_ids=False``) are not sent, as
+    masked ones: counted with the masked routes, after every destination's."""
+    ids = torch.tensor([[7, -1], [8, 0], [-5, 3], [4, 100]])
+    routes, counts = ep.split_routes(ids, ep.ExpertPartition(8, 2, 0))
+    assert routes.tolist() == [3, 5, 0, 6] and counts.tolist() == [2, 2]
+
+
 def test_expert_partition():
     part = ep.ExpertPartition(12, 4, 2)
     assert (part.num_local_experts, part.expert_begin) == (3, 6)

@@ -14,8 +14,10 @@ BLOCK_M transition of the agreed heuristic, ordinary mode, zero scale):
 - a second EP2 step bitwise equal to the first;
 - an argument only one rank refuses raises on every rank (none waits for it);
 - ordinary mode on an MXFP4 base: kept packed or decoded once inside the EP op, bitwise
-  the straight-through path (``--mxfp4-masters-only``: this check alone, also on one
-  rank).
+  the straight-through path;
+- a step's host syncs: two, both in the dispatch plan (CUDA only).
+
+``--one-rank``: the last two checks alone (they also run on one rank, one GPU).
 
 Exits 0 when every check on every rank passed; prints the failures otherwise.
 NVLink multicast stays off (NCCL_NVLS_ENABLE=0), as the machines require.
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
@@ -291,14 +294,43 @@ def check_mxfp4_masters(rank: int, world: int, failures: list[str]) -> None:
         failures.append("mxfp4 masters: dw13 master not a nonzero FP32 gradient")
 
 
+def check_host_syncs(rank: int, world: int, failures: list[str]) -> None:
+    """A side-LoRA EP step (forward and backward, after a warm-up) reads the device to
+    the host twice, both in the dispatch plan: the agreed vector and the gathered route
+    counts (NCCL's split sizes are host ints). Counted by CUDA's sync debug mode, which
+    warns on every synchronizing call; CUDA only."""
+    import warnings
+
+    if CPU:
+        return
+    tokens = [300] * world
+    layer = global_layer("host_syncs", dict(top_k=6, tokens=tokens), world, torch.bfloat16)
+    gen = torch.Generator().manual_seed(97)
+    dout = torch.randn(sum(tokens), H, generator=gen).to(device=DEVICE, dtype=torch.bfloat16)
+    rows, experts = rank_slices(tokens, rank, world)
+    run(layer, dout, rows, experts, dist.group.WORLD)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            run(layer, dout, rows, experts, dist.group.WORLD)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchronizing" in str(w.message)]
+    places = sorted({f"{Path(w.filename).name}:{w.lineno}" for w in syncs})
+    if len(syncs) != 2 or any(not place.startswith("plan.py:") for place in places):
+        failures.append(f"host syncs: expected 2, both in plan.py; got {len(syncs)} at {places}")
+
+
 def main() -> int:
     dist.init_process_group("gloo" if CPU else "nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     if not CPU:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     failures: list[str] = []
-    # --mxfp4-masters-only: that check alone (it also runs on one rank, one GPU).
-    names = [] if "--mxfp4-masters-only" in sys.argv else list(scenarios(world))
+    # --one-rank: the checks that also run on one rank (one GPU) alone.
+    names = [] if "--one-rank" in sys.argv else list(scenarios(world))
     for name in names:
         # An exception ends this rank (torchrun then stops the others): collectives
         # cannot be kept in step past a failure inside one.
@@ -306,6 +338,7 @@ def main() -> int:
         if rank == 0:
             print(f"rank 0: {name} done, {len(failures)} failure(s) so far", flush=True)
     check_mxfp4_masters(rank, world, failures)
+    check_host_syncs(rank, world, failures)
     if names:
         check_one_rank_refusal(rank, world, failures)
     counts = torch.tensor([len(failures)], device=DEVICE)

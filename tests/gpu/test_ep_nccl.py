@@ -1,5 +1,5 @@
 """EP on NCCL: runs tests/gpu/ep_nccl_worker.py under torchrun (EP2 on two GPUs; its
-ordinary-MXFP4 check also on one rank, one GPU)."""
+ordinary-MXFP4 and host-sync checks also on one rank, one GPU)."""
 
 import os
 import subprocess
@@ -31,9 +31,10 @@ def test_ep2_over_nccl():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_one_rank_ordinary_mxfp4_over_nccl():
-    """The EP op on the fused kernels with an MXFP4 base and its masters, kept packed and
-    decoded once, bitwise the straight-through path (a one-rank NCCL group)."""
+def test_one_rank_over_nccl():
+    """On a one-rank NCCL group: the EP op on the fused kernels with an MXFP4 base and its
+    masters, kept packed and decoded once, bitwise the straight-through path; and a step's
+    host syncs, two, both in the dispatch plan."""
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
     command = [
         sys.executable,
@@ -44,7 +45,7 @@ def test_one_rank_ordinary_mxfp4_over_nccl():
         "--standalone",
     ]
     result = subprocess.run(
-        [*command, str(WORKER), "--mxfp4-masters-only"],
+        [*command, str(WORKER), "--one-rank"],
         env=env,
         capture_output=True,
         text=True,

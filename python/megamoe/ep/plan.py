@@ -93,6 +93,27 @@ class ExpertPartition:
         return torch.where(ids >= 0, ids // self.num_local_experts, torch.full_like(ids, -1))
 
 
+def _routes_by_destination(
+    topk_ids: torch.Tensor, partition: ExpertPartition
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(order, counts)`` on the device, no host read: ``order`` ``[T * K]`` the flat
+    route indices sorted by destination rank (stable), masked routes last; ``counts``
+    ``[P]`` int64 routes per destination rank. The first ``sum(counts)`` entries of
+    ``order`` are :func:`split_routes`'s ``send_routes``."""
+    world = partition.world_size
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    # Ids outside [0, E) (possible only with check_ids=False) are masked, as EP1's route
+    # plan treats them: counted as sent, an id past E would break the split sizes on
+    # this rank alone, after the agreement.
+    valid = (flat >= 0) & (flat < partition.num_experts)
+    dest = torch.where(valid, flat // partition.num_local_experts, torch.full_like(flat, world))
+    sorted_dest, order = torch.sort(dest, stable=True)
+    # Each destination's first position in the sorted order (torch.bincount on a GPU
+    # reads the ids' extremes to the host to size its output: two host syncs).
+    starts = torch.searchsorted(sorted_dest, torch.arange(world + 1, device=dest.device))
+    return order, starts[1:] - starts[:-1]
+
+
 def split_routes(
     topk_ids: torch.Tensor, partition: ExpertPartition
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,17 +130,8 @@ def split_routes(
         ``send_counts`` ``[P]`` int64 routes per destination rank. Both on the
         device of ``topk_ids``. Reads ``N_send`` back to the host.
     """
-    world = partition.world_size
-    flat = topk_ids.reshape(-1).to(torch.int64)
-    # Ids outside [0, E) (possible only with check_ids=False) are masked, as EP1's route
-    # plan treats them: counted as sent, an id past E would break the split sizes on
-    # this rank alone, after the agreement.
-    valid = (flat >= 0) & (flat < partition.num_experts)
-    dest = torch.where(valid, flat // partition.num_local_experts, torch.full_like(flat, world))
-    order = torch.sort(dest, stable=True).indices
-    counts = torch.bincount(dest, minlength=world + 1)
-    num_send = flat.numel() - int(counts[world])
-    return order[:num_send], counts[:world].clone()
+    order, counts = _routes_by_destination(topk_ids, partition)
+    return order[: int(counts.sum())], counts
 
 
 def recv_capacity(max_tokens: int, top_k: int, world_size: int) -> int:
@@ -134,17 +146,65 @@ def recv_capacity(max_tokens: int, top_k: int, world_size: int) -> int:
 
 
 def _all_reduce_max(
-    values: list[int], group: dist.ProcessGroup | None, device: torch.device | None = None
+    values: list[int],
+    group: dist.ProcessGroup | None,
+    device: torch.device | None = None,
+    on_device: Mapping[int, torch.Tensor] | None = None,
 ) -> list[int]:
-    """Element-wise MAX over the group of a short int vector (a host read follows)."""
+    """Element-wise MAX over the group of a short int vector, read back to the host.
+    ``on_device``: entries whose value is a 0-d integer tensor still on the device (a
+    flag computed there), written into the vector without a host read of their own."""
     if group is None:
-        return list(values)
-    t = torch.tensor(values, dtype=torch.int64)
-    if dist.get_backend(group) == dist.Backend.NCCL:  # NCCL reduces device tensors only
-        on_gpu = device is not None and device.type == "cuda"
-        t = t.to(device if on_gpu else torch.device("cuda", torch.cuda.current_device()))
+        values = list(values)
+        for index, value in (on_device or {}).items():
+            values[index] = int(value)
+        return values
+    t = _collective_tensor(values, group, device)
+    for index, value in (on_device or {}).items():
+        t[index].copy_(value)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return [int(v) for v in t.tolist()]
+
+
+def _gather_counts(send_counts: torch.Tensor, group: dist.ProcessGroup | None) -> list[list[int]]:
+    """Every rank's routes per destination rank, ``counts[source][destination]`` (host
+    ints, ``P x P``), by one all-gather and one host read: this rank's split sizes, and
+    the MAX over ranks of the routes received (the rank-uniform pool size), both follow
+    from it, where an exchange of the counts and an all-reduce of the received total
+    would take two collectives and two host reads."""
+    if group is None:
+        return [send_counts.tolist()]
+    world = group_size(group)
+    mine = send_counts.to(_collective_device(group, send_counts.device))
+    gathered = mine.new_empty(world * world)
+    # all_gather_single is all_gather_into_tensor's name from torch 2.13 on.
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    all_gather(gathered, mine, group=group)
+    flat = [int(v) for v in gathered.tolist()]
+    return [flat[source * world : (source + 1) * world] for source in range(world)]
+
+
+def _collective_device(group: dist.ProcessGroup, device: torch.device | None) -> torch.device:
+    """Where a collective of ``group`` takes its tensors: NCCL reduces CUDA tensors only
+    (``device`` if it is one, else the current CUDA device); other backends the CPU."""
+    if dist.get_backend(group) != dist.Backend.NCCL:
+        return torch.device("cpu")
+    if device is not None and device.type == "cuda":
+        return device
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _collective_tensor(
+    values: list[int], group: dist.ProcessGroup, device: torch.device | None
+) -> torch.Tensor:
+    """``values`` as int64 on :func:`_collective_device`. To a GPU through pinned memory,
+    without a blocking copy: a pageable copy would wait for every kernel queued on the
+    stream, one more host round trip per collective."""
+    target = _collective_device(group, device)
+    if target.type == "cpu":
+        return torch.tensor(values, dtype=torch.int64)
+    staged = torch.tensor(values, dtype=torch.int64, pin_memory=True)
+    return staged.to(target, non_blocking=True)
 
 
 #: What a rank that holds no valid value for a slot sends: int64's minimum, below every
@@ -182,18 +242,21 @@ def _agreement_values(
 def _agree(
     num_tokens: int,
     refused: int,
-    bad_ids: int,
+    bad_ids: int | torch.Tensor,
     values: list[int | None],
     group: dist.ProcessGroup | None,
     device: torch.device | None,
 ) -> tuple[int, int, int, list[int | None], list[int | None]]:
     """The one all-reduce MAX of :func:`plan_dispatch`: ``(most tokens, a refusing rank + 1
     or 0, a rank with bad ids + 1 or 0, highs, lows)`` of ``values`` over the ranks that
-    hold them (None where no rank does)."""
+    hold them (None where no rank does). ``bad_ids`` may be a 0-d tensor on the ids'
+    device (read only with the agreed vector)."""
     n = len(values)
     highs = [_NO_VALUE if v is None else v for v in values]
     negated = [_NO_VALUE if v is None else -v for v in values]
-    agreed = _all_reduce_max([num_tokens, refused, bad_ids, *highs, *negated], group, device)
+    flag = bad_ids if isinstance(bad_ids, torch.Tensor) else None
+    vector = [num_tokens, refused, 0 if flag is not None else bad_ids, *highs, *negated]
+    agreed = _all_reduce_max(vector, group, device, None if flag is None else {2: flag})
     high = [None if v == _NO_VALUE else v for v in agreed[3 : 3 + n]]
     low = [None if v == _NO_VALUE else -v for v in agreed[3 + n :]]
     return agreed[0], agreed[1], agreed[2], high, low
@@ -364,9 +427,13 @@ class DispatchPlan:
         exchange returns, summing over ``k`` in order with the routing weights.
         """
         device = self.send_routes.device
+        # Filled on the device: a copy from host memory would wait for the GEMMs queued
+        # before it (the forward's combine and the backward call this).
+        offsets = torch.zeros(2, dtype=torch.int32, device=device)
+        offsets[1:].fill_(self.num_send)
         return RoutePlan(
-            expert_counts=torch.tensor([self.num_send], dtype=torch.int32, device=device),
-            expert_pool_offsets=torch.tensor([0, self.num_send], dtype=torch.int32, device=device),
+            expert_counts=torch.full((1,), self.num_send, dtype=torch.int32, device=device),
+            expert_pool_offsets=offsets,
             route_to_pool_row=self.send_position,
             pool_row_to_route=self.send_routes.to(torch.int32),
             block_m=self.block_m,
@@ -398,15 +465,6 @@ def _empty_pool(num_local_experts: int, block_m: int, device: torch.device) -> R
     )
 
 
-def _exchange_counts(send_counts: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """``recv_counts[s]`` = ``send_counts`` entry of rank ``s`` for this rank."""
-    if group is None:
-        return send_counts.clone()
-    recv_counts = torch.empty_like(send_counts)
-    dist.all_to_all_single(recv_counts, send_counts, group=group)
-    return recv_counts
-
-
 def plan_dispatch(
     topk_ids: torch.Tensor,
     num_experts: int,
@@ -423,14 +481,14 @@ def plan_dispatch(
     Steps: one all-reduce MAX of ``[T, refusal flag, bad-id flag, values..., -values...]``,
     the values ``K, E, uniform..., max_tokens (-1: none), block_m (-1: agreed),
     check_ids`` (BLOCK_M agreement and argument checks in one collective) -> the local
-    routing split (:func:`split_routes`) ->
-    ``all_to_all_single`` of the per-rank counts -> ``all_to_all_single`` of the routes'
-    expert ids -> (without a static ``max_tokens``) an all-reduce MAX of the received
-    route count, the rank-uniform pool size -> the receiver's pool plan. The first
-    all-reduce always runs and always has the same length: a mismatched group, or a rank
-    that refused its own arguments (here, or before the call through
-    :func:`refuse_on_every_rank`), raises on every rank instead of pairing different
-    collectives.
+    routing split (as :func:`split_routes`) -> an all-gather of every rank's routes per
+    destination (the split sizes, and without a static ``max_tokens`` the MAX over ranks
+    of the routes received, the rank-uniform pool size) -> ``all_to_all_single`` of the
+    routes' expert ids -> the receiver's pool plan. Two host reads in all: the agreed
+    vector and the gathered counts. The first all-reduce always runs and always has the
+    same length: a mismatched group, or a rank that refused its own arguments (here, or
+    before the call through :func:`refuse_on_every_rank`), raises on every rank instead
+    of pairing different collectives.
 
     Args:
         topk_ids: ``[T, K]`` int32/int64 global expert ids, ``-1`` = masked. ``T`` may
@@ -443,8 +501,8 @@ def plan_dispatch(
             all-reduce). Checked to be the same on every rank and ``>= T`` everywhere.
             (An EP step cannot be captured in a CUDA graph: the split sizes are host
             values.)
-        check_ids: reject ids outside ``[-1, E)`` (reads the ids' extremes to the host
-            in one read; the EP step synchronises for its split sizes anyway).
+        check_ids: reject ids outside ``[-1, E)`` (a flag computed on the device from the
+            ids' extremes, read with the agreed vector; ``group=None``: a host read).
         uniform: extra ints that must be equal on every rank (e.g. ``{"hidden": H}``);
             checked in the same all-reduce, a mismatch raises ``ValueError`` on every
             rank (so no rank is left waiting in a later collective).
@@ -482,16 +540,17 @@ def plan_dispatch(
         if not agrees:
             raise
         local_error = error
-    bad_ids = 0
+    bad_ids: int | torch.Tensor = 0
     if local_error is None and check_ids and topk_ids.numel():
-        low, high = torch.stack(torch.aminmax(topk_ids)).tolist()  # one host read
-        if low < -1 or high >= num_experts:
-            bad_ids = rank + 1
-            if group is None:
-                raise ValueError(
-                    f"topk_ids: expected expert ids in [-1, {num_experts}), got values in "
-                    f"[{low}, {high}]"
-                )
+        low, high = torch.aminmax(topk_ids)
+        # In a group, the flag (this rank + 1, or 0) travels in the agreement's vector
+        # and is read with it, not in a host read of its own.
+        bad_ids = ((low < -1) | (high >= num_experts)).to(torch.int64) * (rank + 1)
+        if group is None and bool(bad_ids):
+            raise ValueError(
+                f"topk_ids: expected expert ids in [-1, {num_experts}), got values in "
+                f"[{int(low)}, {int(high)}]"
+            )
     names, values = _agreement_values(
         top_k, num_experts, uniform, max_tokens, block_m, check_ids, min_blocks
     )
@@ -538,10 +597,11 @@ def plan_dispatch(
     if block_m is None:
         block_m = get_block_m(max_tokens, top_k, num_experts, world, config)
 
-    send_routes, send_counts = split_routes(topk_ids, partition)
-    recv_counts = _exchange_counts(send_counts, group)
-    send_splits = tuple(int(c) for c in send_counts.tolist())
-    recv_splits = tuple(int(c) for c in recv_counts.tolist())  # the host sync
+    order, send_counts = _routes_by_destination(topk_ids, partition)
+    counts = _gather_counts(send_counts, group)  # the host sync
+    send_splits = tuple(counts[rank])
+    recv_splits = tuple(row[rank] for row in counts)
+    send_routes = order[: sum(send_splits)]
 
     send_ids = topk_ids.reshape(-1).to(torch.int64).index_select(0, send_routes)
     if group is None:
@@ -559,14 +619,11 @@ def plan_dispatch(
         )
     num_local = partition.num_local_experts
     # The pool's routes: rank-uniform. With a static max_tokens, the worst case
-    # P * T_max * K (no collective); otherwise the MAX over ranks of the routes actually
-    # received (one more tiny all-reduce next to the counts' host sync): the worst case
-    # is P times the balanced load, too much memory at production sizes.
-    pool_routes = (
-        capacity
-        if static_bound
-        else _all_reduce_max([recv_expert.numel()], group, topk_ids.device)[0]
-    )
+    # P * T_max * K; otherwise the MAX over ranks of the routes actually received (from
+    # the gathered counts): the worst case is P times the balanced load, too much memory
+    # at production sizes.
+    received = [sum(row[destination] for row in counts) for destination in range(world)]
+    pool_routes = capacity if static_bound else max(received)
     if pool_routes == 0:
         pool = _empty_pool(num_local, block_m, topk_ids.device)
     else:
