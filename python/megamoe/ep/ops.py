@@ -14,7 +14,8 @@ layer"):
 - the process group by name (``group.group_name``, resolved through torch.distributed's
   registry, as torch's functional collectives do; ``""``: one process);
 - the forward plans the dispatch inside the op (:func:`~megamoe.ep.plan.plan_dispatch`:
-  the collectives and the one host read of the counts), and its state carries the plan:
+  the collectives and the step's two host reads, the agreement and the gathered route
+  counts), and its state carries the plan:
   the send routes, the received rows' experts, the receiver's pool plan, and the host
   split sizes as a CPU int64 tensor ``host_plan`` (so the backward reads no device
   value to size its exchanges);
@@ -26,7 +27,7 @@ layer"):
   only be an inference call (``save="none"``, every state output empty).
 
 EP pays the custom-op dispatch on every call (EP1's eager route avoids it, about 0.3 ms
-of host time at few tokens); beside the exchanges' host sync this was not measured.
+of host time at few tokens); beside the plan's host reads this was not measured.
 """
 
 from __future__ import annotations
