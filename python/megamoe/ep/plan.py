@@ -546,11 +546,13 @@ def plan_dispatch(
         # In a group, the flag (this rank + 1, or 0) travels in the agreement's vector
         # and is read with it, not in a host read of its own.
         bad_ids = ((low < -1) | (high >= num_experts)).to(torch.int64) * (rank + 1)
-        if group is None and bool(bad_ids):
-            raise ValueError(
-                f"topk_ids: expected expert ids in [-1, {num_experts}), got values in "
-                f"[{int(low)}, {int(high)}]"
-            )
+        if group is None:  # no agreement to carry it: read it here
+            bad_ids = int(bad_ids)
+            if bad_ids:
+                raise ValueError(
+                    f"topk_ids: expected expert ids in [-1, {num_experts}), got values in "
+                    f"[{int(low)}, {int(high)}]"
+                )
     names, values = _agreement_values(
         top_k, num_experts, uniform, max_tokens, block_m, check_ids, min_blocks
     )
