@@ -14,6 +14,11 @@ ranks, the figure the median of those):
   routing's splits and row widths (``[x | q13]`` out, ``[y | p]`` back, ``[dout | db2]``
   and the FP32 weights out, ``[dx | sg | su]`` and the router grads back).
 
+Each EP and EP1 row also gives the host's time to return from the call (the median,
+maxed over ranks as the device samples are: equal to the device time where the call
+waits for the GPU inside or is host-bound) and the synchronising CUDA calls in one call
+(CUDA's sync debug mode; an EP step makes two, both in its dispatch plan, EP1 none).
+
 In this version the exchanges run on the compute stream between the stages, so
 nothing overlaps: EP F+B ~ EP1 F+B + exchanges. Prints a table (rank 0) and writes
 ``--json``. NVLink multicast stays off (NCCL_NVLS_ENABLE=0).
@@ -22,10 +27,13 @@ nothing overlaps: EP F+B ~ EP1 F+B + exchanges. Prints a table (rank 0) and writ
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
 import sys
+import time
+import warnings
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -40,14 +48,17 @@ from megamoe.bench.timing import sample_count, warmup_count
 from megamoe.testing.inputs import make_layer, make_routing
 
 
-def _time(fn, warmup: int, iters: int, setup=None) -> list[float]:
-    """CUDA-event samples of ``fn``; ``setup`` runs before each call, untimed and outside
-    the peak-memory window (the peak after this is the last sample's)."""
+def _time(fn, warmup: int, iters: int, setup=None) -> tuple[list[float], list[float]]:
+    """``(device, host)`` samples of ``fn`` in ms: CUDA events around the call, and the
+    host's time to return from it (``perf_counter``; equal to the device time when the
+    call waits for the GPU inside, as a host read does, or is host-bound). ``setup`` runs
+    before each call, untimed and outside the peak-memory window (the peak after this is
+    the last sample's)."""
     for _ in range(warmup):
         if setup is not None:
             setup()
         fn()
-    samples = []
+    samples, host = [], []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         if setup is not None:
@@ -55,12 +66,30 @@ def _time(fn, warmup: int, iters: int, setup=None) -> list[float]:
         torch.cuda.synchronize()
         # A re-quantized MXFP4 master's temporaries are several times the weights.
         torch.cuda.reset_peak_memory_stats()
+        begin = time.perf_counter()
         start.record()
         fn()
         end.record()
+        host.append((time.perf_counter() - begin) * 1e3)
         torch.cuda.synchronize()
         samples.append(start.elapsed_time(end))
-    return samples
+    return samples, host
+
+
+def _host_reads(fn, setup=None) -> int:
+    """Synchronising CUDA calls in one call of ``fn`` (host reads of device values,
+    blocking copies), counted by CUDA's sync debug mode, which warns on each."""
+    if setup is not None:
+        setup()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return sum("synchronizing" in str(w.message) for w in caught)
 
 
 def _max_over_ranks(samples: list[float]) -> list[float]:
@@ -122,19 +151,19 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     for name, ids, ep_group in (("ep", ep_ids, group), ("ep1", ep1_ids, None)):
         for backward in (False, True):
-            samples = _time(
-                lambda ids=ids, g=ep_group, b=backward: step(ids, g, b),
-                args.warmup,
-                args.iters,
-                setup,
-            )
+            call = functools.partial(step, ids, ep_group, backward)
+            samples, host = _time(call, args.warmup, args.iters, setup)
             samples = _max_over_ranks(samples)  # EP1 too: the same statistic on both
+            host = _max_over_ranks(host)
             # The busiest rank's peak (routing skews the received rows per rank).
             (peak,) = _max_over_ranks([torch.cuda.max_memory_allocated() / 2**30])
+            (reads,) = _max_over_ranks([_host_reads(call, setup)])
             key = f"{name} {'fwd+bwd' if backward else 'forward'}"
             results[key] = {
                 "median_ms": statistics.median(samples),
                 "samples_ms": samples,
+                "host_median_ms": statistics.median(host),
+                "host_reads": int(reads),
                 "peak_gib": peak,
             }
 
@@ -163,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         for send, recv, out_splits, in_splits in buffers:
             dist.all_to_all_single(recv, send, in_splits, out_splits, group=group)
 
-    comm = _max_over_ranks(_time(exchanges, args.warmup, args.iters))
+    comm = _max_over_ranks(_time(exchanges, args.warmup, args.iters)[0])
     sent_bytes = sum(b[0].numel() * b[0].element_size() for b in buffers)
     results["exchanges of one F+B"] = {
         "median_ms": statistics.median(comm),
@@ -177,10 +206,17 @@ def main(argv: list[str] | None = None) -> int:
             f"I={args.intermediate}, mode={args.mode}, base={args.dtype}, "
             f"device={torch.cuda.get_device_name()}"
         )
-        print(f"{'case':24s} {'median ms':>10s} {'peak GiB':>9s}")
+        print(
+            f"{'case':24s} {'median ms':>10s} {'host ms':>8s} {'host reads':>10s} {'peak GiB':>9s}"
+        )
         for key, row in results.items():
-            peak = f"{row['peak_gib']:9.1f}" if "peak_gib" in row else " " * 9
-            print(f"{key:24s} {row['median_ms']:10.2f} {peak}")
+            if "host_reads" in row:
+                extra = (
+                    f"{row['host_median_ms']:8.2f} {row['host_reads']:10d} {row['peak_gib']:9.1f}"
+                )
+            else:
+                extra = ""
+            print(f"{key:24s} {row['median_ms']:10.2f} {extra}")
         ep_fb = results["ep fwd+bwd"]["median_ms"]
         ep1_fb = results["ep1 fwd+bwd"]["median_ms"]
         print(
