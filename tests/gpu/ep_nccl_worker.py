@@ -318,9 +318,13 @@ def check_host_syncs(rank: int, world: int, failures: list[str]) -> None:
     finally:
         torch.cuda.set_sync_debug_mode("default")
     syncs = [w for w in caught if "synchronizing" in str(w.message)]
-    places = sorted({f"{Path(w.filename).name}:{w.lineno}" for w in syncs})
-    if len(syncs) != 2 or any(not place.startswith("plan.py:") for place in places):
-        failures.append(f"host syncs: expected 2, both in plan.py; got {len(syncs)} at {places}")
+    places = sorted({(Path(w.filename).as_posix(), w.lineno) for w in syncs})
+    in_plan = all(path.endswith("megamoe/ep/plan.py") for path, _ in places)
+    if len(syncs) != 2 or len(places) != 2 or not in_plan:
+        failures.append(
+            f"host syncs: expected 2, at two places in megamoe/ep/plan.py; got "
+            f"{len(syncs)} at {places}"
+        )
 
 
 def main() -> int:

@@ -153,7 +153,8 @@ def _all_reduce_max(
 ) -> list[int]:
     """Element-wise MAX over the group of a short int vector, read back to the host.
     ``on_device``: entries whose value is a 0-d integer tensor still on the device (a
-    flag computed there), written into the vector without a host read of their own."""
+    flag computed there), written into the vector without a host read of their own
+    (``group=None``: each read here)."""
     if group is None:
         values = list(values)
         for index, value in (on_device or {}).items():
@@ -497,8 +498,9 @@ def plan_dispatch(
         group: the EP process group (any backend; ``None`` = one process, ``P = 1``).
         block_m: override the agreed BLOCK_M (must then be the same on every rank).
         max_tokens: the group's ``T_max`` if the caller knows it (a static bound: the
-            pool is then sized for it, ``P * T_max * K`` routes, without the second
-            all-reduce). Checked to be the same on every rank and ``>= T`` everywhere.
+            pool is then sized for it, ``P * T_max * K`` routes, instead of the largest
+            received count). Checked to be the same on every rank and ``>= T``
+            everywhere.
             (An EP step cannot be captured in a CUDA graph: the split sizes are host
             values.)
         check_ids: reject ids outside ``[-1, E)`` (a flag computed on the device from the
@@ -509,8 +511,9 @@ def plan_dispatch(
         config: :func:`~megamoe.get_block_m` thresholds.
 
     Returns:
-        The :class:`DispatchPlan`. The counts are read back to the host (the split sizes
-        of ``all_to_all_single`` are host ints): this is the CPU path's host sync.
+        The :class:`DispatchPlan`. Two host reads, on every backend: the agreed vector
+        and the gathered counts (the split sizes of ``all_to_all_single`` are host
+        ints).
     """
     world, rank = group_size(group), group_rank(group)
     agrees = group is not None
@@ -545,6 +548,7 @@ def plan_dispatch(
         low, high = torch.aminmax(topk_ids)
         # In a group, the flag (this rank + 1, or 0) travels in the agreement's vector
         # and is read with it, not in a host read of its own.
+        high = high.to(torch.int64)  # E may pass int32's range: compare in int64
         bad_ids = ((low < -1) | (high >= num_experts)).to(torch.int64) * (rank + 1)
         if group is None:  # no agreement to carry it: read it here
             bad_ids = int(bad_ids)
@@ -600,7 +604,7 @@ def plan_dispatch(
         block_m = get_block_m(max_tokens, top_k, num_experts, world, config)
 
     order, send_counts = _routes_by_destination(topk_ids, partition)
-    counts = _gather_counts(send_counts, group)  # the host sync
+    counts = _gather_counts(send_counts, group)  # the second host read
     send_splits = tuple(counts[rank])
     recv_splits = tuple(row[rank] for row in counts)
     send_routes = order[: sum(send_splits)]
