@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 import megamoe as mm
+from megamoe.bench.timing import synchronizing_calls
 from megamoe.testing import (
     GRAD_MIN_COSINE,
     ORACLE_MAX_REL_L2,
@@ -299,8 +300,6 @@ def check_host_syncs(rank: int, world: int, failures: list[str]) -> None:
     the host twice, both in the dispatch plan: the agreed vector and the gathered route
     counts (NCCL's split sizes are host ints). Counted by CUDA's sync debug mode, which
     warns on every synchronizing call; CUDA only."""
-    import warnings
-
     if CPU:
         return
     tokens = [300] * world
@@ -309,15 +308,7 @@ def check_host_syncs(rank: int, world: int, failures: list[str]) -> None:
     dout = torch.randn(sum(tokens), H, generator=gen).to(device=DEVICE, dtype=torch.bfloat16)
     rows, experts = rank_slices(tokens, rank, world)
     run(layer, dout, rows, experts, dist.group.WORLD)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            run(layer, dout, rows, experts, dist.group.WORLD)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    syncs = [w for w in caught if "synchronizing" in str(w.message)]
+    syncs = synchronizing_calls(lambda: run(layer, dout, rows, experts, dist.group.WORLD))
     places = sorted({(Path(w.filename).as_posix(), w.lineno) for w in syncs})
     in_plan = all(path.endswith("megamoe/ep/plan.py") for path, _ in places)
     if len(syncs) != 2 or len(places) != 2 or not in_plan:

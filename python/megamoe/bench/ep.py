@@ -33,7 +33,6 @@ import os
 import statistics
 import sys
 import time
-import warnings
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -44,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 import megamoe as mm
-from megamoe.bench.timing import sample_count, warmup_count
+from megamoe.bench.timing import sample_count, synchronizing_calls, warmup_count
 from megamoe.testing.inputs import make_layer, make_routing
 
 
@@ -74,22 +73,6 @@ def _time(fn, warmup: int, iters: int, setup=None) -> tuple[list[float], list[fl
         torch.cuda.synchronize()
         samples.append(start.elapsed_time(end))
     return samples, host
-
-
-def _host_reads(fn, setup=None) -> int:
-    """Synchronising CUDA calls in one call of ``fn`` (host reads of device values,
-    blocking copies), counted by CUDA's sync debug mode, which warns on each."""
-    if setup is not None:
-        setup()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            fn()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    return sum("synchronizing" in str(w.message) for w in caught)
 
 
 def _max_over_ranks(samples: list[float]) -> list[float]:
@@ -157,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
             host = _max_over_ranks(host)
             # The busiest rank's peak (routing skews the received rows per rank).
             (peak,) = _max_over_ranks([torch.cuda.max_memory_allocated() / 2**30])
-            (reads,) = _max_over_ranks([_host_reads(call, setup)])
+            setup()
+            (reads,) = _max_over_ranks([len(synchronizing_calls(call))])
             key = f"{name} {'fwd+bwd' if backward else 'forward'}"
             results[key] = {
                 "median_ms": statistics.median(samples),

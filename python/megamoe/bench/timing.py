@@ -1,6 +1,7 @@
 """Timing with CUDA events (GPU) or perf_counter (CPU): warm-up, then median of samples;
-the device copy bandwidth behind the weight-read floor; and the device work one call
-issues (kernel launches and copies, from torch.profiler)."""
+the device copy bandwidth behind the weight-read floor; the device work one call
+issues (kernel launches and copies, from torch.profiler); and its synchronising CUDA
+calls (CUDA's sync debug mode)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import argparse
 import statistics
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -305,3 +307,19 @@ def device_idle(intervals: Iterable[tuple[float, float, str]], top: int = 5) -> 
     busy += run_end - run_start
     gaps.sort(key=lambda gap: -gap[0])
     return DeviceIdle(run_end - work[0][0], busy, tuple(gaps[:top]))
+
+
+def synchronizing_calls(fn: Callable[[], None]) -> list[warnings.WarningMessage]:
+    """The synchronising CUDA calls of one ``fn()`` (host reads of device values,
+    blocking copies), as CUDA's sync debug mode reports them: a warning each, attributed
+    to the Python line that made the call (also for calls in the backward, whose
+    warnings autograd replays on the calling thread)."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return [w for w in caught if "synchronizing" in str(w.message)]

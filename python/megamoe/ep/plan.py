@@ -146,22 +146,21 @@ def recv_capacity(max_tokens: int, top_k: int, world_size: int) -> int:
 
 
 def _all_reduce_max(
-    values: list[int],
+    values: list[int | torch.Tensor],
     group: dist.ProcessGroup | None,
     device: torch.device | None = None,
-    on_device: Mapping[int, torch.Tensor] | None = None,
 ) -> list[int]:
-    """Element-wise MAX over the group of a short int vector, read back to the host.
-    ``on_device``: entries whose value is a 0-d integer tensor still on the device (a
-    flag computed there), written into the vector without a host read of their own
-    (``group=None``: each read here)."""
+    """Element-wise MAX over the group of a short int vector, read back to the host. An
+    entry may be a 0-d integer tensor still on the device (a flag computed there): it is
+    written into the vector there, read only with the result (``group=None``: read
+    here)."""
     if group is None:
-        values = list(values)
-        for index, value in (on_device or {}).items():
-            values[index] = int(value)
-        return values
-    t = _collective_tensor(values, group, device)
-    for index, value in (on_device or {}).items():
+        return [int(v) for v in values]
+    on_device = {i: v for i, v in enumerate(values) if isinstance(v, torch.Tensor)}
+    t = _collective_tensor(
+        [0 if i in on_device else v for i, v in enumerate(values)], group, device
+    )
+    for index, value in on_device.items():
         t[index].copy_(value)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return [int(v) for v in t.tolist()]
@@ -255,9 +254,7 @@ def _agree(
     n = len(values)
     highs = [_NO_VALUE if v is None else v for v in values]
     negated = [_NO_VALUE if v is None else -v for v in values]
-    flag = bad_ids if isinstance(bad_ids, torch.Tensor) else None
-    vector = [num_tokens, refused, 0 if flag is not None else bad_ids, *highs, *negated]
-    agreed = _all_reduce_max(vector, group, device, None if flag is None else {2: flag})
+    agreed = _all_reduce_max([num_tokens, refused, bad_ids, *highs, *negated], group, device)
     high = [None if v == _NO_VALUE else v for v in agreed[3 : 3 + n]]
     low = [None if v == _NO_VALUE else -v for v in agreed[3 + n :]]
     return agreed[0], agreed[1], agreed[2], high, low
