@@ -13,7 +13,7 @@ the op pair ``megamoe::moe_ep_forward`` / ``megamoe::moe_ep_backward``
 docs/DESIGN-NOTES.md ("The op layer") says why it is a pair of its own.
 
 Arguments are checked before anything runs (:mod:`megamoe.validation`); nothing
-synchronises with the host, except an EP call's two reads in its dispatch plan (the
+synchronises with the host, except an EP call's one read in its dispatch plan (the
 split sizes of NCCL's exchange are host ints).
 """
 

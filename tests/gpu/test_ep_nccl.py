@@ -34,7 +34,7 @@ def test_ep2_over_nccl():
 def test_one_rank_over_nccl():
     """On a one-rank NCCL group: the EP op on the fused kernels with an MXFP4 base and its
     masters, kept packed and decoded once, bitwise the straight-through path; and a step's
-    host syncs, two, both in the dispatch plan."""
+    host syncs, one, in the dispatch plan."""
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
     command = [
         sys.executable,

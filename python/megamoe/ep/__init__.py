@@ -2,9 +2,10 @@
 
 Backend-agnostic pieces (gloo on CPU today, NCCL on GPU):
 
-- :func:`plan_dispatch` -> :class:`DispatchPlan`: BLOCK_M agreement (all-reduce MAX of
-  the token count), the routing split per destination rank, the all-gather of the
-  route counts, the rank-uniform receive bound and the receiver's pool plan;
+- :func:`plan_dispatch` -> :class:`DispatchPlan`: the routing split per destination
+  rank, one all-gather of every rank's token count, checks and route counts (the
+  BLOCK_M agreement, the split sizes), the rank-uniform receive bound and the
+  receiver's pool plan;
 - :func:`dispatch` / :func:`combine` / :func:`sum_over_k`: the row exchanges of the
   forward (``[x | q13]`` out, ``[y | p]`` back) and backward (``[dout | dout b2^T | w]``
   out, ``[dx | dg b1^T | du b3^T | dw]`` back) and the fixed-order sum over ``k``;

@@ -14,7 +14,7 @@ layer"):
 - the process group by name (``group.group_name``, resolved through torch.distributed's
   registry, as torch's functional collectives do; ``""``: one process);
 - the forward plans the dispatch inside the op (:func:`~megamoe.ep.plan.plan_dispatch`:
-  the collectives and the step's two host reads, the agreement and the gathered route
+  the collectives and the step's one host read, the gathered agreement and route
   counts), and its state carries the plan:
   the send routes, the received rows' experts, the receiver's pool plan, and the host
   split sizes as a CPU int64 tensor ``host_plan`` (so the backward reads no device
@@ -27,7 +27,7 @@ layer"):
   only be an inference call (``save="none"``, every state output empty).
 
 EP pays the custom-op dispatch on every call (EP1's eager route avoids it, about 0.3 ms
-of host time at few tokens); beside the plan's host reads this was not measured.
+of host time at few tokens); beside the plan's host read this was not measured.
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ _STATE_NAMES = (
 _SAVED_STAGE_STATE = ("preact", "recv_x", "recv_q13", "p_sum")
 _HOST_FIELDS = 6
 
-#: What every rank's forward must hold alike, checked in plan_dispatch's one all-reduce
+#: What every rank's forward must hold alike, checked in plan_dispatch's one all-gather
 #: (its ``uniform``, in this order). A rank that refuses its inputs before that joins it
 #: with as many placeholders (refuse_on_every_rank).
 _UNIFORM_NAMES = (
@@ -120,7 +120,7 @@ def raise_with_the_group(
     error: Exception, group: dist.ProcessGroup | None, x: object = None
 ) -> NoReturn:
     """Raise ``error``, this rank's refusal of its own EP call, after the peers learn of it:
-    they wait in the forward's agreement all-reduce, which this rank joins with its
+    they wait in the forward's agreement all-gather, which this rank joins with its
     refusal flagged, so that every rank raises (:func:`~megamoe.ep.plan.refuse_on_every_rank`;
     on ``x``'s device where it is a tensor, the device the peers' ids are on).
     Under torch.compile's tracing no collective runs: it just raises (a refusal while
@@ -247,7 +247,7 @@ def _moe_ep_forward_impl(
     except Exception as error:  # the peers wait in the agreement
         raise_with_the_group(error, group, x)
     # Everything that must match across ranks is checked in plan_dispatch's one
-    # all-reduce, so a mismatch raises on every rank instead of hanging a collective:
+    # all-gather, so a mismatch raises on every rank instead of hanging a collective:
     # shapes, the activation, the adapter scale and clamp (their float bits; a zero
     # scale drops the adapter columns from every exchange).
     uniform_values = (
@@ -758,8 +758,8 @@ def moe(
         activation, activation_clamp: as in ``mm.moe``.
         reduce_shared_grads: all-reduce (SUM) the ``a1, a3, b2`` gradients over the group
             so they do not depend on the EP degree (turn off if the trainer reduces them).
-        max_tokens: a static ``T_max`` of the group: the pool sized for it (no second
-            all-reduce); agreed and checked with the rest.
+        max_tokens: a static ``T_max`` of the group: the pool sized for it (not for the
+            largest received count); agreed and checked with the rest.
         check_ids: reject ids outside ``[-1, E)`` (every rank raises together).
         activation_checkpoint: keep no pre-activations and no received rows for the
             backward; it exchanges the token rows again and recomputes GEMM1 (bitwise

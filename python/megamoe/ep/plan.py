@@ -145,43 +145,35 @@ def recv_capacity(max_tokens: int, top_k: int, world_size: int) -> int:
     return world_size * max_tokens * top_k
 
 
-def _all_reduce_max(
-    values: list[int | torch.Tensor],
-    group: dist.ProcessGroup | None,
+def _all_gather_rows(
+    head: list[int | torch.Tensor],
+    tail: torch.Tensor | None,
+    tail_length: int,
+    group: dist.ProcessGroup,
     device: torch.device | None = None,
-) -> list[int]:
-    """Element-wise MAX over the group of a short int vector, read back to the host. An
-    entry may be a 0-d integer tensor still on the device (a flag computed there): it is
-    written into the vector there, read only with the result (``group=None``: read
-    here)."""
-    if group is None:
-        return [int(v) for v in values]
-    on_device = {i: v for i, v in enumerate(values) if isinstance(v, torch.Tensor)}
-    t = _collective_tensor(
-        [0 if i in on_device else v for i, v in enumerate(values)], group, device
+) -> list[list[int]]:
+    """Every rank's int64 row ``[*head, *tail]`` (rank order), by one all-gather and one
+    host read. An entry of ``head`` may be a 0-d integer tensor still on the device (a
+    flag computed there), ``tail`` a ``[tail_length]`` integer tensor there (``None``:
+    zeros): both are written into the row there and read only with the result."""
+    on_device = {i: v for i, v in enumerate(head) if isinstance(v, torch.Tensor)}
+    row = _collective_tensor(
+        [0 if i in on_device else v for i, v in enumerate(head)] + [0] * tail_length,
+        group,
+        device,
     )
     for index, value in on_device.items():
-        t[index].copy_(value)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return [int(v) for v in t.tolist()]
-
-
-def _gather_counts(send_counts: torch.Tensor, group: dist.ProcessGroup | None) -> list[list[int]]:
-    """Every rank's routes per destination rank, ``counts[source][destination]`` (host
-    ints, ``P x P``), by one all-gather and one host read: this rank's split sizes, and
-    the MAX over ranks of the routes received (the rank-uniform pool size), both follow
-    from it, where an exchange of the counts and an all-reduce of the received total
-    would take two collectives and two host reads."""
-    if group is None:
-        return [send_counts.tolist()]
+        row[index].copy_(value)
+    if tail is not None:
+        row[len(head) :].copy_(tail)
     world = group_size(group)
-    mine = send_counts.to(_collective_device(group, send_counts.device))
-    gathered = mine.new_empty(world * world)
+    gathered = row.new_empty(world * row.numel())
     # all_gather_single is all_gather_into_tensor's name from torch 2.13 on.
     all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    all_gather(gathered, mine, group=group)
-    flat = [int(v) for v in gathered.tolist()]
-    return [flat[source * world : (source + 1) * world] for source in range(world)]
+    all_gather(gathered, row, group=group)
+    flat = gathered.tolist()
+    width = row.numel()
+    return [flat[source * width : (source + 1) * width] for source in range(world)]
 
 
 def _collective_device(group: dist.ProcessGroup, device: torch.device | None) -> torch.device:
@@ -207,9 +199,9 @@ def _collective_tensor(
     return staged.to(target, non_blocking=True)
 
 
-#: What a rank that holds no valid value for a slot sends: int64's minimum, below every
-#: value and every negated value a rank can send (both lie in (-2^63, 2^63)), so the MAX
-#: over the group is the other ranks'. (-2^62 would not do: float_bits(2.0) is 2^62.)
+#: What a rank that holds no valid value for a slot sends: int64's minimum, which no
+#: valid value takes (they lie in (-2^63, 2^63)), so the ranks skip it alike when they
+#: take the MAX and MIN of a slot. (-2^62 would not do: float_bits(2.0) is 2^62.)
 _NO_VALUE = -(2**63)
 _INT64_MAX = 2**63 - 1
 
@@ -226,7 +218,7 @@ def _agreement_values(
     """The names and values every rank must hold alike, in the agreement's order (None:
     this rank has no valid value there, it refused its inputs). The length depends only
     on the number of ``uniform`` values (no static bound or BLOCK_M override is -1), so
-    ranks that differ in any of them still join the same all-reduce. ``check_ids`` is
+    ranks that differ in any of them still join the same all-gather. ``check_ids`` is
     among them: a rank that skipped the check beside a bad id elsewhere would fail alone
     in the ids' exchange. So is ``config``'s ``min_blocks_per_expert`` (``min_blocks``):
     with different thresholds the ranks would agree on no BLOCK_M."""
@@ -239,6 +231,22 @@ def _agreement_values(
     return names, [v if type(v) is int and abs(v) <= _INT64_MAX else None for v in values]
 
 
+@dataclass(frozen=True)
+class _Agreement:
+    """What :func:`_agree` gives every rank alike: the most tokens on a rank, a refusing
+    rank + 1 (or 0), a rank with bad ids + 1 (or 0), the MAX and MIN over the ranks that
+    hold them of each agreed value (None where no rank does), and ``counts[source]
+    [destination]``, every rank's routes per destination rank (zeros from a rank that
+    sent none: a refusal, or a call that plans no routes)."""
+
+    most_tokens: int
+    refused: int
+    bad_rank: int
+    highs: list[int | None]
+    lows: list[int | None]
+    counts: list[list[int]]
+
+
 def _agree(
     num_tokens: int,
     refused: int,
@@ -246,18 +254,35 @@ def _agree(
     values: list[int | None],
     group: dist.ProcessGroup | None,
     device: torch.device | None,
-) -> tuple[int, int, int, list[int | None], list[int | None]]:
-    """The one all-reduce MAX of :func:`plan_dispatch`: ``(most tokens, a refusing rank + 1
-    or 0, a rank with bad ids + 1 or 0, highs, lows)`` of ``values`` over the ranks that
-    hold them (None where no rank does). ``bad_ids`` may be a 0-d tensor on the ids'
-    device (read only with the agreed vector)."""
+    send_counts: torch.Tensor | None = None,
+) -> _Agreement:
+    """The one collective of :func:`plan_dispatch`: every rank's ``[T, refusal flag,
+    bad-id flag, values..., send counts...]`` by one all-gather and one host read, reduced
+    here alike on every rank (:class:`_Agreement`). ``bad_ids`` may be a 0-d tensor and
+    ``send_counts`` (``[P]``, None: zeros) a tensor on the ids' device: read only with
+    the gathered rows. A value None (this rank holds none) travels as int64's minimum."""
+    world = group_size(group)
+    mine = [num_tokens, refused, bad_ids, *(_NO_VALUE if v is None else v for v in values)]
+    if group is None:  # one process: its own row, the counts read here
+        counts = [0] * world if send_counts is None else send_counts.tolist()
+        rows = [[int(v) for v in mine] + counts]
+    else:
+        rows = _all_gather_rows(mine, send_counts, world, group, device)
     n = len(values)
-    highs = [_NO_VALUE if v is None else v for v in values]
-    negated = [_NO_VALUE if v is None else -v for v in values]
-    agreed = _all_reduce_max([num_tokens, refused, bad_ids, *highs, *negated], group, device)
-    high = [None if v == _NO_VALUE else v for v in agreed[3 : 3 + n]]
-    low = [None if v == _NO_VALUE else -v for v in agreed[3 + n :]]
-    return agreed[0], agreed[1], agreed[2], high, low
+    highs: list[int | None] = []
+    lows: list[int | None] = []
+    for column in range(3, 3 + n):
+        held = [row[column] for row in rows if row[column] != _NO_VALUE]
+        highs.append(max(held) if held else None)
+        lows.append(min(held) if held else None)
+    return _Agreement(
+        most_tokens=max(row[0] for row in rows),
+        refused=max(row[1] for row in rows),
+        bad_rank=max(row[2] for row in rows),
+        highs=highs,
+        lows=lows,
+        counts=[row[3 + n :] for row in rows],
+    )
 
 
 def _raise_on_mismatch(
@@ -291,11 +316,11 @@ def refuse_on_every_rank(
 ) -> NoReturn:
     """Raise ``error`` (this rank's refusal of its own inputs) after joining the group's
     dispatch agreement with the refusal flagged, so that the peers, which wait in
-    :func:`plan_dispatch`'s all-reduce, raise too instead of waiting for this rank.
+    :func:`plan_dispatch`'s all-gather, raise too instead of waiting for this rank.
 
     ``num_uniform`` is the number of ``uniform`` values the peers pass to
-    :func:`plan_dispatch` (the vector's length must match theirs); ``x``, this rank's
-    tokens where they are a tensor: NCCL reduces on their (CUDA) device, where the peers'
+    :func:`plan_dispatch` (the row's length must match theirs); ``x``, this rank's
+    tokens where they are a tensor: NCCL gathers on their (CUDA) device, where the peers'
     ids are, else on the current device. ``group=None``: just raises.
     """
     if group is not None:
@@ -316,31 +341,32 @@ def agree_block_m(
 ) -> tuple[int, int]:
     """The group's ``(block_m, max_tokens)``, identical on every rank.
 
-    All-reduces MAX of the per-rank token count, with ``top_k``, ``num_experts`` and
-    ``config``'s threshold, which must be the same on every rank, and a flag for a rank
-    that refused its own arguments (every rank then raises), then
-    ``get_block_m(max_tokens, top_k, num_experts, ep_size=P)``. A collective: every
+    Gathers every rank's token count, with ``top_k``, ``num_experts`` and ``config``'s
+    threshold, which must be the same on every rank, and a flag for a rank that refused
+    its own arguments (every rank then raises), in one all-gather; then
+    ``get_block_m(MAX tokens, top_k, num_experts, ep_size=P)``. A collective: every
     rank of ``group`` must call it. :func:`plan_dispatch` does the same agreement
-    (together with its argument checks) in one all-reduce.
+    (together with its argument checks and the route counts) in its one all-gather.
     """
     local_error, min_blocks = None, None
     try:
         check_int("num_tokens", num_tokens, minimum=0)
         min_blocks = block_m_threshold(config)
         get_block_m(num_tokens, top_k, num_experts, group_size(group), config)  # its checks
-    except Exception as error:  # raised after the all-reduce the peers wait in
+    except Exception as error:  # raised after the all-gather the peers wait in
         if group is None:
             raise
         local_error, num_tokens = error, 0
     names = ["top_k", "num_experts", "config.min_blocks_per_expert"]
     values = [top_k, num_experts, min_blocks] if local_error is None else [None] * 3
-    max_tokens, refused, _, highs, lows = _agree(
+    agreed = _agree(
         num_tokens, 0 if local_error is None else group_rank(group) + 1, 0, values, group, None
     )
     if local_error is None:
-        _raise_on_mismatch(names, values, highs, lows)
+        _raise_on_mismatch(names, values, agreed.highs, agreed.lows)
     else:
         raise local_error
+    max_tokens, refused = agreed.most_tokens, agreed.refused
     if refused:
         raise ValueError(
             f"rank {refused - 1} of the EP group refused its arguments to agree_block_m "
@@ -476,17 +502,17 @@ def plan_dispatch(
 ) -> DispatchPlan:
     """Plan one expert-parallel step (a collective: every rank of ``group`` calls it).
 
-    Steps: one all-reduce MAX of ``[T, refusal flag, bad-id flag, values..., -values...]``,
-    the values ``K, E, uniform..., max_tokens (-1: none), block_m (-1: agreed),
-    check_ids`` (BLOCK_M agreement and argument checks in one collective) -> the local
-    routing split (as :func:`split_routes`) -> an all-gather of every rank's routes per
-    destination (the split sizes, and without a static ``max_tokens`` the MAX over ranks
-    of the routes received, the rank-uniform pool size) -> ``all_to_all_single`` of the
-    routes' expert ids -> the receiver's pool plan. Two host reads in all: the agreed
-    vector and the gathered counts. The first all-reduce always runs and always has the
-    same length: a mismatched group, or a rank that refused its own arguments (here, or
-    before the call through :func:`refuse_on_every_rank`), raises on every rank instead
-    of pairing different collectives.
+    Steps: the local routing split (as :func:`split_routes`, on the device) -> one
+    all-gather of every rank's ``[T, refusal flag, bad-id flag, values..., routes per
+    destination rank...]``, the values ``K, E, uniform..., max_tokens (-1: none),
+    block_m (-1: agreed), check_ids`` (BLOCK_M agreement, argument checks, and the
+    ``P x P`` route counts: the split sizes, and without a static ``max_tokens`` the MAX
+    over ranks of the routes received, the rank-uniform pool size) -> ``all_to_all_single``
+    of the routes' expert ids -> the receiver's pool plan. One host read in all: the
+    gathered rows. The all-gather always runs and always has the same length: a
+    mismatched group, or a rank that refused its own arguments (here, or before the call
+    through :func:`refuse_on_every_rank`), raises on every rank instead of pairing
+    different collectives.
 
     Args:
         topk_ids: ``[T, K]`` int32/int64 global expert ids, ``-1`` = masked. ``T`` may
@@ -501,21 +527,20 @@ def plan_dispatch(
             (An EP step cannot be captured in a CUDA graph: the split sizes are host
             values.)
         check_ids: reject ids outside ``[-1, E)`` (a flag computed on the device from the
-            ids' extremes, read with the agreed vector; ``group=None``: a host read).
+            ids' extremes, read with the gathered rows; ``group=None``: a host read).
         uniform: extra ints that must be equal on every rank (e.g. ``{"hidden": H}``);
-            checked in the same all-reduce, a mismatch raises ``ValueError`` on every
+            checked in the same all-gather, a mismatch raises ``ValueError`` on every
             rank (so no rank is left waiting in a later collective).
         config: :func:`~megamoe.get_block_m` thresholds.
 
     Returns:
-        The :class:`DispatchPlan`. Two host reads, on every backend: the agreed vector
-        and the gathered counts (the split sizes of ``all_to_all_single`` are host
-        ints).
+        The :class:`DispatchPlan`. One host read, on every backend: the gathered rows
+        (the split sizes of ``all_to_all_single`` are host ints).
     """
     world, rank = group_size(group), group_rank(group)
     agrees = group is not None
     static_bound = max_tokens is not None
-    # A bad argument here is raised after the all-reduce below: raised by one rank
+    # A bad argument here is raised after the all-gather below: raised by one rank
     # alone, it would leave its peers waiting in that collective. A bad E, K or bound
     # is also compared across ranks there (where the ranks agree on it, every rank has
     # the same error); any other refusal is flagged, and every rank raises.
@@ -543,7 +568,7 @@ def plan_dispatch(
     bad_ids: int | torch.Tensor = 0
     if local_error is None and check_ids and topk_ids.numel():
         low, high = torch.aminmax(topk_ids)
-        # In a group, the flag (this rank + 1, or 0) travels in the agreement's vector
+        # In a group, the flag (this rank + 1, or 0) travels in the agreement's row
         # and is read with it, not in a host read of its own.
         high = high.to(torch.int64)  # E may pass int32's range: compare in int64
         bad_ids = ((low < -1) | (high >= num_experts)).to(torch.int64) * (rank + 1)
@@ -560,7 +585,7 @@ def plan_dispatch(
     if local_error is None:
         given = dict(uniform or {})
         for name, value in zip(names, values):
-            if value is None:  # not an int, or past int64 (the all-reduce holds int64)
+            if value is None:  # not an int, or past int64 (the all-gather holds int64)
                 kind = type(given.get(name, 0))
                 local_error = (
                     ValueError(f"{name}: expected an int within int64's range")
@@ -570,16 +595,29 @@ def plan_dispatch(
                 if not agrees:
                     raise local_error
                 break
-    # One all-reduce even with a static bound: the agreement (ids, the uniform values,
+    # The routes per destination go into the agreement's rows (the second half of one
+    # host read), so they are split before it; a rank that refused its inputs sends no
+    # counts (zeros), and every rank raises below.
+    order = send_counts = None
+    if local_error is None:
+        order, send_counts = _routes_by_destination(topk_ids, partition)
+    # One all-gather even with a static bound: the agreement (ids, the uniform values,
     # whether the step has a backward) is what keeps a mismatched group from pairing
-    # different collectives; it is one vector of a few ints.
+    # different collectives; it is one row of a few ints per rank.
     device = topk_ids.device if isinstance(topk_ids, torch.Tensor) else None
-    most_tokens, refused, bad_rank, highs, lows = _agree(
-        num_tokens, 0 if local_error is None else rank + 1, bad_ids, values, group, device
+    agreed = _agree(
+        num_tokens,
+        0 if local_error is None else rank + 1,
+        bad_ids,
+        values,
+        group,
+        device,
+        send_counts,
     )
-    _raise_on_mismatch(names, values, highs, lows)
+    _raise_on_mismatch(names, values, agreed.highs, agreed.lows)
     if local_error is not None:
         raise local_error
+    most_tokens, refused, bad_rank = agreed.most_tokens, agreed.refused, agreed.bad_rank
     if refused:
         raise ValueError(
             f"rank {refused - 1} of the EP group failed before the exchange (its own "
@@ -600,8 +638,7 @@ def plan_dispatch(
     if block_m is None:
         block_m = get_block_m(max_tokens, top_k, num_experts, world, config)
 
-    order, send_counts = _routes_by_destination(topk_ids, partition)
-    counts = _gather_counts(send_counts, group)  # the second host read
+    counts = agreed.counts
     send_splits = tuple(counts[rank])
     recv_splits = tuple(row[rank] for row in counts)
     send_routes = order[: sum(send_splits)]

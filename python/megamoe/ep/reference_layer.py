@@ -369,8 +369,9 @@ def reference_moe(
             (e.g. DDP over the same ranks would otherwise count them twice).
         compute_dtype: float64 (default) or float32.
         round_bf16: the kernels' BF16 rounding points (:mod:`megamoe.reference`).
-        max_tokens: static ``T_max`` of the group (skips the all-reduce of the pool's
-            size; the agreement's runs: see :func:`~megamoe.ep.plan.plan_dispatch`).
+        max_tokens: static ``T_max`` of the group (the pool sized for it, not for the
+            largest received count; agreed with the rest: see
+            :func:`~megamoe.ep.plan.plan_dispatch`).
         check_ids: reject ids outside ``[-1, E)`` on any rank (every rank raises).
 
     Returns:
