@@ -9,8 +9,9 @@ custom-op autograd).
 
 ``mm.moe(group=...)`` (expert parallelism) runs :func:`megamoe.ep.fused_moe` instead,
 the op pair ``megamoe::moe_ep_forward`` / ``megamoe::moe_ep_backward``
-(:mod:`megamoe.ep.ops`) over the same stages, with the EP1 ops' conventions:
-docs/DESIGN-NOTES.md ("The op layer") says why it is a pair of its own.
+(:mod:`megamoe.ep.ops`) over the same stages, with the EP1 ops' conventions and the
+same eager route (on CPU tensors too, for gloo); docs/DESIGN-NOTES.md ("The op layer")
+says why it is a pair of its own.
 
 Arguments are checked before anything runs (:mod:`megamoe.validation`); nothing
 synchronises with the host, except an EP call's one read in its dispatch plan (the

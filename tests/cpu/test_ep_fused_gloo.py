@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from megamoe import ep, reference
 from megamoe.heuristics import mxfp4_master_decodes_once
@@ -273,6 +274,65 @@ def test_fused_ep_matches_ep1_and_the_oracle(world):
             if not (m.cosine >= GRAD_MIN_COSINE and m.rel_l2 <= 1e-2):
                 failures.append(f"{name}: d{key} vs oracle {m}")
     assert not failures, "\n".join(failures)
+
+
+class _PassThrough(TorchFunctionMode):
+    """A torch-function mode that changes nothing (forces the registered ops)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+#: Scenarios run both ways: the side path, a trainable base under adapters, MXFP4, and
+#: activation checkpointing (the backward's second exchange of the token rows).
+_ROUTE_CASES = (("balanced", False), ("ordinary_side", False), ("mxfp4", False), ("skewed", True))
+
+
+def _routes_worker(rank: int, world: int) -> dict:
+    """Each of ``_ROUTE_CASES`` through the eager route (plain tensors, no mode: the
+    forward and backward implementations called directly) and through the registered
+    ops (under a torch-function mode), on this rank: whether the outputs and every
+    gradient are the same bits, and how many forwards took the eager route."""
+    import torch.distributed as dist
+
+    import megamoe.ep.ops as ep_ops
+
+    group = dist.group.WORLD
+    taken = {"eager": 0}
+    apply = ep_ops._EagerMoeEpForward.apply
+
+    def counted(*args):
+        taken["eager"] += 1
+        return apply(*args)
+
+    ep_ops._EagerMoeEpForward.apply = counted
+    results = {}
+    try:
+        for name, checkpoint in _ROUTE_CASES:
+            eager = run_fused(name, rank, world, group, checkpoint)
+            with _PassThrough():
+                op = run_fused(name, rank, world, group, checkpoint)
+            same = (
+                torch.equal(eager["out"], op["out"]) and eager["grads"].keys() == op["grads"].keys()
+            )
+            results[name] = same and all(
+                torch.equal(eager["grads"][k], op["grads"][k]) for k in op["grads"]
+            )
+    finally:
+        ep_ops._EagerMoeEpForward.apply = apply
+    results["eager_forwards"] = taken["eager"]
+    return results
+
+
+def test_the_eager_route_is_bitwise_the_op_route():
+    """``fused_moe`` on plain tensors calls the EP ops' implementations directly (no
+    custom-op dispatch on the host); under a mode it runs the registered ops. Both give
+    the same bits on every rank, with the same collectives (a rank on one route beside a
+    rank on the other would not pair them: each rank here runs both in the same order)."""
+    per_rank = ep.run_gloo(_routes_worker, 2, timeout_s=300)
+    for rank, results in enumerate(per_rank):
+        assert results.pop("eager_forwards") == len(_ROUTE_CASES), rank
+        assert all(results.values()), (rank, results)
 
 
 def _mxfp4_master_worker(rank: int, world: int) -> dict:

@@ -589,15 +589,19 @@ class _EagerMoeForward(torch.autograd.Function):
         return _forward_backward(ctx, *grads)
 
 
-def _takes_eager_route(tensors: list[torch.Tensor | None]) -> bool:
-    """Whether mm.moe may call the implementation directly (see _EagerMoeForward)."""
+def _takes_eager_route(tensors: list[torch.Tensor | None], *, require_cuda: bool = True) -> bool:
+    """Whether mm.moe may call the implementation directly (see _EagerMoeForward; the EP
+    pair's, :mod:`megamoe.ep.ops`, also takes CPU tensors: ``require_cuda=False``)."""
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
         return False
     if torch._C._is_torch_function_mode_enabled():
         return False
     if torch._C._are_functorch_transforms_active():  # vmap, grad: see _EagerMoeForward
         return False
-    return all(t is None or (type(t) in _PLAIN_TENSORS and t.is_cuda) for t in tensors)
+    return all(
+        t is None or (type(t) in _PLAIN_TENSORS and (t.is_cuda or not require_cuda))
+        for t in tensors
+    )
 
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)

@@ -26,8 +26,12 @@ layer"):
   fake call without a shape environment (meta tensors, a bare ``FakeTensorMode``) can
   only be an inference call (``save="none"``, every state output empty).
 
-EP pays the custom-op dispatch on every call (EP1's eager route avoids it, about 0.3 ms
-of host time at few tokens); beside the plan's host read this was not measured.
+Eagerly, on plain tensors (CUDA, or CPU on gloo) outside torch.compile, functorch
+transforms and dispatch or torch-function modes, :func:`moe` calls the two
+implementations through an autograd Function (``_EagerMoeEpForward``) instead of the
+registered ops, as EP1's eager route does: the same functions and collectives in the same
+order, the same bits, 0.24-0.35 ms less host time per call (docs/PERFORMANCE.md,
+fifty-first session).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from typing import NoReturn
 
 import torch
 import torch.distributed as dist
+from torch.autograd.function import once_differentiable
 
 from ..custom_ops.autocast import autocast_off
 from ..custom_ops.inputs import (
@@ -53,6 +58,7 @@ from ..custom_ops.inputs import (
     with_master_grads,
 )
 from ..custom_ops.inputs import side_lora as side_lora_of
+from ..custom_ops.layer import _takes_eager_route
 from ..heuristics import mxfp4_master_decodes_once
 from ..pipeline.fused_forward import SAVE_MODES, stage
 from ..side_lora import SideLoRA
@@ -681,6 +687,7 @@ _FORWARD_INPUTS = input_names(_moe_ep_forward_op)
 
 def _forward_setup_context(ctx, inputs, output) -> None:
     args = dict(zip(_FORWARD_INPUTS, inputs, strict=True))
+    ctx.eager = False  # the eager route sets it (_EagerMoeEpForward)
     ctx.save = args["save"]
     ctx.mark_non_differentiable(*output[1:])
     ctx.set_materialize_grads(False)
@@ -704,13 +711,18 @@ def _forward_backward(ctx, dout, *_state_grads):
         )
     inputs, state = saved_inputs_and_state(ctx, _STATE_NAMES)
     needs = needs_by_input(_FORWARD_INPUTS, ctx.needs_input_grad)
-    grads = _moe_ep_backward_op(
+    args = dict(
         dout=dout.to(torch.bfloat16).contiguous(),
         **inputs,
         **ctx.options,
         **state,
         base_grads=any(needs[name] for name in ("w13", "w2", *MASTER_GRADS)),
     )
+    if ctx.eager:  # the backward op's implementation, in a profiler range of its name
+        with stage("moe_ep_backward"):
+            grads = _moe_ep_backward_impl(**args)
+    else:
+        grads = _moe_ep_backward_op(**args)
     result = grads_for_inputs(
         _FORWARD_INPUTS, grads, needs, inputs, has_side=ctx.has_side, scale=ctx.options["scale"]
     )
@@ -718,6 +730,30 @@ def _forward_backward(ctx, dout, *_state_grads):
 
 
 _moe_ep_forward_op.register_autograd(_forward_backward, setup_context=_forward_setup_context)
+
+
+class _EagerMoeEpForward(torch.autograd.Function):
+    """:func:`moe`'s eager route: the forward op's implementation under the op's own
+    autograd rules, without the custom-op dispatch's host time, as EP1's
+    (``megamoe.custom_ops.layer._EagerMoeForward``). Same functions, same collectives in
+    the same order, same bits as the op; taken for plain tensors (CUDA, or CPU on gloo)
+    outside torch.compile, functorch transforms and any dispatch or torch-function mode,
+    which get the registered ops."""
+
+    # A forward that takes ctx (no setup_context): Function.apply then binds no
+    # signature per call.
+    @staticmethod
+    def forward(ctx, *inputs):  # in _FORWARD_INPUTS order
+        with stage("moe_ep_forward"):
+            output = _moe_ep_forward_impl(*inputs)
+        _forward_setup_context(ctx, inputs, output)
+        ctx.eager = True
+        return output
+
+    @staticmethod
+    @once_differentiable  # like the op: no second-order graph through the native kernels
+    def backward(ctx, *grads):
+        return _forward_backward(ctx, *grads)
 
 
 def moe(
@@ -825,7 +861,7 @@ def moe(
         base_trainable
         or any(t is not None and t.requires_grad for t in [x, topk_weights, *side_tensors])
     )
-    return _moe_ep_forward_op(
+    args = dict(
         x=x,
         topk_ids=topk_ids,
         topk_weights=topk_weights,
@@ -845,4 +881,8 @@ def moe(
         save=("recompute" if activation_checkpoint else "preact") if needs_grad else "none",
         w13_master=masters[0],
         w2_master=masters[1],
-    )[0]
+    )
+    tensors = [x, topk_ids, topk_weights, base.w13, base.w2, base.w13_scales, base.w2_scales]
+    if _takes_eager_route([*tensors, *masters, *side_tensors], require_cuda=False):
+        return _EagerMoeEpForward.apply(*(args[name] for name in _FORWARD_INPUTS))[0]
+    return _moe_ep_forward_op(**args)[0]
