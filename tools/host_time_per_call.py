@@ -81,7 +81,7 @@ def main() -> int:
     from megamoe.wrappers import _native
 
     if args.op_route:
-        ops._takes_eager_route = lambda tensors: False
+        ops.takes_eager_route = lambda tensors: False
     shape = SHAPES["ep4rank"].with_tokens(args.tokens)
     layer = shape.make_layer(ordinary=False, device="cuda", requires_grad=True, format=args.format)
     dout = torch.randn_like(layer.x)

@@ -23,13 +23,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .custom_ops.eager_route import takes_eager_route
 from .custom_ops.inputs import SIDE_NAMES
-from .custom_ops.layer import (
-    _FORWARD_INPUTS,
-    _EagerMoeForward,
-    _moe_forward_op,
-    _takes_eager_route,
-)
+from .custom_ops.layer import _FORWARD_INPUTS, _EagerMoeForward, _moe_forward_op
 from .ep.ops import moe as fused_moe
 from .ep.ops import raise_with_the_group
 from .heuristics import get_block_m, mxfp4_master_decodes_once
@@ -233,6 +229,6 @@ def moe(
     tensors = [x, topk_ids, topk_weights, base.w13, base.w2, base.w13_scales, base.w2_scales]
     tensors += masters
     # The decoded base takes the eager route too (the op's checks run inside it).
-    if cuda_ep1 and _takes_eager_route([*tensors, *side_tensors]):
+    if cuda_ep1 and takes_eager_route([*tensors, *side_tensors]):
         return _EagerMoeForward.apply(*(args[name] for name in _FORWARD_INPUTS))[0]
     return _moe_forward_op(**args)[0]

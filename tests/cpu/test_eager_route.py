@@ -24,14 +24,14 @@ def test_eager_route_backward_runs_without_grad_mode():
         return (None,) * len(layer_ops._FORWARD_INPUTS)
 
     ctx = type("Ctx", (), {})()
-    wrapped = layer_ops._EagerMoeForward.backward
-    original = layer_ops._forward_backward
+    eager = layer_ops._EagerMoeForward
+    original = eager.run_backward
     try:
-        layer_ops._forward_backward = probe
+        eager.run_backward = staticmethod(probe)
         with torch.enable_grad():
-            wrapped(ctx, torch.ones(2, requires_grad=True))
+            eager.backward(ctx, torch.ones(2, requires_grad=True))
     finally:
-        layer_ops._forward_backward = original
+        eager.run_backward = original
     assert seen["grad_mode"] is False
 
 

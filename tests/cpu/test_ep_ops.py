@@ -6,9 +6,12 @@ argument. Their numerics against EP1 and the oracle: tests/cpu/test_ep_fused_glo
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
+from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from megamoe import ep
@@ -228,6 +231,41 @@ def test_a_second_backward_through_a_checkpointed_step_runs():
     first = torch.autograd.grad(out.float().square().sum(), inputs, retain_graph=True)
     second = torch.autograd.grad(out.float().square().sum(), inputs)
     assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+
+
+class _PassThrough(TorchFunctionMode):
+    """A torch-function mode that changes nothing (forces the registered ops)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("route", ["eager", "op"])
+def test_a_second_backward_is_refused_also_where_no_route_was_computed(route):
+    """Every route masked: the stages compute nothing and never write the saved
+    pre-activations, yet the backward counts as their mutation on both routes (the op
+    declares it; the eager route bumps their version), so a second backward through the
+    graph fails autograd's saved-tensor check as it does with routes."""
+    x, ids, weights, base, side = _rank_layer(0, 1)
+    mode = _PassThrough() if route == "op" else contextlib.nullcontext()
+    with mode:
+        out = ep.fused_moe(x, torch.full_like(ids, -1), weights, base, side, group=None)
+        loss = out.float().square().sum()
+        torch.autograd.grad(loss, [x, side.b1], retain_graph=True)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            torch.autograd.grad(loss, [x, side.b1])
+
+
+def test_a_meta_call_runs_the_fake_implementation():
+    """Meta tensors take the registered op (its fake implementation), not the eager
+    route, whose plan reads the device: an inference call gives a meta ``[T, H]``."""
+    x, ids, weights, base, side = _rank_layer(0, 1)
+    meta = [t.detach().to("meta") for t in (x, ids, weights, base.w13, base.w2)]
+    meta_base = type(base)(base.format, meta[3], meta[4], None, None, E, H, INTER)
+    meta_side = SideLoRA(*(t.detach().to("meta") for t in side.tensors()), scale=side.scale)
+    with torch.no_grad():
+        out = ep.fused_moe(meta[0], meta[1], meta[2], meta_base, meta_side, group=None)
+    assert out.device.type == "meta" and tuple(out.shape) == tuple(x.shape)
 
 
 def _grad_mode_worker(rank: int, world: int) -> str:

@@ -40,7 +40,6 @@ gets outputs of the right shapes.
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from ..pipeline.fused_backward import moe_backward
 from ..pipeline.fused_forward import SAVE_MODES, ForwardState, moe_forward, stage
@@ -56,6 +55,7 @@ from ..validation.layer import check_plan_block_m
 from ..weights import BaseWeights
 from ..wrappers.routing import RoutePlan, pool_capacity
 from .autocast import autocast_off
+from .eager_route import eager_forward
 from .inputs import (
     GRAD_NAMES,
     MASTER_GRADS,
@@ -563,45 +563,11 @@ def _forward_backward(ctx, dout, *_state_grads):
 _moe_forward_op.register_autograd(_forward_backward, setup_context=_forward_setup_context)
 
 
-class _EagerMoeForward(torch.autograd.Function):
-    """mm.moe's eager route: the forward op's implementation under the op's own autograd
-    rules, without the custom-op dispatch's host time (docs/DESIGN-NOTES.md, "The op
-    layer"). Same functions, same kernels, same bits as the op; taken only for plain
-    CUDA tensors outside torch.compile, functorch transforms and any dispatch or
-    torch-function mode (FlopCounterMode, FakeTensorMode, DTensor, ...), which get the
-    registered ops."""
-
-    # A forward that takes ctx, not a separate setup_context: with one, Function.apply
-    # binds the arguments through inspect.signature on every call, host time on the
-    # path to the first kernel of a small-token call. functorch transforms take the
-    # registered op (_takes_eager_route): vmap runs there, grad transforms do not.
-    @staticmethod
-    def forward(ctx, *inputs):  # in _FORWARD_INPUTS order
-        with stage("moe_forward"):
-            output = _moe_forward_impl(*inputs)
-        _forward_setup_context(ctx, inputs, output)
-        ctx.eager = True
-        return output
-
-    @staticmethod
-    @once_differentiable  # like the op: no second-order graph through the native kernels
-    def backward(ctx, *grads):
-        return _forward_backward(ctx, *grads)
-
-
-def _takes_eager_route(tensors: list[torch.Tensor | None], *, require_cuda: bool = True) -> bool:
-    """Whether mm.moe may call the implementation directly (see _EagerMoeForward; the EP
-    pair's, :mod:`megamoe.ep.ops`, also takes CPU tensors: ``require_cuda=False``)."""
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
-        return False
-    if torch._C._is_torch_function_mode_enabled():
-        return False
-    if torch._C._are_functorch_transforms_active():  # vmap, grad: see _EagerMoeForward
-        return False
-    return all(
-        t is None or (type(t) in _PLAIN_TENSORS and (t.is_cuda or not require_cuda))
-        for t in tensors
-    )
-
-
-_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+#: mm.moe's eager route (megamoe.custom_ops.eager_route): the forward op's implementation
+#: under the op's own autograd rules, without the custom-op dispatch's host time; taken
+#: only for plain CUDA tensors outside torch.compile, functorch transforms and any
+#: dispatch or torch-function mode (FlopCounterMode, FakeTensorMode, DTensor, ...),
+#: which get the registered ops.
+_EagerMoeForward = eager_forward(
+    "moe_forward", _moe_forward_impl, _forward_setup_context, _forward_backward
+)

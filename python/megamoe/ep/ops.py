@@ -40,9 +40,9 @@ from typing import NoReturn
 
 import torch
 import torch.distributed as dist
-from torch.autograd.function import once_differentiable
 
 from ..custom_ops.autocast import autocast_off
+from ..custom_ops.eager_route import eager_forward, takes_eager_route
 from ..custom_ops.inputs import (
     GRAD_NAMES,
     MASTER_GRADS,
@@ -58,7 +58,6 @@ from ..custom_ops.inputs import (
     with_master_grads,
 )
 from ..custom_ops.inputs import side_lora as side_lora_of
-from ..custom_ops.layer import _takes_eager_route
 from ..heuristics import mxfp4_master_decodes_once
 from ..pipeline.fused_forward import SAVE_MODES, stage
 from ..side_lora import SideLoRA
@@ -721,6 +720,11 @@ def _forward_backward(ctx, dout, *_state_grads):
     if ctx.eager:  # the backward op's implementation, in a profiler range of its name
         with stage("moe_ep_backward"):
             grads = _moe_ep_backward_impl(**args)
+        # What the op's declared mutation of preact does on every call: a second backward
+        # through this graph (retain_graph=True) then fails autograd's saved-tensor check
+        # on every rank, as on the op route, also where no rank had a route to compute
+        # (the stages then never write preact).
+        torch.autograd.graph.increment_version(args["preact"])
     else:
         grads = _moe_ep_backward_op(**args)
     result = grads_for_inputs(
@@ -732,28 +736,13 @@ def _forward_backward(ctx, dout, *_state_grads):
 _moe_ep_forward_op.register_autograd(_forward_backward, setup_context=_forward_setup_context)
 
 
-class _EagerMoeEpForward(torch.autograd.Function):
-    """:func:`moe`'s eager route: the forward op's implementation under the op's own
-    autograd rules, without the custom-op dispatch's host time, as EP1's
-    (``megamoe.custom_ops.layer._EagerMoeForward``). Same functions, same collectives in
-    the same order, same bits as the op; taken for plain tensors (CUDA, or CPU on gloo)
-    outside torch.compile, functorch transforms and any dispatch or torch-function mode,
-    which get the registered ops."""
-
-    # A forward that takes ctx (no setup_context): Function.apply then binds no
-    # signature per call.
-    @staticmethod
-    def forward(ctx, *inputs):  # in _FORWARD_INPUTS order
-        with stage("moe_ep_forward"):
-            output = _moe_ep_forward_impl(*inputs)
-        _forward_setup_context(ctx, inputs, output)
-        ctx.eager = True
-        return output
-
-    @staticmethod
-    @once_differentiable  # like the op: no second-order graph through the native kernels
-    def backward(ctx, *grads):
-        return _forward_backward(ctx, *grads)
+#: fused_moe's eager route (megamoe.custom_ops.eager_route), as EP1's: on plain tensors
+#: (CUDA, or CPU on gloo) outside torch.compile, functorch transforms and any dispatch or
+#: torch-function mode; the same functions and collectives in the same order, the same
+#: bits as the ops.
+_EagerMoeEpForward = eager_forward(
+    "moe_ep_forward", _moe_ep_forward_impl, _forward_setup_context, _forward_backward
+)
 
 
 def moe(
@@ -883,6 +872,6 @@ def moe(
         w2_master=masters[1],
     )
     tensors = [x, topk_ids, topk_weights, base.w13, base.w2, base.w13_scales, base.w2_scales]
-    if _takes_eager_route([*tensors, *masters, *side_tensors], require_cuda=False):
+    if takes_eager_route([*tensors, *masters, *side_tensors], require_cuda=False):
         return _EagerMoeEpForward.apply(*(args[name] for name in _FORWARD_INPUTS))[0]
     return _moe_ep_forward_op(**args)[0]
