@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
 
 from megamoe import ep, reference
 from megamoe.heuristics import mxfp4_master_decodes_once
 from megamoe.side_lora import SideLoRA
-from megamoe.testing import GRAD_MIN_COSINE, compare, make_layer
+from megamoe.testing import GRAD_MIN_COSINE, OpRoute, compare, make_layer
 
 H, INTER, R, E = 64, 64, 16, 8
 SIDE = ("a1", "b1", "a3", "b3", "a2", "b2")
@@ -276,13 +275,6 @@ def test_fused_ep_matches_ep1_and_the_oracle(world):
     assert not failures, "\n".join(failures)
 
 
-class _PassThrough(TorchFunctionMode):
-    """A torch-function mode that changes nothing (forces the registered ops)."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        return func(*args, **(kwargs or {}))
-
-
 #: Scenarios run both ways: the side path, a trainable base under adapters, MXFP4, and
 #: activation checkpointing (the backward's second exchange of the token rows).
 _ROUTE_CASES = (("balanced", False), ("ordinary_side", False), ("mxfp4", False), ("skewed", True))
@@ -310,7 +302,7 @@ def _routes_worker(rank: int, world: int) -> dict:
     try:
         for name, checkpoint in _ROUTE_CASES:
             eager = run_fused(name, rank, world, group, checkpoint)
-            with _PassThrough():
+            with OpRoute():
                 op = run_fused(name, rank, world, group, checkpoint)
             same = (
                 torch.equal(eager["out"], op["out"]) and eager["grads"].keys() == op["grads"].keys()

@@ -11,14 +11,13 @@ import contextlib
 import pytest
 import torch
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
-from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from megamoe import ep
 from megamoe.custom_ops.flop_formulas import backward_flops, forward_flops
 from megamoe.ep import ops as ep_ops
 from megamoe.side_lora import SideLoRA
-from megamoe.testing import make_layer
+from megamoe.testing import OpRoute, make_layer
 
 H, INTER, R, E, K = 64, 64, 16, 8, 2
 TOKENS = (5, 9)
@@ -233,13 +232,6 @@ def test_a_second_backward_through_a_checkpointed_step_runs():
     assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
 
 
-class _PassThrough(TorchFunctionMode):
-    """A torch-function mode that changes nothing (forces the registered ops)."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("route", ["eager", "op"])
 def test_a_second_backward_is_refused_also_where_no_route_was_computed(route):
     """Every route masked: the stages compute nothing and never write the saved
@@ -247,7 +239,7 @@ def test_a_second_backward_is_refused_also_where_no_route_was_computed(route):
     declares it; the eager route bumps their version), so a second backward through the
     graph fails autograd's saved-tensor check as it does with routes."""
     x, ids, weights, base, side = _rank_layer(0, 1)
-    mode = _PassThrough() if route == "op" else contextlib.nullcontext()
+    mode = OpRoute() if route == "op" else contextlib.nullcontext()
     with mode:
         out = ep.fused_moe(x, torch.full_like(ids, -1), weights, base, side, group=None)
         loss = out.float().square().sum()

@@ -10,21 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
 import megamoe as mm
 from megamoe.custom_ops import layer
-from megamoe.testing import LayerInputs, make_layer
+from megamoe.testing import LayerInputs, OpRoute, make_layer
 
 pytestmark = pytest.mark.gpu
-
-
-class _PassThrough(TorchFunctionMode):
-    """A torch-function mode that changes nothing (forces the op route)."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        return func(*args, **(kwargs or {}))
 
 
 def _layer(mode: str, format: str) -> LayerInputs:
@@ -63,7 +55,7 @@ def test_eager_route_is_bitwise_the_op_route(mode, format, routes):
     dout = torch.randn_like(layer.x)
     eager = _run(layer, dout)
     assert routes["eager"] == 1
-    with _PassThrough():
+    with OpRoute():
         via_op = _run(layer, dout)
     assert routes["eager"] == 1  # the mode sent the second call through the op
     for i, (a, b) in enumerate(zip(eager, via_op, strict=True)):
@@ -102,7 +94,7 @@ def test_inference_takes_the_eager_route_and_matches(routes):
     layer = _layer("side-lora", "bf16")
     with torch.no_grad():
         eager = layer.call(mm.moe)
-        with _PassThrough():
+        with OpRoute():
             via_op = layer.call(mm.moe)
     assert routes["eager"] == 1
     assert torch.equal(eager, via_op)

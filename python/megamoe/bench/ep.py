@@ -17,7 +17,7 @@ ranks, the figure the median of those):
 Each EP and EP1 row also gives the host's time to return from the call (the median,
 maxed over ranks as the device samples are: equal to the device time where the call
 waits for the GPU inside or is host-bound) and the synchronising CUDA calls in one call
-(CUDA's sync debug mode; an EP step makes two, both in its dispatch plan, EP1 none).
+(CUDA's sync debug mode; an EP step makes one, in its dispatch plan, EP1 none).
 
 In this version the exchanges run on the compute stream between the stages, so
 nothing overlaps: EP F+B ~ EP1 F+B + exchanges. Prints a table (rank 0) and writes

@@ -2,7 +2,8 @@
 
 ``megamoe.testing.baseline.moe`` is the DESIGN §7 baseline (torch ops + autograd);
 ``megamoe.testing.inputs`` makes seeded routing and layers; ``megamoe.testing.metrics``
-holds the DESIGN §6 oracle gates.
+holds the DESIGN §6 oracle gates; ``megamoe.testing.op_route.OpRoute`` forces the
+layer's registered ops where it would take its eager route.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from .metrics import (
     assert_close_to_oracle,
     compare,
 )
+from .op_route import OpRoute
 
 __all__ = [
     "GRAD_MIN_COSINE",
@@ -32,6 +34,7 @@ __all__ = [
     "ROUTING_KINDS",
     "LayerInputs",
     "Metrics",
+    "OpRoute",
     "assert_close_to_oracle",
     "baseline",
     "block_m_transitions",
