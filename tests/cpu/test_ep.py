@@ -60,6 +60,72 @@ def test_split_routes_drops_ids_outside_the_experts():
     assert routes.tolist() == [3, 5, 0, 6] and counts.tolist() == [2, 2]
 
 
+@pytest.mark.parametrize("outside", [[8], [-2], [-5, 100]])
+def test_plan_dispatch_checks_the_ids_it_routes(outside):
+    """The id check is the routing split's count of ids outside ``[-1, E)`` (no read of
+    its own): with ``check_ids`` any such id raises, naming the ids' range; without it
+    the plan masks them, and the rows sent are those of the ids in range."""
+    ids = torch.tensor([[7, -1], [0, 3], [4, 4]])
+    flat = ids.reshape(-1).clone()
+    flat[1 : 1 + len(outside)] = torch.tensor(outside)
+    bad = flat.view(3, 2)
+    low, high = min(flat.tolist()), max(flat.tolist())
+    with pytest.raises(ValueError, match=rf"got values in \[{low}, {high}\]$"):
+        ep.plan_dispatch(bad, 8, group=None)
+    plan = ep.plan_dispatch(bad, 8, group=None, check_ids=False)
+    kept = [route for route, e in enumerate(flat.tolist()) if 0 <= e < 8]
+    assert plan.send_routes.tolist() == kept
+    assert plan.recv_expert.tolist() == [flat[r].item() for r in kept]
+    assert plan.send_splits == (len(kept),) == plan.recv_splits
+    # Ids in range only: the check passes and plans the same routes.
+    ok = ep.plan_dispatch(ids, 8, group=None)
+    assert ok.send_routes.tolist() == [0, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("hidden", [1.5, 2**70])
+def test_plan_dispatch_in_one_process_checks_the_ids_before_the_uniform_values(hidden):
+    """With ``group=None`` a call with bad ids and a bad ``uniform`` value names the ids
+    (the id check comes first there, as it did before it rode in the routing split)."""
+    bad = torch.tensor([[0, -5], [3, 7]])
+    with pytest.raises(ValueError, match=r"got values in \[-5, 7\]$"):
+        ep.plan_dispatch(bad, 8, group=None, uniform={"hidden": hidden})
+    with pytest.raises((TypeError, ValueError), match=r"^hidden: expected an int"):
+        ep.plan_dispatch(bad, 8, group=None, uniform={"hidden": hidden}, check_ids=False)
+
+
+def _reduce_lone_tensors(rank: int, world: int) -> dict:
+    """reduce_shared_grads on lone tensors of each kind: the sums, or the error."""
+    out = {}
+    plain = torch.full((2, 3), float(rank + 1))
+    ep.reduce_shared_grads([plain], dist.group.WORLD)
+    out["plain"] = plain.tolist()
+    leaf = torch.ones(2, requires_grad=True)
+    try:
+        ep.reduce_shared_grads([leaf], dist.group.WORLD)
+        out["leaf"] = "reduced"
+    except RuntimeError as error:
+        out["leaf"] = str(error)
+    with torch.inference_mode():
+        frozen = torch.ones(2)
+    try:
+        ep.reduce_shared_grads([frozen], dist.group.WORLD)
+        out["inference"] = "reduced"
+    except RuntimeError as error:
+        out["inference"] = str(error)
+    return out
+
+
+def test_reduce_shared_grads_writes_a_lone_tensor_only_where_a_copy_could():
+    """A lone contiguous tensor is all-reduced where it is, unless writing it in place
+    is refused (a leaf that requires grad, an inference tensor outside inference mode):
+    then, as for several tensors, the copy back into it raises torch's error."""
+    results = ep.run_gloo(_reduce_lone_tensors, 2, timeout_s=120.0)
+    for result in results:
+        assert result["plain"] == [[3.0] * 3] * 2
+        assert "leaf Variable that requires grad" in result["leaf"]
+        assert "inference tensor" in result["inference"]
+
+
 def test_expert_partition():
     part = ep.ExpertPartition(12, 4, 2)
     assert (part.num_local_experts, part.expert_begin) == (3, 6)

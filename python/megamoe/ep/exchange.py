@@ -169,7 +169,8 @@ def reduce_shared_grads(
 ) -> list[torch.Tensor]:
     """All-reduce (SUM) the shared-factor gradients over the EP group, in place.
 
-    One collective per dtype (the tensors are flattened into one buffer). Every rank
+    One collective per dtype (the tensors are flattened into one buffer; a lone
+    contiguous tensor that may be written in place is reduced where it is). Every rank
     gets the same bits (the backend reduces once and distributes), so the shared grads
     are equal on every rank. ``group=None``: returned unchanged.
     """
@@ -180,6 +181,14 @@ def reduce_shared_grads(
     for i, g in enumerate(grads):
         by_dtype.setdefault(g.dtype, []).append(i)
     for members in by_dtype.values():
+        lone = grads[members[0]]
+        # Reduced where it is only where the copy back below would be allowed too.
+        writable = not lone.requires_grad and (
+            not lone.is_inference() or torch.is_inference_mode_enabled()
+        )
+        if len(members) == 1 and lone.is_contiguous() and writable:
+            dist.all_reduce(lone, op=dist.ReduceOp.SUM, group=group)
+            continue
         flat = torch.cat([grads[i].reshape(-1) for i in members])
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
         offset = 0

@@ -45,20 +45,20 @@ __all__ = ["ep_backward_stages", "ep_forward_stages", "float_bits"]
 
 
 def _exchange_into(
-    out_rows: int,
+    out: torch.Tensor,
     send: torch.Tensor,
     send_splits: tuple[int, ...],
     recv_splits: tuple[int, ...],
     group: dist.ProcessGroup | None,
 ) -> torch.Tensor:
-    """``all_to_all_single`` into the first ``sum(recv_splits)`` rows of a new
-    ``[out_rows, ...]`` buffer (the rest stays unwritten: the pool plan never reads it).
+    """``all_to_all_single`` into the first ``sum(recv_splits)`` rows of ``out`` (the
+    rest is left as it is: unwritten rows the pool plan never reads, or a caller's
+    padding); returns ``out``.
 
     Every rank calls the collective, also with nothing to send or receive: a rank that
     skipped it would leave its peers waiting (gloo exchanges zero-length messages).
     """
     received = sum(recv_splits)
-    out = send.new_empty((out_rows, *send.shape[1:]))
     with stage("exchange"):
         if group is None:
             out[:received].copy_(send)
@@ -129,10 +129,11 @@ def ep_forward_stages(
     if keep_preact:
         recv_x, recv_q13 = _split_received(plan, recv, hidden, keep_x=keep_x, use_side=use_side)
     del recv
-    row_of_recv = routes.route_to_pool_row[: plan.num_recv, 0].long()
+    row_of_recv = routes.route_to_pool_row[: plan.num_recv, 0]
+    send_back = pool_output.index_select(0, row_of_recv)
     returned = _exchange_into(
-        plan.num_send,
-        pool_output.index_select(0, row_of_recv),
+        send_back.new_empty(plan.num_send, send_back.shape[1]),
+        send_back,
         plan.recv_splits,
         plan.send_splits,
         plan.group,
@@ -161,7 +162,7 @@ def _dispatch_token_rows(
     if side is not None:
         token_rows = torch.cat([x, x @ torch.cat([side.a1, side.a3], dim=1)], dim=1)
     return _exchange_into(
-        plan.pool_routes,
+        token_rows.new_empty(plan.pool_routes, token_rows.shape[1]),
         token_rows.index_select(0, plan.send_tokens),
         plan.send_splits,
         plan.recv_splits,
@@ -241,15 +242,15 @@ def ep_backward_stages(
         db2 = scaled_bf16(mm_fp32(dout, side.b2.T), s)  # once per token
         token_rows = torch.cat([dout, db2], dim=1)
     recv = _exchange_into(
-        plan.pool_routes,
+        token_rows.new_empty(plan.pool_routes, token_rows.shape[1]),
         token_rows.index_select(0, plan.send_tokens),
         plan.send_splits,
         plan.recv_splits,
         plan.group,
     )
-    recv_w = torch.zeros(plan.pool_routes, 1, dtype=torch.float32, device=dout.device)
-    recv_w[: plan.num_recv] = _exchange_into(
-        plan.num_recv,
+    # The weights of the received rows; zero past them (the pool's padding rows).
+    recv_w = _exchange_into(
+        torch.zeros(plan.pool_routes, 1, dtype=torch.float32, device=dout.device),
         topk_weights.reshape(-1).index_select(0, plan.send_routes)[:, None],
         plan.send_splits,
         plan.recv_splits,
@@ -259,7 +260,7 @@ def ep_backward_stages(
     # The EP1 pool stages over the received rows.
     grads = dict.fromkeys(GRAD_NAMES)
     width = hidden + (2 * side.rank if use_side else 0)
-    row_of_recv = routes.route_to_pool_row[: plan.num_recv, 0].long()
+    row_of_recv = routes.route_to_pool_row[: plan.num_recv, 0]
     if routes.pool_capacity:
         result = pool_backward(
             recv,
@@ -298,16 +299,23 @@ def ep_backward_stages(
 
     # Back: [dx_route | sg | su] rows and the router grads, in send order.
     returned = _exchange_into(
-        plan.num_send, back_rows, plan.recv_splits, plan.send_splits, plan.group
+        back_rows.new_empty(plan.num_send, back_rows.shape[1]),
+        back_rows,
+        plan.recv_splits,
+        plan.send_splits,
+        plan.group,
     )
+    # The router grads in send order, then a zero: a masked route's position, -1, reads
+    # it (also when nothing was sent at all).
     returned_dw = _exchange_into(
-        plan.num_send, back_dw, plan.recv_splits, plan.send_splits, plan.group
+        back_dw.new_zeros(plan.num_send + 1),
+        back_dw,
+        plan.recv_splits,
+        plan.send_splits,
+        plan.group,
     )
     back = plan.return_plan
-    # Masked routes read the appended zero (also when nothing was sent at all).
-    position = back.route_to_pool_row.long()
-    padded_dw = torch.cat([returned_dw, returned_dw.new_zeros(1)])
-    grads["topk_weights"] = padded_dw[torch.where(position >= 0, position, plan.num_send)]
+    grads["topk_weights"] = returned_dw[back.route_to_pool_row]
     ones = torch.ones_like(topk_weights)
     side_expand = shrink = None
     if use_side:
@@ -316,11 +324,14 @@ def ep_backward_stages(
     grads["x"] = pool.combine_unchecked(returned, back, ones, side_expand, scale=s, hidden=hidden)
     if use_side:
         rank = side.rank
-        shared = [s * mm_fp32(x.T, shrink), s * mm_fp32(saved["p_sum"].T, dout)]
+        # [a1 | a3] and b2's grads in one FP32 buffer: scaled and all-reduced at once.
+        products = [mm_fp32(x.T, shrink), mm_fp32(saved["p_sum"].T, dout)]
+        shared = torch.cat([p.reshape(-1) for p in products]).mul_(s)
         if reduce_shared:
-            reduce_shared_grads(shared, plan.group)
+            reduce_shared_grads([shared], plan.group)
+        a13 = shared[: products[0].numel()].view(products[0].shape)
         # Each column slice rounds straight into its own contiguous gradient.
-        grads["a1"] = shared[0][:, :rank].to(torch.bfloat16, memory_format=torch.contiguous_format)
-        grads["a3"] = shared[0][:, rank:].to(torch.bfloat16, memory_format=torch.contiguous_format)
-        grads["b2"] = shared[1].to(torch.bfloat16)
+        grads["a1"] = a13[:, :rank].to(torch.bfloat16, memory_format=torch.contiguous_format)
+        grads["a3"] = a13[:, rank:].to(torch.bfloat16, memory_format=torch.contiguous_format)
+        grads["b2"] = shared[products[0].numel() :].view(products[1].shape).to(torch.bfloat16)
     return grads

@@ -95,23 +95,33 @@ class ExpertPartition:
 
 def _routes_by_destination(
     topk_ids: torch.Tensor, partition: ExpertPartition
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(order, counts)`` on the device, no host read: ``order`` ``[T * K]`` the flat
-    route indices sorted by destination rank (stable), masked routes last; ``counts``
-    ``[P]`` int64 routes per destination rank. The first ``sum(counts)`` entries of
-    ``order`` are :func:`split_routes`'s ``send_routes``."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(flat, order, counts)`` on the device, no host read: ``flat`` ``[T * K]`` the
+    ids as int64; ``order`` ``[T * K]`` the flat route indices sorted by destination
+    rank (stable), then the masked routes (``-1``), then ids outside ``[-1, E)``;
+    ``counts`` ``[P + 2]`` int64: routes per destination rank, then the masked routes and
+    the ids outside (the id check's flag, read with the agreement). The first
+    ``sum(counts[:P])`` entries of ``order`` are :func:`split_routes`'s ``send_routes``."""
     world = partition.world_size
     flat = topk_ids.reshape(-1).to(torch.int64)
-    # Ids outside [0, E) (possible only with check_ids=False) are masked, as EP1's route
-    # plan treats them: counted as sent, an id past E would break the split sizes on
-    # this rank alone, after the agreement.
+    # Ids outside [0, E) other than -1 (possible only with check_ids=False) are sent
+    # nowhere, as EP1's route plan masks them; counted apart, they are the id check.
     valid = (flat >= 0) & (flat < partition.num_experts)
-    dest = torch.where(valid, flat // partition.num_local_experts, torch.full_like(flat, world))
+    dest = torch.where(valid, flat // partition.num_local_experts, (flat != -1) + world)
     sorted_dest, order = torch.sort(dest, stable=True)
-    # Each destination's first position in the sorted order (torch.bincount on a GPU
-    # reads the ids' extremes to the host to size its output: two host syncs).
-    starts = torch.searchsorted(sorted_dest, torch.arange(world + 1, device=dest.device))
-    return order, starts[1:] - starts[:-1]
+    # Each class's first position in the sorted order (torch.bincount on a GPU reads the
+    # ids' extremes to the host to size its output: two host syncs).
+    starts = torch.searchsorted(sorted_dest, torch.arange(world + 3, device=dest.device))
+    return flat, order, starts.diff()
+
+
+def _ids_outside_error(flat: torch.Tensor, num_experts: int) -> ValueError:
+    """The id check's error in one process, naming the ids' range (a host read)."""
+    low, high = torch.aminmax(flat)
+    return ValueError(
+        f"topk_ids: expected expert ids in [-1, {num_experts}), got values in "
+        f"[{int(low)}, {int(high)}]"
+    )
 
 
 def split_routes(
@@ -130,7 +140,8 @@ def split_routes(
         ``send_counts`` ``[P]`` int64 routes per destination rank. Both on the
         device of ``topk_ids``. Reads ``N_send`` back to the host.
     """
-    order, counts = _routes_by_destination(topk_ids, partition)
+    _, order, counts = _routes_by_destination(topk_ids, partition)
+    counts = counts[: partition.world_size]
     return order[: int(counts.sum())], counts
 
 
@@ -234,10 +245,10 @@ def _agreement_values(
 @dataclass(frozen=True)
 class _Agreement:
     """What :func:`_agree` gives every rank alike: the most tokens on a rank, a refusing
-    rank + 1 (or 0), a rank with bad ids + 1 (or 0), the MAX and MIN over the ranks that
-    hold them of each agreed value (None where no rank does), and ``counts[source]
-    [destination]``, every rank's routes per destination rank (zeros from a rank that
-    sent none: a refusal, or a call that plans no routes)."""
+    rank + 1 (or 0), the last rank with ids outside ``[-1, E)`` + 1 (or 0), the MAX and
+    MIN over the ranks that hold them of each agreed value (None where no rank does),
+    and ``counts[source][destination]``, every rank's routes per destination rank
+    (zeros from a rank that sent none: a refusal, or a call that plans no routes)."""
 
     most_tokens: int
     refused: int
@@ -250,38 +261,39 @@ class _Agreement:
 def _agree(
     num_tokens: int,
     refused: int,
-    bad_ids: int | torch.Tensor,
     values: list[int | None],
     group: dist.ProcessGroup | None,
     device: torch.device | None,
-    send_counts: torch.Tensor | None = None,
+    route_counts: torch.Tensor | None = None,
 ) -> _Agreement:
     """The one collective of :func:`plan_dispatch`: every rank's ``[T, refusal flag,
-    bad-id flag, values..., send counts...]`` by one all-gather and one host read, reduced
-    here alike on every rank (:class:`_Agreement`). ``bad_ids`` may be a 0-d tensor and
-    ``send_counts`` (``[P]``, None: zeros) a tensor on the ids' device: read only with
-    the gathered rows. A value None (this rank holds none) travels as int64's minimum."""
+    values..., route counts...]`` by one all-gather and one host read, reduced here alike
+    on every rank (:class:`_Agreement`). ``route_counts`` (``[P + 2]``: routes per
+    destination rank, masked routes, ids outside; None: zeros) is a tensor on the ids'
+    device, read only with the gathered rows. A value None (this rank holds none)
+    travels as int64's minimum."""
     world = group_size(group)
-    mine = [num_tokens, refused, bad_ids, *(_NO_VALUE if v is None else v for v in values)]
+    mine = [num_tokens, refused, *(_NO_VALUE if v is None else v for v in values)]
+    tail = world + 2
     if group is None:  # one process: its own row, the counts read here
-        counts = [0] * world if send_counts is None else send_counts.tolist()
+        counts = [0] * tail if route_counts is None else route_counts.tolist()
         rows = [[int(v) for v in mine] + counts]
     else:
-        rows = _all_gather_rows(mine, send_counts, world, group, device)
+        rows = _all_gather_rows(mine, route_counts, tail, group, device)
     n = len(values)
     highs: list[int | None] = []
     lows: list[int | None] = []
-    for column in range(3, 3 + n):
+    for column in range(2, 2 + n):
         held = [row[column] for row in rows if row[column] != _NO_VALUE]
         highs.append(max(held) if held else None)
         lows.append(min(held) if held else None)
     return _Agreement(
         most_tokens=max(row[0] for row in rows),
         refused=max(row[1] for row in rows),
-        bad_rank=max(row[2] for row in rows),
+        bad_rank=max((source + 1 if row[-1] else 0) for source, row in enumerate(rows)),
         highs=highs,
         lows=lows,
-        counts=[row[3 + n :] for row in rows],
+        counts=[row[2 + n : 2 + n + world] for row in rows],
     )
 
 
@@ -327,7 +339,7 @@ def refuse_on_every_rank(
         device = x.device if isinstance(x, torch.Tensor) else None
         placeholders = dict.fromkeys(range(num_uniform))
         count = len(_agreement_values(None, None, placeholders, None, None, None, None)[1])
-        _agree(0, group_rank(group) + 1, 0, [None] * count, group, device)
+        _agree(0, group_rank(group) + 1, [None] * count, group, device)
     raise error
 
 
@@ -360,7 +372,7 @@ def agree_block_m(
     names = ["top_k", "num_experts", "config.min_blocks_per_expert"]
     values = [top_k, num_experts, min_blocks] if local_error is None else [None] * 3
     agreed = _agree(
-        num_tokens, 0 if local_error is None else group_rank(group) + 1, 0, values, group, None
+        num_tokens, 0 if local_error is None else group_rank(group) + 1, values, group, None
     )
     if local_error is None:
         _raise_on_mismatch(names, values, agreed.highs, agreed.lows)
@@ -451,12 +463,16 @@ class DispatchPlan:
         exchange returns, summing over ``k`` in order with the routing weights.
         """
         device = self.send_routes.device
-        # Filled on the device: a copy from host memory would wait for the GEMMs queued
-        # before it (the forward's combine and the backward call this).
-        offsets = torch.zeros(2, dtype=torch.int32, device=device)
-        offsets[1:].fill_(self.num_send)
+        sent = self.num_send
+        # [0, N_send] made on the device: a copy from host memory would wait for the
+        # GEMMs queued before it (the forward's combine and the backward call this).
+        # The one segment's count is its end offset.
+        if sent:
+            offsets = torch.arange(0, 2 * sent, sent, dtype=torch.int32, device=device)
+        else:
+            offsets = torch.zeros(2, dtype=torch.int32, device=device)
         return RoutePlan(
-            expert_counts=torch.full((1,), self.num_send, dtype=torch.int32, device=device),
+            expert_counts=offsets[1:],
             expert_pool_offsets=offsets,
             route_to_pool_row=self.send_position,
             pool_row_to_route=self.send_routes.to(torch.int32),
@@ -503,12 +519,13 @@ def plan_dispatch(
     """Plan one expert-parallel step (a collective: every rank of ``group`` calls it).
 
     Steps: the local routing split (as :func:`split_routes`, on the device) -> one
-    all-gather of every rank's ``[T, refusal flag, bad-id flag, values..., routes per
-    destination rank...]``, the values ``K, E, uniform..., max_tokens (-1: none),
-    block_m (-1: agreed), check_ids`` (BLOCK_M agreement, argument checks, and the
-    ``P x P`` route counts: the split sizes, and without a static ``max_tokens`` the MAX
-    over ranks of the routes received, the rank-uniform pool size) -> ``all_to_all_single``
-    of the routes' expert ids -> the receiver's pool plan. One host read in all: the
+    all-gather of every rank's ``[T, refusal flag, values..., routes per destination
+    rank..., masked routes, ids outside [-1, E)]``, the values ``K, E, uniform...,
+    max_tokens (-1: none), block_m (-1: agreed), check_ids`` (BLOCK_M agreement,
+    argument checks, the id check, and the ``P x P`` route counts: the split sizes, and
+    without a static ``max_tokens`` the MAX over ranks of the routes received, the
+    rank-uniform pool size) -> ``all_to_all_single`` of the routes' expert ids, straight
+    into the pool plan's input -> the receiver's pool plan. One host read in all: the
     gathered rows. The all-gather always runs and always has the same length: a
     mismatched group, or a rank that refused its own arguments (here, or before the call
     through :func:`refuse_on_every_rank`), raises on every rank instead of pairing
@@ -526,8 +543,8 @@ def plan_dispatch(
             everywhere.
             (An EP step cannot be captured in a CUDA graph: the split sizes are host
             values.)
-        check_ids: reject ids outside ``[-1, E)`` (a flag computed on the device from the
-            ids' extremes, read with the gathered rows; ``group=None``: a host read).
+        check_ids: reject ids outside ``[-1, E)`` (counted on the device by the routing
+            split and read with the gathered rows; without it they are masked).
         uniform: extra ints that must be equal on every rank (e.g. ``{"hidden": H}``);
             checked in the same all-gather, a mismatch raises ``ValueError`` on every
             rank (so no rank is left waiting in a later collective).
@@ -565,20 +582,6 @@ def plan_dispatch(
         if not agrees:
             raise
         local_error = error
-    bad_ids: int | torch.Tensor = 0
-    if local_error is None and check_ids and topk_ids.numel():
-        low, high = torch.aminmax(topk_ids)
-        # In a group, the flag (this rank + 1, or 0) travels in the agreement's row
-        # and is read with it, not in a host read of its own.
-        high = high.to(torch.int64)  # E may pass int32's range: compare in int64
-        bad_ids = ((low < -1) | (high >= num_experts)).to(torch.int64) * (rank + 1)
-        if group is None:  # no agreement to carry it: read it here
-            bad_ids = int(bad_ids)
-            if bad_ids:
-                raise ValueError(
-                    f"topk_ids: expected expert ids in [-1, {num_experts}), got values in "
-                    f"[{int(low)}, {int(high)}]"
-                )
     names, values = _agreement_values(
         top_k, num_experts, uniform, max_tokens, block_m, check_ids, min_blocks
     )
@@ -593,26 +596,26 @@ def plan_dispatch(
                     else TypeError(f"{name}: expected an int, got {kind.__name__}")
                 )
                 if not agrees:
+                    # One process: the id check (when E is valid) still comes first.
+                    if check_ids and values[1] is not None:
+                        flat, _, route_counts = _routes_by_destination(topk_ids, partition)
+                        if int(route_counts[-1]):
+                            raise _ids_outside_error(flat, num_experts)
                     raise local_error
                 break
     # The routes per destination go into the agreement's rows (the second half of one
-    # host read), so they are split before it; a rank that refused its inputs sends no
-    # counts (zeros), and every rank raises below.
-    order = send_counts = None
+    # host read), so they are split before it, with the count of ids outside [-1, E)
+    # (the id check: its flag is read with the rows, not in a host read of its own); a
+    # rank that refused its inputs sends no counts (zeros), and every rank raises below.
+    flat = order = route_counts = None
     if local_error is None:
-        order, send_counts = _routes_by_destination(topk_ids, partition)
+        flat, order, route_counts = _routes_by_destination(topk_ids, partition)
     # One all-gather even with a static bound: the agreement (ids, the uniform values,
     # whether the step has a backward) is what keeps a mismatched group from pairing
     # different collectives; it is one row of a few ints per rank.
     device = topk_ids.device if isinstance(topk_ids, torch.Tensor) else None
     agreed = _agree(
-        num_tokens,
-        0 if local_error is None else rank + 1,
-        bad_ids,
-        values,
-        group,
-        device,
-        send_counts,
+        num_tokens, 0 if local_error is None else rank + 1, values, group, device, route_counts
     )
     _raise_on_mismatch(names, values, agreed.highs, agreed.lows)
     if local_error is not None:
@@ -623,7 +626,9 @@ def plan_dispatch(
             f"rank {refused - 1} of the EP group failed before the exchange (its own "
             "error says why: an argument it refused, say); every rank raises with it"
         )
-    if bad_rank:
+    if check_ids and bad_rank:
+        if group is None:  # one process: name the values (a host read on this error only)
+            raise _ids_outside_error(flat, num_experts)
         raise ValueError(
             f"topk_ids: expected expert ids in [-1, {num_experts}) on every rank, rank "
             f"{bad_rank - 1} has ids outside"
@@ -643,32 +648,35 @@ def plan_dispatch(
     recv_splits = tuple(row[rank] for row in counts)
     send_routes = order[: sum(send_splits)]
 
-    send_ids = topk_ids.reshape(-1).to(torch.int64).index_select(0, send_routes)
-    if group is None:
-        recv_expert = send_ids.clone()
-    else:
-        recv_expert = send_ids.new_empty(sum(recv_splits))
-        dist.all_to_all_single(
-            recv_expert, send_ids, list(recv_splits), list(send_splits), group=group
-        )
+    num_recv = sum(recv_splits)
     capacity = recv_capacity(max_tokens, top_k, world)
-    if recv_expert.numel() > capacity:
-        raise ValueError(
-            f"max_tokens: {max_tokens} is below some rank's token count: this rank "
-            f"received {recv_expert.numel()} routes, more than P * max_tokens * K = {capacity}"
-        )
     num_local = partition.num_local_experts
     # The pool's routes: rank-uniform. With a static max_tokens, the worst case
     # P * T_max * K; otherwise the MAX over ranks of the routes actually received (from
     # the gathered counts): the worst case is P times the balanced load, too much memory
-    # at production sizes.
+    # at production sizes. The ids arrive straight into the pool plan's input, whose
+    # rows past them are masked.
     received = [sum(row[destination] for row in counts) for destination in range(world)]
     pool_routes = capacity if static_bound else max(received)
+    padded = torch.full(
+        (max(pool_routes, num_recv), 1), -1, dtype=torch.int64, device=topk_ids.device
+    )
+    recv_expert = padded[:num_recv, 0]
+    send_ids = flat.index_select(0, send_routes)
+    if group is None:
+        recv_expert.copy_(send_ids)
+    else:
+        dist.all_to_all_single(
+            recv_expert, send_ids, list(recv_splits), list(send_splits), group=group
+        )
+    if num_recv > capacity:  # after the exchange, which every rank joins
+        raise ValueError(
+            f"max_tokens: {max_tokens} is below some rank's token count: this rank "
+            f"received {num_recv} routes, more than P * max_tokens * K = {capacity}"
+        )
     if pool_routes == 0:
         pool = _empty_pool(num_local, block_m, topk_ids.device)
     else:
-        padded = torch.full((pool_routes, 1), -1, dtype=torch.int64, device=topk_ids.device)
-        padded[: recv_expert.numel(), 0] = recv_expert
         pool = plan_routes(
             padded, num_local, block_m, expert_begin=partition.expert_begin, check_ids=False
         )
