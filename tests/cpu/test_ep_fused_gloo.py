@@ -327,6 +327,71 @@ def test_the_eager_route_is_bitwise_the_op_route():
         assert all(results.values()), (rank, results)
 
 
+# (scenario, activation checkpointing): side path, trainable base without adapters,
+# ranks with nothing to send or receive, every route masked, checkpointing.
+_PROTOCOL_CASES = (
+    ("balanced", False),
+    ("ordinary_no_side", False),
+    ("idle_ranks", False),
+    ("all_masked", False),
+    ("balanced", True),
+)
+
+
+def _collectives_worker(rank: int, world: int) -> dict:
+    """The collectives this rank issues in one F+B of each ``_PROTOCOL_CASES`` entry, by
+    name and in order (the torch.distributed functions the layer calls, wrapped)."""
+    import torch.distributed as dist
+
+    issued: list[str] = []
+    names = ("all_to_all_single", "all_reduce", "all_gather_into_tensor", "all_gather_single")
+    names += ("all_gather", "broadcast", "barrier", "reduce_scatter_tensor", "send", "recv")
+    originals = {name: getattr(dist, name) for name in names if hasattr(dist, name)}
+
+    def recording(name, function):
+        def call(*args, **kwargs):
+            issued.append("all_gather" if name.startswith("all_gather") else name)
+            return function(*args, **kwargs)
+
+        return call
+
+    for name, function in originals.items():
+        setattr(dist, name, recording(name, function))
+    results = {}
+    try:
+        for name, checkpoint in _PROTOCOL_CASES:
+            issued.clear()
+            run_fused(name, rank, world, dist.group.WORLD, checkpoint)
+            results[f"{name}, checkpoint={checkpoint}"] = list(issued)
+    finally:
+        for name, function in originals.items():
+            setattr(dist, name, function)
+    return results
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_rank_issues_the_same_documented_collectives(world):
+    """An EP F+B is one all-gather (the plan's agreement), the ids' exchange, the token
+    rows out and the ``[y | p]`` rows back; then, in the backward, the ``dout`` rows and
+    the route weights out, the ``dx`` rows and the router grads back, and the shared
+    grads' all-reduce where adapters run (docs/EXPERT-PARALLEL.md). Checkpointing
+    exchanges the token rows once more. Every rank issues the same sequence, also with
+    nothing to send or receive: a rank that skipped one would leave its peers waiting."""
+    a2a, gather, reduce = "all_to_all_single", "all_gather", "all_reduce"
+    forward = [gather, a2a, a2a, a2a]
+    backward = [a2a] * 4
+    expected = {
+        "balanced, checkpoint=False": [*forward, *backward, reduce],
+        "ordinary_no_side, checkpoint=False": [*forward, *backward],
+        "idle_ranks, checkpoint=False": [*forward, *backward, reduce],
+        "all_masked, checkpoint=False": [*forward, *backward, reduce],
+        "balanced, checkpoint=True": [*forward, a2a, *backward, reduce],
+    }
+    per_rank = ep.run_gloo(_collectives_worker, world, timeout_s=400)
+    for rank, issued in enumerate(per_rank):
+        assert issued == expected, (rank, issued)
+
+
 def _mxfp4_master_worker(rank: int, world: int) -> dict:
     """Ordinary mode on an MXFP4 base over the group, on this rank's slice, three ways:
     kept packed (the EP op takes the masters and gives them the gradient), decoded once
