@@ -142,7 +142,15 @@ def quantize_mxfp4(w: torch.Tensor, axis: int = -1) -> tuple[torch.Tensor, torch
     # reshape may return a strided view (axis != -1) and bucketize wants contiguous input.
     # .to() returns a float32 input unchanged whatever memory_format says, hence the
     # .contiguous(): one copy either way.
-    x = x.to(torch.float32, memory_format=torch.contiguous_format).contiguous()
+    if x.dtype == torch.bfloat16 and torch.compiler.is_compiling():
+        # Widened by its bits under torch.compile: Inductor folds a cast pair fp32 ->
+        # bf16 -> fp32 in the caller's graph into nothing, and would quantize the values
+        # before their BF16 rounding. Integer ops are not folded; the bits are the cast's.
+        bits = x.view(torch.int16).to(torch.int32)
+        bits <<= 16
+        x = bits.view(torch.float32).contiguous()
+    else:
+        x = x.to(torch.float32, memory_format=torch.contiguous_format).contiguous()
 
     # Block amax from two reductions (no |x| temporary); max/min propagate NaN, so a
     # block with NaN or ±Inf has a non-finite amax.

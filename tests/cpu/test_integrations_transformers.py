@@ -399,6 +399,37 @@ def test_the_gate_probe_spans_past_the_clamp_in_both_halves():
         mhf.experts_spec(ClampedExperts(qwen3_config(), clamp_up=False))
 
 
+def _compiled_spec(module: nn.Module, fullgraph: bool):
+    """``experts_spec`` as a compiled model's first traced call reaches it."""
+    torch._dynamo.reset()
+
+    def spec_clamp(x):
+        return x * mhf.experts_spec(module).clamp
+
+    return torch.compile(spec_clamp, backend="eager", fullgraph=fullgraph)(torch.ones(2))
+
+
+def test_a_first_call_under_torch_compile_still_probes_the_gate():
+    """A module whose first call is traced by torch.compile once got the static checks
+    only, so a gate megamoe does not compute ran as megamoe's (a review, with
+    MiniMax-M3's gate). The probe now runs outside the graph: the same refusal as in
+    eager mode, and a module that passes is cached (no probe in later traces)."""
+    refused = "computes a gate other than megamoe's swiglu with clamp 10"
+    with pytest.raises(ValueError, match=refused):
+        _compiled_spec(ClampedExperts(qwen3_config(), clamp_up=False), fullgraph=False)
+    passing = ClampedExperts(qwen3_config(), clamp_up=True)
+    assert _compiled_spec(passing, fullgraph=False).tolist() == [10.0, 10.0]
+    assert mhf.experts_spec(passing) is passing.__dict__["_megamoe_spec"]
+    # fullgraph=True cannot break the graph for the probe: dynamo refuses, naming why;
+    # check_experts first probes eagerly, and the compiled call reads the cached spec.
+    fresh = ClampedExperts(qwen3_config(), clamp_up=True)
+    with pytest.raises(Exception, match=r"check_experts\(model\)"):
+        _compiled_spec(fresh, fullgraph=True)
+    model = nn.ModuleDict({"experts": ClampedExperts(qwen3_config(), clamp_up=True)})
+    assert list(mhf.check_experts(model)) == ["experts"]
+    assert _compiled_spec(model["experts"], fullgraph=True).tolist() == [10.0, 10.0]
+
+
 def test_unsupported_experts_get_a_clear_error():
     gpt_oss = pytest.importorskip("transformers.models.gpt_oss.modeling_gpt_oss")
     module = gpt_oss.GptOssExperts(

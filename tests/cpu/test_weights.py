@@ -163,3 +163,24 @@ def test_the_no_grad_refusal_holds_while_torch_compile_traces():
     compiled = torch.compile(lambda x: _call(layer, base), backend="eager")
     with pytest.raises(ValueError, match=r"^base: prepared under torch.no_grad\(\)"):
         compiled(layer.x)
+
+
+def test_compiled_mxfp4_preparation_quantizes_the_bf16_rounding_as_eager():
+    """Under torch.compile (Inductor) the packed values are those of eager mode: the
+    FP32 weights' BF16 rounding is quantized. Inductor folded the cast pair fp32 -> bf16
+    -> fp32 into nothing, so a block whose amax rounds up to the next power of two got a
+    smaller scale and other codes (a review)."""
+    w13 = torch.full((2, 128, 64), 0.25)
+    w13[..., 0] = 0.99999  # rounds to 1.0 in BF16: the block's scale exponent moves up
+    w13[1, :, 32:] = torch.linspace(-3.0, 3.0, 32) + 1e-4  # codes off the BF16 grid
+    w2 = torch.full((2, 64, 64), -0.75)
+    w2[..., 31] = 1.99999
+    eager = mm.prepare_base_weights(w13, w2, format="mxfp4")
+    torch._dynamo.reset()
+    prepare = torch.compile(
+        lambda a, b: mm.prepare_base_weights(a, b, format="mxfp4"), fullgraph=True
+    )
+    compiled = prepare(w13, w2)
+    for name in ("w13", "w2", "w13_scales", "w2_scales"):
+        assert torch.equal(getattr(compiled, name), getattr(eager, name)), name
+    assert eager.w13_scales[0, 0, 0].item() == 125  # amax 1.0 = 2^0: 2^(0 - 2), E8M0 125

@@ -96,6 +96,7 @@ __all__ = [
     "SideLoRAAdapter",
     "attach_side_lora",
     "check_device",
+    "check_experts",
     "experts_modules",
     "experts_spec",
     "fused_experts_forward",
@@ -256,12 +257,33 @@ def _probe(module: nn.Module, spec: ExpertsSpec) -> None:
         )
 
 
+def _probe_and_cache(module: nn.Module, spec: ExpertsSpec) -> None:
+    """:func:`_probe`, then ``spec`` cached on the module."""
+    _probe(module, spec)
+    module.__dict__["_megamoe_spec"] = spec
+
+
+# The probe compares values, a data-dependent branch: under torch.compile it runs
+# outside the graph (one graph break on the module's first traced call; the cached spec
+# then guards it away). With fullgraph=True dynamo refuses the break and names why.
+_probe_outside_graphs = torch.compiler.disable(
+    _probe_and_cache,
+    reason=(
+        "megamoe checks an experts module's own _apply_gate on an eager probe before it "
+        "runs it; with fullgraph=True, call megamoe.integrations.transformers."
+        "check_experts(model) (or run one step) before compiling"
+    ),
+)
+
+
 def experts_spec(module: nn.Module) -> ExpertsSpec:
     """Check that megamoe can run ``module`` (an HF experts module) and say how.
 
-    In eager mode the result is cached on the module after the module's own gate has
-    been checked against megamoe's on a probe (see the module docstring); under
-    ``torch.compile`` an uncached module gets the static checks only.
+    The result is cached on the module after the module's own gate (its
+    ``_apply_gate``, where it has one) has been checked against megamoe's on a probe
+    (see the module docstring). Under ``torch.compile`` an uncached module with its own
+    ``_apply_gate`` is probed outside the graph: a graph break on its first traced call,
+    which ``fullgraph=True`` refuses (:func:`check_experts` first avoids it).
 
     Raises:
         ValueError: naming what the module has that megamoe does not implement.
@@ -271,9 +293,25 @@ def experts_spec(module: nn.Module) -> ExpertsSpec:
         return spec
     spec = _static_spec(module)
     if not torch.compiler.is_compiling():
-        _probe(module, spec)
-        module.__dict__["_megamoe_spec"] = spec
+        _probe_and_cache(module, spec)
+    elif getattr(module, "_apply_gate", None) is not None:
+        _probe_outside_graphs(module, spec)
     return spec
+
+
+def check_experts(model: nn.Module) -> dict[str, ExpertsSpec]:
+    """Check every HF experts module of ``model`` as :func:`experts_spec` does (eagerly,
+    with the probe of a module's own ``_apply_gate``) and cache the result on it: what
+    to call before ``torch.compile(..., fullgraph=True)``, so that no probe is left for
+    the compiled graph.
+
+    Returns:
+        ``{module name: spec}``.
+
+    Raises:
+        ValueError: the first module megamoe cannot run, naming why.
+    """
+    return {name: experts_spec(module) for name, module in experts_modules(model)}
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
