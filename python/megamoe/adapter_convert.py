@@ -50,6 +50,7 @@ from __future__ import annotations
 import contextlib
 import math
 import re
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -356,6 +357,16 @@ def _projections_from_fused(
 # PEFT, per-expert modules.
 
 
+def _expert_ids(experts: Sequence[int]) -> list[int]:
+    """``experts`` as a list of distinct non-negative ints: each names one local
+    expert's keys, so a repeated id would read or write one expert's factors twice."""
+    ids = [check_int("experts[i]", e, minimum=0) for e in experts]
+    repeated = sorted(e for e, n in Counter(ids).items() if n > 1)
+    if repeated:
+        raise ValueError(f"experts: expected distinct global ids, got {repeated} more than once")
+    return ids
+
+
 def _discover_experts(
     state_dict: Mapping[str, torch.Tensor], prefix: str, projections: Sequence[str]
 ) -> list[int]:
@@ -464,7 +475,7 @@ def side_lora_from_peft(
     _reject_unsupported(state_dict, prefix)
     if experts is None:
         experts = _discover_experts(state_dict, prefix, projections)
-    experts = [check_int("experts[i]", e, minimum=0) for e in experts]
+    experts = _expert_ids(experts)
     if not experts:
         raise ValueError("experts: expected at least one expert id, got []")
     gate_name, up_name, down_name = projections
@@ -533,7 +544,7 @@ def side_lora_to_peft(
     r = side.rank
     if experts is None:
         experts = list(range(side.num_experts))
-    experts = [check_int("experts[i]", e, minimum=0) for e in experts]
+    experts = _expert_ids(experts)
     if len(experts) != side.num_experts:
         raise ValueError(
             f"experts: expected {side.num_experts} global ids (one per local expert), got "

@@ -170,15 +170,16 @@ def _base_weights(
         check_mxfp4_scales(scale_names[1], w2_scales)
     if gate_up == "interleaved":
         w13_codes, w13_scales = _deinterleave_rows(w13_codes), _deinterleave_rows(w13_scales)
-    # The kernels read w13 in this concatenated (nn.Linear) row order as it is.
-    w13_codes = _positive_zero(w13_codes).contiguous()
-    w13_scales = w13_scales.contiguous()
+    # The kernels read w13 in this concatenated (nn.Linear) row order as it is. The
+    # scales are copied too (the codes are new tensors already): the base must not
+    # change with the checkpoint's tensors, whose bytes were checked here.
+    contiguous = torch.contiguous_format
     return BaseWeights(
         "mxfp4",
-        w13_codes,
+        _positive_zero(w13_codes).contiguous(),
         _positive_zero(w2_codes).contiguous(),
-        w13_scales,
-        w2_scales.contiguous(),
+        w13_scales.clone(memory_format=contiguous),
+        w2_scales.clone(memory_format=contiguous),
         experts,
         hidden,
         intermediate,

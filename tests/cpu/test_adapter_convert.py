@@ -224,6 +224,13 @@ def test_peft_expert_subset_for_expert_parallelism():
     assert torch.equal(part.b1, full.b1[2:]) and torch.equal(part.a2, full.a2[2:])
     out, _ = ac.side_lora_to_peft(part, P, experts=[2, 3])
     assert f"{P}.2.{GATE}.lora_B.weight" in out and f"{P}.0.{GATE}.lora_B.weight" not in out
+    # A repeated id would write (or read) one expert's factors twice and drop another's
+    # without a word (a review): refused, naming it.
+    distinct = r"^experts: expected distinct global ids, got \[2\] more than once"
+    with pytest.raises(ValueError, match=distinct):
+        ac.side_lora_to_peft(part, P, experts=[2, 2])
+    with pytest.raises(ValueError, match=distinct):
+        ac.side_lora_from_peft(sd, P, lora_alpha=16.0, experts=[2, 2])
 
 
 def test_peft_rejects_non_identical_shared_factors():

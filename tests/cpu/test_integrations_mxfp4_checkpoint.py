@@ -75,6 +75,24 @@ def test_negative_zero_codes_are_written_as_positive_zero():
     assert torch.equal(base.w2_linear(torch.float32), want)
 
 
+def test_the_base_shares_no_memory_with_the_checkpoint_tensors():
+    """The codes and scales are copied (the docstring's promise): a later write into a
+    checkpoint tensor, a 0xFF (NaN) scale say, does not reach the checked base. The
+    scales were returned as they were when already contiguous (a review)."""
+    codes13 = random_codes((E, 2 * I, H // 2), seed=1)
+    codes2 = random_codes((E, H, I // 2), seed=2)
+    scales13 = random_scales((E, 2 * I, H // 32), seed=3)
+    scales2 = random_scales((E, H, I // 32), seed=4)
+    given = (codes13, scales13, codes2, scales2)
+    kept = [t.clone() for t in given]
+    base = base_weights_from_mxfp4(*given)
+    for t in given:
+        t.fill_(0xFF)
+    held = (base.w13, base.w13_scales, base.w2, base.w2_scales)
+    assert torch.equal(held[1], kept[1]) and torch.equal(held[3], kept[3])
+    assert not any((t == 0xFF).all() for t in held)
+
+
 def test_gpt_oss_checkpoint_matches_transformers_dequantizer():
     hf_mxfp4 = pytest.importorskip("transformers.integrations.mxfp4")
     # gpt-oss's MXFP4 experts as transformers stores them (Mxfp4GptOssExperts).

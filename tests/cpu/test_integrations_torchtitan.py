@@ -187,6 +187,19 @@ def test_bad_options():
         mtt.MegaMoEGroupedExperts.Config(dim=80, hidden_dim=FF, num_experts=E).build()
     with pytest.raises(ValueError, match="backend"):
         mtt.MegaMoEConverter.Config(backend="cuda").build()
+    # An alpha the adapters cannot take, named at build as attach_side_lora names it
+    # (it reached the first forward as side.scale, or as an unnamed TypeError; a review).
+    bad_alphas = (
+        (float("nan"), ValueError, r"^alpha: expected a finite float, got nan"),
+        (float("inf"), ValueError, r"^alpha: expected a finite float, got inf"),
+        (1e40, ValueError, r"^scale \(alpha / rank\): expected a float finite in float32"),
+        ("2", TypeError, r"^alpha: expected a float, got str"),
+    )
+    for alpha, kind, message in bad_alphas:
+        with pytest.raises(kind, match=message):
+            mtt.MegaMoEGroupedExperts.Config(
+                dim=D, hidden_dim=FF, num_experts=E, rank=16, alpha=alpha
+            ).build()
 
 
 def test_subclassed_experts_are_refused_not_converted():

@@ -95,7 +95,7 @@ except ImportError as exc:
 
 from .. import ops, reference
 from ..side_lora import SIDE_NAMES, SideLoRA, check_side_rank
-from ..validation.arguments import check_str_choice
+from ..validation.arguments import check_finite_float, check_str_choice
 from ..validation.layer import check_kernel_dims
 from ..weights import prepare_base_weights
 from ..wrappers.registry import registry
@@ -336,7 +336,12 @@ class MegaMoEGroupedExperts(GroupedExperts):
         rank = config.rank
         check_side_rank("rank", rank, zero="0 (trainable base)")
         self.rank, self.backend = rank, config.backend
-        self.scale = 1.0 if config.alpha is None or not rank else config.alpha / rank
+        self.scale = 1.0
+        if config.alpha is not None:  # at build, as attach_side_lora checks it
+            alpha = check_finite_float("alpha", config.alpha)
+            if rank:
+                scale = alpha / rank
+                self.scale = check_finite_float("scale (alpha / rank)", scale, float32=True)
         e, f, d, r = config.num_experts, config.hidden_dim, config.dim, rank
         # At build, not at the first forward (after sharding and the checkpoint load).
         check_kernel_dims("dim", d, "hidden_dim", f)
