@@ -11,7 +11,12 @@ the gate and up projections share ``A`` across experts, the down projection shar
     a2[e] = A_down[e]^T [I, r]   b2 = (scaling_down / s) * B_down^T   [r, H]
 
 With one ``scaling`` for all three projections (the usual case) ``s = scaling`` and no
-factor is rescaled, so a round trip is bit-exact.
+factor is rescaled, so a round trip is bit-exact. An export's default alpha ``s * r``
+gives back ``s`` unless ``s * r / r`` rounds off it (no float64 alpha does for some
+pairs: ``s = 0.1`` at ``r = 48`` gives ``0.10000000000000002``); then the expand
+factors are rescaled by ``s / scaling``, within a rounding of 1: FP32 and BF16 factors
+keep their bits (float64 ones may move by an ulp), and the imported scale is that
+scaling, the same float32 the kernels compute with.
 
 Layouts (citations in ``docs/ADAPTERS.md``):
 
@@ -524,7 +529,8 @@ def side_lora_to_peft(
         side: the adapters (``E`` local experts, rank ``r``).
         prefix: the experts container key prefix.
         lora_alpha: alpha for the config; default ``s * r`` (``s * sqrt(r)`` with
-            rsLoRA) so the LoRA scaling equals ``s`` and no factor is rescaled.
+            rsLoRA) so the LoRA scaling equals ``s`` and no factor is rescaled (up to
+            the rounding of ``s * r / r``: module docstring).
         use_rslora: write an rsLoRA adapter.
         experts: global expert id of each local expert (default ``0..E-1``).
         projections: module names of (gate, up, down).
@@ -729,7 +735,8 @@ def side_lora_to_peft_fused(
         side: the adapters.
         prefix: the experts module key prefix.
         lora_alpha: the config's alpha; default ``s * R`` (``s * sqrt(R)`` for rsLoRA)
-            with ``R`` the exported rank, so no factor is rescaled.
+            with ``R`` the exported rank, so no factor is rescaled (up to the
+            rounding of ``s * R / R``: module docstring).
         use_rslora: write an rsLoRA adapter.
         gate_up: ``"shared"`` (needs ``a1 == a3``: one ``A``, rank ``r``),
             ``"stacked"`` (``A = [a1^T; a3^T]``, block-diagonal ``B``, rank ``2r``) or
