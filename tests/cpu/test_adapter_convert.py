@@ -190,7 +190,7 @@ def test_a_default_alpha_that_rounds_off_the_scale_moves_no_low_precision_bit(dt
     side = make_side(rank=48, scale=0.1, dtype=dtype)
     sd, config = ac.side_lora_to_peft(side, P)
     back = ac.side_lora_from_peft(sd, P, lora_alpha=config["lora_alpha"])
-    assert back.scale != side.scale and abs(back.scale - side.scale) <= 2 ** -52 * side.scale
+    assert back.scale != side.scale and abs(back.scale - side.scale) <= 2**-52 * side.scale
     f32 = torch.tensor([back.scale, side.scale], dtype=torch.float64).float()
     assert f32[0] == f32[1]
     for name, x, y in zip(("a1", "b1", "a3", "b3", "a2", "b2"), back.tensors(), side.tensors()):
