@@ -63,6 +63,7 @@ import torch
 
 from .side_lora import SIDE_RANK_MAX, SIDE_RANK_MULTIPLE, SideLoRA
 from .validation.arguments import check_choice, check_finite_float, check_int, check_str_choice
+from .validation.layer import check_devices
 
 __all__ = [
     "PEFT_PROJECTIONS",
@@ -145,6 +146,9 @@ def _assemble(
 ) -> SideLoRA:
     """Build the SideLoRA: common rank, one scale (the others folded into ``b``), dtype."""
     projections = (gate, up, down)
+    factors = [(f"{p.name} ({part})", t) for p in projections for part, t in
+               (("A", p.shrink), ("B", p.expand))]  # fmt: skip
+    check_devices(factors, projections[0].name)
     s = gate.scaling if scale is None else check_finite_float("scale", scale)
     if s == 0.0:
         raise ValueError("scale: expected a nonzero scale (the expand factors are divided by it)")
@@ -207,8 +211,24 @@ def _split_side(side: SideLoRA, scaling: tuple[float, float, float]) -> tuple[to
 # State-dict helpers.
 
 
+def _check_prefix(prefix: object) -> str:
+    if not isinstance(prefix, str):
+        raise TypeError(
+            f"prefix: expected a str (the module's key prefix), got {type(prefix).__name__}"
+        )
+    return prefix
+
+
+def _check_state_dict(state_dict: object) -> Mapping[str, torch.Tensor]:
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(
+            f"state_dict: expected a mapping of keys to tensors, got {type(state_dict).__name__}"
+        )
+    return state_dict
+
+
 def _join(prefix: str, *parts: str) -> str:
-    prefix = prefix.rstrip(".")
+    prefix = _check_prefix(prefix).rstrip(".")
     return ".".join(([prefix] if prefix else []) + list(parts))
 
 
@@ -255,7 +275,8 @@ def _identical(factors: Sequence[torch.Tensor], keys: Sequence[str], what: str) 
 
 def _reject_unsupported(state_dict: Mapping[str, torch.Tensor], prefix: str) -> None:
     # DoRA magnitudes and LoRA biases change the math; refusing beats a silent mismatch.
-    head = prefix.rstrip(".")
+    head = _check_prefix(prefix).rstrip(".")
+    _check_state_dict(state_dict)
     for key in state_dict:
         if head and not key.startswith(head + "."):
             continue
@@ -488,6 +509,7 @@ def side_lora_from_peft(
     def per_expert(proj: str, factor: str) -> tuple[torch.Tensor, str]:
         keys = [_lora_key(_join(prefix, str(e), proj), factor, adapter_name) for e in experts]
         tensors = [_get(state_dict, k) for k in keys]
+        check_devices(list(zip(keys, tensors)), keys[0])  # before they are stacked
         _check_shape(keys[0], tensors[0], (None, None))
         for k, t in zip(keys[1:], tensors[1:]):
             _check_shape(k, t, tuple(tensors[0].shape))
@@ -840,6 +862,7 @@ def side_lora_from_megatron(
         split_gate_up, scale, rank, dtype: as in :func:`side_lora_from_peft_fused`.
     """
     alpha = check_finite_float("alpha", alpha)
+    _check_state_dict(state_dict)
     keys = {
         (linear, side): _megatron_key(prefix, linear, side)
         for linear in (MEGATRON_FC1, MEGATRON_FC2)

@@ -85,7 +85,18 @@ _PAIR_LUT = torch.tensor(
 _TABLES_ON: dict[tuple[str, torch.device], torch.Tensor] = {}
 
 
-def _table_on(name: str, table: torch.Tensor, device: torch.device) -> torch.Tensor:
+def _table_on(name: str, table: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``table`` on ``like``'s device, and fake where ``like`` is a fake tensor outside
+    torch.compile (under FakeTensorMode a real constant beside fake tensors is refused;
+    while torch.compile traces, the real constant is what the graph takes in)."""
+    device = like.device
+    if not torch.compiler.is_compiling():
+        from torch._subclasses.fake_tensor import maybe_get_fake_mode
+
+        mode = maybe_get_fake_mode(like)
+        if mode is not None:
+            with mode:
+                return mode.from_tensor(table).to(device)
     on_device = _TABLES_ON.get((name, device))
     if on_device is None:
         on_device = table.to(device)
@@ -173,7 +184,7 @@ def quantize_mxfp4(w: torch.Tensor, axis: int = -1) -> tuple[torch.Tensor, torch
     # is subnormal, and then it is < 2^-126, far below the first rounding boundary 0.25.
     inv_scale = ((_SCALE_BIAS - exponent) << _FP32_MANT_BITS).view(torch.float32)
     mag = x.abs().mul_(inv_scale.unsqueeze(-1))
-    boundaries = _table_on("boundaries", _BOUNDARIES, mag.device)
+    boundaries = _table_on("boundaries", _BOUNDARIES, mag)
     codes = torch.bucketize(mag, boundaries, out_int32=True).to(torch.uint8)
     del mag
     # Sign bit only on non-zero magnitudes: zero is always code 0 (module docstring).
@@ -241,7 +252,7 @@ def dequantize_mxfp4(
     lead = p.shape[:-1]
     nb = half // bytes_per_block
     # One gather per byte (an int32 index the size of packed, not of the output).
-    pairs = _table_on("pairs", _PAIR_LUT, p.device).index_select(0, p.reshape(-1).to(torch.int32))
+    pairs = _table_on("pairs", _PAIR_LUT, p).index_select(0, p.reshape(-1).to(torch.int32))
     vals = pairs.view(*lead, nb, MXFP4_BLOCK)
 
     # 2^(byte - 127) from its float32 bits: exact, with byte 0 (subnormal 2^-127) and

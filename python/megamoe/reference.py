@@ -267,6 +267,13 @@ def forward(
     activation_clamp = _check_options(activation, activation_clamp, compute_dtype)
     _check_side(side, hidden, intermediate, experts, x.device)
     check_int("expert_begin", expert_begin, minimum=0)
+    if not torch.compiler.is_compiling() and not has_data(topk_ids):
+        # Last, as a device the call cannot run on. (torch.compile breaks the graph where
+        # the reference reads values, and runs on.)
+        raise ValueError(
+            "topk_ids: the reference plans its pool from the ids' values, and a meta or fake "
+            "tensor holds none (mm.moe's fake implementation runs on those)"
+        )
 
     rnd = _rounder(round_bf16)
     cd = compute_dtype

@@ -264,6 +264,24 @@ def test_peft_rejects_non_identical_shared_factors():
         ac.side_lora_from_peft(sd, P, lora_alpha=16.0)
 
 
+def test_converters_name_a_prefix_or_state_dict_of_the_wrong_kind():
+    """``prefix=None`` gave ``'NoneType' object has no attribute 'rstrip'`` and a list
+    state dict a missing-keys error (a review): each now a TypeError naming it."""
+    sd, side = peft_state(), make_side()
+    prefix = r"^prefix: expected a str \(the module's key prefix\), got NoneType"
+    with pytest.raises(TypeError, match=prefix):
+        ac.side_lora_from_peft(sd, None, lora_alpha=16.0)
+    with pytest.raises(TypeError, match=prefix):
+        ac.side_lora_to_peft(side, None)
+    with pytest.raises(TypeError, match=prefix):
+        ac.side_lora_from_megatron({}, None, alpha=8.0)
+    mapping = r"^state_dict: expected a mapping of keys to tensors, got list"
+    with pytest.raises(TypeError, match=mapping):
+        ac.side_lora_from_peft(list(sd.values()), P, lora_alpha=16.0)
+    with pytest.raises(TypeError, match=mapping):
+        ac.side_lora_from_megatron([], "m", alpha=8.0)
+
+
 def test_peft_rejects_agnostic_and_per_expert_copies_that_differ():
     sd = peft_state()
     sd[f"{P}.{GATE}.lora_A.weight"] = sd[f"{P}.0.{GATE}.lora_A.weight"].unsqueeze(0) + 1
@@ -283,6 +301,11 @@ def test_peft_rejects_agnostic_and_per_expert_copies_that_differ():
         (lambda sd: sd.update({f"{P}.0.{DOWN}.lora_B.bias": torch.ones(H)}), "bias"),
         (lambda sd: sd.update({f"{P}.5.{DOWN}.lora_A.weight": torch.ones(R, I)}), "0..E-1"),
         (lambda sd: sd.update({f"{P}.1.{GATE}.lora_B.weight": torch.ones(I, 8)}), "gate_proj"),
+        # One factor elsewhere: named, not torch.stack's RuntimeError (a review).
+        (
+            lambda sd: sd.update({f"{P}.1.{GATE}.lora_B.weight": torch.ones(I, R, device="meta")}),
+            r"^\S+\.1\.gate_proj\.lora_B\.weight: expected device cpu .* got meta",
+        ),
     ],
 )
 def test_peft_bad_state_dicts(edit, match):

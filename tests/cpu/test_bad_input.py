@@ -636,6 +636,13 @@ def test_meta_ids_are_named_not_read() -> None:
     x = torch.randn(T, H, device=META)
     with pytest.raises(ValueError, match=r"^base: expected device meta like x"):
         mm.reference.moe(x, ids.to(META), weights.to(META), base)
+    # All on meta: the reference (which plans from the ids' values) names the ids, last,
+    # where a MegaMoE on meta with the reference backend met bincount's
+    # NotImplementedError (a review); the fused backend's fake implementation runs there.
+    on_meta = mm.MegaMoE(H, I, E, K, side_rank=R, backend="reference", device=META)
+    readable = r"^topk_ids: the reference plans its pool from the ids' values, and a meta"
+    with pytest.raises(ValueError, match=readable):
+        on_meta(x.float(), ids.to(META), weights.to(META))
 
 
 def test_floats_beyond_range_are_named() -> None:

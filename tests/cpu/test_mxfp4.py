@@ -595,3 +595,21 @@ def test_the_tables_are_kept_per_device_but_never_as_meta_tensors():
     assert torch.equal(dequantize_mxfp4(packed, scales), first)
     for name, table in tables.items():
         assert mxfp4._TABLES_ON[(name, cpu)] is table  # not copied again
+
+
+def test_quantize_and_dequantize_run_on_fake_cpu_tensors():
+    """Under FakeTensorMode the constant tables join as fake tensors too: on CPU fake
+    tensors the real cached tables were refused by the mode (a review); the shapes and
+    dtypes are those of a real call, and no fake table is cached."""
+    from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
+
+    from megamoe import mxfp4
+
+    real_packed, real_scales = quantize_mxfp4(torch.randn(4, 64))
+    real = dequantize_mxfp4(real_packed, real_scales)
+    with FakeTensorMode():
+        packed, scales = quantize_mxfp4(torch.empty(4, 64))
+        decoded = dequantize_mxfp4(packed, scales)
+    for fake, want in ((packed, real_packed), (scales, real_scales), (decoded, real)):
+        assert is_fake(fake) and fake.shape == want.shape and fake.dtype == want.dtype
+    assert not any(is_fake(table) for table in mxfp4._TABLES_ON.values())
