@@ -23,9 +23,26 @@ QUICK = ["--device", "cpu", "--iters", "1", "--warmup", "0", "--quiet"]
 def test_flop_model_hand_counts():
     # T=1 token, N=2 routes, H=4, I=2, r=0: GEMM1 2*2*4*4 + GEMM2 2*2*2*4 = 64 + 32.
     assert forward_flops(1, 2, 4, 2, 0) == 96
-    # dgrad2 2*N*H*I + dgrad1 2*N*2I*H = 32 + 64; ordinary adds the same again.
-    assert backward_flops(1, 2, 4, 2, 0, base_grads=False) == 96
-    assert backward_flops(1, 2, 4, 2, 0, base_grads=True) == 192
+    # dgrad2 2*N*H*I + dgrad1 2*N*2I*H + the router dots 2*N*I = 32 + 64 + 8; ordinary
+    # adds dw2 and dw13, 96 more.
+    assert backward_flops(1, 2, 4, 2, 0, base_grads=False) == 104
+    assert backward_flops(1, 2, 4, 2, 0, base_grads=True) == 200
+
+
+@pytest.mark.parametrize("side_rank", [0, 16])
+@pytest.mark.parametrize("base_grads", [False, True])
+def test_the_bench_counts_what_flop_counter_mode_counts(side_rank, base_grads):
+    """The bench's model and the ops' FlopCounterMode formulas count the same backward
+    for unmasked routes (the bench left out the router gradient's dots; a review)."""
+    from megamoe.custom_ops import flop_formulas
+
+    tokens, top_k, hidden, inter = 6, 3, 64, 128
+    bench = backward_flops(tokens, tokens * top_k, hidden, inter, side_rank, base_grads)
+    ops = flop_formulas.backward_flops(
+        tokens, top_k, hidden, inter, side_rank,
+        base_grads=base_grads, side_grads=side_rank > 0, recompute=False,
+    )  # fmt: skip
+    assert bench == ops
 
 
 def test_ordinary_ep4rank_matches_the_design_figure():
@@ -118,6 +135,11 @@ def test_help_states_every_option_and_its_default(capsys):
         (["--routing", "skewed", "--skew", "nan"], "--skew"),
         (["--routing", "skewed", "--skew", "inf"], "--skew"),
         (["--ep", "2", "--routing", "skewed"], "--ep"),
+        # A review: these passed the parser and failed later in a traceback.
+        (["--seed", "-1"], "--seed: expected a seed in [0, 2^63)"),
+        (["--seed", str(2**64 - 1)], "--seed: expected a seed in [0, 2^63)"),
+        (["--device", "bogus"], "--device: expected a torch device"),
+        (["--device", "meta"], "--device: the bench runs on cuda or cpu"),
     ],
 )
 def test_cli_rejects_bad_options(argv, match, capsys):
@@ -165,6 +187,31 @@ def test_the_other_bench_clis_refuse_zero_iterations_before_any_work(module, cap
     with pytest.raises(SystemExit):
         importlib.import_module(module).main(["--iters", "0"])
     assert "--iters: expected at least 1 timed sample, got 0" in capsys.readouterr().err
+
+
+def test_repeated_tokens_run_once_and_hf_names_an_unknown_impl(capsys):
+    """A repeated ``--tokens`` count ran twice, and the "vs baseline" column paired the
+    rows by count (the first baseline row read 0.76x against itself; a review); the
+    other lists were already de-duplicated. bench.hf timed its baseline before a bad
+    ``--impl`` failed as a KeyError."""
+    args = cli.parse_args(["--device", "cpu", "--tokens", "8,16,8"])
+    assert args.token_counts == [8, 16]
+    import megamoe.bench.hf as hf
+
+    with pytest.raises(SystemExit):
+        hf.main(["--impl", "bogus"])
+    assert "--impl: invalid choice: 'bogus'" in capsys.readouterr().err
+
+
+def test_bench_engine_refuses_a_sustained_count_below_one(capsys):
+    """``--sustained 0`` timed nothing and divided by zero after building the inputs;
+    ``-2`` printed negative times and ratios (a review)."""
+    import megamoe.bench.engine as engine
+
+    for value in ("0", "-2"):
+        with pytest.raises(SystemExit):
+            engine.main(["--sustained", value])
+        assert "expected at least 1 launch per sample" in capsys.readouterr().err
 
 
 def test_cli_ep_needs_the_gpus(capsys):

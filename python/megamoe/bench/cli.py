@@ -5,8 +5,9 @@ needs a Hopper GPU"), ``baseline`` (the unfused torch._grouped_mm layer a traine
 would write, megamoe.testing.baseline) and ``reference`` (the oracle: float64 on CPU,
 float32 with BF16 rounding points on GPU). Passes: the training forward (autograd on,
 activations saved) and forward+backward timed together. Medians of CUDA-event samples
-after warm-up; TFLOP/s from the useful FLOPs of megamoe.bench.flops; peak memory over
-each pass's runs; for the fused backend on a GPU the kernel launches (and memcpy/memset
+after warm-up; TFLOP/s from the useful FLOPs of megamoe.bench.flops; peak memory of
+one timed run (the counter is reset before each; the row's is its last run's); for the
+fused backend on a GPU the kernel launches (and memcpy/memset
 copies) of one pass, counted by torch.profiler in one extra untimed call. Without a
 GPU it runs the ``small`` shape on the CPU, so the command always works; a shape too
 large for the host stops with a memory estimate.
@@ -58,6 +59,7 @@ from .timing import (
     floor_ms,
     profile_device_work,
     sample_count,
+    seed_value,
     time_fn,
     warmup_count,
 )
@@ -602,7 +604,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=10,
         help="timed samples; the median is reported (default: 10)",
     )
-    add("--seed", type=int, default=0, help="seed of the inputs and routing (default: 0)")
+    add("--seed", type=seed_value, default=0, help="seed of the inputs and routing (default: 0)")
     add("--device", help="torch device to run on (default: cuda with a CUDA GPU, cpu without)")
     add("--json", type=Path, help="write the report (rows, commit, device) here (default: none)")
     add(
@@ -694,6 +696,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             parser.error(f"--tokens: expected comma-separated integers, got {args.tokens!r}")
         if not args.token_counts or min(args.token_counts) < 1:
             parser.error(f"--tokens: expected token counts >= 1, got {args.tokens!r}")
+        # Once each, as the other lists: a repeated count ran twice, and the table's
+        # "vs baseline" column paired rows by count (a review).
+        args.token_counts = list(dict.fromkeys(args.token_counts))
     if args.skew is not None and args.routing != "skewed":
         parser.error("--skew: applies to --routing skewed only")
     if args.skew is None:
@@ -708,6 +713,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--ep: routes each rank's tokens itself (--routing balanced only)")
     if args.device.startswith("cuda") and not gpu:
         parser.error("--device cuda: no CUDA GPU is available")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        parser.error(f"--device: expected a torch device such as cuda or cpu, got {args.device!r}")
+    if device.type not in ("cuda", "cpu"):
+        parser.error(f"--device: the bench runs on cuda or cpu, got {args.device!r}")
     return args
 
 

@@ -53,7 +53,7 @@ from megamoe.wrappers.grouped_gemm import (
 from megamoe.wrappers.k_grouped_gemm import k_grouped_gemm
 
 from .cli import build_commit
-from .timing import sample_count, time_interleaved, warmup_count
+from .timing import launch_count, sample_count, time_interleaved, warmup_count
 
 GEMMS = (
     "gemm1",
@@ -381,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--sustained",
-        type=int,
+        type=launch_count,
         default=1,
         help="back-to-back launches per timed sample (default 1; >= 10 for sustained "
         "numbers at the power cap)",

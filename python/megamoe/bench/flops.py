@@ -26,10 +26,11 @@ def backward_flops(
     side_rank: int,
     base_grads: bool,
 ) -> int:
-    """dgrad2 and dgrad1 always; with adapters their side terms plus every adapter
-    grad; with ``base_grads`` (ordinary mode) dw13 and dw2."""
+    """dgrad2 and dgrad1 and the router gradient's dots ``<z, h>`` always; with adapters
+    their side terms plus every adapter grad; with ``base_grads`` (ordinary mode) dw13
+    and dw2. The same count as ``megamoe.custom_ops.flop_formulas`` for unmasked routes."""
     t, n, h, i, r = num_tokens, num_routes, hidden, intermediate, side_rank
-    dgrad = 2 * n * h * i + 2 * n * (2 * i) * h
+    dgrad = 2 * n * h * i + 2 * n * (2 * i) * h + 2 * n * i
     side = 0
     if r:
         side += 2 * t * h * r + 2 * n * r * i  # z side term: (dout b2^T) a2^T

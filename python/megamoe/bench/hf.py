@@ -167,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--impl",
         default="megamoe_fused",
+        choices=("megamoe_fused", "megamoe_reference"),
         help="megamoe's experts implementation (default megamoe_fused; megamoe_reference "
         "for a CPU smoke test)",
     )
@@ -174,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=sample_count, default=10, help="timed runs (default 10)")
     parser.add_argument("--json", default=None, help="write the results to this JSON file")
     args = parser.parse_args(argv)
-    names = [n.strip() for n in args.cases.split(",") if n.strip()]
+    # Once each (a repeated name ran twice and wrote two rows).
+    names = list(dict.fromkeys(n.strip() for n in args.cases.split(",") if n.strip()))
     unknown = [n for n in names if n not in CASES]
     if unknown:
         parser.error(f"--cases: unknown {unknown}; choose from {list(CASES)}")

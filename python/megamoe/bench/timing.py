@@ -26,6 +26,23 @@ def sample_count(text: str) -> int:
     return value
 
 
+def launch_count(text: str) -> int:
+    """argparse type of ``--sustained``: at least one launch per timed sample (a sample
+    of none would time nothing, and the per-launch time divides by it)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected at least 1 launch per sample, got {value}")
+    return value
+
+
+def seed_value(text: str) -> int:
+    """argparse type of ``--seed``: a seed torch's generators take, 0 .. 2^63 - 1."""
+    value = int(text)
+    if not 0 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"expected a seed in [0, 2^63), got {value}")
+    return value
+
+
 def warmup_count(text: str) -> int:
     """argparse type of ``--warmup``: 0 or more untimed runs."""
     value = int(text)
