@@ -158,6 +158,14 @@ def test_masked_routing_fraction_and_weights():
     assert (ids >= 0).all()
     ids, w = make_routing(40, 8, 2, kind="masked", masked_fraction=1.0)
     assert (ids == -1).all() and (w == 0).all()
+    # T * K that rounds 20% to none still masks one route (the edge suites' T = 1,
+    # K = 2 cases checked their masked routes over an empty set; a review); a single
+    # route stays unmasked.
+    for tokens, top_k in ((1, 2), (2, 1), (2, 2)):
+        ids, w = make_routing(tokens, 8, top_k, kind="masked", seed=tokens)
+        assert int((ids < 0).sum()) == 1 and (w[ids < 0] == 0).all()
+    ids, _ = make_routing(1, 8, 1, kind="masked")
+    assert (ids >= 0).all()
 
 
 def test_empty_experts_are_empty():

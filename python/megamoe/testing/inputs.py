@@ -84,7 +84,8 @@ def make_routing(
             ``"skewed"``: Zipf-like expert popularity ``p ~ 1/rank**skew`` over a
             random ranking, still ``K`` distinct experts per token.
             ``"masked"``: balanced, then ``round(masked_fraction * T * K)`` random
-            routes set to ``-1``.
+            routes set to ``-1``, at least one where ``masked_fraction > 0`` and
+            ``T * K >= 2`` (a single route stays unmasked).
             ``"empty"``: balanced over all experts except ``empty_experts``.
         seed: seed of the CPU generator every draw comes from.
         device: where the returned tensors live.
@@ -150,6 +151,10 @@ def make_routing(
     if kind == "masked":
         total = num_tokens * top_k
         num_masked = round(masked_fraction * total)
+        if masked_fraction > 0.0 and total >= 2:
+            # Small T * K rounds to none: "masked" cases would then hold no masked
+            # route, and their checks of masked routes would pass over nothing (a review).
+            num_masked = max(num_masked, 1)
         masked = torch.randperm(total, generator=gen)[:num_masked]
         ids.view(-1)[masked] = -1
         weights.view(-1)[masked] = 0.0
