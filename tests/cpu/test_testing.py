@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -84,6 +85,31 @@ def test_compare_zero_cases():
     assert m.cosine == 0.0 and m.rel_l2 == pytest.approx(1.0) and m.max_abs == 4.0
     m = compare(v, z)  # expected zero only
     assert m.cosine == 0.0 and m.rel_l2 == math.inf and m.max_abs == 4.0
+
+
+def test_worst_row_sees_one_wrong_row_the_global_metrics_hide(tmp_path, monkeypatch):
+    """One zeroed row of 16384 leaves cosine and rel L2 within the gradient gates, and
+    ``worst_row`` at about 1 (a review: a backward that drops one route passed them);
+    uniform noise reads near its own size. Each gated call's metrics go to the file
+    MEGAMOE_METRICS_LOG names, one JSON line per call."""
+    gen = torch.Generator().manual_seed(0)
+    e = torch.randn(16384, 8, generator=gen, dtype=torch.float64)
+    dropped = e.clone()
+    dropped[1000] = 0.0
+    m = compare(dropped, e)
+    assert m.cosine >= GRAD_MIN_COSINE and m.rel_l2 <= 1e-2  # what the gates see
+    typical_row = e.norm().item() / 16384**0.5
+    assert m.worst_row == pytest.approx(e[1000].norm().item() / typical_row, rel=1e-12)
+    assert 0.5 < m.worst_row < 2.0
+    noisy = compare(e + 1e-3 * torch.randn(16384, 8, generator=gen, dtype=torch.float64), e)
+    assert noisy.worst_row < 3e-3
+    assert compare(e[0], e[0] * 1.01).worst_row == pytest.approx(compare(e[0], e[0] * 1.01).rel_l2)
+    log = tmp_path / "metrics.jsonl"
+    monkeypatch.setenv("MEGAMOE_METRICS_LOG", str(log))
+    assert_close_to_oracle("dx", dropped, e, min_cosine=GRAD_MIN_COSINE)
+    (record,) = [json.loads(line) for line in log.read_text().splitlines()]
+    assert record["name"] == "dx" and record["shape"] == [16384, 8]
+    assert record["worst_row"] == m.worst_row and "test_worst_row" in record["test"]
 
 
 def test_gate_constants_and_assertion():
