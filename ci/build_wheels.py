@@ -21,7 +21,7 @@ aarch64 needs (``--setup`` installs/creates them; CI runs as root):
   ci/locks/cuda-runtime-aarch64.txt), and ci/aarch64-linux-gnu.cmake as toolchain.
 
 The cache lives in ``$MEGAMOE_CACHE`` (default ``build/cache``, git-ignored). Every step's
-wall time lands in ``OUT/reports/build-<pin>.json`` beside the audit reports.
+wall time lands in ``OUT/reports/build-<pin>-<arches>.json`` beside the audit reports.
 """
 
 from __future__ import annotations
