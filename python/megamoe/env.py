@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 from collections.abc import Mapping
 
 NUM_SMS_VAR = "MEGAMOE_NUM_SMS"
@@ -19,10 +20,10 @@ SM_HEADROOM_VAR = "MEGAMOE_SM_HEADROOM"
 
 
 def _parse_int(var: str, text: str) -> int:
-    try:
-        return int(text.strip(), 10)
-    except ValueError:
-        raise ValueError(f"{var}: expected an integer, got {text!r}") from None
+    # ASCII digits only: int() also takes "1_00" and other scripts' digits.
+    if re.fullmatch(r"[+-]?[0-9]+", text.strip()) is None:
+        raise ValueError(f"{var}: expected an integer, got {text!r}")
+    return int(text.strip(), 10)
 
 
 def resolve_num_sms(device_sm_count: int, environ: Mapping[str, str] | None = None) -> int:
@@ -32,6 +33,8 @@ def resolve_num_sms(device_sm_count: int, environ: Mapping[str, str] | None = No
     negative, or leave no SM.
     """
     environ = os.environ if environ is None else environ
+    if isinstance(device_sm_count, bool) or not isinstance(device_sm_count, int):
+        raise TypeError(f"device_sm_count: expected an int, got {type(device_sm_count).__name__}")
     if device_sm_count < 1:
         raise ValueError(f"device_sm_count: expected >= 1, got {device_sm_count}")
     absolute = environ.get(NUM_SMS_VAR, "").strip()

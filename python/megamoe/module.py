@@ -34,6 +34,7 @@ from .validation.arguments import (
     check_int,
     check_str_choice,
     check_tensor,
+    float32_value,
     has_data,
 )
 from .validation.layer import check_devices, check_kernel_dims
@@ -63,7 +64,8 @@ class MegaMoE(nn.Module):
         side_rank: adapter rank ``r`` (a multiple of 16 in [16, 256]); ``0`` or
             ``None`` builds no adapters (``a1`` .. ``b2`` are ``None``).
         side_scale: the adapter scale ``s``. Give at most one of ``side_scale`` and
-            ``side_alpha``; with neither, ``s = 1.0`` (LoRA's ``alpha = r``).
+            ``side_alpha``; with neither, ``s = 1.0`` (LoRA's ``alpha = r``). Either
+            needs adapters: with ``side_rank`` 0 or None a scale is refused, not dropped.
         side_alpha: LoRA-style ``alpha``: ``s = side_alpha / side_rank``.
         activation: ``"swiglu"`` or ``"geglu"``.
         activation_clamp: ``None`` or ``c > 0`` (``g = min(g, c)``, ``u = clamp(u, ±c)``).
@@ -136,6 +138,11 @@ class MegaMoE(nn.Module):
                     f"activation_clamp: expected a positive finite float or None, got "
                     f"{activation_clamp}"
                 )
+            if float32_value(activation_clamp) == 0:  # the kernels' float32 clamp
+                raise ValueError(
+                    f"activation_clamp: expected a value that stays positive in float32, "
+                    f"got {activation_clamp} (0 in float32)"
+                )
         self.activation_clamp = activation_clamp
         if not isinstance(trainable_base, bool):
             raise TypeError(f"trainable_base: expected a bool, got {type(trainable_base).__name__}")
@@ -153,11 +160,10 @@ class MegaMoE(nn.Module):
             raise ValueError(
                 f"dtype: alias of param_dtype, got both param_dtype={param_dtype} and dtype={dtype}"
             )
+        given = "param_dtype" if param_dtype is not None else "dtype"  # the one to name
         param_dtype = param_dtype or dtype or torch.bfloat16
         if param_dtype not in _PARAM_DTYPES:
-            raise TypeError(
-                f"param_dtype: expected torch.bfloat16 or torch.float32, got {param_dtype}"
-            )
+            raise TypeError(f"{given}: expected torch.bfloat16 or torch.float32, got {param_dtype}")
 
         factory = {"device": device, "dtype": param_dtype}
         h, i, e, r = hidden, intermediate, num_experts, side_rank
@@ -405,6 +411,12 @@ class MegaMoE(nn.Module):
                 routes is the caller's job (the HF integration maps HF's sentinel ids to
                 ``-1``: :func:`megamoe.integrations.transformers.mask_foreign_ids`).
         """
+        if self.w13.dtype not in _PARAM_DTYPES:  # a .half() or .to(dtype) of the module
+            raise TypeError(
+                f"MegaMoE: its parameters are {self.w13.dtype} (converted after it was "
+                "built?); it runs on torch.bfloat16 or torch.float32 parameters "
+                "(param_dtype): convert it back with .to(torch.bfloat16)"
+            )
         check_tensor("x", x, ndim=2)
         if x.shape[1] != self.hidden:
             raise ValueError(
@@ -512,7 +524,10 @@ def _resolve_scale(side_scale: float | None, side_alpha: float | None, rank: int
             f"side_scale={side_scale}, side_alpha={side_alpha}"
         )
     if side_scale is not None:
-        return check_finite_float("side_scale", side_scale, float32=True)
+        side_scale = check_finite_float("side_scale", side_scale, float32=True)
+        if not rank:  # a scale no adapter would use, dropped silently otherwise
+            raise ValueError("side_scale: needs adapters (side_rank > 0) to scale")
+        return side_scale
     if side_alpha is not None:
         alpha = check_finite_float("side_alpha", side_alpha)
         if not rank:

@@ -607,8 +607,6 @@ def moe(
         raise ValueError("group: the reference runs on one process; pass group=None")
     if not isinstance(base, BaseWeights):
         raise TypeError(f"base: expected a megamoe.BaseWeights, got {type(base).__name__}")
-    # MXFP4 ordinary mode: straight through, as mm.moe, on the oracle's own decode.
-    base = base.for_call(oracle=True)
     _check_routing(x, topk_ids, topk_weights, base.hidden)
     if base.device != x.device:
         raise ValueError(f"base: expected device {x.device} like x, got {base.device}")
@@ -616,6 +614,9 @@ def moe(
     _check_side(side, base.hidden, base.intermediate, base.num_experts, x.device)
     if not isinstance(round_bf16, bool):
         raise TypeError(f"round_bf16: expected a bool, got {type(round_bf16).__name__}")
+    # MXFP4 ordinary mode: straight through, as mm.moe, on the oracle's own decode; after
+    # the call's checks (a decode, and a stale base's error, come after a bad input's).
+    base = base.for_call(oracle=True)
 
     # MXFP4 decodes exactly in float32 but dequantize_mxfp4 offers no float64; a BF16 base
     # goes straight to compute_dtype so an ordinary-mode gradient is rounded only once.

@@ -761,3 +761,17 @@ def _bf16_base() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.zeros(4, 256, 64, dtype=torch.bfloat16), torch.zeros(
         4, 64, 128, dtype=torch.bfloat16
     )
+
+
+def test_a_clamp_that_is_zero_in_float32_is_refused() -> None:
+    """1e-50 is positive in float64 and 0 in the kernels' float32, where it would zero
+    every output (a review): refused by mm.moe and by MegaMoE; the smallest float32
+    subnormal still passes."""
+    ids, weights = routing()
+    base = mm.prepare_base_weights(*base_tensors())
+    expected = r"^activation_clamp: expected a value that stays positive in float32"
+    with pytest.raises(ValueError, match=expected):
+        mm.moe(bf16(T, H), ids, weights, base, activation_clamp=1e-50)
+    with pytest.raises(ValueError, match=expected):
+        mm.MegaMoE(H, I, E, K, activation_clamp=1e-50)
+    assert mm.MegaMoE(H, I, E, K, activation_clamp=1.5e-45).activation_clamp == 1.5e-45

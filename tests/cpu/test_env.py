@@ -33,6 +33,9 @@ def test_policy(environ, expected):
         ({"MEGAMOE_SM_HEADROOM": "-2"}, "MEGAMOE_SM_HEADROOM"),
         ({"MEGAMOE_SM_HEADROOM": "131"}, "MEGAMOE_SM_HEADROOM"),  # rounds to 132: none left
         ({"MEGAMOE_SM_HEADROOM": "1.5"}, "MEGAMOE_SM_HEADROOM"),
+        # int() takes these; an SM count written so is a typo (a review)
+        ({"MEGAMOE_NUM_SMS": "1_00"}, "MEGAMOE_NUM_SMS"),
+        ({"MEGAMOE_NUM_SMS": "\uff18"}, "MEGAMOE_NUM_SMS"),  # a full-width 8
     ],
 )
 def test_bad_values_name_the_variable(environ, match):
@@ -44,3 +47,10 @@ def test_reads_os_environ(monkeypatch):
     monkeypatch.setenv("MEGAMOE_SM_HEADROOM", "8")
     monkeypatch.delenv("MEGAMOE_NUM_SMS", raising=False)
     assert resolve_num_sms(132) == 124
+
+
+def test_the_device_count_is_an_int():
+    with pytest.raises(TypeError, match=r"^device_sm_count: expected an int, got str"):
+        resolve_num_sms("132", {})
+    with pytest.raises(TypeError, match=r"^device_sm_count: expected an int, got float"):
+        resolve_num_sms(1.5, {})

@@ -112,18 +112,31 @@ def _reduce_lone_tensors(rank: int, world: int) -> dict:
         out["inference"] = "reduced"
     except RuntimeError as error:
         out["inference"] = str(error)
+    # Saved by autograd for a backward still to run: the in-place sum must bump the
+    # version, so that backward refuses (it read the sum silently before; a review).
+    weight = torch.ones(2, requires_grad=True)
+    saved = torch.full((2,), float(rank + 1))
+    product = (weight * saved).sum()
+    ep.reduce_shared_grads([saved], dist.group.WORLD)
+    try:
+        product.backward()
+        out["saved"] = weight.grad.tolist()
+    except RuntimeError as error:
+        out["saved"] = str(error)
     return out
 
 
 def test_reduce_shared_grads_writes_a_lone_tensor_only_where_a_copy_could():
     """A lone contiguous tensor is all-reduced where it is, unless writing it in place
     is refused (a leaf that requires grad, an inference tensor outside inference mode):
-    then, as for several tensors, the copy back into it raises torch's error."""
+    then, as for several tensors, the copy back into it raises torch's error. A tensor
+    autograd saved is refused by the backward, as after the copy."""
     results = ep.run_gloo(_reduce_lone_tensors, 2, timeout_s=120.0)
     for result in results:
         assert result["plain"] == [[3.0] * 3] * 2
         assert "leaf Variable that requires grad" in result["leaf"]
         assert "inference tensor" in result["inference"]
+        assert "modified by an inplace operation" in result["saved"]
 
 
 def test_expert_partition():

@@ -281,3 +281,57 @@ def test_the_wrappers_check_the_plan_and_tma_needs_before_any_launch():
             gated_grouped_gemm(a, w13, plan, k=64, side_scale=scale)
     with pytest.raises(TypeError, match=r"^side_scale: expected a float, got str"):
         gated_grouped_gemm(a, w13, plan, k=64, side_scale="0.5")
+
+
+def test_the_wrappers_check_the_weights_experts_and_the_plan_type():
+    """A review: weights with more experts than the plan were computed with their first
+    experts and fewer raised IndexError on the CPU (on the GPU the native check named the
+    offsets, after an MXFP4 decode); a plan or ``preact`` of another type raised
+    AttributeError; a float ``k`` failed as a slice index."""
+    from megamoe.wrappers.activation_backward import fused_dgrad2_activation_backward
+    from megamoe.wrappers.grouped_gemm import gated_grouped_gemm
+
+    plan, a, w13, w2 = _wrapper_case()
+    b = w2.transpose(1, 2).contiguous()
+    rows = plan.pool_capacity
+    preact = torch.zeros(rows, 128, dtype=torch.bfloat16)
+    weights = torch.rand(10, 2)
+    for experts in (3, 5):
+        with pytest.raises(
+            ValueError, match=rf"^b: expected the plan's E_l = 4 experts, got {experts}"
+        ):
+            grouped_gemm(a, torch.zeros(experts, 64, 64, dtype=torch.bfloat16), plan)
+        with pytest.raises(
+            ValueError, match=rf"^w13: expected the plan's E_l = 4 experts, got {experts}"
+        ):
+            gated_grouped_gemm(a, torch.zeros(experts, 128, 64, dtype=torch.bfloat16), plan, k=64)
+        with pytest.raises(
+            ValueError, match=rf"^w2: expected the plan's E_l = 4 experts, got {experts}"
+        ):
+            fused_dgrad2_activation_backward(
+                a, torch.zeros(experts, 64, 64, dtype=torch.bfloat16), preact, weights, plan
+            )
+        codes, scales = mm.quantize_mxfp4(torch.zeros(experts, 64, 64), axis=-1)
+        with pytest.raises(
+            ValueError, match=rf"^b: expected the plan's E_l = 4 experts, got {experts}"
+        ):
+            grouped_gemm(a, codes, plan, b_scales=scales)
+    for bad_plan in (None, "plan"):
+        with pytest.raises(TypeError, match=r"^plan: expected a megamoe.RoutePlan, got"):
+            grouped_gemm(a, b, bad_plan)
+        with pytest.raises(TypeError, match=r"^plan: expected a megamoe.RoutePlan, got"):
+            gated_grouped_gemm(a, w13, bad_plan, k=64)
+        with pytest.raises(TypeError, match=r"^plan: expected a megamoe.RoutePlan, got"):
+            fused_dgrad2_activation_backward(a, w2, preact, weights, bad_plan)
+    with pytest.raises(TypeError, match=r"^preact: expected a torch.Tensor, got NoneType"):
+        fused_dgrad2_activation_backward(a, w2, None, weights, plan)
+    with pytest.raises(TypeError, match=r"^weighted_h: expected a bool, got str"):
+        fused_dgrad2_activation_backward(a, w2, preact, weights, plan, weighted_h="no")
+    with pytest.raises(TypeError, match=r"^check_ids: expected a bool, got str"):
+        mm.plan_routes(torch.zeros(4, 2, dtype=torch.int32), 4, 64, check_ids="no")
+    with pytest.raises(TypeError, match=r"^k: expected an int, got float"):
+        grouped_gemm(a, b, plan, k=64.0)
+    with pytest.raises(TypeError, match=r"^k: expected an int, got float"):
+        gated_grouped_gemm(a, w13, plan, k=64.0)
+    # The same weights and plan pass, with the experts as the plan has them.
+    assert grouped_gemm(a, b, plan).shape == (rows, 64)

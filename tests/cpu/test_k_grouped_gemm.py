@@ -114,3 +114,19 @@ def test_twin_clamps_a_corrupt_plan_like_the_kernel():
     out = k_grouped_gemm(a, b, plan, scale=-2.0)
     assert not bool(torch.signbit(out[1]).any()), "empty experts give +0, even for scale < 0"
     torch.testing.assert_close(out.double(), -2.0 * expected, rtol=2e-2, atol=2e-2)
+
+
+def test_the_plan_is_checked_before_the_twin_reads_it():
+    """A review: the K-grouped wrapper checked no plan, so ``None`` raised AttributeError,
+    a meta plan failed inside the twin's host read, and a plan on another device than
+    ``a`` was read on the host (a hidden synchronisation) where the other GEMMs refuse it."""
+    plan = plan_of([3, 5], [4, 8])
+    a = torch.zeros(12, 16, dtype=torch.bfloat16)
+    b = torch.zeros(12, 8, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match=r"^plan: expected a megamoe.RoutePlan, got NoneType"):
+        k_grouped_gemm(a, b, None)
+    maps = (plan.expert_counts, plan.expert_pool_offsets, plan.route_to_pool_row)
+    meta_plan = RoutePlan(*(m.to("meta") for m in maps), plan.pool_row_to_route.to("meta"), 1)
+    with pytest.raises(ValueError, match=r"^plan.expert_counts: expected device cpu, got meta"):
+        k_grouped_gemm(a, b, meta_plan)
+    assert k_grouped_gemm(a, b, plan).shape == (2, 16, 8)

@@ -252,7 +252,7 @@ def test_mxfp4_ordinary_mode_trains_the_master_straight_through(param_dtype):
 
 
 def test_no_adapters():
-    layer = make_layer(side_rank=0)
+    layer = make_layer(side_rank=0, side_scale=None)
     assert layer.adapter_parameters() == [] and layer.a1 is None and layer.side_lora() is None
     x, ids, weights = inputs()
     assert torch.equal(layer(x, ids, weights), reference_out(layer, x, ids, weights, side=None))
@@ -314,7 +314,10 @@ def test_extra_repr():
         (dict(activation_clamp=-1.0), "activation_clamp"),
         (dict(side_scale=0.5, side_alpha=16.0), "side_scale"),
         (dict(side_rank=0, side_scale=None, side_alpha=16.0), "side_alpha"),
-        (dict(param_dtype=torch.float16), "param_dtype"),
+        (dict(side_rank=0), "^side_scale: needs adapters"),  # (side_scale=0.5 below)
+        (dict(side_rank=None), "^side_scale: needs adapters"),
+        (dict(param_dtype=torch.float16), "^param_dtype"),
+        (dict(dtype=torch.float16), "^dtype: expected torch.bfloat16 or torch.float32"),
         (dict(param_dtype=F32, dtype=torch.bfloat16), "dtype"),
         (dict(trainable_base=1), "trainable_base"),
     ],
@@ -325,6 +328,18 @@ def test_bad_constructor_arguments(kwargs, match):
     args.update(kwargs)
     with pytest.raises((TypeError, ValueError), match=match):
         MegaMoE(**args)
+
+
+@pytest.mark.parametrize("convert", ["half", "double"])
+def test_a_module_converted_to_another_dtype_says_so(convert):
+    """A review: after ``.half()`` every forward failed naming ``w13`` (an argument the
+    caller never gave); the module names its own dtype and the way back."""
+    layer = getattr(make_layer(), convert)()
+    x, ids, weights = inputs()
+    with pytest.raises(TypeError, match=r"^MegaMoE: its parameters are torch.float(16|64)"):
+        layer(x, ids, weights)
+    layer.to(torch.float32)
+    assert torch.isfinite(layer(x, ids, weights)).all()
 
 
 def test_bad_forward_arguments():

@@ -336,3 +336,19 @@ def test_combine_and_side_sum_validation_names_the_argument():
         pool.combine(
             pool_output, plan, weights, out=torch.empty(8, 40, dtype=torch.bfloat16), hidden=32
         )
+
+
+def test_combine_and_side_sum_refuse_a_pool_output_of_other_rows():
+    """A review: a pool output shorter than the plan's pool was accepted and its missing
+    rows read as masked routes (routes silently dropped); a longer one is refused too, as
+    the gather and GEMM wrappers refuse theirs."""
+    plan, weights = make_plan(8, 2)
+    pool_output = make_pool_output(plan, 48, 0)
+    for rows in (64, plan.pool_capacity + 64):
+        other = make_pool_output(plan, 48, 0).new_zeros(rows, 48)
+        expected = rf"^pool_output: expected shape \[{plan.pool_capacity}, \*\]"
+        with pytest.raises(ValueError, match=expected):
+            pool.combine(other, plan, weights, hidden=32)
+        with pytest.raises(ValueError, match=expected):
+            pool.side_sum(other, plan, weights, 32)
+    assert pool.combine(pool_output, plan, weights, hidden=32).shape == (8, 32)

@@ -800,3 +800,21 @@ def test_moe_wrapper_refuses_a_backward_after_an_input_changed_in_place():
     out = reference.moe(prob["x"].clone(), prob["ids"], prob["weights"], base, side)
     out.sum().backward()
     assert all(leaves[name].grad is not None for name in SIDE_KEYS)
+
+
+def test_the_call_is_checked_before_the_base_is_prepared_for_it():
+    """A review: the reference prepared the base (an ordinary MXFP4 base's decode, a
+    stale base's check) before checking the call, so a stale base's error hid a wrong
+    ``x``. The call's own errors come first; a good call still meets the stale base."""
+    gen = torch.Generator().manual_seed(0)
+    w13 = torch.randn(4, 128, 64, generator=gen).requires_grad_()
+    w2 = torch.randn(4, 64, 64, generator=gen).requires_grad_()
+    base = prepare_base_weights(w13, w2)  # float32 masters: a BF16 copy
+    with torch.no_grad():
+        w13.add_(1.0)  # an optimizer step after the copy: the base is stale
+    ids = torch.zeros(8, 2, dtype=torch.int32)
+    weights = torch.rand(8, 2, generator=gen)
+    with pytest.raises(ValueError, match=r"^x: expected shape \[8, 64\], got \[8, 32\]"):
+        reference.moe(torch.randn(8, 32).bfloat16(), ids, weights, base)
+    with pytest.raises(ValueError, match=r"^base: w13 changed in place"):
+        reference.moe(torch.randn(8, 64).bfloat16(), ids, weights, base)

@@ -150,3 +150,49 @@ def test_a_plan_refuses_a_top_k_the_pool_kernels_cannot_step_through():
     assert plan(MAX_TOP_K).route_to_pool_row.shape[1] == 2**31 - 8
     with pytest.raises(ValueError, match=r"^plan.route_to_pool_row: expected at most 2147483640"):
         plan(MAX_TOP_K + 1)
+
+
+def test_a_plan_checks_its_expert_counts():
+    """A review: ``expert_counts`` was the one map a plan did not check, so a float
+    ``[3]`` beside four experts' offsets was taken, and the GEMM wrappers (which read E_l
+    from it) then blamed ``plan.block_m``."""
+    from megamoe.wrappers.routing import RoutePlan
+
+    def i32(*shape):
+        return torch.zeros(*shape, dtype=torch.int32)
+
+    with pytest.raises(ValueError, match=r"^plan.expert_counts: expected shape \[4\], got \[3\]"):
+        RoutePlan(i32(3), i32(5), i32(1, 2), i32(64), 64)
+    with pytest.raises(TypeError, match=r"^plan.expert_counts: expected dtype int32"):
+        RoutePlan(torch.zeros(4), i32(5), i32(1, 2), i32(64), 64)
+    with pytest.raises(ValueError, match=r"^plan.expert_counts: expected device cpu, got meta"):
+        RoutePlan(i32(4).to("meta"), i32(5), i32(1, 2), i32(64), 64)
+    assert RoutePlan(i32(4), i32(5), i32(1, 2), i32(64), 64).expert_counts.shape == (4,)
+
+
+@pytest.mark.parametrize("plan", [mm.plan_routes, plan_routes_reference])
+def test_a_plan_of_meta_or_fake_ids_is_refused_by_name(plan):
+    """The plan is made from the ids' values: meta ids failed in ``nonzero`` and fake ids
+    with DynamicOutputShapeException (a review), where the docstring said any device."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    expected = r"^topk_ids: the route plan is made from the ids' values"
+    with pytest.raises(ValueError, match=expected):
+        plan(torch.zeros(4, 2, dtype=torch.int32, device="meta"), 4, 64)
+    with FakeTensorMode() as mode:
+        fake = mode.from_tensor(torch.zeros(4, 2, dtype=torch.int32))
+        with pytest.raises(ValueError, match=expected):
+            plan(fake, 4, 64)
+
+
+def test_pool_capacity_names_a_bad_argument():
+    """A review: block_m=0 divided by zero and a negative block_m gave a pool size."""
+    with pytest.raises(ValueError, match=r"^block_m: expected an int >= 1, got 0"):
+        pool_capacity(10, 2, 0)
+    with pytest.raises(ValueError, match=r"^block_m: expected an int >= 1, got -1"):
+        pool_capacity(10, 2, -1)
+    with pytest.raises(ValueError, match=r"^num_local_experts: expected an int >= 1"):
+        pool_capacity(10, 0, 64)
+    with pytest.raises(TypeError, match=r"^num_routes: expected an int, got float"):
+        pool_capacity(10.0, 2, 64)
+    assert pool_capacity(10, 2, 64) == 192

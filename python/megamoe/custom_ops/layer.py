@@ -8,6 +8,10 @@ adapter encoding (:mod:`megamoe.custom_ops.inputs`), six optional tensors
   ``save="none"`` (inference) keeps nothing; ``"preact"`` (training) and
   ``"recompute"`` (activation checkpointing) also return what the backward needs: the
   route plan, GEMM1's pre-activations (not with ``"recompute"``), ``q13``, ``p_sum``.
+  These state outputs belong to the autograd formula: ``moe_backward`` writes ``dg |
+  du`` over ``preact`` in place (a declared mutation), so a direct caller must not keep
+  them, or return them from a compiled function, past the backward (only the first
+  output, ``out``, is the caller's; ``mm.moe`` returns only it).
   An MXFP4 base in ordinary mode, kept packed, comes with its trainable masters
   (``w13_master``, ``w2_master``, last, default None: never read, given the base
   gradients). Its autograd formula calls

@@ -188,6 +188,9 @@ def reduce_shared_grads(
         )
         if len(members) == 1 and lone.is_contiguous() and writable:
             dist.all_reduce(lone, op=dist.ReduceOp.SUM, group=group)
+            # A collective writes without bumping the version counter (copy_ does): a
+            # backward that saved this tensor must see the write and refuse.
+            torch.autograd.graph.increment_version(lone)
             continue
         flat = torch.cat([grads[i].reshape(-1) for i in members])
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)

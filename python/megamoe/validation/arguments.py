@@ -7,6 +7,7 @@ what was given, so a user can fix the call without reading our source.
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
 
 import torch
@@ -104,6 +105,12 @@ def check_str_choice(name: str, value: object, choices: Sequence[str]) -> str:
 
 #: The largest finite float32: the kernels take scales as float32.
 FLOAT32_MAX = 3.4028234663852886e38
+
+
+def float32_value(value: float) -> float:
+    """``value`` rounded to float32 (to nearest even), as the kernels receive it; a value
+    finite in float32 (at most :data:`FLOAT32_MAX` in magnitude)."""
+    return struct.unpack("f", struct.pack("f", value))[0]
 
 
 def check_finite_float(name: str, value: object, *, float32: bool = False) -> float:

@@ -20,7 +20,14 @@ from ..weights import BASE_FORMATS, BaseWeights
 from ..wrappers.grouped_gemm import ACTIVATIONS
 from ..wrappers.registry import registry
 from ..wrappers.routing import check_local_experts, pool_capacity
-from .arguments import FLOAT32_MAX, check_int, check_str_choice, check_tensor, has_data
+from .arguments import (
+    FLOAT32_MAX,
+    check_int,
+    check_str_choice,
+    check_tensor,
+    float32_value,
+    has_data,
+)
 
 __all__ = [
     "check_backward_inputs",
@@ -136,6 +143,11 @@ def check_activation(activation: object, activation_clamp: object) -> None:
         raise ValueError(
             "activation_clamp: expected a positive finite float (finite in float32) or "
             f"None, got {activation_clamp!r}"
+        )
+    if float32_value(float(activation_clamp)) == 0:  # the kernels' float32 clamp
+        raise ValueError(
+            f"activation_clamp: expected a value that stays positive in float32, got "
+            f"{activation_clamp!r} (0 in float32)"
         )
 
 

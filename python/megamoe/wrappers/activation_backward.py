@@ -152,6 +152,9 @@ def fused_dgrad2_activation_backward(
     from ..validation.layer import check_activation  # (validation imports the wrappers)
 
     check_activation(activation, activation_clamp)
+    if not isinstance(weighted_h, bool):
+        raise TypeError(f"weighted_h: expected a bool, got {type(weighted_h).__name__}")
+    check_tensor("preact", preact, ndim=2, dtypes=(torch.bfloat16,))
     device = preact.device
     mxfp4 = w2_scales is not None
     if mxfp4:  # decoded (where it is: a launch) only once every check has passed
@@ -162,6 +165,10 @@ def fused_dgrad2_activation_backward(
     intermediate = w2.shape[2] * (2 if mxfp4 else 1)
     if hidden % 64 or intermediate % 64:  # the kernels' K step and column tiles
         raise ValueError(f"w2: expected H and I multiples of 64, got H={hidden}, I={intermediate}")
+    check_tensor(
+        "dout_pool", dout_pool, ndim=2, dtypes=(torch.bfloat16,), device=device, contiguous=True
+    )
+    _check_pool_operand(dout_pool, plan, "dout_pool", weights=("w2", w2))
     capacity = plan.pool_capacity
     rank = 0
     if side_a2 is not None:
@@ -172,16 +179,11 @@ def fused_dgrad2_activation_backward(
         rank = side_a2.shape[2]
         if rank < 8 or rank % 8 != 0:  # 16-byte rows for TMA
             raise ValueError(f"side_a2: expected r a multiple of 8, got r={rank}")
-    check_tensor(
-        "dout_pool", dout_pool, shape=(capacity, None), dtypes=(torch.bfloat16,), device=device,
-        contiguous=True,
-    )  # fmt: skip
     if dout_pool.shape[1] < hidden + rank:
         raise ValueError(
             f"dout_pool: expected at least H + r = {hidden + rank} columns, "
             f"got {dout_pool.shape[1]}"
         )
-    _check_pool_operand(dout_pool, plan, "dout_pool")
     _check_tma_aligned(("w2", w2), ("side_a2", side_a2))
     check_tensor(
         "preact", preact, shape=(capacity, 2 * intermediate), dtypes=(torch.bfloat16,),

@@ -30,7 +30,12 @@ import torch
 
 from ..env import num_sms as resolve_device_sms
 from ..heuristics import mxfp4_decodes_in_pipeline, weight_stream_chunk
-from ..validation.arguments import check_finite_float, check_str_choice, check_tensor
+from ..validation.arguments import (
+    check_finite_float,
+    check_int,
+    check_str_choice,
+    check_tensor,
+)
 from . import _native
 from .registry import registry
 from .routing import RoutePlan
@@ -41,15 +46,30 @@ ACTIVATIONS = {"swiglu": 0, "geglu": 1}
 GROUP_M = 16
 
 
-def _check_pool_operand(a: torch.Tensor, plan: RoutePlan, name: str = "a") -> None:
+def _check_pool_operand(
+    a: torch.Tensor,
+    plan: RoutePlan,
+    name: str = "a",
+    *,
+    weights: tuple[str, torch.Tensor] | None = None,
+) -> None:
     """The pool operand of an engine GEMM against its plan, before anything launches:
     exactly the plan's pool rows (the kernel walks the rows the plan says are in use),
     16-byte rows at a 16-byte aligned address (TMA), the plan's maps on its device, and
     the plan's ``block_m`` the one its pool was planned with (the kernels find each
     expert's tiles as ``offset / BLOCK_M``: under another BLOCK_M rows would meet
-    another expert's weights)."""
+    another expert's weights). ``weights`` (name, tensor): the expert weights, with one
+    expert per plan segment (fewer would be read past their end, more would go unused)."""
     from ..validation.layer import check_plan_block_m  # (it imports this module)
 
+    if not isinstance(plan, RoutePlan):
+        raise TypeError(f"plan: expected a megamoe.RoutePlan, got {type(plan).__name__}")
+    experts = plan.expert_counts.shape[0]
+    if weights is not None and weights[1].shape[0] != experts:
+        raise ValueError(
+            f"{weights[0]}: expected the plan's E_l = {experts} experts, got "
+            f"{weights[1].shape[0]} (shape {list(weights[1].shape)})"
+        )
     if a.shape[0] != plan.pool_capacity:
         raise ValueError(
             f"{name}: expected plan.pool_capacity = {plan.pool_capacity} rows, got {a.shape[0]}"
@@ -72,7 +92,7 @@ def _check_pool_operand(a: torch.Tensor, plan: RoutePlan, name: str = "a") -> No
         raise ValueError(f"plan.block_m: expected one of {list(choices)}, got {plan.block_m!r}")
     check_plan_block_m(
         plan.block_m, plan.route_to_pool_row, plan.pool_row_to_route,
-        plan.expert_counts.shape[0], name="plan.block_m", planner="its pool was",
+        experts, name="plan.block_m", planner="its pool was",
     )  # fmt: skip
 
 
@@ -372,6 +392,8 @@ def grouped_gemm(
     """
     check_str_choice("b_major", b_major, ("k", "mn"))
     check_tensor("a", a, ndim=2, dtypes=(torch.bfloat16,), contiguous=True)
+    if k is not None:
+        check_int("k", k)
     mxfp4 = b_scales is not None
     if mxfp4:  # decoded (where it is: a launch) only once every check has passed
         b_k = _check_mxfp4("b", b, b_scales, a.device, b_major)
@@ -380,7 +402,7 @@ def grouped_gemm(
         k = b_k
     else:
         check_tensor("b", b, ndim=3, dtypes=(torch.bfloat16,), device=a.device, contiguous=True)
-    _check_pool_operand(a, plan)
+    _check_pool_operand(a, plan, weights=("b", b))
     major_mn = b_major == "mn"
     if major_mn:
         if k is not None and k != b.shape[1]:
@@ -607,6 +629,7 @@ def gated_grouped_gemm(
 
     check_activation(activation, activation_clamp)
     check_tensor("a", a, ndim=2, dtypes=(torch.bfloat16,), contiguous=True)
+    check_int("k", k)
     if w13_scales is not None:  # decoded (where it is: a launch) once every check passed
         w13_k = _check_mxfp4("w13", w13, w13_scales, a.device, "k")
     else:
@@ -621,7 +644,7 @@ def gated_grouped_gemm(
     two_i = w13.shape[1]
     if two_i % 128 != 0:
         raise ValueError(f"w13: expected 2I rows with I a multiple of 64, got {two_i}")
-    _check_pool_operand(a, plan)
+    _check_pool_operand(a, plan, weights=("w13", w13))
     if preact_out is not None:
         check_tensor(
             "preact_out",

@@ -75,6 +75,10 @@ def k_grouped_gemm(
         ``[E, M, N]`` BF16.
     """
     check_tensor("a", a, ndim=2)
+    if not isinstance(plan, RoutePlan):
+        raise TypeError(f"plan: expected a megamoe.RoutePlan, got {type(plan).__name__}")
+    for map_name in ("expert_counts", "expert_pool_offsets"):  # what the kernel reads
+        check_tensor(f"plan.{map_name}", getattr(plan, map_name), device=a.device)
     rows = plan.pool_capacity
     _check_row_operand("a", a, rows, a.device)
     _check_row_operand("b", b, rows, a.device)

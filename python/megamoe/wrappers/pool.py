@@ -222,14 +222,18 @@ def gather_rows(src: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
     Args:
         src: ``[R, C]`` bfloat16, contiguous, ``C`` a multiple of 8.
-        rows: ``[R_out]`` int32 indices into ``src``'s rows (all in ``[0, R)``).
+        rows: ``[R_out]`` int32 indices into ``src``'s rows (all in ``[0, R)``; not
+            checked, which would read them on the host: on CUDA a row outside gives a
+            zero row, on CPU ``index_select`` raises).
 
     Returns:
         ``[R_out, C]`` bfloat16. On CUDA one kernel at memory speed (a warp per row,
         16-byte vectors) with no host synchronisation; elsewhere ``index_select``.
     """
-    check_tensor("src", src, ndim=2, dtypes=(torch.bfloat16,), contiguous=True)
-    check_tensor("rows", rows, ndim=1, dtypes=(torch.int32,), device=src.device)
+    check_tensor(
+        "src", src, ndim=2, dtypes=(torch.bfloat16,), contiguous=True, alignment=VECTOR_BYTES
+    )
+    check_tensor("rows", rows, ndim=1, dtypes=(torch.int32,), device=src.device, contiguous=True)
     _check_vector_multiple("src", "its column count", src.shape[1])
     if not src.is_cuda:
         return src.index_select(0, rows)
@@ -279,7 +283,8 @@ def _check_side_sum(
     """Validate side_sum arguments; return (plan, side_rank)."""
     plan = _check_plan(plan)
     device = plan.route_to_pool_row.device
-    pool_output = _check_bf16("pool_output", pool_output, [None, None], device)
+    # Exactly the plan's rows: the kernel reads a row past the end as a masked route.
+    pool_output = _check_bf16("pool_output", pool_output, [plan.pool_capacity, None], device)
     _check_weights(topk_weights, plan)
     columns = pool_output.shape[1]
     # hidden = 0 sums whole rows (the backward's b1/b3 shrinks).
@@ -388,7 +393,8 @@ def _check_combine(
     """Validate combine arguments; return (plan, hidden, scale)."""
     plan = _check_plan(plan)
     device = plan.route_to_pool_row.device
-    pool_output = _check_bf16("pool_output", pool_output, [None, None], device)
+    # Exactly the plan's rows: the kernel reads a row past the end as a masked route.
+    pool_output = _check_bf16("pool_output", pool_output, [plan.pool_capacity, None], device)
     _check_weights(topk_weights, plan)
     scale = check_finite_float("scale", scale, float32=True)  # the kernel's float32
     num_tokens = plan.route_to_pool_row.shape[0]

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..validation.arguments import check_int, check_tensor
+from ..validation.arguments import check_int, check_tensor, has_data
 from . import _native
 from .registry import registry
 
@@ -43,8 +43,9 @@ class RoutePlan:
     - ``pool_row_to_route`` ``[pool_capacity]``: flat route index ``t*K + k`` of each
       pool row, -1 for padding and unused rows.
 
-    The last three are checked when a plan is made (int32, contiguous, their ranks, one
-    device, ``E_l >= 1``), so the ops that take a plan need not check it again.
+    All four are checked when a plan is made (int32, contiguous, their ranks, one
+    device, ``E_l >= 1``, ``expert_counts`` of ``E_l`` entries), so the ops that take a
+    plan need not check them again.
     """
 
     expert_counts: torch.Tensor
@@ -78,6 +79,16 @@ class RoutePlan:
                 "plan.expert_pool_offsets: expected [E_l + 1] entries with E_l >= 1, got shape "
                 f"{list(self.expert_pool_offsets.shape)}"
             )
+        # The kernels index expert_counts by expert and take E_l from its length
+        # (check_plan_block_m, the weight checks): it must agree with the offsets.
+        check_tensor(
+            "plan.expert_counts",
+            self.expert_counts,
+            shape=(self.expert_pool_offsets.shape[0] - 1,),
+            dtypes=(torch.int32,),
+            device=device,
+            contiguous=True,
+        )
         if self.route_to_pool_row.shape[1] > MAX_TOP_K:
             # The pool kernels step through a token's routes 8 at a time in int32: past
             # this their counter would wrap (a hang and reads past the route maps).
@@ -97,6 +108,9 @@ def pool_capacity(num_routes: int, num_local_experts: int, block_m: int) -> int:
     Worst case: every expert's segment wastes ``block_m - 1`` rows of padding.
     Rounded up to a whole block.
     """
+    check_int("num_routes", num_routes, minimum=0)
+    check_int("num_local_experts", num_local_experts, minimum=1)
+    check_int("block_m", block_m, minimum=1)
     worst = num_routes + num_local_experts * (block_m - 1)
     return -(-worst // block_m) * block_m
 
@@ -293,11 +307,23 @@ def _check_plan_args(
         )
 
 
+def _check_ids_have_values(topk_ids: torch.Tensor) -> None:
+    """After :func:`_check_plan_args`, as a device the plan cannot be made on. (Under
+    torch.compile the graph breaks where the plan reads values, and runs on.)"""
+    if not torch.compiler.is_compiling() and not has_data(topk_ids):
+        raise ValueError(
+            "topk_ids: the route plan is made from the ids' values, and a meta or fake "
+            "tensor holds none"
+        )
+
+
 def plan_routes_reference(
     topk_ids: torch.Tensor, num_local_experts: int, block_m: int, *, expert_begin: int = 0
 ) -> RoutePlan:
-    """The route plan with plain torch ops (any device): the oracle of the kernel."""
+    """The route plan with plain torch ops (CPU or CUDA ids; not meta or fake: the plan
+    is made from their values): the oracle of the kernel."""
     _check_plan_args(topk_ids, num_local_experts, block_m, expert_begin)
+    _check_ids_have_values(topk_ids)
     device = topk_ids.device
     num_tokens, top_k = topk_ids.shape
     flat = topk_ids.reshape(-1).to(torch.int64)
@@ -355,6 +381,9 @@ def plan_routes(
     tracing. ``False``: the caller has checked them.
     """
     _check_plan_args(topk_ids, num_local_experts, block_m, expert_begin)
+    _check_ids_have_values(topk_ids)
+    if not isinstance(check_ids, bool):
+        raise TypeError(f"check_ids: expected a bool, got {type(check_ids).__name__}")
     if not topk_ids.is_cuda:
         if check_ids:
             check_expert_ids(topk_ids, id_limit)
