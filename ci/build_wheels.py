@@ -200,7 +200,23 @@ def nvcc_version(pin: pinlib.Pin) -> str:
     if found is None or found.group(1) != pin.cuda:
         have = found.group(1) if found else "unknown"
         raise SystemExit(f"pin {pin.name} compiles with CUDA {pin.cuda}; {nvcc} is {have}")
+    # The patch release too: another nvcc of the same X.Y may make other SASS.
+    locked = locked_nvcc(pin)
+    if locked is not None and found.group(2) != locked:
+        raise SystemExit(
+            f"pin {pin.name} compiles with nvcc {locked} (ci/locks/cuda-{pin.cuda}.txt); "
+            f"{nvcc} is {found.group(2)} (`python3 ci/lock.py install-cuda` installs it)"
+        )
     return found.group(2)
+
+
+def locked_nvcc(pin: pinlib.Pin) -> str | None:
+    """The nvcc version the pin's toolkit lock names, or None without such a lock."""
+    path = Path(__file__).parent / "locks" / f"cuda-{pin.cuda}.txt"
+    if not path.exists():
+        return None
+    found = re.search(r"^nvidia-cuda-nvcc==(\S+) ", path.read_text(), re.M)
+    return found.group(1) if found else None
 
 
 def cross_cuda(cache: Path, pin: pinlib.Pin, nvcc: str) -> Path:

@@ -16,7 +16,8 @@ Kinds (``ci/locks/<kind>.in``): ``build`` (scikit-build-core, nanobind, CUTLASS
 headers, cmake, ninja, cuobjdump/nvdisasm, auditwheel, nox), ``test`` (torch of the
 pin, numpy, pytest, cuda-pathfinder, matplotlib, nox, and the trainers the integration
 tests import: transformers, peft, torchtitan, triton; write ``--pypi``'s CUDA lock
-first, the CPU one follows its versions), ``nox`` (nox alone: what
+first, the CPU one follows its versions and takes the pin's ``torch==X+cpu`` from
+pip's configured sources, which must hold it: PyPI has none), ``nox`` (nox alone: what
 ``.ci/run`` and the workflow start from), ``lint`` (ruff, clang-format, hadolint,
 shellcheck, actionlint), ``cuda`` (the CUDA toolkit wheels that the local base
 image's /usr/local/cuda is assembled from). The nox sessions install their tools from
@@ -66,9 +67,12 @@ def target_args(pin: pinlib.Pin, arch: str) -> list[str]:
     return args + [f"--platform={p}" for p in PLATFORMS[arch]] + ["--platform=any"]
 
 
-def requirements(kind: str, pin: pinlib.Pin) -> str:
+def requirements(kind: str, pin: pinlib.Pin, pypi_only: bool = False) -> str:
     text = (LOCKS / f"{kind}.in").read_text()
-    return text.format(torch=pin.torch, cuda_runtime=pin.cuda_runtime)
+    # The CPU test lock names the pin's local build (torch==X+cpu): a resolve whose
+    # sources lack that wheel fails, where it took PyPI's CUDA build silently (a review).
+    torch = pin.torch if pypi_only or kind != "test" else f"{pin.torch}+{pin.torch_local}"
+    return text.format(torch=torch, cuda_runtime=pin.cuda_runtime)
 
 
 def resolve(
@@ -141,7 +145,7 @@ ALIGN_WITH = {"test": ("build", "test-cuda")}
 
 
 def lock(kind: str, pin: pinlib.Pin, arches: list[str], pypi_only: bool = False) -> Path:
-    reqs = requirements(kind, pin)
+    reqs = requirements(kind, pin, pypi_only)
     no_deps = kind == "cuda"
     merged = _resolve_arches(reqs, pin, arches, no_deps, pypi_only)
     suffix = "-cuda" if pypi_only and kind == "test" else ""

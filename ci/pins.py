@@ -2,7 +2,7 @@
 """Integration pins (ci/pins.toml): load, check, pick the host pin, print the CI matrix.
 
 python3 ci/pins.py --check            # schema + digest pins (nox -s lint runs it)
-python3 ci/pins.py --host             # the host pin's name
+python3 ci/pins.py --host             # the CI host pin's name (not $MEGAMOE_PIN)
 python3 ci/pins.py --get PIN FIELD    # one field (lists joined by spaces)
 python3 ci/pins.py --matrix           # GitHub Actions matrix (JSON) of pin x arch
 """
@@ -141,8 +141,8 @@ def main() -> int:
             print(f"{PINS}: {issue}", file=sys.stderr)
         print(f"pins: {len(raw.get('pin', []))} pins checked, {len(found)} problems")
         return 1 if found else 0
-    if args.host:
-        print(get("host").name)
+    if args.host:  # the pin whose nox lock .ci/run and the README install
+        print(ci_host().name)
     elif args.get:
         value = getattr(get(args.get[0]), args.get[1])
         print(" ".join(value) if isinstance(value, tuple) else value)

@@ -37,6 +37,10 @@ def problems(path: Path) -> list[str]:
 
 
 def main(paths: list[str]) -> int:
+    if not paths or any(p.startswith("-") for p in paths):
+        # No Dockerfile (an empty glob) would pass as "0 checked", an option as a path.
+        print(f"usage: {Path(sys.argv[0]).name} DOCKERFILE...", file=sys.stderr)
+        return 2
     issues = [issue for p in paths for issue in problems(Path(p))]
     for issue in issues:
         print(issue, file=sys.stderr)

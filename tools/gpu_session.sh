@@ -6,7 +6,8 @@
 #
 #   bash tools/gpu_session.sh OUT_DIR [quick]
 #
-# Writes OUT_DIR/summary.txt (one line per stage: exit status, seconds, last log line)
+# Writes OUT_DIR/summary.txt (one line per stage: exit status, seconds, last log line;
+# the command exits 1 if any stage failed)
 # and OUT_DIR/logs.tgz (every stage's log, the bench JSON, the sanitizer summaries) and
 # nothing else: the device tool returns at most 8 files from $OUT, so the logs are
 # written elsewhere and only packed into OUT_DIR.
@@ -100,3 +101,7 @@ cd "$logs" || exit 1
 tar czf "$out/logs.tgz" ./*.log ./*.json sanitizer/*.json 2>/dev/null
 cp summary.txt "$out/summary.txt"
 cat summary.txt
+# A failed stage fails the command (the summary says which): rc 0 only if all passed.
+if grep -Eq ' rc=[1-9]' summary.txt; then
+  exit 1
+fi

@@ -75,3 +75,25 @@ def test_the_wheel_is_compiled_by_the_pins_cuda(monkeypatch, tmp_path):
         build_wheels.nvcc_version(pins.ci_host())
     fake.write_text("#!/bin/sh\necho 'Cuda compilation tools, release 13.0, V13.0.88'\n")
     assert build_wheels.nvcc_version(pins.ci_host()) == "13.0.88"
+
+
+def test_the_wheel_build_requires_the_locked_nvcc_release(monkeypatch, tmp_path) -> None:
+    """Another nvcc of the pin's CUDA X.Y may make other SASS: the build names the
+    toolkit lock's nvcc release (a review: only X.Y was compared)."""
+    import stat
+
+    host = build_wheels.pinlib.ci_host()
+    locked = build_wheels.locked_nvcc(host)
+    assert locked is not None and locked.startswith(host.cuda + ".")
+    fake = tmp_path / "nvcc"
+    for release, ok in ((locked, True), (host.cuda + ".1", False)):
+        fake.write_text(
+            f"#!/bin/sh\necho 'Cuda compilation tools, release {host.cuda}, V{release}'\n"
+        )
+        fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+        monkeypatch.setenv("CUDACXX", str(fake))
+        if ok:
+            assert build_wheels.nvcc_version(host) == locked
+        else:
+            with pytest.raises(SystemExit, match=rf"compiles with nvcc {locked}"):
+                build_wheels.nvcc_version(host)

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCKS = ROOT / "ci" / "locks"
@@ -59,6 +60,21 @@ def inputs(kind: str) -> set[str]:
     return names
 
 
+def requirements(kind: str, pin: pinlib.Pin) -> list[Requirement]:
+    """What ``ci/locks/<kind>.in`` asks for, with the pin's values filled in (as
+    ci/lock.py renders it)."""
+    text = (LOCKS / f"{kind}.in").read_text().format(torch=pin.torch, cuda_runtime=pin.cuda_runtime)
+    return [
+        Requirement(line.split("#")[0].strip())
+        for line in text.splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+
+
+def canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
 PINS = pinlib.load()
 
 
@@ -69,6 +85,14 @@ def test_locks_are_complete_and_agree(pin: pinlib.Pin) -> None:
     for kind, packages in locks.items():
         wanted = inputs("test" if kind.startswith("test") else kind)
         assert wanted <= set(packages), f"{kind}: missing {sorted(wanted - set(packages))}"
+        # The locked versions satisfy what the .in asks (an edited .in whose lock was
+        # not regenerated passed the name check above; a review).
+        locked = {canonical(n): v for n, v in packages.items()}
+        for req in requirements("test" if kind.startswith("test") else kind, pin):
+            version = locked[canonical(req.name)]
+            assert req.specifier.contains(version, prereleases=True), (
+                f"{kind}: {req.name}=={version} does not satisfy {req}"
+            )
     for a, b in INSTALLED_TOGETHER:
         if a in locks and b in locks:
             shared = set(locks[a]) & set(locks[b])
