@@ -610,6 +610,48 @@ def test_megatron_round_trip_is_exact():
             assert torch.equal(a, b)
 
 
+def test_float16_adapter_files_load_into_the_dtype_asked_for(tmp_path):
+    """PEFT saves an FP16 model's adapter in FP16. ``load_side_lora`` and
+    ``load_megatron_state_dict`` did not hand their ``dtype=`` to the converter, which
+    then refused FP16 asking for the very ``dtype=`` given (a review). FP16 widens to
+    FP32 exactly: the FP16 file loads bit for bit as its FP32 widening does."""
+    from safetensors.torch import load_file, save_file
+
+    model = build("qwen3_moe")
+    mhf.attach_side_lora(model, rank=16, alpha=32.0, dtype=torch.float32)
+    randomize_adapters(model)
+    mhf.save_side_lora(model, tmp_path)
+    weights = tmp_path / "adapter_model.safetensors"
+    state = load_file(str(weights))
+    save_file({k: v.half() for k, v in state.items()}, str(weights))
+    half = build("qwen3_moe")
+    mhf.load_side_lora(half, tmp_path, dtype=torch.float32)
+    save_file({k: v.half().float() for k, v in state.items()}, str(weights))
+    widened = build("qwen3_moe")
+    mhf.load_side_lora(widened, tmp_path, dtype=torch.float32)
+    megatron, config = mhf.megatron_state_dict(model)
+    half_megatron = build("qwen3_moe")
+    mhf.load_megatron_state_dict(
+        half_megatron, {k: v.half() for k, v in megatron.items()}, alpha=config["alpha"],
+        dtype=torch.float32,
+    )  # fmt: skip
+    widened_megatron = build("qwen3_moe")
+    mhf.load_megatron_state_dict(
+        widened_megatron, {k: v.half().float() for k, v in megatron.items()},
+        alpha=config["alpha"], dtype=torch.float32,
+    )  # fmt: skip
+    for got, want in ((half, widened), (half_megatron, widened_megatron)):
+        for name, side in mhf.side_lora_layers(want).items():
+            loaded = mhf.side_lora_layers(got)[name]
+            assert loaded.scale == side.scale and loaded.a1.dtype == torch.float32
+            for a, b in zip(loaded.tensors(), side.tensors(), strict=True):
+                assert torch.equal(a, b)
+    with pytest.raises(ValueError, match=r"^dtype: the adapter's factors are torch.float16"):
+        mhf.load_megatron_state_dict(
+            build("qwen3_moe"), {k: v.half() for k, v in megatron.items()}, alpha=config["alpha"]
+        )
+
+
 def test_megatron_layout_refuses_two_stacks_on_one_layer_index():
     """Two decoder stacks (a thinker and a talker, as Qwen3-Omni-MoE has) map their
     layer i to one Megatron prefix: exporting or loading refuses instead of letting one

@@ -169,6 +169,9 @@ def test_balanced_routing_spreads_load(tokens, experts, top_k):
     counts = torch.bincount(ids.view(-1).long(), minlength=experts)
     assert int(counts.sum()) == tokens * top_k
     assert int(counts.max() - counts.min()) <= 1, counts.tolist()
+    # Each token's experts are distinct (the shapes where a round's slots split a token
+    # reach the repair pass, which the distinctness test's shapes never did; a review).
+    assert all(len(set(row)) == top_k for row in ids.tolist())
     assert (w > 0).all()
     torch.testing.assert_close(w.sum(-1), torch.ones(tokens))
 
@@ -219,6 +222,14 @@ def test_skewed_routing_is_skewed():
     assert counts.max() > 3 * counts.mean()
     assert counts.min() < 0.5 * counts.mean()
     torch.testing.assert_close(w.sum(-1), torch.ones(2000))
+    # The hot experts are a random ranking, not the first ids (a fixed order loaded the
+    # same experts in every skewed case; a review).
+    hottest = {
+        int(torch.bincount(make_routing(2000, 32, 4, kind="skewed", seed=s)[0].view(-1).long(),
+                           minlength=32).argmax())
+        for s in range(6)
+    }  # fmt: skip
+    assert len(hottest) > 1, hottest
     flat, _ = make_routing(2000, 32, 4, kind="skewed", skew=0.0, seed=0)
     flat_counts = torch.bincount(flat.view(-1).long(), minlength=32).double()
     assert flat_counts.max() < 1.5 * flat_counts.mean()
@@ -258,6 +269,11 @@ def test_make_layer_shapes_magnitudes_and_determinism():
     out = lay.call(baseline.moe)
     assert 0.05 < float(out.std()) < 5.0
     assert make_layer(H, INTER, E, K, num_tokens=3).side is None
+    # The scale reaches the adapters and the output (a review: a hard-coded scale passed).
+    half = make_layer(H, INTER, E, K, R, num_tokens=200, seed=5, scale=0.5, dtype=torch.float32)
+    zero = make_layer(H, INTER, E, K, R, num_tokens=200, seed=5, scale=0.0, dtype=torch.float32)
+    assert half.side.scale == 0.5 and zero.side.scale == 0.0
+    assert not torch.equal(half.call(baseline.moe), zero.call(baseline.moe))
     # Ordinary mode on MXFP4: the packed base keeps the master as its gradient sink.
     mx = make_layer(H, INTER, E, K, num_tokens=3, format="mxfp4", trainable_base=True)
     assert mx.base.format == "mxfp4" and mx.base.trains_master

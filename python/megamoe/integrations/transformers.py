@@ -877,7 +877,9 @@ def load_side_lora(
             lora_alpha=config["lora_alpha"],
             use_rslora=bool(config.get("use_rslora", False)),
         )
-        read = partial(side_lora_from_peft_fused, state, prefix, **options)
+        # The caller's dtype reaches the converter: an FP16 file is read into it exactly
+        # (without it the converter refused FP16 and asked for the dtype= given here).
+        read = partial(side_lora_from_peft_fused, state, prefix, dtype=dtype, **options)
         side = _read_gate_up(read, split_gate_up, int(config["r"]))
         _install_adapter(module, side, dtype)
         names.append(name)
@@ -1109,7 +1111,7 @@ def load_megatron_state_dict(
         if fc1_in not in state_dict:
             raise ValueError(f"state_dict: has keys under {prefix!r} but no {fc1_in!r}")
         dim = state_dict[fc1_in].shape[-2]
-        read = partial(side_lora_from_megatron, state_dict, prefix, **options)
+        read = partial(side_lora_from_megatron, state_dict, prefix, dtype=dtype, **options)
         side = _read_gate_up(read, split_gate_up, dim)
         _install_adapter(module, side, dtype)
         names.append(name)

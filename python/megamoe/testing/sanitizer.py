@@ -663,7 +663,7 @@ def _split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 _PYTEST_VALUE_OPTIONS = frozenset(
     {"-k", "-m", "-p", "-c", "-o", "-W", "-n", "--deselect", "--ignore", "--ignore-glob",
      "--rootdir", "--basetemp", "--junit-xml", "--confcutdir", "--durations", "--maxfail",
-     "--timeout", "--override-ini", "--pyargs"}
+     "--timeout", "--override-ini"}
 )  # fmt: skip
 
 
