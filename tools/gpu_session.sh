@@ -16,11 +16,20 @@
 # device tool's 10-minute call limit. NVLink multicast stays off (NCCL_NVLS_ENABLE=0).
 set -u
 
-out=${1:?usage: tools/gpu_session.sh OUT_DIR [quick]}
+usage="usage: tools/gpu_session.sh OUT_DIR [quick]"
+out=${1:?$usage}
 mode=${2:-full}
+case "$out" in
+  -h | --help) echo "$usage" && exit 0 ;;
+  -*) echo "$usage (OUT_DIR may not start with '-', got $out)" >&2 && exit 2 ;;
+esac
+if [[ "$mode" != full && "$mode" != quick ]]; then
+  echo "$usage (got mode $mode)" >&2
+  exit 2
+fi
 root=$(cd "$(dirname "$0")/.." && pwd)
-mkdir -p "$out"
-out=$(cd "$out" && pwd)
+mkdir -p "$out" || exit 2
+out=$(cd "$out" && pwd) || exit 2
 logs=$(mktemp -d)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 start=$(date +%s)

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from .custom_ops.eager_route import takes_eager_route
-from .custom_ops.inputs import SIDE_NAMES
+from .custom_ops.inputs import SIDE_NAMES, requires_grad
 from .custom_ops.layer import _FORWARD_INPUTS, _EagerMoeForward, _moe_forward_op
 from .ep.ops import moe as fused_moe
 from .ep.ops import raise_with_the_group
@@ -34,15 +34,6 @@ from .validation import check_moe_inputs
 from .validation.layer import check_call_structure
 from .weights import BaseWeights
 from .wrappers.routing import pool_capacity
-
-
-def _requires_grad(t: torch.Tensor) -> bool:
-    """``t.requires_grad`` of the tensor under any functorch batching (vmap): a batched
-    wrapper reads False, while autograd still records the op on the tensor it wraps, whose
-    backward then needs the saved state."""
-    while torch._C._functorch.is_batchedtensor(t):
-        t = torch._C._functorch.get_unwrapped(t)
-    return t.requires_grad
 
 
 def moe(
@@ -200,7 +191,7 @@ def moe(
         )
     side_tensors = [None] * len(SIDE_NAMES) if side is None else list(side.tensors())
     needs_grad = torch.is_grad_enabled() and any(
-        t is not None and _requires_grad(t)
+        t is not None and requires_grad(t)
         for t in [x, topk_weights, base.w13, base.w2, *masters, *side_tensors]
     )
     save = "none"

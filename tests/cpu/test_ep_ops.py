@@ -74,8 +74,8 @@ def _flop_worker(rank: int, world: int) -> list[dict]:
 
 def test_flop_counter_counts_the_ep_ops_with_their_formulas():
     """Each rank counts its own tokens' routes (none on a rank without tokens; with
-    activation checkpointing the recomputed GEMM1 too): the two ops' formulas and
-    nothing else (the stages inside an op are not counted again)."""
+    activation checkpointing the recomputed GEMM1 and adapter shrink too): the two ops'
+    formulas and nothing else (the stages inside an op are not counted again)."""
     for per_rank in ep.run_gloo(_flop_worker, 2, timeout_s=300):
         for result in per_rank:
             t = result["tokens"]
@@ -85,6 +85,8 @@ def test_flop_counter_counts_the_ep_ops_with_their_formulas():
                 t, K, H, INTER, R, base_grads=False, side_grads=True,
                 recompute=result["checkpoint"],
             )  # fmt: skip
+            if result["checkpoint"]:  # the token rows' q13 = x [a1 | a3] computed again
+                backward += 4 * t * H * R
             counts = result["counts"]
             assert counts.get("megamoe.moe_ep_forward", 0) == forward
             assert counts.get("megamoe.moe_ep_backward", 0) == backward
@@ -246,6 +248,42 @@ def test_a_second_backward_is_refused_also_where_no_route_was_computed(route):
         torch.autograd.grad(loss, [x, side.b1], retain_graph=True)
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             torch.autograd.grad(loss, [x, side.b1])
+
+
+@pytest.mark.parametrize("route", ["eager", "op"])
+def test_a_second_backward_under_a_hook_that_keeps_the_saved_tensor_is_refused(route):
+    """Under a saved-tensor hook whose unpack returns the saved tensor itself, autograd's
+    version check does not run: a second backward read the dg | du the first wrote over
+    the pre-activations as g | u (a review). Refused on both routes."""
+    x, ids, weights, base, side = _rank_layer(0, 1)
+    mode = OpRoute() if route == "op" else contextlib.nullcontext()
+    with mode:
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            out = ep.fused_moe(x, ids, weights, base, side, group=None)
+        loss = out.float().square().sum()
+        torch.autograd.grad(loss, [x, side.b1], retain_graph=True)
+        with pytest.raises(RuntimeError, match=r"^Trying to backward through the graph a"):
+            torch.autograd.grad(loss, [x, side.b1])
+
+
+def test_vmap_with_inputs_that_need_grad_saves_for_the_backward():
+    """Under vmap a batched wrapper reads requires_grad False, yet autograd records the
+    op on the tensor it wraps: the EP call chose the inference save mode and its backward
+    raised (a review; mm.moe had the fix). Each slice's gradient is the plain call's."""
+    x, ids, weights, base, side = _rank_layer(0, 1)
+    x = x.detach()
+    side = SideLoRA(*(t.detach() for t in side.tensors()), scale=side.scale)  # x alone
+
+    def one(rows):
+        return ep.fused_moe(rows, ids, weights.detach(), base, side, group=None)
+
+    batch = torch.stack([x, x * 0.5]).requires_grad_()
+    torch.vmap(one)(batch).float().sum().backward()
+    for i in range(2):
+        rows = batch[i].detach().clone().requires_grad_()
+        one(rows).float().sum().backward()
+        assert torch.equal(batch.grad[i], rows.grad), i
+    assert batch.grad.abs().sum() > 0
 
 
 def test_a_meta_call_runs_the_fake_implementation():

@@ -176,6 +176,17 @@ def test_an_ep_rank_with_no_rows(backend, rank):
         assert p.grad is not None and not p.grad.any(), name
 
 
+def test_the_fused_backend_on_cpu_names_the_reference_backend():
+    """On CPU weights the fused backend failed in mm.moe with a pointer to
+    megamoe.reference.moe, which a torchtitan user does not call (a review): the
+    converter's own option is named."""
+    experts = mtt.MegaMoEGroupedExperts.Config(dim=D, hidden_dim=FF, num_experts=E).build()
+    fill(experts)
+    counts = torch.full((E,), 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"^backend: .* backend='reference'"):
+        experts(torch.randn(2 * E, D), counts)
+
+
 def test_bad_options():
     with pytest.raises(ValueError, match="rank"):
         mtt.MegaMoEGroupedExperts.Config(dim=D, hidden_dim=FF, num_experts=E, rank=8).build()

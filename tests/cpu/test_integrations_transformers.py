@@ -497,6 +497,13 @@ def test_attached_adapters_start_at_zero_and_train_with_the_base_frozen():
     assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
     side = mhf.side_lora_layers(model)[names[0]]
     assert side.scale == 2.0 and side.b2.abs().sum() > 0
+    # A second attach would drop the trained adapters silently (the optimizer above would
+    # go on training orphaned tensors; a review): refused unless asked to replace them.
+    with pytest.raises(ValueError, match=r"^model: 2 experts module\(s\) already hold"):
+        mhf.attach_side_lora(model, rank=16)
+    assert mhf.side_lora_layers(model)[names[0]].b2.abs().sum() > 0  # nothing changed
+    assert mhf.attach_side_lora(model, rank=16, replace=True) == names
+    assert mhf.side_lora_layers(model)[names[0]].b2.abs().sum() == 0  # fresh ones
 
 
 def test_an_experts_implementation_that_ignores_the_adapters_is_refused():

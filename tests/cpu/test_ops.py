@@ -91,3 +91,23 @@ def test_a_trainable_mxfp4_base_is_the_straight_through_path_packed_or_decoded(
     for i, (got, want) in enumerate(zip(grads, twin, strict=True)):
         assert got.dtype == want.dtype and torch.equal(got, want), i
     assert grads[2].dtype == torch.float32 and grads[2].abs().sum() > 0
+
+
+def test_a_second_backward_under_a_hook_that_keeps_the_saved_tensor_is_refused(cpu_twins):
+    """The backward writes dg | du over the saved pre-activations; autograd's version
+    check refuses a second backward, but not under a saved-tensor hook whose unpack
+    returns the saved tensor itself: the second backward read dg | du as g | u and gave
+    other gradients, silently (a review). Refused by name now; a hook that unpacks a
+    copy still gets the first backward's bits."""
+    layer = make_layer(64, 64, 4, 2, 16, num_tokens=24, seed=1, requires_grad=True)
+    args = (layer.x, layer.topk_ids, layer.topk_weights, layer.base, layer.side)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        loss = mm.moe(*args).float().square().sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match=r"^Trying to backward through the graph a second"):
+        loss.backward()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t.clone()):
+        loss = mm.moe(*args).float().square().sum()
+    first = torch.autograd.grad(loss, [layer.x, layer.side.b1], retain_graph=True)
+    second = torch.autograd.grad(loss, [layer.x, layer.side.b1])
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))

@@ -340,7 +340,7 @@ def main() -> int:
     for line in failures:
         print(f"rank {rank}: {line}", flush=True)
     if rank == 0:
-        print(f"EP{world} NCCL checks: {int(counts)} failure(s)", flush=True)
+        print(f"EP{world} {'gloo' if CPU else 'NCCL'} checks: {int(counts)} failure(s)", flush=True)
     # Every rank done with its collectives before any tears the group down: a rank
     # that left first made its peer's gloo teardown abort ("terminate called without
     # an active exception", seen once in CI's self-test of this harness).

@@ -182,7 +182,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--cases: unknown {unknown}; choose from {list(CASES)}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type != "cuda" and args.impl == "megamoe_fused":
-        parser.error("no GPU: the fused kernels need a Hopper GPU (use --impl megamoe_reference)")
+        parser.error(
+            "no GPU: the fused kernels need a Hopper GPU (on the CPU: --cases tiny --impl "
+            "megamoe_reference: the real-size cases take many minutes there)"
+        )
     progress = Progress()
     rows = []
     for name in names:

@@ -24,7 +24,8 @@ hidden ``H``, intermediate ``I`` and adapter rank ``r``:
   router gradient's dots); the base weight gradients another ``6 T K H I`` (ordinary
   mode); side-LoRA data gradients ``6 T H r + 6 T K I r`` and side weight gradients
   ``6 T H r + 6 T K I r``; with activation checkpointing the recomputed GEMM1 ``4 T K H
-  I`` (+ ``4 T K I r`` for its side segment).
+  I`` (+ ``4 T K I r`` for its side segment; the EP backward also ``4 T H r`` for the
+  adapter shrink ``q13 = x [a1 | a3]`` of the token rows it exchanges again).
 """
 
 from __future__ import annotations
@@ -141,4 +142,10 @@ def _moe_ep_backward_flops(*args, out_shape=None, **kwargs) -> int:
     tokens, top_k = a["topk_weights"]
     # The EP backward computes the adapters' gradients whenever the side path ran.
     rank = _rank(a["a1"], a["scale"])
-    return _backward(a, tokens, top_k, rank, rank > 0)
+    flops = _backward(a, tokens, top_k, rank, rank > 0)
+    preact = a["preact"]
+    if rank and len(preact) == 1 and preact[0] == 0:
+        # Checkpointing: the token rows are exchanged again, so q13 = x [a1 | a3] is
+        # computed again too (EP1 saves q13 instead).
+        flops += 4 * tokens * a["x"][1] * rank
+    return flops

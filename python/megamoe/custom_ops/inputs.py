@@ -5,6 +5,8 @@ backward op's gradients onto the forward's inputs by the same rules."""
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from ..pipeline.fused_backward import GRAD_NAMES
@@ -18,6 +20,15 @@ from ..weights import BaseWeights
 # forward's inputs; the pipeline's own names.
 #: What a training forward op saves for its backward: these inputs, then its state outputs.
 SAVED_INPUTS = ("x", "topk_weights", "w13", "w2", "w13_scales", "w2_scales", *SIDE_NAMES)
+
+
+def requires_grad(t: torch.Tensor) -> bool:
+    """``t.requires_grad`` of the tensor under any functorch batching (vmap): a batched
+    wrapper reads False, while autograd still records the op on the tensor it wraps, whose
+    backward then needs the saved state."""
+    while torch._C._functorch.is_batchedtensor(t):
+        t = torch._C._functorch.get_unwrapped(t)
+    return t.requires_grad
 
 
 def save_inputs_and_state(
@@ -44,7 +55,30 @@ def saved_inputs_and_state(
         # saved tensor, a second backward through the graph (retain_graph) would fail the
         # saved-tensor version check although nothing it needs was overwritten.
         state["preact"] = preact.new_empty(0)
+    elif preact is not None:
+        written = getattr(ctx, "preact_written", None)
+        if written is not None and written() is preact:
+            # The first backward wrote dg | du over this tensor. Autograd's version
+            # check refuses a second backward, except under a saved-tensor hook whose
+            # unpack returns the saved tensor itself (an identity or offload hook that
+            # keeps it): then the tensor would be read as g | u (a review).
+            raise RuntimeError(
+                "Trying to backward through the graph a second time: megamoe's first "
+                "backward wrote its gradients over the saved pre-activations (with a "
+                "saved-tensor hook that returns the saved tensor itself autograd's "
+                "version check does not see it); recompute the forward, or call mm.moe "
+                "with activation_checkpoint=True to backward through it twice"
+            )
     return inputs, state
+
+
+def mark_preact_written(ctx: object, state: dict[str, torch.Tensor]) -> None:
+    """Record that a backward wrote over the saved pre-activations ``state["preact"]``
+    (a kept ``[P, 2I]`` tensor), so that :func:`saved_inputs_and_state` refuses a
+    second backward that would unpack that same tensor."""
+    preact = state.get("preact")
+    if preact is not None and preact.dim() == 2:
+        ctx.preact_written = weakref.ref(preact)
 
 
 def base_weights(

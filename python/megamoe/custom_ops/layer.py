@@ -68,6 +68,7 @@ from .inputs import (
     empty,
     grads_for_inputs,
     input_names,
+    mark_preact_written,
     master_dtypes,
     needs_by_input,
     save_inputs_and_state,
@@ -558,6 +559,7 @@ def _forward_backward(ctx, dout, *_state_grads):
             grads = _eager_backward(dout, inputs, ctx.options, state, **which)
     else:
         grads = _moe_backward_op(dout=dout, **inputs, **ctx.options, **state, **which)
+    mark_preact_written(ctx, state)
     result = grads_for_inputs(
         _FORWARD_INPUTS, grads, needs, inputs, has_side=ctx.has_side, scale=ctx.options["scale"]
     )

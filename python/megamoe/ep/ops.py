@@ -51,8 +51,10 @@ from ..custom_ops.inputs import (
     empty,
     grads_for_inputs,
     input_names,
+    mark_preact_written,
     master_dtypes,
     needs_by_input,
+    requires_grad,
     save_inputs_and_state,
     saved_inputs_and_state,
     with_master_grads,
@@ -727,6 +729,7 @@ def _forward_backward(ctx, dout, *_state_grads):
         torch.autograd.graph.increment_version(args["preact"])
     else:
         grads = _moe_ep_backward_op(**args)
+    mark_preact_written(ctx, state)
     result = grads_for_inputs(
         _FORWARD_INPUTS, grads, needs, inputs, has_side=ctx.has_side, scale=ctx.options["scale"]
     )
@@ -845,10 +848,12 @@ def moe(
                 "torch.distributed.new_group or init_process_group)"
             ) from error
     side_tensors = [None] * len(SIDE_NAMES) if side is None else list(side.tensors())
-    base_trainable = any(t is not None and t.requires_grad for t in [base.w13, base.w2, *masters])
+    # Under vmap a batched wrapper reads requires_grad False although autograd records
+    # the op on what it wraps (an inference save mode then failed the backward).
+    base_trainable = any(t is not None and requires_grad(t) for t in [base.w13, base.w2, *masters])
     needs_grad = torch.is_grad_enabled() and (
         base_trainable
-        or any(t is not None and t.requires_grad for t in [x, topk_weights, *side_tensors])
+        or any(t is not None and requires_grad(t) for t in [x, topk_weights, *side_tensors])
     )
     args = dict(
         x=x,

@@ -303,7 +303,8 @@ class MegaMoEGroupedExperts(GroupedExperts):
         """Side-LoRA rank (a multiple of 16 in [16, 256]); 0: trainable base, no adapters."""
 
         alpha: float | None = None
-        """LoRA alpha: scale ``alpha / rank``; None: scale 1."""
+        """LoRA alpha: scale ``alpha / rank``; None: scale 1. With ``rank = 0`` (no
+        adapters) it is checked and not used, so one config can switch adapters off."""
 
         backend: str = "fused"
         """``"fused"`` (Hopper kernels) or ``"reference"`` (float32, any device)."""
@@ -475,6 +476,14 @@ class MegaMoEGroupedExperts(GroupedExperts):
             )
         if x_RD.shape[0] == 0:
             return self._no_rows(x_RD, w13, w2)
+        if self.backend == "fused" and w13.device.type == "cpu":
+            # mm.moe's own error points at megamoe.reference.moe, which a torchtitan
+            # user does not call: name the converter's option instead.
+            raise ValueError(
+                "backend: the fused experts need CUDA weights (a Hopper GPU), got CPU "
+                "ones; MegaMoEConverter.Config(..., backend='reference') runs the same "
+                "math in float32 on any device"
+            )
         # Each row's expert without a host sync: the number of segment ends <= row.
         ends = torch.cumsum(num_tokens_per_expert_E, dim=0)
         rows = torch.arange(x_RD.shape[0], device=x_RD.device)

@@ -635,6 +635,7 @@ def attach_side_lora(
     alpha: float | None = None,
     scale: float | None = None,
     dtype: torch.dtype | None = None,
+    replace: bool = False,
 ) -> list[str]:
     """Put a fresh :class:`SideLoRAAdapter` on every MoE experts module of ``model``.
 
@@ -647,12 +648,24 @@ def attach_side_lora(
         dtype: the factors' dtype, ``torch.bfloat16`` or ``torch.float32`` (master
             weights; the fused path casts them to BF16 every call). Default: the expert
             weights' dtype if it is one of those, else BF16.
+        replace: put fresh adapters where a module already has one. Without it such a
+            model is refused (a trained adapter would be dropped silently, and an
+            optimizer holding its factors would go on training tensors no longer used).
 
     Returns:
         The names of the experts modules that got adapters. Each module is checked
         first (:func:`experts_spec`); the base is left as it is (see
         :func:`mark_only_side_lora_as_trainable`).
     """
+    if not isinstance(replace, bool):
+        raise TypeError(f"replace: expected a bool, got {type(replace).__name__}")
+    if not replace:
+        held = [name for name, _ in _adapters(model)]
+        if held:
+            raise ValueError(
+                f"model: {len(held)} experts module(s) already hold side-LoRA adapters "
+                f"(first: {held[0]!r}); pass replace=True to put fresh ones in their place"
+            )
     if alpha is not None and scale is not None:
         raise ValueError(f"scale: give alpha or scale, not both; got alpha={alpha}, scale={scale}")
     s = 1.0 if scale is None else check_finite_float("scale", scale, float32=True)
