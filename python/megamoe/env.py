@@ -19,6 +19,7 @@ NUM_SMS_VAR = "MEGAMOE_NUM_SMS"
 SM_HEADROOM_VAR = "MEGAMOE_SM_HEADROOM"
 
 
+@functools.lru_cache(maxsize=64)  # read at every persistent launch
 def _parse_int(var: str, text: str) -> int:
     # ASCII digits only: int() also takes "1_00" and other scripts' digits.
     if re.fullmatch(r"[+-]?[0-9]+", text.strip()) is None:

@@ -250,15 +250,18 @@ def test_a_second_backward_is_refused_also_where_no_route_was_computed(route):
             torch.autograd.grad(loss, [x, side.b1])
 
 
+@pytest.mark.parametrize("unpack", ["same", "detach"])
 @pytest.mark.parametrize("route", ["eager", "op"])
-def test_a_second_backward_under_a_hook_that_keeps_the_saved_tensor_is_refused(route):
-    """Under a saved-tensor hook whose unpack returns the saved tensor itself, autograd's
-    version check does not run: a second backward read the dg | du the first wrote over
-    the pre-activations as g | u (a review). Refused on both routes."""
+def test_a_second_backward_under_a_hook_that_keeps_the_saved_tensor_is_refused(route, unpack):
+    """Under a saved-tensor hook whose unpack returns the saved tensor itself or an alias
+    of it, autograd's version check does not run: a second backward read the dg | du
+    the first wrote over the pre-activations as g | u (a review). Refused on both
+    routes."""
     x, ids, weights, base, side = _rank_layer(0, 1)
     mode = OpRoute() if route == "op" else contextlib.nullcontext()
     with mode:
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        hook = (lambda t: t) if unpack == "same" else (lambda t: t.detach())
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, hook):
             out = ep.fused_moe(x, ids, weights, base, side, group=None)
         loss = out.float().square().sum()
         torch.autograd.grad(loss, [x, side.b1], retain_graph=True)

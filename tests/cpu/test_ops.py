@@ -101,11 +101,13 @@ def test_a_second_backward_under_a_hook_that_keeps_the_saved_tensor_is_refused(c
     copy still gets the first backward's bits."""
     layer = make_layer(64, 64, 4, 2, 16, num_tokens=24, seed=1, requires_grad=True)
     args = (layer.x, layer.topk_ids, layer.topk_weights, layer.base, layer.side)
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
-        loss = mm.moe(*args).float().square().sum()
-    loss.backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match=r"^Trying to backward through the graph a second"):
-        loss.backward()
+    # The saved tensor itself, or an alias of its memory (a detach, a view).
+    for unpack in (lambda t: t, lambda t: t.detach(), lambda t: t.view_as(t)):
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack):
+            loss = mm.moe(*args).float().square().sum()
+        loss.backward(retain_graph=True)
+        with pytest.raises(RuntimeError, match=r"^Trying to backward through the graph a"):
+            loss.backward()
     with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t.clone()):
         loss = mm.moe(*args).float().square().sum()
     first = torch.autograd.grad(loss, [layer.x, layer.side.b1], retain_graph=True)

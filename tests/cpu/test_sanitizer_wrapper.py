@@ -688,6 +688,7 @@ def test_an_option_value_that_names_a_path_is_not_a_selection(
     assert capsys.readouterr().out.strip().endswith("-k x tests")
     # --pyargs is a flag: the name after it is the selection (a review: it was taken as
     # the flag's value and the default tests/sanitizer added, widening the run).
-    code = sanitizer.main(["--sanitizer", "/cs", "--print-command", "--pyargs", "tests"])
-    assert code == 0
-    assert capsys.readouterr().out.strip().endswith("--pyargs tests")
+    for name in ("tests", "megamoe.testing"):  # a folder here, and a module name
+        code = sanitizer.main(["--sanitizer", "/cs", "--print-command", "--pyargs", name])
+        assert code == 0
+        assert capsys.readouterr().out.strip().endswith(f"--pyargs {name}")

@@ -5,13 +5,11 @@ backward op's gradients onto the forward's inputs by the same rules."""
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 
 from ..pipeline.fused_backward import GRAD_NAMES
 from ..side_lora import SIDE_NAMES, SideLoRA
-from ..validation.arguments import check_finite_float, check_tensor
+from ..validation.arguments import check_finite_float, check_tensor, has_data
 from ..weights import BaseWeights
 
 # SIDE_NAMES (re-exported): the adapters as op inputs, six optional tensors (all None: no
@@ -57,28 +55,36 @@ def saved_inputs_and_state(
         state["preact"] = preact.new_empty(0)
     elif preact is not None:
         written = getattr(ctx, "preact_written", None)
-        if written is not None and written() is preact:
-            # The first backward wrote dg | du over this tensor. Autograd's version
+        if written is not None and has_data(preact) and _storage_and_version(preact) == written:
+            # The first backward wrote dg | du over this memory. Autograd's version
             # check refuses a second backward, except under a saved-tensor hook whose
-            # unpack returns the saved tensor itself (an identity or offload hook that
-            # keeps it): then the tensor would be read as g | u (a review).
+            # unpack returns the saved tensor itself or an alias of it (an identity,
+            # detach or view hook): then the memory would be read as g | u (a review).
+            # A copy has a version counter of its own and passes.
             raise RuntimeError(
                 "Trying to backward through the graph a second time: megamoe's first "
                 "backward wrote its gradients over the saved pre-activations (with a "
-                "saved-tensor hook that returns the saved tensor itself autograd's "
-                "version check does not see it); recompute the forward, or call mm.moe "
+                "saved-tensor hook that returns the saved tensor or an alias of it, "
+                "autograd's version check does not see it); recompute the forward, or call mm.moe "
                 "with activation_checkpoint=True to backward through it twice"
             )
     return inputs, state
 
 
+def _storage_and_version(t: torch.Tensor) -> tuple[int, int]:
+    """Where ``t``'s data is and its version: equal for the tensor and its aliases
+    (views and detaches share the version counter), not for a copy."""
+    return t.data_ptr(), t._version
+
+
 def mark_preact_written(ctx: object, state: dict[str, torch.Tensor]) -> None:
     """Record that a backward wrote over the saved pre-activations ``state["preact"]``
-    (a kept ``[P, 2I]`` tensor), so that :func:`saved_inputs_and_state` refuses a
-    second backward that would unpack that same tensor."""
+    (a kept ``[P, 2I]`` tensor; after the write and its version bump), so that
+    :func:`saved_inputs_and_state` refuses a second backward that would unpack that
+    memory again."""
     preact = state.get("preact")
-    if preact is not None and preact.dim() == 2:
-        ctx.preact_written = weakref.ref(preact)
+    if preact is not None and preact.dim() == 2 and has_data(preact):
+        ctx.preact_written = _storage_and_version(preact)
 
 
 def base_weights(

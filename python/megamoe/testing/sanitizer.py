@@ -671,9 +671,10 @@ def _has_selection(args: Sequence[str]) -> bool:
     """Whether pytest arguments name tests (a path or node id), other than as the value
     of an option."""
     after_option = False
+    pyargs = "--pyargs" in args  # names are then modules or packages, not paths
     for arg in args:
         named = not after_option and not arg.startswith("-")
-        if named and Path(arg.split("::", 1)[0]).exists():
+        if named and (pyargs or Path(arg.split("::", 1)[0]).exists()):
             return True
         after_option = arg in _PYTEST_VALUE_OPTIONS
     return False
