@@ -69,7 +69,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 import gen_variants  # noqa: E402
 import stream_step_sass  # noqa: E402
 
-GEMM_FAMILIES = {"engine"}  # families whose kernels must issue HGMMA
+GEMM_FAMILIES = {"engine", "weight_stream"}  # families whose kernels must issue HGMMA
 # A streaming epilogue's loads per round (check_absolute): eight rows' g | u in a round
 # give 16; a row at a time between its stores gives 2.
 EPILOGUE_LOADS_PER_ROUND = 8
