@@ -29,12 +29,30 @@ from .timing import (
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="ep4rank")
-    parser.add_argument("--iters", type=sample_count, default=5)
-    parser.add_argument("--pass", dest="pass_name", choices=("forward", "fwd+bwd"))
-    parser.add_argument("--mode", choices=("side-lora", "ordinary"), default="side-lora")
-    parser.add_argument("--dtype", choices=("bf16", "mxfp4"), default="bf16", help="base format")
+    parser = argparse.ArgumentParser(
+        prog="python -m megamoe.bench.breakdown",
+        description=__doc__,
+    )
+    parser.add_argument(
+        "--shape", choices=sorted(SHAPES), default="ep4rank", help="bench shape (default: ep4rank)"
+    )
+    parser.add_argument(
+        "--iters",
+        type=sample_count,
+        default=5,
+        help="profiled calls; times are per call (default: 5)",
+    )
+    parser.add_argument(
+        "--pass", dest="pass_name", choices=("forward", "fwd+bwd"), default="forward",
+        help="the inference forward, or a training forward + backward (default: forward)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--mode", choices=("side-lora", "ordinary"), default="side-lora",
+        help="fwd+bwd: frozen base + adapters, or a trainable base (default: side-lora)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--dtype", choices=("bf16", "mxfp4"), default="bf16", help="base format (default: bf16)"
+    )
     parser.add_argument(
         "--tokens", type=int, default=None, help="tokens per rank (default: the shape's)"
     )
@@ -109,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     rows.sort(reverse=True)
     total = sum(r[0] for r in rows)
-    what = f"{args.pass_name or 'forward'} {args.mode if training else ''} {args.dtype}"
+    what = f"{args.pass_name} {args.mode if training else ''} {args.dtype}"
     what = " ".join(what.split())
     work = count_device_work([event for events in runs for event in events])
     launches = work.kernels // args.iters

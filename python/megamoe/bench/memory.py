@@ -67,10 +67,21 @@ def _watch(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="ep4rank")
-    parser.add_argument("--mode", choices=("side-lora", "ordinary"), default="side-lora")
-    parser.add_argument("--activation-checkpoint", action="store_true")
+    parser = argparse.ArgumentParser(
+        prog="python -m megamoe.bench.memory",
+        description=__doc__,
+    )
+    parser.add_argument(
+        "--shape", choices=sorted(SHAPES), default="ep4rank", help="bench shape (default: ep4rank)"
+    )
+    parser.add_argument(
+        "--mode", choices=("side-lora", "ordinary"), default="side-lora",
+        help="frozen base + adapters, or a trainable base (default: side-lora)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--activation-checkpoint", action="store_true",
+        help="recompute GEMM1's pre-activations in the backward instead of keeping them",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("megamoe.bench.memory: needs a CUDA GPU (Hopper)", file=sys.stderr)
