@@ -22,9 +22,10 @@ SM_HEADROOM_VAR = "MEGAMOE_SM_HEADROOM"
 @functools.lru_cache(maxsize=64)  # read at every persistent launch
 def _parse_int(var: str, text: str) -> int:
     # ASCII digits only: int() also takes "1_00" and other scripts' digits.
-    if re.fullmatch(r"[+-]?[0-9]+", text.strip()) is None:
+    digits = text.strip()
+    if re.fullmatch(r"[+-]?[0-9]+", digits) is None:
         raise ValueError(f"{var}: expected an integer, got {text!r}")
-    return int(text.strip(), 10)
+    return int(digits, 10)
 
 
 def resolve_num_sms(device_sm_count: int, environ: Mapping[str, str] | None = None) -> int:

@@ -34,10 +34,9 @@ from .validation.arguments import (
     check_int,
     check_str_choice,
     check_tensor,
-    float32_value,
     has_data,
 )
-from .validation.layer import check_devices, check_kernel_dims
+from .validation.layer import check_activation, check_devices, check_kernel_dims
 from .weights import BASE_FORMATS, BaseWeights, prepare_base_weights
 
 __all__ = ["BACKENDS", "MegaMoE"]
@@ -127,23 +126,9 @@ class MegaMoE(nn.Module):
         check_side_rank("side_rank", side_rank, zero="0/None (no adapters)")
         self.side_rank = side_rank
         self.side_scale = _resolve_scale(side_scale, side_alpha, side_rank)
-        check_str_choice("activation", activation, reference.ACTIVATIONS)
+        check_activation(activation, activation_clamp)  # as mm.moe checks them
         self.activation = activation
-        if activation_clamp is not None:
-            activation_clamp = check_finite_float(
-                "activation_clamp", activation_clamp, float32=True
-            )
-            if activation_clamp <= 0:
-                raise ValueError(
-                    f"activation_clamp: expected a positive finite float or None, got "
-                    f"{activation_clamp}"
-                )
-            if float32_value(activation_clamp) == 0:  # the kernels' float32 clamp
-                raise ValueError(
-                    f"activation_clamp: expected a value that stays positive in float32, "
-                    f"got {activation_clamp} (0 in float32)"
-                )
-        self.activation_clamp = activation_clamp
+        self.activation_clamp = None if activation_clamp is None else float(activation_clamp)
         if not isinstance(trainable_base, bool):
             raise TypeError(f"trainable_base: expected a bool, got {type(trainable_base).__name__}")
         check_str_choice("base_format", base_format, BASE_FORMATS)

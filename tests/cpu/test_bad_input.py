@@ -650,13 +650,13 @@ def test_floats_beyond_range_are_named() -> None:
     base = mm.prepare_base_weights(*base_tensors())
     with pytest.raises(ValueError, match=r"^activation_clamp: expected a positive finite"):
         mm.moe(bf16(T, H), ids, weights, base, activation_clamp=10**400)
-    with pytest.raises(ValueError, match=r"^activation_clamp: expected a finite float"):
+    with pytest.raises(ValueError, match=r"^activation_clamp: expected a positive finite"):
         mm.MegaMoE(H, I, E, K, activation_clamp=10**400)
     # Finite as a Python float but not as the kernels' float32: refused before any work
     # (the CPU twins stopped midway on it, after the route plan and the gather).
     with pytest.raises(ValueError, match=r"^activation_clamp: expected a positive finite"):
         mm.moe(bf16(T, H), ids, weights, base, activation_clamp=3.5e38)
-    with pytest.raises(ValueError, match=r"^activation_clamp: expected a float finite in float32"):
+    with pytest.raises(ValueError, match=r"^activation_clamp: expected a positive finite"):
         mm.MegaMoE(H, I, E, K, activation_clamp=1e300)
     with pytest.raises(ValueError, match=r"^side\.scale: expected a finite float"):
         mm.SideLoRA(**side_tensors(), scale=10**400)

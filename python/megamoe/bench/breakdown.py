@@ -17,7 +17,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import megamoe as mm
 
-from .shapes import SHAPES
+from .shapes import SHAPES, add_shape_and_mode
 from .timing import (
     count_device_work,
     device_event_kind,
@@ -33,9 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m megamoe.bench.breakdown",
         description=__doc__,
     )
-    parser.add_argument(
-        "--shape", choices=sorted(SHAPES), default="ep4rank", help="bench shape (default: ep4rank)"
-    )
+    add_shape_and_mode(parser, mode_help="fwd+bwd: frozen base + adapters, or a trainable base")
     parser.add_argument(
         "--iters",
         type=sample_count,
@@ -45,10 +43,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--pass", dest="pass_name", choices=("forward", "fwd+bwd"), default="forward",
         help="the inference forward, or a training forward + backward (default: forward)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--mode", choices=("side-lora", "ordinary"), default="side-lora",
-        help="fwd+bwd: frozen base + adapters, or a trainable base (default: side-lora)",
     )  # fmt: skip
     parser.add_argument(
         "--dtype", choices=("bf16", "mxfp4"), default="bf16", help="base format (default: bf16)"

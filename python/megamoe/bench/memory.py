@@ -18,7 +18,7 @@ import torch
 import megamoe as mm
 from megamoe.pipeline import fused_backward, fused_forward
 
-from .shapes import SHAPES
+from .shapes import SHAPES, add_shape_and_mode
 
 GIB = 2**30
 
@@ -71,13 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m megamoe.bench.memory",
         description=__doc__,
     )
-    parser.add_argument(
-        "--shape", choices=sorted(SHAPES), default="ep4rank", help="bench shape (default: ep4rank)"
-    )
-    parser.add_argument(
-        "--mode", choices=("side-lora", "ordinary"), default="side-lora",
-        help="frozen base + adapters, or a trainable base (default: side-lora)",
-    )  # fmt: skip
+    add_shape_and_mode(parser, mode_help="frozen base + adapters, or a trainable base")
     parser.add_argument(
         "--activation-checkpoint", action="store_true",
         help="recompute GEMM1's pre-activations in the backward instead of keeping them",

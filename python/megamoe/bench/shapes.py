@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 from dataclasses import dataclass
@@ -120,3 +121,12 @@ SHAPES = {
     # The whole production layer on one GPU: the same tokens per GPU, all 256 experts.
     "ep1": Shape("ep1", 65536, 4096, 2048, 256, 6, 128, "production layer, all experts local"),
 }
+
+
+def add_shape_and_mode(parser: argparse.ArgumentParser, *, mode_help: str) -> None:
+    """``--shape`` (a preset, default ep4rank) and ``--mode`` (side-lora or ordinary),
+    the per-stage tools' common options (``megamoe.bench.breakdown``, ``.memory``)."""
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="ep4rank",
+                        help="bench shape (default: ep4rank)")  # fmt: skip
+    parser.add_argument("--mode", choices=("side-lora", "ordinary"), default="side-lora",
+                        help=f"{mode_help} (default: side-lora)")  # fmt: skip

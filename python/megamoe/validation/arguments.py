@@ -137,6 +137,8 @@ def has_data(t: torch.Tensor) -> bool:
     neither values nor data pointers may be read."""
     if torch.compiler.is_compiling() or t.device.type == "meta":
         return False
+    if type(t) is torch.Tensor:  # fake tensors are a subclass: no import on the hot path
+        return True
     from torch._subclasses.fake_tensor import is_fake
 
     return not is_fake(t)

@@ -310,8 +310,6 @@ def _check_plan_args(
 def _check_ids_have_values(topk_ids: torch.Tensor) -> None:
     """After :func:`_check_plan_args`, as a device the plan cannot be made on. (Under
     torch.compile the graph breaks where the plan reads values, and runs on.)"""
-    if type(topk_ids) is torch.Tensor and not topk_ids.is_meta:
-        return  # a plain tensor on a real device (fake ones are subclasses): per call
     if not torch.compiler.is_compiling() and not has_data(topk_ids):
         raise ValueError(
             "topk_ids: the route plan is made from the ids' values, and a meta or fake "
