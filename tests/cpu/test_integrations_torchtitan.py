@@ -223,6 +223,28 @@ def test_subclassed_experts_are_refused_not_converted():
         gpt_oss.model_registry("debugmodel", converters=[converter])
 
 
+@pytest.mark.parametrize("module,factory", [
+    ("float8", "_get_float8_grouped_experts_cls"),
+    ("mx", "_get_mxfp8_grouped_experts_cls"),
+])  # fmt: skip
+def test_a_quantization_converter_after_megamoe_is_refused(module, factory):
+    """torchtitan's Float8 / MXFP8 grouped-experts converters subclass the experts they
+    find (megamoe's too: a GroupedExperts) to quantize their grouped_mm, which megamoe
+    never calls: the quantization would silently not apply. The subclass is refused as it
+    is made; in the other order megamoe refuses the quantized experts config."""
+    quantization = pytest.importorskip(f"torchtitan.components.quantization.{module}")
+    from torchtitan.models.common import moe as titan_moe
+
+    make_subclass = getattr(quantization, factory)
+    expected = rf"^converters: a quantization converter of {quantization.__name__} after Mega"
+    with pytest.raises(ValueError, match=expected):
+        make_subclass(mtt.MegaMoEGroupedExperts)
+    quantized = make_subclass(titan_moe.GroupedExperts).Config(dim=D, hidden_dim=FF, num_experts=E)
+    refused = rf"^model_config: the root was quantized by a converter of {quantization.__name__}"
+    with pytest.raises(ValueError, match=refused):
+        mtt.MegaMoEConverter(mtt.MegaMoEConverter.Config(backend="reference")).convert(quantized)
+
+
 # --- One gate+up parameter: checkpoint names, init, sharding, no copy -------------------
 
 _INIT = {  # trunc_normal_ draws differently on a strided view than on a contiguous tensor

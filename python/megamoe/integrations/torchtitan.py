@@ -284,6 +284,9 @@ def _fused_sharding(sc: ShardingConfig | None, rank: int = 0) -> ShardingConfig 
 
 #: The module of torchtitan's LoRAConverter and the frozen config classes it makes.
 _TORCHTITAN_LORA = "torchtitan.components.lora"
+#: The package of torchtitan's Float8 / MXFP8 grouped-experts converters, whose quantized
+#: experts are subclasses (module and config) made at conversion.
+_TORCHTITAN_QUANTIZATION = "torchtitan.components.quantization"
 
 
 class MegaMoEGroupedExperts(GroupedExperts):
@@ -320,6 +323,16 @@ class MegaMoEGroupedExperts(GroupedExperts):
                     "converters: torchtitan's LoRAConverter after MegaMoEConverter would "
                     "freeze megamoe's side-LoRA factors (direct parameters of the experts); "
                     "list LoRAConverter before MegaMoEConverter"
+                )
+            # Its Float8 / MXFP8 converters subclass the experts to quantize their
+            # grouped_mm: megamoe never calls it, so the quantization would silently not
+            # apply. In the other order megamoe refuses the quantized experts config.
+            if cls.__module__.startswith(_TORCHTITAN_QUANTIZATION + "."):
+                raise ValueError(
+                    f"converters: a quantization converter of {cls.__module__} after "
+                    "MegaMoEConverter: megamoe computes the experts with its own kernels "
+                    "(a BF16 or MXFP4 base), so the quantization would not apply; leave "
+                    "the grouped-experts quantization converter out"
                 )
             super(MegaMoEGroupedExperts.Config, cls).__init_subclass__(**kwargs)
 
@@ -550,6 +563,13 @@ class MegaMoEConverter(ModelConfigConverter):
                     f"model_config: {fqn or 'the root'} was frozen by torchtitan's "
                     "LoRAConverter; MegaMoEConverter with rank=0 would train its base: "
                     "give a side-LoRA rank"
+                )
+            if type(cfg).__module__.startswith(_TORCHTITAN_QUANTIZATION + "."):
+                raise ValueError(
+                    f"model_config: {fqn or 'the root'} was quantized by a converter of "
+                    f"{type(cfg).__module__}: megamoe computes the experts with its own "
+                    "kernels (a BF16 or MXFP4 base); leave the grouped-experts "
+                    "quantization converter out"
                 )
             if type(cfg) is not GroupedExperts.Config and not frozen_by_lora:
                 # A subclass computes other experts (gpt-oss: biases, interleaved gate/up,
