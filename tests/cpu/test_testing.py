@@ -13,6 +13,7 @@ from megamoe.side_lora import SideLoRA
 from megamoe.testing import (
     GRAD_MIN_COSINE,
     ORACLE_MAX_REL_L2,
+    ORACLE_MAX_WORST_ROW,
     ORACLE_MIN_COSINE,
     ROUTING_KINDS,
     assert_close_to_oracle,
@@ -89,9 +90,10 @@ def test_compare_zero_cases():
 
 def test_worst_row_sees_one_wrong_row_the_global_metrics_hide(tmp_path, monkeypatch):
     """One zeroed row of 16384 leaves cosine and rel L2 within the gradient gates, and
-    ``worst_row`` at about 1 (a review: a backward that drops one route passed them);
-    uniform noise reads near its own size. Each gated call's metrics go to the file
-    MEGAMOE_METRICS_LOG names, one JSON line per call."""
+    ``worst_row`` at about 1 (a review: a backward that drops one route passed them),
+    which its gate refuses; uniform noise reads near its own size. Each gated call's
+    metrics go to the file MEGAMOE_METRICS_LOG names, one JSON line per call, a failing
+    one too."""
     gen = torch.Generator().manual_seed(0)
     e = torch.randn(16384, 8, generator=gen, dtype=torch.float64)
     dropped = e.clone()
@@ -106,14 +108,17 @@ def test_worst_row_sees_one_wrong_row_the_global_metrics_hide(tmp_path, monkeypa
     assert compare(e[0], e[0] * 1.01).worst_row == pytest.approx(compare(e[0], e[0] * 1.01).rel_l2)
     log = tmp_path / "metrics.jsonl"
     monkeypatch.setenv("MEGAMOE_METRICS_LOG", str(log))
-    assert_close_to_oracle("dx", dropped, e, min_cosine=GRAD_MIN_COSINE)
-    (record,) = [json.loads(line) for line in log.read_text().splitlines()]
+    with pytest.raises(AssertionError, match=r"^dx: .* worst_row <= 0\.1\)$"):
+        assert_close_to_oracle("dx", dropped, e, min_cosine=GRAD_MIN_COSINE)
+    assert_close_to_oracle("dx_wide", dropped, e, min_cosine=GRAD_MIN_COSINE, max_worst_row=2.0)
+    record, _ = [json.loads(line) for line in log.read_text().splitlines()]
     assert record["name"] == "dx" and record["shape"] == [16384, 8]
     assert record["worst_row"] == m.worst_row and "test_worst_row" in record["test"]
 
 
 def test_gate_constants_and_assertion():
     assert ORACLE_MIN_COSINE == 0.99999 and ORACLE_MAX_REL_L2 == 1e-2
+    assert ORACLE_MAX_WORST_ROW == 0.1
     e = torch.randn(1000, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     assert_close_to_oracle("close", e * (1 + 1e-4), e)
     with pytest.raises(AssertionError) as info:

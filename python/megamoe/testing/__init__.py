@@ -20,6 +20,7 @@ from .inputs import (
 from .metrics import (
     GRAD_MIN_COSINE,
     ORACLE_MAX_REL_L2,
+    ORACLE_MAX_WORST_ROW,
     ORACLE_MIN_COSINE,
     Metrics,
     assert_close_to_oracle,
@@ -30,6 +31,7 @@ from .op_route import OpRoute
 __all__ = [
     "GRAD_MIN_COSINE",
     "ORACLE_MAX_REL_L2",
+    "ORACLE_MAX_WORST_ROW",
     "ORACLE_MIN_COSINE",
     "ROUTING_KINDS",
     "LayerInputs",
