@@ -542,3 +542,44 @@ def test_baseline_gradcheck_float64():
         return baseline.moe(x, lay.topk_ids, weights, lay.base, lay.side)
 
     assert torch.autograd.gradcheck(fn, (lay.x, lay.topk_weights.double()))
+
+
+def test_check_mxfp4_schedule_accepts_the_named_kernels_and_nothing_else():
+    """The launch check on recorded launches made by hand (E = 8, K = 2): where the pool
+    streams, each kind once in its chunk; past the streaming limit, the engine on a
+    transient decode. Each wrong launch list is refused."""
+    from megamoe.testing.inputs import mxfp4_schedule
+    from megamoe.testing.launches import STREAM_KERNELS, check_mxfp4_schedule
+
+    def stream(name, chunk):
+        return (name, ("a", "b", chunk, 132, 0))  # the chunk third from last
+
+    def engine(name, scales):
+        return (name, ("a", 0, "b", scales, "rest"))
+
+    _, chunks, _, streams = mxfp4_schedule(2561, 2, 8)
+    assert streams and dict(chunks)["Gated"] == 256
+    kind_of = {kind: name for name, kind in STREAM_KERNELS.items()}
+    good = [stream(kind_of[kind], chunk) for kind, chunk in chunks]
+    check_mxfp4_schedule(good, 2561, 2, 8)
+    refused = [
+        good[1:],  # a kind fell back
+        good + good[:1],  # a kind ran twice
+        [stream(name, 128 if args[2] == 256 else args[2]) for name, args in good],
+        [*good, engine("engine_store", "scales")],
+        [*good, ("mxfp4_decode", ())],
+    ]
+    for launches in refused:
+        with pytest.raises(AssertionError, match=r"^T=2561: the MXFP4 schedule names streams=True"):
+            check_mxfp4_schedule(launches, 2561, 2, 8)
+    _, _, pipeline, streams = mxfp4_schedule(2566, 2, 8)
+    assert not pipeline and not streams
+    transient = [("mxfp4_decode", ()), engine("engine_gated", None), engine("engine_store", None)]
+    check_mxfp4_schedule(transient, 2566, 2, 8)
+    for launches in (
+        transient[1:],  # no decode
+        [transient[0], engine("engine_gated", "scales"), transient[2]],
+        [*transient, stream("weight_stream_store", 256)],
+    ):
+        with pytest.raises(AssertionError, match=r"^T=2566: .* streams=False"):
+            check_mxfp4_schedule(launches, 2566, 2, 8)

@@ -11,7 +11,10 @@ from megamoe.testing import (
     assert_close_to_oracle,
     block_m_transitions,
     make_layer,
+    mxfp4_schedule_transitions,
 )
+from megamoe.testing.inputs import mxfp4_schedule
+from megamoe.testing.launches import check_mxfp4_schedule, recording_weight_reads
 from megamoe.testing.metrics import compare
 
 pytestmark = pytest.mark.gpu
@@ -447,6 +450,97 @@ def test_mxfp4_layer_with_wide_scale_range_and_zero_blocks():
     assert compare(expected, unscaled_out).rel_l2 < 1e-12  # the compensation is exact
     out, _ = call(mm.moe, wide, torch.bfloat16)
     assert_close_to_oracle("out", out, expected)
+
+
+# The MXFP4 layer's schedule transitions +-1 at E = 8, K = 2 (the weight-streaming
+# chunks, the in-pipeline and streaming limits), below the production sweep's 75 GiB.
+SCHEDULE_EXPERTS, SCHEDULE_TOP_K = 8, 2
+SCHEDULE_TOKENS = sorted(
+    {1, 17, *mxfp4_schedule_transitions(SCHEDULE_TOP_K, SCHEDULE_EXPERTS, 8000)}
+)
+
+
+#: An open defect (fifty-fourth session, H100; docs/PERFORMANCE.md): at T = 2561 the
+#: shared factors' gradients a1, a3 and b2 are 1.4-2.2e-2 off the oracle (relative L2)
+#: with every schedule (their bits are the same whichever kernels ran, the BF16 engine
+#: on a transient decode included) and every other output within the gates. The three
+#: are the layer's only sums over the tokens (torch.mm with an FP32 result, K = T), and
+#: their operands check out (p_sum through `out`, the shrinks through `dx`); not yet
+#: isolated. Strict: the test fails once it passes, so the mark goes with the fix.
+KNOWN_DEFECT_TOKENS = {2561}
+
+
+@pytest.mark.parametrize(
+    "tokens",
+    [
+        pytest.param(
+            t,
+            marks=pytest.mark.xfail(
+                strict=True, reason="a1/a3/b2 ~2e-2 off at T = 2561 (KNOWN_DEFECT_TOKENS)"
+            ),
+        )
+        if t in KNOWN_DEFECT_TOKENS
+        else t
+        for t in SCHEDULE_TOKENS
+    ],
+)
+def test_mxfp4_schedule_transitions(tokens):
+    """The side-LoRA layer on an MXFP4 base at each schedule transition +-1: the oracle's
+    gates, masked / empty / skewed routing and GeGLU with a clamp in turn, the kernels the
+    schedule names (each streaming kind once per F+B in its chunk, or the engine on the
+    codes, or the transient decode), and a repeated F+B bit for bit."""
+    index = SCHEDULE_TOKENS.index(tokens)
+    routing = ("masked", "empty", "skewed", "balanced")[index % 4]
+    activation, clamp = (("swiglu", None), ("geglu", 1.5))[index % 2]
+    kwargs = dict(routing=routing, format="mxfp4", activation=activation, activation_clamp=clamp)
+    hidden, inter, rank = 512, 256, 16  # whole tiles of every streaming kind's chunks
+    with recording_weight_reads() as launches:
+        fast, grads = run_case(
+            hidden, inter, SCHEDULE_EXPERTS, SCHEDULE_TOP_K, rank, tokens, seed=tokens, **kwargs
+        )
+    check_mxfp4_schedule(launches, tokens, SCHEDULE_TOP_K, SCHEDULE_EXPERTS)
+    dout = _dout(tokens, hidden)
+    first = _fused_grads(fast, dout)
+    again = _fused_grads(fast, dout)
+    for (name, got), want in zip([("out", first[0]), *first[1].items()],
+                                 [again[0], *again[1].values()], strict=True):  # fmt: skip
+        assert torch.equal(got, want), name
+    assert torch.equal(first[1]["x"], grads["x"])
+
+
+ORDINARY_SWITCH_TOKENS = [
+    t
+    for t in SCHEDULE_TOKENS
+    if mxfp4_schedule(t, SCHEDULE_TOP_K, SCHEDULE_EXPERTS)[2]
+    != mxfp4_schedule(t - 1, SCHEDULE_TOP_K, SCHEDULE_EXPERTS)[2]
+    or mxfp4_schedule(t, SCHEDULE_TOP_K, SCHEDULE_EXPERTS)[2]
+    != mxfp4_schedule(t + 1, SCHEDULE_TOP_K, SCHEDULE_EXPERTS)[2]
+]
+
+
+@pytest.mark.parametrize("tokens", ORDINARY_SWITCH_TOKENS)
+def test_mxfp4_ordinary_mode_at_its_switch(monkeypatch, tokens):
+    """Ordinary mode on an MXFP4 master at the in-pipeline limit +-1 (448 pool rows per
+    expert): the GEMMs on the packed codes below it, one whole-base decode per call above
+    it, each against the oracle."""
+    import megamoe.weights as weights_module
+    from megamoe.heuristics import mxfp4_master_decodes_once
+    from megamoe.wrappers.routing import pool_capacity
+
+    decodes = []
+    decode = weights_module.decode_mxfp4_bf16
+    monkeypatch.setattr(
+        weights_module, "decode_mxfp4_bf16", lambda *a: decodes.append(1) or decode(*a)
+    )
+    experts, top_k = SCHEDULE_EXPERTS, SCHEDULE_TOP_K
+    fast, _ = run_case(
+        512, 256, experts, top_k, None, tokens, seed=tokens, trainable_base=True, format="mxfp4"
+    )
+    rows = pool_capacity(tokens * top_k, experts, mm.get_block_m(tokens, top_k, experts))
+    once = mxfp4_master_decodes_once(rows, experts)
+    assert once == (rows > 448 * experts)
+    assert len(decodes) == (2 if once else 0)
+    assert fast.base.trains_master
 
 
 @pytest.mark.parametrize("rank", [None, 32])

@@ -12,7 +12,8 @@ the production layer on one Hopper GPU, forward + backward, BF16 and MXFP4 base.
 - Token sweep: the DESIGN §6 token list plus every BLOCK_M transition of our heuristic
   (±1) at production width, against the same oracle in float64, same gates; for MXFP4
   also every transition of its schedule (±1): each weight-streaming kind's chunk and the
-  limits of the in-pipeline and streaming decodes (``mxfp4_schedule_transitions``).
+  limits of the in-pipeline and streaming decodes (``mxfp4_schedule_transitions``),
+  each checked for the kernels that schedule names (``check_mxfp4_schedule``).
 
 Timing (JSON table and PNG plot, side-LoRA and ordinary, BF16 and MXFP4, against
 ``megamoe.testing.baseline``) is ``python -m megamoe.bench``, which ``nox -s production``
@@ -43,6 +44,7 @@ from production_oracle import (
 
 import megamoe as mm
 from megamoe.testing import block_m_transitions, make_layer, mxfp4_schedule_transitions
+from megamoe.testing.launches import check_mxfp4_schedule, recording_weight_reads
 
 DEVICE = "cuda"
 MIN_GPU_GIB = 75  # an H100 80GB has about 79.6 GiB (nvidia-smi: 81,559 MiB)
@@ -241,8 +243,12 @@ def test_token_sweep_at_production_width(sweep_layers, format: str, tokens: int)
         scale=SCALE,
     )
     dout = _dout(tokens, seed=tokens)
-    out = mm.moe(x, ids, weights, sweep_layer.base, side, activation_clamp=CLAMP)
     leaves = {"x": x, "topk_weights": weights, **dict(zip(SIDE_NAMES, side.tensors()))}
-    grads = dict(zip(leaves, torch.autograd.grad(out, list(leaves.values()), dout), strict=True))
+    with recording_weight_reads() as launches:
+        out = mm.moe(x, ids, weights, sweep_layer.base, side, activation_clamp=CLAMP)
+        grads = torch.autograd.grad(out, list(leaves.values()), dout)
+    grads = dict(zip(leaves, grads, strict=True))
+    if format == "mxfp4":  # the schedule that ran, not only its values
+        check_mxfp4_schedule(launches, tokens, TOP_K, EXPERTS)
     want = _oracle(sweep_layer, dout, torch.float64, x=x, topk_ids=ids, topk_weights=weights)
     _check(out.detach(), grads, want)

@@ -710,11 +710,14 @@ def test_moe_mxfp4_forward_backward(tokens, top_k):
     exact = make_layer(**shape, format="mxfp4", routing="masked", dtype=torch.float64, **common)
     dout = bf16((tokens, 128), 22)
     out = fast.call(mm.moe)
-    (dx,) = torch.autograd.grad(out, [fast.x], dout)
+    leaves, exact_leaves = fast.grad_leaves(), exact.grad_leaves()
+    grads = torch.autograd.grad(out, list(leaves.values()), dout)
     expected = exact.call(mm.reference.moe)
-    (ex,) = torch.autograd.grad(expected, [exact.x], dout.double())
+    want = torch.autograd.grad(expected, list(exact_leaves.values()), dout.double())
     assert_close_to_oracle("out", out, expected.detach())
-    assert_close_to_oracle("dx", dx, ex, min_cosine=GRAD_MIN_COSINE)
+    assert list(leaves) == list(exact_leaves) and len(leaves) == 8  # x, router, 6 factors
+    for name, got, exp in zip(leaves, grads, want, strict=True):
+        assert_close_to_oracle(f"d{name}", got, exp, min_cosine=GRAD_MIN_COSINE)
 
 
 @pytest.mark.parametrize("tokens,top_k", [(1, 2), (150, 6)])
