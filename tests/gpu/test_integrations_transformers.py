@@ -15,7 +15,7 @@ import copy
 import pytest
 import torch
 
-from megamoe.testing import GRAD_MIN_COSINE, assert_close_to_oracle
+from megamoe.testing import GRAD_MIN_COSINE, ORACLE_MAX_WORST_ROW, assert_close_to_oracle
 from megamoe.testing.metrics import compare
 
 transformers = pytest.importorskip("transformers", minversion="5.0")
@@ -107,6 +107,8 @@ def test_moe_block_output_and_every_gradient_within_the_oracle_gates(kind):
             want,
             min_cosine=min(gate, hf_metrics.cosine),
             max_rel_l2=max(1e-2, 1.1 * hf_metrics.rel_l2),
+            # A route flip moves whole rows: worst_row widens with the rest.
+            max_worst_row=max(ORACLE_MAX_WORST_ROW, 1.1 * hf_metrics.worst_row),
         )
     assert grads.keys() == grads64.keys()
 
