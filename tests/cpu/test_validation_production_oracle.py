@@ -108,3 +108,24 @@ def test_closeness_is_chunked_and_exact():
     assert not oracle.closeness(bad, b).finite
     with pytest.raises(AssertionError, match="x: .*finite=False"):
         oracle.assert_gates("x", bad, b, 0.0, 1.0)
+
+
+def test_closeness_worst_row_sees_one_zeroed_row_in_any_chunking():
+    """One zeroed row of 16384 passes the global gates and reads about 1.0 in worst_row,
+    which its gate refuses; the row maximum does not depend on the chunking."""
+    gen = torch.Generator().manual_seed(3)
+    e = torch.randn(16384, 64, generator=gen, dtype=torch.float64)
+    a = e + 1e-3 * torch.randn(16384, 64, generator=gen, dtype=torch.float64)
+    a[777] = 0.0
+    whole = oracle.closeness(a, e, chunk=1 << 26)
+    pieces = oracle.closeness(a, e, chunk=100)  # one row (64 elements) per step
+    expected = float(e[777].norm() / (e.norm() / 16384**0.5))
+    assert whole.worst_row == pytest.approx(expected, rel=1e-3)
+    assert pieces.worst_row == pytest.approx(whole.worst_row, rel=1e-12)
+    assert whole.rel_l2 < 1e-2 and whole.cosine > 0.99995  # the global gates pass it
+    assert oracle.closeness(a[:1], e[:1]).worst_row == pytest.approx(
+        oracle.closeness(a[:1], e[:1]).rel_l2
+    )
+    with pytest.raises(AssertionError, match=r"worst_row <= 0\.1\)$"):
+        oracle.assert_gates("dx", a, e, 0.99995, 1e-2)
+    oracle.assert_gates("dx", a, e, 0.99995, 1e-2, max_worst_row=2.0)

@@ -43,6 +43,7 @@ from megamoe.bench.timing import synchronizing_calls
 from megamoe.testing import (
     GRAD_MIN_COSINE,
     ORACLE_MAX_REL_L2,
+    ORACLE_MAX_WORST_ROW,
     ORACLE_MIN_COSINE,
     compare,
     make_layer,
@@ -184,7 +185,11 @@ def check(name: str, spec: dict, rank: int, world: int, failures: list[str]) -> 
 
     def gate(what, actual, expected, cosine):
         m = compare(actual, expected)
-        if not (m.cosine >= cosine and m.rel_l2 <= ORACLE_MAX_REL_L2):
+        if not (
+            m.cosine >= cosine
+            and m.rel_l2 <= ORACLE_MAX_REL_L2
+            and m.worst_row <= ORACLE_MAX_WORST_ROW
+        ):
             failures.append(f"{name}: {what} {m}")
 
     # One-token slices hold a few hundred outputs: BF16 noise puts their cosine near
