@@ -26,8 +26,8 @@ import torch
 
 import megamoe as mm
 import megamoe.pipeline.fused_backward as fused_backward
-import megamoe.pipeline.fused_forward as fused_forward
 from megamoe.testing import make_layer
+from megamoe.wrappers import pool
 
 
 def _relative(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -43,10 +43,10 @@ def check(tokens: int, seed: int, hidden: int, inter: int, experts: int, top_k: 
         format="mxfp4", requires_grad=True,
     )  # fmt: skip
     made: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # (what, tensor, its copy)
-    side_sums = {"fwd": fused_forward.pool.side_sum_unchecked}
+    side_sum = pool.side_sum_unchecked
 
-    def side_sum_forward(*args, **kwargs):
-        out = side_sums["fwd"](*args, **kwargs)
+    def recording_side_sum(*args, **kwargs):  # the forward's p_sum, the backward's shrinks
+        out = side_sum(*args, **kwargs)
         made.append(("side sum", out, out.clone()))
         return out
 
@@ -59,7 +59,7 @@ def check(tokens: int, seed: int, hidden: int, inter: int, experts: int, top_k: 
         return out
 
     x_copy = layer.x.detach().clone()
-    fused_forward.pool.side_sum_unchecked = side_sum_forward  # the same module object
+    pool.side_sum_unchecked = recording_side_sum  # both pipelines call it through the module
     fused_backward.mm_fp32 = recording_mm_fp32
     try:
         out = layer.call(mm.moe)
@@ -69,7 +69,7 @@ def check(tokens: int, seed: int, hidden: int, inter: int, experts: int, top_k: 
         torch.autograd.grad(out, list(leaves.values()), dout)
         torch.cuda.synchronize()
     finally:
-        fused_forward.pool.side_sum_unchecked = side_sums["fwd"]
+        pool.side_sum_unchecked = side_sum
         fused_backward.mm_fp32 = mm_fp32
     ok = True
     for i, (a, b, product) in enumerate(products):

@@ -187,7 +187,7 @@ class Closeness:
     cosine: float
     rel_l2: float
     finite: bool
-    worst_row: float = 0.0
+    worst_row: float
 
     def __str__(self) -> str:
         return (
@@ -217,8 +217,7 @@ def closeness(actual: torch.Tensor, expected: torch.Tensor, chunk: int = 1 << 26
         norm_e += float(torch.dot(e_flat, e_flat))
         row_d = torch.linalg.vector_norm(a - e, dim=1) ** 2  # one temporary, as before
         norm_d += float(row_d.sum())
-        if row_d.numel():
-            worst_d = max(worst_d, float(row_d.max()))
+        worst_d = max(worst_d, float(row_d.max()))  # a step holds at least one row
     norm_a, norm_e, norm_d = math.sqrt(norm_a), math.sqrt(norm_e), math.sqrt(norm_d)
     if norm_a == 0.0 and norm_e == 0.0:
         return Closeness(1.0, 0.0, finite, 0.0)
