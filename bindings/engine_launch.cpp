@@ -439,7 +439,8 @@ void engine_activation_backward(const Tensor& a, int64_t k_base, const Tensor& b
   launch(kernels, p, device, num_sms, stream, "engine_activation_backward launch");
 }
 
-// out[e] = scale * a_e^T b_e over each expert's data rows (EngineKind::KGrouped).
+// out[e] = scale * a_e^T b_e over each expert's data rows: EngineKind::KGrouped for a BF16
+// out, KGroupedFloat for an FP32 one (the sums not rounded).
 void engine_k_grouped(const Tensor& a, const Tensor& b, const Tensor& offsets, const Tensor& counts,
                       const Tensor& out, int block_n, double scale, int num_sms, uintptr_t stream) {
   const int device = a.device_id();
@@ -455,15 +456,19 @@ void engine_k_grouped(const Tensor& a, const Tensor& b, const Tensor& offsets, c
   const int64_t experts = static_cast<int64_t>(offsets.shape(0)) - 1;
   if (experts < 1) throw nb::value_error("expert_pool_offsets: expected E + 1 >= 2 entries");
   check_tensor<int32_t>("expert_counts", counts, {experts}, device);
-  check_tensor("out", out, bfloat16_dtype(), {experts, m, n}, device);
+  const bool float_out = out.dtype() == nb::dtype<float>();
+  check_tensor("out", out, float_out ? nb::dtype<float>() : bfloat16_dtype(), {experts, m, n},
+               device);
   if (rows >= (int64_t{1} << 31)) throw nb::value_error("a: more than 2^31 - 1 pool rows");
   if (!std::isfinite(static_cast<float>(scale)))
     throw nb::value_error("scale: expected a value finite in float32");
   constexpr int kBlockM = 128;
   const EngineKernels& kernels =
-      select_variant(EngineKind::KGrouped, BFormat::BF16, kBlockM, block_n);
+      select_variant(float_out ? EngineKind::KGroupedFloat : EngineKind::KGrouped, BFormat::BF16,
+                     kBlockM, block_n);
+  const int64_t out_bytes = float_out ? 4 : 2;
   if (rows == 0) {  // no rows, no data: exact zeros (TMA cannot map an empty tensor)
-    cuda_check(cudaMemsetAsync(out.data(), 0, static_cast<size_t>(experts * m * n) * 2,
+    cuda_check(cudaMemsetAsync(out.data(), 0, static_cast<size_t>(experts * m * n * out_bytes),
                                reinterpret_cast<cudaStream_t>(stream)),
                "cudaMemsetAsync(out)");
     return;
@@ -478,8 +483,12 @@ void engine_k_grouped(const Tensor& a, const Tensor& b, const Tensor& offsets, c
   s.n_base_blocks = static_cast<int32_t>(ceil_div(n, block_n));
   p.operands.a = bf16_rows("a", a.data(), rows, m, a.stride(0), kBlockK);
   p.operands.b = bf16_rows("b", b.data(), rows, n, b.stride(0), kBlockK);
-  p.epilogue.out = tensor_map("out", out.data(), CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, {n, m, experts},
-                              {n * 2, m * n * 2}, {64, kBlockM, 1}, true);
+  // Boxes of 128-byte rows (the staging tile's swizzle span): 64 BF16 or 32 FP32 columns.
+  p.epilogue.out =
+      tensor_map("out", out.data(),
+                 float_out ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                 {n, m, experts}, {n * out_bytes, m * n * out_bytes},
+                 {static_cast<int>(128 / out_bytes), kBlockM, 1}, true);
   p.epilogue.scale = static_cast<float>(scale);
   launch(kernels, p, device, num_sms, stream, "engine_k_grouped launch");
 }
@@ -512,7 +521,8 @@ void register_engine(nb::module_& m) {
   m.def("engine_k_grouped", &engine_k_grouped, nb::arg("a"), nb::arg("b"),
         nb::arg("expert_pool_offsets"), nb::arg("expert_counts"), nb::arg("out"),
         nb::arg("block_n"), nb::arg("scale"), nb::arg("num_sms"), nb::arg("stream"),
-        "K-grouped weight gradients out[e] = scale * a_e^T b_e over each expert's data rows.");
+        "K-grouped sums out[e] = scale * a_e^T b_e over each expert's data rows (BF16 or FP32 "
+        "out).");
 }
 
 }  // namespace megamoe

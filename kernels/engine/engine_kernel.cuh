@@ -6,8 +6,8 @@
 //    shared-memory stages with TMA;
 //  - consumers (warpgroups 1..BLOCK_M/64, 64 output rows each): wgmma over the ring, one
 //    batch in flight (step k's MMAs are queued before step k-1's are waited for, and
-//    k-1's stage is released then), then leave the tile's accumulators as BF16 in the
-//    staging tile and go on to the next tile;
+//    k-1's stage is released then), then leave the tile's accumulators in the staging
+//    tile (BF16; FP32 for the token sums) and go on to the next tile;
 //  - decode warps (MXFP4 B: one more warpgroup): decode each landed stage's codes into
 //    its BF16 B tile together with the consumer warpgroup, half the tile each
 //    (stage_decoder.cuh; docs/ENGINE.md has what each arrangement measured);
@@ -111,18 +111,25 @@ struct EngineParts<EngineKind::KGrouped, kFormat, BlockM, BlockN> {
   using B = RowsOperandB<BlockN>;
   using Epilogue = ScaledStoreEpilogue<BlockM, BlockN, kEpilogueWarps>;
 };
+template <BFormat kFormat, int BlockM, int BlockN>
+struct EngineParts<EngineKind::KGroupedFloat, kFormat, BlockM, BlockN>
+    : EngineParts<EngineKind::KGrouped, kFormat, BlockM, BlockN> {
+  using Epilogue =
+      ScaledStoreEpilogue<BlockM, BlockN, kEpilogueWarps, FloatStagingTile<BlockM, BlockN>>;
+};
 
 template <EngineKind kKind, BFormat kFormat, int BlockM, int BlockN>
 struct EngineConfig : EngineParts<kKind, kFormat, BlockM, BlockN>,
                       EngineRoles<kKind, kFormat, BlockM> {
   using Parts = EngineParts<kKind, kFormat, BlockM, BlockN>;
   using Roles = EngineRoles<kKind, kFormat, BlockM>;
-  using Staging = StagingTile<BlockM, BlockN>;
+  using Staging = typename Parts::Epilogue::Tile;
   static_assert(BlockM == 64 || BlockM == 128, "64 rows per consumer warpgroup");
   static_assert(BlockN == 128 || BlockN == 256, "wgmma N");
   static constexpr int kBlockM = BlockM, kBlockN = BlockN;
   static constexpr bool kMxfp4 = kFormat == BFormat::MXFP4;
-  static constexpr bool kTailMask = kKind == EngineKind::KGrouped;
+  static constexpr bool kTailMask =
+      kKind == EngineKind::KGrouped || kKind == EngineKind::KGroupedFloat;
   // The first extra tile may hold a block's columns in its low half only
   // (OperandParams::extra_low_half): dgrad1's diagonal blocks, GEMM2's a2 at r <= 128.
   static constexpr bool kExtraHalves =
@@ -369,8 +376,8 @@ __device__ __forceinline__ void consume(const EngineParams& p, const SharedStora
     wait_drained.stop();
     staging.start();
     const EpilogueParams& ep = p.epilogue;
-    stage_accumulators<C::kBlockM, C::kBlockN>(
-        acc, smem.staging, consumer, [&](float v) { return C::Epilogue::transform(v, ep); });
+    C::Staging::stage(acc, smem.staging, consumer,
+                      [&](float v) { return C::Epilogue::transform(v, ep); });
     fence_generic_to_async();  // TMA stores read the staged tile
     Barrier::arrive(smem.staged);
     staging.stop();

@@ -35,6 +35,10 @@ enum class EngineKind : int32_t {
   // out[e] = s A_e^T B_e over each expert's data rows of two pool-shaped operands (both
   // read MN-major; the weight gradients). Epilogue: scaled store.
   KGrouped,
+  // KGrouped with the sums left in FP32, out [E][M][N] float: the token sums (the shared
+  // adapter factors' gradients, sums over every token), each "expert" a chunk of the
+  // tokens whose FP32 partials are added outside the kernel in a fixed order.
+  KGroupedFloat,
 };
 
 // Storage of the base B operand: BF16 loaded by TMA, or MXFP4 (E2M1 codes + UE8M0
@@ -53,7 +57,7 @@ struct ScheduleParams {
   int32_t pool_rows;       // rows of the pool operands: a corrupt plan is clamped to them
   int32_t n_base_blocks;   // pool schedule: BLOCK_N column blocks of the base segment
   int32_t n_extra_blocks;  // pool schedule: ... of the N extra segment (0: none)
-  int32_t m_blocks;        // KGrouped: BLOCK_M output row blocks per expert
+  int32_t m_blocks;        // KGrouped(Float): BLOCK_M output row blocks per expert
   int32_t group_m;         // pool schedule: M blocks of one expert walked per N sweep
   int32_t side_steps;      // pool schedule: K steps of the side segment (0: none)
   int32_t base_steps;      // pool schedule: K steps of the base segment

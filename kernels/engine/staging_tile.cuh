@@ -17,15 +17,28 @@
 
 namespace megamoe::kernels::engine {
 
+template <int BlockM, int BlockN, class Transform>
+__device__ __forceinline__ void stage_accumulators(const float (&acc)[BlockN / 2], uint8_t* staging,
+                                                   int consumer, Transform transform);
+
 template <int BlockM, int BlockN>
 struct StagingTile {
-  static constexpr int kBoxes = BlockN / 64;
+  static constexpr int kBoxColumns = 64;
+  static constexpr int kBoxes = BlockN / kBoxColumns;
   static constexpr int kBoxBytes = BlockM * kRowBytes;
   static constexpr int kBytes = kBoxes * kBoxBytes;
 
   // Byte offset of column `col` (a multiple of 8: one 16-byte chunk) of row `row`.
   __device__ __forceinline__ static uint32_t offset(int row, int col) {
     return (col / 64) * kBoxBytes + row * kRowBytes + (((col % 64) / 8) ^ (row % 8)) * 16;
+  }
+
+  // One consumer warpgroup's accumulators into its rows of the tile (the consumers'
+  // hand-over; each staging tile kind has one).
+  template <class Transform>
+  __device__ __forceinline__ static void stage(const float (&acc)[BlockN / 2], uint8_t* staging,
+                                               int consumer, Transform transform) {
+    stage_accumulators<BlockM, BlockN>(acc, staging, consumer, transform);
   }
 };
 

@@ -10,7 +10,11 @@ import torch
 import megamoe as mm
 from megamoe.testing import assert_close_to_oracle
 from megamoe.testing.inputs import make_routing
-from megamoe.wrappers.k_grouped_gemm import k_grouped_gemm, k_grouped_gemm_reference
+from megamoe.wrappers.k_grouped_gemm import (
+    k_grouped_gemm,
+    k_grouped_gemm_reference,
+    launch_k_grouped,
+)
 from megamoe.wrappers.routing import RoutePlan
 
 pytestmark = pytest.mark.gpu
@@ -255,3 +259,31 @@ def test_non_finite_scale_is_rejected():
     a = bf16(plan.pool_capacity, 64, 1)
     with pytest.raises(ValueError, match="scale"):
         k_grouped_gemm(a, a, plan, scale=math.inf)
+
+
+@pytest.mark.parametrize("n", [32, 128, 200])
+def test_float_out_sums_only_the_data_rows(n):
+    """The FP32 kind (the token sums' partials): only each group's data rows enter its
+    sum (the rest of a segment holds NaN), an empty group gets +0, the sum is not rounded
+    (relative L2 1e-5 against float64), and where the BF16 kind has the same tile
+    (N <= 128) the BF16 result is this one rounded once, bit for bit."""
+    counts, segments = [70, 0, 1, 200, 129], [128, 64, 64, 256, 192]
+    plan = hand_plan(counts, segments)
+    offsets = plan.expert_pool_offsets.tolist()
+    m = 192
+    a, b = bf16(offsets[-1], m, 6), bf16(offsets[-1], n, 7)
+    for e, count in enumerate(counts):  # poison every row past a group's data
+        a[offsets[e] + count : offsets[e + 1]] = float("nan")
+        b[offsets[e] + count : offsets[e + 1]] = float("nan")
+    out = torch.empty(len(counts), m, n, dtype=torch.float32, device="cuda")
+    launch_k_grouped(a, b, plan.expert_pool_offsets, plan.expert_counts, out, scale=0.5)
+    for e, count in enumerate(counts):
+        data = slice(offsets[e], offsets[e] + count)
+        if count == 0:
+            assert bool((out[e] == 0).all()) and not bool(torch.signbit(out[e]).any())
+            continue
+        expected = 0.5 * (a[data].double().T @ b[data].double())
+        error = float((out[e].double() - expected).norm() / expected.norm())
+        assert error <= 1e-5, (e, error)
+    if n <= 128:
+        assert torch.equal(k_grouped_gemm(a, b, plan, scale=0.5), out.bfloat16())

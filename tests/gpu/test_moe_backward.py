@@ -460,30 +460,7 @@ SCHEDULE_TOKENS = sorted(
 )
 
 
-#: An open defect (fifty-fourth session, H100; docs/PERFORMANCE.md): at T = 2561 the
-#: shared factors' gradients a1, a3 and b2 are 1.4-2.2e-2 off the oracle (relative L2)
-#: with every schedule (their bits are the same whichever kernels ran, the BF16 engine
-#: on a transient decode included) and every other output within the gates. The three
-#: are the layer's only sums over the tokens (torch.mm with an FP32 result, K = T), and
-#: their operands check out (p_sum through `out`, the shrinks through `dx`); not yet
-#: isolated. Strict: the test fails once it passes, so the mark goes with the fix.
-KNOWN_DEFECT_TOKENS = {2561}
-
-
-@pytest.mark.parametrize(
-    "tokens",
-    [
-        pytest.param(
-            t,
-            marks=pytest.mark.xfail(
-                strict=True, reason="a1/a3/b2 ~2e-2 off at T = 2561 (KNOWN_DEFECT_TOKENS)"
-            ),
-        )
-        if t in KNOWN_DEFECT_TOKENS
-        else t
-        for t in SCHEDULE_TOKENS
-    ],
-)
+@pytest.mark.parametrize("tokens", SCHEDULE_TOKENS)
 def test_mxfp4_schedule_transitions(tokens):
     """The side-LoRA layer on an MXFP4 base at each schedule transition +-1, routing
     masked / empty / skewed / balanced in turn (empty and balanced with GeGLU and a

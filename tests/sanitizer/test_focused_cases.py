@@ -25,6 +25,7 @@ import pytest
 import torch
 
 import megamoe as mm
+from megamoe.env import num_sms as resolve_num_sms
 from megamoe.testing import GRAD_MIN_COSINE, assert_close_to_oracle, make_layer, make_routing
 from megamoe.testing.sanitizer import UNDER_SANITIZER_ENV
 from megamoe.wrappers import pool
@@ -41,6 +42,7 @@ from megamoe.wrappers.grouped_gemm import (
 from megamoe.wrappers.k_grouped_gemm import k_grouped_gemm, k_grouped_gemm_reference
 from megamoe.wrappers.mxfp4_decode import decode_mxfp4_bf16
 from megamoe.wrappers.registry import registry
+from megamoe.wrappers.token_sum import token_chunk_rows, token_sum, token_sum_reference
 
 pytestmark = pytest.mark.gpu
 
@@ -564,6 +566,26 @@ def test_k_grouped_gemm(tokens, top_k, m, n, num_sms, monkeypatch):
     assert bool((out[empty] == 0).all())
     if bool((~empty).any()):
         assert_close_to_oracle("out", out[~empty], expected[~empty])
+
+
+@pytest.mark.parametrize("num_sms", [None, "2"], ids=["all-sms", "two-ctas"])
+@pytest.mark.parametrize("tokens,m,n", [(0, 64, 32), (70, 200, 16), (1537, 32, 264)])
+def test_token_sum(tokens, m, n, num_sms, monkeypatch):
+    # The FP32 K-grouped kind (the token sums): chunks over the tokens whose last K step
+    # is partial, FP32 staging and TMA stores with M and N tails, no tokens (a memset).
+    use_sms(num_sms, monkeypatch)
+    a, b = bf16((tokens, m), 23), bf16((tokens, n), 24)
+    rows = token_chunk_rows(tokens, m, n, resolve_num_sms())
+    if not judges_engine_outputs() and tokens > rows:
+        pytest.skip("torch's sum of the chunks reads the engine's TMA-stored partials")
+    out = token_sum(a, b)
+    if not judges_engine_outputs():
+        return
+    expected = token_sum_reference(a, b)
+    if tokens == 0:
+        assert bool((out == 0).all())
+    else:
+        assert float((out.double() - expected).norm() / expected.norm()) <= 1e-5
 
 
 # ------------------------------------------------------------------ fused forward

@@ -38,6 +38,7 @@ from ..pipeline.fused_forward import expert_stage, gemm1, stage
 from ..side_lora import SideLoRA
 from ..weights import BaseWeights
 from ..wrappers import pool
+from ..wrappers.token_sum import token_sum_unchecked
 from .exchange import reduce_shared_grads
 from .plan import DispatchPlan
 
@@ -325,7 +326,7 @@ def ep_backward_stages(
     if use_side:
         rank = side.rank
         # [a1 | a3] and b2's grads in one FP32 buffer: scaled and all-reduced at once.
-        products = [mm_fp32(x.T, shrink), mm_fp32(saved["p_sum"].T, dout)]
+        products = [token_sum_unchecked(x, shrink), token_sum_unchecked(saved["p_sum"], dout)]
         shared = torch.cat([p.reshape(-1) for p in products]).mul_(s)
         if reduce_shared:
             reduce_shared_grads([shared], plan.group)

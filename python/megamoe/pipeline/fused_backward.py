@@ -15,7 +15,8 @@ Pipeline, given ``dout [T, H]`` and the forward's :class:`ForwardState`:
    read once).
 5. combine: ``dx = sum_k dx_pool + s (sg a1^T + su a3^T)`` (FP32, k in order), with
    ``[sg | su]`` the per-token sums of the shrinks.
-6. dense shared ``da1``, ``da3``, ``db2`` once per token (FP32 sums, rounded once).
+6. dense shared ``da1``, ``da3``, ``db2`` once per token: sums over the tokens in FP32
+   on the engine (:mod:`megamoe.wrappers.token_sum`), rounded once.
 
 Steps 1-4 are :func:`pool_backward`, shared with the expert-parallel layer
 (:mod:`megamoe.ep.fused_layer`), which runs them on the pool of received rows.
@@ -45,6 +46,7 @@ from ..wrappers.activation_backward import fused_dgrad2_activation_backward_unch
 from ..wrappers.grouped_gemm import grouped_gemm_unchecked
 from ..wrappers.k_grouped_gemm import k_grouped_gemm_unchecked
 from ..wrappers.routing import RoutePlan
+from ..wrappers.token_sum import token_sum_unchecked
 from .fused_forward import ForwardState, recompute_preact, stage
 
 __all__ = [
@@ -387,8 +389,8 @@ def moe_backward(
     if use_side and side_grads:
         with stage("grad_shared"):
             rank = side.rank
-            a13_grad = mm_fp32(x.T, shrink)  # [H, 2r] FP32
+            a13_grad = token_sum_unchecked(x, shrink)  # [H, 2r] FP32
             grads["a1"] = scaled_bf16(a13_grad[:, :rank], s)
             grads["a3"] = scaled_bf16(a13_grad[:, rank:], s)
-            grads["b2"] = scaled_bf16(mm_fp32(state.p_sum.T, dout), s)
+            grads["b2"] = scaled_bf16(token_sum_unchecked(state.p_sum, dout), s)
     return grads

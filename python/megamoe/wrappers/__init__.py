@@ -13,6 +13,8 @@ without a GPU). Nothing here composes kernels into the MoE layer
 - :mod:`~megamoe.wrappers.activation_backward`: dgrad2 with the activation backward as
   its epilogue;
 - :mod:`~megamoe.wrappers.k_grouped_gemm`: the K-grouped weight gradients;
+- :mod:`~megamoe.wrappers.token_sum`: sums over the tokens in FP32 (the shared adapter
+  factors' gradients), on the same kernel kind;
 - :mod:`~megamoe.wrappers.mxfp4_decode`: the MXFP4 decode op;
 - :mod:`~megamoe.wrappers.registry`: the kernel variant registry (``variants.toml``),
   the BLOCK_M choices and layout constants the kernels were compiled for;

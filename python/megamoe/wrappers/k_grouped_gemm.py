@@ -102,7 +102,7 @@ def k_grouped_gemm(
             product = a[start : start + count].float().T @ b[start : start + count].float()
             out[e] = (float(scale) * product + 0.0).bfloat16()  # + 0: no -0 (as the kernel)
         return out
-    return _launch(a, b, plan, scale, out)
+    return launch_k_grouped(a, b, plan.expert_pool_offsets, plan.expert_counts, out, scale)
 
 
 def k_grouped_gemm_unchecked(
@@ -116,22 +116,32 @@ def k_grouped_gemm_unchecked(
     out = torch.empty(
         plan.expert_counts.shape[0], a.shape[1], b.shape[1], dtype=torch.bfloat16, device=a.device
     )
-    return _launch(a, b, plan, scale, out)
+    return launch_k_grouped(a, b, plan.expert_pool_offsets, plan.expert_counts, out, scale)
 
 
-def _launch(
-    a: torch.Tensor, b: torch.Tensor, plan: RoutePlan, scale: float, out: torch.Tensor
+def launch_k_grouped(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    offsets: torch.Tensor,
+    counts: torch.Tensor,
+    out: torch.Tensor,
+    scale: float = 1.0,
 ) -> torch.Tensor:
+    """The engine's K-grouped launch on CUDA operands, no Python checks (the native
+    launcher checks shapes, strides, alignment and devices): ``out[g] = scale * a_g^T b_g``
+    over rows ``offsets[g] .. offsets[g] + counts[g] - 1``. ``out`` BF16 (one rounding) or
+    float32 (no rounding; BLOCK_N 128, the only FP32 variant)."""
     n = b.shape[1]
+    block_n = 128 if out.dtype == torch.float32 else k_grouped_block_n(n)
     dl = _native.dlpack
     with _native.on_device(a.device):
         _native.native().engine_k_grouped(
             dl(a),
             dl(b),
-            dl(plan.expert_pool_offsets),
-            dl(plan.expert_counts),
+            dl(offsets),
+            dl(counts),
             dl(out),
-            k_grouped_block_n(n),
+            block_n,
             float(scale),
             resolve_device_sms(_native.device_index(a.device)),
             _native.current_stream(a.device),

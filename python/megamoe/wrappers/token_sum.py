@@ -1,0 +1,93 @@
+"""Sums over the tokens: ``a^T b`` in FP32 for ``[T, M]`` and ``[T, N]`` BF16 operands
+(the reduction runs over the T rows), by the engine's K-grouped kind with FP32 output
+(``KGroupedFloat``, kernels/engine/).
+
+The side-LoRA backward's shared-factor gradients are such sums: ``x^T [sg | su]`` for
+``a1 | a3`` and ``p_sum^T dout`` for ``b2``. They were cuBLAS GEMMs (``torch.mm`` with an
+FP32 result, ``x.T`` a transposed view) until those were measured wrong at some T: with
+torch 2.11 + CUDA 13.0 on an H100, about one token's share (1-2e-2 relative) is missing
+from the sum when T >= 2561 and T % 64 is 1, 2 or 3 (docs/PERFORMANCE.md, fifty-fifth
+session). The engine's K loop masks the rows of a partial last step in shared memory, and
+a float64 oracle test covers these T.
+
+The tokens are split into chunks for parallelism (the kernel's "experts"): each chunk's
+FP32 partial is a tile of its own, and one ``torch.sum`` over the chunks adds them in a
+fixed order. The chunking depends only on T, M, N and the SM count, so the result is the
+same bits run after run on one GPU model.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..env import num_sms as resolve_device_sms
+from ..validation.arguments import check_tensor
+from . import _native
+from .k_grouped_gemm import BLOCK_M, launch_k_grouped
+
+#: Output columns of the FP32 variant's tile (``engine_k_grouped_float_n128``).
+BLOCK_N = 128
+#: A chunk is at least this many rows, so that the partials (``chunks x M x N`` FP32, read
+#: once more by the sum) stay small next to the operands' ``T x (M + N)``.
+MIN_CHUNK_ROWS = 512
+#: Chunks start on a K step (64 rows): only the last step of the last chunk is partial.
+CHUNK_ALIGN = 64
+
+
+def token_chunk_rows(tokens: int, m: int, n: int, num_sms: int) -> int:
+    """Rows per chunk: enough chunks that ``chunks x`` the output tiles fill the SMs once,
+    each at least :data:`MIN_CHUNK_ROWS` rows (one chunk when T is small), a multiple of
+    :data:`CHUNK_ALIGN`."""
+    tiles = -(-m // BLOCK_M) * -(-n // BLOCK_N)
+    chunks = max(1, min(num_sms // tiles, tokens // MIN_CHUNK_ROWS))
+    rows = -(-max(tokens, 1) // chunks)
+    return -(-rows // CHUNK_ALIGN) * CHUNK_ALIGN
+
+
+def _check_operand(name: str, t: torch.Tensor, rows: int | None, device: torch.device) -> None:
+    check_tensor(name, t, ndim=2, dtypes=(torch.bfloat16,), device=device)
+    if rows is not None and t.shape[0] != rows:
+        raise ValueError(f"{name}: expected {rows} rows (the tokens of a), got {t.shape[0]}")
+    if t.shape[1] < 8 or t.shape[1] % 8 != 0:
+        raise ValueError(
+            f"{name}: expected a multiple of 8 columns (16-byte rows for TMA), got {t.shape[1]}"
+        )
+
+
+def token_sum(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a^T b`` summed in FP32 over the rows (tokens), not rounded.
+
+    Args:
+        a: ``[T, M]`` BF16, ``M`` a multiple of 8.
+        b: ``[T, N]`` BF16 on the same device, ``N`` a multiple of 8.
+
+    Returns:
+        ``[M, N]`` float32 (exact zeros for T = 0). CUDA: the engine (any strides are
+        made contiguous first); CPU: a float32 torch twin, for CPU tests of the pipelines.
+    """
+    _check_operand("a", a, None, a.device if isinstance(a, torch.Tensor) else None)
+    _check_operand("b", b, a.shape[0], a.device)
+    return token_sum_unchecked(a, b)
+
+
+def token_sum_unchecked(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """:func:`token_sum` for the pipelines, whose operands are made from checked inputs:
+    no Python checks (the native launcher still checks shapes, strides and devices)."""
+    if not a.is_cuda:
+        return a.float().T @ b.float()
+    a, b = a.contiguous(), b.contiguous()
+    tokens, m, n = a.shape[0], a.shape[1], b.shape[1]
+    rows = token_chunk_rows(tokens, m, n, resolve_device_sms(_native.device_index(a.device)))
+    chunks = max(1, -(-tokens // rows))
+    index = dict(dtype=torch.int32, device=a.device)
+    # Chunk g is rows [g * rows, min((g + 1) * rows, T)): its start, then its row count.
+    offsets = torch.arange(0, (chunks + 1) * rows, rows, **index).clamp_(max=tokens)
+    counts = offsets.diff()
+    partials = torch.empty(chunks, m, n, dtype=torch.float32, device=a.device)
+    launch_k_grouped(a, b, offsets, counts, partials)
+    return partials[0] if chunks == 1 else partials.sum(0)
+
+
+def token_sum_reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Float64 ``a^T b`` of :func:`token_sum` (the oracle)."""
+    return a.double().T @ b.double()

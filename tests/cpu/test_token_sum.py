@@ -1,0 +1,61 @@
+"""The token sums' wrapper on the CPU: argument checks, the float32 twin against float64,
+and the chunking rule (tests/gpu/test_token_sum.py runs the kernel)."""
+
+import pytest
+import torch
+
+from megamoe.wrappers.token_sum import (
+    CHUNK_ALIGN,
+    MIN_CHUNK_ROWS,
+    token_chunk_rows,
+    token_sum,
+    token_sum_reference,
+)
+
+
+def bf16(rows, cols, seed):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, cols, generator=generator).bfloat16()
+
+
+def test_twin_matches_float64():
+    a, b = bf16(777, 64, 0), bf16(777, 32, 1)
+    out = token_sum(a, b)
+    assert out.dtype == torch.float32 and out.shape == (64, 32)
+    expected = token_sum_reference(a, b)
+    assert float((out.double() - expected).norm() / expected.norm()) <= 1e-5
+
+
+@pytest.mark.parametrize(
+    "a, b, error, match",
+    [
+        ("not a tensor", bf16(4, 8, 0), TypeError, r"^a: expected a torch.Tensor"),
+        (bf16(4, 8, 0).float(), bf16(4, 8, 1), TypeError, r"^a: expected dtype"),
+        (bf16(4, 8, 0), bf16(4, 8, 1).half(), TypeError, r"^b: expected dtype"),
+        (bf16(4, 8, 0)[None], bf16(4, 8, 1), ValueError, r"^a: expected 2 dimensions"),
+        (bf16(4, 8, 0), bf16(5, 8, 1), ValueError, r"^b: expected 4 rows"),
+        (bf16(4, 12, 0), bf16(4, 8, 1), ValueError, r"^a: expected a multiple of 8 columns"),
+        (bf16(4, 8, 0), bf16(4, 4, 1), ValueError, r"^b: expected a multiple of 8 columns"),
+    ],
+)
+def test_bad_operands_are_named(a, b, error, match):
+    with pytest.raises(error, match=match):
+        token_sum(a, b)
+
+
+def test_bad_device_is_named():
+    with pytest.raises(ValueError, match=r"^b: expected device"):
+        token_sum(bf16(4, 8, 0), bf16(4, 8, 1).to("meta"))
+
+
+@pytest.mark.parametrize("tokens", [0, 1, 511, 512, 1023, 2561, 10241, 65537, 1 << 20])
+@pytest.mark.parametrize("m, n, sms", [(4096, 256, 132), (128, 4096, 132), (512, 32, 78)])
+def test_chunks_fill_the_sms_once_and_cover_the_tokens(tokens, m, n, sms):
+    rows = token_chunk_rows(tokens, m, n, sms)
+    chunks = -(-max(tokens, 1) // rows)
+    tiles = -(-m // 128) * -(-n // 128)
+    assert rows % CHUNK_ALIGN == 0 and rows >= CHUNK_ALIGN
+    assert chunks * rows >= tokens and (chunks - 1) * rows < max(tokens, 1)
+    assert chunks * tiles <= max(sms, tiles), "more tiles than one wave of the SMs"
+    if chunks > 1:
+        assert rows >= MIN_CHUNK_ROWS
