@@ -61,18 +61,23 @@ def sweep(first: int, last: int, stride: int, max_relative: float) -> bool:
         wide = m * n >= 4096 * 256
         tokens = [t for t in range(first, last + 1, stride) if not wide or t % 64 < 4]
         bad = {"cublas": [], "engine": []}
+        worst = {"cublas": 0.0, "engine": 0.0}
         for t in tokens:
             a, b = _operands(t, m, n, seed=t)
             expected = a.double().T @ b.double()
             for name, fn in (("cublas", _cublas), ("engine", token_sum)):
                 error = _relative(fn(a, b), expected)
+                worst[name] = max(worst[name], error)
                 if error > max_relative:
                     bad[name].append((t, f"{error:.1e}"))
         ok = ok and not bad["engine"]
         for name, misses in bad.items():
             shown = ", ".join(f"{t} ({e})" for t, e in misses[:12])
             more = f" and {len(misses) - 12} more" if len(misses) > 12 else ""
-            print(f"M={m} N={n} {name}: {len(misses)} of {len(tokens)} T off: {shown}{more}")
+            print(
+                f"M={m} N={n} {name}: worst {worst[name]:.1e}; {len(misses)} of {len(tokens)}"
+                f" T off: {shown}{more}"
+            )
     return ok
 
 
@@ -91,7 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", default="1:9000", help="FIRST:LAST[:STRIDE] to sweep")
     parser.add_argument("--time", default="512,8192,65536", help="T to time ('' for none)")
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--max-relative", type=float, default=1e-5)
+    # The engine's chunks truncate their FP32 sums (~1e-5 at a few thousand rows); a
+    # missing token's share is 1/sqrt(T), 1e-2 at T = 10,000.
+    parser.add_argument("--max-relative", type=float, default=1e-4)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)

@@ -261,12 +261,17 @@ def test_non_finite_scale_is_rejected():
         k_grouped_gemm(a, a, plan, scale=math.inf)
 
 
+@pytest.mark.parametrize("num_sms", [None, "2"], ids=["all-sms", "two-ctas"])
 @pytest.mark.parametrize("n", [32, 128, 200])
-def test_float_out_sums_only_the_data_rows(n):
+def test_float_out_sums_only_the_data_rows(n, num_sms, monkeypatch):
     """The FP32 kind (the token sums' partials): only each group's data rows enter its
     sum (the rest of a segment holds NaN), an empty group gets +0, the sum is not rounded
     (relative L2 1e-5 against float64), and where the BF16 kind has the same tile
-    (N <= 128) the BF16 result is this one rounded once, bit for bit."""
+    (N <= 128) the BF16 result is this one rounded once, bit for bit. On two CTAs each
+    reuses its staging tile for several tiles."""
+    if num_sms is not None:
+        monkeypatch.setenv("MEGAMOE_NUM_SMS", num_sms)
+        monkeypatch.delenv("MEGAMOE_SM_HEADROOM", raising=False)
     counts, segments = [70, 0, 1, 200, 129], [128, 64, 64, 256, 192]
     plan = hand_plan(counts, segments)
     offsets = plan.expert_pool_offsets.tolist()

@@ -3,7 +3,7 @@
 Trainers wrap forwards in autocast (HF Trainer with ``bf16=True``, torchtitan's mixed
 precision). Autocast reaches the torch ops our ops' implementations call, because a
 custom op's implementation runs with the caller's autocast state: an FP32 product
-(``mm_fp32``, the shared factors' gradients, the router dots) would be computed in BF16
+(``mm_fp32``'s ``s dout b2^T``, the router dots) would be computed in BF16
 and an FP32 reduction could change dtype, so the layer's results would depend on the
 caller's context. The implementations therefore run with autocast off; their inputs are
 checked as given (the layer's dtypes are its contract, not autocast's).
