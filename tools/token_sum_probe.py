@@ -16,11 +16,11 @@ Exit status 1 if the engine's sum is ever off (cuBLAS's misses are reported, not
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 
 import torch
 
+from megamoe.bench.timing import time_fn
 from megamoe.wrappers.token_sum import token_sum
 
 SHAPES = [(512, 32), (16, 512), (4096, 256), (128, 4096)]
@@ -41,17 +41,7 @@ def _cublas(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _median_ms(fn, repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return time_fn(fn, device=torch.device("cuda"), warmup=3, iters=repeats).median_ms
 
 
 def sweep(first: int, last: int, stride: int, max_relative: float) -> bool:
