@@ -1,5 +1,5 @@
 """The token sums (``a^T b`` over the rows, FP32) vs float64, at the token counts where
-cuBLAS's ``torch.mm`` was measured wrong (T >= 2561 with T % 64 in 1..3; docs/PERFORMANCE.md,
+cuBLAS's ``torch.mm`` was measured wrong (T >= 2561, T % 64 in 1..3; docs/PERFORMANCE.md,
 fifty-fifth session). The FP32 kind's masking of rows past a group's data is in
 test_k_grouped_gemm.py."""
 

@@ -6,9 +6,9 @@ The side-LoRA backward's shared-factor gradients are such sums: ``x^T [sg | su]`
 ``a1 | a3`` and ``p_sum^T dout`` for ``b2``. They were cuBLAS GEMMs (``torch.mm`` with an
 FP32 result, ``x.T`` a transposed view) until those were measured wrong at some T: with
 torch 2.11 + CUDA 13.0 on an H100, about one token's share (1-2e-2 relative) is missing
-from the sum when T >= 2561 and T % 64 is 1, 2 or 3 (docs/PERFORMANCE.md, fifty-fifth
-session). The engine's K loop masks the rows of a partial last step in shared memory, and
-a float64 oracle test covers these T.
+from the sum at some T >= 2561, every one listed with T % 64 in 1..3
+(docs/PERFORMANCE.md, fifty-fifth session). The engine's K loop masks the rows of a
+partial last step in shared memory, and a float64 oracle test covers these T.
 
 The tokens are split into chunks for parallelism (the kernel's "experts"): each chunk's
 FP32 partial is a tile of its own, and one ``torch.sum`` over the chunks adds them in a
