@@ -4,6 +4,7 @@ and the chunking rule (tests/gpu/test_token_sum.py runs the kernel)."""
 import pytest
 import torch
 
+from megamoe.wrappers.k_grouped_gemm import BLOCK_M, FLOAT_BLOCK_N
 from megamoe.wrappers.token_sum import (
     CHUNK_ALIGN,
     MIN_CHUNK_ROWS,
@@ -53,7 +54,7 @@ def test_bad_device_is_named():
 def test_chunks_fill_the_sms_once_and_cover_the_tokens(tokens, m, n, sms):
     rows = token_chunk_rows(tokens, m, n, sms)
     chunks = -(-max(tokens, 1) // rows)
-    tiles = -(-m // 128) * -(-n // 128)
+    tiles = -(-m // BLOCK_M) * -(-n // FLOAT_BLOCK_N)
     assert rows % CHUNK_ALIGN == 0 and rows >= CHUNK_ALIGN
     assert chunks * rows >= tokens and (chunks - 1) * rows < max(tokens, 1)
     assert chunks * tiles <= max(sms, tiles), "more tiles than one wave of the SMs"

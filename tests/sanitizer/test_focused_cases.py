@@ -548,9 +548,7 @@ def test_k_grouped_gemm(tokens, top_k, m, n, num_sms, monkeypatch):
     # partial (its padding rows, NaN here, are zeroed in shared memory by the consumers
     # before the MMA; the tools judge those generic stores and the named barrier, while
     # the wgmma reads are async-proxy accesses the NaN check guards), empty experts.
-    if num_sms is not None:
-        monkeypatch.setenv("MEGAMOE_NUM_SMS", num_sms)
-        monkeypatch.delenv("MEGAMOE_SM_HEADROOM", raising=False)
+    use_sms(num_sms, monkeypatch)
     experts = 8
     plan, _, _ = gpu_plan(tokens, experts, top_k, 128, kind="empty", seed=tokens + 3)
     a = bf16((plan.pool_capacity, m), 21)

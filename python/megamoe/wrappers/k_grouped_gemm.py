@@ -27,6 +27,8 @@ from .routing import RoutePlan
 
 #: BLOCK_M of the K-grouped variants (output rows per tile; registry ``engine_k_grouped_*``).
 BLOCK_M = 128
+#: BLOCK_N of the FP32-output variant, the only one (``engine_k_grouped_float_n128``).
+FLOAT_BLOCK_N = 128
 
 
 def k_grouped_block_n(out_columns: int) -> int:
@@ -130,9 +132,9 @@ def launch_k_grouped(
     """The engine's K-grouped launch on CUDA operands, no Python checks (the native
     launcher checks shapes, strides, alignment and devices): ``out[g] = scale * a_g^T b_g``
     over rows ``offsets[g] .. offsets[g] + counts[g] - 1``. ``out`` BF16 (one rounding) or
-    float32 (no rounding; BLOCK_N 128, the only FP32 variant)."""
+    float32 (no rounding; :data:`FLOAT_BLOCK_N`)."""
     n = b.shape[1]
-    block_n = 128 if out.dtype == torch.float32 else k_grouped_block_n(n)
+    block_n = FLOAT_BLOCK_N if out.dtype == torch.float32 else k_grouped_block_n(n)
     dl = _native.dlpack
     with _native.on_device(a.device):
         _native.native().engine_k_grouped(

@@ -29,10 +29,8 @@ import torch
 from ..env import num_sms as resolve_device_sms
 from ..validation.arguments import check_tensor
 from . import _native
-from .k_grouped_gemm import BLOCK_M, launch_k_grouped
+from .k_grouped_gemm import BLOCK_M, FLOAT_BLOCK_N, launch_k_grouped
 
-#: Output columns of the FP32 variant's tile (``engine_k_grouped_float_n128``).
-BLOCK_N = 128
 #: A chunk is at least this many rows, so that the partials (``chunks x M x N`` FP32, read
 #: once more by the sum) stay small next to the operands' ``T x (M + N)``.
 MIN_CHUNK_ROWS = 512
@@ -44,7 +42,7 @@ def token_chunk_rows(tokens: int, m: int, n: int, num_sms: int) -> int:
     """Rows per chunk: enough chunks that ``chunks x`` the output tiles fill the SMs once,
     each at least :data:`MIN_CHUNK_ROWS` rows (one chunk when T is small), a multiple of
     :data:`CHUNK_ALIGN`."""
-    tiles = -(-m // BLOCK_M) * -(-n // BLOCK_N)
+    tiles = -(-m // BLOCK_M) * -(-n // FLOAT_BLOCK_N)
     chunks = max(1, min(num_sms // tiles, tokens // MIN_CHUNK_ROWS))
     rows = -(-max(tokens, 1) // chunks)
     return -(-rows // CHUNK_ALIGN) * CHUNK_ALIGN
