@@ -8,6 +8,7 @@ from megamoe.wrappers.k_grouped_gemm import BLOCK_M, FLOAT_BLOCK_N
 from megamoe.wrappers.token_sum import (
     CHUNK_ALIGN,
     MIN_CHUNK_ROWS,
+    chunk_bounds,
     token_chunk_rows,
     token_sum,
     token_sum_reference,
@@ -60,3 +61,15 @@ def test_chunks_fill_the_sms_once_and_cover_the_tokens(tokens, m, n, sms):
     assert chunks * tiles <= max(sms, tiles), "more tiles than one wave of the SMs"
     if chunks > 1:
         assert rows >= MIN_CHUNK_ROWS
+
+
+@pytest.mark.parametrize("tokens", [1, 63, 64, 65, 511, 512, 513, 2561, 4096, 10241, 65537])
+@pytest.mark.parametrize("rows", [64, 512, 576, 4096])
+def test_chunk_bounds_are_each_chunks_start_and_length(tokens, rows):
+    offsets, counts = chunk_bounds(tokens, rows, "cpu")
+    chunks = -(-tokens // rows)
+    starts = [min(g * rows, tokens) for g in range(chunks + 1)]
+    assert offsets.dtype == counts.dtype == torch.int32
+    assert offsets.tolist() == starts
+    assert counts.tolist() == [starts[g + 1] - starts[g] for g in range(chunks)]
+    assert offsets.is_contiguous() and counts.is_contiguous()

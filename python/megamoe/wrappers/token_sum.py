@@ -48,6 +48,22 @@ def token_chunk_rows(tokens: int, m: int, n: int, num_sms: int) -> int:
     return -(-rows // CHUNK_ALIGN) * CHUNK_ALIGN
 
 
+def chunk_bounds(
+    tokens: int, rows: int, device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(offsets [chunks + 1], counts [chunks])`` int32 of the chunks of ``rows`` rows
+    (the last one shorter) over ``tokens > 0`` rows, made on ``device`` without a host
+    copy (graph-capturable): chunk g is rows ``[g rows, min((g + 1) rows, T))``. One
+    chunk, the small-T case, is one launch: views of ``[0, T, 2T]``."""
+    index = dict(dtype=torch.int32, device=device)
+    if tokens <= rows:
+        bounds = torch.arange(0, 2 * tokens + 1, tokens, **index)
+        return bounds[:2], bounds[1:2]
+    chunks = -(-tokens // rows)
+    offsets = torch.arange(0, (chunks + 1) * rows, rows, **index).clamp_(max=tokens)
+    return offsets, offsets.diff()
+
+
 def _check_operand(name: str, t: torch.Tensor, rows: int | None, device: torch.device) -> None:
     check_tensor(name, t, ndim=2, dtypes=(torch.bfloat16,), device=device)
     if rows is not None and t.shape[0] != rows:
@@ -79,14 +95,13 @@ def token_sum_unchecked(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     no Python checks (the native launcher still checks shapes, strides and devices)."""
     if not a.is_cuda:
         return a.float().T @ b.float()
-    a, b = a.contiguous(), b.contiguous()
     tokens, m, n = a.shape[0], a.shape[1], b.shape[1]
+    if tokens == 0:  # an EP rank without tokens
+        return torch.zeros(m, n, dtype=torch.float32, device=a.device)
+    a, b = a.contiguous(), b.contiguous()
     rows = token_chunk_rows(tokens, m, n, resolve_device_sms(_native.device_index(a.device)))
-    chunks = max(1, -(-tokens // rows))
-    index = dict(dtype=torch.int32, device=a.device)
-    # Chunk g is rows [g * rows, min((g + 1) * rows, T)): its start, then its row count.
-    offsets = torch.arange(0, (chunks + 1) * rows, rows, **index).clamp_(max=tokens)
-    counts = offsets.diff()
+    offsets, counts = chunk_bounds(tokens, rows, a.device)
+    chunks = counts.shape[0]
     partials = torch.empty(chunks, m, n, dtype=torch.float32, device=a.device)
     launch_k_grouped(a, b, offsets, counts, partials)
     return partials[0] if chunks == 1 else partials.sum(0)
