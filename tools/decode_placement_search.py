@@ -26,6 +26,15 @@ bytes; it finds none. The checker itself is tested on a form that must pass
 (tests/cpu/test_decode_placement_search.py). Runs on the CPU in about 30 seconds:
 
     python tools/decode_placement_search.py
+
+``--repacked`` asks the question for codes repacked once at load instead (a per-word
+permutation of the 32 code bits, not built: the kernels read the caller's layout). Each
+lane ``c`` of a quad then decodes its pair, codes ``2c`` and ``2c + 1`` of the word, in
+three integer instructions, ``Q = word << k_c`` (``IMAD.SHL`` with a per-lane power of
+two), ``P = PRMT(word, Q, selector_c)`` and ``P & 0x81C081C0``, if the four lanes' bits
+can share one word. It lists every such layout (an exact cover of the word's 32 bits by
+the four lanes' choices of shift and source bytes) and checks each one on every value of
+each lane's byte.
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ from __future__ import annotations
 import argparse
 import itertools
 from collections.abc import Iterable, Iterator
+from typing import NamedTuple
 
 import numpy as np
 
@@ -114,8 +124,146 @@ def search(layouts: Iterable[tuple[str, np.ndarray]] | None = None) -> tuple[int
     return checked, found
 
 
+# ---- codes repacked once (--repacked) ----
+PAIR_MASK = 0x81C081C0
+# The BF16 pair's code bits by the byte of P that holds them: bytes 0 / 2 hold the low /
+# high code's m (bit 6) and e0 (bit 7), bytes 1 / 3 its e1 (bit 0) and sign (bit 7).
+# Entries: bit of P's byte -> (half, code bit).
+_PAIR_BYTE_BITS = (
+    {6: (0, 0), 7: (0, 1)},
+    {0: (0, 2), 7: (0, 3)},
+    {6: (1, 0), 7: (1, 1)},
+    {0: (1, 2), 7: (1, 3)},
+)
+
+
+class LaneDecode(NamedTuple):
+    """One lane's decode of a repacked word: ``Q = word << shift``, then each byte u of
+    ``P = PRMT(word, Q, selector)`` is byte ``sources[u][1]`` of the word (``sources[u][0]``
+    0) or of ``Q`` (1); ``bits`` maps (half, code bit) to the word bit that holds it."""
+
+    shift: int
+    sources: tuple[tuple[int, int], ...]
+    bits: tuple[tuple[tuple[int, int], int], ...]
+
+    @property
+    def selector(self) -> int:
+        return sum((byte + 4 * src) << (4 * u) for u, (src, byte) in enumerate(self.sources))
+
+    @property
+    def mask(self) -> int:
+        return sum(1 << bit for _, bit in self.bits)
+
+
+def lane_decodes() -> dict[int, LaneDecode]:
+    """Every lane decode whose eight code bits are distinct word bits, by their mask
+    (one decode per mask)."""
+    decodes: dict[int, LaneDecode] = {}
+    for shift in range(32):
+        for sources in itertools.product(itertools.product((0, 1), range(4)), repeat=4):
+            bits, mask = [], 0
+            for u, (src, byte) in enumerate(sources):
+                for bit, role in _PAIR_BYTE_BITS[u].items():
+                    position = 8 * byte + bit - shift * src
+                    if position < 0 or mask >> position & 1:
+                        break
+                    mask |= 1 << position
+                    bits.append((role, position))
+                else:
+                    continue
+                break
+            else:
+                decodes.setdefault(mask, LaneDecode(shift, sources, tuple(sorted(bits))))
+    return decodes
+
+
+def repacked_layouts() -> list[tuple[LaneDecode, ...]]:
+    """Every way four lane decodes cover the word's 32 bits exactly (lane order aside)."""
+    by_lowest: dict[int, list[tuple[int, LaneDecode]]] = {}
+    for mask, decode in lane_decodes().items():
+        by_lowest.setdefault((mask & -mask).bit_length() - 1, []).append((mask, decode))
+    layouts: list[tuple[LaneDecode, ...]] = []
+
+    def cover(covered: int, chosen: tuple[LaneDecode, ...]) -> None:
+        if covered == WORD_BITS:
+            layouts.append(chosen)
+            return
+        lowest = (~covered & (covered + 1)).bit_length() - 1
+        for mask, decode in by_lowest.get(lowest, []):
+            if not mask & covered:
+                cover(covered | mask, (*chosen, decode))
+
+    cover(0, ())
+    return layouts
+
+
+WORD_BITS = 0xFFFFFFFF
+
+
+def prmt(a: int, b: int, selector: int) -> int:
+    """PRMT's default mode without sign replication (selector nibbles 0..7)."""
+    both = (b << 32) | a
+    return sum(((both >> (8 * ((selector >> (4 * u)) & 7))) & 0xFF) << (8 * u) for u in range(4))
+
+
+def repack(word: int, layout: tuple[LaneDecode, ...]) -> int:
+    """The natural word (code i in bits 4i..4i + 3) in ``layout``: lane c's pair is codes
+    2c and 2c + 1."""
+    out = 0
+    for lane, decode in enumerate(layout):
+        for (half, code_bit), position in decode.bits:
+            out |= ((word >> (4 * (2 * lane + half) + code_bit)) & 1) << position
+    return out
+
+
+def lane_places(layout: tuple[LaneDecode, ...], lane: int, word: int) -> bool:
+    """Whether lane ``lane``'s three instructions on the repacked ``word`` give the
+    placement of the natural word's byte ``lane``."""
+    decode, packed = layout[lane], repack(word, layout)
+    placed = prmt(packed, (packed << decode.shift) & WORD_BITS, decode.selector) & PAIR_MASK
+    return placed == int(placement(np.array([(word >> (8 * lane)) & 0xFF], dtype=np.uint64))[0])
+
+
+def check_layout(layout: tuple[LaneDecode, ...], fills: int = 4, seed: int = 0) -> bool:
+    """Every lane places every value of its byte, the other bytes random (``fills``
+    draws per value)."""
+    rng = np.random.default_rng(seed)
+    for lane in range(4):
+        for value in range(256):
+            for other in rng.integers(0, 1 << 32, size=fills, dtype=np.uint64):
+                word = (int(other) & ~(0xFF << (8 * lane))) | (value << (8 * lane))
+                if not lane_places(layout, lane, word):
+                    return False
+    return True
+
+
+def keeps_halves(layout: tuple[LaneDecode, ...]) -> bool:
+    """Whether two lanes' bits lie in the word's low 16 bits and two in its high 16 (what
+    the transposed dgrads' 16-bit loads of a stored row would need)."""
+    return sorted(decode.mask >> 16 == 0 for decode in layout) == [
+        False,
+        False,
+        True,
+        True,
+    ] and all(decode.mask & 0xFFFF == 0 or decode.mask >> 16 == 0 for decode in layout)
+
+
 def main(argv: list[str] | None = None) -> int:
-    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repacked", action="store_true", help="codes repacked once at load")
+    args = parser.parse_args(argv)
+    if args.repacked:
+        layouts = repacked_layouts()
+        good = [layout for layout in layouts if check_layout(layout)]
+        halves = sum(keeps_halves(layout) for layout in good)
+        print(
+            f"repacked layouts: {len(layouts)}; every lane placing every byte: {len(good)};"
+            f" two lanes in each 16-bit half: {halves}"
+        )
+        for layout in good:
+            lanes = ", ".join(f"<< {d.shift}, PRMT {d.selector:#06x}" for d in layout)
+            print(f"  {lanes}; lane masks {[hex(d.mask) for d in layout]}")
+        return 0 if good else 1
     checked, found = search()
     print(f"forms checked: {checked}; placing every byte: {len(found)}")
     for form in found:

@@ -44,3 +44,32 @@ def test_no_form_of_one_byte_layout_places_every_byte():
     checked, found = search.search(layouts)
     assert checked == 2 * (31 + 32 + 496 + 4960)
     assert found == []
+
+
+def test_repacked_codes_have_three_instruction_layouts_each_checked_on_every_byte():
+    layouts = search.repacked_layouts()
+    assert len(layouts) == 14
+    for layout in layouts:
+        masks = [decode.mask for decode in layout]
+        assert sum(masks) == search.WORD_BITS and all(bin(m).count("1") == 8 for m in masks)
+        assert search.check_layout(layout, fills=1)
+        assert not search.keeps_halves(layout)
+
+
+def test_keeps_halves_sees_two_lanes_in_each_half():
+    lane = search.LaneDecode(0, ((0, 0),) * 4, ())
+    low, high = lane._replace(bits=(((0, 0), 3),)), lane._replace(bits=(((0, 0), 20),))
+    straddles = lane._replace(bits=(((0, 0), 3), ((0, 1), 20)))
+    assert search.keeps_halves((low, low, high, high))
+    assert not search.keeps_halves((low, low, low, high))
+    assert not search.keeps_halves((low, straddles, high, high))
+
+
+def test_the_repacked_checker_refuses_a_wrong_lane():
+    layout = search.repacked_layouts()[0]
+    wrong_shift = layout[0]._replace(shift=layout[0].shift + 1)
+    assert not search.check_layout((wrong_shift, *layout[1:]), fills=1)
+    # A selector that reads another byte than the one the bits were packed into.
+    (src, byte), *rest = layout[0].sources
+    wrong_byte = layout[0]._replace(sources=((src, (byte + 1) % 4), *rest))
+    assert not search.check_layout((wrong_byte, *layout[1:]), fills=1)
