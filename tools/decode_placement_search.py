@@ -32,9 +32,10 @@ permutation of the 32 code bits, not built: the kernels read the caller's layout
 lane ``c`` of a quad then decodes its pair, codes ``2c`` and ``2c + 1`` of the word, in
 three integer instructions, ``Q = word << k_c`` (``IMAD.SHL`` with a per-lane power of
 two), ``P = PRMT(word, Q, selector_c)`` and ``P & 0x81C081C0``, if the four lanes' bits
-can share one word. It lists every such layout (an exact cover of the word's 32 bits by
-the four lanes' choices of shift and source bytes) and checks each one on every value of
-each lane's byte.
+can share one word. It lists every partition of the word's 32 bits into four lanes' bit
+sets that such decodes reach (an exact cover; one decode is kept per lane bit set, and
+each partition stands for several equivalent shifts and selectors) and checks each
+listed layout on every value of each lane's byte.
 """
 
 from __future__ import annotations
@@ -126,6 +127,7 @@ def search(layouts: Iterable[tuple[str, np.ndarray]] | None = None) -> tuple[int
 
 # ---- codes repacked once (--repacked) ----
 PAIR_MASK = 0x81C081C0
+WORD_BITS = 0xFFFFFFFF
 # The BF16 pair's code bits by the byte of P that holds them: bytes 0 / 2 hold the low /
 # high code's m (bit 6) and e0 (bit 7), bytes 1 / 3 its e1 (bit 0) and sign (bit 7).
 # Entries: bit of P's byte -> (half, code bit).
@@ -178,7 +180,8 @@ def lane_decodes() -> dict[int, LaneDecode]:
 
 
 def repacked_layouts() -> list[tuple[LaneDecode, ...]]:
-    """Every way four lane decodes cover the word's 32 bits exactly (lane order aside)."""
+    """Every partition of the word's 32 bits into four lane decodes' bit sets (lane order
+    aside; one decode per bit set, :func:`lane_decodes`)."""
     by_lowest: dict[int, list[tuple[int, LaneDecode]]] = {}
     for mask, decode in lane_decodes().items():
         by_lowest.setdefault((mask & -mask).bit_length() - 1, []).append((mask, decode))
@@ -195,9 +198,6 @@ def repacked_layouts() -> list[tuple[LaneDecode, ...]]:
 
     cover(0, ())
     return layouts
-
-
-WORD_BITS = 0xFFFFFFFF
 
 
 def prmt(a: int, b: int, selector: int) -> int:
@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         for layout in good:
             lanes = ", ".join(f"<< {d.shift}, PRMT {d.selector:#06x}" for d in layout)
             print(f"  {lanes}; lane masks {[hex(d.mask) for d in layout]}")
-        return 0 if good else 1
+        return 0
     checked, found = search()
     print(f"forms checked: {checked}; placing every byte: {len(found)}")
     for form in found:

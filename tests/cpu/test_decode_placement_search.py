@@ -46,6 +46,12 @@ def test_no_form_of_one_byte_layout_places_every_byte():
     assert found == []
 
 
+def test_prmt_picks_bytes_as_byte_perm_does():
+    # Selector nibbles 1, 3, 5, 7: bytes 1 and 3 of a, then bytes 1 and 3 of b.
+    assert search.prmt(0x03020100, 0x07060504, 0x7531) == 0x07050301
+    assert search.prmt(0x03020100, 0x07060504, 0x4567) == 0x04050607
+
+
 def test_repacked_codes_have_three_instruction_layouts_each_checked_on_every_byte():
     layouts = search.repacked_layouts()
     assert len(layouts) == 14

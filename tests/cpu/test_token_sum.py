@@ -72,4 +72,16 @@ def test_chunk_bounds_are_each_chunks_start_and_length(tokens, rows):
     assert offsets.dtype == counts.dtype == torch.int32
     assert offsets.tolist() == starts
     assert counts.tolist() == [starts[g + 1] - starts[g] for g in range(chunks)]
-    assert offsets.is_contiguous() and counts.is_contiguous()
+    # The same, as properties: the chunks tile [0, T), each full but the last.
+    assert offsets[0] == 0 and offsets[-1] == tokens and int(counts.sum()) == tokens
+    assert all(c == rows for c in counts[:-1].tolist()) and 0 < int(counts[-1]) <= rows
+
+
+@pytest.mark.parametrize("rows", [512, 4096])
+def test_chunk_bounds_near_the_int32_limit(rows):
+    """T within a chunk of 2^31 - 1: the last chunk's nominal end passes int32."""
+    tokens = torch.iinfo(torch.int32).max - 1
+    offsets, counts = chunk_bounds(tokens, rows, "cpu")
+    assert offsets.dtype == counts.dtype == torch.int32
+    assert int(offsets[-1]) == tokens and int(offsets[-2]) == (tokens // rows) * rows
+    assert int(counts.min()) > 0 and int(counts.to(torch.int64).sum()) == tokens

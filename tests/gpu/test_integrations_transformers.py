@@ -5,7 +5,9 @@ weights in float64 on HF's eager experts path. The DESIGN §6 gates apply to the
 block (router + experts), where the experts are the only difference; HF's own BF16
 ``grouped_mm`` is measured against the same oracle, and where it cannot reach a gate
 itself (the router-weight gradient: the BF16 routing weights HF's router returns are
-rounded before the experts see them) megamoe must be at least as close as it.
+rounded before the experts see them) megamoe must be at least as close as it. The
+experts alone, fed the routes the BF16 router chose, meet the fixed gates
+(``test_experts_on_the_bf16_routes_meet_the_fixed_gates``).
 """
 
 from __future__ import annotations

@@ -54,13 +54,19 @@ def chunk_bounds(
     """``(offsets [chunks + 1], counts [chunks])`` int32 of the chunks of ``rows`` rows
     (the last one shorter) over ``tokens > 0`` rows, made on ``device`` without a host
     copy (graph-capturable): chunk g is rows ``[g rows, min((g + 1) rows, T))``. One
-    chunk, the small-T case, is one launch: views of ``[0, T, 2T]``."""
-    index = dict(dtype=torch.int32, device=device)
+    chunk, the small-T case, is one launch: ``[0, T]`` and a view of its last element."""
     if tokens <= rows:
-        bounds = torch.arange(0, 2 * tokens + 1, tokens, **index)
-        return bounds[:2], bounds[1:2]
+        offsets = torch.arange(0, tokens + 1, tokens, dtype=torch.int32, device=device)
+        return offsets, offsets[1:]
     chunks = -(-tokens // rows)
-    offsets = torch.arange(0, (chunks + 1) * rows, rows, **index).clamp_(max=tokens)
+    # The last chunk's nominal end, chunks x rows, passes 2^31 - 1 when T is within a
+    # chunk of it: count in int64 there (then clamped to T, which int32 holds).
+    wide = chunks * rows > torch.iinfo(torch.int32).max
+    offsets = torch.arange(
+        0, chunks * rows + 1, rows, dtype=torch.int64 if wide else torch.int32, device=device
+    ).clamp_(max=tokens)
+    if wide:
+        offsets = offsets.int()
     return offsets, offsets.diff()
 
 
@@ -92,7 +98,8 @@ def token_sum(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def token_sum_unchecked(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """:func:`token_sum` for the pipelines, whose operands are made from checked inputs:
-    no Python checks (the native launcher still checks shapes, strides and devices)."""
+    no Python checks (the native launcher still checks shapes, strides and devices,
+    except at T = 0, where no launch is made and the result is zeros)."""
     if not a.is_cuda:
         return a.float().T @ b.float()
     tokens, m, n = a.shape[0], a.shape[1], b.shape[1]
