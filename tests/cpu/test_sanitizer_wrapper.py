@@ -19,8 +19,10 @@ import pytest
 from megamoe.testing import sanitizer
 from megamoe.testing.sanitizer import (
     ERROR_EXITCODES,
+    OWN_KERNELS_ONLY,
     TOOLS,
     Finding,
+    is_other_librarys_kernel,
     kernel_display_name,
     parse_report,
 )
@@ -115,6 +117,25 @@ RACECHECK = _report(
 
     Warning: Race reported between Write access at warp_sum(int *)+0x50 in sum.cu:8
         and Read access at warp_sum(int *)+0x60 in sum.cu:9 [4 hazards]
+
+    RACECHECK SUMMARY: 3 hazards displayed (2 errors, 1 warning)
+    """  # noqa: E501
+)
+
+# The layer's racecheck run with the adapters' cuBLAS GEMMs: records inside an nvjet
+# kernel (cuBLAS's) beside one in a megamoe kernel.
+NVJET = "nvjet_sm90_tss_64x32_64x16_1x4_h_bz_NTT"
+RACECHECK_WITH_CUBLAS = _report(
+    f"""
+    COMPUTE-SANITIZER
+    Error: Race reported between Write access at {NVJET}+0x1f70
+        and Read access at {NVJET}+0x2a30 [16 hazards]
+
+    Error: Race reported between Write access at {GEMM}+0x2b40 in /src/megamoe/kernels/grouped_gemm.cuh:301
+        and Read access at {GEMM}+0x2c10 in /src/megamoe/kernels/grouped_gemm.cuh:318 [8 hazards]
+
+    Warning: Race reported between Write access at {NVJET}+0x1f80
+        and Read access at {NVJET}+0x2a40 [2 hazards]
 
     RACECHECK SUMMARY: 3 hazards displayed (2 errors, 1 warning)
     """  # noqa: E501
@@ -288,6 +309,52 @@ def test_racecheck_analysis_records() -> None:
     }
 
 
+@pytest.mark.parametrize(
+    "kernel,other",
+    [
+        (NVJET, True),
+        ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", True),
+        ("cublasLt::splitKreduce_kernel<32, 16, int, float>", True),
+        ("at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>", True),
+        ("cutlass::device_kernel<at::cuda::detail::enable_3x_kernel_for_sm9x<int>>", True),
+        ("megamoe::kernels::grouped_gemm_kernel<128, 128, (megamoe::Epilogue)1>", False),
+        # Inlined CUTLASS/CuTe code of ours, or a kernel of no known library, counts.
+        ("cute::SM90::GMMA::MMA_64x32x16_F32BF16BF16_RS<>::fma", False),
+        ("cutlass::device_kernel<megamoe::Gemm>", False),
+        ("race_kernel", False),
+        ("<unattributed>", False),
+        ("<host>", False),
+    ],
+)
+def test_other_librarys_kernels(kernel: str, other: bool) -> None:
+    assert is_other_librarys_kernel(kernel) is other
+
+
+def test_racecheck_judges_own_kernels_only() -> None:
+    """Under racecheck (OWN_KERNELS_ONLY) cuBLAS's records are listed, not counted;
+    every other tool counts them."""
+    assert sorted(OWN_KERNELS_ONLY) == ["racecheck"]
+    counted = parse_report(RACECHECK_WITH_CUBLAS)
+    assert counted.errors == 2 and counted.warnings == 1 and counted.not_judged == []
+    own = parse_report(RACECHECK_WITH_CUBLAS, own_kernels_only=True)
+    assert own.errors == 1 and own.warnings == 0
+    assert [f.kernel for f in own.not_judged] == [NVJET, NVJET]
+    assert own.summary() == counted.summary()  # every record stays in the table
+    table = own.format_summary()
+    assert f"| `{NVJET}` | Race reported between Write and Read access | 1 |" in table
+    assert f"not judged: 2 record(s) in other libraries' kernels (`{NVJET}`)" in table
+    data = own.to_dict()
+    assert data["errors"] == 1 and data["not_judged"] == 2 and data["own_kernels_only"]
+    assert len(data["findings"]) == 3
+    # Only cuBLAS's records: nothing to count.
+    only_cublas = RACECHECK_WITH_CUBLAS.replace(GEMM, NVJET)
+    assert parse_report(only_cublas, own_kernels_only=True).errors == 0
+    # The tool counted more records than it printed: the rest cannot be attributed, so
+    # none is left out.
+    past_limit = RACECHECK_WITH_CUBLAS.replace("(2 errors, 1 warning)", "(5 errors, 1 warning)")
+    assert parse_report(past_limit, own_kernels_only=True).errors == 5
+
+
 def test_racecheck_hazard_records() -> None:
     report = parse_report(RACECHECK_HAZARD)
     assert report.errors == 1 and report.warnings == 1
@@ -380,15 +447,17 @@ def test_command_and_environment(tool: str, tmp_path: Path) -> None:
     command = sanitizer.sanitizer_command(
         tool, ["python", "-m", "pytest", "x"], executable="/cs", log_file=log
     )
-    assert command[:7] == [
+    # racecheck keeps the target's exit status (its verdict leaves cuBLAS's records out).
+    exitcode = [] if tool in OWN_KERNELS_ONLY else ["--error-exitcode", str(ERROR_EXITCODES[tool])]
+    assert command[: 5 + len(exitcode)] == [
         "/cs",
         "--tool",
         tool,
-        "--error-exitcode",
-        str(ERROR_EXITCODES[tool]),
+        *exitcode,
         "--log-file",
         str(log),
     ]
+    assert ("--error-exitcode" in command) == (tool != "racecheck")
     assert command[-4:] == ["python", "-m", "pytest", "x"]
     for option, value in [
         ("--report-api-errors", "no"),
@@ -463,13 +532,14 @@ def test_find_falls_back_to_the_toolkit_folder(
 
 # Stands in for compute-sanitizer: records its arguments and environment, writes the
 # canned report chosen by FAKE_REPORT to --log-file, runs the target, and exits like
-# the tool (--error-exitcode when the report has errors, else the target's status).
+# the tool (--error-exitcode, where given, when the report has errors, else the
+# target's status).
 FAKE = """\
 #!{python}
 import json, os, subprocess, sys
 args = sys.argv[1:]
 log = args[args.index("--log-file") + 1]
-code = int(args[args.index("--error-exitcode") + 1])
+code = int(args[args.index("--error-exitcode") + 1]) if "--error-exitcode" in args else None
 target = args[args.index("--report-api-errors") + 2:]
 while target and target[0].startswith("--"):
     target = target[2:]
@@ -481,7 +551,7 @@ with open(log, "w") as f:
     f.write(report)
 status = subprocess.run(target).returncode
 bad = "ERROR SUMMARY: 0 errors" not in report and "(0 errors," not in report
-sys.exit(code if bad else status)
+sys.exit(code if bad and code is not None else status)
 """
 
 
@@ -516,6 +586,24 @@ def test_run_reports_errors_by_exit_code_and_summary(fake, tmp_path: Path) -> No
     (call,) = records()
     assert call["tool_env"] == "memcheck" and call["caching"] == "1"
     assert call["args"][:2] == ["--tool", "memcheck"]
+
+
+def test_racecheck_run_with_cublas_records_only_is_clean(fake, tmp_path: Path) -> None:
+    """racecheck's run keeps pytest's exit status; records only in cuBLAS's kernels leave
+    it clean, one in ours fails it, and a failing test is still a failure."""
+    set_report, records = fake
+    set_report(RACECHECK_WITH_CUBLAS.replace(GEMM, NVJET))
+    ok = sanitizer.run("racecheck", [sys.executable, "-c", "pass"], log_file=tmp_path / "a.log")
+    assert ok.returncode == 0 and ok.clean and ok.verdict() == "clean"
+    assert len(ok.report.not_judged) == 3
+    assert "--error-exitcode" not in records()[0]["args"]
+    failing = sanitizer.run(
+        "racecheck", [sys.executable, "-c", "raise SystemExit(1)"], log_file=tmp_path / "b.log"
+    )
+    assert failing.verdict() == "target failed (exit 1)" and not failing.clean
+    set_report(RACECHECK_WITH_CUBLAS)
+    ours = sanitizer.run("racecheck", [sys.executable, "-c", "pass"], log_file=tmp_path / "c.log")
+    assert ours.returncode == 0 and ours.found_errors and ours.verdict() == "1 error(s)"
 
 
 def test_run_clean_and_target_failure(fake, tmp_path: Path) -> None:

@@ -2,8 +2,9 @@
 
 planted_errors.cu holds one deliberately broken kernel per tool; this test compiles
 it with nvcc and runs each mode under its tool through megamoe.testing.sanitizer: the
-run must fail with the tool's ``--error-exitcode``, and the per-kernel summary must
-name the planted kernel and the error kind. The ``clean`` mode must pass every tool.
+run must find errors (and exit with the tool's ``--error-exitcode``, where the tool is
+given one), and the per-kernel summary must name the planted kernel and the error kind.
+The ``clean`` mode must pass every tool.
 
 GPU-only. It starts compute-sanitizer itself, so it skips when it is already running
 under one (``python -m megamoe.testing.sanitizer`` over tests/sanitizer): run it with
@@ -76,7 +77,10 @@ def test_planted_error_is_reported(planted: Path, mode: str, tmp_path: Path) -> 
     summary = result.report.summary()
     assert not result.timed_out
     assert result.report.errors >= 1, result.report.format_summary()
-    assert result.returncode == sanitizer.ERROR_EXITCODES[tool]
+    # racecheck keeps the target's exit status (it leaves other libraries' records out,
+    # sanitizer.OWN_KERNELS_ONLY); the other tools exit with their own.
+    own_only = tool in sanitizer.OWN_KERNELS_ONLY
+    assert result.returncode == (0 if own_only else sanitizer.ERROR_EXITCODES[tool])
     assert result.found_errors and not result.clean
     # The kernels live in an anonymous namespace: match the name inside the key.
     names = [k for k in summary if kernel in k]

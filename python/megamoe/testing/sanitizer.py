@@ -10,9 +10,11 @@ four with ``--tool all`` — and prints which kernels reported which errors.
 - Every run sets ``PYTORCH_NO_CUDA_MEMORY_CACHING=1``: with torch's caching allocator
   a tensor is a slice of a larger cached block, so an overrun into the slack of that
   block is invisible to memcheck and initcheck.
-- Each tool exits with its own ``--error-exitcode`` (``ERROR_EXITCODES``), distinct
-  from pytest's 0-5, so a CI log says which tool found errors, and a test failure
-  is never mistaken for a sanitizer error or the other way round.
+- Each tool's errors give its own exit status (``ERROR_EXITCODES``), distinct from
+  pytest's 0-5, so a CI log says which tool found errors, and a test failure is never
+  mistaken for a sanitizer error or the other way round: the tool's
+  ``--error-exitcode``, or for racecheck, which judges megamoe's kernels only
+  (``OWN_KERNELS_ONLY``), the wrapper's own status from the parsed report.
 - The report goes to a log file (``--log-file``), not the terminal, so pytest's own
   output cannot interleave with it; :func:`parse_report` turns it into
   :class:`Finding` records and a ``kernel -> {error kind: count}`` summary.
@@ -42,11 +44,13 @@ from pathlib import Path
 
 __all__ = [
     "ERROR_EXITCODES",
+    "OWN_KERNELS_ONLY",
     "TOOLS",
     "Finding",
     "Report",
     "SanitizerRun",
     "find_compute_sanitizer",
+    "is_other_librarys_kernel",
     "kernel_display_name",
     "main",
     "parse_report",
@@ -66,6 +70,25 @@ ERROR_EXITCODES: dict[str, int] = {
     "initcheck": 88,
     "synccheck": 89,
 }
+
+#: Tools whose verdict leaves out records in other libraries' kernels (the kernels of
+#: :data:`OTHER_LIBRARY_KERNEL`). racecheck judges shared-memory hazards between the
+#: threads of one block of one kernel, so a record inside cuBLAS's or torch's own kernel
+#: (the adapters' GEMMs) is that library's code, whatever inputs we hand it: it is listed
+#: in the summary and the JSON, not counted. These tools run without
+#: ``--error-exitcode`` (the exit status stays the target's) and their verdict comes
+#: from the parsed report. The other tools count every record: a bad input of ours can
+#: make torch's kernel read out of bounds or read unwritten memory.
+OWN_KERNELS_ONLY: frozenset[str] = frozenset({"racecheck"})
+
+#: Kernels of the libraries torch runs (display names, :func:`kernel_display_name`):
+#: cuBLAS's Hopper GEMMs (``nvjet_*``, ``sm90_xmma_*``, ``cublas*``) and torch's own
+#: (``at::native::*``, its CUTLASS grouped GEMM ``cutlass::device_kernel<at::...>``).
+#: A closed list: a record in any other kernel counts, so an unknown library's kernel
+#: fails the run until someone names it here.
+OTHER_LIBRARY_KERNEL = re.compile(
+    r"^(?:nvjet_|sm\d+_xmma_|cublas|at::native::|cutlass::device_kernel<at::)"
+)
 
 #: Tool options beyond the defaults, with the reason for each.
 TOOL_OPTIONS: dict[str, tuple[str, ...]] = {
@@ -191,32 +214,62 @@ class Finding:
     text: str = ""
 
 
+def is_other_librarys_kernel(kernel: str) -> bool:
+    """Whether a display name is one of :data:`OTHER_LIBRARY_KERNEL`'s (cuBLAS, torch)."""
+    return OTHER_LIBRARY_KERNEL.match(kernel) is not None
+
+
 @dataclass
 class Report:
-    """A parsed compute-sanitizer report."""
+    """A parsed compute-sanitizer report.
+
+    With ``own_kernels_only`` (the tools of :data:`OWN_KERNELS_ONLY`) the records in
+    other libraries' kernels are kept in ``findings`` and the summary but left out of
+    :attr:`errors` and :attr:`warnings` (:attr:`not_judged` lists them).
+    """
 
     findings: list[Finding] = field(default_factory=list)
     error_summary: int | None = None
     racecheck_summary: dict[str, int] | None = None
     leak_summary: str | None = None
     notes: list[str] = field(default_factory=list)
+    own_kernels_only: bool = False
+
+    def judged(self, finding: Finding) -> bool:
+        """Whether ``finding`` counts towards the verdict."""
+        return not (self.own_kernels_only and is_other_librarys_kernel(finding.kernel))
+
+    @property
+    def not_judged(self) -> list[Finding]:
+        """The records left out of the counts (other libraries' kernels)."""
+        return [f for f in self.findings if not self.judged(f)]
+
+    def _count(self, severity: str, tool_total: int) -> int:
+        """The tool's total for ``severity`` or the parsed records, the larger, less the
+        records not judged. Where the tool counted more than it printed (past
+        ``--print-limit``) nothing is left out: the unprinted records' kernels are
+        unknown."""
+        parsed = sum(1 for f in self.findings if f.severity == severity)
+        total = max(tool_total, parsed)
+        if total > parsed:
+            return total
+        return sum(1 for f in self.findings if f.severity == severity and self.judged(f))
 
     @property
     def errors(self) -> int:
-        """Errors the tool found: the largest of its own totals and the parsed records.
+        """Errors the tool found: the largest of its own totals and the parsed records
+        (less those :meth:`judged` leaves out).
 
         The ERROR SUMMARY also counts records past ``--print-limit``; racecheck reports
         its own summary; taking the largest never reports 0 when anything was seen.
         """
-        parsed = sum(1 for f in self.findings if f.severity == "error")
         race = self.racecheck_summary["errors"] if self.racecheck_summary else 0
-        return max(self.error_summary or 0, race, parsed)
+        return self._count("error", max(self.error_summary or 0, race))
 
     @property
     def warnings(self) -> int:
-        parsed = sum(1 for f in self.findings if f.severity == "warning")
         race = self.racecheck_summary["warnings"] if self.racecheck_summary else 0
-        return max(race, parsed)
+        return self._count("warning", race)
 
     @property
     def complete(self) -> bool:
@@ -249,6 +302,12 @@ class Report:
             totals += f" (ERROR SUMMARY: {self.error_summary})"
         if not self.complete:
             totals += " — no summary line: the tool or the process stopped early"
+        if left_out := self.not_judged:
+            kernels = ", ".join(f"`{k}`" for k in sorted({f.kernel for f in left_out}))
+            totals += (
+                f"\nnot judged: {len(left_out)} record(s) in other libraries' kernels "
+                f"({kernels}); this tool judges megamoe's kernels only"
+            )
         return "\n".join([*lines, "", totals])
 
     def to_dict(self, max_findings: int = 200) -> dict:
@@ -259,6 +318,8 @@ class Report:
             "racecheck_summary": self.racecheck_summary,
             "leak_summary": self.leak_summary,
             "complete": self.complete,
+            "own_kernels_only": self.own_kernels_only,
+            "not_judged": len(self.not_judged),
             "summary": self.summary(),
             "findings": [asdict(f) for f in self.findings[:max_findings]],
             "notes": self.notes,
@@ -391,15 +452,16 @@ def _kind(kind_tag: str, match: re.Match[str], header: str) -> str:
     return header  # pragma: no cover - every tag is handled above
 
 
-def parse_report(text: str) -> Report:
+def parse_report(text: str, *, own_kernels_only: bool = False) -> Report:
     """Parse compute-sanitizer (or cuda-memcheck) text output into a :class:`Report`.
 
     Lines without the ``=========`` prefix (the application's own output, when the
     report was not written to a log file) are ignored. A record starts at a known
     header line and takes every following line up to an empty ``=========`` line, a
     summary line or the next header; lines outside records become ``notes``.
+    ``own_kernels_only``: see :class:`Report`.
     """
-    report = Report()
+    report = Report(own_kernels_only=own_kernels_only)
     current: tuple[str, str, re.Match[str], list[str]] | None = None
 
     def close() -> None:
@@ -554,12 +616,13 @@ def sanitizer_command(
     _check_tool(tool)
     if not target:
         raise ValueError("target: expected a command to run, got an empty one")
+    # Tools that leave other libraries' records out keep the target's exit status.
+    exitcode = () if tool in OWN_KERNELS_ONLY else ("--error-exitcode", str(ERROR_EXITCODES[tool]))
     return [
         executable,
         "--tool",
         tool,
-        "--error-exitcode",
-        str(ERROR_EXITCODES[tool]),
+        *exitcode,
         "--log-file",
         str(log_file),
         *COMMON_OPTIONS,
@@ -619,7 +682,8 @@ def run(
         returncode = TIMEOUT_EXITCODE
     seconds = time.perf_counter() - started
     text = log_file.read_text(errors="replace") if log_file.is_file() else ""
-    return SanitizerRun(tool, command, returncode, parse_report(text), log_file, seconds, timed_out)
+    report = parse_report(text, own_kernels_only=tool in OWN_KERNELS_ONLY)
+    return SanitizerRun(tool, command, returncode, report, log_file, seconds, timed_out)
 
 
 def run_pytest(tool: str, pytest_args: Sequence[str], **kwargs) -> SanitizerRun:
