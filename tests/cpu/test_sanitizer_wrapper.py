@@ -349,10 +349,23 @@ def test_racecheck_judges_own_kernels_only() -> None:
     # Only cuBLAS's records: nothing to count.
     only_cublas = RACECHECK_WITH_CUBLAS.replace(GEMM, NVJET)
     assert parse_report(only_cublas, own_kernels_only=True).errors == 0
-    # The tool counted more records than it printed: the rest cannot be attributed, so
-    # none is left out.
-    past_limit = RACECHECK_WITH_CUBLAS.replace("(2 errors, 1 warning)", "(5 errors, 1 warning)")
-    assert parse_report(past_limit, own_kernels_only=True).errors == 5
+    # Records past --print-limit: their kernels are unknown, so none is left out. The
+    # summary counts the displayed records; the tool says how many it did not print.
+    past_limit = RACECHECK_WITH_CUBLAS.replace(GEMM, NVJET).replace(
+        "RACECHECK SUMMARY",
+        "ERROR SUMMARY: 7 errors were not printed. Use --print-limit option to adjust "
+        "the number of printed errors\n========= RACECHECK SUMMARY",
+    )
+    unprinted = parse_report(past_limit, own_kernels_only=True)
+    assert unprinted.unprinted == 7 and unprinted.errors == 2 + 7
+    assert unprinted.to_dict()["unprinted"] == 7
+    # Every process prints its own summary (--target-processes all): they add up, and a
+    # later clean process does not hide an earlier one's records.
+    two = parse_report(RACECHECK_WITH_CUBLAS + CLEAN_RACECHECK, own_kernels_only=True)
+    assert two.racecheck_summary == {"displayed": 3, "errors": 2, "warnings": 1}
+    assert two.errors == 1
+    memcheck_twice = parse_report(MEMCHECK + CLEAN)
+    assert memcheck_twice.error_summary == 5 and memcheck_twice.errors == 5
 
 
 def test_racecheck_hazard_records() -> None:

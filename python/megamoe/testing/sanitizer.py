@@ -62,8 +62,9 @@ __all__ = [
 
 TOOLS = ("memcheck", "racecheck", "initcheck", "synccheck")
 
-#: ``--error-exitcode`` per tool: outside pytest's exit codes (0-5) and different per
-#: tool, so the exit status alone says which check failed.
+#: The exit status of a run that found errors, per tool (the tool's ``--error-exitcode``,
+#: or for :data:`OWN_KERNELS_ONLY` the CLI's): outside pytest's exit codes (0-5) and
+#: different per tool, so the exit status alone says which check failed.
 ERROR_EXITCODES: dict[str, int] = {
     "memcheck": 86,
     "racecheck": 87,
@@ -177,6 +178,8 @@ _RACE_SUMMARY = re.compile(
     r"\((?P<errors>\d+) errors?, (?P<warnings>\d+) warnings?\)"
 )
 _LEAK_SUMMARY = re.compile(r"^LEAK SUMMARY: .*")
+# Past --print-limit: "ERROR SUMMARY: 1229 errors were not printed. Use --print-limit ...".
+_NOT_PRINTED = re.compile(r"\b(?P<n>\d+) (?:errors?|hazards?|records?) (?:were|was) not printed")
 _BACKTRACE = re.compile(r"^(?:Saved host backtrace|Host Frame|Device Frame)")
 _ACCESS = re.compile(
     r"(?P<access>Read|Write) access at (?P<site>.+?)"
@@ -234,6 +237,8 @@ class Report:
     leak_summary: str | None = None
     notes: list[str] = field(default_factory=list)
     own_kernels_only: bool = False
+    #: Records the tool counted but did not print (past ``--print-limit``).
+    unprinted: int = 0
 
     def judged(self, finding: Finding) -> bool:
         """Whether ``finding`` counts towards the verdict."""
@@ -247,12 +252,12 @@ class Report:
     def _count(self, severity: str, tool_total: int) -> int:
         """The tool's total for ``severity`` or the parsed records, the larger, less the
         records not judged. Where the tool counted more than it printed (past
-        ``--print-limit``) nothing is left out: the unprinted records' kernels are
-        unknown."""
+        ``--print-limit``: a larger total, or a "not printed" line) nothing is left out,
+        since the unprinted records' kernels are unknown."""
         parsed = sum(1 for f in self.findings if f.severity == severity)
         total = max(tool_total, parsed)
-        if total > parsed:
-            return total
+        if self.unprinted or total > parsed:
+            return max(total, parsed + (self.unprinted if severity == "error" else 0))
         return sum(1 for f in self.findings if f.severity == severity and self.judged(f))
 
     @property
@@ -320,6 +325,7 @@ class Report:
             "complete": self.complete,
             "own_kernels_only": self.own_kernels_only,
             "not_judged": len(self.not_judged),
+            "unprinted": self.unprinted,
             "summary": self.summary(),
             "findings": [asdict(f) for f in self.findings[:max_findings]],
             "notes": self.notes,
@@ -458,7 +464,8 @@ def parse_report(text: str, *, own_kernels_only: bool = False) -> Report:
     Lines without the ``=========`` prefix (the application's own output, when the
     report was not written to a log file) are ignored. A record starts at a known
     header line and takes every following line up to an empty ``=========`` line, a
-    summary line or the next header; lines outside records become ``notes``.
+    summary line or the next header; lines outside records become ``notes``. Summaries
+    add up: with ``--target-processes all`` every process prints its own.
     ``own_kernels_only``: see :class:`Report`.
     """
     report = Report(own_kernels_only=own_kernels_only)
@@ -477,17 +484,22 @@ def parse_report(text: str, *, own_kernels_only: bool = False) -> Report:
         if not body:
             close()
             continue
+        if m := _NOT_PRINTED.search(body):
+            report.unprinted += int(m.group("n"))
         if m := _ERROR_SUMMARY.match(body):
             close()
-            report.error_summary = int(m.group("n"))
+            report.error_summary = (report.error_summary or 0) + int(m.group("n"))
             continue
         if m := _RACE_SUMMARY.match(body):
             close()
-            report.racecheck_summary = {
-                "displayed": int(m.group("shown")),
-                "errors": int(m.group("errors")),
-                "warnings": int(m.group("warnings")),
-            }
+            race = report.racecheck_summary or {"displayed": 0, "errors": 0, "warnings": 0}
+            for key, group in (
+                ("displayed", "shown"),
+                ("errors", "errors"),
+                ("warnings", "warnings"),
+            ):
+                race[key] += int(m.group(group))
+            report.racecheck_summary = race
             continue
         if _LEAK_SUMMARY.match(body):
             close()
@@ -776,7 +788,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The CLI. Exit status: 0 when every run is clean; with one tool, its
-    ``--error-exitcode`` when it found errors, else pytest's status; with ``all``, 1."""
+    :data:`ERROR_EXITCODES` entry when it found errors, else pytest's status; with
+    ``all``, 1."""
     own, after = _split_argv(sys.argv[1:] if argv is None else argv)
     args, unknown = _parser().parse_known_args(own)
     pytest_args = [*unknown, *after]
