@@ -359,6 +359,8 @@ def test_racecheck_judges_own_kernels_only() -> None:
     unprinted = parse_report(past_limit, own_kernels_only=True)
     assert unprinted.unprinted == 7 and unprinted.errors == 2 + 7
     assert unprinted.to_dict()["unprinted"] == 7
+    # Nothing is left out, so nothing is listed as left out.
+    assert unprinted.not_judged == [] and "not judged" not in unprinted.format_summary()
     # Every process prints its own summary (--target-processes all): they add up, and a
     # later clean process does not hide an earlier one's records.
     two = parse_report(RACECHECK_WITH_CUBLAS + CLEAN_RACECHECK, own_kernels_only=True)

@@ -72,24 +72,6 @@ def assert_bitwise(actual: torch.Tensor, expected: torch.Tensor) -> None:
     assert torch.equal(a, e)
 
 
-def skip_if_torch_gemm_under_initcheck(runs_torch_bf16_gemm: bool) -> None:
-    """Cases that run torch's Hopper BF16 GEMMs (cuBLAS nvjet, CUTLASS grouped) skip
-    under initcheck; memcheck, racecheck and synccheck judge them. Measured on the H200
-    (2026-11-29): initcheck does not see those GEMMs' output stores, so every later read
-    of the output is reported, by torch's kernels and ours alike (1.5 M records over the
-    suite). tools/initcheck_tma_probe.py shows it with torch alone: a BF16 GEMM, then
-    ``.clone()``, against a clean fill-then-clone control.
-
-    racecheck reports shared-memory hazards inside cuBLAS's nvjet kernels at these tiny
-    shapes; leaving nvjet uninstrumented (``--kernel-name-exclude kns=nvjet``) made the
-    tool abort on a hardware exception. So racecheck runs these cases and judges
-    megamoe's kernels only: records in other libraries' kernels are listed in its report
-    and not counted (``megamoe.testing.sanitizer.OWN_KERNELS_ONLY``).
-    """
-    if runs_torch_bf16_gemm and os.environ.get(UNDER_SANITIZER_ENV) == "initcheck":
-        pytest.skip("runs a torch BF16 GEMM, which initcheck cannot judge (see the docstring)")
-
-
 def judges_engine_outputs() -> bool:
     """False under initcheck, which does not count the engine's TMA bulk stores as
     initialization (docs/SANITIZER.md): any read of an engine output would be reported,
@@ -102,7 +84,15 @@ def judges_engine_outputs() -> bool:
 def skip_layer_under_initcheck() -> None:
     """The layer cases chain our kernels: the combine and the gathers read what the
     engine stored with TMA, and initcheck reports those reads inside our own kernels
-    (see :func:`judges_engine_outputs`), so it cannot judge a layer case at all."""
+    (see :func:`judges_engine_outputs`), so it cannot judge a layer case at all.
+
+    Those with adapters also run torch's Hopper BF16 GEMMs (cuBLAS nvjet), whose output
+    stores initcheck does not see either (measured on the H200, 2026-11-29: every later
+    read of their output reported, 1.5 M records over the suite; tools/initcheck_tma_probe.py
+    shows it with torch alone). memcheck, racecheck and synccheck judge every layer case;
+    racecheck counts megamoe's kernels only, since an nvjet kernel once reported
+    shared-memory hazards of its own at these tiny shapes and leaving nvjet uninstrumented
+    made the tool abort (``megamoe.testing.sanitizer.OWN_KERNELS_ONLY``)."""
     if not judges_engine_outputs():
         pytest.skip("reads engine outputs stored with TMA, which initcheck does not see")
 
@@ -625,7 +615,6 @@ BLOCK_M_128_TOKENS = next(
 )
 def test_moe_forward(tokens, top_k, rank, kwargs):
     # The adapters run x a1, x a3 and shrink (a1|a3)^T as torch GEMMs.
-    skip_if_torch_gemm_under_initcheck(rank is not None)
     skip_layer_under_initcheck()
     shape = dict(hidden=128, intermediate=128, num_experts=8, top_k=top_k, side_rank=rank)
     fast = make_layer(**shape, num_tokens=tokens, device="cuda", seed=tokens, **kwargs)
@@ -677,7 +666,6 @@ def test_moe_forward_backward(tokens, top_k, rank, kwargs):
         assert mm.get_block_m(tokens, top_k, 8) == 128
     # Every GEMM of the layer is ours; the adapters add torch GEMMs (q13, the side
     # expand, db2 and the dense a1/a3/b2 gradients).
-    skip_if_torch_gemm_under_initcheck(rank is not None)
     skip_layer_under_initcheck()
     shape = dict(hidden=128, intermediate=128, num_experts=8, top_k=top_k, side_rank=rank)
     common = dict(num_tokens=tokens, device="cuda", seed=tokens, requires_grad=True, **kwargs)
@@ -722,7 +710,7 @@ def test_mxfp4_decode(rows, blocks):
 
 @pytest.mark.parametrize("tokens,top_k", [(1, 2), (150, 6)])
 def test_moe_mxfp4_forward_backward(tokens, top_k):
-    skip_if_torch_gemm_under_initcheck(True)  # the adapters' torch GEMMs
+    skip_layer_under_initcheck()
     shape = dict(hidden=128, intermediate=128, num_experts=8, top_k=top_k, side_rank=16)
     common = dict(num_tokens=tokens, device="cuda", seed=tokens, requires_grad=True)
     fast = make_layer(**shape, format="mxfp4", routing="masked", **common)

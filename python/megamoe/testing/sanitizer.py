@@ -240,25 +240,38 @@ class Report:
     #: Records the tool counted but did not print (past ``--print-limit``).
     unprinted: int = 0
 
+    def _tool_total(self, severity: str) -> int:
+        """The tool's own count of ``severity`` records (its summaries)."""
+        race = self.racecheck_summary or {}
+        if severity == "error":
+            return max(self.error_summary or 0, race.get("errors", 0))
+        return race.get("warnings", 0) if severity == "warning" else 0
+
+    def _excludes(self, severity: str) -> bool:
+        """Whether ``severity`` records in other libraries' kernels are left out: with
+        ``own_kernels_only`` and every record printed. Past ``--print-limit`` (a "not
+        printed" line, or a tool total above the parsed records) the unprinted records'
+        kernels are unknown, so nothing is left out."""
+        parsed = sum(1 for f in self.findings if f.severity == severity)
+        return self.own_kernels_only and not self.unprinted and self._tool_total(severity) <= parsed
+
     def judged(self, finding: Finding) -> bool:
         """Whether ``finding`` counts towards the verdict."""
-        return not (self.own_kernels_only and is_other_librarys_kernel(finding.kernel))
+        return not (self._excludes(finding.severity) and is_other_librarys_kernel(finding.kernel))
 
     @property
     def not_judged(self) -> list[Finding]:
         """The records left out of the counts (other libraries' kernels)."""
         return [f for f in self.findings if not self.judged(f)]
 
-    def _count(self, severity: str, tool_total: int) -> int:
-        """The tool's total for ``severity`` or the parsed records, the larger, less the
-        records not judged. Where the tool counted more than it printed (past
-        ``--print-limit``: a larger total, or a "not printed" line) nothing is left out,
-        since the unprinted records' kernels are unknown."""
-        parsed = sum(1 for f in self.findings if f.severity == severity)
-        total = max(tool_total, parsed)
-        if self.unprinted or total > parsed:
-            return max(total, parsed + (self.unprinted if severity == "error" else 0))
-        return sum(1 for f in self.findings if f.severity == severity and self.judged(f))
+    def _count(self, severity: str) -> int:
+        """The tool's total for ``severity`` or the parsed records (plus the unprinted
+        errors), the larger; or, where :meth:`_excludes`, the judged records."""
+        parsed = [f for f in self.findings if f.severity == severity]
+        if self._excludes(severity):
+            return sum(1 for f in parsed if self.judged(f))
+        unprinted = self.unprinted if severity == "error" else 0
+        return max(self._tool_total(severity), len(parsed) + unprinted)
 
     @property
     def errors(self) -> int:
@@ -268,13 +281,11 @@ class Report:
         The ERROR SUMMARY also counts records past ``--print-limit``; racecheck reports
         its own summary; taking the largest never reports 0 when anything was seen.
         """
-        race = self.racecheck_summary["errors"] if self.racecheck_summary else 0
-        return self._count("error", max(self.error_summary or 0, race))
+        return self._count("error")
 
     @property
     def warnings(self) -> int:
-        race = self.racecheck_summary["warnings"] if self.racecheck_summary else 0
-        return self._count("warning", race)
+        return self._count("warning")
 
     @property
     def complete(self) -> bool:
