@@ -5,15 +5,18 @@ Each ablation removes one part of the streaming kernels' work (kernels/engine/
 weight_stream_*.cuh) by a text edit of a copy of the tree, so that timing the copies
 beside the real tree (tools/ab_builds.sh, tools/weight_stream_ab.py) says what each part
 costs. The outputs are wrong by design (the bits check of weight_stream_ab.py says
-DIFFER); nothing here is ever built into a wheel or committed.
+DIFFER); no ablated tree is ever built into a wheel or committed.
 
 Ablations:
-  decode  the decode's fast path becomes one XOR per BF16 pair (forward and transposed);
-          the code and scale words are still loaded from shared memory
-  mma     the base steps' register-A MMAs become an empty asm that reads the fragment
-  scales  the producer warpgroup writes constant scale words: no scale loads from global
-          memory and no L2 prefetch of scale rows
-  codes   the producer issues no TMA load of a base step's codes (the pool tile still)
+  decode  the decode's fast path becomes one XOR per A-fragment register (forward and
+          transposed); the code and scale words are still loaded from shared memory
+  mma     every register-A MMA (the base steps', and the one-tile GEMM1's side steps')
+          becomes an empty asm that reads the fragment; the segment steps' MMAs from
+          shared memory stay
+  scales  the producer warpgroup writes constant scale words (the fast path's): no
+          scale loads from global memory and no L2 prefetch of scale rows
+  codes   the producer issues no TMA load of a base step's codes; the pool tile is
+          still loaded
 
 A build is NAME=ABLATION[+ABLATION...]; each becomes OUT_DIR/NAME.tar (the tree of
 ``--rev`` with the edits), beside OUT_DIR/base.tar (the tree itself), for
@@ -23,7 +26,7 @@ tools/ab_builds.sh:
     bash tools/ab_builds.sh .ab OUT 1 90 -- python tools/weight_stream_ab.py --tokens 128
 
 Every edit names the text it replaces and fails loudly if the tree no longer holds it
-exactly once (tests/cpu/test_stream_ablations.py applies them all to the checkout).
+as often as the edit says (tests/cpu/test_stream_ablations.py applies them all to the checkout).
 """
 
 from __future__ import annotations
@@ -70,7 +73,7 @@ ABLATIONS: dict[str, tuple[Edit, ...]] = {
             "  place_column_pairs<true>(row_pairs, placed);\n  if constexpr",
             "#pragma unroll\n  for (int pair = 0; pair < 8; ++pair)\n#pragma unroll\n"
             "    for (int r = 0; r < 4; ++r) placed[pair][r] = row_pairs[pair] ^ "
-            "scales.words[pair];\n  if constexpr",
+            "scales.words[(pair + r) % 8];\n  if constexpr",
         ),
         Edit(
             DECODE,
@@ -102,6 +105,8 @@ ABLATIONS: dict[str, tuple[Edit, ...]] = {
         ),
     ),
     "scales": (
+        # The cursor still advances and is still read (here), so the loaders' address
+        # math stays as in the kernel; only the loads go.
         Edit(
             PRODUCER,
             "static_cast<uint32_t>(__ldg(cursor))",
@@ -109,7 +114,7 @@ ABLATIONS: dict[str, tuple[Edit, ...]] = {
             count=3,
         ),
         Edit(PRODUCER, "static_cast<uint32_t>(__ldg(cursor + eight_rows))", "0x7F7Fu"),
-        Edit(PRODUCER, "static_cast<uint32_t>(__ldg(cursor + next_row))", "0x7Fu"),
+        Edit(PRODUCER, "static_cast<uint32_t>(__ldg(cursor + next_row))", "0x7F7Fu"),
         Edit(
             PRODUCER,
             '      asm volatile("prefetch.global.L2 [%0];" ::"l"(at));\n'
@@ -170,36 +175,57 @@ def apply(files: dict[str, str], ablations: list[str]) -> dict[str, str]:
 def parse_build(spec: str) -> tuple[str, list[str]]:
     """``NAME=A+B`` -> (NAME, [A, B])."""
     name, sep, parts = spec.partition("=")
-    if not sep or not name or not parts or name == "base":
-        raise ValueError(f"build {spec!r}: expected NAME=ABLATION[+ABLATION...], NAME not base")
+    if not sep or not name.isidentifier() or not parts or name == "base":
+        raise ValueError(
+            f"build {spec!r}: expected NAME=ABLATION[+ABLATION...], NAME an identifier "
+            "other than base"
+        )
     ablations = parts.split("+")
     for a in ablations:
         if a not in ABLATIONS:
             raise ValueError(f"build {spec!r}: {a!r} is not one of {sorted(ABLATIONS)}")
+    if len(set(ablations)) != len(ablations):
+        raise ValueError(f"build {spec!r}: an ablation named twice")
     return name, ablations
 
 
-def archive(rev: str) -> bytes:
-    """The tree of ``rev`` as a tar (git archive)."""
-    return subprocess.run(
-        ["git", "-C", str(ROOT), "archive", "--format=tar", rev],
-        check=True,
+def archive(rev: str, root: Path = ROOT) -> bytes:
+    """The tree of ``rev`` in the checkout at ``root`` as a tar (git archive)."""
+    top = subprocess.run(
+        ["git", "-C", str(root), "rev-parse", "--show-toplevel"],
         capture_output=True,
-    ).stdout
+        text=True,
+    )
+    if top.returncode != 0 or Path(top.stdout.strip()).resolve() != root.resolve():
+        raise ValueError(f"{root} is not the top of a git checkout: {top.stderr.strip()}")
+    got = subprocess.run(
+        ["git", "-C", str(root), "archive", "--format=tar", rev],
+        capture_output=True,
+    )
+    if got.returncode != 0:
+        raise ValueError(f"git archive {rev}: {got.stderr.decode().strip()}")
+    return got.stdout
 
 
-def write_ablated(base_tar: bytes, ablations: list[str], path: Path) -> None:
-    """``base_tar`` with the ablations' files replaced, written to ``path``."""
+def edited_files(base_tar: bytes, ablations: list[str]) -> dict[str, str]:
+    """The files ``ablations`` edit, from ``base_tar``, edited (path -> text)."""
     edited_paths = {e.path for a in ablations for e in ABLATIONS[a]}
     with tarfile.open(fileobj=io.BytesIO(base_tar)) as src:
-        members = src.getmembers()
         texts = {
-            m.name: src.extractfile(m).read().decode() for m in members if m.name in edited_paths
+            m.name: src.extractfile(m).read().decode()
+            for m in src.getmembers()
+            if m.name in edited_paths
         }
-        missing = edited_paths - texts.keys()
-        if missing:
-            raise ValueError(f"the tree has no {sorted(missing)}")
-        edited = apply(texts, ablations)
+    missing = edited_paths - texts.keys()
+    if missing:
+        raise ValueError(f"the tree has no {sorted(missing)}")
+    return apply(texts, ablations)
+
+
+def write_ablated(base_tar: bytes, edited: dict[str, str], path: Path) -> None:
+    """``base_tar`` with the files of ``edited`` (path -> text) replaced, to ``path``."""
+    with tarfile.open(fileobj=io.BytesIO(base_tar)) as src:
+        members = src.getmembers()
         with tarfile.open(path, "w") as dst:
             for m in members:
                 if m.name in edited:
@@ -218,11 +244,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rev", default="HEAD", help="the tree to ablate (git revision)")
     args = parser.parse_args(argv)
     builds = [parse_build(b) for b in args.builds]
-    base_tar = archive(args.rev)
+    names = [name for name, _ in builds]
+    if len(set(names)) != len(names):
+        raise SystemExit(f"stream_ablations: a build name given twice: {names}")
+    base_tar = archive(args.rev, ROOT)
+    # Every edit before anything is written: a stale edit leaves no half-made set.
+    edits = {name: edited_files(base_tar, ablations) for name, ablations in builds}
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "base.tar").write_bytes(base_tar)
     for name, ablations in builds:
-        write_ablated(base_tar, ablations, args.out_dir / f"{name}.tar")
+        write_ablated(base_tar, edits[name], args.out_dir / f"{name}.tar")
         print(f"{args.out_dir / name}.tar: {'+'.join(ablations)}")
     return 0
 
