@@ -110,7 +110,7 @@ def _git(root: Path, *args: str) -> None:
     subprocess.run(["git", "-C", str(root), *args], check=True, capture_output=True)
 
 
-def test_main_writes_base_and_builds_from_a_revision(tmp_path):
+def test_main_writes_base_and_builds_from_a_revision(tmp_path, monkeypatch):
     repo = tmp_path / "repo"
     for path, text in _files().items():
         (repo / path).parent.mkdir(parents=True, exist_ok=True)
@@ -124,13 +124,10 @@ def test_main_writes_base_and_builds_from_a_revision(tmp_path):
     with pytest.raises(ValueError, match="not the top of a git checkout"):
         stream_ablations.archive("HEAD", repo / "kernels")
     out = tmp_path / "ab"
-    stream_ablations.ROOT = repo
-    try:
-        assert stream_ablations.main([str(out), "pipe=decode+mma", "noscales=scales"]) == 0
-        with pytest.raises(SystemExit, match="given twice"):
-            stream_ablations.main([str(out), "x=mma", "x=decode"])
-    finally:
-        stream_ablations.ROOT = _ROOT
+    monkeypatch.setattr(stream_ablations, "ROOT", repo)
+    assert stream_ablations.main([str(out), "pipe=decode+mma", "noscales=scales"]) == 0
+    with pytest.raises(SystemExit, match="given twice"):
+        stream_ablations.main([str(out), "x=mma", "x=decode"])
     assert (out / "base.tar").read_bytes() == base
     with tarfile.open(out / "noscales.tar") as tar:
         text = tar.extractfile("kernels/engine/weight_stream_producer.cuh").read().decode()
