@@ -18,6 +18,10 @@ Ablations:
   codes   the producer issues no TMA load of a base step's codes; the pool tile is
           still loaded
 
+One probe changes a setting instead of removing work (its outputs are right):
+  stages12  the ring holds up to 12 stages (as many as fit, where fewer), not 6: twice
+            the code bytes in flight per SM, and that much less L1
+
 A build is NAME=ABLATION[+ABLATION...]; each becomes OUT_DIR/NAME.tar (the tree of
 ``--rev`` with the edits), beside OUT_DIR/base.tar (the tree itself), for
 tools/ab_builds.sh:
@@ -43,6 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DECODE = "kernels/engine/fragment_decode.cuh"
 MMA = "kernels/engine/weight_stream_mma.cuh"
 PRODUCER = "kernels/engine/weight_stream_producer.cuh"
+CONFIG = "kernels/engine/weight_stream_config.cuh"
 
 
 @dataclass(frozen=True)
@@ -149,6 +154,13 @@ ABLATIONS: dict[str, tuple[Edit, ...]] = {
             "k_step * kBlockK,\n"
             "                                       tile.expert);\n"
             "        else if constexpr (false)\n",
+        ),
+    ),
+    "stages12": (
+        Edit(
+            CONFIG,
+            "static constexpr int kStages = kStagesFit > 6 ? 6 : kStagesFit;",
+            "static constexpr int kStages = kStagesFit > 12 ? 12 : kStagesFit;",
         ),
     ),
 }

@@ -84,6 +84,7 @@ struct StreamConfig {
   static constexpr int kStages = kStagesFit > 6 ? 6 : kStagesFit;
   static_assert(kStages >= 3, "a ring deep enough to overlap the loads");
   static constexpr int kSmemBytes = 1024 + kStages * kStageBytes + kDotBytes + kBarrierBytes;
+  static_assert(2 * kStages * 8 <= kBarrierBytes, "a full and an empty barrier per stage");
   // The transposed decode's multiplies before the step's scale check (64-row chunks) or
   // inside its fast branch (32-row chunks): each measured faster where it is used
   // (docs/ENGINE.md, "The transposed decode's multiplies and the scale check").
