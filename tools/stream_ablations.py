@@ -19,8 +19,9 @@ Ablations:
           still loaded
 
 One probe changes a setting instead of removing work (its outputs are right):
-  stages12  the ring holds up to 12 stages (as many as fit, where fewer), not 6: twice
-            the code bytes in flight per SM, and that much less L1
+  stagesfit  the ring holds as many stages as fit, not 6 (10 with 32-row chunks, 9 with
+             64-row ones, 8 for dgrad2's 64-row ones; wider chunks keep theirs): more
+             code bytes in flight per SM, and that much less L1
 
 A build is NAME=ABLATION[+ABLATION...]; each becomes OUT_DIR/NAME.tar (the tree of
 ``--rev`` with the edits), beside OUT_DIR/base.tar (the tree itself), for
@@ -156,11 +157,11 @@ ABLATIONS: dict[str, tuple[Edit, ...]] = {
             "        else if constexpr (false)\n",
         ),
     ),
-    "stages12": (
+    "stagesfit": (
         Edit(
             CONFIG,
             "static constexpr int kStages = kStagesFit > 6 ? 6 : kStagesFit;",
-            "static constexpr int kStages = kStagesFit > 12 ? 12 : kStagesFit;",
+            "static constexpr int kStages = kStagesFit;",
         ),
     ),
 }

@@ -50,6 +50,7 @@ def test_all_ablations_compose():
     assert "pair_times_factors(placed[pair][r]" not in decode
     assert "pair_times_factors(low, scales.words[pair])" not in decode
     assert "registers(a[k16]" not in edited["kernels/engine/weight_stream_mma.cuh"]
+    assert "int kStages = kStagesFit;" in edited["kernels/engine/weight_stream_config.cuh"]
 
 
 def test_an_edit_that_no_longer_matches_fails_loudly():
