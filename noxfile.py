@@ -126,7 +126,7 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "format", "--check", *python_paths)
     sources = sorted(
         str(p)
-        for d in ("kernels", "bindings", "tests/sanitizer", "tests/cpu/host")
+        for d in ("kernels", "bindings", "tools", "tests/sanitizer", "tests/cpu/host")
         for p in (ROOT / d).rglob("*")
         if p.suffix in {".h", ".cuh", ".cu", ".cpp"}
     )
