@@ -59,6 +59,7 @@ struct ProbeParams {
   int bulk;             // 1-D bulk copies of contiguous stage-sized pieces instead of boxes
   int pool;             // also a 4 KB pool tile per step from an L2-resident matrix (forward)
   int arrive_all;       // every consumer thread releases a stage (the engine's 256), not a warp
+  int consume_cycles;   // consumers hold each stage this long (the decode and MMAs' place)
   const uint8_t* base;  // the bulk mode's source
   unsigned long long* sink;
 };
@@ -114,41 +115,55 @@ __device__ __forceinline__ void load_bulk(uint32_t dst, const void* src, uint32_
       : "memory");
 }
 
-// The position of CTA `cta`'s n-th step (of `ctas`): (x in bytes, y in rows) of its box,
-// or for the bulk mode the byte offset of its piece (pieces cta, cta + ctas, ...).
+// A CTA's walk over its steps (of `ctas` CTAs): the (x in bytes, y in rows) of each box,
+// or for the bulk mode the byte offset of each piece (pieces cta, cta + ctas, ...).
+// Advanced by counters, with one division per tile: a division per step costs a single
+// producer thread hundreds of cycles, enough to bound the ring by the producer's issue.
 struct StepWalk {
-  int cta, ctas, tile_rows, tile_bytes, box_rows, box_bytes, bulk;
-  int col_tiles, steps_x, steps_per_tile, tiles;
+  int ctas, tile_rows, tile_bytes, box_rows, box_bytes, bulk;
+  int col_tiles, steps_x, steps_y, tiles;
   long pieces, piece_bytes;
-  __host__ __device__ StepWalk(const ProbeParams& p, int cta_index, int cta_count)
-      : cta(cta_index),
-        ctas(cta_count),
+  int tile, sx = 0, sy = 0, x0 = 0, y0 = 0;
+  long piece;
+  bool valid;
+  __host__ __device__ StepWalk(const ProbeParams& p, int cta, int cta_count)
+      : ctas(cta_count),
         tile_rows(p.shape.tile_rows),
         tile_bytes(p.shape.tile_bytes),
         box_rows(p.shape.box_rows),
         box_bytes(p.shape.box_bytes),
-        bulk(p.bulk) {
+        bulk(p.bulk),
+        tile(cta),
+        piece(cta) {
     col_tiles = static_cast<int>(p.shape.row_bytes / tile_bytes);
     steps_x = tile_bytes / box_bytes;
-    steps_per_tile = steps_x * (tile_rows / box_rows);
+    steps_y = tile_rows / box_rows;
     tiles = static_cast<int>(p.shape.rows / tile_rows) * col_tiles;
     piece_bytes = static_cast<long>(box_rows) * box_bytes;
     pieces = p.shape.rows * p.shape.row_bytes / piece_bytes;
+    valid = bulk ? piece < pieces : tile < tiles;
+    if (valid && !bulk) origin();
   }
-  __host__ __device__ bool at(long n, int& x, int& y, long& offset) const {
+  __host__ __device__ void origin() {
+    x0 = (tile % col_tiles) * tile_bytes;
+    y0 = (tile / col_tiles) * tile_rows;
+  }
+  __host__ __device__ int x() const { return x0 + sx * box_bytes; }
+  __host__ __device__ int y() const { return y0 + sy * box_rows; }
+  __host__ __device__ long offset() const { return piece * piece_bytes; }
+  __host__ __device__ void next() {
     if (bulk) {
-      const long piece = cta + n * ctas;
-      offset = piece * piece_bytes;
-      return piece < pieces;
+      piece += ctas;
+      valid = piece < pieces;
+      return;
     }
-    const long tile = cta + (n / steps_per_tile) * ctas;
-    if (tile >= tiles) return false;
-    const int step = static_cast<int>(n % steps_per_tile);
-    const int tile_row = static_cast<int>(tile / col_tiles);
-    const int tile_col = static_cast<int>(tile % col_tiles);
-    x = tile_col * tile_bytes + (step % steps_x) * box_bytes;
-    y = tile_row * tile_rows + (step / steps_x) * box_rows;
-    return true;
+    if (++sx < steps_x) return;
+    sx = 0;
+    if (++sy < steps_y) return;
+    sy = 0;
+    tile += ctas;
+    valid = tile < tiles;
+    if (valid) origin();
   }
 };
 
@@ -177,32 +192,30 @@ __global__ void __launch_bounds__(kThreads, 1)
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
-  const StepWalk walk(p, blockIdx.x, gridDim.x);
   if (warp == kConsumerWarps) {
     // Producer: one thread waits for a free stage, arms its barrier, issues the load.
     if (lane != 0) return;
     int stage = 0;
     uint32_t phase = 0;
-    for (long n = 0;; ++n) {
-      int x = 0, y = 0;
-      long offset = 0;
-      if (!walk.at(n, x, y, offset)) break;
-      if (p.prefetch_steps > 0) {
-        int px = 0, py = 0;
-        long unused = 0;
-        if (walk.at(n + p.prefetch_steps, px, py, unused)) prefetch_box(&map, px, py);
+    StepWalk ahead(p, blockIdx.x, gridDim.x);
+    for (int n = 0; n < p.prefetch_steps && ahead.valid; ++n) ahead.next();
+    for (StepWalk walk(p, blockIdx.x, gridDim.x); walk.valid; walk.next()) {
+      if (p.prefetch_steps > 0 && ahead.valid) {
+        prefetch_box(&map, ahead.x(), ahead.y());
+        ahead.next();
       }
       wait_parity(empty0 + 8 * stage, phase ^ 1u);
       const uint32_t full = full0 + 8 * stage, dst = smem_addr(smem + stage * stage_bytes);
       arrive_expect(full, stage_bytes);
       if (p.bulk) {
-        load_bulk(dst, p.base + offset, stage_bytes, full);
+        load_bulk(dst, p.base + walk.offset(), stage_bytes, full);
       } else {
-        load_box(&map, dst, full, x, y);
+        load_box(&map, dst, full, walk.x(), walk.y());
       }
       for (int j = 0; j < pool_tiles; ++j) {
         load_box(&pool, dst + code_bytes + j * kPoolTileBytes, full,
-                 (x * 4 + j * kPoolBoxBytes) % kPoolRowBytes, (y / 4096) * kPoolBoxRows);
+                 (walk.x() * 4 + j * kPoolBoxBytes) % kPoolRowBytes,
+                 (walk.y() / 4096) * kPoolBoxRows);
       }
       if (++stage == p.stages) stage = 0, phase ^= 1u;
     }
@@ -212,16 +225,18 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint32_t acc = 0;
   int stage = 0;
   uint32_t phase = 0;
-  for (long n = 0;; ++n) {
-    int x = 0, y = 0;
-    long offset = 0;
-    if (!walk.at(n, x, y, offset)) break;
+  for (StepWalk walk(p, blockIdx.x, gridDim.x); walk.valid; walk.next()) {
     wait_parity(full0 + 8 * stage, phase);
     if (p.touch) {
       const uint4* words = reinterpret_cast<const uint4*>(smem + stage * stage_bytes);
       for (int i = threadIdx.x; i < stage_bytes / 16; i += 32 * kConsumerWarps) {
         const uint4 w = words[i];
         acc ^= w.x ^ w.y ^ w.z ^ w.w;
+      }
+    }
+    if (p.consume_cycles > 0) {
+      const long long until = clock64() + p.consume_cycles;
+      while (clock64() < until) {
       }
     }
     __syncwarp();
@@ -286,6 +301,7 @@ struct Config {
   int bulk;
   int pool = 0;
   int arrive_all = 0;
+  int consume_cycles = 0;
 };
 
 struct Timing {
@@ -365,6 +381,15 @@ std::vector<Config> probe_configs() {
   configs.push_back({"fwd1 32Bx256 s6 +pool touch arrive256", fwd1, 6, P256, 0, 1, 0, 1, 1});
   configs.push_back({"fwd1 32Bx256 s6 arrive128", fwd1, 6, P256, 0, 0, 0, 0, 1});
   configs.push_back({"fwd1 64Bx256 (K128) s6 +pool", fwd1_k128, 6, P256, 0, 0, 0, 1});
+  // Consumers that hold each stage (cycles): how deep a ring must be to hide the loads
+  // behind work of about a streaming step's length.
+  for (int cycles : {500, 1000})
+    for (int stages : {6, 12})
+      configs.push_back(
+          {"fwd1 32Bx256 s" + std::to_string(stages) + " +pool hold" + std::to_string(cycles), fwd1,
+           stages, P256, 0, 0, 0, 1, 1, cycles});
+  configs.push_back(
+      {"fwd1 64Bx256 (K128) s6 +pool hold2000", fwd1_k128, 6, P256, 0, 0, 0, 1, 1, 2000});
   for (int ahead : {8, 16, 32})
     configs.push_back(
         {"fwd1 32Bx256 s6 prefetch" + std::to_string(ahead), fwd1, 6, P256, ahead, 0, 0});
@@ -393,20 +418,18 @@ int check_walks() {
   int failures = 0;
   for (const Config& c : probe_configs()) {
     for (int ctas : {132, 114, 78}) {
-      const ProbeParams p{c.shape, c.stages, 0, 0, c.bulk, 0, 0, nullptr, nullptr};
+      const ProbeParams p{c.shape, c.stages, 0, 0, c.bulk, 0, 0, 0, nullptr, nullptr};
       const int64_t boxes_x = c.shape.row_bytes / c.shape.box_bytes;
       const int64_t boxes = boxes_x * (c.shape.rows / c.shape.box_rows);
       std::vector<int> seen(static_cast<size_t>(boxes), 0);
       bool inside = true;
       for (int cta = 0; cta < ctas; ++cta) {
-        const StepWalk walk(p, cta, ctas);
-        int x = 0, y = 0;
-        long offset = 0;
-        for (long n = 0; walk.at(n, x, y, offset); ++n) {
+        for (StepWalk walk(p, cta, ctas); walk.valid; walk.next()) {
           int64_t box;
           if (c.bulk) {
-            box = offset / (static_cast<int64_t>(c.shape.box_rows) * c.shape.box_bytes);
+            box = walk.offset() / (static_cast<int64_t>(c.shape.box_rows) * c.shape.box_bytes);
           } else {
+            const int x = walk.x(), y = walk.y();
             inside = inside && x % c.shape.box_bytes == 0 && y % c.shape.box_rows == 0 &&
                      x + c.shape.box_bytes <= c.shape.row_bytes &&
                      y + c.shape.box_rows <= c.shape.rows;
@@ -496,8 +519,8 @@ int main(int argc, char** argv) {
     }
     const CUtensorMap map = byte_map(src, c.shape.rows, c.shape.row_bytes, c.shape.box_rows,
                                      c.shape.box_bytes, c.promotion);
-    ProbeParams p{c.shape, c.stages, c.prefetch_steps, c.touch, c.bulk, c.pool, c.arrive_all,
-                  src,     sink};
+    const ProbeParams p{c.shape, c.stages,     c.prefetch_steps, c.touch, c.bulk,
+                        c.pool,  c.arrive_all, c.consume_cycles, src,     sink};
     const Timing t = time_launches(
         [&] { stream_kernel<<<prop.multiProcessorCount, kThreads, smem>>>(map, pool_map, p); },
         iters);
