@@ -20,7 +20,10 @@ scale bytes from global memory, stores words to shared memory and issues no HGMM
 reports its instructions per step and the scale loads whose register the loop reads
 again after the load in the same iteration: such a read waits for the load, so the
 step would pay a global load's latency instead of hiding it under the steps in between
-(docs/ENGINE.md, "The producer's scale loads"). Where the kernel has an epilogue that
+(docs/ENGINE.md, "The producer's scale loads"); and, from the control words'
+scoreboards, how many steps after its issue a scale load is first waited for (a wait
+is for every load on the scoreboard, so one shared by all the loads makes them one step
+ahead in effect, whatever the source says). Where the kernel has an epilogue that
 loads (dgrad2's g | u), it reports how many rounds those loads come in.
 
 ``--variant`` generates the registry variant (tools/gen_variants.py), compiles it with
@@ -49,6 +52,11 @@ INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Za-z0-
 # the stall count ptxas scheduled after it (the cycles before the warp's next issue).
 CONTROL_WORD = re.compile(r"^\s*/\*\s*0x([0-9a-f]{16})\s*\*/\s*$")
 STALL_SHIFT, STALL_MASK = 41, 0xF
+# The same word's scoreboards: bits 46-48 the one a variable-latency instruction (a
+# global load) signals when its result is written (7: none), bits 52-57 the mask of
+# those the instruction waits for before it issues. A scoreboard counts its instructions
+# in flight and a wait is for all of them.
+WRITE_BARRIER_SHIFT, WAIT_MASK_SHIFT, NO_BARRIER = 46, 52, 7
 REGISTER_A_HGMMA = re.compile(r"HGMMA\.\S+\s+R\d+,\s*R\d+,\s*gdesc")
 # The FP32 scale path converts through FP32; the fast path never does.
 SLOW_PATH = ("FMUL", "F2FP")
@@ -70,6 +78,8 @@ class Instruction:
     opcode: str  # with its modifiers, e.g. "SHF.R.S32.HI"
     operands: str
     stall: int = 0  # the control word's stall count (0 where the listing has none)
+    write_barrier: int = NO_BARRIER  # the scoreboard its result signals (7: none)
+    wait_mask: int = 0  # the scoreboards it waits for
 
     @property
     def text(self) -> str:
@@ -98,8 +108,18 @@ def parse(sass: str) -> list[Instruction]:
         if match:
             address, predicate, opcode, operands = match.groups()
             control = CONTROL_WORD.match(lines[n + 1]) if n + 1 < len(lines) else None
-            stall = (int(control.group(1), 16) >> STALL_SHIFT) & STALL_MASK if control else 0
-            found.append(Instruction(int(address, 16), bool(predicate), opcode, operands, stall))
+            word = int(control.group(1), 16) if control else NO_BARRIER << WRITE_BARRIER_SHIFT
+            found.append(
+                Instruction(
+                    int(address, 16),
+                    bool(predicate),
+                    opcode,
+                    operands,
+                    (word >> STALL_SHIFT) & STALL_MASK if control else 0,
+                    (word >> WRITE_BARRIER_SHIFT) & 7,
+                    (word >> WAIT_MASK_SHIFT) & 0x3F,
+                )
+            )
     return found
 
 
@@ -308,6 +328,26 @@ def loads_read_in_their_iteration(loop: list[Instruction]) -> list[tuple[Instruc
     return found
 
 
+def scale_load_steps_ahead(loop: list[Instruction]) -> int | None:
+    """The fewest producer steps (arrivals) between a global load of ``loop`` and the
+    first instruction after it, around the loop, that waits for the load's scoreboard:
+    how many steps ahead the scale loads are in effect. A wait is for every load in flight
+    on that scoreboard, so loads issued kScaleStepsAhead steps ahead that share one are
+    waited on, together, one step after the newest was issued. None without such a load."""
+    fewest = None
+    twice = loop + loop
+    for n, load in enumerate(loop):
+        if not GLOBAL_LOAD.match(load.opcode) or load.write_barrier == NO_BARRIER:
+            continue
+        arrivals = 0
+        for later in twice[n + 1 : n + len(loop)]:
+            if later.wait_mask >> load.write_barrier & 1:
+                fewest = arrivals if fewest is None else min(fewest, arrivals)
+                break
+            arrivals += later.opcode == PRODUCER_ARRIVE
+    return fewest
+
+
 def producer_per_step(sass: str) -> tuple[float, list[tuple[Instruction, Instruction]]]:
     """(instructions per producer step outside the copies' blocks, scale loads read in
     their own iteration) of the kernel's producer loop. A step is one arrival; the
@@ -406,6 +446,9 @@ def main(argv: list[str] | None = None) -> int:
     per_step, early = producer_per_step(sass)
     print(f"producer: {per_step:.1f} instructions per step outside the copies' blocks")
     print(f"producer: {len(early)} scale loads read in the iteration that issued them")
+    ahead = scale_load_steps_ahead(producer_loop(parse(sass)))
+    if ahead is not None:
+        print(f"producer: scale loads waited for {ahead} step(s) after their issue (scoreboards)")
     for load, reader in early:
         load_at, reader_at = f"{load.address:#07x}", f"{reader.address:#07x}"
         print(f"  {load_at} {load.text.strip()}  <- {reader_at} {reader.text.strip()}")

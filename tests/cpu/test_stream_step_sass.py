@@ -297,3 +297,43 @@ def test_counts_the_epilogue_loads_rounds_between_stores() -> None:
     )
     assert tool.epilogue_load_rounds(code) == (6, 3)
     assert tool.epilogue_load_rounds(tool.parse(_listing(["FFMA R1, R2, R3, R4"]))) == (0, 0)
+
+
+def _controlled(lines: list[tuple[str, int, int]], start: int = 0x200) -> str:
+    """cuobjdump-style lines with control words: (instruction, the scoreboard it signals
+    (7: none), the mask of those it waits for)."""
+    out = []
+    for n, (line, signals, waits) in enumerate(lines):
+        out.append(f"        /*{start + 16 * n:04x}*/                   {line} ;  /* 0x0 */")
+        control = (1 << 41) | (signals << 46) | (7 << 49) | (waits << 52)
+        out.append(f"                                                 /* 0x{control:016x} */")
+    return "\n".join(out)
+
+
+def _scoreboard_step(register: int, load_signals: int, words_wait: int) -> list:
+    return [
+        (f"PRMT R6, R{register}, 0x4140, RZ", 7, words_wait),  # the words of an older load
+        (f"LDG.E.U16.CONSTANT R{register}, desc[UR4][R4.64]", load_signals, 0),
+        ("STS [R17+UR8+0x5000], R6", 7, 0),
+        ("SYNCS.ARRIVE.TRANS64.A1T0 RZ, [UR9], RZ", 7, 0),
+    ]
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_scale_loads_on_one_scoreboard_are_one_step_ahead(shared: bool) -> None:
+    """Four steps, each forming words from the load issued four steps before (its own
+    register) and loading again: on one scoreboard, each step's wait covers the load the
+    step before issued; on a scoreboard per slot, the wait comes four steps later."""
+    steps = []
+    for slot in range(4):
+        board = 5 if shared else slot
+        steps += _scoreboard_step(20 + slot, board, 1 << board)
+    start = 0x200
+    sass = _controlled([*steps, (f"@!P1 BRA 0x{start:x}", 7, 0)], start)
+    loop = tool.producer_loop(tool.parse(sass))
+    assert tool.scale_load_steps_ahead(loop) == (1 if shared else 4)
+
+
+def test_control_word_fields() -> None:
+    (load,) = tool.parse(_controlled([("LDG.E.U16.CONSTANT R13, desc[UR4][R4.64]", 5, 0b100011)]))
+    assert (load.stall, load.write_barrier, load.wait_mask) == (1, 5, 0b100011)
