@@ -15,7 +15,7 @@
 #  - .scratch/tma_stream_probe (--probe): tools/tma_stream_probe.cu built with nvcc.
 #
 # The three folders are ignored by git: name them in the device call's carry (64 MiB in
-# all; the cutlass wheel is about 6.5 MiB, a tarball about 3.7 MiB).
+# all; the cutlass wheel is about 6.1 MiB, a tarball about 3.6 MiB).
 set -euo pipefail
 
 usage="usage: tools/lease_prep.sh [--no-wheels] [--probe] [--ab-dir DIR] [REF...]"
@@ -56,8 +56,9 @@ sys.exit("no nvidia-cutlass pin in pyproject.toml") if match is None else print(
 fi
 
 if [ ${#refs[@]} -gt 0 ]; then
-  mkdir -p "$ab_dir"
-  rm -f "$ab_dir"/*.tar
+  # Every ref resolved and named first: a bad one leaves the folder as it was.
+  commits=()
+  names=()
   for ref in "${refs[@]}"; do
     if [ "$ref" = WORK ]; then
       # `git stash create` prints nothing on a clean tree: HEAD is the working tree then.
@@ -70,12 +71,20 @@ if [ ${#refs[@]} -gt 0 ]; then
       }
     fi
     name=${ref##*/}
-    [ -e "$ab_dir/$name.tar" ] && {
-      echo "two refs give the tarball name $name.tar" >&2
-      exit 2
-    }
-    git archive "$commit" -o "$ab_dir/$name.tar"
-    echo "ab: $ab_dir/$name.tar <- $ref ($(git rev-parse --short "$commit"))"
+    for taken in "${names[@]}"; do
+      [ "$taken" != "$name" ] || {
+        echo "two refs give the tarball name $name.tar" >&2
+        exit 2
+      }
+    done
+    commits+=("$commit")
+    names+=("$name")
+  done
+  mkdir -p "$ab_dir"
+  rm -f "$ab_dir"/*.tar
+  for i in "${!refs[@]}"; do
+    git archive "${commits[i]}" -o "$ab_dir/${names[i]}.tar"
+    echo "ab: $ab_dir/${names[i]}.tar <- ${refs[i]} ($(git rev-parse --short "${commits[i]}"))"
   done
 fi
 

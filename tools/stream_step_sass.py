@@ -100,7 +100,8 @@ class Instruction:
 
 def parse(sass: str) -> list[Instruction]:
     """The instructions of a cuobjdump -sass listing, in address order, each with the
-    stall count of its control word (the next line) where the listing has one."""
+    stall count and scoreboards of its control word (the next line) where the listing has
+    one (else no stall and no scoreboard)."""
     found = []
     lines = sass.splitlines()
     for n, line in enumerate(lines):
@@ -115,7 +116,7 @@ def parse(sass: str) -> list[Instruction]:
                     bool(predicate),
                     opcode,
                     operands,
-                    (word >> STALL_SHIFT) & STALL_MASK if control else 0,
+                    (word >> STALL_SHIFT) & STALL_MASK,
                     (word >> WRITE_BARRIER_SHIFT) & 7,
                     (word >> WAIT_MASK_SHIFT) & 0x3F,
                 )

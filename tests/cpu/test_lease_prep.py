@@ -77,10 +77,14 @@ def test_each_ref_gets_its_own_tree(repo: Path, tmp_path: Path) -> None:
 
 def test_bad_refs_fail_loudly(repo: Path, tmp_path: Path) -> None:
     ab = tmp_path / "ab"
-    missing = _run(repo, "--ab-dir", str(ab), "no-such-branch")
+    ab.mkdir()
+    (ab / "earlier.tar").write_bytes(b"kept")  # a bad call leaves the folder as it was
+    missing = _run(repo, "--ab-dir", str(ab), "main", "no-such-branch")
     assert missing.returncode == 2 and "not a commit: no-such-branch" in missing.stderr
+    assert sorted(p.name for p in ab.iterdir()) == ["earlier.tar"]
     _git(repo, "branch", "other/main")
     clash = _run(repo, "--ab-dir", str(ab), "main", "other/main")
     assert clash.returncode == 2 and "two refs give the tarball name main.tar" in clash.stderr
+    assert sorted(p.name for p in ab.iterdir()) == ["earlier.tar"]
     unknown = _run(repo, "--frobnicate")
     assert unknown.returncode == 2 and "unknown option --frobnicate" in unknown.stderr
