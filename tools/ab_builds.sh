@@ -5,7 +5,8 @@
 # fall on all of them alike. Each run has a time limit of LIMIT seconds; a failing or
 # timed-out run is logged and the rest go on.
 #
-# Make the tarballs on this machine, one per build (the lent machine has no git):
+# Make the tarballs on this machine, one per build (the lent machine has no git), with
+# `bash tools/lease_prep.sh main candidate/NAME WORK` (it also fetches .whl/), or by hand:
 #   mkdir -p .ab && git archive main -o .ab/main.tar
 #   git archive "$(git stash create)" -o .ab/work.tar   # the working tree's changes
 # (`git stash create` prints nothing on a clean tree: archive HEAD then.) .ab/ is ignored

@@ -390,6 +390,13 @@ std::vector<Config> probe_configs() {
            stages, P256, 0, 0, 0, 1, 1, cycles});
   configs.push_back(
       {"fwd1 64Bx256 (K128) s6 +pool hold2000", fwd1_k128, 6, P256, 0, 0, 0, 1, 1, 2000});
+  // The multi-step stages of the forward's 32-row kinds (docs/ENGINE.md, "Whole code lines
+  // per stage"): two steps a stage in four stages, four steps a stage in three, each stage
+  // held as long as its steps' work.
+  configs.push_back(
+      {"fwd1 64Bx256 (K128) s4 +pool hold2000", fwd1_k128, 4, P256, 0, 0, 0, 1, 1, 2000});
+  configs.push_back(
+      {"fwd1 128Bx256 (K256) s3 +pool hold4000", fwd1_k256, 3, P256, 0, 0, 0, 1, 1, 4000});
   for (int ahead : {8, 16, 32})
     configs.push_back(
         {"fwd1 32Bx256 s6 prefetch" + std::to_string(ahead), fwd1, 6, P256, ahead, 0, 0});

@@ -321,9 +321,18 @@ def test_store_launcher_checks():
         stream_gemm2(a, codes, scales, plan, chunk=256)
 
 
+@pytest.fixture(params=[None, 5], ids=["all-sms", "5-sms"])
+def sms(request, monkeypatch):
+    """The launches' SM count: all, or five, so that each CTA runs several tiles and a tile
+    after the loop's tail (or a stage of fewer steps) starts where the ring was left."""
+    if request.param is not None:
+        monkeypatch.setenv("MEGAMOE_NUM_SMS", str(request.param))
+    return request.param
+
+
 @pytest.mark.parametrize("chunk", CHUNKS)
 @pytest.mark.parametrize("k", [64, 320])  # one K step; an odd count (the loop's tail)
-def test_odd_step_counts(chunk, k):
+def test_odd_step_counts(chunk, k, sms):
     plan, a, codes, scales, side = operands(150, 8, 2, k, 128, 16, seed=k)
     h = stream_gemm1(a, codes, scales, plan, k=k, chunk=chunk, side=side)
     decoded = decode_mxfp4_bf16(codes, scales)
@@ -496,7 +505,7 @@ def test_dgrad1_every_scale_byte_matches_the_engine(chunk, scale_mod):
 
 @pytest.mark.parametrize("chunk", CHUNKS)
 @pytest.mark.parametrize("k,k_lo", [(64, None), (320, 64)])  # one K step; an odd count
-def test_dgrad1_odd_step_counts(chunk, k, k_lo):
+def test_dgrad1_odd_step_counts(chunk, k, k_lo, sms):
     rank = 0 if k_lo is None else 24
     plan, a, codes, scales, extra = dgrad1_operands(150, 8, 2, k, 256, rank, k_lo=k_lo, seed=k)
     out = stream_dgrad1(a, codes, scales, plan, chunk=chunk, extra=extra)
@@ -720,7 +729,7 @@ def test_dgrad2_every_scale_byte_matches_the_engine(chunk, scale_mod):
 
 @pytest.mark.parametrize("chunk", DGRAD2_CHUNKS)
 @pytest.mark.parametrize("hidden,rank", [(64, 0), (320, 24)])  # one K step; an odd count
-def test_dgrad2_odd_step_counts(chunk, hidden, rank):
+def test_dgrad2_odd_step_counts(chunk, hidden, rank, sms):
     """A base-step count with a tail (the last step's fragment buffer) before the next
     tile: the engine's bits on the decoded weights on every row in use."""
     plan, weights, dout_pool, codes, scales, side_a2, preact = dgrad2_operands(
