@@ -49,13 +49,15 @@ void check_pool(const Tensor& a, int tokens, int block_m) {
   if (rows >= (int64_t{1} << 31)) throw nb::value_error("a: more than 2^31 - 1 pool rows");
 }
 
-// MXFP4 scales [E, rows, K / 32] as stored: the consumers load two bytes per step as one
-// 16-bit word.
+// MXFP4 scales [E, rows, K / 32] as stored: the producer loads two bytes per step as one
+// 16-bit word (`alignment` 2), or (the transposed kinds) copies the 4-byte word that holds
+// its bytes with cp.async (`alignment` 4, so that the word lies inside the row).
 void check_scales(const char* name, const Tensor& scales, int64_t experts, int64_t rows, int64_t k,
-                  int device) {
+                  int device, int alignment = 2) {
   check_tensor<uint8_t>(name, scales, {experts, rows, k / 32}, device);
-  if (reinterpret_cast<uintptr_t>(scales.data()) % 2 != 0)
-    throw nb::value_error((std::string(name) + ": expected a 2-byte aligned address").c_str());
+  if (reinterpret_cast<uintptr_t>(scales.data()) % alignment != 0)
+    throw nb::value_error(
+        (std::string(name) + ": expected a " + str(alignment) + "-byte aligned address").c_str());
 }
 
 void set_schedule(WeightStreamParams& p, const Tensor& offsets, const Tensor& counts,
@@ -222,9 +224,9 @@ void weight_stream_store_mn(const Tensor& a, const Tensor& b, const Tensor& b_sc
     throw nb::value_error(("b: expected N a multiple of " + str(columns) + " (chunks of " +
                            str(tokens) + "), got " + str(n))
                               .c_str());
-  // Scales [E, K, N / 32]: a producer thread loads two column blocks as one 16-bit word
-  // (one tile: one block's byte).
-  check_scales("b_scales", b_scales, experts, k, n, device);
+  // Scales [E, K, N / 32]: a producer thread copies the 4-byte word holding two column
+  // blocks' bytes (one tile: one block's byte).
+  check_scales("b_scales", b_scales, experts, k, n, device, 4);
   if (extra_lo.has_value() != extra_hi.has_value())
     throw nb::value_error("extra_lo/extra_hi: give both or neither");
   int64_t n_lo = 0, n_hi = 0, k_lo = 0;
@@ -308,7 +310,7 @@ void weight_stream_activation_backward(
   if (inter < kStoreColumns || inter % kStoreColumns != 0 || inter >= (int64_t{1} << 30))
     throw nb::value_error(
         ("b: expected I a multiple of 256 below 2^30, got " + str(inter)).c_str());
-  check_scales("b_scales", b_scales, experts, hidden, inter, device);
+  check_scales("b_scales", b_scales, experts, hidden, inter, device, 4);
   int64_t rank = 0;
   if (side_a2) {
     check_tensor("side_a2", *side_a2, bfloat16_dtype(), {experts, inter, -1}, device);

@@ -212,6 +212,9 @@ def parse_ptxas(log: str) -> dict[str, dict[str, int]]:
     return kernels
 
 
+STAGED_STEPS_AHEAD = 4
+
+
 def stream_checks(name: str, code: str) -> tuple[int | None, float | None]:
     """A weight-streaming kernel's producer scale loads read again in the iteration that
     issued them, and its epilogue's loads per round between its stores (None where the
@@ -221,6 +224,11 @@ def stream_checks(name: str, code: str) -> tuple[int | None, float | None]:
     instructions = stream_step_sass.parse(code)
     loop = stream_step_sass.producer_loop(instructions)
     early = len(stream_step_sass.loads_read_in_their_iteration(loop))
+    # Scale loads staged through shared memory (cp.async) must be waited for
+    # kScaleStepsAhead (4) steps after their issue, as the source intends.
+    staged = stream_step_sass.staged_steps_ahead(loop)
+    if staged is not None and staged < STAGED_STEPS_AHEAD:
+        early += 1
     loads, rounds = stream_step_sass.epilogue_load_rounds(instructions)
     return early, (loads / rounds if rounds else None)
 
@@ -403,8 +411,10 @@ def check_absolute(rows: list[dict], variants: list[str]) -> list[str]:
             )
         if row.get("producer_loads_read_in_step"):
             failures.append(
-                f"{where}: its producer reads {row['producer_loads_read_in_step']} scale loads "
-                "in the iteration that issued them (each step waits for its own loads)"
+                f"{where}: its producer waits for its scale loads too soon "
+                f"({row['producer_loads_read_in_step']}: loads read in the iteration that "
+                f"issued them, or staged loads waited for fewer than {STAGED_STEPS_AHEAD} "
+                "steps after their issue)"
             )
         per_round = row.get("epilogue_loads_per_round")
         if per_round is not None and per_round < EPILOGUE_LOADS_PER_ROUND:

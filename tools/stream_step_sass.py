@@ -301,7 +301,8 @@ def producer_loop(code: list[Instruction]) -> list[Instruction]:
     def holds(body: list[Instruction]) -> bool:
         names = {i.name for i in body}
         return (
-            {"LDG", "STS"} <= names
+            bool(names & {"LDG", "LDGSTS"})
+            and "STS" in names
             and not names & {"HGMMA", "NANOSLEEP", "EXIT"}
             and any(i.opcode == PRODUCER_ARRIVE for i in body)
         )
@@ -347,6 +348,18 @@ def scale_load_steps_ahead(loop: list[Instruction]) -> int | None:
                 break
             arrivals += later.opcode == PRODUCER_ARRIVE
     return fewest
+
+
+def staged_steps_ahead(loop: list[Instruction]) -> int | None:
+    """Steps ahead of scale loads staged through shared memory (cp.async: LDGSTS, one
+    commit group, LDGDEPBAR, a step): a step's ``DEPBAR.LE SB0, n`` leaves the newest n
+    groups in flight, so the loads it waits for were issued n + 1 steps before. None
+    without staged loads."""
+    if not any(i.name == "LDGSTS" for i in loop):
+        return None
+    waits = [re.search(r"SB0,\s*0x([0-9a-f]+)", i.operands) for i in loop if i.name == "DEPBAR"]
+    counts = [int(m.group(1), 16) for m in waits if m]
+    return min(counts) + 1 if counts else 0
 
 
 def producer_per_step(sass: str) -> tuple[float, list[tuple[Instruction, Instruction]]]:
@@ -447,7 +460,11 @@ def main(argv: list[str] | None = None) -> int:
     per_step, early = producer_per_step(sass)
     print(f"producer: {per_step:.1f} instructions per step outside the copies' blocks")
     print(f"producer: {len(early)} scale loads read in the iteration that issued them")
-    ahead = scale_load_steps_ahead(producer_loop(parse(sass)))
+    loop = producer_loop(parse(sass))
+    ahead = scale_load_steps_ahead(loop)
+    staged = staged_steps_ahead(loop)
+    if staged is not None:
+        print(f"producer: scale loads staged in shared memory, {staged} step(s) ahead")
     if ahead is not None:
         print(f"producer: scale loads waited for {ahead} step(s) after their issue (scoreboards)")
     for load, reader in early:

@@ -76,22 +76,28 @@ struct StreamConfig {
   // dgrad2: the router dot's 32 vector sums of each chunk row, two buffers (by tile
   // parity), after the stages.
   static constexpr int kDotBytes = kActivation ? 2 * Tokens * 32 * 4 : 0;
-  static constexpr int kStagesFit = (kSmemLimit - 1024 - kBarrierBytes - kDotBytes) / kStageBytes;
+  // Base steps whose scale loads are in flight in the producer warpgroup (their loads
+  // issued this many steps before the words are written).
+  static constexpr int kScaleStepsAhead = 4;
+  // The transposed kinds' scale loads land in shared memory (cp.async, StreamScaleColumns):
+  // per producer thread kScaleStepsAhead slots of two 4-byte words, after the dots.
+  static constexpr int kScaleStagingBytes =
+      kTransposed ? kWarpgroupThreads * kScaleStepsAhead * 8 : 0;
+  static constexpr int kStagesFit =
+      (kSmemLimit - 1024 - kBarrierBytes - kDotBytes - kScaleStagingBytes) / kStageBytes;
   // Six stages, not as many as fit: shared memory takes its room from L1 (one 256 KB
   // array per SM), and deeper rings measured slower (docs/ENGINE.md, "The ring's depth");
   // the wide 256-row chunks fit four (Store) or five (Gated), and three stages measured
   // no faster there; the 192-row chunks fit five (Store) or six (Gated).
   static constexpr int kStages = kStagesFit > 6 ? 6 : kStagesFit;
   static_assert(kStages >= 3, "a ring deep enough to overlap the loads");
-  static constexpr int kSmemBytes = 1024 + kStages * kStageBytes + kDotBytes + kBarrierBytes;
+  static constexpr int kSmemBytes =
+      1024 + kStages * kStageBytes + kDotBytes + kScaleStagingBytes + kBarrierBytes;
   static_assert(2 * kStages * 8 <= kBarrierBytes, "a full and an empty barrier per stage");
   // The transposed decode's multiplies before the step's scale check (64-row chunks) or
   // inside its fast branch (32-row chunks): each measured faster where it is used
   // (docs/ENGINE.md, "The transposed decode's multiplies and the scale check").
   static constexpr bool kValuesBeforeCheck = kTransposed && Tokens == 64;
-  // Base steps whose scale loads are in flight in the producer warpgroup (their loads
-  // issued this many steps before the words are written).
-  static constexpr int kScaleStepsAhead = 4;
   // setmaxnreg: the producer's warpgroup gives its registers to the two consumers.
   static constexpr int kProducerRegisters = 40;
   static constexpr int kConsumerRegisters = 232;
@@ -101,14 +107,16 @@ struct StreamConfig {
 template <class C>
 struct StreamStorage {
   uint8_t* stages;
-  uint8_t* dots;  // dgrad2's router-dot sums (C::kDotBytes)
+  uint8_t* dots;           // dgrad2's router-dot sums (C::kDotBytes)
+  uint8_t* scale_staging;  // the transposed kinds' scale loads (C::kScaleStagingBytes)
   uint64_t* full;
   uint64_t* empty;
   __device__ __forceinline__ explicit StreamStorage(uint8_t* raw) {
     stages =
         reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t{1023});
     dots = stages + C::kStages * C::kStageBytes;
-    full = reinterpret_cast<uint64_t*>(dots + C::kDotBytes);
+    scale_staging = dots + C::kDotBytes;
+    full = reinterpret_cast<uint64_t*>(scale_staging + C::kScaleStagingBytes);
     empty = full + C::kStages;
   }
   __device__ __forceinline__ uint8_t* a(int s) const { return stages + s * C::kStageBytes; }

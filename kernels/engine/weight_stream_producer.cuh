@@ -21,6 +21,8 @@ namespace megamoe::kernels::engine {
 // read ready factors with one shared load and no address math of their own.
 struct StreamScaleRows {
   static constexpr int kLoads = 2, kWords = 2;
+  static constexpr bool kStaged = false;  // loads into registers (they hit L1)
+  static constexpr int kSlots = 0;
   const uint16_t* cursor;  // row r's pair of the next base step to load
   uint32_t eight_rows;     // pairs from row r to row r + 8
   uint32_t store_offset;   // this thread's 8 bytes in a stage's scale area
@@ -68,6 +70,8 @@ struct StreamScaleRows {
 template <bool kGated>
 struct StreamScaleLines {
   static constexpr int kLoads = 1, kWords = 1;
+  static constexpr bool kStaged = false;
+  static constexpr int kSlots = 0;
   const uint16_t* cursor;  // the line's pair of the next base step to load
   uint32_t store_offset;   // this thread's word in a stage's scale area
 
@@ -115,8 +119,18 @@ struct StreamScaleColumns {
   uint32_t store_offset;  // the first word's place in a stage's scale area (two tiles: the
                           // second's is 128 bytes on, the next warp's slot)
 
+  // The loads land in shared memory (cp.async, one commit group a step) and a step's are
+  // waited for kScaleStepsAhead - 1 groups behind the newest: register loads all share one
+  // scoreboard, and a wait is for every load on it, so they were one step ahead in effect
+  // and each step waited for L2 (the rows are new sectors every step). A unit's 4-byte
+  // aligned word is copied (cp.async's smallest size); `shift` places the unit in it.
+  static constexpr bool kStaged = true;
+  static constexpr int kSlots = 4;  // StreamConfig::kScaleStepsAhead
+  uint32_t staging;                 // this thread's slots (kSlots x two words), shared address
+  uint32_t shift;  // the unit's bit offset in its aligned word (the same every step)
+
   __device__ __forceinline__ StreamScaleColumns(const WeightStreamParams& p, const StreamTile& tile,
-                                                int thread) {
+                                                int thread, uint32_t staging_area) {
     const int j = thread % 2, k16 = thread / 2 % 4, quad = thread / 8 % 4;
     const int warp = kOneTile ? thread / 32 : 2 * (thread / 32 % 2);
     const int consumer = kOneTile ? 0 : thread / 64;
@@ -128,16 +142,34 @@ struct StreamScaleColumns {
     next_row = static_cast<uint32_t>(blocks_per_row / static_cast<int64_t>(sizeof(Unit)));
     store_offset =
         static_cast<uint32_t>(32 * ((4 * consumer + warp) * 4 + quad) + 4 * (2 * k16 + j));
+    staging = staging_area + static_cast<uint32_t>(thread) * kSlots * 8;
+    shift = 8 * static_cast<uint32_t>(reinterpret_cast<uintptr_t>(cursor) & 3);
   }
 
-  // The two rows' units stay apart until the step's words are formed (joined here, the
-  // join would wait for the loads in the step that issued them).
-  __device__ __forceinline__ void load_next(bool load, uint32_t (&raw)[2]) {
+  // The next step's two units (rows n and n + 1) into `slot` when `load`; one commit
+  // group either way, so that every step's wait counts the same groups.
+  __device__ __forceinline__ void issue(bool load, int slot) {
     if (load) {
-      raw[0] = static_cast<uint32_t>(__ldg(cursor));
-      raw[1] = static_cast<uint32_t>(__ldg(cursor + next_row));
+      const uint32_t at = staging + 8 * slot;
+      const uintptr_t first = reinterpret_cast<uintptr_t>(cursor) & ~uintptr_t{3};
+      const uintptr_t second = reinterpret_cast<uintptr_t>(cursor + next_row) & ~uintptr_t{3};
+      asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(at), "l"(first) : "memory");
+      asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(at + 4), "l"(second)
+                   : "memory");
     }
+    asm volatile("cp.async.commit_group;" ::: "memory");
     cursor += 64 * next_row;  // 64 stored rows a step
+  }
+  // The oldest step in flight's units from `slot`, once its group (and every older) landed.
+  __device__ __forceinline__ void take(int slot, uint32_t (&raw)[2]) const {
+    asm volatile("cp.async.wait_group %0;" ::"n"(kSlots - 1) : "memory");
+    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];"
+                 : "=r"(raw[0]), "=r"(raw[1])
+                 : "r"(staging + 8 * slot)
+                 : "memory");
+    constexpr uint32_t kUnitMask = kOneTile ? 0xFFu : 0xFFFFu;
+    raw[0] = raw[0] >> shift & kUnitMask;
+    raw[1] = raw[1] >> shift & kUnitMask;
   }
 
   // Every step's rows are new sectors (64 rows on), most of them not yet in L2: one thread
@@ -245,20 +277,35 @@ __device__ __forceinline__ void stream_produce(const WeightStreamParams& p,
         C::kTransposed, StreamScaleColumns<C::kOneTile, C::kColumns>,
         std::conditional_t<C::kOneTile, StreamScaleLines<C::kGated>, StreamScaleRows>>;
     constexpr int kLoads = ScaleLoads::kLoads, kWords = ScaleLoads::kWords;
-    ScaleLoads rows(p, tile, thread);
+    static_assert(!ScaleLoads::kStaged || ScaleLoads::kSlots == kAhead, "a slot per step ahead");
+    ScaleLoads rows = [&] {
+      if constexpr (ScaleLoads::kStaged)
+        return ScaleLoads(p, tile, thread, shared_address(smem.scale_staging));
+      else
+        return ScaleLoads(p, tile, thread);
+    }();
     uint32_t pending[kAhead][kLoads];  // the scale bytes of the next kAhead base steps
 #pragma unroll
-    for (int d = 0; d < kAhead; ++d) rows.load_next(d < base_steps, pending[d]);
+    for (int d = 0; d < kAhead; ++d) {
+      if constexpr (ScaleLoads::kStaged)
+        rows.issue(d < base_steps, d);
+      else
+        rows.load_next(d < base_steps, pending[d]);
+    }
     constexpr int kPrefetch = decltype(rows)::kPrefetchSteps;
     for (int d = 0; d < kPrefetch; ++d) rows.prefetch(d, kAhead + d < base_steps, thread);
     // A base step: its words from the pairs loaded kAhead steps before, formed before
     // those registers take the loads of kAhead steps on (formed after, the loads went to
     // temporaries copied back within the step, so every step waited for the loads it had
     // just issued), then the stage's copies and words.
-    auto base_step = [&](int k_step, uint32_t (&pairs)[kLoads]) {
+    auto base_step = [&](int k_step, int slot, uint32_t (&pairs)[kLoads]) {
       uint32_t words[kWords];
+      if constexpr (ScaleLoads::kStaged) rows.take(slot, pairs);
       rows.words(pairs, words);
-      rows.load_next(k_step + kAhead < base_steps, pairs);
+      if constexpr (ScaleLoads::kStaged)
+        rows.issue(k_step + kAhead < base_steps, slot);
+      else
+        rows.load_next(k_step + kAhead < base_steps, pairs);
       rows.prefetch(kPrefetch - 1, k_step + kAhead + kPrefetch < base_steps, thread);
       wait_barrier(ring.empty(), ring.phase ^ 1u);
       uint64_t* bar = &smem.full[ring.stage];
@@ -283,7 +330,7 @@ __device__ __forceinline__ void stream_produce(const WeightStreamParams& p,
     for (int k_step = 0; k_step < base_steps; k_step += kAhead) {
 #pragma unroll
       for (int d = 0; d < kAhead; ++d)
-        if (k_step + d < base_steps) base_step(k_step + d, pending[d]);
+        if (k_step + d < base_steps) base_step(k_step + d, d, pending[d]);
     }
   }
 }

@@ -337,3 +337,33 @@ def test_scale_loads_on_one_scoreboard_are_one_step_ahead(shared: bool) -> None:
 def test_control_word_fields() -> None:
     (load,) = tool.parse(_controlled([("LDG.E.U16.CONSTANT R13, desc[UR4][R4.64]", 5, 0b100011)]))
     assert (load.stall, load.write_barrier, load.wait_mask) == (1, 5, 0b100011)
+
+
+@pytest.mark.parametrize("keep,ahead", [(3, 4), (0, 1)])
+def test_staged_scale_loads_steps_ahead(keep: int, ahead: int) -> None:
+    """cp.async scale loads (LDGSTS, a commit group a step) waited for with DEPBAR.LE SB0,
+    keep: the loads were issued keep + 1 steps before the wait."""
+    step = [
+        f"DEPBAR.LE SB0, 0x{keep:x}",
+        "LDS.64 R22, [R19+0x1f800]",
+        "LDGSTS.E [R19+0x1f800], desc[UR32][R12.64]",
+        "LDGDEPBAR",
+        "STS [R20+UR36+0x5000], R5",
+        "SYNCS.ARRIVE.TRANS64.A1T0 RZ, [UR37], RZ",
+    ]
+    start = 0x200
+    sass = _listing([*step, *step, f"@!P1 BRA 0x{start:x}"], start)
+    loop = tool.producer_loop(tool.parse(sass))
+    assert tool.staged_steps_ahead(loop) == ahead
+    assert tool.scale_load_steps_ahead(loop) is None  # no register loads
+
+
+def test_register_loads_are_not_staged() -> None:
+    sass = _controlled(
+        [
+            *_scoreboard_step(20, 5, 1 << 5),
+            *_scoreboard_step(21, 5, 1 << 5),
+            ("@!P1 BRA 0x200", 7, 0),
+        ]
+    )
+    assert tool.staged_steps_ahead(tool.producer_loop(tool.parse(sass))) is None
