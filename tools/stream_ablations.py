@@ -14,11 +14,16 @@ Ablations:
           becomes an empty asm that reads the fragment; the segment steps' MMAs from
           shared memory stay
   scales  the producer warpgroup writes constant scale words (the fast path's): no
-          scale loads from global memory and no L2 prefetch of scale rows
+          scale loads from global memory (nor their cp.async staging) and no L2
+          prefetch of scale rows
   codes   the producer issues no TMA load of a base step's codes; the pool tile is
           still loaded
+  pool    the producer issues no TMA load of a base step's pool tile (it completes the
+          tile's bytes on the stage's barrier itself); the codes are still loaded
 
-One probe changes a setting instead of removing work (its outputs are right):
+Two probes change a setting instead of removing work (their outputs are right):
+  poollast   the pool tiles' TMA loads carry the L2 evict-last hint (the codes' keep
+             evict-normal): a chunk's pool tile is read again by each of its tiles
   stagesfit  the ring holds as many stages as fit, not 6 (10 with 32-row chunks, 9 with
              64-row ones, 8 for dgrad2's 64-row ones; wider chunks keep theirs): more
              code bytes in flight per SM, and that much less L1
@@ -117,10 +122,26 @@ ABLATIONS: dict[str, tuple[Edit, ...]] = {
             PRODUCER,
             "static_cast<uint32_t>(__ldg(cursor))",
             "0x7F7Fu * (cursor != nullptr)",
-            count=3,
+            count=2,
         ),
         Edit(PRODUCER, "static_cast<uint32_t>(__ldg(cursor + eight_rows))", "0x7F7Fu"),
-        Edit(PRODUCER, "static_cast<uint32_t>(__ldg(cursor + next_row))", "0x7F7Fu"),
+        # The transposed kinds' loads staged through shared memory: no copies, and the
+        # staged words replaced by the same constants (the waits and shared loads stay).
+        Edit(
+            PRODUCER,
+            '      asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(at), "l"(first) '
+            ': "memory");\n'
+            '      asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(at + 4), '
+            '"l"(second)\n'
+            '                   : "memory");',
+            "      (void)at;\n      (void)first;\n      (void)second;",
+        ),
+        Edit(
+            PRODUCER,
+            "    raw[0] = raw[0] >> shift & kUnitMask;\n    raw[1] = raw[1] >> shift & kUnitMask;",
+            "    raw[0] = 0x7F7Fu * (cursor != nullptr) + 0u * (raw[0] >> shift & kUnitMask);\n"
+            "    raw[1] = 0x7F7Fu + 0u * raw[1];",
+        ),
         Edit(
             PRODUCER,
             '      asm volatile("prefetch.global.L2 [%0];" ::"l"(at));\n'
@@ -155,6 +176,29 @@ ABLATIONS: dict[str, tuple[Edit, ...]] = {
             "k_step * kBlockK,\n"
             "                                       tile.expert);\n"
             "        else if constexpr (false)\n",
+        ),
+    ),
+    "pool": (
+        # The base steps' pool tiles: the producer completes their bytes on the stage's
+        # barrier itself instead of loading them (the MMAs read the stage's stale tile);
+        # the segment steps still load theirs.
+        Edit(
+            PRODUCER,
+            "        load_pool(bar, k_step * kBlockK);",
+            '        asm volatile("mbarrier.complete_tx.shared::cta.b64 [%0], %1;" ::"r"('
+            "shared_address(bar)),\n"
+            '                     "r"(pool_bytes)\n'
+            '                     : "memory");',
+        ),
+    ),
+    "poollast": (
+        Edit(
+            PRODUCER,
+            "copy(&p.pool, bar, kCacheHint,",
+            "copy(&p.pool, bar,\n"
+            "                                       static_cast<uint64_t>("
+            "cute::TMA::CacheHintSm90::EVICT_LAST),",
+            count=2,
         ),
     ),
     "stagesfit": (

@@ -42,7 +42,10 @@ def test_all_ablations_compose():
     edited = stream_ablations.apply(_files(), sorted(ABLATIONS))
     producer = edited["kernels/engine/weight_stream_producer.cuh"]
     assert "__ldg" not in producer and "prefetch.global.L2" not in producer
+    assert "cp.async.ca" not in producer
     assert "C::kCodeBytes + pool_bytes" not in producer
+    assert "load_pool(bar, k_step * kBlockK)" not in producer
+    assert "load_pool(bar, pool_column)" in producer  # the segment steps keep theirs
     decode = edited["kernels/engine/fragment_decode.cuh"]
     # The forward decode, the transposed placements and their products, the tile decode.
     assert "pair_times_factor<0>(pair_bits" not in decode
@@ -51,6 +54,7 @@ def test_all_ablations_compose():
     assert "pair_times_factors(low, scales.words[pair])" not in decode
     assert "registers(a[k16]" not in edited["kernels/engine/weight_stream_mma.cuh"]
     assert "int kStages = kStagesFit;" in edited["kernels/engine/weight_stream_config.cuh"]
+    assert producer.count("CacheHintSm90::EVICT_LAST") == 2  # both pool-tile loads
 
 
 def test_an_edit_that_no_longer_matches_fails_loudly():
@@ -132,4 +136,4 @@ def test_main_writes_base_and_builds_from_a_revision(tmp_path, monkeypatch):
     assert (out / "base.tar").read_bytes() == base
     with tarfile.open(out / "noscales.tar") as tar:
         text = tar.extractfile("kernels/engine/weight_stream_producer.cuh").read().decode()
-    assert "__ldg" not in text
+    assert "__ldg" not in text and "cp.async.ca" not in text
