@@ -16,16 +16,23 @@ namespace megamoe::kernels::engine {
 // ---- producer warpgroup ----
 // Thread i of the producer warpgroup writes, per base step, the scale words of two lines
 // (scale_word): consumer quad i / 2's lines 2h and 2h + 1 (h = i % 2: rows r and r + 8 of
-// half h), 8 bytes of the stage's scale area. It loads their bytes kScaleStepsAhead base
-// steps before, so the loads' latency passes while the ring fills; the consumers then
-// read ready factors with one shared load and no address math of their own.
+// half h), 8 bytes of the stage's scale area. It loads their bytes in 8-byte chunks, four
+// steps' pairs of a row in one load, the next chunk as the current one comes into use, so
+// each load is four steps old when it is read. A warp's load touches 32 rows 128 bytes
+// apart, 32 L1 wavefronts whatever its width, so loading four steps at once takes a
+// quarter of the L1 work of a load per step (the consumers' shared loads share L1).
 struct StreamScaleRows {
   static constexpr int kLoads = 2, kWords = 2;
-  static constexpr bool kStaged = false;  // loads into registers (they hit L1)
+  static constexpr bool kStaged = false;
+  static constexpr bool kChunked = true;
   static constexpr int kSlots = 0;
-  const uint16_t* cursor;  // row r's pair of the next base step to load
-  uint32_t eight_rows;     // pairs from row r to row r + 8
-  uint32_t store_offset;   // this thread's 8 bytes in a stage's scale area
+  static constexpr int kChunkSteps = 4;  // pairs per 8-byte chunk
+  const uint2* next_chunk;               // row r's next chunk to load
+  uint32_t eight_rows;    // chunks from row r to row r + 8 (8 rows of pairs, in chunks)
+  uint32_t phase;         // step 0's pair's place in its chunk (both rows alike)
+  uint32_t store_offset;  // this thread's 8 bytes in a stage's scale area
+  uint2 current[2];       // rows r and r + 8: the chunks holding this step's pairs
+  uint2 next[2];          // ... and the next four steps'
 
   __device__ __forceinline__ StreamScaleRows(const WeightStreamParams& p, const StreamTile& tile,
                                              int thread) {
@@ -33,21 +40,45 @@ struct StreamScaleRows {
     const uint32_t pairs_per_row = static_cast<uint32_t>(p.k_base / 64);
     const int64_t w_row = static_cast<int64_t>(tile.expert) * p.weight_rows + tile.n0 +
                           stream_scale_slot_row(slot) + half * p.half_rows;
-    cursor = reinterpret_cast<const uint16_t*>(p.scales) + w_row * pairs_per_row;
-    eight_rows = 8 * pairs_per_row;
+    const uintptr_t first = reinterpret_cast<uintptr_t>(
+        reinterpret_cast<const uint16_t*>(p.scales) + w_row * pairs_per_row);
+    next_chunk = reinterpret_cast<const uint2*>(first & ~uintptr_t{7});
+    phase = static_cast<uint32_t>(first >> 1 & 3);
+    eight_rows = 2 * pairs_per_row;  // 8 rows of 2-byte pairs are 2 pairs_per_row chunks
     store_offset = static_cast<uint32_t>(16 * slot + 8 * half);
   }
 
-  // The two rows' pairs of the cursor's step when `load`; the cursor moves on either way.
-  __device__ __forceinline__ void load_next(bool load, uint32_t (&raw)[2]) {
-    if (load) {
-      raw[0] = static_cast<uint32_t>(__ldg(cursor));
-      raw[1] = static_cast<uint32_t>(__ldg(cursor + eight_rows));
+  __device__ __forceinline__ void load(uint2 (&chunks)[2]) {
+    chunks[0] = __ldg(next_chunk);
+    chunks[1] = __ldg(next_chunk + eight_rows);
+    ++next_chunk;
+  }
+  // The chunks of steps 0 and kChunkSteps - phase (the next chunk's first step), those
+  // that hold a step of the tile's.
+  __device__ __forceinline__ void start(int base_steps) {
+    if (base_steps > 0) load(current);
+    if (kChunkSteps - static_cast<int>(phase) < base_steps) load(next);
+  }
+  // Base step `step` (= d mod kChunkSteps)'s pairs: where a chunk begins, the next one
+  // becomes current (loaded kChunkSteps steps before). Read before refill() issues the
+  // following load: loads share a scoreboard, and a read waits for every load on it.
+  __device__ __forceinline__ void take(int step, int d, uint32_t (&raw)[2]) {
+    const uint32_t at = (phase + static_cast<uint32_t>(d)) & (kChunkSteps - 1);
+    if (at == 0 && step > 0) {
+      current[0] = next[0];
+      current[1] = next[1];
     }
-    ++cursor;
+    const uint32_t shift = 16 * (at & 1);
+    raw[0] = ((at & 2) ? current[0].y : current[0].x) >> shift & 0xFFFFu;
+    raw[1] = ((at & 2) ? current[1].y : current[1].x) >> shift & 0xFFFFu;
+  }
+  // Where a chunk began at `step`, the chunk after it, if it holds a step of the tile's.
+  __device__ __forceinline__ void refill(int step, int d, int base_steps) {
+    const uint32_t at = (phase + static_cast<uint32_t>(d)) & (kChunkSteps - 1);
+    if (at == 0 && step > 0 && step + kChunkSteps < base_steps) load(next);
   }
 
-  // Row r's bytes of 16 steps share a 32-byte sector: the loads hit L1.
+  // Row r's pairs of 16 steps share a 32-byte sector: the loads hit L1.
   static constexpr int kPrefetchSteps = 0;
   __device__ __forceinline__ void prefetch(int, bool, int) const {}
 
@@ -70,7 +101,7 @@ struct StreamScaleRows {
 template <bool kGated>
 struct StreamScaleLines {
   static constexpr int kLoads = 1, kWords = 1;
-  static constexpr bool kStaged = false;
+  static constexpr bool kStaged = false, kChunked = false;
   static constexpr int kSlots = 0;
   const uint16_t* cursor;  // the line's pair of the next base step to load
   uint32_t store_offset;   // this thread's word in a stage's scale area
@@ -124,7 +155,7 @@ struct StreamScaleColumns {
   // scoreboard, and a wait is for every load on it, so they were one step ahead in effect
   // and each step waited for L2 (the rows are new sectors every step). A unit's 4-byte
   // aligned word is copied (cp.async's smallest size); `shift` places the unit in it.
-  static constexpr bool kStaged = true;
+  static constexpr bool kStaged = true, kChunked = false;
   static constexpr int kSlots = 4;  // StreamConfig::kScaleStepsAhead
   uint32_t staging;                 // this thread's slots (kSlots x two words), shared address
   uint32_t shift;  // the unit's bit offset in its aligned word (the same every step)
@@ -285,12 +316,17 @@ __device__ __forceinline__ void stream_produce(const WeightStreamParams& p,
         return ScaleLoads(p, tile, thread);
     }();
     uint32_t pending[kAhead][kLoads];  // the scale bytes of the next kAhead base steps
+    if constexpr (ScaleLoads::kChunked) {
+      static_assert(ScaleLoads::kChunkSteps == kAhead, "a step's place in its chunk is d");
+      rows.start(base_steps);
+    } else {
 #pragma unroll
-    for (int d = 0; d < kAhead; ++d) {
-      if constexpr (ScaleLoads::kStaged)
-        rows.issue(d < base_steps, d);
-      else
-        rows.load_next(d < base_steps, pending[d]);
+      for (int d = 0; d < kAhead; ++d) {
+        if constexpr (ScaleLoads::kStaged)
+          rows.issue(d < base_steps, d);
+        else
+          rows.load_next(d < base_steps, pending[d]);
+      }
     }
     constexpr int kPrefetch = decltype(rows)::kPrefetchSteps;
     for (int d = 0; d < kPrefetch; ++d) rows.prefetch(d, kAhead + d < base_steps, thread);
@@ -300,10 +336,15 @@ __device__ __forceinline__ void stream_produce(const WeightStreamParams& p,
     // just issued), then the stage's copies and words.
     auto base_step = [&](int k_step, int slot, uint32_t (&pairs)[kLoads]) {
       uint32_t words[kWords];
-      if constexpr (ScaleLoads::kStaged) rows.take(slot, pairs);
+      if constexpr (ScaleLoads::kStaged)
+        rows.take(slot, pairs);
+      else if constexpr (ScaleLoads::kChunked)
+        rows.take(k_step, slot, pairs);
       rows.words(pairs, words);
       if constexpr (ScaleLoads::kStaged)
         rows.issue(k_step + kAhead < base_steps, slot);
+      else if constexpr (ScaleLoads::kChunked)
+        rows.refill(k_step, slot, base_steps);
       else
         rows.load_next(k_step + kAhead < base_steps, pairs);
       rows.prefetch(kPrefetch - 1, k_step + kAhead + kPrefetch < base_steps, thread);

@@ -319,6 +319,15 @@ def test_store_launcher_checks():
         stream_gemm2(a, codes, scales, plan, chunk=128)
     with pytest.raises(ValueError, match="N a multiple of 128"):
         stream_gemm2(a, codes, scales, plan, chunk=256)
+    # The producer loads the aligned 8-byte chunk that holds four steps' scale bytes of a
+    # row: scales that start 4 bytes past a chunk are refused before any kernel runs.
+    codes = torch.zeros(2, 256, 128, dtype=torch.uint8, device="cuda")
+    buffer = torch.full((2 * 256 * 8 + 4,), 127, dtype=torch.uint8, device="cuda")
+    shifted = buffer[4:].view(2, 256, 8)
+    with pytest.raises(ValueError, match="b_scales: expected a data pointer aligned to 8 bytes"):
+        stream_gemm2(a, codes, shifted, plan, chunk=32)
+    with pytest.raises(ValueError, match="w13_scales: expected a data pointer aligned to 8 bytes"):
+        stream_gemm1(a, codes, shifted, plan, k=256, chunk=32)
 
 
 @pytest.fixture(params=[None, 5], ids=["all-sms", "5-sms"])
