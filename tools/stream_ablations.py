@@ -118,13 +118,13 @@ ABLATIONS: dict[str, tuple[Edit, ...]] = {
     "scales": (
         # The cursor still advances and is still read (here), so the loaders' address
         # math stays as in the kernel; only the loads go.
-        Edit(PRODUCER, "static_cast<uint32_t>(__ldg(cursor))", "0x7F7Fu * (cursor != nullptr)"),
         Edit(
             PRODUCER,
-            "    chunks[0] = __ldg(next_chunk);\n    chunks[1] = __ldg(next_chunk + eight_rows);",
-            "    chunks[0] = make_uint2(0x7F7F7F7Fu * (next_chunk != nullptr), 0x7F7F7F7Fu);\n"
-            "    chunks[1] = make_uint2(0x7F7F7F7Fu, 0x7F7F7F7Fu + 0u * eight_rows);",
+            "static_cast<uint32_t>(__ldg(cursor))",
+            "0x7F7Fu * (cursor != nullptr)",
+            count=2,
         ),
+        Edit(PRODUCER, "static_cast<uint32_t>(__ldg(cursor + eight_rows))", "0x7F7Fu"),
         # The transposed kinds' loads staged through shared memory: no copies, and the
         # staged words replaced by the same constants (the waits and shared loads stay).
         Edit(

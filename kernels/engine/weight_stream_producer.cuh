@@ -16,23 +16,16 @@ namespace megamoe::kernels::engine {
 // ---- producer warpgroup ----
 // Thread i of the producer warpgroup writes, per base step, the scale words of two lines
 // (scale_word): consumer quad i / 2's lines 2h and 2h + 1 (h = i % 2: rows r and r + 8 of
-// half h), 8 bytes of the stage's scale area. It loads their bytes in 8-byte chunks, four
-// steps' pairs of a row in one load, the next chunk as the current one comes into use, so
-// each load is four steps old when it is read. A warp's load touches 32 rows 128 bytes
-// apart, 32 L1 wavefronts whatever its width, so loading four steps at once takes a
-// quarter of the L1 work of a load per step (the consumers' shared loads share L1).
+// half h), 8 bytes of the stage's scale area. It loads their bytes kScaleStepsAhead base
+// steps before, so the loads' latency passes while the ring fills; the consumers then
+// read ready factors with one shared load and no address math of their own.
 struct StreamScaleRows {
   static constexpr int kLoads = 2, kWords = 2;
-  static constexpr bool kStaged = false;
-  static constexpr bool kChunked = true;
+  static constexpr bool kStaged = false, kChunked = false;  // loads into registers (L1 hits)
   static constexpr int kSlots = 0;
-  static constexpr int kChunkSteps = 4;  // pairs per 8-byte chunk
-  const uint2* next_chunk;               // row r's next chunk to load
-  uint32_t eight_rows;    // chunks from row r to row r + 8 (8 rows of pairs, in chunks)
-  uint32_t phase;         // step 0's pair's place in its chunk (both rows alike)
-  uint32_t store_offset;  // this thread's 8 bytes in a stage's scale area
-  uint2 current[2];       // rows r and r + 8: the chunks holding this step's pairs
-  uint2 next[2];          // ... and the next four steps'
+  const uint16_t* cursor;  // row r's pair of the next base step to load
+  uint32_t eight_rows;     // pairs from row r to row r + 8
+  uint32_t store_offset;   // this thread's 8 bytes in a stage's scale area
 
   __device__ __forceinline__ StreamScaleRows(const WeightStreamParams& p, const StreamTile& tile,
                                              int thread) {
@@ -40,45 +33,21 @@ struct StreamScaleRows {
     const uint32_t pairs_per_row = static_cast<uint32_t>(p.k_base / 64);
     const int64_t w_row = static_cast<int64_t>(tile.expert) * p.weight_rows + tile.n0 +
                           stream_scale_slot_row(slot) + half * p.half_rows;
-    const uintptr_t first = reinterpret_cast<uintptr_t>(
-        reinterpret_cast<const uint16_t*>(p.scales) + w_row * pairs_per_row);
-    next_chunk = reinterpret_cast<const uint2*>(first & ~uintptr_t{7});
-    phase = static_cast<uint32_t>(first >> 1 & 3);
-    eight_rows = 2 * pairs_per_row;  // 8 rows of 2-byte pairs are 2 pairs_per_row chunks
+    cursor = reinterpret_cast<const uint16_t*>(p.scales) + w_row * pairs_per_row;
+    eight_rows = 8 * pairs_per_row;
     store_offset = static_cast<uint32_t>(16 * slot + 8 * half);
   }
 
-  __device__ __forceinline__ void load(uint2 (&chunks)[2]) {
-    chunks[0] = __ldg(next_chunk);
-    chunks[1] = __ldg(next_chunk + eight_rows);
-    ++next_chunk;
-  }
-  // The chunks of steps 0 and kChunkSteps - phase (the next chunk's first step), those
-  // that hold a step of the tile's.
-  __device__ __forceinline__ void start(int base_steps) {
-    if (base_steps > 0) load(current);
-    if (kChunkSteps - static_cast<int>(phase) < base_steps) load(next);
-  }
-  // Base step `step` (= d mod kChunkSteps)'s pairs: where a chunk begins, the next one
-  // becomes current (loaded kChunkSteps steps before). Read before refill() issues the
-  // following load: loads share a scoreboard, and a read waits for every load on it.
-  __device__ __forceinline__ void take(int step, int d, uint32_t (&raw)[2]) {
-    const uint32_t at = (phase + static_cast<uint32_t>(d)) & (kChunkSteps - 1);
-    if (at == 0 && step > 0) {
-      current[0] = next[0];
-      current[1] = next[1];
+  // The two rows' pairs of the cursor's step when `load`; the cursor moves on either way.
+  __device__ __forceinline__ void load_next(bool load, uint32_t (&raw)[2]) {
+    if (load) {
+      raw[0] = static_cast<uint32_t>(__ldg(cursor));
+      raw[1] = static_cast<uint32_t>(__ldg(cursor + eight_rows));
     }
-    const uint32_t shift = 16 * (at & 1);
-    raw[0] = ((at & 2) ? current[0].y : current[0].x) >> shift & 0xFFFFu;
-    raw[1] = ((at & 2) ? current[1].y : current[1].x) >> shift & 0xFFFFu;
-  }
-  // Where a chunk began at `step`, the chunk after it, if it holds a step of the tile's.
-  __device__ __forceinline__ void refill(int step, int d, int base_steps) {
-    const uint32_t at = (phase + static_cast<uint32_t>(d)) & (kChunkSteps - 1);
-    if (at == 0 && step > 0 && step + kChunkSteps < base_steps) load(next);
+    ++cursor;
   }
 
-  // Row r's pairs of 16 steps share a 32-byte sector: the loads hit L1.
+  // Row r's bytes of 16 steps share a 32-byte sector: the loads hit L1.
   static constexpr int kPrefetchSteps = 0;
   __device__ __forceinline__ void prefetch(int, bool, int) const {}
 
@@ -91,6 +60,58 @@ struct StreamScaleRows {
     asm volatile("st.shared.v2.u32 [%0], {%1, %2};" ::"r"(scale_area + store_offset), "r"(words[0]),
                  "r"(words[1])
                  : "memory");
+  }
+};
+
+// StreamScaleRows' lines and words, their bytes loaded in 8-byte chunks: four steps of a
+// row in one load, the next chunk as the current one comes into use (four steps ahead). A
+// warp's load reads 32 rows 128 bytes apart, about 32 L1 wavefronts whatever its width, so
+// a chunk per four steps takes a quarter of the L1 work of a load a step (the consumers'
+// shared loads of codes and words go through the same L1). For rows of whole chunks (K a
+// multiple of 256), each row's step 0 begins a chunk; the launchers require 8-byte aligned
+// scales.
+struct StreamScaleRowChunks : StreamScaleRows {
+  static constexpr bool kChunked = true;
+  static constexpr int kChunkSteps = 4;  // pairs per chunk
+  const uint2* next_chunk;               // row r's next chunk to load
+  uint32_t eight_row_chunks;             // chunks from row r to row r + 8
+  uint2 current[2];                      // rows r and r + 8: the chunks of this step's pairs
+  uint2 next[2];                         // ... and of the next four steps'
+
+  __device__ __forceinline__ StreamScaleRowChunks(const WeightStreamParams& p,
+                                                  const StreamTile& tile, int thread)
+      : StreamScaleRows(p, tile, thread) {
+    next_chunk = reinterpret_cast<const uint2*>(cursor);
+    eight_row_chunks = eight_rows / kChunkSteps;
+  }
+  __device__ __forceinline__ void load(uint2 (&chunks)[2]) {
+    chunks[0] = __ldg(next_chunk);
+    chunks[1] = __ldg(next_chunk + eight_row_chunks);
+    ++next_chunk;
+  }
+  // The chunks of steps 0 and kChunkSteps, those that hold a step of the tile's.
+  __device__ __forceinline__ void start(int base_steps) {
+    if (base_steps > 0) load(current);
+    if (kChunkSteps < base_steps) load(next);
+  }
+  // Base step `step` (d = step mod kChunkSteps, a constant of the unrolled loop): where a
+  // chunk begins, the next one becomes current, copied through `opaque` so that the later
+  // steps read registers no load writes (loads share a scoreboard, and a read waits for
+  // every load on it: refill's load, issued after this read, stays four steps ahead).
+  __device__ __forceinline__ void take(int step, int d, uint32_t (&raw)[2]) {
+    if (d == 0 && step > 0) {
+#pragma unroll
+      for (int row = 0; row < 2; ++row)
+        current[row] = make_uint2(opaque(next[row].x), opaque(next[row].y));
+    }
+    const uint32_t shift = 16 * (d & 1);
+#pragma unroll
+    for (int row = 0; row < 2; ++row)
+      raw[row] = ((d & 2) ? current[row].y : current[row].x) >> shift & 0xFFFFu;
+  }
+  // Where a chunk began at `step`, the chunk after it, if it holds a step of the tile's.
+  __device__ __forceinline__ void refill(int step, int d, int base_steps) {
+    if (d == 0 && step > 0 && step + kChunkSteps < base_steps) load(next);
   }
 };
 
@@ -304,74 +325,79 @@ __device__ __forceinline__ void stream_produce(const WeightStreamParams& p,
       arrive_barrier(ring.full);
       ring.advance();
     }
-    using ScaleLoads = std::conditional_t<
-        C::kTransposed, StreamScaleColumns<C::kOneTile, C::kColumns>,
-        std::conditional_t<C::kOneTile, StreamScaleLines<C::kGated>, StreamScaleRows>>;
-    constexpr int kLoads = ScaleLoads::kLoads, kWords = ScaleLoads::kWords;
-    static_assert(!ScaleLoads::kStaged || ScaleLoads::kSlots == kAhead, "a slot per step ahead");
-    ScaleLoads rows = [&] {
-      if constexpr (ScaleLoads::kStaged)
-        return ScaleLoads(p, tile, thread, shared_address(smem.scale_staging));
-      else
-        return ScaleLoads(p, tile, thread);
-    }();
-    uint32_t pending[kAhead][kLoads];  // the scale bytes of the next kAhead base steps
-    if constexpr (ScaleLoads::kChunked) {
-      static_assert(ScaleLoads::kChunkSteps == kAhead, "a step's place in its chunk is d");
-      rows.start(base_steps);
-    } else {
+    // The base steps with a scale loader (`rows`, taken by value: its cursors move).
+    auto run_base_steps = [&](auto rows) {
+      using ScaleLoads = decltype(rows);
+      constexpr int kLoads = ScaleLoads::kLoads, kWords = ScaleLoads::kWords;
+      static_assert(!ScaleLoads::kStaged || ScaleLoads::kSlots == kAhead, "a slot per step ahead");
+      uint32_t pending[kAhead][kLoads];  // the scale bytes of the next kAhead base steps
+      if constexpr (ScaleLoads::kChunked) {
+        static_assert(ScaleLoads::kChunkSteps == kAhead, "a step's place in its chunk is d");
+        rows.start(base_steps);
+      } else {
 #pragma unroll
-      for (int d = 0; d < kAhead; ++d) {
+        for (int d = 0; d < kAhead; ++d) {
+          if constexpr (ScaleLoads::kStaged)
+            rows.issue(d < base_steps, d);
+          else
+            rows.load_next(d < base_steps, pending[d]);
+        }
+      }
+      constexpr int kPrefetch = ScaleLoads::kPrefetchSteps;
+      for (int d = 0; d < kPrefetch; ++d) rows.prefetch(d, kAhead + d < base_steps, thread);
+      // A base step: its words from the pairs loaded kAhead steps before, formed before
+      // those registers take the loads of kAhead steps on (formed after, the loads went to
+      // temporaries copied back within the step, so every step waited for the loads it had
+      // just issued), then the stage's copies and words.
+      auto base_step = [&](int k_step, int slot, uint32_t (&pairs)[kLoads]) {
+        uint32_t words[kWords];
         if constexpr (ScaleLoads::kStaged)
-          rows.issue(d < base_steps, d);
+          rows.take(slot, pairs);
+        else if constexpr (ScaleLoads::kChunked)
+          rows.take(k_step, slot, pairs);
+        rows.words(pairs, words);
+        if constexpr (ScaleLoads::kStaged)
+          rows.issue(k_step + kAhead < base_steps, slot);
+        else if constexpr (ScaleLoads::kChunked)
+          rows.refill(k_step, slot, base_steps);
         else
-          rows.load_next(d < base_steps, pending[d]);
-      }
-    }
-    constexpr int kPrefetch = decltype(rows)::kPrefetchSteps;
-    for (int d = 0; d < kPrefetch; ++d) rows.prefetch(d, kAhead + d < base_steps, thread);
-    // A base step: its words from the pairs loaded kAhead steps before, formed before
-    // those registers take the loads of kAhead steps on (formed after, the loads went to
-    // temporaries copied back within the step, so every step waited for the loads it had
-    // just issued), then the stage's copies and words.
-    auto base_step = [&](int k_step, int slot, uint32_t (&pairs)[kLoads]) {
-      uint32_t words[kWords];
-      if constexpr (ScaleLoads::kStaged)
-        rows.take(slot, pairs);
-      else if constexpr (ScaleLoads::kChunked)
-        rows.take(k_step, slot, pairs);
-      rows.words(pairs, words);
-      if constexpr (ScaleLoads::kStaged)
-        rows.issue(k_step + kAhead < base_steps, slot);
-      else if constexpr (ScaleLoads::kChunked)
-        rows.refill(k_step, slot, base_steps);
-      else
-        rows.load_next(k_step + kAhead < base_steps, pairs);
-      rows.prefetch(kPrefetch - 1, k_step + kAhead + kPrefetch < base_steps, thread);
-      wait_barrier(ring.empty(), ring.phase ^ 1u);
-      uint64_t* bar = &smem.full[ring.stage];
-      if (issues_copies) {
-        TransactionBarrier::arrive_and_expect_tx(bar, C::kCodeBytes + pool_bytes);
-        uint8_t* a = smem.a(ring.stage);
-        if constexpr (C::kGated)
-          cute::SM90_TMA_LOAD_4D::copy(&p.codes, bar, kCacheHint, a, k_step * (kBlockK / 2),
-                                       tile.n0, 0, tile.expert);
-        else if constexpr (C::kTransposed)
-          cute::SM90_TMA_LOAD_3D::copy(&p.codes, bar, kCacheHint, a, tile.n0 / 2, k_step * kBlockK,
-                                       tile.expert);
-        else
-          cute::SM90_TMA_LOAD_3D::copy(&p.codes, bar, kCacheHint, a, k_step * (kBlockK / 2),
-                                       tile.n0, tile.expert);
-        load_pool(bar, k_step * kBlockK);
-      }
-      rows.store(ring.scale_words(), words);
-      arrive_barrier(ring.full);  // release: the words are visible to the consumers' acquire
-      ring.advance();
-    };
-    for (int k_step = 0; k_step < base_steps; k_step += kAhead) {
+          rows.load_next(k_step + kAhead < base_steps, pairs);
+        rows.prefetch(kPrefetch - 1, k_step + kAhead + kPrefetch < base_steps, thread);
+        wait_barrier(ring.empty(), ring.phase ^ 1u);
+        uint64_t* bar = &smem.full[ring.stage];
+        if (issues_copies) {
+          TransactionBarrier::arrive_and_expect_tx(bar, C::kCodeBytes + pool_bytes);
+          uint8_t* a = smem.a(ring.stage);
+          if constexpr (C::kGated)
+            cute::SM90_TMA_LOAD_4D::copy(&p.codes, bar, kCacheHint, a, k_step * (kBlockK / 2),
+                                         tile.n0, 0, tile.expert);
+          else if constexpr (C::kTransposed)
+            cute::SM90_TMA_LOAD_3D::copy(&p.codes, bar, kCacheHint, a, tile.n0 / 2,
+                                         k_step * kBlockK, tile.expert);
+          else
+            cute::SM90_TMA_LOAD_3D::copy(&p.codes, bar, kCacheHint, a, k_step * (kBlockK / 2),
+                                         tile.n0, tile.expert);
+          load_pool(bar, k_step * kBlockK);
+        }
+        rows.store(ring.scale_words(), words);
+        arrive_barrier(ring.full);  // release: the words are visible to the consumers' acquire
+        ring.advance();
+      };
+      for (int k_step = 0; k_step < base_steps; k_step += kAhead) {
 #pragma unroll
-      for (int d = 0; d < kAhead; ++d)
-        if (k_step + d < base_steps) base_step(k_step + d, d, pending[d]);
+        for (int d = 0; d < kAhead; ++d)
+          if (k_step + d < base_steps) base_step(k_step + d, d, pending[d]);
+      }
+    };
+    if constexpr (C::kTransposed) {
+      run_base_steps(StreamScaleColumns<C::kOneTile, C::kColumns>(
+          p, tile, thread, shared_address(smem.scale_staging)));
+    } else if constexpr (C::kOneTile) {
+      run_base_steps(StreamScaleLines<C::kGated>(p, tile, thread));
+    } else if (p.k_base % (64 * StreamScaleRowChunks::kChunkSteps) == 0) {
+      run_base_steps(StreamScaleRowChunks(p, tile, thread));  // rows of whole chunks
+    } else {
+      run_base_steps(StreamScaleRows(p, tile, thread));
     }
   }
 }
