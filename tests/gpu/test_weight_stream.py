@@ -340,7 +340,9 @@ def sms(request, monkeypatch):
 
 
 @pytest.mark.parametrize("chunk", CHUNKS)
-@pytest.mark.parametrize("k", [64, 320])  # one K step; an odd count (the loop's tail)
+# One K step; an odd count (the loop's tail); three chunks of the scale bytes (K a
+# multiple of 256: the producer loads four steps' bytes of a row at once).
+@pytest.mark.parametrize("k", [64, 320, 768])
 def test_odd_step_counts(chunk, k, sms):
     plan, a, codes, scales, side = operands(150, 8, 2, k, 128, 16, seed=k)
     h = stream_gemm1(a, codes, scales, plan, k=k, chunk=chunk, side=side)
