@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import megamoe as mm
+from megamoe.env import resolve_num_sms
 from megamoe.testing import assert_close_to_oracle
 from megamoe.testing.inputs import make_routing
 from megamoe.wrappers import _native
@@ -65,7 +66,7 @@ def stream_gemm1(a, codes, scales, plan, *, k, chunk, activation="swiglu", clamp
         math.inf if clamp is None else float(clamp),
         plan.block_m,
         chunk,
-        torch.cuda.get_device_properties(0).multi_processor_count,
+        resolve_num_sms(torch.cuda.get_device_properties(0).multi_processor_count),
         torch.cuda.current_stream().cuda_stream,
     )
     return h
@@ -87,7 +88,7 @@ def stream_gemm2(a, codes, scales, plan, *, chunk, b_extra=None):
         dl(out),
         plan.block_m,
         chunk,
-        torch.cuda.get_device_properties(0).multi_processor_count,
+        resolve_num_sms(torch.cuda.get_device_properties(0).multi_processor_count),
         torch.cuda.current_stream().cuda_stream,
     )
     return out
@@ -369,7 +370,7 @@ def test_launchers_reject_chunks_across_segments():
         _native.native().weight_stream_gated(
             dl(a), 256, dl(codes), dl(scales), dl(plan.expert_pool_offsets),
             dl(plan.expert_counts), dl(h), None, None, None, 0.0, 0, math.inf, 32, 64,
-            torch.cuda.get_device_properties(0).multi_processor_count,
+            resolve_num_sms(torch.cuda.get_device_properties(0).multi_processor_count),
             torch.cuda.current_stream().cuda_stream,
         )  # fmt: skip
 
@@ -397,7 +398,7 @@ def stream_dgrad1(a, codes, scales, plan, *, chunk, extra=None, out=None):
         dl(out),
         plan.block_m,
         chunk,
-        torch.cuda.get_device_properties(0).multi_processor_count,
+        resolve_num_sms(torch.cuda.get_device_properties(0).multi_processor_count),
         torch.cuda.current_stream().cuda_stream,
     )
     return out
@@ -621,7 +622,7 @@ def stream_dgrad2(dout_pool, codes, scales, side_a2, preact, weights, plan, *, c
         math.inf if clamp is None else float(clamp),
         plan.block_m,
         chunk,
-        torch.cuda.get_device_properties(0).multi_processor_count,
+        resolve_num_sms(torch.cuda.get_device_properties(0).multi_processor_count),
         torch.cuda.current_stream().cuda_stream,
     )
     return dgrad, weighted, partials if raw else partials.sum(dim=1)

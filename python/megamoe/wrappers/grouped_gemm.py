@@ -207,6 +207,12 @@ def stream_widest_chunks() -> dict[str, int]:
     return {kind: max(tiles) for kind, tiles in _STREAM_TILE_COLUMNS.items()}
 
 
+#: The scales' address alignment each streaming kind's producer reads them at (bytes), as
+#: its launcher requires (bindings/weight_stream_launch.cpp): the forward kinds load two
+#: bytes a step; the transposed kinds copy the aligned 4-byte word holding a step's bytes.
+_STREAM_SCALE_ALIGNMENT = {"Gated": 2, "Store": 2, "StoreMN": 4, "ActivationBackward": 4}
+
+
 def _stream_chunk(
     kind: str, columns: int, scales: torch.Tensor, plan: RoutePlan, experts: int
 ) -> int | None:
@@ -214,15 +220,17 @@ def _stream_chunk(
     MXFP4 GEMM decoded in its pipeline, or None where its shape does not allow it:
     ``columns`` (GEMM1's ``I``, GEMM2's and dgrad1's ``N``, dgrad2's ``I``) in whole tiles
     of the chunk's variant, segments padded to whole chunks of 32 or 64 rows (wider chunks
-    start at each segment's start), and scales it can read two bytes at a time. The
-    widest chunk the heuristic may take is the kind's widest variant, by the kind's costs."""
+    start at each segment's start), and scales at the address alignment its producer reads
+    them at (:data:`_STREAM_SCALE_ALIGNMENT`; other scales take the engine's in-pipeline
+    decode, the same bits). The widest chunk the heuristic may take is the kind's widest
+    variant, by the kind's costs."""
     tiles = _STREAM_TILE_COLUMNS[kind]
     chunk = weight_stream_chunk(
         plan.route_to_pool_row.numel(), experts, widest=max(tiles), kind=kind
     )
     if chunk <= 64 and plan.block_m % chunk:
         return None
-    if columns % tiles[chunk] or scales.data_ptr() % 2:
+    if columns % tiles[chunk] or scales.data_ptr() % _STREAM_SCALE_ALIGNMENT[kind]:
         return None
     return chunk
 
