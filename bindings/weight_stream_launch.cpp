@@ -51,9 +51,11 @@ void check_pool(const Tensor& a, int tokens, int block_m) {
 
 // MXFP4 scales [E, rows, K / 32] as stored, whose size is a multiple of 8 bytes (rows and
 // K / 32 are even). The forward kinds' producer loads the aligned 8-byte chunk that holds
-// four steps' bytes of a row (`alignment` 8); the transposed kinds' copies the aligned
-// 4-byte word that holds a step's bytes with cp.async (`alignment` 4). Either lies inside
-// the scales when they start so aligned.
+// four steps' bytes of a row (`alignment` 8: one rule for every forward launch, though the
+// one-tile kinds and K not a multiple of 256 load two bytes a step); the transposed kinds'
+// copies the aligned 4-byte word that holds a step's bytes with cp.async (`alignment` 4).
+// Either lies inside the scales when they start so aligned. megamoe.wrappers.grouped_gemm
+// sends other scales to the engine's in-pipeline decode instead.
 void check_scales(const char* name, const Tensor& scales, int64_t experts, int64_t rows, int64_t k,
                   int device, int alignment) {
   check_tensor<uint8_t>(name, scales, {experts, rows, k / 32}, device);
