@@ -89,17 +89,17 @@ struct StreamScaleRowChunks : StreamScaleRows {
     chunks[1] = __ldg(next_chunk + eight_row_chunks);
     ++next_chunk;
   }
-  // The chunks of steps 0 and kChunkSteps, those that hold a step of the tile's.
+  // The chunk of step 0, if the tile has a step.
   __device__ __forceinline__ void start(int base_steps) {
-    if (base_steps > 0) load(current);
-    if (kChunkSteps < base_steps) load(next);
+    if (base_steps > 0) load(next);
   }
   // Base step `step` (d = step mod kChunkSteps, a constant of the unrolled loop): where a
-  // chunk begins, the next one becomes current, copied through `opaque` so that the later
-  // steps read registers no load writes (loads share a scoreboard, and a read waits for
-  // every load on it: refill's load, issued after this read, stays four steps ahead).
-  __device__ __forceinline__ void take(int step, int d, uint32_t (&raw)[2]) {
-    if (d == 0 && step > 0) {
+  // chunk begins, the chunk loaded kChunkSteps steps before (or by start) becomes current,
+  // copied through `opaque` so that the later steps read registers no load writes (loads
+  // share a scoreboard, and a read waits for every load on it: refill's load, issued after
+  // this read, stays four steps ahead).
+  __device__ __forceinline__ void take(int, int d, uint32_t (&raw)[2]) {
+    if (d == 0) {
 #pragma unroll
       for (int row = 0; row < 2; ++row)
         current[row] = make_uint2(opaque(next[row].x), opaque(next[row].y));
@@ -111,7 +111,7 @@ struct StreamScaleRowChunks : StreamScaleRows {
   }
   // Where a chunk began at `step`, the chunk after it, if it holds a step of the tile's.
   __device__ __forceinline__ void refill(int step, int d, int base_steps) {
-    if (d == 0 && step > 0 && step + kChunkSteps < base_steps) load(next);
+    if (d == 0 && step + kChunkSteps < base_steps) load(next);
   }
 };
 
