@@ -49,15 +49,20 @@ void check_pool(const Tensor& a, int tokens, int block_m) {
   if (rows >= (int64_t{1} << 31)) throw nb::value_error("a: more than 2^31 - 1 pool rows");
 }
 
-// MXFP4 scales [E, rows, K / 32] as stored: the producer loads two bytes per step as one
-// 16-bit word (`alignment` 2), or (the transposed kinds) copies the 4-byte word that holds
-// its bytes with cp.async (`alignment` 4, so that the word lies inside the row).
+// MXFP4 scales [E, rows, K / 32] as stored, whose size is a multiple of 8 bytes (rows and
+// K / 32 are even). The forward kinds' producer loads the aligned 8-byte chunk that holds
+// four steps' bytes of a row (`alignment` 8: one rule for every forward launch, though the
+// one-tile kinds and K not a multiple of 256 load two bytes a step); the transposed kinds'
+// copies the aligned 4-byte word that holds a step's bytes with cp.async (`alignment` 4).
+// Either lies inside the scales when they start so aligned. megamoe.wrappers.grouped_gemm
+// sends other scales to the engine's in-pipeline decode instead.
 void check_scales(const char* name, const Tensor& scales, int64_t experts, int64_t rows, int64_t k,
-                  int device, int alignment = 2) {
+                  int device, int alignment) {
   check_tensor<uint8_t>(name, scales, {experts, rows, k / 32}, device);
   if (reinterpret_cast<uintptr_t>(scales.data()) % alignment != 0)
     throw nb::value_error(
-        (std::string(name) + ": expected a " + str(alignment) + "-byte aligned address").c_str());
+        (std::string(name) + ": expected a data pointer aligned to " + str(alignment) + " bytes")
+            .c_str());
 }
 
 void set_schedule(WeightStreamParams& p, const Tensor& offsets, const Tensor& counts,
@@ -92,7 +97,7 @@ void weight_stream_gated(const Tensor& a, int64_t k_base, const Tensor& w13,
     throw nb::value_error(("w13: expected 2I rows with I a multiple of " + str(columns) +
                            " (chunks of " + str(tokens) + "), got " + str(two_i))
                               .c_str());
-  check_scales("w13_scales", w13_scales, experts, two_i, k_base, device);
+  check_scales("w13_scales", w13_scales, experts, two_i, k_base, device, 8);
   check_activation(activation, activation_clamp);
   const int64_t rank =
       check_gated_side(side_gate, side_up, side_scale, experts, inter, k_base, a, device);
@@ -154,7 +159,7 @@ void weight_stream_store(const Tensor& a, int64_t k_base, const Tensor& b, const
     throw nb::value_error(("b: expected N a multiple of " + str(columns) + " (chunks of " +
                            str(tokens) + "), got " + str(n))
                               .c_str());
-  check_scales("b_scales", b_scales, experts, n, k_base, device);
+  check_scales("b_scales", b_scales, experts, n, k_base, device, 8);
   int64_t n_extra = 0;
   if (b_extra) {
     check_tensor("b_extra", *b_extra, bfloat16_dtype(), {experts, k_base, -1}, device);

@@ -125,6 +125,13 @@ ABLATIONS: dict[str, tuple[Edit, ...]] = {
             count=2,
         ),
         Edit(PRODUCER, "static_cast<uint32_t>(__ldg(cursor + eight_rows))", "0x7F7Fu"),
+        Edit(
+            PRODUCER,
+            "    chunks[0] = __ldg(next_chunk);\n"
+            "    chunks[1] = __ldg(next_chunk + eight_row_chunks);",
+            "    chunks[0] = make_uint2(0x7F7F7F7Fu * (next_chunk != nullptr), 0x7F7F7F7Fu);\n"
+            "    chunks[1] = make_uint2(0x7F7F7F7Fu, 0x7F7F7F7Fu + 0u * eight_row_chunks);",
+        ),
         # The transposed kinds' loads staged through shared memory: no copies, and the
         # staged words replaced by the same constants (the waits and shared loads stay).
         Edit(
@@ -157,25 +164,23 @@ ABLATIONS: dict[str, tuple[Edit, ...]] = {
         ),
         Edit(
             PRODUCER,
-            "        if constexpr (C::kGated)\n"
-            "          cute::SM90_TMA_LOAD_4D::copy(&p.codes, bar, kCacheHint, a, "
+            "          if constexpr (C::kGated)\n"
+            "            cute::SM90_TMA_LOAD_4D::copy(&p.codes, bar, kCacheHint, a, "
             "k_step * (kBlockK / 2),\n",
-            "        (void)a;\n        if constexpr (false)\n"
-            "          cute::SM90_TMA_LOAD_4D::copy(&p.codes, bar, kCacheHint, a, "
+            "          (void)a;\n          if constexpr (false)\n"
+            "            cute::SM90_TMA_LOAD_4D::copy(&p.codes, bar, kCacheHint, a, "
             "k_step * (kBlockK / 2),\n",
         ),
         Edit(
             PRODUCER,
-            "        else if constexpr (C::kTransposed)\n"
-            "          cute::SM90_TMA_LOAD_3D::copy(&p.codes, bar, kCacheHint, a, tile.n0 / 2, "
-            "k_step * kBlockK,\n"
-            "                                       tile.expert);\n"
-            "        else\n",
-            "        else if constexpr (false)\n"
-            "          cute::SM90_TMA_LOAD_3D::copy(&p.codes, bar, kCacheHint, a, tile.n0 / 2, "
-            "k_step * kBlockK,\n"
-            "                                       tile.expert);\n"
-            "        else if constexpr (false)\n",
+            "          else if constexpr (C::kTransposed)\n"
+            "            cute::SM90_TMA_LOAD_3D::copy(&p.codes, bar, kCacheHint, a, tile.n0 / 2,\n"
+            "                                         k_step * kBlockK, tile.expert);\n"
+            "          else\n",
+            "          else if constexpr (false)\n"
+            "            cute::SM90_TMA_LOAD_3D::copy(&p.codes, bar, kCacheHint, a, tile.n0 / 2,\n"
+            "                                         k_step * kBlockK, tile.expert);\n"
+            "          else if constexpr (false)\n",
         ),
     ),
     "pool": (
@@ -184,11 +189,11 @@ ABLATIONS: dict[str, tuple[Edit, ...]] = {
         # the segment steps still load theirs.
         Edit(
             PRODUCER,
-            "        load_pool(bar, k_step * kBlockK);",
-            '        asm volatile("mbarrier.complete_tx.shared::cta.b64 [%0], %1;" ::"r"('
+            "          load_pool(bar, k_step * kBlockK);",
+            '          asm volatile("mbarrier.complete_tx.shared::cta.b64 [%0], %1;" ::"r"('
             "shared_address(bar)),\n"
-            '                     "r"(pool_bytes)\n'
-            '                     : "memory");',
+            '                       "r"(pool_bytes)\n'
+            '                       : "memory");',
         ),
     ),
     "poollast": (

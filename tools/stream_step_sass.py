@@ -384,7 +384,7 @@ def producer_per_step(sass: str) -> tuple[float, list[tuple[Instruction, Instruc
 # of a streaming kernel makes coherent or 8-byte global loads (the producer's scale loads
 # are read-only, dgrad1's epilogue stores but loads nothing, so it counts no round). A
 # store splits a round where it is 4 or 8 bytes wide.
-EPILOGUE_LOAD = re.compile(r"LDG\.E(\.64)?\.STRONG\.GPU\b|LDG\.E\.64\b")
+EPILOGUE_LOAD = re.compile(r"LDG\.E(\.64)?\.STRONG\.GPU\b|LDG\.E\.64$")
 EPILOGUE_STORE = re.compile(r"STG\.E(\.64)?$")
 
 

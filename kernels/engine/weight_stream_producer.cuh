@@ -21,7 +21,7 @@ namespace megamoe::kernels::engine {
 // read ready factors with one shared load and no address math of their own.
 struct StreamScaleRows {
   static constexpr int kLoads = 2, kWords = 2;
-  static constexpr bool kStaged = false;  // loads into registers (they hit L1)
+  static constexpr bool kStaged = false, kChunked = false;  // loads into registers (L1 hits)
   static constexpr int kSlots = 0;
   const uint16_t* cursor;  // row r's pair of the next base step to load
   uint32_t eight_rows;     // pairs from row r to row r + 8
@@ -63,6 +63,58 @@ struct StreamScaleRows {
   }
 };
 
+// StreamScaleRows' lines and words, their bytes loaded in 8-byte chunks: four steps of a
+// row in one load, the next chunk as the current one comes into use (four steps ahead). A
+// warp's load reads 32 rows 128 bytes apart, about 32 L1 wavefronts whatever its width, so
+// a chunk per four steps takes a quarter of the L1 work of a load a step (the consumers'
+// shared loads of codes and words go through the same L1). For rows of whole chunks (K a
+// multiple of 256), each row's step 0 begins a chunk; the launchers require 8-byte aligned
+// scales.
+struct StreamScaleRowChunks : StreamScaleRows {
+  static constexpr bool kChunked = true;
+  static constexpr int kChunkSteps = 4;  // pairs per chunk
+  const uint2* next_chunk;               // row r's next chunk to load
+  uint32_t eight_row_chunks;             // chunks from row r to row r + 8
+  uint2 current[2];                      // rows r and r + 8: the chunks of this step's pairs
+  uint2 next[2];                         // ... and of the next four steps'
+
+  __device__ __forceinline__ StreamScaleRowChunks(const WeightStreamParams& p,
+                                                  const StreamTile& tile, int thread)
+      : StreamScaleRows(p, tile, thread) {
+    next_chunk = reinterpret_cast<const uint2*>(cursor);
+    eight_row_chunks = eight_rows / kChunkSteps;
+  }
+  __device__ __forceinline__ void load(uint2 (&chunks)[2]) {
+    chunks[0] = __ldg(next_chunk);
+    chunks[1] = __ldg(next_chunk + eight_row_chunks);
+    ++next_chunk;
+  }
+  // The chunk of step 0, if the tile has a step.
+  __device__ __forceinline__ void start(int base_steps) {
+    if (base_steps > 0) load(next);
+  }
+  // Base step `step` (d = step mod kChunkSteps, a constant of the unrolled loop): where a
+  // chunk begins, the chunk loaded kChunkSteps steps before (or by start) becomes current,
+  // copied through `opaque` so that the later steps read registers no load writes (loads
+  // share a scoreboard, and a read waits for every load on it: refill's load, issued after
+  // this read, stays four steps ahead).
+  __device__ __forceinline__ void take(int, int d, uint32_t (&raw)[2]) {
+    if (d == 0) {
+#pragma unroll
+      for (int row = 0; row < 2; ++row)
+        current[row] = make_uint2(opaque(next[row].x), opaque(next[row].y));
+    }
+    const uint32_t shift = 16 * (d & 1);
+#pragma unroll
+    for (int row = 0; row < 2; ++row)
+      raw[row] = ((d & 2) ? current[row].y : current[row].x) >> shift & 0xFFFFu;
+  }
+  // Where a chunk began at `step`, the chunk after it, if it holds a step of the tile's.
+  __device__ __forceinline__ void refill(int step, int d, int base_steps) {
+    if (d == 0 && step + kChunkSteps < base_steps) load(next);
+  }
+};
+
 // One tile (192- and 256-row chunks): thread i of the producer warpgroup writes, per base step,
 // the scale word of one line, consumer quad i / 2's line i % 2: row r (line 0) or r + 8
 // of its warpgroup's m64 tile, Gated the gate and the up row of h column 32 c + 8 warp +
@@ -70,7 +122,7 @@ struct StreamScaleRows {
 template <bool kGated>
 struct StreamScaleLines {
   static constexpr int kLoads = 1, kWords = 1;
-  static constexpr bool kStaged = false;
+  static constexpr bool kStaged = false, kChunked = false;
   static constexpr int kSlots = 0;
   const uint16_t* cursor;  // the line's pair of the next base step to load
   uint32_t store_offset;   // this thread's word in a stage's scale area
@@ -124,7 +176,7 @@ struct StreamScaleColumns {
   // scoreboard, and a wait is for every load on it, so they were one step ahead in effect
   // and each step waited for L2 (the rows are new sectors every step). A unit's 4-byte
   // aligned word is copied (cp.async's smallest size); `shift` places the unit in it.
-  static constexpr bool kStaged = true;
+  static constexpr bool kStaged = true, kChunked = false;
   static constexpr int kSlots = 4;  // StreamConfig::kScaleStepsAhead
   uint32_t staging;                 // this thread's slots (kSlots x two words), shared address
   uint32_t shift;  // the unit's bit offset in its aligned word (the same every step)
@@ -273,64 +325,79 @@ __device__ __forceinline__ void stream_produce(const WeightStreamParams& p,
       arrive_barrier(ring.full);
       ring.advance();
     }
-    using ScaleLoads = std::conditional_t<
-        C::kTransposed, StreamScaleColumns<C::kOneTile, C::kColumns>,
-        std::conditional_t<C::kOneTile, StreamScaleLines<C::kGated>, StreamScaleRows>>;
-    constexpr int kLoads = ScaleLoads::kLoads, kWords = ScaleLoads::kWords;
-    static_assert(!ScaleLoads::kStaged || ScaleLoads::kSlots == kAhead, "a slot per step ahead");
-    ScaleLoads rows = [&] {
-      if constexpr (ScaleLoads::kStaged)
-        return ScaleLoads(p, tile, thread, shared_address(smem.scale_staging));
-      else
-        return ScaleLoads(p, tile, thread);
-    }();
-    uint32_t pending[kAhead][kLoads];  // the scale bytes of the next kAhead base steps
+    // The base steps with a scale loader (`rows`, taken by value: its cursors move).
+    auto run_base_steps = [&](auto rows) {
+      using ScaleLoads = decltype(rows);
+      constexpr int kLoads = ScaleLoads::kLoads, kWords = ScaleLoads::kWords;
+      static_assert(!ScaleLoads::kStaged || ScaleLoads::kSlots == kAhead, "a slot per step ahead");
+      uint32_t pending[kAhead][kLoads];  // the scale bytes of the next kAhead base steps
+      if constexpr (ScaleLoads::kChunked) {
+        static_assert(ScaleLoads::kChunkSteps == kAhead, "a step's place in its chunk is d");
+        rows.start(base_steps);
+      } else {
 #pragma unroll
-    for (int d = 0; d < kAhead; ++d) {
-      if constexpr (ScaleLoads::kStaged)
-        rows.issue(d < base_steps, d);
-      else
-        rows.load_next(d < base_steps, pending[d]);
-    }
-    constexpr int kPrefetch = decltype(rows)::kPrefetchSteps;
-    for (int d = 0; d < kPrefetch; ++d) rows.prefetch(d, kAhead + d < base_steps, thread);
-    // A base step: its words from the pairs loaded kAhead steps before, formed before
-    // those registers take the loads of kAhead steps on (formed after, the loads went to
-    // temporaries copied back within the step, so every step waited for the loads it had
-    // just issued), then the stage's copies and words.
-    auto base_step = [&](int k_step, int slot, uint32_t (&pairs)[kLoads]) {
-      uint32_t words[kWords];
-      if constexpr (ScaleLoads::kStaged) rows.take(slot, pairs);
-      rows.words(pairs, words);
-      if constexpr (ScaleLoads::kStaged)
-        rows.issue(k_step + kAhead < base_steps, slot);
-      else
-        rows.load_next(k_step + kAhead < base_steps, pairs);
-      rows.prefetch(kPrefetch - 1, k_step + kAhead + kPrefetch < base_steps, thread);
-      wait_barrier(ring.empty(), ring.phase ^ 1u);
-      uint64_t* bar = &smem.full[ring.stage];
-      if (issues_copies) {
-        TransactionBarrier::arrive_and_expect_tx(bar, C::kCodeBytes + pool_bytes);
-        uint8_t* a = smem.a(ring.stage);
-        if constexpr (C::kGated)
-          cute::SM90_TMA_LOAD_4D::copy(&p.codes, bar, kCacheHint, a, k_step * (kBlockK / 2),
-                                       tile.n0, 0, tile.expert);
-        else if constexpr (C::kTransposed)
-          cute::SM90_TMA_LOAD_3D::copy(&p.codes, bar, kCacheHint, a, tile.n0 / 2, k_step * kBlockK,
-                                       tile.expert);
-        else
-          cute::SM90_TMA_LOAD_3D::copy(&p.codes, bar, kCacheHint, a, k_step * (kBlockK / 2),
-                                       tile.n0, tile.expert);
-        load_pool(bar, k_step * kBlockK);
+        for (int d = 0; d < kAhead; ++d) {
+          if constexpr (ScaleLoads::kStaged)
+            rows.issue(d < base_steps, d);
+          else
+            rows.load_next(d < base_steps, pending[d]);
+        }
       }
-      rows.store(ring.scale_words(), words);
-      arrive_barrier(ring.full);  // release: the words are visible to the consumers' acquire
-      ring.advance();
-    };
-    for (int k_step = 0; k_step < base_steps; k_step += kAhead) {
+      constexpr int kPrefetch = ScaleLoads::kPrefetchSteps;
+      for (int d = 0; d < kPrefetch; ++d) rows.prefetch(d, kAhead + d < base_steps, thread);
+      // A base step: its words from the pairs loaded kAhead steps before, formed before
+      // those registers take the loads of kAhead steps on (formed after, the loads went to
+      // temporaries copied back within the step, so every step waited for the loads it had
+      // just issued), then the stage's copies and words.
+      auto base_step = [&](int k_step, int slot, uint32_t (&pairs)[kLoads]) {
+        uint32_t words[kWords];
+        if constexpr (ScaleLoads::kStaged)
+          rows.take(slot, pairs);
+        else if constexpr (ScaleLoads::kChunked)
+          rows.take(k_step, slot, pairs);
+        rows.words(pairs, words);
+        if constexpr (ScaleLoads::kStaged)
+          rows.issue(k_step + kAhead < base_steps, slot);
+        else if constexpr (ScaleLoads::kChunked)
+          rows.refill(k_step, slot, base_steps);
+        else
+          rows.load_next(k_step + kAhead < base_steps, pairs);
+        rows.prefetch(kPrefetch - 1, k_step + kAhead + kPrefetch < base_steps, thread);
+        wait_barrier(ring.empty(), ring.phase ^ 1u);
+        uint64_t* bar = &smem.full[ring.stage];
+        if (issues_copies) {
+          TransactionBarrier::arrive_and_expect_tx(bar, C::kCodeBytes + pool_bytes);
+          uint8_t* a = smem.a(ring.stage);
+          if constexpr (C::kGated)
+            cute::SM90_TMA_LOAD_4D::copy(&p.codes, bar, kCacheHint, a, k_step * (kBlockK / 2),
+                                         tile.n0, 0, tile.expert);
+          else if constexpr (C::kTransposed)
+            cute::SM90_TMA_LOAD_3D::copy(&p.codes, bar, kCacheHint, a, tile.n0 / 2,
+                                         k_step * kBlockK, tile.expert);
+          else
+            cute::SM90_TMA_LOAD_3D::copy(&p.codes, bar, kCacheHint, a, k_step * (kBlockK / 2),
+                                         tile.n0, tile.expert);
+          load_pool(bar, k_step * kBlockK);
+        }
+        rows.store(ring.scale_words(), words);
+        arrive_barrier(ring.full);  // release: the words are visible to the consumers' acquire
+        ring.advance();
+      };
+      for (int k_step = 0; k_step < base_steps; k_step += kAhead) {
 #pragma unroll
-      for (int d = 0; d < kAhead; ++d)
-        if (k_step + d < base_steps) base_step(k_step + d, d, pending[d]);
+        for (int d = 0; d < kAhead; ++d)
+          if (k_step + d < base_steps) base_step(k_step + d, d, pending[d]);
+      }
+    };
+    if constexpr (C::kTransposed) {
+      run_base_steps(StreamScaleColumns<C::kOneTile, C::kColumns>(
+          p, tile, thread, shared_address(smem.scale_staging)));
+    } else if constexpr (C::kOneTile) {
+      run_base_steps(StreamScaleLines<C::kGated>(p, tile, thread));
+    } else if (p.k_base % (64 * StreamScaleRowChunks::kChunkSteps) == 0) {
+      run_base_steps(StreamScaleRowChunks(p, tile, thread));  // rows of whole chunks
+    } else {
+      run_base_steps(StreamScaleRows(p, tile, thread));
     }
   }
 }

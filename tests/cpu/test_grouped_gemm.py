@@ -119,12 +119,12 @@ def test_streaming_predicate_answers_false_on_malformed_extra_columns():
 def test_stream_chunk_takes_whole_tiles_of_the_chunks_variant(kind, expected):
     """Each kind's chunk by rows per expert (GEMM1, GEMM2 and dgrad1 up to 256 rows,
     dgrad2 up to 128) and the tile columns its variant needs (variants.toml): whole tiles
-    stream, one and a half tiles do not; nor do scales at an odd address, nor the dgrads'
-    at an address 2 bytes past a 4-byte word."""
+    stream, one and a half tiles do not; nor do scales off their producer's alignment
+    (4 bytes for the dgrads, 8 for the forward)."""
     from megamoe.wrappers.grouped_gemm import _stream_chunk
 
     experts, top_k = 8, 2
-    scales = torch.zeros(4, dtype=torch.uint8)
+    scales = torch.zeros(16, dtype=torch.uint8)
     for rows, (chunk, tile) in zip((16, 48, 100, 160, 200), expected, strict=True):
         tokens = rows * experts // top_k
         ids, _ = make_routing(tokens, experts, top_k, kind="balanced", seed=0)
@@ -132,9 +132,11 @@ def test_stream_chunk_takes_whole_tiles_of_the_chunks_variant(kind, expected):
         assert _stream_chunk(kind, 3 * tile, scales, plan, experts) == chunk
         assert _stream_chunk(kind, 3 * tile // 2, scales, plan, experts) is None
         assert _stream_chunk(kind, 3 * tile, scales[1:], plan, experts) is None
-        # The dgrads' producer copies the aligned 4-byte word that holds a step's bytes.
-        two_past_a_word = _stream_chunk(kind, 3 * tile, scales[2:], plan, experts)
-        assert two_past_a_word == (None if kind in ("StoreMN", "ActivationBackward") else chunk)
+        # The dgrads' producer copies the aligned 4-byte word that holds a step's bytes, the
+        # forward's the aligned 8-byte chunk that holds four steps' bytes of a row.
+        assert _stream_chunk(kind, 3 * tile, scales[2:], plan, experts) is None
+        past_a_word = _stream_chunk(kind, 3 * tile, scales[4:], plan, experts)
+        assert past_a_word == (chunk if kind in ("StoreMN", "ActivationBackward") else None)
 
 
 def test_stream_widest_chunks_by_kind():

@@ -320,6 +320,15 @@ def test_store_launcher_checks():
         stream_gemm2(a, codes, scales, plan, chunk=128)
     with pytest.raises(ValueError, match="N a multiple of 128"):
         stream_gemm2(a, codes, scales, plan, chunk=256)
+    # The producer loads the aligned 8-byte chunk that holds four steps' scale bytes of a
+    # row: scales that start 4 bytes past a chunk are refused before any kernel runs.
+    codes = torch.zeros(2, 256, 128, dtype=torch.uint8, device="cuda")
+    buffer = torch.full((2 * 256 * 8 + 4,), 127, dtype=torch.uint8, device="cuda")
+    shifted = buffer[4:].view(2, 256, 8)
+    with pytest.raises(ValueError, match="b_scales: expected a data pointer aligned to 8 bytes"):
+        stream_gemm2(a, codes, shifted, plan, chunk=32)
+    with pytest.raises(ValueError, match="w13_scales: expected a data pointer aligned to 8 bytes"):
+        stream_gemm1(a, codes, shifted, plan, k=256, chunk=32)
 
 
 @pytest.fixture(params=[None, 5], ids=["all-sms", "5-sms"])
@@ -332,7 +341,9 @@ def sms(request, monkeypatch):
 
 
 @pytest.mark.parametrize("chunk", CHUNKS)
-@pytest.mark.parametrize("k", [64, 320])  # one K step; an odd count (the loop's tail)
+# One K step; an odd count (the loop's tail); three chunks of the scale bytes (K a
+# multiple of 256: the producer loads four steps' bytes of a row at once).
+@pytest.mark.parametrize("k", [64, 320, 768])
 def test_odd_step_counts(chunk, k, sms):
     plan, a, codes, scales, side = operands(150, 8, 2, k, 128, 16, seed=k)
     h = stream_gemm1(a, codes, scales, plan, k=k, chunk=chunk, side=side)

@@ -208,9 +208,10 @@ def stream_widest_chunks() -> dict[str, int]:
 
 
 #: The scales' address alignment each streaming kind's producer reads them at (bytes), as
-#: its launcher requires (bindings/weight_stream_launch.cpp): the forward kinds load two
-#: bytes a step; the transposed kinds copy the aligned 4-byte word holding a step's bytes.
-_STREAM_SCALE_ALIGNMENT = {"Gated": 2, "Store": 2, "StoreMN": 4, "ActivationBackward": 4}
+#: its launcher requires (bindings/weight_stream_launch.cpp): the forward kinds load the
+#: aligned 8-byte chunk holding four steps' bytes of a row; the transposed kinds copy the
+#: aligned 4-byte word holding a step's bytes.
+_STREAM_SCALE_ALIGNMENT = {"Gated": 8, "Store": 8, "StoreMN": 4, "ActivationBackward": 4}
 
 
 def _stream_chunk(
