@@ -328,15 +328,18 @@ def test_weight_stream_gated(block_m, tokens, top_k, num_sms, monkeypatch):
         assert_bitwise(preact[:rows], twin_preact[:rows])
 
 
+@pytest.mark.parametrize("k", [192, 512], ids=["k192-scale-steps", "k512-scale-chunks"])
 @pytest.mark.parametrize("tokens,top_k,num_sms", STREAM_CASES)
 @pytest.mark.parametrize("block_m", BLOCK_MS)
-def test_weight_stream_store(block_m, tokens, top_k, num_sms, monkeypatch):
+def test_weight_stream_store(block_m, tokens, top_k, num_sms, k, monkeypatch):
     # GEMM2 with an MXFP4 w2 in the weight-streaming kernel (N = 256: one tile), with the
     # a2 shrink's 16 extra columns (a tile of SS-wgmma steps over a2 as given, its
     # columns past 16 never stored). Into a zero-filled output: against the float64
     # oracle on the CPU, and (not under initcheck) bit for bit the engine on the decode.
+    # K = 192 reads the scale bytes a step at a time; K = 512, a multiple of 256, in
+    # two 8-byte chunks a row.
     use_sms(num_sms, monkeypatch)
-    experts, n, k, extra = 8, 256, 192, 16
+    experts, n, extra = 8, 256, 16
     plan, _, _ = gpu_plan(tokens, experts, top_k, block_m, kind="empty", seed=tokens)
     a = bf16((plan.pool_capacity, k), 12)
     a[plan.pool_row_to_route < 0] = 0  # the gather's zero padding rows
