@@ -65,18 +65,19 @@ struct StreamScaleRows {
 
 // StreamScaleRows' lines and words, their bytes loaded in 8-byte chunks: four steps of a
 // row in one load, the next chunk as the current one comes into use (four steps ahead). A
-// warp's load reads 32 rows 128 bytes apart, about 32 L1 wavefronts whatever its width, so
+// warp's load reads 32 rows K / 32 bytes apart, about 32 L1 wavefronts whatever its width, so
 // a chunk per four steps takes a quarter of the L1 work of a load a step (the consumers'
 // shared loads of codes and words go through the same L1). For rows of whole chunks (K a
 // multiple of 256), each row's step 0 begins a chunk; the launchers require 8-byte aligned
 // scales.
 struct StreamScaleRowChunks : StreamScaleRows {
   static constexpr bool kChunked = true;
-  static constexpr int kChunkSteps = 4;  // pairs per chunk
-  const uint2* next_chunk;               // row r's next chunk to load
-  uint32_t eight_row_chunks;             // chunks from row r to row r + 8
-  uint2 current[2];                      // rows r and r + 8: the chunks of this step's pairs
-  uint2 next[2];                         // ... and of the next four steps'
+  static constexpr int kChunkSteps = 4;             // pairs per chunk
+  static constexpr int kChunkK = 64 * kChunkSteps;  // K values per chunk: 64 a base step
+  const uint2* next_chunk;                          // row r's next chunk to load
+  uint32_t eight_row_chunks;                        // chunks from row r to row r + 8
+  uint2 current[2];  // rows r and r + 8: the chunks of this step's pairs
+  uint2 next[2];     // ... and of the next four steps'
 
   __device__ __forceinline__ StreamScaleRowChunks(const WeightStreamParams& p,
                                                   const StreamTile& tile, int thread)
@@ -394,7 +395,7 @@ __device__ __forceinline__ void stream_produce(const WeightStreamParams& p,
           p, tile, thread, shared_address(smem.scale_staging)));
     } else if constexpr (C::kOneTile) {
       run_base_steps(StreamScaleLines<C::kGated>(p, tile, thread));
-    } else if (p.k_base % (64 * StreamScaleRowChunks::kChunkSteps) == 0) {
+    } else if (p.k_base % StreamScaleRowChunks::kChunkK == 0) {
       run_base_steps(StreamScaleRowChunks(p, tile, thread));  // rows of whole chunks
     } else {
       run_base_steps(StreamScaleRows(p, tile, thread));
