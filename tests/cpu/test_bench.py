@@ -189,6 +189,17 @@ def test_the_other_bench_clis_refuse_zero_iterations_before_any_work(module, cap
     assert "--iters: expected at least 1 timed sample, got 0" in capsys.readouterr().err
 
 
+def test_breakdown_refuses_a_graph_of_a_trainable_base_before_any_work(capsys):
+    """A trainable base is prepared again before each call, outside what a CUDA graph of
+    the pass would hold; the refusal comes from the parser, before the GPU check."""
+    import megamoe.bench.breakdown as breakdown
+
+    argv = ["--cuda-graph", "--mode", "ordinary", "--pass", "fwd+bwd"]
+    with pytest.raises(SystemExit):
+        breakdown.main(argv)
+    assert "--cuda-graph: a trainable base" in capsys.readouterr().err
+
+
 def test_repeated_tokens_run_once_and_hf_names_an_unknown_impl(capsys):
     """A repeated ``--tokens`` count ran twice, and the "vs baseline" column paired the
     rows by count (the first baseline row read 0.76x against itself; a review); the

@@ -4,7 +4,10 @@ Runs the fused forward (``--pass forward``, inference) or forward + backward
 (``--pass fwd+bwd``, side-LoRA or ``--mode ordinary``) at a bench shape under
 torch.profiler (after warm-up) and prints each kernel's total CUDA time over
 ``--iters`` calls, divided by ``--iters``, and the launches per call. ``--tokens N``
-runs the shape's dims with N tokens (the weight-bound regime).
+runs the shape's dims with N tokens (the weight-bound regime). ``--cuda-graph`` profiles
+the pass captured in a CUDA graph and replayed, as ``python -m megamoe.bench
+--cuda-graph`` times it: the GPU's idle time is then what lies between the graph's
+kernels (and between back-to-back replays), without the host's per-launch work.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import megamoe as mm
 
 from .shapes import SHAPES, add_shape_and_mode
 from .timing import (
+    capture_graph,
     count_device_work,
     device_event_kind,
     device_idle,
@@ -53,7 +57,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--full-names", action="store_true", help="print whole kernel names (default: 90 chars)"
     )
+    parser.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="profile replays of the pass captured in a CUDA graph (not with a trainable "
+        "base: it is prepared again before each call)",
+    )
     args = parser.parse_args(argv)
+    ordinary = args.mode == "ordinary"
+    training = args.pass_name == "fwd+bwd"
+    # A trainable base is prepared again before each step (MXFP4: quantized), outside
+    # the profiled calls, as python -m megamoe.bench leaves it out of its times: the calls
+    # are then profiled one by one, the base prepared between them.
+    prepares = training and ordinary
+    if args.cuda_graph and prepares:
+        parser.error(
+            "--cuda-graph: a trainable base (--mode ordinary --pass fwd+bwd) is prepared "
+            "again before each call, outside the pass a graph would capture"
+        )
     if not torch.cuda.is_available():
         print("megamoe.bench.breakdown: needs a CUDA GPU (Hopper)", file=sys.stderr)
         return 2
@@ -62,8 +83,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.tokens < 1:
             parser.error(f"--tokens must be >= 1, got {args.tokens}")
         s = s.with_tokens(args.tokens)
-    ordinary = args.mode == "ordinary"
-    training = args.pass_name == "fwd+bwd"
     layer = s.make_layer(
         ordinary=ordinary,
         device="cuda",
@@ -73,11 +92,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     dout = torch.randn_like(layer.x)
 
-    # A trainable base is prepared again before each step (MXFP4: quantized), outside
-    # the profiled calls, as python -m megamoe.bench leaves it out of its times: the calls
-    # are then profiled one by one, the base prepared between them.
-    prepares = training and ordinary
-
     def step() -> None:
         if not training:
             with torch.no_grad():
@@ -86,19 +100,25 @@ def main(argv: list[str] | None = None) -> int:
         leaves = list(layer.grad_leaves().values())
         torch.autograd.grad(layer.call(mm.moe), leaves, dout)
 
+    for _ in range(3):
+        if prepares:
+            layer.reprepare_base()
+        step()
+    call = step
+    if args.cuda_graph:
+        graph = capture_graph(step, layer.x.device)
+        graph.replay()
+        call = graph.replay
+
     def profiled(calls: int) -> list:
         """The profiler's events of ``calls`` back-to-back calls."""
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(calls):
-                step()
+                call()
             torch.cuda.synchronize()
         return list(prof.events())
 
-    for _ in range(3):
-        if prepares:
-            layer.reprepare_base()
-        step()
     if prepares:
         runs = []
         for _ in range(args.iters):
@@ -122,8 +142,13 @@ def main(argv: list[str] | None = None) -> int:
     rows.sort(reverse=True)
     total = sum(r[0] for r in rows)
     what = f"{args.pass_name} {args.mode if training else ''} {args.dtype}"
+    if args.cuda_graph:
+        what += " replayed"
     what = " ".join(what.split())
     work = count_device_work([event for events in runs for event in events])
+    if work.kernels == 0:  # (a profiler that does not see a graph's kernels, say)
+        print("megamoe.bench.breakdown: the profiler recorded no kernel", file=sys.stderr)
+        return 1
     launches = work.kernels // args.iters
     print(
         f"{args.shape} T={s.num_tokens}: per {what} call, {total:.3f} ms of kernel time"

@@ -55,6 +55,7 @@ from .flops import backward_flops, forward_flops
 from .shapes import SHAPES, Shape, estimate_peak_bytes, host_memory_available
 from .timing import (
     Progress,
+    capture_graph,
     copy_bandwidth,
     floor_ms,
     profile_device_work,
@@ -345,15 +346,7 @@ def _graph_replay_ms(
         if dout is not None:
             torch.autograd.grad(out, leaves, dout)
 
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):  # warm-up off the capture stream (CUDA graph rules)
-        for _ in range(2):
-            body()
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        body()
+    graph = capture_graph(body, device)
     timing = time_fn(graph.replay, device=device, warmup=args.warmup, iters=args.iters)
     del graph
     return timing.median_ms

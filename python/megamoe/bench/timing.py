@@ -229,6 +229,22 @@ def floor_ms(weight_bytes: int, bandwidth: float) -> float:
     return weight_bytes / bandwidth * 1e3
 
 
+def capture_graph(body: Callable[[], None], device: torch.device) -> torch.cuda.CUDAGraph:
+    """``body`` captured in a CUDA graph on ``device`` (``graph.replay()`` runs it), after
+    two warm-up calls on a side stream, as CUDA graph capture asks (allocator pools and
+    lazy initialisation settle outside the capture)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            body()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        body()
+    return graph
+
+
 @dataclass(frozen=True)
 class DeviceWork:
     """What one call puts on the GPU's streams: ``kernels`` launched and ``copies``
