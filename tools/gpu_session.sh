@@ -4,26 +4,31 @@
 # the bench lane (GPU 1) run side by side, then the EP2 checks and bench use both; on
 # one GPU the lanes run one after the other and EP2 is skipped.
 #
-#   bash tools/gpu_session.sh OUT_DIR [quick]
+#   bash tools/gpu_session.sh OUT_DIR [quick | weight-bound]
 #
 # Writes OUT_DIR/summary.txt (one line per stage: exit status, seconds, last log line;
 # the command exits 1 if any stage failed)
 # and OUT_DIR/logs.tgz (every stage's log, the bench JSON, the sanitizer summaries) and
 # nothing else: the device tool returns at most 8 files from $OUT, so the logs are
 # written elsewhere and only packed into OUT_DIR.
-# "quick" skips racecheck and initcheck (the slow tools). Each stage has a time limit;
-# a full run took about 7 minutes on nvidia-h200-x2 in stages (2026-11-29), under the
-# device tool's 10-minute call limit. NVLink multicast stays off (NCCL_NVLS_ENABLE=0).
+# "quick" skips racecheck and initcheck (the slow tools). "weight-bound" runs issue 17's
+# few-token measurements instead of both lanes: the streaming kernels' GPU tests, the
+# forward's and the F+B's kernels in their replayed CUDA graphs at T = 128 and 512
+# (MXFP4), and the token sweep 128-65,536 (BF16 and MXFP4, eager and replayed, with its
+# plot); its stages' limits add to 510 s, inside the device tool's 600 s a call.
+# Each stage has a time limit; a full run took about 7 minutes on nvidia-h200-x2 in
+# stages (2026-11-29), under the device tool's 10-minute call limit. NVLink multicast
+# stays off (NCCL_NVLS_ENABLE=0).
 set -u
 
-usage="usage: tools/gpu_session.sh OUT_DIR [quick]"
+usage="usage: tools/gpu_session.sh OUT_DIR [quick | weight-bound]"
 out=${1:?$usage}
 mode=${2:-full}
 case "$out" in
   -h | --help) echo "$usage" && exit 0 ;;
   -*) echo "$usage (OUT_DIR may not start with '-', got $out)" >&2 && exit 2 ;;
 esac
-if [[ "$mode" != full && "$mode" != quick ]]; then
+if [[ "$mode" != full && "$mode" != quick && "$mode" != weight-bound ]]; then
   echo "$usage (got mode $mode)" >&2
   exit 2
 fi
@@ -94,7 +99,26 @@ bench_lane() {
   stage engine 60 python3 -m megamoe.bench.engine --json "$logs/engine.json"
 }
 
-if [ "$gpus" -ge 2 ]; then
+# Issue 17's regime: few tokens per rank, where the weights' read sets the time.
+weight_bound_lane() {
+  export CUDA_VISIBLE_DEVICES=0
+  stage stream_tests 150 "${pytest_cmd[@]}" "$root/tests/gpu/test_weight_stream.py"
+  local breakdown=(python3 -m megamoe.bench.breakdown --cuda-graph --dtype mxfp4 --iters 10)
+  local tokens
+  for tokens in 128 512; do
+    stage "graph_forward_t$tokens" 45 "${breakdown[@]}" --pass forward --tokens "$tokens"
+    stage "graph_fwd_bwd_t$tokens" 45 "${breakdown[@]}" --pass fwd+bwd --tokens "$tokens"
+  done
+  # The plot needs matplotlib; without it the sweep's JSON and table still come back.
+  local plot=()
+  python3 -c 'import matplotlib' 2>/dev/null && plot=(--plot "$logs/token_sweep.png")
+  stage token_sweep 180 python3 -m megamoe.bench --quiet --tokens 128,512,2048,8192,65536 \
+    --dtype bf16,mxfp4 --cuda-graph --json "$logs/token_sweep.json" "${plot[@]}"
+}
+
+if [ "$mode" = weight-bound ]; then
+  weight_bound_lane
+elif [ "$gpus" -ge 2 ]; then
   test_lane &
   bench_lane 1 &
   wait
@@ -107,7 +131,7 @@ fi
 echo "end after $(($(date +%s) - start))s" >>"$logs/summary.txt"
 
 cd "$logs" || exit 1
-tar czf "$out/logs.tgz" ./*.log ./*.json sanitizer/*.json 2>/dev/null
+tar czf "$out/logs.tgz" ./*.log ./*.json ./*.png sanitizer/*.json 2>/dev/null
 cp summary.txt "$out/summary.txt"
 cat summary.txt
 # A failed stage fails the command (the summary says which): rc 0 only if all passed.
