@@ -10,12 +10,13 @@
 # the command exits 1 if any stage failed)
 # and OUT_DIR/logs.tgz (every stage's log, the bench JSON, the sanitizer summaries) and
 # nothing else: the device tool returns at most 8 files from $OUT, so the logs are
-# written elsewhere and only packed into OUT_DIR.
+# written elsewhere and packed into OUT_DIR after each stage.
 # "quick" skips racecheck and initcheck (the slow tools). "weight-bound" runs issue 17's
 # few-token measurements instead of both lanes: the streaming kernels' GPU tests, the
 # forward's and the F+B's kernels in their replayed CUDA graphs at T = 128 and 512
 # (MXFP4), and the token sweep 128-65,536 (BF16 and MXFP4, eager and replayed, with its
-# plot); its stages' limits add to 510 s, inside the device tool's 600 s a call.
+# plot); its stages' limits add to 510 s, which with the build (about 25 s on 16 cores)
+# fits the device tool's 600 s a call.
 # Each stage has a time limit; a full run took about 7 minutes on nvidia-h200-x2 in
 # stages (2026-11-29), under the device tool's 10-minute call limit. NVLink multicast
 # stays off (NCCL_NVLS_ENABLE=0).
@@ -39,6 +40,16 @@ logs=$(mktemp -d)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 start=$(date +%s)
 
+# OUT_DIR's two files, from what the stages have written so far. Refreshed after every
+# stage: a call that the device tool stops at its limit still returns the stages done.
+# Written under a name of this process (lanes run as subshells) and renamed into place.
+pack() {
+  local tmp="$out/.pack.$BASHPID"
+  (cd "$logs" && tar czf "$tmp.tgz" ./*.log ./*.json ./*.png sanitizer/*.json 2>/dev/null)
+  mv -f "$tmp.tgz" "$out/logs.tgz"
+  cp "$logs/summary.txt" "$tmp.txt" && mv -f "$tmp.txt" "$out/summary.txt"
+}
+
 stage() { # name, limit in seconds, command...
   local name=$1 limit=$2
   shift 2
@@ -47,6 +58,7 @@ stage() { # name, limit in seconds, command...
   timeout "$limit" "$@" >"$logs/$name.log" 2>&1
   rc=$?
   echo "$name rc=$rc $(($(date +%s) - t0))s :: $(tail -1 "$logs/$name.log" | cut -c1-150)" >>"$logs/summary.txt"
+  pack
 }
 
 # The lent machines have no network: the build requirements the image lacks (the pinned
@@ -130,9 +142,8 @@ else
 fi
 echo "end after $(($(date +%s) - start))s" >>"$logs/summary.txt"
 
+pack
 cd "$logs" || exit 1
-tar czf "$out/logs.tgz" ./*.log ./*.json ./*.png sanitizer/*.json 2>/dev/null
-cp summary.txt "$out/summary.txt"
 cat summary.txt
 # A failed stage fails the command (the summary says which): rc 0 only if all passed.
 if grep -Eq ' rc=[1-9]' summary.txt; then
