@@ -17,8 +17,8 @@
 # (MXFP4), and the token sweep (BF16 and MXFP4, eager and replayed) in two stages: 128,
 # 512 and 2,048 with its plot, then 8,192 and 65,536; its stages' limits add to 510 s,
 # which with the build (54 s on an H100 machine's 16 cores) fits the device tool's 600 s
-# a call. (One 180 s stage for the whole sweep ran out of time on an H100, 2026-12-07;
-# the three few-token sizes alone took 98 s.)
+# a call. (One 180 s stage for the whole sweep ran out of time on an H100, 2026-12-07,
+# two rows before its end; the three few-token sizes alone took 98 s.)
 # Each stage has a time limit; a full run took about 7 minutes on nvidia-h200-x2 in
 # stages (2026-11-29), under the device tool's 10-minute call limit. NVLink multicast
 # stays off (NCCL_NVLS_ENABLE=0).
@@ -123,9 +123,9 @@ weight_bound_lane() {
     stage "graph_forward_t$tokens" 35 "${breakdown[@]}" --pass forward --tokens "$tokens"
     stage "graph_fwd_bwd_t$tokens" 35 "${breakdown[@]}" --pass fwd+bwd --tokens "$tokens"
   done
-  # The sweep prints its table only at its end: two stages, so a stage cut at its limit
-  # loses only its own sizes. The plot (issue 17's regime) needs matplotlib; without it
-  # the JSON and the table still come back.
+  # The sweep prints its table and draws its plot only at its end (its JSON after every
+  # configuration): two stages, each with room. The plot (issue 17's regime) needs
+  # matplotlib; without it the JSON and the table still come back.
   local plot=()
   python3 -c 'import matplotlib' 2>/dev/null && plot=(--plot "$logs/token_sweep_few.png")
   local sweep=(python3 -m megamoe.bench --quiet --dtype "bf16,mxfp4" --cuda-graph)

@@ -5,6 +5,7 @@ import argparse
 import json
 import subprocess
 import sys
+import time
 import types
 
 import pytest
@@ -534,6 +535,23 @@ def test_table_shows_graph_replay_times_against_the_floor():
     assert line.split()[-3:] == ["2.13x", "0.900", "1.20x"]
 
 
+def test_table_shows_back_to_back_replays_against_the_floor():
+    rows = [
+        {"mode": "side-lora", "dtype": "mxfp4", "tokens": 128, "backend": "fused",
+         "pass": "forward", "status": "ok", "median_ms": 1.2, "tflops": 1.0, "launches": 12,
+         "peak_gib": 1.0, "graph_ms": 0.6, "graph_b2b_ms": 0.55},
+        {"mode": "side-lora", "dtype": "mxfp4", "tokens": 128, "backend": "baseline",
+         "pass": "forward", "status": "ok", "median_ms": 2.4, "tflops": 0.5},
+    ]  # fmt: skip
+    cli.add_floor_ratios(rows, {"mxfp4": 0.25})
+    assert rows[0]["graph_b2b_x_floor"] == 0.55 / 0.25
+    assert "graph_b2b_x_floor" not in rows[1]
+    header, fused, baseline = cli.format_table(rows).splitlines()
+    assert header.endswith("graph ms  x floor   b2b ms  x floor")
+    assert fused.split()[-4:] == ["0.600", "2.40x", "0.550", "2.20x"]
+    assert baseline.split()[-4:] == ["-", "-", "-", "-"]
+
+
 def test_max_expert_load_hand_counts():
     ids = torch.tensor([[0, 1], [0, 2], [0, -1], [3, 1]])  # loads 3, 2, 1, 1: mean 7/4
     assert cli.max_expert_load(ids, 4) == pytest.approx(3 / (7 / 4))
@@ -651,3 +669,27 @@ def test_a_sweep_row_records_the_experts_it_routes_to(tmp_path):
     one, many = (next(r for r in rows if r["tokens"] == t) for t in (1, 64))
     assert one["experts_routed"] < many["experts_routed"] <= many["num_experts"]
     assert one["floor_ms"] < many["floor_ms"]
+
+
+@pytest.mark.parametrize("replay_s, bursts", [(0.001, True), (0.006, False)])
+def test_graph_replays_back_to_back_only_for_short_passes(monkeypatch, replay_s, bursts):
+    """The one-replay and back-to-back timings around a stand-in graph (CUDA graphs need a
+    GPU): the bursts run only under GRAPH_BACK_TO_BACK_MAX_MS, and their figure is per
+    replay."""
+    replays = []
+
+    class Graph:
+        def replay(self) -> None:
+            replays.append(1)
+            time.sleep(replay_s)
+
+    monkeypatch.setattr(cli, "capture_graph", lambda body, device: Graph())
+    args = argparse.Namespace(warmup=1, iters=3)
+    one, burst = cli._graph_replay_ms(lambda: None, [], None, args, torch.device("cpu"))
+    assert one >= replay_s * 1e3
+    if bursts:
+        assert burst is not None and replay_s * 1e3 <= burst < one + 2.0
+        assert len(replays) == (1 + 3) + 3 * cli.GRAPH_REPLAYS_BACK_TO_BACK
+    else:
+        assert burst is None
+        assert len(replays) == 1 + 3

@@ -1,5 +1,6 @@
-"""Round-robin timing (megamoe.bench.timing.time_interleaved) and the power log's mean
-over a case's sample windows (megamoe.bench.engine.mean_during), on the CPU."""
+"""Round-robin timing (megamoe.bench.timing.time_interleaved), back-to-back bursts
+(time_back_to_back) and the power log's mean over a case's sample windows
+(megamoe.bench.engine.mean_during), on the CPU."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from megamoe.bench.engine import mean_during
-from megamoe.bench.timing import time_interleaved
+from megamoe.bench.timing import time_back_to_back, time_interleaved
 
 CPU = torch.device("cpu")
 
@@ -114,3 +115,21 @@ def test_a_setup_that_queues_device_work_is_finished_before_the_timed_run(monkey
         settle=False,
     )
     assert calls == ["setup", "record", "run", "record"] * 2
+
+
+def test_back_to_back_bursts_give_the_per_call_time():
+    calls = []
+    timing = time_back_to_back(
+        lambda: (calls.append(1), time.sleep(0.004)), device=CPU, warmup=2, iters=3, calls=5
+    )
+    assert len(calls) == (2 + 3) * 5  # the warm-up bursts too
+    assert len(timing.samples_ms) == 3
+    # Each sample is a burst of five 4 ms calls over five: at least 4 ms, and far from
+    # the burst's 20 ms.
+    assert all(4.0 <= ms < 10.0 for ms in timing.samples_ms)
+
+
+@pytest.mark.parametrize("calls", [0, -1])
+def test_back_to_back_needs_a_call(calls):
+    with pytest.raises(ValueError, match="calls >= 1"):
+        time_back_to_back(lambda: None, device=CPU, warmup=0, iters=1, calls=calls)

@@ -61,6 +61,7 @@ from .timing import (
     profile_device_work,
     sample_count,
     seed_value,
+    time_back_to_back,
     time_fn,
     warmup_count,
 )
@@ -302,9 +303,12 @@ def _measure(
                 work = profile_device_work(body, setup=setup)
                 row["launches"], row["copies"] = work.kernels, work.copies
                 if args.cuda_graph and not ordinary:
-                    row["graph_ms"] = _graph_replay_ms(
+                    one, burst = _graph_replay_ms(
                         call, leaves, dout if pass_name == "fwd+bwd" else None, args, device
                     )
+                    row["graph_ms"] = one
+                    if burst is not None:
+                        row["graph_b2b_ms"] = burst
         rows.append(row)
     setup()
     return rows
@@ -330,16 +334,28 @@ def max_expert_load(topk_ids: torch.Tensor, num_experts: int) -> float:
     return float(loads.max()) / mean if mean > 0 else 1.0
 
 
+# Replays per sample of the back-to-back graph timing: enough that the first replay's
+# launch latency is a small share of the burst. Timed only for passes whose one replay is
+# under GRAPH_BACK_TO_BACK_MAX_MS: a graph launch's latency (tens of microseconds) is
+# under 1% of a longer pass, and the bursts would lengthen a sweep's large-T rows.
+GRAPH_REPLAYS_BACK_TO_BACK = 10
+GRAPH_BACK_TO_BACK_MAX_MS = 5.0
+
+
 def _graph_replay_ms(
     call: Callable[[], torch.Tensor],
     leaves: list[torch.Tensor],
     dout: torch.Tensor | None,
     args: argparse.Namespace,
     device: torch.device,
-) -> float:
+) -> tuple[float, float | None]:
     """Median ms of one pass captured in a CUDA graph and replayed: the forward
     (``dout`` None) or the forward and ``torch.autograd.grad`` of ``leaves``; the GPU's
-    time without the host's per-launch work (the fused layer has no host sync)."""
+    time without the host's per-launch work (the fused layer has no host sync). Two
+    figures: one replay between events on an idle GPU (the graph launch's latency
+    included), and the per-replay time of ``GRAPH_REPLAYS_BACK_TO_BACK`` back to back
+    (each launched while the one before runs, as in a step's stream; None where one
+    replay takes ``GRAPH_BACK_TO_BACK_MAX_MS`` or more)."""
 
     def body() -> None:
         out = call()
@@ -347,9 +363,18 @@ def _graph_replay_ms(
             torch.autograd.grad(out, leaves, dout)
 
     graph = capture_graph(body, device)
-    timing = time_fn(graph.replay, device=device, warmup=args.warmup, iters=args.iters)
+    one = time_fn(graph.replay, device=device, warmup=args.warmup, iters=args.iters)
+    burst = None
+    if one.median_ms < GRAPH_BACK_TO_BACK_MAX_MS:  # the graph is warm from the line above
+        burst = time_back_to_back(
+            graph.replay,
+            device=device,
+            warmup=0,
+            iters=args.iters,
+            calls=GRAPH_REPLAYS_BACK_TO_BACK,
+        ).median_ms
     del graph
-    return timing.median_ms
+    return one.median_ms, burst
 
 
 def add_floor_ratios(rows: list[dict], floors: dict[str, float]) -> None:
@@ -365,6 +390,8 @@ def add_floor_ratios(rows: list[dict], floors: dict[str, float]) -> None:
             row["x_floor"] = row["median_ms"] / floor
             if "graph_ms" in row:
                 row["graph_x_floor"] = row["graph_ms"] / floor
+            if "graph_b2b_ms" in row:
+                row["graph_b2b_x_floor"] = row["graph_b2b_ms"] / floor
 
 
 def format_table(rows: list[dict]) -> str:
@@ -372,8 +399,9 @@ def format_table(rows: list[dict]) -> str:
     launched (fused rows on a GPU); ``vs baseline`` is the baseline's time over this
     row's at the same mode, format, tokens and pass; ``x floor`` (token sweeps) the time
     over the weight-read floor; ``graph ms`` (``--cuda-graph``) the pass replayed from a
-    CUDA graph; ``max load`` (rows with other than balanced routing) the busiest expert's
-    routes over the mean."""
+    CUDA graph, one replay on an idle GPU; ``b2b ms`` a replay's share of replays back to
+    back (no launch latency between them); ``max load`` (rows with other than balanced
+    routing) the busiest expert's routes over the mean."""
     baseline = {
         _key(row): row["median_ms"]
         for row in rows
@@ -381,6 +409,7 @@ def format_table(rows: list[dict]) -> str:
     }
     floors = any("x_floor" in row for row in rows)
     graphs = any("graph_ms" in row for row in rows)
+    bursts = any("graph_b2b_ms" in row for row in rows)
     loads = any(row.get("routing", "balanced") != "balanced" for row in rows)
     header = (
         f"{'mode':<9} {'dtype':<5} {'tokens':>6} {'backend':<9} {'pass':<7} {'median ms':>10} "
@@ -389,6 +418,8 @@ def format_table(rows: list[dict]) -> str:
     header += f" {'x floor':>8}" if floors else ""
     header += f" {'graph ms':>9}" if graphs else ""
     header += f" {'x floor':>8}" if graphs and floors else ""
+    header += f" {'b2b ms':>8}" if bursts else ""
+    header += f" {'x floor':>8}" if bursts and floors else ""
     header += f" {'max load':>8}" if loads else ""
     lines = [header]
     for row in rows:
@@ -414,6 +445,11 @@ def format_table(rows: list[dict]) -> str:
             if floors:
                 graph_floor = row.get("graph_x_floor")
                 line += f" {graph_floor:>7.2f}x" if graph_floor else f" {'-':>8}"
+        if bursts:
+            line += f" {row['graph_b2b_ms']:>8.3f}" if "graph_b2b_ms" in row else f" {'-':>8}"
+            if floors:
+                burst_floor = row.get("graph_b2b_x_floor")
+                line += f" {burst_floor:>7.2f}x" if burst_floor else f" {'-':>8}"
         if loads:
             line += f" {row['max_load']:>7.2f}x" if "max_load" in row else f" {'-':>8}"
         lines.append(line)
@@ -612,7 +648,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="fused side-LoRA rows on a GPU: also time each pass captured in one CUDA graph "
         "and replayed (graph ms: the GPU's time without the host's per-kernel launch work; "
-        "one graph launch's latency stays in) "
+        "one graph launch's latency stays in; b2b ms, for passes under 5 ms: a replay's "
+        "share of 10 back to back, without it) "
         "(default: off)",
     )
     add(

@@ -138,6 +138,25 @@ def time_fn(
     return Timing(tuple(samples))
 
 
+def time_back_to_back(
+    fn: Callable[[], None], *, device: torch.device, warmup: int, iters: int, calls: int
+) -> Timing:
+    """Per-call ms of ``fn`` run ``calls`` times back to back in each of ``iters`` samples
+    (after ``warmup`` such bursts): on CUDA one event pair around each burst, so every call
+    but the first is queued while the one before runs and no launch latency lies between
+    them, as in a training step's stream. Each sample is its burst's time over ``calls``.
+    """
+    if calls < 1:
+        raise ValueError(f"calls >= 1 expected, got {calls}")
+
+    def burst() -> None:
+        for _ in range(calls):
+            fn()
+
+    timing = time_fn(burst, device=device, warmup=warmup, iters=iters)
+    return Timing(tuple(ms / calls for ms in timing.samples_ms))
+
+
 @dataclass(frozen=True)
 class InterleavedTiming:
     """One case's samples from :func:`time_interleaved`, with the wall-clock window of
