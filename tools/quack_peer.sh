@@ -86,7 +86,10 @@ bench() {
     build_site=$(mktemp -d)
     python3 -m pip install -q --no-index --no-deps --target "$build_site" "$root"/.whl/*.whl
     (cd "$root" && PYTHONPATH=$build_site CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
-      python3 -m pip install -q --no-build-isolation --no-deps .) >"$out/build.log" 2>&1
+      python3 -m pip install -q --no-build-isolation --no-deps .) >"$out/build.log" 2>&1 || {
+      tail -30 "$out/build.log"
+      exit 1
+    }
   fi
   local args=("$@")
   [ ${#args[@]} -gt 0 ] || args=(--sustained 10 --iters 5 --warmup 2)
