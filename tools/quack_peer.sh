@@ -53,13 +53,18 @@ prepare() {
 
 carry() {
   mkdir -p "$site/parts"
-  local half
+  local half carried=0
   for half in 1 2; do
     if [ -s "$peer/half$half/libs.part" ]; then
       cp "$peer/half$half/libs.part" "$site/parts/$half"
       echo "half $half kept in $site/parts"
+      carried=1
     fi
   done
+  if [ "$carried" = 0 ] && [ ! -d "$site/packages/nvidia_cutlass_dsl" ]; then
+    echo "no half in $peer/half1 or $peer/half2: name one in the call's carry" >&2
+    exit 2
+  fi
   if [ -s "$site/parts/1" ] && [ -s "$site/parts/2" ]; then
     mkdir -p "$site/packages"
     cat "$site/parts/1" "$site/parts/2" | tar -xJ -C "$site/packages"
@@ -69,10 +74,18 @@ carry() {
 }
 
 bench() {
-  local out=${1:?$usage}
+  [ $# -ge 1 ] || {
+    echo "$usage" >&2
+    exit 2
+  }
+  local out=$1
   shift
   [ -d "$site/packages/nvidia_cutlass_dsl" ] || {
     echo "no DSL library in $site/packages: run 'carry' with each half first" >&2
+    exit 2
+  }
+  compgen -G "$peer/wheels/*.whl" >/dev/null || {
+    echo "no wheels in $peer/wheels: carry .quack/wheels in this call" >&2
     exit 2
   }
   local wheel
@@ -80,8 +93,13 @@ bench() {
     python3 -m zipfile -e "$wheel" "$site/packages" >/dev/null
   done
   mkdir -p "$out"
+  out=$(cd "$out" && pwd) # the bench runs from /tmp
   if ! (cd /tmp && python3 -c 'import megamoe') 2>/dev/null; then
     # The build requirements the image lacks come as wheels in .whl/ (tools/lease_prep.sh).
+    compgen -G "$root/.whl/*.whl" >/dev/null || {
+      echo "megamoe is not installed and $root/.whl has no wheels: carry .whl" >&2
+      exit 2
+    }
     local build_site
     build_site=$(mktemp -d)
     python3 -m pip install -q --no-index --no-deps --target "$build_site" "$root"/.whl/*.whl

@@ -21,14 +21,32 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def run(root: Path, *args: str, site: Path) -> subprocess.CompletedProcess[str]:
+def run(
+    root: Path, *args: str, site: Path, path: str = "/usr/bin:/bin", cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         ["bash", str(root / "tools" / "quack_peer.sh"), *args],
-        env={"PATH": "/usr/bin:/bin", "QUACK_PEER_SITE": str(site)},
+        env={"PATH": path, "QUACK_PEER_SITE": str(site)},
         capture_output=True,
         text=True,
         check=False,
+        cwd=cwd,
     )
+
+
+# A stand-in `python3` for the bench step: `-m zipfile` is the real one, the import
+# checks pass, and the engine bench writes the JSON it is given.
+STUB_PYTHON = """#!/usr/bin/env bash
+if [ "$1" = -m ] && [ "$2" = zipfile ]; then exec REAL "$@"; fi
+if [ "$1" = -m ] && [ "$2" = megamoe.bench.engine ]; then
+  while [ $# -gt 0 ]; do
+    if [ "$1" = --json ]; then echo '{"stand-in": true}' > "$2"; fi
+    shift
+  done
+  echo "engine bench ran"
+fi
+exit 0
+"""
 
 
 @pytest.fixture
@@ -93,3 +111,51 @@ def test_usage(
     result = run(root, *args, site=tmp_path / "site")
     assert result.returncode == 2
     assert "usage: tools/quack_peer.sh" in result.stderr
+
+
+def test_bench_writes_into_a_relative_out_dir(
+    checkout: tuple[Path, dict[str, bytes]], tmp_path: Path
+) -> None:
+    """The bench runs from /tmp; a relative OUT_DIR still means the caller's folder."""
+    root, _ = checkout
+    site = tmp_path / "site"
+    (site / "packages" / "nvidia_cutlass_dsl").mkdir(parents=True)
+    wheels = root / ".quack" / "wheels"
+    wheels.mkdir()
+    subprocess.run(
+        ["python3", "-c", f"import zipfile; zipfile.ZipFile('{wheels / 'x.whl'}', 'w')"
+         ".writestr('standin_pkg/__init__.py', '')"],
+        check=True,
+    )  # fmt: skip
+    stub = tmp_path / "bin"
+    stub.mkdir()
+    real = shutil.which("python3")
+    assert real is not None
+    (stub / "python3").write_text(STUB_PYTHON.replace("REAL", real))
+    (stub / "python3").chmod(0o755)
+    caller = tmp_path / "caller"
+    caller.mkdir()
+    result = run(root, "bench", "out", site=site, path=f"{stub}:/usr/bin:/bin", cwd=caller)
+    assert result.returncode == 0, result.stderr
+    assert "engine bench ran" in (caller / "out" / "engine.log").read_text()
+    assert (caller / "out" / "engine.json").read_text().strip() == '{"stand-in": true}'
+    assert (site / "packages" / "standin_pkg" / "__init__.py").exists()
+
+
+def test_refusals_name_what_is_missing(
+    checkout: tuple[Path, dict[str, bytes]], tmp_path: Path
+) -> None:
+    root, _ = checkout
+    for half in ("half1", "half2"):
+        shutil.rmtree(root / ".quack" / half)
+    carried = run(root, "carry", site=tmp_path / "site")
+    assert carried.returncode == 2
+    assert "no half" in carried.stderr
+    no_out = run(root, "bench", site=tmp_path / "site")
+    assert no_out.returncode == 2
+    assert "usage: tools/quack_peer.sh" in no_out.stderr
+    site = tmp_path / "unpacked"
+    (site / "packages" / "nvidia_cutlass_dsl").mkdir(parents=True)
+    no_wheels = run(root, "bench", str(tmp_path / "out"), site=site)
+    assert no_wheels.returncode == 2
+    assert "no wheels" in no_wheels.stderr

@@ -649,7 +649,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="fused side-LoRA rows on a GPU: also time each pass captured in one CUDA graph "
         "and replayed (graph ms: the GPU's time without the host's per-kernel launch work; "
         "one graph launch's latency stays in; b2b ms, for passes under 5 ms: a replay's "
-        "share of 10 back to back, without it) "
+        "share of 10 back to back, a tenth of that latency) "
         "(default: off)",
     )
     add(
