@@ -54,3 +54,13 @@ def test_power_log_samples_the_gpu_torch_runs_on(monkeypatch):
     assert smi_index(0) == 3 and smi_index(1) == 5
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     assert smi_index(1) == 1
+
+
+def test_peer_versions_name_each_distribution():
+    import importlib.metadata
+
+    from megamoe.bench.engine import peer_versions
+
+    pytest_version = importlib.metadata.version("pytest")
+    report = peer_versions(("pytest", "no-such-distribution-megamoe"))
+    assert report == (f"pytest {pytest_version}, no-such-distribution-megamoe (version not found)")

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import csv
 import gc
+import importlib.metadata
 import io
 import json
 import shutil
@@ -133,7 +134,19 @@ def quack_gemm() -> tuple[Callable | None, str]:
         from quack.gemm_interface import gemm
     except Exception as error:  # any import failure means no peer
         return None, f"{type(error).__name__}: {error}"
-    return gemm, "quack-kernels"
+    return gemm, peer_versions(("quack-kernels", "nvidia-cutlass-dsl"))
+
+
+def peer_versions(names: tuple[str, ...]) -> str:
+    """``"name version"`` per installed distribution, for the report ("not found" where a
+    package has no metadata, as when its files are on PYTHONPATH without a dist-info)."""
+    found = []
+    for name in names:
+        try:
+            found.append(f"{name} {importlib.metadata.version(name)}")
+        except importlib.metadata.PackageNotFoundError:
+            found.append(f"{name} (version not found)")
+    return ", ".join(found)
 
 
 def build_cases(args, plan, device) -> dict[str, dict[str, tuple[Callable[[], object], float]]]:
