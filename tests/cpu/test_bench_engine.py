@@ -64,3 +64,23 @@ def test_peer_versions_name_each_distribution():
     pytest_version = importlib.metadata.version("pytest")
     report = peer_versions(("pytest", "no-such-distribution-megamoe"))
     assert report == (f"pytest {pytest_version}, no-such-distribution-megamoe (version not found)")
+
+
+def test_kernel_times_table_gives_each_case_its_burst():
+    from megamoe.bench.engine import kernel_times_table
+
+    rows = [
+        {"gemm": "wgrad13", "case": "engine", "kernel_ms": 24.9, "idle_ms": 0.0125,
+         "top_kernel": "engine_kernel<4, 0, 128, 256>", "top_first_ms": 19.5,
+         "top_last_ms": 25.25},
+        {"gemm": "wgrad13", "case": "torch._grouped_mm", "kernel_ms": 19.5, "idle_ms": 0.0,
+         "top_kernel": "cutlass::device_kernel", "top_first_ms": 19.4, "top_last_ms": 19.6},
+    ]  # fmt: skip
+    lines = kernel_times_table(rows, 10)
+    assert lines[0] == "one profiled burst of 10 launches per case, per launch:"
+    assert lines[2].split() == [
+        "wgrad13", "engine", "24.900", "0.013", "19.500", "25.250", "engine_kernel<4,", "0,",
+        "128,", "256>",
+    ]  # fmt: skip
+    assert lines[3].split()[:6] == ["wgrad13", "torch._grouped_mm", "19.500", "0.000", "19.400",
+                                    "19.600"]  # fmt: skip

@@ -133,3 +133,41 @@ def test_back_to_back_bursts_give_the_per_call_time():
 def test_back_to_back_needs_a_call(calls):
     with pytest.raises(ValueError, match="calls >= 1"):
         time_back_to_back(lambda: None, device=CPU, warmup=0, iters=1, calls=calls)
+
+
+def _event(name: str, start: float, end: float, kind: str = "kernel"):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        name=name, activity_type=kind, time_range=SimpleNamespace(start=start, end=end)
+    )
+
+
+def test_a_burst_splits_kernel_time_from_idle_time_per_launch():
+    """Two launches of a case (a big kernel and a small one each), with host gaps: busy
+    and idle per launch, and the big kernel's first and last run (a range's GPU span,
+    which would double-count its kernels, and a CPU operator are left out)."""
+    from megamoe.bench.timing import burst_times
+
+    events = [
+        _event("gemm", 0.0, 1000.0),
+        _event("prep", 1000.0, 1010.0),
+        _event("megamoe::range", 0.0, 1040.0, kind="user_annotation"),
+        _event("aten::empty", 2360.0, 2500.0, kind="cpu_op"),
+        _event("gemm", 1050.0, 2350.0),
+        _event("prep", 2350.0, 2360.0),
+    ]
+    burst = burst_times(events, launches=2)
+    assert burst.kernel_ms == pytest.approx((1010.0 + 1310.0) / 2 / 1e3)
+    assert burst.idle_ms == pytest.approx(40.0 / 2 / 1e3)
+    assert burst.top_kernel == "gemm"
+    assert (burst.top_first_ms, burst.top_last_ms) == (1.0, 1.3)
+
+
+def test_a_burst_without_kernels_or_launches_is_refused():
+    from megamoe.bench.timing import burst_times
+
+    with pytest.raises(ValueError, match="no kernel"):
+        burst_times([_event("aten::mm", 0.0, 1.0, kind="cpu_op")], launches=1)
+    with pytest.raises(ValueError, match="launches"):
+        burst_times([_event("gemm", 0.0, 1.0)], launches=0)

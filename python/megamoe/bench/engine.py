@@ -22,7 +22,11 @@ power-cap history, so their ratios compare). ``--sustained N`` times N back-to-b
 launches per sample (the H200 runs at its power cap under sustained GEMMs) and logs the
 SM clock and power drawn during each case's samples (``nvidia-smi``). ``--ncu`` re-runs
 every case once under Nsight Compute and adds the DRAM and L2 bytes of that launch to
-the table and the JSON.
+the table and the JSON. ``--kernel-times`` profiles one more burst of ``--sustained``
+launches per case (torch.profiler) and reports, per launch, the kernels' device time and
+the idle time inside the burst, and the case's longest kernel at the burst's first and
+last launch: whether a sustained median is kernel time or host gaps, and whether the
+kernel slows as the burst goes on.
 """
 
 from __future__ import annotations
@@ -54,7 +58,13 @@ from megamoe.wrappers.grouped_gemm import (
 from megamoe.wrappers.k_grouped_gemm import k_grouped_gemm
 
 from .cli import build_commit
-from .timing import launch_count, sample_count, time_interleaved, warmup_count
+from .timing import (
+    launch_count,
+    profile_burst,
+    sample_count,
+    time_interleaved,
+    warmup_count,
+)
 
 GEMMS = (
     "gemm1",
@@ -375,6 +385,22 @@ def ncu_bytes_by_case(csv_lines: list[str]) -> dict[tuple[str, str], dict[str, f
     return totals
 
 
+def kernel_times_table(results: list[dict], launches: int) -> list[str]:
+    """The ``--kernel-times`` lines: per case, its burst's kernel and idle ms per launch
+    and its longest kernel's first and last run (rows as ``main`` fills them)."""
+    lines = [
+        f"one profiled burst of {launches} launches per case, per launch:",
+        f"{'gemm':<11} {'case':<21} {'kernel ms':>9} {'idle ms':>8} "
+        f"{'top first':>9} {'top last':>9}  top kernel",
+    ]
+    for r in results:
+        lines.append(
+            f"{r['gemm']:<11} {r['case']:<21} {r['kernel_ms']:>9.3f} {r['idle_ms']:>8.3f} "
+            f"{r['top_first_ms']:>9.3f} {r['top_last_ms']:>9.3f}  {r['top_kernel'][:60]}"
+        )
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -401,6 +427,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--no-quack", dest="quack", action="store_false", help="skip QuACK")
     parser.add_argument("--ncu", action="store_true", help="add DRAM/L2 bytes per case (ncu)")
+    parser.add_argument(
+        "--kernel-times",
+        action="store_true",
+        help="per case, kernel and idle time of one profiled burst of --sustained launches",
+    )
     parser.add_argument("--ncu-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)
@@ -450,6 +481,12 @@ def main(argv: list[str] | None = None) -> int:
                 {"gemm": gemm, "case": case, "median_ms": median, "tflops": flops / median / 1e9,
                  "sm_mhz": clock, "watts": power}
             )  # fmt: skip
+        if args.kernel_times:  # after the timed samples: the burst runs at their clocks
+            for row in results[-len(by_case) :]:
+                burst = profile_burst(by_case[row["case"]][0], args.sustained)
+                row |= {"kernel_ms": burst.kernel_ms, "idle_ms": burst.idle_ms,
+                        "top_kernel": burst.top_kernel, "top_first_ms": burst.top_first_ms,
+                        "top_last_ms": burst.top_last_ms}  # fmt: skip
     log.close()
     if args.ncu:
         # The ncu child builds every case again on this GPU: at ep4rank the inputs are
@@ -490,6 +527,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{dram if dram is not None else float('nan'):>8.1f} "
             f"{r.get('l2_gb', float('nan')):>7.1f}"
         )
+    if args.kernel_times:
+        print("\n".join(kernel_times_table(results, args.sustained)))
     if args.json:
         meta = vars(args) | {"json": None, "block_m": block_m, "quack": quack_note,
                              "gpu": torch.cuda.get_device_name(),

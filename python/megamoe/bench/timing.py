@@ -361,6 +361,63 @@ def device_idle(intervals: Iterable[tuple[float, float, str]], top: int = 5) -> 
     return DeviceIdle(run_end - work[0][0], busy, tuple(gaps[:top]))
 
 
+@dataclass(frozen=True)
+class BurstTimes:
+    """One burst of back-to-back launches under the profiler, per launch (ms).
+
+    ``kernel_ms``: the device's busy time; ``idle_ms``: idle time inside the burst's span
+    (the GPU waiting for the host); ``top_kernel``: the kernel with the most device time,
+    ``top_first_ms`` / ``top_last_ms``: its first and last run in the burst (a kernel that
+    slows as the burst goes on, under a power cap, say).
+    """
+
+    kernel_ms: float
+    idle_ms: float
+    top_kernel: str
+    top_first_ms: float
+    top_last_ms: float
+
+
+def burst_times(events: Iterable[object], launches: int) -> BurstTimes:
+    """:class:`BurstTimes` of torch.profiler events recorded over ``launches`` back-to-back
+    calls (kernels and copies by :func:`device_event_kind`; ranges' GPU spans left out)."""
+    if launches < 1:
+        raise ValueError(f"launches: expected at least 1, got {launches}")
+    work = [
+        (event.time_range.start, event.time_range.end, event.name)
+        for event in events
+        if device_event_kind(event) is not None
+    ]
+    if not work:
+        raise ValueError("burst_times: the profiler recorded no kernel")
+    idle = device_idle(work)
+    totals: dict[str, float] = {}
+    for start, end, name in work:
+        totals[name] = totals.get(name, 0.0) + (end - start)
+    top = max(totals, key=totals.__getitem__)
+    runs = sorted((start, end) for start, end, name in work if name == top)
+    return BurstTimes(
+        kernel_ms=idle.busy_us / launches / 1e3,
+        idle_ms=(idle.span_us - idle.busy_us) / launches / 1e3,
+        top_kernel=top,
+        top_first_ms=(runs[0][1] - runs[0][0]) / 1e3,
+        top_last_ms=(runs[-1][1] - runs[-1][0]) / 1e3,
+    )
+
+
+def profile_burst(fn: Callable[[], object], launches: int) -> BurstTimes:
+    """``fn()`` ``launches`` times back to back on the current CUDA device under
+    torch.profiler (CUDA activity), after a sync: :func:`burst_times` of the burst."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(launches):
+            fn()
+        torch.cuda.synchronize()
+    return burst_times(prof.events(), launches)
+
+
 def synchronizing_calls(fn: Callable[[], None]) -> list[warnings.WarningMessage]:
     """The synchronising CUDA calls of one ``fn()`` (host reads of device values,
     blocking copies), as CUDA's sync debug mode reports them: a warning each, attributed
