@@ -1,4 +1,7 @@
-"""The engine bench's Nsight Compute parsing (CPU: a CSV in the layout ncu 2025 writes)."""
+"""The engine bench's host-side parts: Nsight Compute parsing (a CSV in the layout ncu 2025
+writes), the peer versions, the kernel-times bursts (CPU)."""
+
+import pytest
 
 from megamoe.bench.engine import NCU_METRICS, ncu_bytes_by_case, smi_index
 
@@ -66,7 +69,7 @@ def test_peer_versions_name_each_distribution():
     assert report == (f"pytest {pytest_version}, no-such-distribution-megamoe (version not found)")
 
 
-def test_kernel_times_table_gives_each_case_its_burst():
+def test_kernel_times_table_formats_each_row():
     from megamoe.bench.engine import kernel_times_table
 
     rows = [
@@ -84,3 +87,40 @@ def test_kernel_times_table_gives_each_case_its_burst():
     ]  # fmt: skip
     assert lines[3].split()[:6] == ["wgrad13", "torch._grouped_mm", "19.500", "0.000", "19.400",
                                     "19.600"]  # fmt: skip
+
+
+def test_each_row_gets_the_burst_of_its_own_case():
+    """``add_burst_times`` profiles each row's case (by name, not position) for the
+    asked launches after an idle pause, and adds the burst's fields to that row."""
+    from megamoe.bench.engine import add_burst_times
+    from megamoe.bench.timing import BurstTimes
+
+    def engine():
+        return None
+
+    def torch_peer():
+        return None
+
+    by_case = {"engine": (engine, 1.0), "torch._grouped_mm": (torch_peer, 1.0)}
+    calls = []
+
+    def profile(fn, launches, *, pause_s):
+        calls.append((fn, launches, pause_s))
+        ms = 25.0 if fn is engine else 19.5
+        return BurstTimes(ms, 0.01, fn.__name__, ms - 1.0, ms + 1.0)
+
+    rows = [{"gemm": "wgrad13", "case": "torch._grouped_mm"}, {"gemm": "wgrad13", "case": "engine"}]
+    add_burst_times(rows, by_case, 10, profile=profile)
+    assert calls == [(torch_peer, 10, 1.0), (engine, 10, 1.0)]
+    assert rows[0] == {"gemm": "wgrad13", "case": "torch._grouped_mm", "kernel_ms": 19.5,
+                           "idle_ms": 0.01, "top_kernel": "torch_peer", "top_first_ms": 18.5,
+                           "top_last_ms": 20.5}  # fmt: skip
+    assert (rows[1]["kernel_ms"], rows[1]["top_kernel"]) == (25.0, "engine")
+
+
+def test_kernel_times_need_a_burst_of_two_or_more(capsys):
+    from megamoe.bench.engine import main
+
+    with pytest.raises(SystemExit):
+        main(["--kernel-times", "--sustained", "1"])
+    assert "--kernel-times needs --sustained 2 or more" in capsys.readouterr().err

@@ -144,24 +144,27 @@ def _event(name: str, start: float, end: float, kind: str = "kernel"):
 
 
 def test_a_burst_splits_kernel_time_from_idle_time_per_launch():
-    """Two launches of a case (a big kernel and a small one each), with host gaps: busy
-    and idle per launch, and the big kernel's first and last run (a range's GPU span,
-    which would double-count its kernels, and a CPU operator are left out)."""
+    """Two launches of a case (a short kernel, then the big one, twice each), with host
+    gaps: busy and idle per launch; the top kernel is the one with the most device time
+    (not the first seen nor the longest single run), and its first and last runs are by
+    start time (the last is the shorter here). A range's GPU span, which would
+    double-count its kernels, and a CPU operator are left out."""
     from megamoe.bench.timing import burst_times
 
     events = [
-        _event("gemm", 0.0, 1000.0),
-        _event("prep", 1000.0, 1010.0),
-        _event("megamoe::range", 0.0, 1040.0, kind="user_annotation"),
+        _event("prep", 0.0, 10.0),
+        _event("gemm", 10.0, 1310.0),
+        _event("megamoe::range", 0.0, 1350.0, kind="user_annotation"),
+        _event("prep", 1350.0, 1360.0),
         _event("aten::empty", 2360.0, 2500.0, kind="cpu_op"),
-        _event("gemm", 1050.0, 2350.0),
-        _event("prep", 2350.0, 2360.0),
+        _event("gemm", 1360.0, 2360.0),
+        _event("side", 2400.0, 3500.0),
     ]
     burst = burst_times(events, launches=2)
-    assert burst.kernel_ms == pytest.approx((1010.0 + 1310.0) / 2 / 1e3)
-    assert burst.idle_ms == pytest.approx(40.0 / 2 / 1e3)
+    assert burst.kernel_ms == pytest.approx((1310.0 + 1010.0 + 1100.0) / 2 / 1e3)
+    assert burst.idle_ms == pytest.approx((40.0 + 40.0) / 2 / 1e3)
     assert burst.top_kernel == "gemm"
-    assert (burst.top_first_ms, burst.top_last_ms) == (1.0, 1.3)
+    assert (burst.top_first_ms, burst.top_last_ms) == (1.3, 1.0)
 
 
 def test_a_burst_without_kernels_or_launches_is_refused():

@@ -22,11 +22,13 @@ power-cap history, so their ratios compare). ``--sustained N`` times N back-to-b
 launches per sample (the H200 runs at its power cap under sustained GEMMs) and logs the
 SM clock and power drawn during each case's samples (``nvidia-smi``). ``--ncu`` re-runs
 every case once under Nsight Compute and adds the DRAM and L2 bytes of that launch to
-the table and the JSON. ``--kernel-times`` profiles one more burst of ``--sustained``
-launches per case (torch.profiler) and reports, per launch, the kernels' device time and
-the idle time inside the burst, and the case's longest kernel at the burst's first and
-last launch: whether a sustained median is kernel time or host gaps, and whether the
-kernel slows as the burst goes on.
+the table and the JSON. ``--kernel-times`` (with ``--sustained`` >= 2) profiles one more
+burst of ``--sustained`` launches per case (torch.profiler), each after a second of idle
+GPU, and reports, per launch, the kernels' device time and the idle time inside the
+burst, and the first and last run of the case's kernel with the most device time:
+whether a sustained median is kernel time or host gaps, and whether the kernel slows
+as the burst goes on from a cooler start. The extra bursts change the GPU's thermal
+history, so time ratios from a run with it are not those of a run without.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ from megamoe.wrappers.k_grouped_gemm import k_grouped_gemm
 
 from .cli import build_commit
 from .timing import (
+    BurstTimes,
     launch_count,
     profile_burst,
     sample_count,
@@ -385,9 +388,25 @@ def ncu_bytes_by_case(csv_lines: list[str]) -> dict[tuple[str, str], dict[str, f
     return totals
 
 
+def add_burst_times(
+    rows: list[dict],
+    by_case: dict[str, tuple[Callable[[], object], float]],
+    launches: int,
+    profile: Callable[..., BurstTimes] = profile_burst,
+) -> None:
+    """``--kernel-times``: one profiled burst of ``launches`` calls of each row's case
+    (after a second of idle GPU), its :class:`BurstTimes` added to the row in place."""
+    for row in rows:
+        burst = profile(by_case[row["case"]][0], launches, pause_s=1.0)
+        row |= {"kernel_ms": burst.kernel_ms, "idle_ms": burst.idle_ms,
+                "top_kernel": burst.top_kernel, "top_first_ms": burst.top_first_ms,
+                "top_last_ms": burst.top_last_ms}  # fmt: skip
+
+
 def kernel_times_table(results: list[dict], launches: int) -> list[str]:
     """The ``--kernel-times`` lines: per case, its burst's kernel and idle ms per launch
-    and its longest kernel's first and last run (rows as ``main`` fills them)."""
+    and the first and last run of its kernel with the most device time (rows as ``main``
+    fills them)."""
     lines = [
         f"one profiled burst of {launches} launches per case, per launch:",
         f"{'gemm':<11} {'case':<21} {'kernel ms':>9} {'idle ms':>8} "
@@ -430,7 +449,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--kernel-times",
         action="store_true",
-        help="per case, kernel and idle time of one profiled burst of --sustained launches",
+        help="per case, kernel and idle time of one profiled burst of --sustained launches "
+        "(needs --sustained >= 2)",
     )
     parser.add_argument("--ncu-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--json", type=Path, help="write the results here")
@@ -438,6 +458,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(args.gemms.split(",")) - set(GEMMS)
     if unknown:
         parser.error(f"--gemms: unknown {sorted(unknown)}")
+    if args.kernel_times and args.sustained < 2:  # one launch has no gaps, no first and last
+        parser.error("--kernel-times needs --sustained 2 or more")
     if not torch.cuda.is_available():
         print("megamoe.bench.engine: needs a CUDA GPU (Hopper)", file=sys.stderr)
         return 2
@@ -481,12 +503,8 @@ def main(argv: list[str] | None = None) -> int:
                 {"gemm": gemm, "case": case, "median_ms": median, "tflops": flops / median / 1e9,
                  "sm_mhz": clock, "watts": power}
             )  # fmt: skip
-        if args.kernel_times:  # after the timed samples: the burst runs at their clocks
-            for row in results[-len(by_case) :]:
-                burst = profile_burst(by_case[row["case"]][0], args.sustained)
-                row |= {"kernel_ms": burst.kernel_ms, "idle_ms": burst.idle_ms,
-                        "top_kernel": burst.top_kernel, "top_first_ms": burst.top_first_ms,
-                        "top_last_ms": burst.top_last_ms}  # fmt: skip
+        if args.kernel_times:
+            add_burst_times(results[-len(by_case) :], by_case, args.sustained)
     log.close()
     if args.ncu:
         # The ncu child builds every case again on this GPU: at ep4rank the inputs are

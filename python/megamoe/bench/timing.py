@@ -366,9 +366,11 @@ class BurstTimes:
     """One burst of back-to-back launches under the profiler, per launch (ms).
 
     ``kernel_ms``: the device's busy time; ``idle_ms``: idle time inside the burst's span
-    (the GPU waiting for the host); ``top_kernel``: the kernel with the most device time,
+    (the GPU waiting for the host, the profiler's own overhead included);
+    ``top_kernel``: the kernel (or copy) with the most device time in the burst,
     ``top_first_ms`` / ``top_last_ms``: its first and last run in the burst (a kernel that
-    slows as the burst goes on, under a power cap, say).
+    slows as the burst goes on, under a power cap, say). A call that runs the top kernel
+    more than once gives the first and last of those runs, not of its calls.
     """
 
     kernel_ms: float
@@ -405,12 +407,14 @@ def burst_times(events: Iterable[object], launches: int) -> BurstTimes:
     )
 
 
-def profile_burst(fn: Callable[[], object], launches: int) -> BurstTimes:
+def profile_burst(fn: Callable[[], object], launches: int, *, pause_s: float = 0.0) -> BurstTimes:
     """``fn()`` ``launches`` times back to back on the current CUDA device under
-    torch.profiler (CUDA activity), after a sync: :func:`burst_times` of the burst."""
+    torch.profiler (CUDA activity), after a sync and ``pause_s`` seconds of idle GPU (so
+    that the first launch starts cooler than the last): :func:`burst_times` of the burst."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
+    time.sleep(pause_s)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(launches):
             fn()
