@@ -17,8 +17,7 @@
 # (MXFP4), and the token sweep (BF16 and MXFP4, eager and replayed) in two stages: 128,
 # 512 and 2,048 with its plot, then 8,192 and 65,536; its stages' limits add to 495 s,
 # which with the build (54 s on an H100 machine's 16 cores) fits the device tool's 600 s
-# a call. (One 180 s stage for the whole sweep ran out of time on an H100, 2026-12-07,
-# two rows before its end; the three few-token sizes alone took 98 s.)
+# a call (docs/PERFORMANCE.md, sixty-seventh session, has the stages' measured times).
 # Each stage has a time limit; a full run took about 7 minutes on nvidia-h200-x2 in
 # stages (2026-11-29), under the device tool's 10-minute call limit. NVLink multicast
 # stays off (NCCL_NVLS_ENABLE=0).
